@@ -1,0 +1,126 @@
+"""Messages between the scheduler and the model runner (and back to the engine).
+
+SchedulerOutput is a diff: new requests come in full, running ones as deltas.
+The runner keeps per-request state between steps and never sees a Request.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.kv_cache.utils import KVCacheBlockCopy
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen, or one resumed after preemption
+    (then `output_token_ids` holds the outputs so far and the runner replaces
+    any state it had). `block_ids[g]` is the whole block table of group g."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CachedRequestData:
+    """Running requests scheduled again, as parallel lists.
+
+    `new_block_ids[i]` holds, per group, the block ids appended to request i's
+    table since it was last scheduled (None when none were); for a sliding
+    window group, positions released since then are reported in
+    `num_computed_tokens` only (the runner never reads them again).
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: which requests run how many tokens, on which blocks.
+
+    `num_computed_tokens` of each request (in new or cached data) is the
+    position of its first scheduled token. Under async scheduling a cached
+    request may be scheduled for a decode whose input token is the output of
+    the previous, still unprocessed step: the runner feeds it the token it
+    sampled there. `kv_cache_block_copies` must be applied before the forward
+    pass; `finished_req_ids` lists requests whose runner state can be dropped.
+    """
+
+    step_seq: int
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    kv_cache_block_copies: list[KVCacheBlockCopy] = field(default_factory=list)
+    num_common_prefix_blocks: list[int] = field(default_factory=list)
+
+    @classmethod
+    def make_empty(cls, step_seq: int = 0) -> "SchedulerOutput":
+        return cls(step_seq, [], CachedRequestData(), {}, 0)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs at one sampled position: the sampled token's and the top N."""
+
+    sampled_token_id: int
+    sampled_logprob: float
+    sampled_rank: int
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Tokens sampled in one step. `sampled_token_ids[i]` is empty for a request
+    whose prefill chunk did not reach its last prompt token. `logprobs[i]`
+    (when requested) has one entry per sampled token of request i."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    req_id_to_index: dict[str, int] = field(default_factory=dict)
+    logprobs: list[list[TokenLogprobs]] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.req_id_to_index:
+            self.req_id_to_index = {rid: i for i, rid in enumerate(self.req_ids)}
+
+    @classmethod
+    def make_empty(cls) -> "ModelRunnerOutput":
+        return cls([], [])
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step did for one request, for the engine front-end.
+
+    `finish_reason` is "stop", "length" or "abort" once the request finished;
+    `stop_reason` the stop token id that ended it, if any.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

