@@ -1,0 +1,87 @@
+"""What the engine front-end returns to users: RequestOutput and its parts."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """Log probability of one candidate token at one position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per generated position: candidate token id -> its Logprob. The
+# sampled token is always present, plus the top N asked for.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class RequestMetrics:
+    """Timings of one request, in `time.monotonic()` seconds."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token: arrival to the first generated token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def total_s(self) -> float | None:
+        """Arrival to finish."""
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request (a request with n > 1 has n).
+
+    `text` and `token_ids` hold everything so far; `new_text` and
+    `new_token_ids` what the latest step added, so streaming consumers need
+    no diffing. `finish_reason` is None while running, then "stop", "length",
+    "abort" or "error"; `stop_reason` the stop string or stop token id that
+    ended it (None for EOS or length).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after an engine step (or at its end).
+
+    `num_cached_tokens` counts prompt tokens served from the prefix cache.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(output.token_ids) for output in self.outputs)

@@ -1,0 +1,144 @@
+"""Tokenizer loading (Hugging Face directory or GGUF file) and chat templates.
+
+Building a fast tokenizer from GGUF metadata takes several seconds (the
+vocabulary and merges are rebuilt in Python), so the result is saved once to
+an on-disk cache keyed by the file's path, size and modification time, and
+later loads read the saved `tokenizer.json` (a fraction of a second).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from typing import Any, Sequence
+
+logger = logging.getLogger(__name__)
+
+_CACHE_ENV = "KVSERVE_CACHE_DIR"
+# Bump when the cached layout changes, so stale entries are ignored.
+_CACHE_VERSION = "1"
+
+_loaded: dict[str, Any] = {}
+_load_lock = threading.Lock()
+
+
+class TokenizerError(ValueError):
+    """The tokenizer cannot be loaded or used as asked; the message says why."""
+
+
+def tokenizer_cache_dir() -> str:
+    """Root of the on-disk tokenizer cache ($KVSERVE_CACHE_DIR or ~/.cache/kvserve)."""
+    root = os.environ.get(_CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvserve")
+    return os.path.join(root, "tokenizers")
+
+
+def load_tokenizer(model: Any) -> Any:
+    """The tokenizer of a model: `model` is a ModelConfig (anything with `.path`)
+    or a path to a Hugging Face directory or a `.gguf` file.
+
+    Loaded tokenizers are memoized per process; GGUF-built ones are also
+    cached on disk (see the module docstring).
+    """
+    path = os.path.abspath(os.path.expanduser(str(getattr(model, "path", model))))
+    with _load_lock:
+        tokenizer = _loaded.get(path)
+        if tokenizer is None:
+            tokenizer = _load_uncached(path)
+            _loaded[path] = tokenizer
+    return tokenizer
+
+
+def _load_uncached(path: str) -> Any:
+    if os.path.isdir(path):
+        return _from_pretrained(path)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return _load_gguf_tokenizer(path)
+    if not os.path.exists(path):
+        raise TokenizerError(f"tokenizer path {path!r} does not exist")
+    raise TokenizerError(f"cannot load a tokenizer from {path!r}: expected a model directory or a .gguf file")
+
+
+def _from_pretrained(directory: str, **kwargs: Any) -> Any:
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(directory, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        raise TokenizerError(f"cannot load the tokenizer of {directory!r}: {exc}") from exc
+
+
+def _gguf_cache_key(path: str) -> str:
+    stat = os.stat(path)
+    ident = f"{_CACHE_VERSION}|{path}|{stat.st_size}|{stat.st_mtime_ns}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:24]
+
+
+def _load_gguf_tokenizer(path: str) -> Any:
+    cached_dir = os.path.join(tokenizer_cache_dir(), _gguf_cache_key(path))
+    if os.path.isfile(os.path.join(cached_dir, "tokenizer.json")):
+        try:
+            return _from_pretrained(cached_dir)
+        except TokenizerError:
+            logger.warning("ignoring unreadable tokenizer cache %s", cached_dir)
+    directory, file_name = os.path.split(path)
+    tokenizer = _from_pretrained(directory, gguf_file=file_name)
+    _save_to_cache(tokenizer, cached_dir)
+    return tokenizer
+
+
+def _save_to_cache(tokenizer: Any, cached_dir: str) -> None:
+    # Save into a temporary sibling and rename, so a concurrent reader never
+    # sees a half-written directory.
+    parent = os.path.dirname(cached_dir)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(dir=parent, prefix=".tmp-")
+        tokenizer.save_pretrained(staging)
+        try:
+            os.rename(staging, cached_dir)
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as exc:
+        logger.debug("tokenizer cache not written (%s); loads stay slow", exc)
+
+
+def apply_chat_template(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+) -> list[int]:
+    """Token ids of a conversation rendered with the model's chat template.
+
+    The template writes the special tokens itself (BOS, role markers), so the
+    rendered text is encoded without adding any.
+    """
+    text = render_chat_template(tokenizer, messages, add_generation_prompt, chat_template)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def render_chat_template(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+) -> str:
+    """The conversation as the prompt text the model was trained on."""
+    _check_messages(messages)
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise TokenizerError("this model has no chat template: use generate() with a plain prompt")
+    return tokenizer.apply_chat_template(
+        list(messages), chat_template=template, add_generation_prompt=add_generation_prompt,
+        tokenize=False)
+
+
+def _check_messages(messages: Sequence[dict[str, Any]]) -> None:
+    if isinstance(messages, (str, bytes)) or not messages:
+        raise TokenizerError("a conversation must be a non-empty list of {'role', 'content'} messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise TokenizerError(f"message {index} must be a dict with 'role' and 'content'")
