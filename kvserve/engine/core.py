@@ -1,0 +1,206 @@
+"""EngineCore: the schedule -> execute -> update loop over one executor.
+
+With async scheduling (the default) the core keeps one model step in flight
+on the executor while it schedules the next one: step N+1 is planned before
+step N's tokens are known (the scheduler gives such requests an output
+placeholder and fences block frees on step sequence numbers), and outputs
+are always applied in step order. Without it, each step is scheduled,
+executed and applied before the next. Both give the same greedy tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from kvserve.engine.config import EngineConfig
+from kvserve.kv_cache.interface import KVCacheConfig
+from kvserve.kv_cache.utils import get_hash_fn_by_name, get_kv_cache_config, get_request_block_hasher
+from kvserve.request import Request, RequestStatus
+from kvserve.sampling_params import SamplingParams
+from kvserve.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from kvserve.scheduler.scheduler import Scheduler
+from kvserve.worker.executor import Executor
+
+logger = logging.getLogger(__name__)
+
+# Steps submitted to the executor and not yet applied: the one executing and
+# the one scheduled ahead of it.
+MAX_STEPS_IN_FLIGHT = 2
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot run any more steps; the message says why."""
+
+
+@dataclass
+class EngineCoreRequest:
+    """A tokenized request as the front-end hands it to the engine core."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class EngineCore:
+    """Owns the scheduler and the executor; `step()` advances every request by one step."""
+
+    def __init__(self, engine_config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
+        self.engine_config = engine_config
+        self.executor = (executor_class or Executor.get_class(engine_config))(engine_config)
+        try:
+            self.kv_cache_config = self._initialize_kv_cache()
+            self.scheduler = Scheduler(engine_config.scheduler_config, self.kv_cache_config,
+                                       engine_config.cache_config)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        cache_config = engine_config.cache_config
+        self.request_block_hasher = None
+        if cache_config.enable_prefix_caching:
+            self.request_block_hasher = get_request_block_hasher(
+                cache_config.effective_hash_block_size,
+                get_hash_fn_by_name(cache_config.prefix_caching_hash_algo))
+        self.async_scheduling = engine_config.scheduler_config.async_scheduling
+        self._steps_in_flight: deque[tuple[SchedulerOutput, Future]] = deque()
+        self._is_dead: str | None = None
+
+    def _initialize_kv_cache(self) -> KVCacheConfig:
+        layer_specs = self.executor.get_kv_cache_specs()
+        available_bytes = self.executor.determine_available_memory()
+        kv_cache_config = get_kv_cache_config(layer_specs, available_bytes)
+        block_size = self.engine_config.cache_config.block_size
+        capacity_tokens = (kv_cache_config.num_blocks - 1) * block_size
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %d groups)",
+                    kv_cache_config.num_blocks, block_size, available_bytes / 2**20,
+                    len(kv_cache_config.kv_cache_groups))
+        if capacity_tokens < self.engine_config.max_model_len:
+            logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d: "
+                           "longer requests cannot run", capacity_tokens, self.engine_config.max_model_len)
+        self.executor.initialize_kv_cache(kv_cache_config)
+        return kv_cache_config
+
+    # ---- requests -----------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request; raises ValueError for prompts the engine can never serve."""
+        self._check_alive()
+        prompt = list(request.prompt_token_ids)
+        max_model_len = self.engine_config.max_model_len
+        vocab_size = self.engine_config.model_config.vocab_size
+        if not prompt:
+            raise ValueError(f"request {request.request_id!r}: the prompt is empty")
+        if len(prompt) >= max_model_len:
+            raise ValueError(f"request {request.request_id!r}: the prompt has {len(prompt)} tokens, but the "
+                             f"context length is {max_model_len} (the prompt must leave room for output)")
+        if min(prompt) < 0 or max(prompt) >= vocab_size:
+            raise ValueError(f"request {request.request_id!r}: prompt token ids must be in [0, {vocab_size})")
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        eos_token_id, sampling_params = self._eos_and_stop_ids(request)
+        self.scheduler.add_request(Request(
+            request.request_id, prompt, sampling_params, eos_token_id=eos_token_id,
+            arrival_time=request.arrival_time if request.arrival_time is not None else time.monotonic(),
+            priority=request.priority, block_hasher=self.request_block_hasher,
+            cache_salt=request.cache_salt))
+
+    def _eos_and_stop_ids(self, request: EngineCoreRequest) -> tuple[int | None, SamplingParams]:
+        """The request's EOS id; a model's further EOS ids become stop token ids."""
+        model_eos_ids = list(self.engine_config.model_config.eos_token_ids or [])
+        eos_token_id = request.eos_token_id
+        if eos_token_id is None and model_eos_ids:
+            eos_token_id = model_eos_ids[0]
+        params = request.sampling_params
+        extra_eos_ids = [t for t in model_eos_ids
+                         if t != eos_token_id and t not in params.stop_token_ids]
+        if extra_eos_ids and not params.ignore_eos:
+            params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra_eos_ids)
+        return eos_token_id, params
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._steps_in_flight)
+
+    # ---- the loop -------------------------------------------------------------
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Advance by one step and return what it produced (possibly nothing)."""
+        self._check_alive()
+        if self.async_scheduling:
+            return self._step_pipelined()
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        return self._apply_step(scheduler_output, self.executor.execute_model_async(scheduler_output))
+
+    def _step_pipelined(self) -> list[EngineCoreOutput]:
+        """Schedule step N+1 while step N executes, then apply step N's output."""
+        if len(self._steps_in_flight) < MAX_STEPS_IN_FLIGHT and self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            future = self.executor.execute_model_async(scheduler_output)
+            self._steps_in_flight.append((scheduler_output, future))
+            if not scheduler_output.is_empty and len(self._steps_in_flight) < MAX_STEPS_IN_FLIGHT:
+                return []
+        if not self._steps_in_flight:
+            return []
+        scheduler_output, future = self._steps_in_flight.popleft()
+        return self._apply_step(scheduler_output, future)
+
+    def _apply_step(self, scheduler_output: SchedulerOutput,
+                    future: "Future[ModelRunnerOutput]") -> list[EngineCoreOutput]:
+        try:
+            model_runner_output = future.result()
+        except Exception as exc:  # a failed step fails its requests, not the engine
+            return self._fail_step(scheduler_output, exc)
+        return self.scheduler.update_from_output(scheduler_output, model_runner_output)
+
+    def _fail_step(self, scheduler_output: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
+        logger.error("model step %d failed: %r", scheduler_output.step_seq, exc,
+                     exc_info=(type(exc), exc, exc.__traceback__))
+        try:
+            self.executor.check_health()
+        except Exception as dead:
+            self._is_dead = f"the executor died: {dead}"
+            raise EngineDeadError(self._is_dead) from exc
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        finished = self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ERROR) or []
+        # Apply an output with no tokens so the step's fence is processed and its frees drain.
+        self.scheduler.update_from_output(
+            scheduler_output, ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids]))
+        reason = f"model step failed: {type(exc).__name__}: {exc}"
+        return [EngineCoreOutput(request.request_id, [], finish_reason="error", stop_reason=reason)
+                for request in finished]
+
+    def _check_alive(self) -> None:
+        if self._is_dead:
+            raise EngineDeadError(self._is_dead)
+
+    # ---- misc -----------------------------------------------------------------
+
+    def get_stats(self):
+        return self.scheduler.make_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Finish the steps in flight (their outputs are dropped) and stop the executor."""
+        while self._steps_in_flight:
+            _, future = self._steps_in_flight.popleft()
+            future.cancel()
+        self.executor.shutdown()
+
+    def __enter__(self) -> "EngineCore":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()

@@ -1,0 +1,124 @@
+"""Executors: how the engine reaches the model runner(s).
+
+The engine talks to an `Executor` only through `SchedulerOutput` ->
+`ModelRunnerOutput`. `UniProcExecutor` runs one `ModelRunner` in this process
+on a single worker thread, so `execute_model_async` lets the engine schedule
+step N+1 while step N runs (torch releases the GIL inside its kernels). A
+multi-process tensor-parallel executor plugs in behind the same interface:
+`Executor.create` picks the class from `parallel_config.tensor_parallel_size`.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from kvserve.kv_cache.interface import KVCacheConfig, KVCacheSpec
+from kvserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from kvserve.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+class ExecutorDeadError(RuntimeError):
+    """The executor can no longer run steps (a worker died or it was shut down)."""
+
+
+class Executor:
+    """Runs model steps for the engine; subclasses decide where the runners live.
+
+    Lifecycle: `get_kv_cache_specs()` and `determine_available_memory()` (the
+    engine turns them into a `KVCacheConfig`), `initialize_kv_cache(config)`,
+    then `execute_model[_async](scheduler_output)` once per step, in step
+    order, and `shutdown()`.
+    """
+
+    def __init__(self, engine_config: "EngineConfig") -> None:
+        self.engine_config = engine_config
+
+    @staticmethod
+    def get_class(engine_config: "EngineConfig") -> type["Executor"]:
+        if engine_config.parallel_config.tensor_parallel_size == 1:
+            return UniProcExecutor
+        raise NotImplementedError(
+            "tensor_parallel_size > 1 needs the multi-process executor, which is not available yet")
+
+    @classmethod
+    def create(cls, engine_config: "EngineConfig") -> "Executor":
+        return cls.get_class(engine_config)(engine_config)
+
+    def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        raise NotImplementedError
+
+    def determine_available_memory(self) -> int:
+        """Bytes the KV cache may use (the minimum over all ranks)."""
+        raise NotImplementedError
+
+    def determine_num_blocks(self) -> int:
+        """Blocks of the pool that fit the available memory, for these specs."""
+        from kvserve.kv_cache.utils import get_kv_cache_config
+        return get_kv_cache_config(self.get_kv_cache_specs(), self.determine_available_memory()).num_blocks
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        raise NotImplementedError
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        raise NotImplementedError
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> "Future[ModelRunnerOutput]":
+        raise NotImplementedError
+
+    def check_health(self) -> None:
+        """Raise ExecutorDeadError when steps can no longer run."""
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+
+class UniProcExecutor(Executor):
+    """One ModelRunner in this process; async steps run on one worker thread, in order."""
+
+    def __init__(self, engine_config: "EngineConfig") -> None:
+        super().__init__(engine_config)
+        from kvserve.worker.model_runner import ModelRunner
+
+        self.model_runner = ModelRunner(
+            engine_config.model_config, engine_config.cache_config, engine_config.device,
+            scheduler_config=engine_config.scheduler_config, seed=engine_config.seed)
+        self.model_runner.load_model()
+        # One thread: steps must run in submission order on the runner's state.
+        self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
+        self._lock = threading.Lock()
+        self._is_shut_down = False
+
+    def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        return self.model_runner.get_kv_cache_specs()
+
+    def determine_available_memory(self) -> int:
+        return self.model_runner.available_kv_memory_bytes()
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        self.model_runner.initialize_kv_cache(kv_cache_config)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(scheduler_output).result()
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> "Future[ModelRunnerOutput]":
+        with self._lock:
+            self.check_health()
+            return self._step_thread.submit(self.model_runner.execute_model, scheduler_output)
+
+    def check_health(self) -> None:
+        if self._is_shut_down:
+            raise ExecutorDeadError("the executor has been shut down")
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._is_shut_down:
+                return
+            self._is_shut_down = True
+        self._step_thread.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,186 @@
+"""ModelRunner: turns one SchedulerOutput into sampled tokens.
+
+Per step: apply the scheduler's diff to the persistent `InputBatch`, perform
+the step's copy-on-write block copies on the KV tensors of their group, run
+the model over the flattened batch, compute logits only for requests whose
+scheduled tokens reach their last known token, sample, and record the
+sampled tokens in the batch (the next step may feed them back as async
+placeholders).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.kv_cache.interface import KVCacheConfig, KVCacheSpec
+from kvserve.sampling_params import SamplingParams
+from kvserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.worker.input_batch import InputBatch, PreparedBatch
+
+logger = logging.getLogger(__name__)
+
+# CPU default for the KV pool when no size is given: room for every sequence
+# at full length, but never more than this nor a quarter of free RAM.
+CPU_DEFAULT_KV_CAP_BYTES = 2 << 30
+CUDA_ACTIVATION_RESERVE_FRACTION = 0.1
+
+
+class ModelRunner:
+    """Owns the model, its KV tensors and the per-request state of one rank."""
+
+    def __init__(self, model_config, cache_config: CacheConfig, device: str = "cpu",
+                 scheduler_config: SchedulerConfig | None = None, seed: int = 0,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config or SchedulerConfig(max_model_len=model_config.max_model_len)
+        self.device = torch.device(device)
+        self.seed = seed
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.model = None
+        self.kv_cache_config: KVCacheConfig | None = None
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.input_batch: InputBatch | None = None
+        self.sampler = None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler_config.max_model_len
+
+    # ---- set-up -----------------------------------------------------------
+
+    def load_model(self) -> None:
+        from kvserve.model.loader import load_model
+        from kvserve.model.sampler import Sampler
+
+        torch.manual_seed(self.seed)
+        self.model = load_model(self.model_config, device=str(self.device),
+                                tp_rank=self.tp_rank, tp_size=self.tp_size)
+        self.sampler = Sampler()
+
+    def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        return self.model.kv_cache_specs(self.cache_config.block_size, self.model_config.dtype,
+                                         sliding_window_kv=self.cache_config.sliding_window_kv)
+
+    def available_kv_memory_bytes(self) -> int:
+        """Bytes for the KV pool: the configured size, else a device-dependent default.
+
+        CUDA: `gpu_memory_utilization` of the device, minus what is in use,
+        minus a reserve for activations. CPU: enough for max_num_seqs
+        sequences of max_model_len tokens, capped at 2 GiB and a quarter of
+        the free RAM.
+        """
+        if self.cache_config.kv_cache_memory_bytes is not None:
+            return self.cache_config.kv_cache_memory_bytes
+        if self.device.type == "cuda":
+            free_bytes, total_bytes = torch.cuda.mem_get_info(self.device)
+            budget = free_bytes - total_bytes * (1.0 - self.cache_config.gpu_memory_utilization)
+            return max(int(budget * (1.0 - CUDA_ACTIVATION_RESERVE_FRACTION)), 0)
+        bytes_per_token = sum(spec.page_size_bytes // spec.block_size
+                              for spec in self.get_kv_cache_specs().values())
+        wanted = self.scheduler_config.max_num_seqs * self.max_model_len * bytes_per_token
+        return int(min(wanted, CPU_DEFAULT_KV_CAP_BYTES, _free_ram_bytes() // 4))
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        from kvserve.model.attention import allocate_kv_caches
+
+        self.kv_cache_config = kv_cache_config
+        self.kv_caches = allocate_kv_caches(kv_cache_config, self.get_kv_cache_specs(), self.device)
+        group_specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
+        self.input_batch = InputBatch(group_specs, self.max_model_len,
+                                      max_num_rows=min(self.scheduler_config.max_num_seqs, 256))
+
+    # ---- one step -----------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        batch = self.input_batch
+        batch.apply_scheduler_output(scheduler_output, self._make_generator)
+        if scheduler_output.kv_cache_block_copies:
+            self._apply_block_copies(scheduler_output)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput.make_empty()
+        prepared = batch.prepare(scheduler_output)
+        hidden = self.model.forward(
+            torch.from_numpy(prepared.input_ids).to(self.device),
+            torch.from_numpy(prepared.positions).to(self.device),
+            self._build_attention_metadata(prepared),
+            self.kv_caches,
+        )
+        sampled_req_ids = prepared.sampled_req_ids
+        sampled_token_ids: dict[str, int] = {}
+        logprobs_by_req = {}
+        if sampled_req_ids:
+            logits_indices = torch.from_numpy(prepared.logits_indices).to(self.device)
+            logits = self.model.compute_logits(hidden[logits_indices])
+            sampler_output = self.sampler.sample(logits, self._sampling_tensors(sampled_req_ids))
+            for i, req_id in enumerate(sampled_req_ids):
+                token_id = int(sampler_output.token_ids[i])
+                sampled_token_ids[req_id] = token_id
+                batch.append_sampled_token(req_id, token_id)
+                if sampler_output.logprobs is not None and sampler_output.logprobs[i] is not None:
+                    logprobs_by_req[req_id] = sampler_output.logprobs[i]
+        return self._make_output(prepared, sampled_token_ids, logprobs_by_req)
+
+    def _apply_block_copies(self, scheduler_output: SchedulerOutput) -> None:
+        from kvserve.model.attention import copy_kv_blocks
+
+        copy_kv_blocks(self.kv_caches, self.kv_cache_config, scheduler_output.kv_cache_block_copies)
+
+    def _build_attention_metadata(self, prepared: PreparedBatch) -> list:
+        from kvserve.model.attention import AttentionMetadata
+
+        def to_device(array):
+            return torch.from_numpy(array).to(self.device)
+
+        query_start_loc = to_device(prepared.query_start_loc)
+        seq_lens = to_device(prepared.seq_lens)
+        max_query_len = int(prepared.num_scheduled_tokens.max())
+        max_seq_len = int(prepared.seq_lens.max())
+        return [
+            AttentionMetadata(
+                query_start_loc=query_start_loc, seq_lens=seq_lens,
+                block_table=to_device(block_table), slot_mapping=to_device(slot_mapping),
+                max_query_len=max_query_len, max_seq_len=max_seq_len,
+            )
+            for block_table, slot_mapping in zip(prepared.block_tables, prepared.slot_mappings)
+        ]
+
+    def _sampling_tensors(self, req_ids: list[str]):
+        from kvserve.model.sampler import SamplingTensors
+
+        states = [self.input_batch.states[rid] for rid in req_ids]
+        return SamplingTensors.from_params(
+            [s.sampling_params for s in states],
+            output_token_ids=[s.output_token_ids for s in states],
+            prompt_token_ids=[s.prompt_token_ids for s in states],
+            generators=[s.generator for s in states],
+            device=self.device,
+        )
+
+    def _make_generator(self, sampling_params: SamplingParams):
+        if sampling_params.seed is None:
+            return None
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(sampling_params.seed)
+        return generator
+
+    @staticmethod
+    def _make_output(prepared: PreparedBatch, sampled_token_ids: dict[str, int],
+                     logprobs_by_req: dict) -> ModelRunnerOutput:
+        tokens = [[sampled_token_ids[rid]] if rid in sampled_token_ids else [] for rid in prepared.req_ids]
+        logprobs = None
+        if logprobs_by_req:
+            logprobs = [[logprobs_by_req[rid]] if rid in logprobs_by_req else [] for rid in prepared.req_ids]
+        return ModelRunnerOutput(req_ids=list(prepared.req_ids), sampled_token_ids=tokens, logprobs=logprobs)
+
+
+def _free_ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 8 << 30
