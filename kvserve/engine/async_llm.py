@@ -1,0 +1,379 @@
+"""AsyncLLM: one engine loop on a background thread, fed by many asyncio requests.
+
+The EngineCore and the OutputProcessor are touched only by the engine thread.
+Coroutines talk to it through a thread-safe command queue; the thread answers
+each request through that request's asyncio.Queue, always via
+`loop.call_soon_threadsafe`, so no asyncio object is touched off its loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (an error in a step, or shutdown)."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests in flight; retry after `retry_after_s` seconds."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class PromptTooLongError(ValueError):
+    """The prompt (plus the tokens asked for) does not fit the context."""
+
+
+@dataclass
+class _AddCommand:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int
+
+
+@dataclass
+class _AbortCommand:
+    request_ids: list[str]
+
+
+@dataclass
+class _ShutdownCommand:
+    pass
+
+
+@dataclass
+class _RequestStream:
+    """Where the engine thread delivers one request's outputs."""
+
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def put(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is waiting any more
+
+
+@dataclass
+class EngineLoopStats:
+    """What the engine loop has seen, cumulative since start; read by /metrics."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_in_flight_requests: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        if not self.prefix_cache_queries:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries
+
+
+def _stat(stats: Any, *names: str, default: float = 0) -> float:
+    for name in names:
+        value = getattr(stats, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+class AsyncLLM:
+    """Serve many concurrent asyncio requests from one EngineCore.
+
+    `max_concurrent_requests` caps the requests in flight (running + waiting);
+    `max_waiting_requests` caps those beyond the engine's `max_num_seqs`. Past
+    either cap `generate` raises `EngineOverloadedError` (HTTP 503).
+    """
+
+    def __init__(self, engine_config: Any, *, max_concurrent_requests: int | None = None,
+                 max_waiting_requests: int | None = None, engine_core: Any = None,
+                 tokenizer: Any = None, output_processor: Any = None) -> None:
+        self.engine_config = engine_config
+        self.model_config = engine_config.model_config
+        if tokenizer is None:
+            from kvserve.engine.tokenizer import load_tokenizer
+            tokenizer = load_tokenizer(self.model_config)
+        self.tokenizer = tokenizer
+        if engine_core is None:
+            from kvserve.engine.core import EngineCore
+            engine_core = EngineCore(engine_config)
+        self.engine_core = engine_core
+        if output_processor is None:
+            from kvserve.engine.output_processor import OutputProcessor
+            output_processor = OutputProcessor(tokenizer)
+        self.output_processor = output_processor
+        self.max_model_len = int(self.model_config.max_model_len)
+        self.max_concurrent_requests = max_concurrent_requests
+        self.max_waiting_requests = max_waiting_requests
+        self._max_num_seqs = int(getattr(engine_config.scheduler_config, "max_num_seqs", 1))
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _RequestStream] = {}
+        self._streams_lock = threading.Lock()
+        self._stats = EngineLoopStats()
+        self._dead_error: BaseException | None = None
+        self._id_counter = itertools.count()
+        self._thread = threading.Thread(target=self._run_loop, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_args(cls, args: Any, **kwargs: Any) -> "AsyncLLM":
+        """Build from parsed `kvserve serve` arguments (engine flags included)."""
+        from kvserve.engine.arg_utils import engine_config_from_args
+        return cls(engine_config_from_args(args), **kwargs)
+
+    # ----- public API (event-loop side) -----
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._dead_error is None
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead_error
+
+    def num_in_flight_requests(self) -> int:
+        with self._streams_lock:
+            return len(self._streams)
+
+    def get_stats(self) -> EngineLoopStats:
+        """A snapshot of the engine loop's latest stats."""
+        snapshot = EngineLoopStats(**vars(self._stats))
+        snapshot.num_in_flight_requests = self.num_in_flight_requests()
+        return snapshot
+
+    def encode(self, prompt: str) -> list[int]:
+        return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+
+    def check_prompt_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """Raise PromptTooLongError, with the numbers, if the request cannot fit."""
+        if num_prompt_tokens == 0:
+            raise PromptTooLongError("the prompt is empty")
+        if num_prompt_tokens >= self.max_model_len:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {self.max_model_len} tokens, "
+                f"but the prompt has {num_prompt_tokens} tokens (at least one token must "
+                "be left for the completion)")
+        if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {num_prompt_tokens + max_tokens} tokens "
+                f"({num_prompt_tokens} in the prompt, {max_tokens} for the completion). "
+                "Please reduce the length of the prompt or of max_tokens")
+
+    def reserve(self, num_requests: int = 1) -> None:
+        """Raise EngineOverloadedError if `num_requests` more would pass a cap."""
+        self._check_alive()
+        in_flight = self.num_in_flight_requests() + num_requests
+        if self.max_concurrent_requests is not None and in_flight > self.max_concurrent_requests:
+            raise EngineOverloadedError(
+                f"server busy: {self.max_concurrent_requests} requests already in flight")
+        if self.max_waiting_requests is not None:
+            if in_flight - self._max_num_seqs > self.max_waiting_requests:
+                raise EngineOverloadedError(
+                    f"server busy: the waiting queue is full ({self.max_waiting_requests})")
+
+    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
+                       request_id: str | None = None, priority: int = 0,
+                       check_capacity: bool = True) -> AsyncIterator[Any]:
+        """Yield RequestOutputs of one request until it finishes.
+
+        Leaving the iteration early (a disconnect cancels it) aborts the request.
+        """
+        request_id = request_id or f"req-{next(self._id_counter)}"
+        if check_capacity:
+            self.reserve(1)
+        if isinstance(prompt, str):
+            prompt_text, prompt_token_ids = prompt, self.encode(prompt)
+        else:
+            prompt_text, prompt_token_ids = None, list(prompt)
+        self.check_prompt_fits(len(prompt_token_ids), sampling_params.max_tokens)
+        stream = _RequestStream(asyncio.get_running_loop())
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            self._streams[request_id] = stream
+        self._commands.put(_AddCommand(request_id, prompt_text, prompt_token_ids,
+                                       sampling_params, time.time(), priority))
+        finished = False
+        try:
+            while True:
+                item = await stream.outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = bool(item.finished)
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._streams_lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self.abort_nowait(request_id)
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Abort a request from any thread or coroutine; never blocks."""
+        self._commands.put(_AbortCommand([request_id]))
+
+    async def abort(self, request_id: str) -> None:
+        self.abort_nowait(request_id)
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Abort what is in flight, stop the engine loop and the engine core."""
+        if self._thread.is_alive():
+            self._commands.put(_ShutdownCommand())
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.warning("engine loop did not stop within %.0f s", timeout_s)
+
+    # ----- engine thread -----
+
+    def _check_alive(self) -> None:
+        if self._dead_error is not None:
+            raise EngineDeadError(f"the engine has stopped: {self._dead_error}")
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine has stopped")
+
+    def _run_loop(self) -> None:
+        try:
+            while True:
+                busy = self.engine_core.has_unfinished_requests()
+                if not self._apply_commands(block=not busy):
+                    break
+                if self.engine_core.has_unfinished_requests():
+                    self._step()
+                else:
+                    self._refresh_stats()
+        except BaseException as exc:  # noqa: BLE001 - surfaced to every waiting request
+            logger.exception("engine loop failed")
+            self._dead_error = exc
+            self._fail_all(EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}"))
+            self._drain_commands_after_death()
+            return
+        self._dead_error = EngineDeadError("the engine has been shut down")
+        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._shutdown_core()
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply queued commands; False once shutdown is asked for."""
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(command, _ShutdownCommand):
+                return False
+            self._apply(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _apply(self, command: _AddCommand | _AbortCommand) -> None:
+        if isinstance(command, _AbortCommand):
+            self._abort_in_engine(command.request_ids)
+            return
+        try:
+            self._add_to_engine(command)
+        except Exception as exc:  # noqa: BLE001 - one bad request never stops the loop
+            logger.info("request %s rejected: %s", command.request_id, exc)
+            self._abort_in_engine([command.request_id])
+            self._deliver(command.request_id, exc)
+
+    def _add_to_engine(self, command: _AddCommand) -> None:
+        from kvserve.engine.core import EngineCoreRequest
+        child_requests = self.output_processor.add_request(
+            command.request_id, command.prompt, command.prompt_token_ids,
+            command.sampling_params, command.arrival_time)
+        if child_requests is None:
+            child_requests = [EngineCoreRequest(
+                request_id=command.request_id, prompt_token_ids=command.prompt_token_ids,
+                sampling_params=command.sampling_params, arrival_time=command.arrival_time,
+                priority=command.priority)]
+        for child in child_requests:
+            self.engine_core.add_request(child)
+
+    def _abort_in_engine(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            engine_ids = self.output_processor.abort_request(request_id)
+            if engine_ids is None:
+                engine_ids = [request_id]
+            self.engine_core.abort_requests(list(engine_ids))
+
+    def _step(self) -> None:
+        core_outputs = self.engine_core.step()
+        processed = self.output_processor.process_outputs(core_outputs)
+        if processed.request_ids_to_abort:
+            self.engine_core.abort_requests(list(processed.request_ids_to_abort))
+        for request_output in processed.request_outputs:
+            self._deliver(request_output.request_id, request_output)
+        self._stats.num_steps += 1
+        self._refresh_stats()
+
+    def _deliver(self, request_id: str, item: Any) -> None:
+        with self._streams_lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(item)
+
+    def _refresh_stats(self) -> None:
+        stats = self.engine_core.get_stats()
+        if stats is None:
+            return
+        own = self._stats
+        own.num_running_reqs = int(_stat(stats, "num_running_reqs", "num_running"))
+        own.num_waiting_reqs = int(_stat(stats, "num_waiting_reqs", "num_waiting"))
+        own.kv_cache_usage = float(_stat(stats, "kv_cache_usage", "gpu_cache_usage"))
+        own.prefix_cache_queries = int(_stat(stats, "prefix_cache_queries", "num_prefix_cache_queries"))
+        own.prefix_cache_hits = int(_stat(stats, "prefix_cache_hits", "num_prefix_cache_hits"))
+        own.num_preemptions = int(_stat(stats, "num_preemptions", "num_preempted_reqs"))
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._streams_lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.put(error)
+
+    def _drain_commands_after_death(self) -> None:
+        while True:
+            try:
+                command = self._commands.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if isinstance(command, _ShutdownCommand):
+                self._shutdown_core()
+                return
+            if isinstance(command, _AddCommand):
+                self._deliver(command.request_id, EngineDeadError("the engine has stopped"))
+
+    def _shutdown_core(self) -> None:
+        try:
+            with self._streams_lock:
+                live_ids = list(self._streams)
+            if live_ids:
+                self._abort_in_engine(live_ids)
+            self.engine_core.shutdown()
+        except Exception:  # noqa: BLE001
+            logger.exception("error while shutting the engine core down")

@@ -1,0 +1,134 @@
+"""The FastAPI app: OpenAI-compatible routes over one AsyncLLM.
+
+Authentication and the body-size limit are plain ASGI middleware so they run
+before any route parses anything, and leave streaming responses untouched.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+import kvserve
+from kvserve.server.errors import APIError, install_error_handlers
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.serving import ServingContext
+from kvserve.server.serving_chat import create_chat_completion
+from kvserve.server.serving_completions import create_completion
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+class _ApiKeyMiddleware:
+    """Requires `Authorization: Bearer <key>` on every /v1 route."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            headers = dict(scope.get("headers") or [])
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                message = "missing API key" if not given else "invalid API key"
+                response = APIError(401, message, code="invalid_api_key").to_response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _BodyLimitMiddleware:
+    """Answers 413 for bodies over the limit, declared or streamed."""
+
+    def __init__(self, app: Any, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await self._too_large().to_response()(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise self._too_large()
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"request body is larger than {self.max_body_bytes} bytes",
+                        code="request_too_large")
+
+
+def build_app(engine: Any, served_model_name: str, *, api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, model_root: str | None = None,
+              shutdown_engine: bool = True) -> FastAPI:
+    """An app serving `engine` (an AsyncLLM) under `served_model_name`."""
+    metrics = ServerMetrics(engine.get_stats, served_model_name)
+    ctx = ServingContext(engine=engine, served_model_name=served_model_name, metrics=metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        if shutdown_engine:
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    _add_routes(app, ctx, model_root)
+    app.add_middleware(_BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    return app
+
+
+def _add_routes(app: FastAPI, ctx: ServingContext, model_root: str | None) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        if not ctx.engine.is_running:
+            return APIError(503, "the engine is not running", code="engine_unavailable").to_response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": kvserve.__version__})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        card = {"id": ctx.served_model_name, "object": "model", "created": ctx.created_s,
+                "owned_by": "kvserve", "root": model_root or ctx.served_model_name,
+                "max_model_len": ctx.engine.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/completions")
+    async def completions(raw_request: Request):
+        return await create_completion(raw_request, ctx)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw_request: Request):
+        return await create_chat_completion(raw_request, ctx)

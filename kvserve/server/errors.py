@@ -1,0 +1,94 @@
+"""Errors in the OpenAI shape: `{"error": {"message", "type", "param", "code"}}`.
+
+Every failure the server reports goes through `APIError` so clients (the
+official `openai` package included) see the status and shape they expect.
+"""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvserve.server.protocol import UnsupportedFeatureError
+
+logger = logging.getLogger(__name__)
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error the server answers with; `status` is the HTTP status."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, error_type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.error_type = error_type or _TYPE_BY_STATUS.get(status, "invalid_request_error")
+        self.headers = headers
+
+    def to_dict(self) -> dict:
+        return {"error": {"message": self.message, "type": self.error_type,
+                          "param": self.param, "code": self.code}}
+
+    def to_response(self) -> JSONResponse:
+        return JSONResponse(self.to_dict(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    """One 400 naming the first offending field (invalid JSON included)."""
+    errors = exc.errors()
+    if not errors:
+        return bad_request("invalid request body")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return bad_request(f"request body is not valid JSON: {first.get('msg')}", code="invalid_json")
+    where = f"{param}: " if param else ""
+    extra = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return bad_request(f"{where}{first.get('msg')}{extra}", param=param, code="invalid_value")
+
+
+def from_unsupported(exc: UnsupportedFeatureError) -> APIError:
+    return bad_request(str(exc), param=exc.param, code="unsupported_feature")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every exception the app can raise to an OpenAI-shaped response."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.to_response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation_error(exc).to_response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).to_response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error while serving a request")
+        return APIError(500, f"internal error: {type(exc).__name__}").to_response()

@@ -1,0 +1,86 @@
+"""`kvserve serve`: argument parsing and the uvicorn server around the app.
+
+uvicorn owns SIGINT/SIGTERM: it stops accepting connections, lets open ones
+finish (up to `--shutdown-timeout` seconds, then cancels them, which aborts
+their requests), and the app's lifespan then stops the engine loop.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def _byte_size(text: str) -> int:
+    try:
+        from kvserve.engine.config import parse_memory_size
+        return int(parse_memory_size(text))
+    except ImportError:
+        return int(text)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Server flags, plus the engine flags unless the caller already added them."""
+    if "--model" not in parser._option_string_actions:  # noqa: SLF001 - argparse has no public query
+        from kvserve.engine.arg_utils import add_engine_arguments
+        add_engine_arguments(parser)
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default 127.0.0.1: local only)")
+    group.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    group.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1 routes "
+                            "(default: $KVSERVE_API_KEY, else no key)")
+    group.add_argument("--served-model-name", default=None,
+                       help="model name clients pass (default: the model file or folder name)")
+    group.add_argument("--max-concurrent-requests", type=int, default=None,
+                       help="requests in flight before new ones get 503 (default: no cap)")
+    group.add_argument("--max-waiting-requests", type=int, default=None,
+                       help="requests waiting beyond --max-num-seqs before 503 (default: no cap)")
+    group.add_argument("--max-body-size", type=_byte_size, default=4 * 1024 * 1024,
+                       help="largest request body accepted, e.g. 4MiB (default 4MiB)")
+    group.add_argument("--shutdown-timeout", type=float, default=10.0,
+                       help="seconds open requests may run after SIGINT/SIGTERM (default 10)")
+    group.add_argument("--uvicorn-log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug"])
+    return parser
+
+
+def served_name(args: Any, model_path: str) -> str:
+    if getattr(args, "served_model_name", None):
+        return args.served_model_name
+    return os.path.basename(str(model_path).rstrip("/")) or "kvserve-model"
+
+
+def build_from_args(args: Any):
+    """(app, engine) for parsed arguments; the engine loads the model here."""
+    from kvserve.engine.arg_utils import engine_config_from_args
+    from kvserve.engine.async_llm import AsyncLLM
+    from kvserve.server.app import build_app
+
+    engine_config = engine_config_from_args(args)
+    engine = AsyncLLM(engine_config, max_concurrent_requests=args.max_concurrent_requests,
+                      max_waiting_requests=args.max_waiting_requests)
+    model_path = engine_config.model_config.path
+    app = build_app(engine, served_name(args, model_path), api_key=args.api_key,
+                    max_body_bytes=args.max_body_size, model_root=str(model_path))
+    return app, engine
+
+
+def run(args: Any) -> int:
+    """Serve until SIGINT/SIGTERM; returns the process exit code."""
+    import uvicorn
+
+    app, engine = build_from_args(args)
+    config = uvicorn.Config(app, host=args.host, port=args.port,
+                            log_level=args.uvicorn_log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    server = uvicorn.Server(config)
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    return 0

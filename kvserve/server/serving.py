@@ -1,0 +1,236 @@
+"""Pieces shared by the completion and chat handlers.
+
+Parsing and admission happen before any response is started, so every error
+a request can cause is answered with its own status code; once streaming has
+begun, an error is sent as a final SSE `error` event.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from kvserve.engine.async_llm import (AsyncLLM, EngineDeadError, EngineOverloadedError,
+                                      PromptTooLongError)
+from kvserve.sampling_params import SamplingParamsError
+from kvserve.server.errors import APIError, bad_request, from_unsupported, from_validation_error
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import UnsupportedFeatureError
+
+logger = logging.getLogger(__name__)
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+@dataclass
+class ServingContext:
+    """What every handler needs: the engine, the public model name, metrics."""
+
+    engine: AsyncLLM
+    served_model_name: str
+    metrics: ServerMetrics
+    created_s: int = field(default_factory=lambda: int(time.time()))
+
+
+async def parse_body(raw_request: Request, model_cls: type[ModelT]) -> ModelT:
+    """Validate the raw JSON body (strict mode) into `model_cls`."""
+    body = await raw_request.body()
+    try:
+        return model_cls.model_validate_json(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def check_model_name(ctx: ServingContext, requested: str | None) -> None:
+    if requested is not None and requested != ctx.served_model_name:
+        raise APIError(404, f"The model {requested!r} does not exist; this server serves "
+                            f"{ctx.served_model_name!r}", param="model", code="model_not_found")
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Map an engine-side exception onto the status a client should see."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, UnsupportedFeatureError):
+        return from_unsupported(exc)
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(503, str(exc), code="server_busy",
+                        headers={"Retry-After": str(exc.retry_after_s)})
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), code="engine_unavailable")
+    if isinstance(exc, PromptTooLongError):
+        return bad_request(str(exc), param="messages", code="context_length_exceeded")
+    if isinstance(exc, SamplingParamsError):
+        param = str(exc).split(" ", 1)[0]
+        return bad_request(str(exc), param=param, code="invalid_value")
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc), code="invalid_value")
+    logger.error("request failed: %s: %s", type(exc).__name__, exc)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def resolve_max_tokens(engine: AsyncLLM, num_prompt_tokens: int, requested: int | None) -> int:
+    """`None` means "the rest of the context"; the fit is checked by the caller."""
+    if requested is not None:
+        return requested
+    return max(1, engine.max_model_len - num_prompt_tokens)
+
+
+def check_token_ids(engine: AsyncLLM, token_ids: list[int], param: str = "prompt") -> None:
+    vocab_size = int(getattr(engine.model_config, "vocab_size", 0) or 0)
+    for token_id in token_ids:
+        if token_id < 0 or (vocab_size and token_id >= vocab_size):
+            raise bad_request(f"token id {token_id} is out of range [0, {vocab_size})", param=param)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage_dict(final_outputs: list[Any]) -> dict:
+    """OpenAI usage (cached prompt tokens included) over one call's requests."""
+    prompt_tokens = sum(len(o.prompt_token_ids or []) for o in final_outputs)
+    completion_tokens = sum(len(c.token_ids) for o in final_outputs for c in o.outputs)
+    cached_tokens = sum(int(getattr(o, "num_cached_tokens", 0) or 0) for o in final_outputs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+async def merged_outputs(ctx: ServingContext, generators: list[AsyncIterator[Any]]
+                         ) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several engine streams as `(prompt_index, output)`.
+
+    Cancelling the consumer cancels every producer, which aborts its request.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+    done_marker = object()
+
+    async def pump(index: int, generator: AsyncIterator[Any]) -> None:
+        timer = ctx.metrics.timer()
+        try:
+            async for output in generator:
+                timer.observe(output)
+                queue.put_nowait((index, output))
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+            queue.put_nowait((index, exc))
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            queue.put_nowait((index, done_marker))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generators)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is done_marker:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+        for generator in generators:
+            await _close_quietly(generator)
+
+
+async def _close_quietly(generator: AsyncIterator[Any]) -> None:
+    try:
+        await generator.aclose()  # type: ignore[attr-defined]
+    except BaseException:  # noqa: BLE001 - a closing stream may still raise its error
+        pass
+
+
+async def collect_until_disconnect(raw_request: Request, outputs: AsyncIterator[tuple[int, Any]]
+                                   ) -> dict[int, Any] | None:
+    """Consume to the end; None if the client hung up first (the requests are aborted)."""
+    final_by_index: dict[int, Any] = {}
+
+    async def consume() -> None:
+        async for index, output in outputs:
+            final_by_index[index] = output
+
+    consumer = asyncio.create_task(consume())
+    listener = asyncio.create_task(_wait_for_disconnect(raw_request))
+    try:
+        await asyncio.wait({consumer, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+    if not consumer.done():
+        consumer.cancel()
+        await asyncio.gather(consumer, return_exceptions=True)
+        await _close_quietly(outputs)
+        return None
+    consumer.result()  # re-raise an engine error
+    return final_by_index
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    while True:
+        message = await raw_request.receive()
+        if message.get("type") == "http.disconnect":
+            return
+
+
+@dataclass
+class ChoiceStreamState:
+    """What one choice has already sent, to compute the next delta."""
+
+    num_chars: int = 0
+    num_tokens: int = 0
+    finish_sent: bool = False
+
+
+def next_delta(state: ChoiceStreamState, completion: Any) -> tuple[str, int, int, bool]:
+    """(new text, first new token index, end token index, finished now) for a choice."""
+    text = completion.text or ""
+    delta_text = text[state.num_chars:] if len(text) >= state.num_chars else ""
+    start, end = state.num_tokens, len(completion.token_ids)
+    finished_now = completion.finish_reason is not None and not state.finish_sent
+    state.num_chars = max(state.num_chars, len(text))
+    state.num_tokens = end
+    state.finish_sent = state.finish_sent or finished_now
+    return delta_text, start, end, finished_now
+
+
+def token_logprob_entries(completion: Any, start: int, end: int) -> list[tuple[int, float, list]]:
+    """`(token_id, logprob, [(top_id, top_logprob), ...])` for tokens start..end."""
+    logprobs = getattr(completion, "logprobs", None) or []
+    entries = []
+    for position in range(start, min(end, len(logprobs))):
+        item = logprobs[position]
+        if hasattr(item, "sampled_token_id"):
+            top = list(zip(item.top_token_ids, item.top_logprobs))
+            entries.append((item.sampled_token_id, float(item.sampled_logprob), top))
+        else:  # {token_id: logprob or Logprob} as vLLM shapes it
+            token_id = completion.token_ids[position]
+            value = _as_float(item.get(token_id))
+            top = [(tid, _as_float(lp)) for tid, lp in item.items() if tid != token_id]
+            entries.append((token_id, value, top))
+    return entries
+
+
+def _as_float(value: Any) -> float:
+    return float(getattr(value, "logprob", value) if value is not None else float("nan"))
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)

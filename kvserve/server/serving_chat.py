@@ -1,0 +1,161 @@
+"""POST /v1/chat/completions: messages rendered with the model's chat template."""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvserve.server.errors import APIError, bad_request
+from kvserve.server.protocol import ChatCompletionRequest
+from kvserve.server.serving import (SSE_DONE, ChoiceStreamState, ServingContext, check_model_name,
+                                    collect_until_disconnect, merged_outputs, new_id, next_delta,
+                                    parse_body, resolve_max_tokens, sse, to_api_error,
+                                    token_logprob_entries, token_text, usage_dict)
+
+
+def _render_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
+    from kvserve.engine.tokenizer import apply_chat_template
+    conversation = body.conversation()
+    try:
+        token_ids = apply_chat_template(ctx.engine.tokenizer, conversation,
+                                        add_generation_prompt=body.add_generation_prompt)
+    except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
+        raise bad_request(f"the chat template rejected the messages: {exc}",
+                          param="messages") from None
+    return list(token_ids)
+
+
+async def create_chat_completion(raw_request: Request, ctx: ServingContext):
+    """Handle one /v1/chat/completions call (streaming or not)."""
+    body = await parse_body(raw_request, ChatCompletionRequest)
+    try:
+        check_model_name(ctx, body.model)
+        body.check_supported()
+        prompt_token_ids = _render_prompt(ctx, body)
+        max_tokens = resolve_max_tokens(ctx.engine, len(prompt_token_ids),
+                                        body.requested_max_tokens())
+        params = body.build_sampling_params(max_tokens, body.num_logprobs())
+        ctx.engine.check_prompt_fits(len(prompt_token_ids), max_tokens)
+        ctx.engine.reserve(1)
+    except Exception as exc:  # noqa: BLE001
+        raise to_api_error(exc) from None
+    response_id = new_id("chatcmpl")
+    generator = ctx.engine.generate(prompt_token_ids, params, response_id, check_capacity=False)
+    outputs = merged_outputs(ctx, [generator])
+    if body.stream:
+        return await _stream_response(ctx, body, response_id, outputs)
+    try:
+        final_by_index = await collect_until_disconnect(raw_request, outputs)
+    except Exception as exc:  # noqa: BLE001
+        raise to_api_error(exc) from None
+    if final_by_index is None:
+        return JSONResponse({}, status_code=499)
+    return JSONResponse(_full_response(ctx, body, response_id, final_by_index[0]))
+
+
+def _full_response(ctx: ServingContext, body: ChatCompletionRequest, response_id: str,
+                   request_output: Any) -> dict:
+    choices = []
+    for completion in request_output.outputs:
+        logprobs = None
+        if body.logprobs:
+            logprobs = {"content": _chat_logprobs(ctx, completion, 0, len(completion.token_ids))}
+        choices.append({"index": completion.index,
+                        "message": {"role": "assistant", "content": completion.text},
+                        "logprobs": logprobs, "finish_reason": completion.finish_reason,
+                        "stop_reason": completion.stop_reason})
+    choices.sort(key=lambda c: c["index"])
+    return {"id": response_id, "object": "chat.completion", "created": int(time.time()),
+            "model": ctx.served_model_name, "choices": choices,
+            "usage": usage_dict([request_output])}
+
+
+def _logprob_value(value: float) -> float:
+    if math.isnan(value):
+        return -9999.0
+    return value if math.isfinite(value) else -9999.0
+
+
+def _chat_logprobs(ctx: ServingContext, completion: Any, start: int, end: int) -> list[dict]:
+    tokenizer = ctx.engine.tokenizer
+    content = []
+    for token_id, logprob, top in token_logprob_entries(completion, start, end):
+        token = token_text(tokenizer, token_id)
+        top_entries = []
+        for top_id, top_logprob in top:
+            top_token = token_text(tokenizer, top_id)
+            top_entries.append({"token": top_token, "logprob": _logprob_value(top_logprob),
+                                "bytes": list(top_token.encode("utf-8"))})
+        content.append({"token": token, "logprob": _logprob_value(logprob),
+                        "bytes": list(token.encode("utf-8")), "top_logprobs": top_entries})
+    return content
+
+
+async def _stream_response(ctx: ServingContext, body: ChatCompletionRequest, response_id: str,
+                           outputs: AsyncIterator[tuple[int, Any]]) -> StreamingResponse:
+    try:
+        first = await outputs.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except Exception as exc:  # noqa: BLE001
+        raise to_api_error(exc) from None
+    return StreamingResponse(_stream_events(ctx, body, response_id, first, outputs),
+                             media_type="text/event-stream")
+
+
+async def _stream_events(ctx: ServingContext, body: ChatCompletionRequest, response_id: str,
+                         first: tuple[int, Any] | None,
+                         outputs: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[str]:
+    created = int(time.time())
+    include_usage = body.include_usage
+    states: dict[int, ChoiceStreamState] = {}
+    last_output = first[1] if first else None
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        payload = {"id": response_id, "object": "chat.completion.chunk", "created": created,
+                   "model": ctx.served_model_name, "choices": choices}
+        if include_usage:
+            payload["usage"] = usage
+        return sse(payload)
+
+    try:
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                      "logprobs": None, "finish_reason": None} for i in range(body.n)])
+        if first is not None:
+            choices = _delta_choices(ctx, body, first[1], states)
+            if choices:
+                yield chunk(choices)
+        async for _, request_output in outputs:
+            last_output = request_output
+            choices = _delta_choices(ctx, body, request_output, states)
+            if choices:
+                yield chunk(choices)
+        if include_usage and last_output is not None:
+            yield chunk([], usage_dict([last_output]))
+    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
+        error: APIError = to_api_error(exc)
+        yield sse(error.to_dict())
+    finally:
+        await outputs.aclose()  # type: ignore[attr-defined]
+    yield SSE_DONE
+
+
+def _delta_choices(ctx: ServingContext, body: ChatCompletionRequest, request_output: Any,
+                   states: dict[int, ChoiceStreamState]) -> list[dict]:
+    choices = []
+    for completion in request_output.outputs:
+        state = states.setdefault(completion.index, ChoiceStreamState())
+        text, start, end, finished_now = next_delta(state, completion)
+        if not text and start == end and not finished_now:
+            continue
+        logprobs = None
+        if body.logprobs:
+            logprobs = {"content": _chat_logprobs(ctx, completion, start, end)}
+        delta = {"content": text} if text or not finished_now else {}
+        choices.append({"index": completion.index, "delta": delta, "logprobs": logprobs,
+                        "finish_reason": completion.finish_reason if finished_now else None,
+                        "stop_reason": completion.stop_reason if finished_now else None})
+    return choices

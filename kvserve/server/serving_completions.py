@@ -1,0 +1,212 @@
+"""POST /v1/completions: prompts as text, a list of texts, or token ids."""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvserve.server.errors import APIError, bad_request
+from kvserve.server.protocol import CompletionRequest
+from kvserve.server.serving import (SSE_DONE, ChoiceStreamState, ServingContext, check_model_name,
+                                    check_token_ids, collect_until_disconnect, merged_outputs,
+                                    new_id, next_delta, parse_body, resolve_max_tokens, sse,
+                                    to_api_error, token_logprob_entries, token_text, usage_dict)
+
+# Prompts one call may carry (each is an engine request, times n).
+MAX_PROMPTS_PER_CALL = 256
+
+
+class _PreparedPrompt:
+    """One prompt of the call, tokenized, with its sampling parameters."""
+
+    def __init__(self, text: str | None, token_ids: list[int], sampling_params: Any) -> None:
+        self.text = text
+        self.token_ids = token_ids
+        self.sampling_params = sampling_params
+
+
+def _prepare(ctx: ServingContext, body: CompletionRequest) -> list[_PreparedPrompt]:
+    engine = ctx.engine
+    prompts = body.prompts()
+    if not prompts:
+        raise bad_request("prompt must not be empty", param="prompt")
+    if len(prompts) > MAX_PROMPTS_PER_CALL:
+        raise bad_request(f"at most {MAX_PROMPTS_PER_CALL} prompts per call", param="prompt")
+    prepared = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            text, token_ids = prompt, engine.encode(prompt)
+        else:
+            check_token_ids(engine, prompt)
+            text, token_ids = None, prompt
+        if not token_ids:
+            raise bad_request("prompt must not be empty", param="prompt")
+        max_tokens = resolve_max_tokens(engine, len(token_ids), body.max_tokens)
+        params = body.build_sampling_params(max_tokens, body.logprobs)
+        engine.check_prompt_fits(len(token_ids), max_tokens)
+        prepared.append(_PreparedPrompt(text, token_ids, params))
+    return prepared
+
+
+async def create_completion(raw_request: Request, ctx: ServingContext):
+    """Handle one /v1/completions call (streaming or not)."""
+    body = await parse_body(raw_request, CompletionRequest)
+    try:
+        check_model_name(ctx, body.model)
+        body.check_supported()
+        prepared = _prepare(ctx, body)
+        ctx.engine.reserve(len(prepared))
+    except Exception as exc:  # noqa: BLE001
+        raise to_api_error(exc) from None
+    response_id = new_id("cmpl")
+    generators = [ctx.engine.generate(p.token_ids, p.sampling_params, f"{response_id}-{i}",
+                                      check_capacity=False)
+                  for i, p in enumerate(prepared)]
+    outputs = merged_outputs(ctx, generators)
+    if body.stream:
+        return await _stream_response(ctx, body, prepared, response_id, outputs)
+    try:
+        final_by_index = await collect_until_disconnect(raw_request, outputs)
+    except Exception as exc:  # noqa: BLE001
+        raise to_api_error(exc) from None
+    if final_by_index is None:
+        return JSONResponse({}, status_code=499)
+    return JSONResponse(_full_response(ctx, body, prepared, response_id, final_by_index))
+
+
+def _full_response(ctx: ServingContext, body: CompletionRequest, prepared: list[_PreparedPrompt],
+                   response_id: str, final_by_index: dict[int, Any]) -> dict:
+    choices = []
+    for prompt_index, prompt in enumerate(prepared):
+        request_output = final_by_index[prompt_index]
+        for completion in request_output.outputs:
+            text = completion.text
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = _legacy_logprobs(ctx, completion, 0, len(completion.token_ids),
+                                            prompt if body.echo else None)
+            if body.echo:
+                text = _prompt_text(ctx, prompt) + text
+            choices.append({"index": prompt_index * body.n + completion.index, "text": text,
+                            "logprobs": logprobs, "finish_reason": completion.finish_reason,
+                            "stop_reason": completion.stop_reason})
+    choices.sort(key=lambda c: c["index"])
+    return {"id": response_id, "object": "text_completion", "created": int(time.time()),
+            "model": ctx.served_model_name, "choices": choices,
+            "usage": usage_dict([final_by_index[i] for i in range(len(prepared))])}
+
+
+def _prompt_text(ctx: ServingContext, prompt: _PreparedPrompt) -> str:
+    if prompt.text is not None:
+        return prompt.text
+    return ctx.engine.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+
+
+def _finite(value: float | None) -> float | None:
+    if value is None or math.isnan(value):
+        return None
+    return value if math.isfinite(value) else -9999.0
+
+
+def _legacy_logprobs(ctx: ServingContext, completion: Any, start: int, end: int,
+                     echo_prompt: _PreparedPrompt | None, text_offset: int = 0) -> dict:
+    """The completions API's logprobs object; echoed prompt tokens get null."""
+    tokenizer = ctx.engine.tokenizer
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    entries = [(tid, None, None) for tid in echo_prompt.token_ids] if echo_prompt else []
+    entries += token_logprob_entries(completion, start, end)
+    for token_id, logprob, top in entries:
+        token = token_text(tokenizer, token_id)
+        offsets.append(text_offset)
+        text_offset += len(token)
+        tokens.append(token)
+        token_logprobs.append(_finite(logprob))
+        if top is None:
+            top_logprobs.append(None)
+            continue
+        top_dict = {token: _finite(logprob)}
+        for top_id, top_logprob in top:
+            top_dict.setdefault(token_text(tokenizer, top_id), _finite(top_logprob))
+        top_logprobs.append(top_dict)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+async def _stream_response(ctx: ServingContext, body: CompletionRequest,
+                           prepared: list[_PreparedPrompt], response_id: str,
+                           outputs: AsyncIterator[tuple[int, Any]]) -> StreamingResponse:
+    # The first output is awaited before the headers go out, so an error the
+    # engine reports for this request still gets its own status code.
+    try:
+        first = await outputs.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except Exception as exc:  # noqa: BLE001
+        raise to_api_error(exc) from None
+    events = _stream_events(ctx, body, prepared, response_id, first, outputs)
+    return StreamingResponse(events, media_type="text/event-stream")
+
+
+async def _stream_events(ctx: ServingContext, body: CompletionRequest,
+                         prepared: list[_PreparedPrompt], response_id: str,
+                         first: tuple[int, Any] | None,
+                         outputs: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[str]:
+    created = int(time.time())
+    states: dict[int, ChoiceStreamState] = {}
+    final_by_index: dict[int, Any] = {}
+    include_usage = body.include_usage
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        payload = {"id": response_id, "object": "text_completion", "created": created,
+                   "model": ctx.served_model_name, "choices": choices}
+        if include_usage:
+            payload["usage"] = usage
+        return sse(payload)
+
+    async def all_outputs():
+        if first is not None:
+            yield first
+        async for item in outputs:
+            yield item
+
+    try:
+        async for prompt_index, request_output in all_outputs():
+            final_by_index[prompt_index] = request_output
+            choices = _delta_choices(ctx, body, prepared[prompt_index], prompt_index,
+                                     request_output, states)
+            if choices:
+                yield chunk(choices)
+        if include_usage:
+            yield chunk([], usage_dict(list(final_by_index.values())))
+    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
+        error: APIError = to_api_error(exc)
+        yield sse(error.to_dict())
+    finally:
+        await outputs.aclose()  # type: ignore[attr-defined]
+    yield SSE_DONE
+
+
+def _delta_choices(ctx: ServingContext, body: CompletionRequest, prompt: _PreparedPrompt,
+                   prompt_index: int, request_output: Any,
+                   states: dict[int, ChoiceStreamState]) -> list[dict]:
+    choices = []
+    for completion in request_output.outputs:
+        choice_index = prompt_index * body.n + completion.index
+        first_chunk = choice_index not in states
+        state = states.setdefault(choice_index, ChoiceStreamState())
+        text, start, end, finished_now = next_delta(state, completion)
+        echo = body.echo and first_chunk
+        if not text and start == end and not finished_now and not echo:
+            continue
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = _legacy_logprobs(ctx, completion, start, end, prompt if echo else None)
+        if echo:
+            text = _prompt_text(ctx, prompt) + text
+        choices.append({"index": choice_index, "text": text, "logprobs": logprobs,
+                        "finish_reason": completion.finish_reason if finished_now else None,
+                        "stop_reason": completion.stop_reason if finished_now else None})
+    return choices
