@@ -1,0 +1,353 @@
+"""The `kvserve` command: generate, chat, serve, bench.
+
+Argument parsing only; the work happens in the engine, server and bench
+packages, imported when their command runs so that `kvserve generate` starts
+quickly. Errors print one line and exit non-zero (a traceback with --debug).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import warnings
+from typing import Any, Sequence
+
+from kvserve.engine.arg_utils import add_engine_arguments, engine_kwargs_from_args
+
+COMMANDS = ("generate", "chat", "serve", "bench")
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """argparse that reports a usage error in one line (plus where to get help)."""
+
+    help_command: str | None = None
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        help_command = self.help_command or self.prog
+        sys.stderr.write(f"{self.prog}: error: {message} (see `{help_command} --help`)\n")
+        sys.exit(EXIT_USAGE)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole CLI parser; `serve` and `bench` import their modules only when
+    `command` names them."""
+    parser = _OneLineErrorParser(
+        prog="kvserve", description="LLM inference with a paged KV cache: generate, chat, serve, bench.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
+    parser.add_argument("--version", action="version", version=_version())
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_OneLineErrorParser)
+    _add_generate_parser(subparsers)
+    _add_chat_parser(subparsers)
+    _add_serve_parser(subparsers, load=command == "serve")
+    _add_bench_parser(subparsers, load=command == "bench")
+    return parser
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show tracebacks and debug logging")
+
+
+def _add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=max_tokens,
+                       help=f"most tokens to generate (default {max_tokens})")
+    group.add_argument("--temperature", type=float, default=0.7,
+                       help="0 is greedy (default 0.7)")
+    group.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
+    group.add_argument("--system", default=None, metavar="TEXT",
+                       help="system message (default: the chat template's own)")
+    group.add_argument("--no-chat-template", action="store_true",
+                       help="send the prompt as plain text, without the model's chat template")
+
+
+def _add_generate_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "generate", help="answer one prompt, streamed to the terminal",
+        description="Answer PROMPT (words are joined with spaces) with the model, streaming the answer. "
+                    "The chat template is applied when the model has one.")
+    parser.add_argument("prompt", nargs="+", metavar="PROMPT")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object (text, tokens, finish reason, timings) instead of streaming")
+    _add_sampling_arguments(parser, max_tokens=256)
+    add_engine_arguments(parser)
+    _add_common(parser)
+
+
+def _add_chat_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "chat", help="interactive chat in the terminal",
+        description="Chat with the model. The conversation is kept between turns; "
+                    "/reset starts over, /exit or Ctrl-D leaves.")
+    parser.add_argument("--stats", action="store_true",
+                        help="after each answer, show time to first token and cached prompt tokens")
+    _add_sampling_arguments(parser, max_tokens=512)
+    add_engine_arguments(parser)
+    _add_common(parser)
+
+
+def _add_serve_parser(subparsers: Any, load: bool) -> None:
+    parser = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
+                                   description="Serve the model over an OpenAI-compatible HTTP API.")
+    _add_common(parser)
+    if load:
+        from kvserve.server.launch import add_serve_arguments
+        add_serve_arguments(parser)
+
+
+def _add_bench_parser(subparsers: Any, load: bool) -> None:
+    if load:
+        from kvserve.bench.cli import add_bench_parser
+        bench_parser = add_bench_parser(subparsers)
+        if isinstance(bench_parser, argparse.ArgumentParser):
+            _add_common(bench_parser)
+    else:
+        subparsers.add_parser("bench", help="benchmarks: throughput, serve, prefix, scheduler, ...",
+                              add_help=False)
+
+
+def _version() -> str:
+    from kvserve import __version__
+    return f"kvserve {__version__}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `kvserve` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    debug = "--debug" in argv
+    _quiet_libraries(debug)
+    try:
+        parser = build_parser(command if command in COMMANDS else None)
+    except ImportError as exc:
+        if debug:
+            raise
+        return _fail(f"`kvserve {command}` is not available yet ({exc})")
+    if command in COMMANDS:
+        parser.help_command = f"kvserve {command}"
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return _run_command(args)
+    except KeyboardInterrupt:
+        sys.stderr.write("\n")
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # noqa: BLE001 - the CLI turns every error into one line
+        if args.debug:
+            raise
+        return _fail(_describe(exc))
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    if args.command == "generate":
+        return run_generate(args)
+    if args.command == "chat":
+        return run_chat(args)
+    if args.command == "serve":
+        from kvserve.server.launch import run
+        return int(run(args) or 0)
+    from kvserve.bench.cli import run as run_bench
+    return int(run_bench(args) or 0)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, (ValueError, OSError, RuntimeError)) and str(exc):
+        return str(exc).strip().splitlines()[0]
+    return f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+
+
+def _fail(message: str) -> int:
+    sys.stderr.write(f"kvserve: error: {message}\n")
+    return EXIT_ERROR
+
+
+def _quiet_libraries(debug: bool) -> None:
+    """No warnings or library logging on the terminal unless --debug."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if debug:
+        logging.basicConfig(level=logging.DEBUG, format="%(levelname)s %(name)s: %(message)s")
+        return
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")  # also for worker processes (TP)
+    warnings.simplefilter("ignore")
+    logging.basicConfig(level=logging.ERROR, format="kvserve: %(message)s")
+
+
+# ---------------------------------------------------------------- generate / chat
+
+def run_generate(args: argparse.Namespace) -> int:
+    """`kvserve generate`: stream one answer to stdout (or print JSON)."""
+    prompt = " ".join(args.prompt).strip()
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    params = _sampling_params(args)
+    status = _Status()
+    status.show("loading model...")
+    llm = _make_llm(args)
+    try:
+        request = _build_request(llm, args, [{"role": "user", "content": prompt}])
+        if args.json:
+            status.clear()
+            output = llm.generate([request], params, use_tqdm=False)[0]
+            print(json.dumps(_output_as_dict(output), ensure_ascii=False))
+        else:
+            status.show("thinking...")
+            _stream_to_stdout(llm, request, params, status)
+    finally:
+        status.clear()
+        llm.shutdown()
+    return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    """`kvserve chat`: a conversation in the terminal."""
+    params = _sampling_params(args)
+    status = _Status()
+    status.show("loading model...")
+    llm = _make_llm(args)
+    status.clear()
+    try:
+        if args.no_chat_template or not getattr(llm.get_tokenizer(), "chat_template", None):
+            raise ValueError("chat needs a model with a chat template (try `kvserve generate`)")
+        _chat_loop(llm, args, params)
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def _chat_loop(llm: Any, args: argparse.Namespace, params: Any) -> None:
+    _enable_line_editing()
+    first_messages = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(first_messages)
+    sys.stderr.write(f"Chatting with {os.path.basename(str(llm.model_config.path))}. "
+                     "/reset starts over, /exit or Ctrl-D leaves.\n")
+    while True:
+        try:
+            line = input(">>> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            sys.stdout.write("\n")
+            return
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return
+        if line == "/reset":
+            history = list(first_messages)
+            print("(conversation cleared)")
+            continue
+        if line.startswith("/"):
+            print("(commands: /reset, /exit)")
+            continue
+        history.append({"role": "user", "content": line})
+        request = _build_request(llm, args, history)
+        try:
+            output = _stream_to_stdout(llm, request, params, _Status())
+        except KeyboardInterrupt:
+            sys.stdout.write("\n(interrupted)\n")
+            history.pop()
+            continue
+        history.append({"role": "assistant", "content": output.outputs[0].text})
+        if args.stats:
+            sys.stderr.write(_stats_line(output) + "\n")
+
+
+def _stream_to_stdout(llm: Any, request: dict, params: Any, status: "_Status") -> Any:
+    last = None
+    for last in llm.stream(request, params):
+        new_text = last.outputs[0].new_text
+        if new_text:
+            status.clear()
+            sys.stdout.write(new_text)
+            sys.stdout.flush()
+    status.clear()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return last
+
+
+def _make_llm(args: argparse.Namespace) -> Any:
+    from kvserve.engine.llm import LLM
+    return LLM(**engine_kwargs_from_args(args))
+
+
+def _sampling_params(args: argparse.Namespace) -> Any:
+    from kvserve.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          seed=args.seed)
+
+
+def _build_request(llm: Any, args: argparse.Namespace, messages: list[dict]) -> dict:
+    """Prompt text and token ids: through the chat template when the model has one."""
+    tokenizer = llm.get_tokenizer()
+    if args.no_chat_template or not getattr(tokenizer, "chat_template", None):
+        text = "\n".join(message["content"] for message in messages)
+        return {"prompt": text, "prompt_token_ids": list(tokenizer.encode(text))}
+    if args.system and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": args.system}, *messages]
+    from kvserve.engine.tokenizer import apply_chat_template, render_chat_template
+    return {"prompt": render_chat_template(tokenizer, messages),
+            "prompt_token_ids": apply_chat_template(tokenizer, messages)}
+
+
+def _output_as_dict(output: Any) -> dict:
+    completion = output.outputs[0]
+    metrics = output.metrics
+    return {
+        "text": completion.text,
+        "finish_reason": completion.finish_reason,
+        "num_prompt_tokens": len(output.prompt_token_ids),
+        "num_cached_tokens": output.num_cached_tokens,
+        "num_generated_tokens": len(completion.token_ids),
+        "token_ids": completion.token_ids,
+        "ttft_s": metrics.ttft_s if metrics else None,
+        "total_s": metrics.total_s if metrics else None,
+    }
+
+
+def _stats_line(output: Any) -> str:
+    metrics = output.metrics
+    num_generated = len(output.outputs[0].token_ids)
+    ttft_ms = (metrics.ttft_s or 0.0) * 1000
+    decode_s = (metrics.total_s or 0.0) - (metrics.ttft_s or 0.0)
+    rate = (num_generated - 1) / decode_s if decode_s > 0 and num_generated > 1 else 0.0
+    return (f"[ttft {ttft_ms:.0f} ms | prompt {len(output.prompt_token_ids)} tokens, "
+            f"{output.num_cached_tokens} cached | {num_generated} tokens, {rate:.1f} tok/s]")
+
+
+class _Status:
+    """A transient status note on stderr, only when stderr is a terminal."""
+
+    def __init__(self) -> None:
+        self._shown = False
+        self._enabled = sys.stderr.isatty()
+
+    def show(self, text: str) -> None:
+        if self._enabled:
+            sys.stderr.write(f"\r\033[K\033[2m{text}\033[0m")
+            sys.stderr.flush()
+            self._shown = True
+
+    def clear(self) -> None:
+        if self._shown:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+            self._shown = False
+
+
+def _enable_line_editing() -> None:
+    try:
+        import readline  # noqa: F401 - importing it gives input() history and editing
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

