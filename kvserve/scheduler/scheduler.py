@@ -1,0 +1,414 @@
+"""The continuous-batching scheduler.
+
+There are no prefill or decode phases. Each request has `num_tokens`
+(prompt + outputs, plus output slots scheduled but not known yet) and
+`num_computed_tokens`; every step gives each request a slice of one token
+budget so that its computed tokens catch up with its tokens. A chunk that
+reaches the last token samples the next one. Running requests are served
+first, then waiting ones are admitted (with their prefix-cache hits).
+
+When the KV pool runs out, the latest (or lowest-priority) running request
+is preempted and later recomputed. With async scheduling the engine may
+schedule step N+1 before applying step N's output, so blocks given up while
+an unprocessed step still references them are freed behind a fence
+(`deferred_free.DeferredBlockFrees`), in exactly the order the immediate
+path would free them.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.kv_cache.interface import KVCacheConfig
+from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.kv_cache.utils import KVCacheBlock
+from kvserve.request import Request, RequestStatus
+from kvserve.scheduler import block_hashing
+from kvserve.scheduler.admission import max_tokens_in_pool
+from kvserve.scheduler.deferred_free import DeferredBlockFrees, free_or_defer
+from kvserve.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from kvserve.scheduler.pause import PAUSE_MODES, PauseState
+from kvserve.scheduler.preemption import pick_victim, reset_for_recompute
+from kvserve.scheduler.request_queue import create_request_queue
+from kvserve.scheduler.stats import SchedulerStats, prefix_cache_counts
+from kvserve.scheduler.step_plan import StepPlan, block_ids_or_none, build_scheduler_output
+from kvserve.scheduler.stop import check_stop, reached_length_cap
+from kvserve.scheduler.update import apply_sampled_tokens
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Decides, step by step, which requests run how many tokens on which KV blocks.
+
+    Owns the request queues (`waiting`, `running`, `requests` by id) and the
+    `KVCacheManager`. Keeps true: the tokens of one step never exceed
+    `max_num_batched_tokens`, at most `max_num_seqs` requests run, no request
+    is scheduled past `max_tokens` / `max_model_len` (in-flight outputs
+    counted), and no block is returned to the pool while a step that
+    references it is unprocessed (when `defer_block_free` is on).
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        kv_cache_config: KVCacheConfig,
+        cache_config: CacheConfig,
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.kv_cache_config = kv_cache_config
+        self.cache_config = cache_config
+        self.policy = scheduler_config.policy
+        self.max_num_running_reqs = scheduler_config.max_num_seqs
+        self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
+
+        block_sizes = [group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups]
+        self.hash_block_size = block_hashing.choose_hash_block_size(kv_cache_config, cache_config)
+        self.kv_cache_manager = KVCacheManager(
+            kv_cache_config,
+            max_model_len=scheduler_config.max_model_len,
+            scheduler_block_size=math.lcm(*block_sizes),
+            hash_block_size=self.hash_block_size,
+            enable_caching=cache_config.enable_prefix_caching,
+        )
+        self.block_hasher = (block_hashing.make_block_hasher(self.hash_block_size, cache_config)
+                             if cache_config.enable_prefix_caching else None)
+        # A sequence longer than the pool could hold on its own would be preempted
+        # forever: longer prompts are ignored, generation stops at that length.
+        self.max_tokens_in_pool = max_tokens_in_pool(
+            kv_cache_config, scheduler_config.max_model_len, self.max_num_scheduled_tokens)
+        self.max_model_len = min(self.max_tokens_in_pool + 1, scheduler_config.max_model_len)
+        if self.max_model_len < scheduler_config.max_model_len:
+            logger.warning("KV pool of %d blocks holds at most %d tokens per request; "
+                           "capping max_model_len %d to that", kv_cache_config.num_blocks,
+                           self.max_model_len, scheduler_config.max_model_len)
+
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self._ignored_outputs: list[EngineCoreOutput] = []
+        self._fences = DeferredBlockFrees(enabled=scheduler_config.should_defer_block_free)
+        self.pause_state = PauseState.UNPAUSED
+        self.num_preemptions = 0
+
+    # -- fence state, exposed under the names the seed's tests use -----------
+
+    @property
+    def defer_block_free(self) -> bool:
+        return self._fences.enabled
+
+    @defer_block_free.setter
+    def defer_block_free(self, enabled: bool) -> None:
+        self._fences.enabled = enabled
+
+    @property
+    def deferred_frees(self) -> deque[tuple[int, list[KVCacheBlock]]]:
+        return self._fences.queue
+
+    @property
+    def sched_step_seq(self) -> int:
+        return self._fences.sched_step_seq
+
+    @sched_step_seq.setter
+    def sched_step_seq(self, seq: int) -> None:
+        self._fences.sched_step_seq = seq
+
+    @property
+    def processed_step_seq(self) -> int:
+        return self._fences.processed_step_seq
+
+    @processed_step_seq.setter
+    def processed_step_seq(self, seq: int) -> None:
+        self._fences.processed_step_seq = seq
+
+    def _free_cow_retained_blocks(self, blocks: list[KVCacheBlock], fence_seq: int) -> None:
+        """Release the CoW endpoints retained for the copy done in step `fence_seq`:
+        now if that step is processed (or deferral is off), else as-is behind the fence."""
+        free_or_defer(self.kv_cache_manager.block_pool, self.deferred_frees, blocks,
+                      fence_seq, self.processed_step_seq, self.defer_block_free)
+
+    def _drain_deferred_frees(self) -> None:
+        """Free, oldest first and as-is, every deferred list whose fence is processed."""
+        self._fences.drain(self.kv_cache_manager.block_pool)
+
+    # -- requests in ----------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or finish it as ignored if it can never run."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if self.block_hasher is not None and not request.block_hashes:
+            block_hashing.attach_block_hasher(request, self.block_hasher)
+        reason = self._reason_to_ignore(request)
+        if reason is not None:
+            request.status = RequestStatus.FINISHED_IGNORED
+            request.stop_reason = reason
+            logger.warning("request %s ignored: %s", request.request_id, reason)
+            self._ignored_outputs.append(EngineCoreOutput(
+                request.request_id, [], finish_reason=request.get_finished_reason(), stop_reason=reason))
+            return
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def _reason_to_ignore(self, request: Request) -> str | None:
+        num_prompt_tokens = request.num_prompt_tokens
+        if num_prompt_tokens == 0:
+            return "prompt is empty"
+        if num_prompt_tokens > self.scheduler_config.max_model_len:
+            return (f"prompt of {num_prompt_tokens} tokens is longer than "
+                    f"max_model_len {self.scheduler_config.max_model_len}")
+        if num_prompt_tokens > self.max_tokens_in_pool:
+            return (f"prompt of {num_prompt_tokens} tokens cannot fit the KV cache "
+                    f"({self.kv_cache_config.num_blocks} blocks)")
+        return None
+
+    # -- schedule -------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: running requests first, then admissions, then the output."""
+        self._drain_deferred_frees()
+        plan = StepPlan(token_budget=self.max_num_scheduled_tokens)
+        if self.pause_state != PauseState.PAUSED_ALL:
+            self._schedule_running(plan)
+            if not plan.preempted_req_ids:
+                self._schedule_waiting(plan)
+        copies, retained = self.kv_cache_manager.take_kv_cache_block_copies()
+        self._free_cow_retained_blocks(retained, fence_seq=self._fences.next_step_seq())
+        step_seq = self._fences.mark_scheduled() if plan.num_scheduled_tokens else self.sched_step_seq
+        output = build_scheduler_output(plan, step_seq, self.kv_cache_manager.get_block_ids,
+                                        self.finished_req_ids, copies)
+        self.finished_req_ids = set()
+        self._advance_scheduled(plan, step_seq)
+        return output
+
+    def _schedule_running(self, plan: StepPlan) -> None:
+        req_index = 0
+        while req_index < len(self.running) and plan.token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = self._num_tokens_to_run(request, plan.token_budget)
+            if num_new_tokens == 0:
+                req_index += 1
+                continue
+            new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
+            if new_blocks is None:
+                return
+            plan.add_running(request, num_new_tokens, block_ids_or_none(new_blocks))
+            # A priority victim may have sat before this request in `running`.
+            req_index = self.running.index(request) + 1 if plan.preempted_req_ids else req_index + 1
+
+    def _num_tokens_to_run(self, request: Request, token_budget: int) -> int:
+        num_pending = request.num_output_placeholders
+        if num_pending and reached_length_cap(request, self.max_model_len, num_pending):
+            return 0  # the in-flight outputs already finish it
+        num_new_tokens = request.num_tokens + num_pending - request.num_computed_tokens
+        num_new_tokens = self._cap_long_prefill(num_new_tokens)
+        num_new_tokens = min(num_new_tokens, token_budget,
+                             self.max_model_len - request.num_computed_tokens)
+        return max(num_new_tokens, 0)
+
+    def _cap_long_prefill(self, num_new_tokens: int) -> int:
+        threshold = self.long_prefill_token_threshold
+        if (threshold > 0 and self.enable_chunked_prefill
+                and len(self.running) + len(self.waiting) > 1):
+            return min(num_new_tokens, threshold)
+        return num_new_tokens
+
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: StepPlan) -> Any:
+        """Allocate slots for `request`, preempting victims until they fit.
+
+        Returns None when the request cannot run in this step: it was the
+        victim itself, or the victim's blocks are fenced by an unprocessed
+        step (freeing them cannot make room now, so the cascade stops and the
+        victim stays RUNNING).
+        """
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_blocks is not None:
+                return new_blocks
+            victim = pick_victim(self.running, self.policy)
+            if self._fences.is_fenced(victim.last_sched_seq):
+                return None
+            self._preempt(victim, plan)
+            if victim is request:
+                return None
+
+    def _preempt(self, victim: Request, plan: StepPlan) -> None:
+        self.running.remove(victim)
+        plan.remove(victim)
+        self._free_request_blocks(victim)
+        reset_for_recompute(victim)
+        self.num_preemptions += 1
+        plan.preempted_req_ids.add(victim.request_id)
+        self.waiting.prepend(victim)
+        logger.debug("preempted %s", victim.request_id)
+
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        skipped = []
+        while (self.waiting and plan.token_budget > 0
+               and len(self.running) < self.max_num_running_reqs):
+            request = self.waiting.peek()
+            if not self._may_admit(request):
+                skipped.append(self.waiting.pop())
+                continue
+            if not self._admit(request, plan):
+                break
+        for request in reversed(skipped):
+            self.waiting.prepend(request)
+
+    def _may_admit(self, request: Request) -> bool:
+        if request.num_in_flight_tokens > 0:
+            return False  # preempted with an output still in flight: wait for it
+        return self.pause_state == PauseState.UNPAUSED or request.status == RequestStatus.PREEMPTED
+
+    def _admit(self, request: Request, plan: StepPlan) -> bool:
+        """Try to start (or resume) the waiting head; False when it does not fit."""
+        hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+        num_new_tokens = self._cap_long_prefill(request.num_tokens - num_hit_tokens)
+        if not self.enable_chunked_prefill and num_new_tokens > plan.token_budget:
+            return False
+        num_new_tokens = min(num_new_tokens, plan.token_budget)
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request, num_new_tokens, num_new_computed_tokens=num_hit_tokens,
+            new_computed_blocks=hit_blocks)
+        if new_blocks is None:
+            return False
+        self.waiting.pop()
+        resumed = request.status == RequestStatus.PREEMPTED
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        self.running.append(request)
+        plan.add_admitted(request, num_new_tokens, resumed)
+        return True
+
+    def _advance_scheduled(self, plan: StepPlan, step_seq: int) -> None:
+        for request in plan.scheduled_requests():
+            num_tokens = plan.num_scheduled_tokens[request.request_id]
+            request.num_computed_tokens += num_tokens
+            request.num_in_flight_tokens += num_tokens
+            request.last_sched_seq = step_seq
+            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1
+
+    # -- outputs in -----------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput,
+    ) -> list[EngineCoreOutput]:
+        """Apply one step's sampled tokens (steps strictly in order); returns the
+        per-request outputs, finished requests included."""
+        if scheduler_output.num_scheduled_tokens:
+            self._fences.mark_processed(scheduler_output.step_seq)
+        self._drain_deferred_frees()
+        outputs, stopped = apply_sampled_tokens(self, scheduler_output, model_runner_output)
+        if stopped:
+            self.running = [request for request in self.running if request.request_id not in stopped]
+            for request in stopped.values():
+                self._free_finished(request)
+        if self._ignored_outputs:
+            outputs.extend(self._ignored_outputs)
+            self._ignored_outputs = []
+        return outputs
+
+    def cache_processed_blocks(self, request: Request) -> None:
+        """Register the newly full blocks whose tokens are known and processed."""
+        num_processed = min(request.num_computed_tokens - request.num_in_flight_tokens,
+                            request.num_tokens)
+        if num_processed > 0:
+            self.kv_cache_manager.cache_blocks(request, num_processed)
+
+    # -- finishing ------------------------------------------------------------
+
+    def finish_requests(self, request_ids: str | Iterable[str] | None,
+                        finished_status: RequestStatus) -> list[Request]:
+        """Finish live requests from outside (abort, stop string); None means all.
+        Returns the requests actually finished (unknown or finished ids are skipped)."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"{finished_status!r} is not a finished status")
+        if request_ids is None:
+            request_ids = list(self.requests)
+        elif isinstance(request_ids, str):
+            request_ids = [request_ids]
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = finished_status
+            self._free_finished(request)
+            finished.append(request)
+        return finished
+
+    def _free_finished(self, request: Request) -> None:
+        self._free_request_blocks(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def _free_request_blocks(self, request: Request) -> None:
+        """Free now, or park the blocks (eviction order) behind the newest step."""
+        if self._fences.is_fenced(request.last_sched_seq):
+            blocks = self.kv_cache_manager.pop_blocks_for_free(request)
+            self._fences.free_or_defer(self.kv_cache_manager.block_pool, blocks, self.sched_step_seq)
+        else:
+            self.kv_cache_manager.free(request)
+
+    # -- pause, queries, stats ------------------------------------------------
+
+    def pause(self, mode: str = "abort") -> list[Request]:
+        """Pause with `mode`: "abort" (finish everything as aborted, admit
+        nothing new), "wait" (let running and preempted requests finish, admit
+        nothing new) or "keep" (freeze everything). Returns the aborted requests."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {sorted(PAUSE_MODES)}, got {mode!r}")
+        aborted = self.finish_requests(None, RequestStatus.FINISHED_ABORTED) if mode == "abort" else []
+        self.pause_state = PAUSE_MODES[mode]
+        return aborted
+
+    def resume(self) -> None:
+        self.pause_state = PauseState.UNPAUSED
+
+    def get_num_unfinished_requests(self) -> int:
+        if self.pause_state == PauseState.PAUSED_ALL:
+            return 0
+        num_ignored = len(self._ignored_outputs)
+        if self.pause_state == PauseState.PAUSED_NEW:
+            num_preempted = sum(1 for r in self.waiting if r.status == RequestStatus.PREEMPTED)
+            return len(self.running) + num_preempted + num_ignored
+        return len(self.running) + len(self.waiting) + num_ignored
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_pending_frees(self) -> bool:
+        """Whether deferred block lists still wait on a fence."""
+        return bool(self.deferred_frees)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        queries, hits = prefix_cache_counts(self.kv_cache_manager.make_prefix_cache_stats())
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            num_preemptions=self.num_preemptions,
+            num_deferred_blocks=self._fences.num_deferred_blocks,
+            sched_step_seq=self.sched_step_seq,
+            processed_step_seq=self.processed_step_seq,
+        )

@@ -1,0 +1,73 @@
+"""Applying one step's `ModelRunnerOutput` to the requests it scheduled."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvserve.request import Request, RequestStatus
+from kvserve.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from kvserve.scheduler.stop import check_stop
+
+if TYPE_CHECKING:
+    from kvserve.scheduler.scheduler import Scheduler
+
+
+def apply_sampled_tokens(
+    scheduler: "Scheduler",
+    scheduler_output: SchedulerOutput,
+    model_runner_output: ModelRunnerOutput,
+) -> tuple[list[EngineCoreOutput], dict[str, Request]]:
+    """Append each scheduled request's sampled tokens, checking stops token by
+    token (tokens after a stop are dropped). Returns the engine outputs and
+    the requests that stopped, by id; freeing them is the caller's job.
+
+    Requests finished or aborted while the step was in flight are skipped.
+    """
+    outputs: list[EngineCoreOutput] = []
+    stopped: dict[str, Request] = {}
+    index_by_req_id = model_runner_output.req_id_to_index
+    for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+        request = scheduler.requests.get(req_id)
+        if request is None:
+            continue
+        request.num_in_flight_tokens -= num_scheduled
+        index = index_by_req_id.get(req_id)
+        sampled = model_runner_output.sampled_token_ids[index] if index is not None else []
+        if not sampled:
+            continue  # a prefill chunk that did not reach the last prompt token
+        if request.num_output_placeholders > 0:
+            request.num_output_placeholders -= 1
+        was_preempted = request.status == RequestStatus.PREEMPTED
+        new_token_ids = _append_until_stop(request, sampled, scheduler.max_model_len)
+        if request.is_finished():
+            stopped[req_id] = request
+            if was_preempted:
+                scheduler.waiting.remove(request)
+        elif not was_preempted:
+            scheduler.cache_processed_blocks(request)
+        outputs.append(EngineCoreOutput(
+            request_id=req_id,
+            new_token_ids=new_token_ids,
+            finish_reason=request.get_finished_reason(),
+            stop_reason=request.stop_reason,
+            new_logprobs=_logprobs_for(model_runner_output, index, len(new_token_ids)),
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        ))
+    return outputs, stopped
+
+
+def _append_until_stop(request: Request, sampled: list[int], max_model_len: int) -> list[int]:
+    new_token_ids = []
+    for token_id in sampled:
+        request.append_output_token_ids(token_id)
+        new_token_ids.append(token_id)
+        if check_stop(request, max_model_len):
+            break
+    return new_token_ids
+
+
+def _logprobs_for(model_runner_output: ModelRunnerOutput, index: int | None,
+                  num_tokens: int) -> list[TokenLogprobs] | None:
+    if model_runner_output.logprobs is None or index is None:
+        return None
+    logprobs = model_runner_output.logprobs[index]
+    return logprobs[:num_tokens] if logprobs else None
