@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from math import gcd, lcm
+from math import lcm
 from typing import Any
 
 from kvserve.kv_cache.coordinator import KVCacheCoordinator, get_kv_cache_coordinator
 from kvserve.kv_cache.interface import KVCacheConfig
+from kvserve.kv_cache.layout import get_default_hash_block_size
 from kvserve.kv_cache.utils import (
     KVCacheBlock,
     KVCacheBlockCopy,
@@ -63,13 +64,6 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
-def default_hash_block_size(kv_cache_config: KVCacheConfig) -> int:
-    """The GCD of the prefix-cacheable groups' block sizes (any block size if none)."""
-    sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups
-             if g.kv_cache_spec.prefix_cacheable]
-    return gcd(*sizes) if sizes else kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
-
-
 class KVCacheManager:
     """Allocates, caches and frees the blocks of every request, across all groups.
 
@@ -89,7 +83,7 @@ class KVCacheManager:
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.scheduler_block_size = scheduler_block_size or lcm(*(g.kv_cache_spec.block_size for g in groups))
-        self.hash_block_size = hash_block_size or default_hash_block_size(kv_cache_config)
+        self.hash_block_size = hash_block_size or get_default_hash_block_size(kv_cache_config)
         for group in groups:
             spec = group.kv_cache_spec
             if spec.prefix_cacheable and spec.block_size % self.hash_block_size:

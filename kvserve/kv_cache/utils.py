@@ -15,7 +15,7 @@ import hashlib
 import os
 from array import array
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, NewType, Protocol, Sequence
+from typing import Any, Callable, Iterable, NewType, Sequence
 
 BlockHash = NewType("BlockHash", bytes)
 # Hash bytes followed by the 4-byte big-endian KV-cache group id.
@@ -233,12 +233,6 @@ def hash_block_tokens(
     return BlockHash(hash_fn(_encode_block(parent_block_hash, curr_block_token_ids, extra_keys)))
 
 
-class _HashableRequest(Protocol):
-    all_token_ids: list[int]
-    block_hashes: list[Any]
-    num_tokens: int
-
-
 def generate_block_extra_keys(request: Any, start_token_idx: int, end_token_idx: int) -> tuple[Any, ...] | None:
     """Extra keys of the hash unit `[start, end)`, in the order LoRA, multimodal, salt.
 
@@ -302,3 +296,12 @@ class BlockHashListWithBlockSize:
 
     def __iter__(self) -> Iterable[BlockHash]:
         return (self[i] for i in range(len(self)))
+
+
+# The layout builder lives in `layout`; it is re-exported here, where vLLM keeps it.
+from kvserve.kv_cache.layout import (  # noqa: E402
+    get_default_hash_block_size,
+    get_kv_cache_config,
+    get_scheduler_block_size,
+    kv_cache_group_block_sizes,
+)

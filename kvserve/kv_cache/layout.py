@@ -1,0 +1,66 @@
+"""Turn a model's per-layer KV specs and a memory budget into a `KVCacheConfig`.
+
+Layout (vLLM-like): layers with equal specs form one group (one block table
+per request). All groups draw block ids from one pool and a block id belongs
+to one group at a time, so layer j of every group can share one backing
+tensor: `KVCacheTensor` j is `shared_by` the j-th layer of each group and
+holds `num_blocks` pages of the largest page size among them. Block id b is
+page b of every layer tensor of the group that holds it. The cost of one
+block id is therefore the sum over tensor slots of their page size, and
+`num_blocks = budget // that`. With one group this is one tensor per layer.
+"""
+from __future__ import annotations
+
+from math import gcd, lcm
+
+from kvserve.kv_cache.interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, KVCacheTensor
+
+
+def group_layers_by_spec(layer_specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
+    """One group per distinct spec, in order of first appearance."""
+    layers_by_spec: dict[KVCacheSpec, list[str]] = {}
+    for layer_name, spec in layer_specs.items():
+        layers_by_spec.setdefault(spec, []).append(layer_name)
+    return [KVCacheGroupSpec(layer_names, spec) for spec, layer_names in layers_by_spec.items()]
+
+
+def _tensor_slot_page_sizes(groups: list[KVCacheGroupSpec]) -> list[int]:
+    num_slots = max(len(group.layer_names) for group in groups)
+    return [max(group.kv_cache_spec.page_size_bytes for group in groups if len(group.layer_names) > slot)
+            for slot in range(num_slots)]
+
+
+def get_kv_cache_config(layer_specs: dict[str, KVCacheSpec], available_memory_bytes: int,
+                        num_blocks: int | None = None) -> KVCacheConfig:
+    """The cache layout for `layer_specs` within `available_memory_bytes` (or with
+    exactly `num_blocks` blocks when given). Raises ValueError when fewer than two
+    blocks fit (block 0 is the null block)."""
+    if not layer_specs:
+        raise ValueError("no KV-cache layers")
+    groups = group_layers_by_spec(layer_specs)
+    slot_page_sizes = _tensor_slot_page_sizes(groups)
+    bytes_per_block = sum(slot_page_sizes)
+    if num_blocks is None:
+        num_blocks = available_memory_bytes // bytes_per_block
+    if num_blocks < 2:
+        raise ValueError(f"KV-cache budget of {available_memory_bytes} bytes holds {num_blocks} blocks of "
+                         f"{bytes_per_block} bytes; at least 2 are needed")
+    tensors = [KVCacheTensor(size=page_size * num_blocks,
+                             shared_by=[group.layer_names[slot] for group in groups if len(group.layer_names) > slot])
+               for slot, page_size in enumerate(slot_page_sizes)]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
+
+
+def kv_cache_group_block_sizes(kv_cache_config: KVCacheConfig) -> list[int]:
+    return [group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups]
+
+
+def get_scheduler_block_size(kv_cache_config: KVCacheConfig) -> int:
+    """The LCM of the groups' block sizes: a step boundary common to every table."""
+    return lcm(*kv_cache_group_block_sizes(kv_cache_config))
+
+
+def get_default_hash_block_size(kv_cache_config: KVCacheConfig) -> int:
+    """The GCD of the prefix-cacheable groups' block sizes (the first group's size if none is)."""
+    sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups if g.kv_cache_spec.prefix_cacheable]
+    return gcd(*sizes) if sizes else kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
