@@ -1,0 +1,273 @@
+"""Attention over a paged KV cache: the per-step metadata, the KV tensors and
+the portable torch backend (CPU, and CUDA as a fallback).
+
+KV layout, per layer: one tensor `[2, num_blocks, block_size, num_kv_heads,
+head_size]` (K at index 0, V at 1). Token slot s of block b is row
+`b * block_size + s` of the flattened `[num_blocks * block_size, heads, dim]`
+view. Layers of different KV-cache groups may share one backing buffer
+(`KVCacheTensor.shared_by`): they use disjoint block ids from one pool.
+
+Per step and per KV-cache group, `AttentionMetadata.plan()` turns the batch
+into gather indices and masks once; every layer of the group reuses them.
+A layer attends to the cached part of the context (gathered from the cache,
+positions before this step's first token) plus this step's own K/V (taken
+from the fresh projections). The new K/V are written after being read, which
+keeps circular-buffer chunks correct even when a chunk overwrites ring slots
+that its own first tokens still need.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.kv_cache.interface import (AttentionSpec, CircularBufferSpec, KVCacheConfig, KVCacheSpec,
+                                        SlidingWindowSpec)
+from kvserve.kv_cache.utils import KVCacheBlockCopy
+
+
+@dataclass
+class AttentionSubBatch:
+    """Requests of one shape class (decode or prefill) padded to one query length."""
+
+    token_index: torch.Tensor  # [n, max_q] flat token index per (request, query row); pads clamp to a valid one
+    valid_rows: torch.Tensor  # [n * max_q] bool, rows that are real tokens
+    cached_slots: torch.Tensor  # [n, max_cached] cache rows of earlier positions (pads -> slot 0)
+    mask: torch.Tensor  # [n, max_q, max_cached + max_q] bool, True = may attend
+    out_index: torch.Tensor  # flat token index of each valid row, in row order
+
+
+@dataclass
+class AttentionPlan:
+    """Gather/scatter indices of one step for one KV-cache group, shared by its layers."""
+
+    sub_batches: list[AttentionSubBatch]
+    write_token_index: torch.Tensor  # tokens whose K/V are stored
+    write_slots: torch.Tensor  # where they go
+
+
+@dataclass
+class AttentionMetadata:
+    """One KV-cache group's view of a step (the runner builds one per group).
+
+    Tensors: `query_start_loc` [B+1] (token offsets of each request in the flat
+    batch), `seq_lens` [B] (context length including this step's tokens),
+    `block_table` [B, max_blocks] (block ids, pads 0), `slot_mapping` [T]
+    (cache row of each new token; None lets the backend derive it from the
+    block table). `spec` tells the backend how the group stores K/V (window,
+    circular ring). Build with `AttentionMetadata.build` to get the derived
+    fields filled in.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor | None
+    max_query_len: int
+    max_seq_len: int
+    spec: KVCacheSpec | None = None
+    _plans: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(cls, spec: KVCacheSpec, query_lens: list[int], seq_lens: list[int],
+              block_table: torch.Tensor, device: torch.device | str = "cpu") -> "AttentionMetadata":
+        """Metadata from per-request query lengths, context lengths and the padded block table."""
+        query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+        query_start_loc[1:] = torch.tensor(query_lens, dtype=torch.int64).cumsum(0)
+        metadata = cls(query_start_loc=query_start_loc.to(device),
+                       seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+                       block_table=block_table.to(device=device, dtype=torch.int64),
+                       slot_mapping=None, max_query_len=max(query_lens, default=0),
+                       max_seq_len=max(seq_lens, default=0), spec=spec)
+        metadata.slot_mapping = compute_slot_mapping(spec, metadata.block_table, metadata.query_start_loc,
+                                                     metadata.seq_lens)
+        return metadata
+
+    def plan(self, block_size: int, sliding_window: int | None) -> AttentionPlan:
+        key = (block_size, sliding_window)
+        if key not in self._plans:
+            self._plans[key] = _build_plan(self, block_size, sliding_window)
+        return self._plans[key]
+
+
+def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(request index, position) of every flat token."""
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    req_index = torch.repeat_interleave(torch.arange(len(query_lens), device=seq_lens.device), query_lens)
+    offset_in_req = torch.arange(int(query_start_loc[-1]), device=seq_lens.device) - query_start_loc[req_index]
+    return req_index, (seq_lens - query_lens)[req_index] + offset_in_req
+
+
+def _ring_blocks(spec: KVCacheSpec | None) -> int | None:
+    return spec.blocks_per_request if isinstance(spec, CircularBufferSpec) else None
+
+
+def compute_slot_mapping(spec: KVCacheSpec, block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                         seq_lens: torch.Tensor) -> torch.Tensor:
+    """Cache row of every new token: block_table[req, p // bs] * bs + p % bs (ring-indexed for circular groups)."""
+    req_index, positions = token_positions(query_start_loc, seq_lens)
+    return _slots(block_table, req_index, positions, spec.block_size, _ring_blocks(spec))
+
+
+def _slots(block_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, block_size: int,
+           ring_blocks: int | None) -> torch.Tensor:
+    block_index = positions // block_size
+    if ring_blocks is not None:
+        block_index = block_index % ring_blocks
+    return block_table[req_index, block_index] * block_size + positions % block_size
+
+
+def _build_plan(md: AttentionMetadata, block_size: int, window: int | None) -> AttentionPlan:
+    ring_blocks = _ring_blocks(md.spec)
+    md.block_table = md.block_table.long()
+    md.query_start_loc = md.query_start_loc.long()
+    md.seq_lens = md.seq_lens.long()
+    query_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
+    context_lens = md.seq_lens - query_lens
+    is_decode = query_lens == 1
+    sub_batches = []
+    for rows in (is_decode.nonzero().flatten(), (~is_decode & (query_lens > 0)).nonzero().flatten()):
+        if len(rows):
+            sub_batches.append(_build_sub_batch(md, rows, query_lens[rows], context_lens[rows],
+                                                block_size, window, ring_blocks))
+    req_index, positions = token_positions(md.query_start_loc, md.seq_lens)
+    if ring_blocks is not None:
+        slots = _slots(md.block_table, req_index, positions, block_size, ring_blocks)
+        # A ring slot is reused every ring_capacity positions: of the tokens of this
+        # step that collide, only the last may be written.
+        keep = positions + ring_blocks * block_size >= md.seq_lens[req_index]
+        write_index = keep.nonzero().flatten()
+        return AttentionPlan(sub_batches, write_index, slots[write_index])
+    slots = md.slot_mapping.long() if md.slot_mapping is not None else _slots(
+        md.block_table, req_index, positions, block_size, None)
+    return AttentionPlan(sub_batches, torch.arange(len(slots), device=slots.device), slots)
+
+
+def _build_sub_batch(md: AttentionMetadata, rows: torch.Tensor, query_lens: torch.Tensor,
+                     context_lens: torch.Tensor, block_size: int, window: int | None,
+                     ring_blocks: int | None) -> AttentionSubBatch:
+    device = query_lens.device
+    max_q = int(query_lens.max())
+    q_offsets = torch.arange(max_q, device=device)
+    q_valid = q_offsets[None, :] < query_lens[:, None]  # [n, max_q]
+    starts = md.query_start_loc[rows]
+    token_index = starts[:, None] + torch.where(q_valid, q_offsets[None, :], 0)
+    q_pos = context_lens[:, None] + q_offsets[None, :]  # [n, max_q]
+
+    # Cached keys: positions [first_cached, context_len); a window only needs the
+    # last (window - 1) of them for the step's first token.
+    first_cached = (context_lens - (window - 1)).clamp(min=0) if window else torch.zeros_like(context_lens)
+    num_cached = context_lens - first_cached
+    max_cached = int(num_cached.max()) if len(num_cached) else 0
+    c_offsets = torch.arange(max_cached, device=device)
+    c_valid = c_offsets[None, :] < num_cached[:, None]
+    c_pos = first_cached[:, None] + c_offsets[None, :]  # [n, max_cached]
+    req = rows[:, None].expand_as(c_pos)
+    cached_slots = _slots(md.block_table, req, torch.where(c_valid, c_pos, 0), block_size, ring_blocks)
+    cached_slots = torch.where(c_valid, cached_slots, 0)
+
+    cached_mask = c_valid[:, None, :].expand(-1, max_q, -1)
+    new_mask = (q_offsets[None, :, None] >= q_offsets[None, None, :]) & q_valid[:, None, :]
+    if window:
+        cached_mask = cached_mask & (q_pos[:, :, None] - c_pos[:, None, :] < window)
+        new_mask = new_mask & (q_offsets[None, :, None] - q_offsets[None, None, :] < window)
+    # Pad query rows attend to their request's first new token so no row is all-masked.
+    new_mask = new_mask | (~q_valid[:, :, None] & (q_offsets[None, None, :] == 0))
+    mask = torch.cat([cached_mask, new_mask.expand(len(rows), -1, -1)], dim=2)
+    valid_rows = q_valid.flatten()
+    return AttentionSubBatch(token_index=token_index, valid_rows=valid_rows, cached_slots=cached_slots,
+                             mask=mask, out_index=token_index.flatten()[valid_rows])
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                    plan: AttentionPlan, scale: float, softcap: float | None) -> torch.Tensor:
+    """q: [T, Hq, D], k/v: [T, Hkv, D] of this step's tokens (already rotated).
+
+    Returns [T, Hq, D]. Reads cached K/V, then stores this step's K/V."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    k_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
+    v_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    out = q.new_empty(q.shape)
+    for sub in plan.sub_batches:
+        keys = torch.cat([k_cache[sub.cached_slots], k[sub.token_index]], dim=1)
+        values = torch.cat([v_cache[sub.cached_slots], v[sub.token_index]], dim=1)
+        attended = _attend(q[sub.token_index], keys, values, sub.mask, scale, softcap)
+        out[sub.out_index] = attended.flatten(0, 1)[sub.valid_rows]
+    k_cache.index_copy_(0, plan.write_slots, k[plan.write_token_index].to(k_cache.dtype))
+    v_cache.index_copy_(0, plan.write_slots, v[plan.write_token_index].to(v_cache.dtype))
+    return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """q: [n, Lq, Hq, D]; k/v: [n, Lk, Hkv, D]; mask: [n, Lq, Lk]. GQA without repeating K/V."""
+    n, lq, hq, d = q.shape
+    hkv = k.shape[2]
+    group = hq // hkv
+    # [n, Hkv, group*Lq, D]: query heads of one KV head share its keys in one matmul.
+    qg = q.view(n, lq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, group * lq, d)
+    kt = k.permute(0, 2, 3, 1)  # [n, Hkv, D, Lk]
+    scores = torch.matmul(qg, kt).float() * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(n, hkv, group, lq, -1).masked_fill(~mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(n, hkv, group * lq, -1)
+    out = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [n, Hkv, group*Lq, D]
+    return out.view(n, hkv, group, lq, d).permute(0, 3, 1, 2, 4).reshape(n, lq, hq, d)
+
+
+# -- KV tensors ---------------------------------------------------------------------------
+
+def kv_cache_shape(spec: AttentionSpec, num_blocks: int) -> tuple[int, ...]:
+    return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+
+
+def _torch_dtype(dtype) -> torch.dtype:
+    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).removeprefix("torch."))
+
+
+def allocate_kv_caches(kv_cache_config: KVCacheConfig, layer_specs: dict[str, KVCacheSpec],
+                       device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """One zeroed KV tensor per layer; layers named together in a `KVCacheTensor` share its buffer."""
+    num_blocks = kv_cache_config.num_blocks
+    caches: dict[str, torch.Tensor] = {}
+    for tensor in kv_cache_config.kv_cache_tensors:
+        buffer = torch.zeros(tensor.size, dtype=torch.int8, device=device)
+        for name in tensor.shared_by:
+            spec = layer_specs[name]
+            dtype = _torch_dtype(spec.dtype)
+            needed = spec.page_size_bytes * num_blocks
+            if needed > tensor.size:
+                raise ValueError(f"KV tensor of {tensor.size} bytes is too small for {name} ({needed} bytes)")
+            caches[name] = buffer[:needed].view(dtype).view(kv_cache_shape(spec, num_blocks))
+    for group in kv_cache_config.kv_cache_groups:
+        for name in group.layer_names:
+            if name not in caches:
+                spec = layer_specs[name]
+                caches[name] = torch.zeros(kv_cache_shape(spec, num_blocks), dtype=_torch_dtype(spec.dtype),
+                                           device=device)
+    return caches
+
+
+def copy_kv_blocks(kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConfig,
+                   copies: list[KVCacheBlockCopy]) -> None:
+    """Apply copy-on-write block copies to every layer of each copy's group.
+
+    Whole blocks are copied: slots past `num_tokens` belong to the destination's
+    owner, which overwrites them before reading them."""
+    if not copies:
+        return
+    by_group: dict[int, list[KVCacheBlockCopy]] = {}
+    for copy in copies:
+        by_group.setdefault(copy.group_id, []).append(copy)
+    for group_id, group_copies in by_group.items():
+        layer_names = kv_cache_config.kv_cache_groups[group_id].layer_names
+        device = kv_caches[layer_names[0]].device
+        src = torch.tensor([c.src_block_id for c in group_copies], device=device)
+        dst = torch.tensor([c.dst_block_id for c in group_copies], device=device)
+        for name in layer_names:
+            kv_caches[name][:, dst] = kv_caches[name][:, src]
+
+
+def is_windowed(spec: KVCacheSpec) -> bool:
+    return isinstance(spec, (SlidingWindowSpec, CircularBufferSpec))

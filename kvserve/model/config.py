@@ -1,0 +1,283 @@
+"""ModelConfig: the architecture of a decoder model, read from a Hugging Face
+directory (config.json) or a GGUF file's metadata.
+
+Reading a config needs no torch: `dtype` is kept as a name ("float32").
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+
+# HF architecture name -> family switch set ("llama" covers Llama 2/3, SmolLM2).
+ARCHITECTURE_FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+}
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+
+
+class ModelConfigError(ValueError):
+    """The model's files or config cannot be used; the message says why."""
+
+
+class UnsupportedArchitectureError(ModelConfigError):
+    """The model's architecture is not one kvserve implements."""
+
+
+class ModelFilesNotFoundError(ModelConfigError):
+    """The model path, its config.json or its weight files are missing."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding of one kind of layer: base, scaling type and its parameters."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    partial_rotary_factor: float = 1.0
+
+    @classmethod
+    def from_hf(cls, params: dict[str, Any] | None, default_theta: float) -> "RopeConfig":
+        params = dict(params or {})
+        rope_type = params.get("rope_type") or params.get("type") or "default"
+        if rope_type not in ROPE_TYPES:
+            raise ModelConfigError(f"unsupported RoPE scaling type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
+        known = {k: params[k] for k in (
+            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+            "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
+            "partial_rotary_factor") if params.get(k) is not None}
+        return cls(theta=float(params.get("rope_theta", default_theta)), rope_type=rope_type, **known)
+
+
+@dataclass
+class ModelConfig:
+    """Everything the decoder, the loaders and the runner need to know about a model."""
+
+    path: str
+    is_gguf: bool
+    architecture: str
+    model_type: str
+    family: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    max_model_len: int
+    dtype: str = "float32"
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    # Gemma-3 rotates sliding layers with their own (local) base.
+    rope_local: RopeConfig | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    qk_norm: bool = False
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ModelConfigError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
+        if not self.layer_types:
+            self.layer_types = ["full"] * self.num_layers
+        if len(self.layer_types) != self.num_layers:
+            raise ModelConfigError(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
+        if "sliding" in self.layer_types and not self.sliding_window:
+            raise ModelConfigError("sliding layers need a sliding_window")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.max_model_len < 1:
+            raise ModelConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    # -- family switches -------------------------------------------------------------
+    @property
+    def is_gemma(self) -> bool:
+        return self.family in ("gemma2", "gemma3")
+
+    @property
+    def norm_adds_one(self) -> bool:
+        """Gemma's RMSNorm scales by (1 + w)."""
+        return self.is_gemma
+
+    @property
+    def sandwich_norms(self) -> bool:
+        """Gemma normalizes attention and MLP outputs too (pre and post norms)."""
+        return self.is_gemma
+
+    @property
+    def scales_embeddings(self) -> bool:
+        return self.is_gemma
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return "sliding" in self.layer_types
+
+    def rope_for_layer(self, layer_idx: int) -> RopeConfig:
+        if self.rope_local is not None and self.layer_types[layer_idx] == "sliding":
+            return self.rope_local
+        return self.rope
+
+    @property
+    def torch_dtype(self):
+        import torch
+        return getattr(torch, self.dtype)
+
+    # -- construction ----------------------------------------------------------------
+    @classmethod
+    def from_path(cls, path: str, dtype: str = "float32", max_model_len: int | None = None) -> "ModelConfig":
+        """Read a HF model directory (config.json) or a `.gguf` file."""
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            raise ModelFilesNotFoundError(f"model path {path!r} does not exist")
+        if os.path.isfile(path):
+            if not path.endswith(".gguf"):
+                raise ModelFilesNotFoundError(f"{path!r} is a file but not a .gguf file; pass a model directory or a GGUF file")
+            from kvserve.model.gguf_loader import read_gguf_hf_config
+            hf, extra = read_gguf_hf_config(path)
+            return cls.from_hf_dict(hf, path=path, is_gguf=True, dtype=dtype,
+                                    max_model_len=max_model_len, **extra)
+        config_file = os.path.join(path, "config.json")
+        if not os.path.isfile(config_file):
+            raise ModelFilesNotFoundError(f"{path!r} has no config.json (is it a Hugging Face model directory?)")
+        with open(config_file) as f:
+            hf = json.load(f)
+        gen_eos = _read_generation_eos(path)
+        cfg = cls.from_hf_dict(hf, path=path, is_gguf=False, dtype=dtype, max_model_len=max_model_len)
+        if gen_eos:
+            cfg.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + gen_eos))
+        return cfg
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any], *, path: str = "", is_gguf: bool = False, dtype: str = "float32",
+                     max_model_len: int | None = None, **overrides: Any) -> "ModelConfig":
+        """Build from a config.json dictionary (transformers 4.x or 5.x layout)."""
+        architecture = (hf.get("architectures") or [""])[0]
+        family = ARCHITECTURE_FAMILIES.get(architecture)
+        if family is None:
+            supported = ", ".join(sorted(ARCHITECTURE_FAMILIES))
+            raise UnsupportedArchitectureError(
+                f"architecture {architecture or hf.get('model_type')!r} is not supported (supported: {supported})")
+        num_layers = int(hf["num_hidden_layers"])
+        num_heads = int(hf["num_attention_heads"])
+        hidden_size = int(hf["hidden_size"])
+        head_dim = int(hf.get("head_dim") or hidden_size // num_heads)
+        max_pos = int(hf.get("max_position_embeddings") or 2048)
+        if max_model_len is not None and max_model_len > max_pos:
+            logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d", max_model_len, max_pos)
+        rope, rope_local = _parse_rope(hf, family)
+        sliding_window, layer_types = _parse_layer_types(hf, family, num_layers)
+        eos = hf.get("eos_token_id")
+        eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+        is_gemma = family in ("gemma2", "gemma3")
+        kwargs: dict[str, Any] = dict(
+            path=path, is_gguf=is_gguf, architecture=architecture, model_type=hf.get("model_type", ""),
+            family=family, num_layers=num_layers, hidden_size=hidden_size,
+            intermediate_size=int(hf["intermediate_size"]), num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads), head_dim=head_dim,
+            vocab_size=int(hf["vocab_size"]), max_position_embeddings=max_pos,
+            max_model_len=int(max_model_len or max_pos), dtype=dtype, layer_types=layer_types,
+            sliding_window=sliding_window, rope=rope, rope_local=rope_local,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", is_gemma)),
+            hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "silu",
+            attention_bias=bool(hf.get("attention_bias", family == "qwen2")),
+            qk_norm=family in ("qwen3", "gemma3"),
+            attn_logit_softcapping=hf.get("attn_logit_softcapping") if family == "gemma2" else None,
+            final_logit_softcapping=hf.get("final_logit_softcapping") if is_gemma else None,
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if is_gemma else None,
+            bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos_ids, pad_token_id=hf.get("pad_token_id"),
+        )
+        if family == "gemma3" and hf.get("attn_logit_softcapping"):
+            kwargs["attn_logit_softcapping"] = hf["attn_logit_softcapping"]
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+
+def _parse_rope(hf: dict[str, Any], family: str) -> tuple[RopeConfig, RopeConfig | None]:
+    """transformers 5 keeps RoPE in `rope_parameters` (per layer type for Gemma-3);
+    4.x used `rope_theta` + `rope_scaling` (+ `rope_local_base_freq`)."""
+    theta = float(hf.get("rope_theta", 10000.0))
+    params = hf.get("rope_parameters")
+    if params is None:
+        params = dict(hf.get("rope_scaling") or {})
+        params.setdefault("rope_theta", theta)
+    if isinstance(params, dict) and "full_attention" in params:
+        rope = RopeConfig.from_hf(params["full_attention"], theta)
+        local = params.get("sliding_attention")
+        return rope, RopeConfig.from_hf(local, 10000.0) if local else None
+    rope = RopeConfig.from_hf(params, theta)
+    if family == "gemma3":
+        local_theta = float(hf.get("rope_local_base_freq", 10000.0))
+        return rope, RopeConfig(theta=local_theta)
+    return rope, None
+
+
+def _parse_layer_types(hf: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, list[str]]:
+    window = hf.get("sliding_window")
+    if family == "qwen2" or family == "qwen3":
+        if not hf.get("use_sliding_window", False):
+            window = None
+    layer_types = hf.get("layer_types")
+    if layer_types:
+        kinds = ["sliding" if t == "sliding_attention" else "full" for t in layer_types]
+        if any(t not in ("sliding_attention", "full_attention") for t in layer_types):
+            raise ModelConfigError(f"unsupported layer types {sorted(set(layer_types))}")
+    elif window and family == "gemma2":
+        kinds = ["sliding" if i % 2 == 0 else "full" for i in range(num_layers)]
+    elif window and family == "gemma3":
+        pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
+        kinds = ["full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers)]
+    elif window and family in ("qwen2", "qwen3"):
+        first_full = int(hf.get("max_window_layers", num_layers))
+        kinds = ["sliding" if i >= first_full else "full" for i in range(num_layers)]
+    elif window:
+        kinds = ["sliding"] * num_layers
+    else:
+        kinds = ["full"] * num_layers
+    if "sliding" not in kinds:
+        window = None
+    return (int(window) if window else None), kinds
+
+
+def _read_generation_eos(path: str) -> list[int]:
+    gen_file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(gen_file):
+        return []
+    with open(gen_file) as f:
+        eos = json.load(f).get("eos_token_id")
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]

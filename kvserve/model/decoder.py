@@ -1,0 +1,181 @@
+"""One decoder-only transformer with per-family switches (ModelConfig decides):
+Llama / Mistral / Qwen2 (QKV bias) / Qwen3 (Q/K norm) / Gemma-2 / Gemma-3
+(sandwich norms, (1+w) RMSNorm, GeGLU, embedding scaling, soft-capping,
+interleaved sliding-window layers, Gemma-3's local RoPE base)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvserve.kv_cache.interface import (CircularBufferSpec, FullAttentionSpec, KVCacheConfig, KVCacheSpec,
+                                        SlidingWindowSpec)
+from kvserve.model.attention import AttentionMetadata, is_windowed, paged_attention
+from kvserve.model.config import ModelConfig
+from kvserve.model.layers import RMSNorm, RotaryEmbedding, activation, apply_rotary
+from kvserve.model.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext,
+                                    VocabParallelEmbedding)
+
+
+class SelfAttention(nn.Module):
+    """Fused QKV projection, optional Q/K norms, RoPE, paged attention, output projection."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPContext) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_heads // tp.size
+        self.num_kv_heads = config.num_kv_heads // tp.size
+        if config.num_kv_heads % tp.size:
+            raise ValueError(f"num_kv_heads {config.num_kv_heads} is not divisible by tensor_parallel_size {tp.size}")
+        q_size, kv_size = config.num_heads * self.head_dim, config.num_kv_heads * self.head_dim
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_size, kv_size, kv_size], config.attention_bias,
+                                             tp, shard_names=["q", "k", "v"])
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, False, tp)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_adds_one)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_adds_one)
+        self.scale = config.attention_scale
+        self.softcap = config.attn_logit_softcapping
+        self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == "sliding" else None
+
+    def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                metadata: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.shard_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        plan = metadata.plan(kv_cache.shape[2], self.sliding_window)
+        out = paged_attention(q, k, v, kv_cache, plan, self.scale, self.softcap)
+        return self.o_proj(out.view(num_tokens, -1))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused in one projection."""
+
+    def __init__(self, config: ModelConfig, tp: TPContext) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], False, tp,
+                                                 shard_names=["gate", "up"])
+        self.down_proj = RowParallelLinear(size, config.hidden_size, False, tp)
+        self.act = activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block; with sandwich norms (Gemma) the attention and MLP outputs are normalized too."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPContext) -> None:
+        super().__init__()
+        eps, plus_one = config.rms_norm_eps, config.norm_adds_one
+        self.self_attn = SelfAttention(config, layer_idx, tp)
+        self.mlp = GatedMLP(config, tp)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, plus_one)
+        # Llama family: the norm before the MLP. Gemma: the norm after attention.
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, plus_one)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, plus_one)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, plus_one)
+
+    def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                metadata: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        attn_out = self.self_attn(self.input_layernorm(hidden), cos_sin, metadata, kv_cache)
+        if self.sandwich:
+            hidden = hidden + self.post_attention_layernorm(attn_out)
+            return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+        hidden = hidden + attn_out
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    """The whole model: embeddings, decoder layers, final norm, LM head.
+
+    KV-cache layer names are `model.layers.{i}.self_attn.attn`. Call
+    `bind_kv_cache_config` once the KV-cache layout is known so each layer
+    reads the metadata of its own group.
+    """
+
+    def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1, tp_group=None) -> None:
+        super().__init__()
+        self.config = config
+        tp = TPContext(tp_rank, tp_size, tp_group)
+        self.tp = tp
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_adds_one)
+        tied = self.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, tied_to=tied)
+        max_pos = config.max_position_embeddings
+        self.rotary_global = RotaryEmbedding(config.head_dim, config.rope, max_pos)
+        self.rotary_local = (RotaryEmbedding(config.head_dim, config.rope_local, max_pos)
+                             if config.rope_local is not None else None)
+        self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(config.num_layers)]
+        self.layer_group_ids: list[int] | None = None
+
+    # -- KV cache -------------------------------------------------------------------
+    def kv_cache_specs(self, block_size: int, kv_dtype=None, sliding_window_kv: str = "sliding") -> dict[str, KVCacheSpec]:
+        """Layer name -> KV spec (full, sliding window, or circular buffer for windowed layers)."""
+        if sliding_window_kv not in ("sliding", "circular"):
+            raise ValueError(f"sliding_window_kv must be 'sliding' or 'circular', got {sliding_window_kv!r}")
+        dtype = kv_dtype if kv_dtype is not None else self.config.torch_dtype
+        num_kv_heads = self.config.num_kv_heads // self.tp.size
+        specs: dict[str, KVCacheSpec] = {}
+        for name, layer in zip(self.layer_names, self.layers):
+            window = layer.self_attn.sliding_window
+            common = dict(block_size=block_size, num_kv_heads=num_kv_heads, head_size=self.config.head_dim,
+                          dtype=dtype)
+            if window is None:
+                specs[name] = FullAttentionSpec(**common)
+            elif sliding_window_kv == "circular":
+                specs[name] = CircularBufferSpec(**common, sliding_window=window)
+            else:
+                specs[name] = SlidingWindowSpec(**common, sliding_window=window)
+        return specs
+
+    def bind_kv_cache_config(self, kv_cache_config: KVCacheConfig) -> None:
+        """Record which KV-cache group each layer belongs to."""
+        group_of = {name: g for g, group in enumerate(kv_cache_config.kv_cache_groups) for name in group.layer_names}
+        missing = [name for name in self.layer_names if name not in group_of]
+        if missing:
+            raise ValueError(f"KV-cache config has no group for layers {missing[:3]}")
+        self.layer_group_ids = [group_of[name] for name in self.layer_names]
+
+    def _group_ids(self, metadata_by_group: list[AttentionMetadata]) -> list[int]:
+        if self.layer_group_ids is not None:
+            return self.layer_group_ids
+        if len(metadata_by_group) == 1:
+            return [0] * len(self.layers)
+        # Unbound hybrid model: match each layer to the group whose spec has its kind.
+        kinds = [md.spec is not None and is_windowed(md.spec) for md in metadata_by_group]
+        return [kinds.index(layer.self_attn.sliding_window is not None) for layer in self.layers]
+
+    # -- forward --------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata_by_group: list[AttentionMetadata], kv_caches: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens."""
+        hidden = self.embed_tokens(input_ids)
+        if self.config.scales_embeddings:
+            hidden = hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype)
+        global_cos_sin = self.rotary_global.cos_sin(positions, hidden.dtype)
+        local_cos_sin = (self.rotary_local.cos_sin(positions, hidden.dtype)
+                         if self.rotary_local is not None else global_cos_sin)
+        for layer, name, group_id in zip(self.layers, self.layer_names, self._group_ids(attn_metadata_by_group)):
+            cos_sin = local_cos_sin if layer.self_attn.sliding_window is not None else global_cos_sin
+            hidden = layer(hidden, cos_sin, attn_metadata_by_group[group_id], kv_caches[name])
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, vocab] (final soft-capping applied)."""
+        logits = self.lm_head.logits(hidden).float()
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

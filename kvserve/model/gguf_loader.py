@@ -1,0 +1,169 @@
+"""GGUF files: architecture metadata as a config.json-like dict, and tensors
+dequantized and renamed to Hugging Face names (llama.cpp's Q/K row permutation undone).
+"""
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# GGUF general.architecture -> HF architecture
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+
+# llama.cpp interleaves the two rotary halves of Q and K rows; HF keeps them split.
+_PERMUTED_ARCHS = ("llama", "mistral")
+
+_METADATA_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.sliding_window": "sliding_window",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
+}
+
+_BLOCK_TENSORS = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _field_value(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    value = field.contents()
+    return value
+
+
+def read_gguf_hf_config(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Return (config.json-like dict, ModelConfig overrides) from a GGUF file's metadata."""
+    from gguf import GGUFReader
+
+    from kvserve.model.config import ModelConfigError, UnsupportedArchitectureError
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # the gguf package raises bare ValueErrors/struct errors
+        raise ModelConfigError(f"{path!r} is not a readable GGUF file: {exc}") from exc
+    arch = _field_value(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})")
+    hf: dict[str, Any] = {"architectures": [GGUF_ARCHITECTURES[arch]], "model_type": arch}
+    for key, hf_key in _METADATA_KEYS.items():
+        value = _field_value(reader, f"{arch}.{key}")
+        if value is not None:
+            hf[hf_key] = value
+    if "vocab_size" not in hf:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        hf["vocab_size"] = len(tokens.data) if tokens is not None else 0
+    _add_rope_scaling(reader, arch, hf)
+    if arch == "gemma3":
+        hf.setdefault("rope_local_base_freq", 10000.0)
+        hf["query_pre_attn_scalar"] = hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
+    if arch == "gemma2":
+        hf["query_pre_attn_scalar"] = hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
+    names = {t.name for t in reader.tensors}
+    hf["tie_word_embeddings"] = "output.weight" not in names
+    hf["attention_bias"] = "blk.0.attn_q.bias" in names
+    eos = _field_value(reader, "tokenizer.ggml.eos_token_id")
+    eot = _field_value(reader, "tokenizer.ggml.eot_token_id")
+    eos_ids = [int(e) for e in (eos, eot) if e is not None]
+    overrides = {"eos_token_ids": list(dict.fromkeys(eos_ids)),
+                 "bos_token_id": _field_value(reader, "tokenizer.ggml.bos_token_id")}
+    return hf, overrides
+
+
+def _add_rope_scaling(reader: Any, arch: str, hf: dict[str, Any]) -> None:
+    scaling_type = _field_value(reader, f"{arch}.rope.scaling.type")
+    factor = _field_value(reader, f"{arch}.rope.scaling.factor")
+    if scaling_type in ("linear", "yarn") and factor:
+        hf["rope_scaling"] = {"rope_type": scaling_type, "factor": float(factor)}
+        original = _field_value(reader, f"{arch}.rope.scaling.original_context_length")
+        if original:
+            hf["rope_scaling"]["original_max_position_embeddings"] = int(original)
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        # Llama-3 scaling stored as per-frequency divisors: applied by the loader.
+        hf["rope_freq_factors_in_file"] = True
+
+
+def gguf_hf_name(gguf_name: str) -> str | None:
+    """Map a GGUF tensor name ("blk.3.attn_q.weight") to its HF name, or None if unused."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
+    if match and match.group(2) in _BLOCK_TENSORS:
+        return f"model.layers.{match.group(1)}.{_BLOCK_TENSORS[match.group(2)]}.{suffix}"
+    return None
+
+
+def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Invert llama.cpp's per-head (2, d/2) -> (d/2, 2) row interleave of Q/K."""
+    rows = weight.shape[0]
+    rest = weight.shape[1:]
+    return (weight.reshape(num_heads, rows // num_heads // 2, 2, *rest)
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def dequantize_tensor(tensor: Any) -> np.ndarray:
+    """A GGUF tensor as float32, shaped like the PyTorch weight (rows first)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    qtype = tensor.tensor_type
+    if qtype == GGMLQuantizationType.F32:
+        data = np.asarray(tensor.data, dtype=np.float32)
+    elif qtype == GGMLQuantizationType.F16:
+        data = np.asarray(tensor.data, dtype=np.float16).astype(np.float32)
+    else:
+        data = dequantize(tensor.data, qtype).astype(np.float32, copy=False)
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    return data.reshape(shape)
+
+
+def iter_gguf_tensors(path: str, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (HF name, float32 array) for every model tensor of the file."""
+    from gguf import GGUFReader
+    reader = GGUFReader(path)
+    arch = _field_value(reader, "general.architecture")
+    norm_minus_one = arch in ("gemma2", "gemma3")
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            yield "rope_freq_factors", dequantize_tensor(tensor)
+            continue
+        name = gguf_hf_name(tensor.name)
+        if name is None:
+            logger.debug("skipping GGUF tensor %s", tensor.name)
+            continue
+        array = dequantize_tensor(tensor)
+        if arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "q_proj.bias")):
+            array = _unpermute_rows(array, num_heads)
+        elif arch in _PERMUTED_ARCHS and name.endswith(("k_proj.weight", "k_proj.bias")):
+            array = _unpermute_rows(array, num_kv_heads)
+        if norm_minus_one and "norm" in name:
+            # llama.cpp stores Gemma norms as (1 + w); our RMSNorm adds the 1 itself.
+            array = array - 1.0
+        yield name, array

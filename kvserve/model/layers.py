@@ -1,0 +1,125 @@
+"""Building blocks: RMSNorm, rotary embeddings (with the scaling types the
+supported families use) and the gated MLP activation."""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.model.config import RopeConfig
+
+logger = logging.getLogger(__name__)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32; Gemma's variant scales by (1 + w)."""
+
+    def __init__(self, size: int, eps: float, adds_one: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.adds_one = adds_one
+        self.weight = nn.Parameter(torch.zeros(size) if adds_one else torch.ones(size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.adds_one:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+def activation(name: str):
+    """The gate activation of a gated MLP, by its HF name."""
+    if name in ("silu", "swish"):
+        return F.silu
+    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu
+    raise ValueError(f"unsupported activation {name!r}")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig, max_pos: int) -> torch.Tensor:
+    old_len = rope.original_max_position_embeddings or max_pos
+    low_wavelen = old_len / rope.low_freq_factor
+    high_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(dim: int, rope: RopeConfig, max_pos: int) -> tuple[torch.Tensor, float]:
+    base, factor = rope.theta, rope.factor
+    original = rope.original_max_position_embeddings or max_pos
+    if rope.attention_factor is not None:
+        attention_factor = rope.attention_factor
+    elif rope.mscale and rope.mscale_all_dim:
+        attention_factor = _yarn_mscale(factor, rope.mscale) / _yarn_mscale(factor, rope.mscale_all_dim)
+    else:
+        attention_factor = _yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(rope.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep, attention_factor
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig, max_pos: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scale ("attention factor") of one RoPE config."""
+    if rope.partial_rotary_factor != 1.0:
+        raise ValueError("partial rotary embeddings are not supported")
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, rope, max_pos)
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, rope, max_pos)
+    elif rope.rope_type == "dynamic":
+        # Dynamic NTK only rescales past the trained length; within it this is exact.
+        logger.warning("dynamic RoPE scaling: positions beyond %d use unscaled frequencies", max_pos)
+    return inv_freq, 1.0
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates the two halves of each head (HF layout) by position-dependent angles."""
+
+    def __init__(self, head_dim: int, rope: RopeConfig, max_pos: int) -> None:
+        super().__init__()
+        inv_freq, self.attention_factor = rope_inv_freq(head_dim, rope, max_pos)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def set_freq_factors(self, factors: torch.Tensor) -> None:
+        """llama.cpp's per-frequency divisors (GGUF `rope_freqs`), e.g. Llama-3 scaling."""
+        self.inv_freq = self.inv_freq / factors.to(self.inv_freq)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return ((emb.cos() * self.attention_factor).to(dtype).unsqueeze(1),
+                (emb.sin() * self.attention_factor).to(dtype).unsqueeze(1))
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,133 @@
+"""Weight loading: safetensors (single or sharded) and GGUF, into a DecoderModel.
+
+Checkpoint tensors arrive under their Hugging Face names; `_route` sends each
+to the module that owns it (fused QKV and gate/up parts go to their slice) and
+that module keeps its tensor-parallel shard.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from kvserve.model.config import ModelConfig, ModelFilesNotFoundError
+from kvserve.model.decoder import DecoderModel
+
+logger = logging.getLogger(__name__)
+
+_FUSED_PARTS = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+
+
+def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", tp_rank: int = 0, tp_size: int = 1,
+               tp_group=None) -> DecoderModel:
+    """Build the model for `model_config`, load its weights (this rank's shard), cast to its dtype."""
+    model = DecoderModel(model_config, tp_rank, tp_size, tp_group)
+    if model_config.is_gguf:
+        from kvserve.model.gguf_loader import iter_gguf_tensors
+        tensors = ((name, torch.from_numpy(np.ascontiguousarray(array)))
+                   for name, array in iter_gguf_tensors(model_config.path, model_config.num_heads,
+                                                        model_config.num_kv_heads))
+    else:
+        tensors = iter_safetensors(model_config.path)
+    load_weights(model, tensors)
+    rotaries = [r for r in (model.rotary_global, model.rotary_local) if r is not None]
+    inv_freqs = [r.inv_freq for r in rotaries]
+    model.to(device=device, dtype=model_config.torch_dtype)
+    # RoPE frequencies stay float32 whatever the weight dtype.
+    for rotary, inv_freq in zip(rotaries, inv_freqs):
+        rotary.inv_freq = inv_freq.to(device)
+    return model.eval()
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The checkpoint's files: those named by model.safetensors.index.json, or every *.safetensors."""
+    index_file = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index_file):
+        with open(index_file) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    missing = [f for f in files if not os.path.isfile(f)]
+    if not files or missing:
+        raise ModelFilesNotFoundError(f"no safetensors weights in {path!r}" + (f" (missing {missing[0]})" if missing else ""))
+    return files
+
+
+def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: DecoderModel, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy every checkpoint tensor into its place; complain about missing ones."""
+    loaded: set[str] = set()
+    modules = dict(model.named_modules())
+    for name, tensor in tensors:
+        if name == "rope_freq_factors":
+            model.rotary_global.set_freq_factors(tensor)
+            continue
+        target = _route(name)
+        if target is None:
+            logger.debug("ignoring checkpoint tensor %s", name)
+            continue
+        module_name, param_kind, shard = target
+        module = modules.get(module_name)
+        if module is None:
+            logger.debug("ignoring checkpoint tensor %s (no module %s)", name, module_name)
+            continue
+        if module_name == "lm_head" and model.config.tie_word_embeddings:
+            continue
+        _load_into(module, param_kind, tensor.float(), shard)
+        loaded.add(f"{module_name}.{param_kind}" + (f":{shard}" if shard else ""))
+    _check_complete(model, loaded)
+
+
+def _route(name: str) -> tuple[str, str, str | None] | None:
+    """HF tensor name -> (module name, 'weight'|'bias', fused shard or None)."""
+    name = re.sub(r"^model\.", "", name)
+    if name.startswith("language_model."):
+        name = name.removeprefix("language_model.").removeprefix("model.")
+    if "rotary_emb" in name:
+        return None
+    module_name, _, param_kind = name.rpartition(".")
+    parent, _, leaf = module_name.rpartition(".")
+    if leaf in _FUSED_PARTS:
+        fused, shard = _FUSED_PARTS[leaf]
+        return f"{parent}.{fused}", param_kind, shard
+    return module_name, param_kind, None
+
+
+def _load_into(module: torch.nn.Module, param_kind: str, tensor: torch.Tensor, shard: str | None) -> None:
+    if hasattr(module, "load_weight"):
+        module.load_weight(param_kind, tensor, shard)
+        return
+    param = getattr(module, param_kind)
+    if param.shape != tensor.shape:
+        raise ValueError(f"shape mismatch for {param_kind}: model {tuple(param.shape)}, checkpoint {tuple(tensor.shape)}")
+    param.data.copy_(tensor)
+
+
+def _check_complete(model: DecoderModel, loaded: set[str]) -> None:
+    expected = []
+    for layer_idx in range(model.config.num_layers):
+        prefix = f"layers.{layer_idx}"
+        expected += [f"{prefix}.self_attn.qkv_proj.weight:{s}" for s in "qkv"]
+        expected += [f"{prefix}.self_attn.o_proj.weight", f"{prefix}.mlp.down_proj.weight",
+                     f"{prefix}.mlp.gate_up_proj.weight:gate", f"{prefix}.mlp.gate_up_proj.weight:up"]
+    expected += ["embed_tokens.weight", "norm.weight"]
+    if not model.config.tie_word_embeddings:
+        expected.append("lm_head.weight")
+    missing = [name for name in expected if name not in loaded]
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

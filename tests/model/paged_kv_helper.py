@@ -1,0 +1,173 @@
+"""Test helpers: tiny random transformers models saved to disk, and a hand-driven
+paged-KV runner (blocks allocated by hand, no scheduler) for DecoderModel."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+
+from kvserve.kv_cache.interface import (CircularBufferSpec, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                        KVCacheTensor, SlidingWindowSpec)
+from kvserve.kv_cache.utils import KVCacheBlockCopy
+from kvserve.model.attention import AttentionMetadata, allocate_kv_caches, copy_kv_blocks
+
+VOCAB = 256
+WINDOW = 12
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
+               bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def tiny_hf_config(family: str):
+    """A random-weight config of `family` small enough for a unit test."""
+    if family == "llama":
+        return transformers.LlamaConfig(**_COMMON, num_hidden_layers=2, tie_word_embeddings=False)
+    if family == "llama3":
+        return transformers.LlamaConfig(**_COMMON, num_hidden_layers=2, tie_word_embeddings=True,
+                                        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+                                                         "factor": 8.0, "low_freq_factor": 1.0,
+                                                         "high_freq_factor": 4.0,
+                                                         "original_max_position_embeddings": 64})
+    if family == "mistral":
+        return transformers.MistralConfig(**_COMMON, num_hidden_layers=2, sliding_window=WINDOW, head_dim=16)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**_COMMON, num_hidden_layers=2, tie_word_embeddings=True)
+    if family == "qwen3":
+        return transformers.Qwen3Config(**_COMMON, num_hidden_layers=2, head_dim=32, tie_word_embeddings=False)
+    if family == "gemma2":
+        return transformers.Gemma2Config(**_COMMON, num_hidden_layers=4, head_dim=16, sliding_window=WINDOW,
+                                         query_pre_attn_scalar=16, attn_logit_softcapping=50.0,
+                                         final_logit_softcapping=30.0)
+    if family == "gemma3":
+        return transformers.Gemma3TextConfig(
+            **_COMMON, num_hidden_layers=4, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    raise ValueError(family)
+
+
+def save_tiny_model(family: str, path) -> str:
+    """Create, seed and save a tiny model of `family` (float32 safetensors); return the directory."""
+    torch.manual_seed(0)
+    config = tiny_hf_config(family)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+def load_hf(path: str):
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").eval()
+    return model
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' greedy continuation of one prompt, with the logits of each step."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                         min_new_tokens=max_new_tokens, output_logits=True, return_dict_in_generate=True,
+                         eos_token_id=None, pad_token_id=0)
+    return out.sequences[0, len(prompt):].tolist(), [step[0].float() for step in out.logits]
+
+
+@dataclass
+class _Request:
+    tokens: list[int]
+    num_computed: int = 0
+    block_ids: list[list[int]] = field(default_factory=list)
+
+
+class PagedRunner:
+    """Drives a DecoderModel over paged KV with hand-made block tables.
+
+    Groups: one per distinct spec kind (full first, then windowed). Layers of the
+    two groups share backing buffers pairwise, as a hybrid KVCacheConfig does.
+    Windowed (sliding) groups get the null block in place of blocks that left
+    the window, and those blocks are filled with garbage to prove nobody reads them.
+    """
+
+    def __init__(self, model, block_size: int = 4, num_blocks: int = 512, sliding_window_kv: str = "sliding"):
+        self.model = model
+        self.block_size = block_size
+        dtype = next(model.parameters()).dtype
+        self.specs = model.kv_cache_specs(block_size, dtype, sliding_window_kv)
+        by_kind: dict[type, list[str]] = {}
+        for name, spec in self.specs.items():
+            by_kind.setdefault(type(spec), []).append(name)
+        kinds = sorted(by_kind, key=lambda k: k is not FullAttentionSpec)
+        groups = [KVCacheGroupSpec(by_kind[k], self.specs[by_kind[k][0]]) for k in kinds]
+        page = max(spec.page_size_bytes for spec in self.specs.values())
+        tensors = [KVCacheTensor(page * num_blocks, [names[i] for names in by_kind.values() if i < len(names)])
+                   for i in range(max(len(n) for n in by_kind.values()))]
+        self.kv_cache_config = KVCacheConfig(num_blocks, tensors, groups)
+        self.kv_caches = allocate_kv_caches(self.kv_cache_config, self.specs)
+        model.bind_kv_cache_config(self.kv_cache_config)
+        self.next_free_block = 1
+        self.requests: dict[str, _Request] = {}
+
+    def new_block(self) -> int:
+        block = self.next_free_block
+        self.next_free_block += 1
+        return block
+
+    def add(self, req_id: str, prompt: list[int], shared_blocks: list[list[int]] | None = None,
+            num_computed: int = 0) -> None:
+        groups = len(self.kv_cache_config.kv_cache_groups)
+        self.requests[req_id] = _Request(list(prompt), num_computed,
+                                         [list(b) for b in shared_blocks] if shared_blocks else [[] for _ in range(groups)])
+
+    def _ensure_blocks(self, req: _Request, num_tokens: int) -> None:
+        for group, table in zip(self.kv_cache_config.kv_cache_groups, req.block_ids):
+            spec = group.kv_cache_spec
+            needed = -(-num_tokens // self.block_size)
+            if isinstance(spec, CircularBufferSpec):
+                needed = min(needed, spec.blocks_per_request)
+            while len(table) < needed:
+                table.append(self.new_block())
+
+    def _release_out_of_window(self, req: _Request) -> None:
+        for group, table in zip(self.kv_cache_config.kv_cache_groups, req.block_ids):
+            spec = group.kv_cache_spec
+            if not isinstance(spec, SlidingWindowSpec):
+                continue
+            first_needed = max(req.num_computed - spec.sliding_window + 1, 0) // self.block_size
+            for i in range(first_needed):
+                if table[i] != 0:
+                    for name in group.layer_names:
+                        self.kv_caches[name][:, table[i]] = 1e4  # garbage: must never be read
+                    table[i] = 0
+
+    def step(self, schedule: dict[str, int]) -> dict[str, torch.Tensor]:
+        """Run `schedule[req_id]` tokens of each request; return logits of each request's last token."""
+        input_ids, positions, query_lens, seq_lens = [], [], [], []
+        for req_id, n in schedule.items():
+            req = self.requests[req_id]
+            self._release_out_of_window(req)
+            start = req.num_computed
+            input_ids += req.tokens[start:start + n]
+            positions += list(range(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            self._ensure_blocks(req, start + n)
+        metadata = []
+        for g, group in enumerate(self.kv_cache_config.kv_cache_groups):
+            tables = [self.requests[r].block_ids[g] for r in schedule]
+            width = max(len(t) for t in tables)
+            block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+            metadata.append(AttentionMetadata.build(group.kv_cache_spec, query_lens, seq_lens, block_table))
+        with torch.inference_mode():
+            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), metadata, self.kv_caches)
+            last = torch.tensor(query_lens).cumsum(0) - 1
+            logits = self.model.compute_logits(hidden[last])
+        for req_id, n in schedule.items():
+            self.requests[req_id].num_computed += n
+        return {req_id: logits[i] for i, req_id in enumerate(schedule)}
+
+    def append(self, req_id: str, token: int) -> None:
+        self.requests[req_id].tokens.append(token)
+
+    def copy_blocks(self, copies: list[KVCacheBlockCopy]) -> None:
+        copy_kv_blocks(self.kv_caches, self.kv_cache_config, copies)
