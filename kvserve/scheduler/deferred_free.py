@@ -36,6 +36,21 @@ def free_or_defer(
         deferred_frees.append((fence_seq, blocks))
 
 
+def drain_ready(
+    block_pool: _FreesBlocks,
+    deferred_frees: deque[tuple[int, list[Any]]],
+    processed_step_seq: int,
+) -> int:
+    """Free, oldest first and each list as-is, every parked list whose fence is
+    processed; stop at the first unmet fence. Returns the number of blocks freed."""
+    num_freed = 0
+    while deferred_frees and deferred_frees[0][0] <= processed_step_seq:
+        _, blocks = deferred_frees.popleft()
+        block_pool.free_blocks(blocks)
+        num_freed += len(blocks)
+    return num_freed
+
+
 class DeferredBlockFrees:
     """Step sequence numbers and the queue of block lists waiting on a fence.
 
@@ -82,14 +97,7 @@ class DeferredBlockFrees:
                       self.processed_step_seq, self.enabled)
 
     def drain(self, block_pool: _FreesBlocks) -> int:
-        """Free, oldest first, every parked list whose fence is processed;
-        returns the number of blocks freed."""
-        num_freed = 0
-        while self.queue and self.queue[0][0] <= self.processed_step_seq:
-            _, blocks = self.queue.popleft()
-            block_pool.free_blocks(blocks)
-            num_freed += len(blocks)
-        return num_freed
+        return drain_ready(block_pool, self.queue, self.processed_step_seq)
 
     @property
     def num_deferred_blocks(self) -> int:

@@ -27,9 +27,8 @@ from kvserve.kv_cache.interface import KVCacheConfig
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.kv_cache.utils import KVCacheBlock
 from kvserve.request import Request, RequestStatus
-from kvserve.scheduler import block_hashing
 from kvserve.scheduler.admission import max_tokens_in_pool
-from kvserve.scheduler.deferred_free import DeferredBlockFrees, free_or_defer
+from kvserve.scheduler.deferred_free import DeferredBlockFrees, drain_ready, free_or_defer
 from kvserve.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvserve.scheduler.pause import PAUSE_MODES, PauseState
 from kvserve.scheduler.preemption import pick_victim, reset_for_recompute
@@ -69,16 +68,18 @@ class Scheduler:
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
 
         block_sizes = [group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups]
-        self.hash_block_size = block_hashing.choose_hash_block_size(kv_cache_config, cache_config)
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config,
             max_model_len=scheduler_config.max_model_len,
             scheduler_block_size=math.lcm(*block_sizes),
-            hash_block_size=self.hash_block_size,
+            hash_block_size=cache_config.hash_block_size,
             enable_caching=cache_config.enable_prefix_caching,
+            hash_algo=cache_config.prefix_caching_hash_algo,
         )
-        self.block_hasher = (block_hashing.make_block_hasher(self.hash_block_size, cache_config)
-                             if cache_config.enable_prefix_caching else None)
+        self.hash_block_size = self.kv_cache_manager.hash_block_size
+        # Requests must hash their tokens with this to hit the prefix cache.
+        self.block_hasher = (self.kv_cache_manager.request_block_hasher
+                             if self.kv_cache_manager.enable_caching else None)
         # A sequence longer than the pool could hold on its own would be preempted
         # forever: longer prompts are ignored, generation stops at that length.
         self.max_tokens_in_pool = max_tokens_in_pool(
@@ -136,7 +137,7 @@ class Scheduler:
 
     def _drain_deferred_frees(self) -> None:
         """Free, oldest first and as-is, every deferred list whose fence is processed."""
-        self._fences.drain(self.kv_cache_manager.block_pool)
+        drain_ready(self.kv_cache_manager.block_pool, self.deferred_frees, self.processed_step_seq)
 
     # -- requests in ----------------------------------------------------------
 
@@ -144,8 +145,10 @@ class Scheduler:
         """Queue a request, or finish it as ignored if it can never run."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if self.block_hasher is not None and not request.block_hashes:
-            block_hashing.attach_block_hasher(request, self.block_hasher)
+        if self.block_hasher is not None and request._block_hasher is None:
+            # Built without a hasher (tests, tools): hash it the way this cache expects.
+            request._block_hasher = self.block_hasher
+            request.update_block_hashes()
         reason = self._reason_to_ignore(request)
         if reason is not None:
             request.status = RequestStatus.FINISHED_IGNORED

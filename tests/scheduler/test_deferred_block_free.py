@@ -1,0 +1,293 @@
+"""The seed's scheduler-level deferred-free tests (fork patch 0023), ported:
+only the imports and the helpers changed. The visible part of
+`test_free_cow_retained_blocks_defers_until_copy_step_processed` is kept as
+in the seed and its unseen remainder reconstructed; the preemption-cascade
+test is written from its description (issue 3, reference §7.6)."""
+from collections import deque
+from types import SimpleNamespace
+
+from kvserve.kv_cache.block_pool import BlockPool
+from kvserve.kv_cache.utils import BlockHashWithGroupId, KVCacheBlock
+from kvserve.request import RequestStatus
+from kvserve.scheduler.scheduler import Scheduler
+from kvserve.testing import FakeModelRunner, create_requests, create_scheduler
+
+NUM_PROMPT_TOKENS = 40
+BLOCK_SIZE = 16
+
+
+def _create_deferring_scheduler(**kwargs) -> Scheduler:
+    """A scheduler whose block frees wait on the fences of unprocessed steps."""
+    scheduler = create_scheduler(block_size=BLOCK_SIZE, async_scheduling=True, **kwargs)
+    scheduler.defer_block_free = True
+    return scheduler
+
+
+def _make_pool_with_cached_blocks(num_blocks: int, block_size: int = 16):
+    """Build a BlockPool holding `num_blocks` allocated, hashed blocks.
+
+    Returns (pool, blocks_by_id). Each block gets a distinct hash so it is a
+    prefix-cache eviction candidate once freed (blocks without a hash are
+    always evicted first and would mask ordering).
+    """
+    pool = BlockPool(
+        num_gpu_blocks=num_blocks + 1, enable_caching=True, hash_block_size=block_size
+    )
+    blocks = pool.get_new_blocks(num_blocks)
+    for i, block in enumerate(blocks):
+        block.set_block_hash(
+            BlockHashWithGroupId(f"hash{i}".encode()), num_tokens=block_size
+        )
+    return pool, {b.block_id: b for b in blocks}
+
+
+def _eviction_order(pool: BlockPool) -> list[int]:
+    """Drain the pool's free queue, returning block ids in eviction order
+    (first returned == evicted first)."""
+    order = []
+    while pool.get_num_free_blocks() > 0:
+        order.append(pool.get_new_blocks(1)[0].block_id)
+    return order
+
+
+def test_pop_blocks_for_free_returns_eviction_order():
+    """``pop_blocks_for_free`` must hand back blocks already in eviction
+    order, so the deferred-free path can pass them to ``free_blocks``
+    unchanged. Reversing the flat list instead would emit whole groups in
+    the wrong order relative to the immediate-free path."""
+    scheduler = _create_deferring_scheduler()
+    coordinator = scheduler.kv_cache_manager.coordinator
+
+    request = create_requests(
+        num_requests=1,
+        num_tokens=NUM_PROMPT_TOKENS,
+        max_tokens=5,
+    )[0]
+    scheduler.add_request(request)
+    scheduler.schedule()
+
+    allocated = [
+        list(manager.req_to_blocks[request.request_id])
+        for manager in coordinator.single_type_managers
+    ]
+    expected = [block for group in allocated for block in reversed(group)]
+
+    assert coordinator.pop_blocks_for_free(request.request_id) == expected
+
+
+def _make_two_group_kv_cache_manager(num_blocks: int, block_size: int = 16):
+    """Build a KVCacheManager with two single-type managers (a hybrid
+    full-attention + sliding-window config), so CoW copies can be queued on
+    more than one group."""
+    from math import lcm
+
+    from kvserve.kv_cache.interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+    from kvserve.kv_cache.manager import KVCacheManager
+
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer1"],
+                FullAttentionSpec(
+                    block_size=block_size,
+                    num_kv_heads=1,
+                    head_size=1,
+                    dtype="float32",
+                ),
+            ),
+            KVCacheGroupSpec(
+                ["layer2"],
+                SlidingWindowSpec(
+                    block_size=block_size,
+                    num_kv_heads=1,
+                    head_size=1,
+                    dtype="float32",
+                    sliding_window=2 * block_size,
+                ),
+            ),
+        ],
+    )
+    return KVCacheManager(
+        config,
+        max_model_len=1024,
+        scheduler_block_size=lcm(
+            *(g.kv_cache_spec.block_size for g in config.kv_cache_groups)
+        ),
+        hash_block_size=block_size,
+        enable_caching=True,
+    )
+
+
+def test_cow_retained_blocks_span_groups_and_free_order_is_stable():
+    """CoW retentions from multiple KV cache groups are concatenated into one
+    flat list by ``take_kv_cache_block_copies``. Unlike per-request eviction,
+    ``_free_cow_retained_blocks`` never reverses, so the deferred path frees
+    that list in exactly the same order as the immediate path -- the
+    group-flattening does not reintroduce the eviction-order divergence.
+    """
+    manager = _make_two_group_kv_cache_manager(num_blocks=20)
+    coordinator = manager.coordinator
+    assert len(coordinator.single_type_managers) == 2
+
+    # Queue a CoW (source, cow) pair on each of the two groups.
+    blocks = manager.block_pool.get_new_blocks(4)
+    coordinator.single_type_managers[0]._pending_cow_copies.append(
+        (blocks[0], blocks[1])
+    )
+    coordinator.single_type_managers[1]._pending_cow_copies.append(
+        (blocks[2], blocks[3])
+    )
+
+    _copies, retained = manager.take_kv_cache_block_copies()
+    # Retentions from both groups are flattened into one list, group 0 first.
+    assert [b.block_id for b in retained] == [b.block_id for b in blocks]
+
+    # Drive the scheduler free helper on the same retained ordering, immediate
+    # vs deferred, and confirm identical eviction order.
+    retained_ids = [b.block_id for b in retained]
+
+    imm_scheduler = _create_deferring_scheduler()
+    imm_scheduler.defer_block_free = False
+    imm_pool, imm_by_id = _make_pool_with_cached_blocks(len(retained_ids))
+    imm_scheduler.kv_cache_manager.block_pool = imm_pool
+    imm_scheduler._free_cow_retained_blocks(
+        [imm_by_id[i] for i in retained_ids], fence_seq=1
+    )
+    immediate_order = _eviction_order(imm_pool)
+
+    def_scheduler = _create_deferring_scheduler()
+    def_pool, def_by_id = _make_pool_with_cached_blocks(len(retained_ids))
+    def_scheduler.kv_cache_manager.block_pool = def_pool
+    # fence in the future -> deferred; then drain once the fence is processed.
+    def_scheduler.processed_step_seq = 0
+    def_scheduler._free_cow_retained_blocks(
+        [def_by_id[i] for i in retained_ids], fence_seq=1
+    )
+    assert def_scheduler.deferred_frees
+    def_scheduler.processed_step_seq = 1
+    def_scheduler._drain_deferred_frees()
+    deferred_order = _eviction_order(def_pool)
+
+    assert deferred_order == immediate_order
+
+
+def test_free_cow_retained_blocks_defers_until_copy_step_processed():
+    """The endpoints a CoW copy keeps referenced stay out of the free queue
+    until the step that performs the copy is processed; they are then freed
+    as-is, exactly as the immediate path frees them."""
+    freed: list[KVCacheBlock] = []
+    blocks = [KVCacheBlock(block_id=i) for i in (7, 3, 9, 4)]
+    mock = SimpleNamespace(
+        defer_block_free=True,
+        processed_step_seq=2,
+        deferred_frees=deque(),
+        kv_cache_manager=SimpleNamespace(
+            block_pool=SimpleNamespace(free_blocks=lambda ordered: freed.extend(ordered))
+        ),
+    )
+    free = Scheduler._free_cow_retained_blocks
+
+    # Copy step still in flight: deferred with its fence, in the same order
+    # the immediate path would free them (the drain no longer reverses).
+    free(mock, list(blocks), fence_seq=3)
+    assert not freed
+    assert mock.deferred_frees == deque([(3, blocks)])
+
+    # Draining before the fence is processed frees nothing.
+    Scheduler._drain_deferred_frees(mock)
+    assert not freed
+    assert mock.deferred_frees == deque([(3, blocks)])
+
+    # Copy step processed: freed immediately.
+    mock.processed_step_seq = 3
+    free(mock, list(blocks), fence_seq=3)
+    assert freed == blocks
+    freed.clear()
+
+    # ...and the list parked earlier drains as-is.
+    Scheduler._drain_deferred_frees(mock)
+    assert freed == blocks
+    assert not mock.deferred_frees
+    freed.clear()
+
+    # Deferral off: freed at once even with the fence far ahead.
+    mock.defer_block_free = False
+    free(mock, list(blocks), fence_seq=10)
+    assert freed == blocks
+    assert not mock.deferred_frees
+
+
+def test_deferred_victim_stops_the_preemption_cascade():
+    """When a running request needs a block and the only possible victim
+    was scheduled by a step whose output is not processed yet, the victim's
+    blocks could only be deferred: preempting it cannot make room now. So
+    the cascade stops: nobody is preempted, the victim stays RUNNING, and
+    the request that needed the block waits. Once the step is processed
+    the victim is preempted (freed at once) and the first request runs."""
+    # Room for exactly two one-block prompts; any decode then needs a preemption.
+    scheduler = _create_deferring_scheduler(num_blocks=3)
+    runner = FakeModelRunner()
+    first, second = create_requests(num_requests=2, num_tokens=BLOCK_SIZE, max_tokens=4)
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+
+    out1 = scheduler.schedule()
+    assert out1.num_scheduled_tokens == {first.request_id: BLOCK_SIZE, second.request_id: BLOCK_SIZE}
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 0
+    runner_out1 = runner.execute(out1)
+
+    # Step 1 is still in flight: the victim (`second`, admitted last) is fenced.
+    out_blocked = scheduler.schedule()
+    assert out_blocked.num_scheduled_tokens == {}
+    assert out_blocked.preempted_req_ids == set()
+    assert first.status == RequestStatus.RUNNING
+    assert second.status == RequestStatus.RUNNING
+    assert scheduler.num_preemptions == 0
+    assert not scheduler.deferred_frees
+    assert scheduler.running == [first, second]
+    assert scheduler.kv_cache_manager.get_block_ids(second.request_id) != ([],)
+
+    scheduler.update_from_output(out1, runner_out1)
+    runner.execute(out_blocked)
+
+    # Step 1 processed: the victim's blocks can be freed now, so it is preempted.
+    out2 = scheduler.schedule()
+    assert first.request_id in out2.num_scheduled_tokens
+    assert first.status == RequestStatus.RUNNING
+    assert second.status == RequestStatus.PREEMPTED
+    assert out2.preempted_req_ids == {second.request_id}
+    assert second.request_id not in out2.num_scheduled_tokens
+    assert scheduler.kv_cache_manager.get_block_ids(second.request_id) == ([],)
+    assert not scheduler.deferred_frees
+
+
+def test_preemption_without_deferral_frees_an_in_flight_victim():
+    """The contrast: with deferral off the same victim is preempted while its
+    step is in flight; its in-flight token still arrives and is kept."""
+    scheduler = _create_deferring_scheduler(num_blocks=3)
+    scheduler.defer_block_free = False
+    runner = FakeModelRunner()
+    first, second = create_requests(num_requests=2, num_tokens=BLOCK_SIZE, max_tokens=4)
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    out1 = scheduler.schedule()
+    runner_out1 = runner.execute(out1)
+
+    out2 = scheduler.schedule()
+    assert out2.preempted_req_ids == {second.request_id}
+    assert second.status == RequestStatus.PREEMPTED
+    assert first.request_id in out2.num_scheduled_tokens
+    runner_out2 = runner.execute(out2)
+
+    scheduler.update_from_output(out1, runner_out1)
+    assert len(second.output_token_ids) == 1  # the stale token, sampled before preemption
+    assert second.num_computed_tokens == 0
+    scheduler.update_from_output(out2, runner_out2)
+    assert len(first.output_token_ids) == 2
