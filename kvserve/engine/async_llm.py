@@ -57,6 +57,10 @@ class _ShutdownCommand:
     pass
 
 
+# Delivered to a request's stream when someone else aborted it: the stream ends.
+_ABORTED = object()
+
+
 @dataclass
 class _RequestStream:
     """Where the engine thread delivers one request's outputs."""
@@ -124,13 +128,16 @@ class AsyncLLM:
             from kvserve.engine.output_processor import OutputProcessor
             output_processor = OutputProcessor(tokenizer)
         self.output_processor = output_processor
-        self.max_model_len = int(self.model_config.max_model_len)
+        self.max_model_len = int(getattr(engine_config, "max_model_len", None)
+                                 or self.model_config.max_model_len)
         self.max_concurrent_requests = max_concurrent_requests
         self.max_waiting_requests = max_waiting_requests
         self._max_num_seqs = int(getattr(engine_config.scheduler_config, "max_num_seqs", 1))
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _RequestStream] = {}
         self._streams_lock = threading.Lock()
+        # Requests in the output processor; touched by the engine thread only.
+        self._live_request_ids: set[str] = set()
         self._stats = EngineLoopStats()
         self._dead_error: BaseException | None = None
         self._id_counter = itertools.count()
@@ -164,7 +171,8 @@ class AsyncLLM:
         return snapshot
 
     def encode(self, prompt: str) -> list[int]:
-        return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        """Token ids of a text prompt, exactly as `LLM.generate` tokenizes it."""
+        return list(self.tokenizer.encode(prompt))
 
     def check_prompt_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """Raise PromptTooLongError, with the numbers, if the request cannot fit."""
@@ -199,7 +207,8 @@ class AsyncLLM:
                        check_capacity: bool = True) -> AsyncIterator[Any]:
         """Yield RequestOutputs of one request until it finishes.
 
-        Leaving the iteration early (a disconnect cancels it) aborts the request.
+        Leaving the iteration early (a disconnect cancels it) aborts the request;
+        an `abort(request_id)` from elsewhere ends the iteration quietly.
         """
         request_id = request_id or f"req-{next(self._id_counter)}"
         if check_capacity:
@@ -215,11 +224,14 @@ class AsyncLLM:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = stream
         self._commands.put(_AddCommand(request_id, prompt_text, prompt_token_ids,
-                                       sampling_params, time.time(), priority))
+                                       sampling_params, time.monotonic(), priority))
         finished = False
         try:
             while True:
                 item = await stream.outputs.get()
+                if item is _ABORTED:
+                    finished = True
+                    return
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -303,24 +315,21 @@ class AsyncLLM:
             self._deliver(command.request_id, exc)
 
     def _add_to_engine(self, command: _AddCommand) -> None:
-        from kvserve.engine.core import EngineCoreRequest
         child_requests = self.output_processor.add_request(
             command.request_id, command.prompt, command.prompt_token_ids,
-            command.sampling_params, command.arrival_time)
-        if child_requests is None:
-            child_requests = [EngineCoreRequest(
-                request_id=command.request_id, prompt_token_ids=command.prompt_token_ids,
-                sampling_params=command.sampling_params, arrival_time=command.arrival_time,
-                priority=command.priority)]
+            command.sampling_params, command.arrival_time, priority=command.priority)
+        self._live_request_ids.add(command.request_id)
         for child in child_requests:
             self.engine_core.add_request(child)
 
     def _abort_in_engine(self, request_ids: list[str]) -> None:
+        engine_ids = []
         for request_id in request_ids:
-            engine_ids = self.output_processor.abort_request(request_id)
-            if engine_ids is None:
-                engine_ids = [request_id]
-            self.engine_core.abort_requests(list(engine_ids))
+            engine_ids.extend(self.output_processor.abort_request(request_id))
+            self._live_request_ids.discard(request_id)
+            self._deliver(request_id, _ABORTED)
+        if engine_ids:
+            self.engine_core.abort_requests(engine_ids)
 
     def _step(self) -> None:
         core_outputs = self.engine_core.step()
@@ -328,6 +337,8 @@ class AsyncLLM:
         if processed.request_ids_to_abort:
             self.engine_core.abort_requests(list(processed.request_ids_to_abort))
         for request_output in processed.request_outputs:
+            if request_output.finished:
+                self._live_request_ids.discard(request_output.request_id)
             self._deliver(request_output.request_id, request_output)
         self._stats.num_steps += 1
         self._refresh_stats()
@@ -346,8 +357,9 @@ class AsyncLLM:
         own.num_running_reqs = int(_stat(stats, "num_running_reqs", "num_running"))
         own.num_waiting_reqs = int(_stat(stats, "num_waiting_reqs", "num_waiting"))
         own.kv_cache_usage = float(_stat(stats, "kv_cache_usage", "gpu_cache_usage"))
-        own.prefix_cache_queries = int(_stat(stats, "prefix_cache_queries", "num_prefix_cache_queries"))
-        own.prefix_cache_hits = int(_stat(stats, "prefix_cache_hits", "num_prefix_cache_hits"))
+        # The scheduler reports prefix-cache lookups since its previous snapshot.
+        own.prefix_cache_queries += int(_stat(stats, "prefix_cache_queries"))
+        own.prefix_cache_hits += int(_stat(stats, "prefix_cache_hits"))
         own.num_preemptions = int(_stat(stats, "num_preemptions", "num_preempted_reqs"))
 
     def _fail_all(self, error: BaseException) -> None:
@@ -370,10 +382,8 @@ class AsyncLLM:
 
     def _shutdown_core(self) -> None:
         try:
-            with self._streams_lock:
-                live_ids = list(self._streams)
-            if live_ids:
-                self._abort_in_engine(live_ids)
+            if self._live_request_ids:
+                self._abort_in_engine(list(self._live_request_ids))
             self.engine_core.shutdown()
         except Exception:  # noqa: BLE001
             logger.exception("error while shutting the engine core down")

@@ -84,3 +84,16 @@ def run(args: Any) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvserve.server.launch [flags]`: the server without the CLI."""
+    parser = argparse.ArgumentParser(prog="kvserve serve", description="OpenAI-compatible server")
+    add_serve_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -211,25 +211,29 @@ def next_delta(state: ChoiceStreamState, completion: Any) -> tuple[str, int, int
     return delta_text, start, end, finished_now
 
 
-def token_logprob_entries(completion: Any, start: int, end: int) -> list[tuple[int, float, list]]:
-    """`(token_id, logprob, [(top_id, top_logprob), ...])` for tokens start..end."""
+def token_logprob_entries(completion: Any, start: int, end: int
+                          ) -> list[tuple[int, float, list[tuple[int, float, int | None]]]]:
+    """`(token_id, logprob, candidates)` for tokens start..end of a choice.
+
+    `candidates` are `(token_id, logprob, rank)`, best first: the top N the
+    request asked for plus the sampled token.
+    """
     logprobs = getattr(completion, "logprobs", None) or []
     entries = []
     for position in range(start, min(end, len(logprobs))):
-        item = logprobs[position]
-        if hasattr(item, "sampled_token_id"):
-            top = list(zip(item.top_token_ids, item.top_logprobs))
-            entries.append((item.sampled_token_id, float(item.sampled_logprob), top))
-        else:  # {token_id: logprob or Logprob} as vLLM shapes it
-            token_id = completion.token_ids[position]
-            value = _as_float(item.get(token_id))
-            top = [(tid, _as_float(lp)) for tid, lp in item.items() if tid != token_id]
-            entries.append((token_id, value, top))
+        by_token_id = logprobs[position]
+        token_id = completion.token_ids[position]
+        sampled = by_token_id.get(token_id)
+        candidates = [(tid, _as_float(lp), getattr(lp, "rank", None)) for tid, lp in by_token_id.items()]
+        candidates.sort(key=lambda c: -c[1])
+        entries.append((token_id, _as_float(sampled), candidates))
     return entries
 
 
 def _as_float(value: Any) -> float:
-    return float(getattr(value, "logprob", value) if value is not None else float("nan"))
+    if value is None:
+        return float("nan")
+    return float(getattr(value, "logprob", value))
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:

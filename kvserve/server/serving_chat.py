@@ -62,7 +62,8 @@ def _full_response(ctx: ServingContext, body: ChatCompletionRequest, response_id
     for completion in request_output.outputs:
         logprobs = None
         if body.logprobs:
-            logprobs = {"content": _chat_logprobs(ctx, completion, 0, len(completion.token_ids))}
+            logprobs = {"content": _chat_logprobs(ctx, completion, 0, len(completion.token_ids),
+                                                   body.top_logprobs or 0)}
         choices.append({"index": completion.index,
                         "message": {"role": "assistant", "content": completion.text},
                         "logprobs": logprobs, "finish_reason": completion.finish_reason,
@@ -79,13 +80,16 @@ def _logprob_value(value: float) -> float:
     return value if math.isfinite(value) else -9999.0
 
 
-def _chat_logprobs(ctx: ServingContext, completion: Any, start: int, end: int) -> list[dict]:
+def _chat_logprobs(ctx: ServingContext, completion: Any, start: int, end: int,
+                   num_top: int) -> list[dict]:
     tokenizer = ctx.engine.tokenizer
     content = []
     for token_id, logprob, top in token_logprob_entries(completion, start, end):
         token = token_text(tokenizer, token_id)
         top_entries = []
-        for top_id, top_logprob in top:
+        for top_id, top_logprob, rank in top:
+            if rank is not None and rank > num_top:
+                continue  # the sampled token, outside the top N asked for
             top_token = token_text(tokenizer, top_id)
             top_entries.append({"token": top_token, "logprob": _logprob_value(top_logprob),
                                 "bytes": list(top_token.encode("utf-8"))})
@@ -153,7 +157,8 @@ def _delta_choices(ctx: ServingContext, body: ChatCompletionRequest, request_out
             continue
         logprobs = None
         if body.logprobs:
-            logprobs = {"content": _chat_logprobs(ctx, completion, start, end)}
+            logprobs = {"content": _chat_logprobs(ctx, completion, start, end,
+                                                   body.top_logprobs or 0)}
         delta = {"content": text} if text or not finished_now else {}
         choices.append({"index": completion.index, "delta": delta, "logprobs": logprobs,
                         "finish_reason": completion.finish_reason if finished_now else None,

@@ -127,8 +127,8 @@ def _legacy_logprobs(ctx: ServingContext, completion: Any, start: int, end: int,
         if top is None:
             top_logprobs.append(None)
             continue
-        top_dict = {token: _finite(logprob)}
-        for top_id, top_logprob in top:
+        top_dict = {}
+        for top_id, top_logprob, _ in top:
             top_dict.setdefault(token_text(tokenizer, top_id), _finite(top_logprob))
         top_logprobs.append(top_dict)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
