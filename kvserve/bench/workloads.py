@@ -9,6 +9,7 @@ Workloads:
 - mixed: a chat-like spread: prompt lengths log-normal (median 256 tokens,
   clipped to 16..1024), output lengths log-normal (median 96, clipped to 8..512),
   drawn independently with a seeded RNG.
+- single: the fixed workload with one request (single-stream speed).
 - shared_prefix: one long system prompt shared by every request plus a short
   distinct question each (prefix-caching benchmark).
 """
@@ -124,7 +125,7 @@ def text_prompts(num_prompts: int, num_words: int, *, seed: int = 0) -> list[str
     return [" ".join(rng.choice(_WORDS) for _ in range(num_words)) for _ in range(num_prompts)]
 
 
-WORKLOAD_NAMES = ("fixed", "mixed")
+WORKLOAD_NAMES = ("fixed", "mixed", "single")
 
 
 def build_workload(name: str, *, vocab_size: int, num_requests: int | None = None, prompt_len: int = 64,
@@ -137,6 +138,9 @@ def build_workload(name: str, *, vocab_size: int, num_requests: int | None = Non
     """
     if name == "fixed":
         return fixed_workload(num_requests or 32, prompt_len, output_len, vocab_size=vocab_size, seed=seed)
+    if name == "single":
+        workload = fixed_workload(num_requests or 1, prompt_len, output_len, vocab_size=vocab_size, seed=seed)
+        return Workload("single", workload.requests, "single stream: " + workload.description)
     if name == "mixed":
         return mixed_workload(num_requests or 64, vocab_size=vocab_size, seed=seed,
                               max_prompt_len=max_prompt_len, max_output_len=max_output_len)

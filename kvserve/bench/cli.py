@@ -1,0 +1,343 @@
+"""`kvserve bench ...`: argument parsing and output (table, JSON, PNG) for every benchmark.
+
+Each sub-command builds its inputs from flags, calls the benchmark's `run`,
+prints a table, writes JSON (`--output-json`, default `bench_results/<name>.json`)
+and, where a picture helps, a PNG next to it (`--no-plot` skips it).
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from kvserve.bench.report import bar_plot, default_output_path, environment_info, write_json
+
+SUBCOMMANDS = ("roofline", "throughput", "serve", "prefix", "compare", "profile", "scheduler", "kv")
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `bench` and its sub-commands to the `kvserve` sub-parsers; returns the `bench` parser."""
+    bench = subparsers.add_parser("bench", help="benchmarks: roofline, throughput, serve, prefix, compare, ...",
+                                  description="Measure kvserve: each sub-command prints a table and writes "
+                                              "JSON (and a PNG) under bench_results/.")
+    commands = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK",
+                                    parser_class=type(bench))
+    commands.required = True
+    for name, (add_arguments, help_text) in _COMMANDS.items():
+        parser = commands.add_parser(name, help=help_text, description=help_text)
+        add_arguments(parser)
+        _add_output_arguments(parser)
+    return bench
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark `args.bench_command`; returns the exit code."""
+    name = args.bench_command
+    result = _RUNNERS[name](args)
+    payload = {"benchmark": name, "environment": environment_info(), "result": result}
+    formatter, plotter = _FORMATTERS[name]
+    print(formatter(result))
+    json_path = write_json(args.output_json or default_output_path(name, ".json"), payload)
+    print(f"\nJSON: {json_path}")
+    if plotter is not None and not args.no_plot:
+        png_path = Path(args.output_png) if args.output_png else json_path.with_suffix(".png")
+        labels, values, title, ylabel = plotter(result)
+        print(f"plot: {bar_plot(png_path, labels, values, title=title, ylabel=ylabel)}")
+    return 0
+
+
+# ---------------------------------------------------------------- arguments
+
+def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("output")
+    group.add_argument("--output-json", default=None, metavar="PATH",
+                       help="where to write the JSON result (default bench_results/<benchmark>.json)")
+    group.add_argument("--output-png", default=None, metavar="PATH",
+                       help="where to write the plot (default: next to the JSON)")
+    group.add_argument("--no-plot", action="store_true", help="do not write a PNG")
+    group.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show tracebacks and debug logging")
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvserve.engine.arg_utils import add_engine_arguments
+    add_engine_arguments(parser)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.engine.arg_utils import engine_kwargs_from_args
+    return engine_kwargs_from_args(args)
+
+
+def _add_workload_arguments(parser: argparse.ArgumentParser, default_workloads: str) -> None:
+    group = parser.add_argument_group("workload")
+    group.add_argument("--workloads", default=default_workloads,
+                       help=f"comma-separated: fixed, mixed, single (default {default_workloads})")
+    group.add_argument("--num-prompts", type=int, default=None,
+                       help="requests per workload (default: fixed 32, mixed 64, single 1)")
+    group.add_argument("--prompt-len", type=int, default=64, help="prompt tokens, fixed/single workloads")
+    group.add_argument("--output-len", type=int, default=128, help="new tokens, fixed/single workloads")
+    group.add_argument("--max-prompt-len", type=int, default=1024, help="clip of the mixed prompt lengths")
+    group.add_argument("--max-output-len", type=int, default=512, help="clip of the mixed output lengths")
+    group.add_argument("--workload-seed", type=int, default=0, help="seed of the generated workloads")
+    group.add_argument("--no-warmup", action="store_true", help="time the very first request too")
+
+
+def _add_roofline_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, metavar="PATH",
+                        help="model whose shapes to measure (default: the default model)")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated torch dtypes")
+    parser.add_argument("--batch-sizes", default="1,256", help="comma-separated token counts per matmul")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats (median)")
+    parser.add_argument("--bandwidth-mib", type=int, default=512, help="buffer read for the bandwidth figure")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny made-up model shape (CI smoke test)")
+
+
+def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL on loopback")
+    parser.add_argument("--served-model", default=None, help="model name to send (default: first of /v1/models)")
+    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--prompt-words", type=int, default=128, help="words per prompt (about 1 token each)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="most requests in flight (default 8 when no --request-rate)")
+    parser.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals, requests/s")
+    parser.add_argument("--no-ignore-eos", action="store_true", help="let the model stop at EOS")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+
+
+def _add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_workload_arguments(parser, "fixed,mixed")
+    _add_engine_arguments(parser)
+
+
+def _add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_workload_arguments(parser, "fixed,mixed")
+    parser.add_argument("--references", default="transformers,llama.cpp,vllm-scheduler",
+                        help="comma-separated references to run when available")
+    parser.add_argument("--hf-batch-size", type=int, default=32, help="transformers static batch size")
+    _add_engine_arguments(parser)
+
+
+def _add_prefix_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-requests", type=int, default=16)
+    parser.add_argument("--prefix-len", type=int, default=1000,
+                        help="shared prefix tokens (default 1000: not a multiple of the block size)")
+    parser.add_argument("--question-len", type=int, default=24)
+    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--partial-hash-block-size", type=int, default=None,
+                        help="hash unit of the partial-block run (default block size / 4)")
+    parser.add_argument("--workload-seed", type=int, default=0)
+    _add_engine_arguments(parser)
+
+
+def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-size", type=int, default=32, help="requests decoding together")
+    parser.add_argument("--context-len", type=int, default=256, help="prompt tokens per request")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps timed and profiled")
+    _add_engine_arguments(parser)
+
+
+def _add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-running", default="64,256,1024", help="comma-separated running request counts")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--block-size", type=int, default=16)
+
+
+def _add_kv_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-requests", type=int, default=10_000)
+
+
+# ---------------------------------------------------------------- runners
+
+def _int_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def _name_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _run_roofline(args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.bench import roofline
+    from kvserve.bench.model_info import ModelShapes, model_shapes, resolve_model_path
+
+    if args.tiny:
+        shapes = ModelShapes(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                             head_dim=16, vocab_size=256)
+    else:
+        shapes = model_shapes(resolve_model_path(args.model))
+    return roofline.run(shapes, dtypes=_name_list(args.dtypes), batch_sizes=_int_list(args.batch_sizes),
+                        bandwidth_bytes=args.bandwidth_mib << 20, repeats=args.repeats, device=args.device,
+                        num_threads=args.threads)
+
+
+def _run_serve(args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.bench import serve
+
+    concurrency = args.concurrency if args.concurrency or args.request_rate else 8
+    config = serve.ServeBenchConfig(
+        base_url=args.base_url, model=args.served_model, endpoint=args.endpoint, num_prompts=args.num_prompts,
+        prompt_words=args.prompt_words, max_tokens=args.max_tokens, concurrency=concurrency,
+        request_rate=args.request_rate, ignore_eos=not args.no_ignore_eos, api_key=args.api_key, seed=args.seed,
+        timeout_s=args.timeout)
+    return serve.run(config)
+
+
+def _workloads(args: argparse.Namespace, vocab_size: int) -> list:
+    from kvserve.bench.workloads import build_workload
+
+    return [build_workload(name, vocab_size=vocab_size, num_requests=args.num_prompts, prompt_len=args.prompt_len,
+                           output_len=args.output_len, seed=args.workload_seed,
+                           max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len)
+            for name in _name_list(args.workloads)]
+
+
+def _vocab_size(model: str | None) -> int:
+    from kvserve.bench.model_info import model_shapes, resolve_model_path
+    return model_shapes(resolve_model_path(model)).vocab_size
+
+
+def _run_throughput(args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.bench import throughput
+
+    kwargs = _engine_kwargs(args)
+    return throughput.run(_workloads(args, _vocab_size(args.model)), warmup=not args.no_warmup, **kwargs)
+
+
+def _run_compare(args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.bench import compare
+    from kvserve.bench.model_info import resolve_model_path
+
+    kwargs = _engine_kwargs(args)
+    model_path = resolve_model_path(kwargs.pop("model", None))
+    return compare.run(_workloads(args, _vocab_size(model_path)), model_path,
+                       references=_name_list(args.references), hf_batch_size=args.hf_batch_size,
+                       warmup=not args.no_warmup, **kwargs)
+
+
+def _run_prefix(args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.bench import prefix
+    from kvserve.bench.workloads import shared_prefix_workload
+
+    kwargs = _engine_kwargs(args)
+    workload = shared_prefix_workload(args.num_requests, args.prefix_len, args.question_len, args.output_len,
+                                      vocab_size=_vocab_size(args.model), seed=args.workload_seed)
+    kwargs.pop("enable_prefix_caching", None)
+    return prefix.run(workload, block_size=kwargs.pop("block_size", 16),
+                      partial_hash_block_size=args.partial_hash_block_size, **kwargs)
+
+
+def _run_profile(args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.bench import profile
+
+    return profile.run(batch_size=args.batch_size, context_len=args.context_len, steps=args.steps,
+                       **_engine_kwargs(args))
+
+
+def _call_with_supported(fn: Callable[..., dict], **kwargs: Any) -> dict[str, Any]:
+    """Call another area's `run()` with the keyword arguments it accepts."""
+    accepted = inspect.signature(fn).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+    return fn(**kwargs)
+
+
+def _run_scheduler(args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.bench import scheduler
+
+    return _call_with_supported(scheduler.run, num_running=tuple(_int_list(args.num_running)),
+                                prompt_len=args.prompt_len, output_len=args.output_len, block_size=args.block_size)
+
+
+def _run_kv(args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.bench import kv
+
+    return _call_with_supported(kv.run, num_requests=args.num_requests)
+
+
+# ---------------------------------------------------------------- formatting and plots
+
+def _format_json(result: dict[str, Any]) -> str:
+    return json.dumps(result, indent=2, default=str)
+
+
+def _roofline_plot(result):
+    from kvserve.bench import roofline
+    labels, values = roofline.plot_values(result)
+    return labels, values, "tokens/s ceilings of this machine for the model", "tokens/s"
+
+
+def _throughput_plot(result):
+    labels = [f"{r['engine']}\n{r['workload']}" for r in result["results"]]
+    return labels, [r["output_tokens_per_s"] for r in result["results"]], "offline throughput", "output tokens/s"
+
+
+def _compare_plot(result):
+    from kvserve.bench import compare
+    labels, values = compare.plot_values(result)
+    return labels, values, f"kvserve vs references ({result['dtype']})", "output tokens/s"
+
+
+def _prefix_plot(result):
+    from kvserve.bench import prefix
+    labels, values = prefix.plot_values(result)
+    return labels, values, "TTFT with a shared prefix", "mean TTFT ms"
+
+
+def _profile_plot(result):
+    from kvserve.bench import profile
+    labels, values = profile.plot_values(result)
+    return labels, values, "one decode step (profiled)", "ms per step"
+
+
+def _serve_plot(result):
+    labels, values = [], []
+    for metric in ("ttft", "tpot", "itl"):
+        for pct in ("p50", "p90", "p99"):
+            labels.append(f"{metric.upper()} {pct}")
+            values.append(result[metric][f"{pct}_ms"])
+    return labels, values, "serving latency", "ms"
+
+
+def _lazy_formatter(module: str) -> Callable[[dict], str]:
+    def format_result(result: dict[str, Any]) -> str:
+        import importlib
+        return importlib.import_module(f"kvserve.bench.{module}").format_result(result)
+    return format_result
+
+
+_COMMANDS = {
+    "roofline": (_add_roofline_arguments, "matmul GFLOP/s and memory bandwidth, and the model's tokens/s ceilings"),
+    "throughput": (_add_throughput_arguments, "offline throughput of kvserve.LLM on fixed and mixed workloads"),
+    "serve": (_add_serve_arguments, "latency and throughput of an OpenAI-compatible server on loopback"),
+    "prefix": (_add_prefix_arguments, "TTFT and prefill tokens with prefix caching off, on, and partial-block"),
+    "compare": (_add_compare_arguments, "kvserve against transformers (and llama.cpp, vLLM when importable)"),
+    "profile": (_add_profile_arguments, "where the time of one decode step goes"),
+    "scheduler": (_add_scheduler_arguments, "microseconds per scheduler step at many running requests"),
+    "kv": (_add_kv_arguments, "KV-cache allocate/free and prefix-hit operations per second"),
+}
+
+_RUNNERS = {
+    "roofline": _run_roofline, "throughput": _run_throughput, "serve": _run_serve, "prefix": _run_prefix,
+    "compare": _run_compare, "profile": _run_profile, "scheduler": _run_scheduler, "kv": _run_kv,
+}
+
+_FORMATTERS = {
+    "roofline": (_lazy_formatter("roofline"), _roofline_plot),
+    "throughput": (_lazy_formatter("throughput"), _throughput_plot),
+    "serve": (_lazy_formatter("serve"), _serve_plot),
+    "prefix": (_lazy_formatter("prefix"), _prefix_plot),
+    "compare": (_lazy_formatter("compare"), _compare_plot),
+    "profile": (_lazy_formatter("profile"), _profile_plot),
+    "scheduler": (_format_json, None),
+    "kv": (_format_json, None),
+}

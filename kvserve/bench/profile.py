@@ -1,0 +1,196 @@
+"""Where the time of a decode step goes: matmuls, attention, sampling, Python input preparation.
+
+A batch of requests is prefilled, then decode steps are timed plainly and
+then profiled with cProfile. The model step runs on the executor's step
+thread, so the profiler is switched on inside that thread by wrapping the
+model runner's `execute_model` for the profiled steps only; the engine
+thread (scheduling, output handling) gets its own profiler. Time in C
+functions (torch ops) is attributed to the kvserve file that called them,
+and by op name for the weight matmuls.
+
+cProfile adds a cost to every Python call, so Python shares come out
+inflated; the plain step time above them is the undisturbed figure.
+"""
+from __future__ import annotations
+
+import cProfile
+import pstats
+import time
+from collections import defaultdict
+from typing import Any
+
+from kvserve.bench.report import format_table
+from kvserve.bench.workloads import random_token_ids
+
+_MATMUL_OPS = ("linear", "addmm", "'mm'", "method 'mm'", "matmul", "bmm", "baddbmm")
+
+CATEGORIES = (
+    "matmul (weights)",
+    "attention",
+    "sampling",
+    "model: other ops (norms, rope, activations, embedding)",
+    "worker: input preparation / output",
+    "scheduler + KV cache",
+    "engine: output processing",
+    "torch Python wrappers",
+    "other",
+)
+
+
+def _kvserve_area(filename: str) -> str | None:
+    path = filename.replace("\\", "/")
+    if "/kvserve/" not in path:
+        return None
+    relative = path.split("/kvserve/", 1)[1]
+    if relative.startswith("model/attention"):
+        return "attention"
+    if relative.startswith("model/sampler"):
+        return "sampling"
+    if relative.startswith("model/"):
+        return "model: other ops (norms, rope, activations, embedding)"
+    if relative.startswith("worker/"):
+        return "worker: input preparation / output"
+    if relative.startswith(("scheduler/", "kv_cache/", "request.py")):
+        return "scheduler + KV cache"
+    if relative.startswith("engine/"):
+        return "engine: output processing"
+    return "other"
+
+
+def _category(function: tuple[str, int, str], caller: tuple[str, int, str] | None) -> str:
+    filename, _, name = function
+    if filename == "~":  # a C function: attribute it by name, then by who called it
+        caller_area = _kvserve_area(caller[0]) if caller else None
+        if caller_area != "attention" and any(op in name for op in _MATMUL_OPS):
+            return "matmul (weights)"
+        if caller_area:
+            return caller_area
+        return "matmul (weights)" if any(op in name for op in _MATMUL_OPS) else "other"
+    area = _kvserve_area(filename)
+    if area:
+        return area
+    return "torch Python wrappers" if "/torch/" in filename else "other"
+
+
+def categorize(stats: pstats.Stats) -> dict[str, float]:
+    """Self time (seconds) per category; C functions split across their callers."""
+    totals: dict[str, float] = defaultdict(float)
+    for function, (_, _, self_s, _, callers) in stats.stats.items():  # type: ignore[attr-defined]
+        if function[0] == "~" and callers:
+            for caller, caller_stats in callers.items():
+                totals[_category(function, caller)] += caller_stats[2]
+        else:
+            totals[_category(function, None)] += self_s
+    return dict(totals)
+
+
+def _top_functions(stats: pstats.Stats, limit: int = 12) -> list[dict[str, Any]]:
+    rows = sorted(stats.stats.items(), key=lambda item: item[1][2], reverse=True)[:limit]  # type: ignore
+    return [{"function": f"{name} ({filename.rsplit('/', 1)[-1]}:{line})" if filename != "~" else name,
+             "self_s": values[2], "calls": values[1]} for (filename, line, name), values in rows]
+
+
+def _prefill(core, num_requests: int, context_len: int, decode_steps: int, vocab_size: int, seed: int) -> None:
+    import random
+
+    from kvserve import SamplingParams
+    from kvserve.engine.core import EngineCoreRequest
+
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 64, ignore_eos=True)
+    for i in range(num_requests):
+        core.add_request(EngineCoreRequest(f"profile-{i}", random_token_ids(rng, context_len, vocab_size), params))
+    started_decoding: set[str] = set()
+    while len(started_decoding) < num_requests:
+        for output in core.step():
+            if output.new_token_ids:
+                started_decoding.add(output.request_id)
+    for _ in range(4):  # a few plain decode steps so every buffer is warm
+        core.step()
+
+
+def run(*, batch_size: int = 32, context_len: int = 256, steps: int = 16, seed: int = 0,
+        **engine_kwargs: Any) -> dict[str, Any]:
+    """Profile `steps` decode steps of `batch_size` requests at about `context_len` tokens of context."""
+    from kvserve.engine.config import EngineConfig
+    from kvserve.engine.core import EngineCore
+
+    engine_kwargs.setdefault("max_num_seqs", batch_size)
+    config = EngineConfig.create(**engine_kwargs)
+    core = EngineCore(config)
+    try:
+        runner = getattr(core.executor, "model_runner", None)
+        if runner is None:
+            raise RuntimeError("the profile needs the single-process executor (tensor_parallel_size 1)")
+        _prefill(core, batch_size, context_len, 2 * steps + 8, config.model_config.vocab_size, seed)
+        started = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        plain_step_s = (time.perf_counter() - started) / steps
+        engine_stats, runner_stats, profiled_s = _profiled_steps(core, runner, steps)
+    finally:
+        core.shutdown()
+    categories = categorize(runner_stats)
+    for name, seconds in categorize(engine_stats).items():
+        if name not in ("matmul (weights)", "attention", "sampling"):
+            categories[name] = categories.get(name, 0.0) + seconds
+    total = sum(categories.values())
+    return {
+        "engine_kwargs": engine_kwargs,
+        "batch_size": batch_size,
+        "context_len": context_len,
+        "steps": steps,
+        "plain_step_ms": plain_step_s * 1000,
+        "plain_decode_tokens_per_s": batch_size / plain_step_s,
+        "profiled_step_ms": profiled_s / steps * 1000,
+        "categories": [{"category": name, "ms_per_step": categories.get(name, 0.0) / steps * 1000,
+                        "share": categories.get(name, 0.0) / total if total else 0.0} for name in CATEGORIES],
+        "top_functions_model_step": _top_functions(runner_stats),
+    }
+
+
+def _profiled_steps(core, runner, steps: int) -> tuple[pstats.Stats, pstats.Stats, float]:
+    runner_profiler = cProfile.Profile()
+    original = runner.execute_model
+
+    def profiled_execute_model(scheduler_output):
+        runner_profiler.enable()
+        try:
+            return original(scheduler_output)
+        finally:
+            runner_profiler.disable()
+
+    engine_profiler = cProfile.Profile()
+    runner.execute_model = profiled_execute_model  # instance attribute; removed below
+    try:
+        started = time.perf_counter()
+        engine_profiler.enable()
+        for _ in range(steps):
+            core.step()
+        engine_profiler.disable()
+        elapsed_s = time.perf_counter() - started
+    finally:
+        del runner.execute_model
+    # The engine thread only waits while the model runs; its wait time is not its own work.
+    engine_stats = pstats.Stats(engine_profiler)
+    engine_stats.stats = {f: v for f, v in engine_stats.stats.items()  # type: ignore[attr-defined]
+                          if not ("acquire" in f[2] or "wait" in f[2])}
+    return engine_stats, pstats.Stats(runner_profiler), elapsed_s
+
+
+def format_result(result: dict[str, Any]) -> str:
+    head = (f"profile: decode step, batch {result['batch_size']}, context ~{result['context_len']} tokens: "
+            f"{result['plain_step_ms']:.1f} ms/step unprofiled ({result['plain_decode_tokens_per_s']:.0f} tok/s), "
+            f"{result['profiled_step_ms']:.1f} ms/step under cProfile")
+    categories = format_table(["where", "ms/step (profiled)", "share"],
+                              [[c["category"], c["ms_per_step"], f"{c['share'] * 100:.1f}%"]
+                               for c in result["categories"]], title=head)
+    top = format_table(["function (model step)", "self s", "calls"],
+                       [[f["function"][:70], f["self_s"], f["calls"]] for f in result["top_functions_model_step"]],
+                       title="profile: top functions by self time")
+    return categories + "\n\n" + top
+
+
+def plot_values(result: dict[str, Any]) -> tuple[list[str], list[float]]:
+    return ([c["category"].split(":")[0].split(" (")[0] for c in result["categories"]],
+            [c["ms_per_step"] for c in result["categories"]])

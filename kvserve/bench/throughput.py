@@ -1,0 +1,94 @@
+"""Offline throughput: a workload through `kvserve.LLM`, timed end to end.
+
+Every request is greedy with `ignore_eos` and its own `max_tokens`, so the
+work is fixed; the run checks that each request produced exactly its tokens.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvserve.bench.references import ThroughputResult
+from kvserve.bench.report import format_table
+from kvserve.bench.workloads import Workload, fixed_workload
+
+
+class KvserveRunner:
+    """`kvserve.LLM` built from engine keyword arguments (those of `EngineConfig.create`)."""
+
+    name = "kvserve"
+
+    def __init__(self, **engine_kwargs: Any) -> None:
+        from kvserve import LLM
+
+        started = time.perf_counter()
+        self.llm = LLM(**engine_kwargs)
+        self.load_s = time.perf_counter() - started
+        self.engine_kwargs = engine_kwargs
+
+    @property
+    def vocab_size(self) -> int:
+        return self.llm.model_config.vocab_size
+
+    @property
+    def dtype(self) -> str:
+        return str(self.llm.model_config.dtype).replace("torch.", "")
+
+    def generate(self, workload: Workload) -> list:
+        from kvserve import SamplingParams
+
+        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
+        params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+                  for r in workload.requests]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        for request, output in zip(workload.requests, outputs):
+            produced = len(output.outputs[0].token_ids)
+            if produced != request.output_len:
+                raise RuntimeError(f"kvserve produced {produced} tokens for a request that asked for "
+                                   f"{request.output_len} (ignore_eos)")
+        return outputs
+
+    def warm_up(self) -> None:
+        """One small request first, so one-time costs (allocation, lazy init) stay out of the figures."""
+        self.generate(fixed_workload(1, 8, 4, vocab_size=self.vocab_size, seed=12345))
+
+    def run(self, workload: Workload) -> ThroughputResult:
+        started = time.perf_counter()
+        self.generate(workload)
+        elapsed_s = time.perf_counter() - started
+        return ThroughputResult(self.name, workload.name, len(workload.requests), workload.num_prompt_tokens,
+                                workload.num_output_tokens, elapsed_s, self.load_s,
+                                notes=f"{self.dtype}, continuous batching")
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+def run(workloads: list[Workload], *, warmup: bool = True, **engine_kwargs: Any) -> dict[str, Any]:
+    """Each workload through one kvserve engine; returns per-workload throughput."""
+    runner = KvserveRunner(**engine_kwargs)
+    try:
+        if warmup:
+            runner.warm_up()
+        results = [runner.run(workload) for workload in workloads]
+    finally:
+        runner.shutdown()
+    return {
+        "engine_kwargs": engine_kwargs,
+        "dtype": runner.dtype,
+        "load_s": runner.load_s,
+        "workloads": [w.summary() for w in workloads],
+        "results": [r.as_dict() for r in results],
+    }
+
+
+def format_results(results: list[dict[str, Any]], title: str) -> str:
+    return format_table(
+        ["engine", "workload", "requests", "elapsed s", "req/s", "prompt tok/s", "output tok/s", "notes"],
+        [[r["engine"], r["workload"], r["num_requests"], r["elapsed_s"], r["requests_per_s"],
+          r["prompt_tokens_per_s"], r["output_tokens_per_s"], r["notes"]] for r in results],
+        title=title)
+
+
+def format_result(result: dict[str, Any]) -> str:
+    return format_results(result["results"], title=f"throughput (kvserve, {result['dtype']})")
