@@ -3,20 +3,22 @@
 `create_scheduler` builds a `Scheduler` over a synthetic KV-cache layout,
 `create_requests` makes requests with ids "0", "1", ..., and
 `FakeModelRunner` turns a `SchedulerOutput` into a `ModelRunnerOutput` with
-deterministic tokens, keeping per-request state the way a real runner does.
-Imports no torch.
+deterministic tokens, keeping per-request state the way a real runner does,
+and `StepDriver` runs the engine's loop (sync, or async with one step in
+flight) over the two. Imports no torch.
 """
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.kv_cache.interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from kvserve.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from kvserve.scheduler.scheduler import Scheduler
 
 
@@ -204,3 +206,82 @@ def _fake_logprobs(token_id: int) -> TokenLogprobs:
     logprob = -float(token_id % 17) / 4.0
     return TokenLogprobs(sampled_token_id=token_id, sampled_logprob=logprob, sampled_rank=1,
                          top_token_ids=[token_id], top_logprobs=[logprob])
+
+
+@dataclass
+class RequestResult:
+    """Everything the engine was told about one request."""
+
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+class StepDriver:
+    """The engine loop over a scheduler and a `FakeModelRunner`.
+
+    Sync: schedule, execute, apply. Async: schedule step N+1 (and run it on
+    the runner, which knows its own sampled tokens) before applying step N,
+    so at most two steps are unprocessed; outputs are applied in step order.
+    """
+
+    def __init__(self, scheduler: Scheduler, runner: FakeModelRunner, async_steps: bool = False) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.async_steps = async_steps
+        self.in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
+        self.results: dict[str, RequestResult] = {}
+        self.scheduler_outputs: list[SchedulerOutput] = []
+        # Steps that scheduled a request whose previous step was still unprocessed.
+        self.num_steps_scheduled_ahead = 0
+
+    def add_requests(self, requests: Iterable[Request]) -> None:
+        for request in requests:
+            self.results.setdefault(request.request_id, RequestResult())
+            self.scheduler.add_request(request)
+
+    def schedule_step(self) -> SchedulerOutput:
+        scheduler_output = self.scheduler.schedule()
+        in_flight_req_ids = {req_id for out, _ in self.in_flight for req_id in out.num_scheduled_tokens}
+        if in_flight_req_ids & scheduler_output.num_scheduled_tokens.keys():
+            self.num_steps_scheduled_ahead += 1
+        self.scheduler_outputs.append(scheduler_output)
+        self.in_flight.append((scheduler_output, self.runner.execute(scheduler_output)))
+        return scheduler_output
+
+    def process_step(self) -> list[EngineCoreOutput]:
+        scheduler_output, runner_output = self.in_flight.popleft()
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        for output in outputs:
+            self.record(output)
+        return outputs
+
+    def record(self, output: EngineCoreOutput) -> None:
+        result = self.results.setdefault(output.request_id, RequestResult())
+        result.token_ids.extend(output.new_token_ids)
+        result.logprobs.extend(output.new_logprobs or [])
+        if output.finished:
+            result.finish_reason = output.finish_reason
+            result.stop_reason = output.stop_reason
+
+    def step(self) -> None:
+        """One engine iteration."""
+        max_in_flight = 2 if self.async_steps else 1
+        if len(self.in_flight) < max_in_flight and self.scheduler.has_unfinished_requests():
+            scheduler_output = self.schedule_step()
+            if not scheduler_output.is_empty and len(self.in_flight) < max_in_flight:
+                return
+        if self.in_flight:
+            self.process_step()
+
+    def is_done(self) -> bool:
+        return not self.in_flight and not self.scheduler.has_unfinished_requests()
+
+    def run(self, max_steps: int = 100_000) -> dict[str, RequestResult]:
+        """Step until every request finished and no step is in flight."""
+        for _ in range(max_steps):
+            if self.is_done():
+                return self.results
+            self.step()
+        raise AssertionError(f"requests still unfinished after {max_steps} steps")
