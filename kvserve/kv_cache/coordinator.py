@@ -71,9 +71,14 @@ class KVCacheCoordinator:
             manager.cache_blocks(request, num_computed_tokens)
 
     def free(self, request_id: str) -> None:
-        """Free the request's blocks: one `free_blocks` call per group, tail first."""
-        for manager in self.single_type_managers:
-            manager.free(request_id)
+        """Free the request's blocks now, in the order `pop_blocks_for_free` gives.
+
+        One `free_blocks` call over that list (not one call per group): unhashed
+        blocks are prepended as one run per call, so per-group calls would put
+        group 1's unhashed blocks ahead of group 0's, while the deferred path
+        frees the popped list in one call. One call keeps both paths identical.
+        """
+        self.block_pool.free_blocks(self.pop_blocks_for_free(request_id))
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         """Forget the request without freeing; return its blocks in eviction order.
