@@ -119,6 +119,7 @@ class LLM:
         finally:
             if not finished:
                 self._abort([request_id])
+                self._drain_engine()
 
     def shutdown(self) -> None:
         """Stop the engine (worker threads / processes)."""
@@ -187,6 +188,15 @@ class LLM:
             if processed.request_ids_to_abort:
                 self.engine_core.abort_requests(processed.request_ids_to_abort)
             yield from processed.request_outputs
+        self._drain_engine()
+
+    def _drain_engine(self) -> None:
+        """Let steps still in flight (under async scheduling, or for aborted
+        requests) finish, so their blocks return to the pool before we return."""
+        for _ in range(8):
+            if self.output_processor.has_unfinished_requests() or not self.engine_core.has_unfinished_requests():
+                return
+            self.engine_core.step()
 
     def _abort(self, request_ids: Sequence[str]) -> None:
         engine_ids = []
