@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from kvserve.engine.config import EngineConfig
 from kvserve.kv_cache.interface import KVCacheConfig
-from kvserve.kv_cache.utils import get_hash_fn_by_name, get_kv_cache_config, get_request_block_hasher
+from kvserve.kv_cache.utils import get_kv_cache_config
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
@@ -62,12 +62,9 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
-        cache_config = engine_config.cache_config
-        self.request_block_hasher = None
-        if cache_config.enable_prefix_caching:
-            self.request_block_hasher = get_request_block_hasher(
-                cache_config.effective_hash_block_size,
-                get_hash_fn_by_name(cache_config.prefix_caching_hash_algo))
+        # The scheduler picks the hash unit (it may be finer than a block, for
+        # partial-block hits); requests hash their tokens with its hasher.
+        self.request_block_hasher = self.scheduler.block_hasher
         self.async_scheduling = engine_config.scheduler_config.async_scheduling
         self._steps_in_flight: deque[tuple[SchedulerOutput, Future]] = deque()
         self._is_dead: str | None = None

@@ -46,6 +46,10 @@ class ModelRunner:
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.input_batch: InputBatch | None = None
         self.sampler = None
+        # SchedulerOutput does not carry a request's EOS id; min_tokens blocks the
+        # model's (the engine's default EOS for every request).
+        eos_token_ids = list(getattr(model_config, "eos_token_ids", None) or [])
+        self._eos_token_id = eos_token_ids[0] if eos_token_ids else None
 
     @property
     def max_model_len(self) -> int:
@@ -90,6 +94,7 @@ class ModelRunner:
 
         self.kv_cache_config = kv_cache_config
         self.kv_caches = allocate_kv_caches(kv_cache_config, self.get_kv_cache_specs(), self.device)
+        self.model.bind_kv_cache_config(kv_cache_config)
         group_specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
         self.input_batch = InputBatch(group_specs, self.max_model_len,
                                       max_num_rows=min(self.scheduler_config.max_num_seqs, 256))
@@ -141,13 +146,15 @@ class ModelRunner:
         seq_lens = to_device(prepared.seq_lens)
         max_query_len = int(prepared.num_scheduled_tokens.max())
         max_seq_len = int(prepared.seq_lens.max())
+        group_specs = [group.kv_cache_spec for group in self.kv_cache_config.kv_cache_groups]
         return [
             AttentionMetadata(
                 query_start_loc=query_start_loc, seq_lens=seq_lens,
                 block_table=to_device(block_table), slot_mapping=to_device(slot_mapping),
-                max_query_len=max_query_len, max_seq_len=max_seq_len,
+                max_query_len=max_query_len, max_seq_len=max_seq_len, spec=spec,
             )
-            for block_table, slot_mapping in zip(prepared.block_tables, prepared.slot_mappings)
+            for spec, block_table, slot_mapping in zip(group_specs, prepared.block_tables,
+                                                       prepared.slot_mappings)
         ]
 
     def _sampling_tensors(self, req_ids: list[str]):
@@ -160,14 +167,13 @@ class ModelRunner:
             prompt_token_ids=[s.prompt_token_ids for s in states],
             generators=[s.generator for s in states],
             device=self.device,
+            eos_token_ids=[self._eos_token_id] * len(states),
         )
 
     def _make_generator(self, sampling_params: SamplingParams):
-        if sampling_params.seed is None:
-            return None
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(sampling_params.seed)
-        return generator
+        from kvserve.model.sampler import make_generator
+
+        return None if sampling_params.seed is None else make_generator(sampling_params.seed, self.device)
 
     @staticmethod
     def _make_output(prepared: PreparedBatch, sampled_token_ids: dict[str, int],

@@ -1,0 +1,72 @@
+"""Drive the real scheduler + ModelRunner + model through EngineCore in tests."""
+from __future__ import annotations
+
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.core import EngineCore, EngineCoreRequest
+from kvserve.sampling_params import SamplingParams
+from kvserve.worker.executor import UniProcExecutor
+
+
+class RecordingExecutor(UniProcExecutor):
+    """UniProcExecutor that remembers every SchedulerOutput it ran."""
+
+    def __init__(self, engine_config) -> None:
+        super().__init__(engine_config)
+        self.scheduler_outputs = []
+
+    def execute_model_async(self, scheduler_output):
+        self.scheduler_outputs.append(scheduler_output)
+        return super().execute_model_async(scheduler_output)
+
+    @property
+    def num_block_copies(self) -> int:
+        return sum(len(out.kv_cache_block_copies) for out in self.scheduler_outputs)
+
+    @property
+    def max_tokens_per_step(self) -> int:
+        return max(out.total_num_scheduled_tokens for out in self.scheduler_outputs)
+
+
+def make_engine(model_path: str, **overrides) -> EngineCore:
+    kwargs = dict(kv_cache_memory="8MiB", block_size=4, max_num_seqs=8, max_num_batched_tokens=256,
+                  device="cpu", async_scheduling=True)
+    kwargs.update(overrides)
+    return EngineCore(EngineConfig.create(model=model_path, **kwargs), executor_class=RecordingExecutor)
+
+
+def greedy_params(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def run_to_completion(core: EngineCore, prompts: list[list[int]], params, first_id: int = 0,
+                      max_steps: int = 10_000) -> dict[str, list[int]]:
+    """Add the prompts as requests "first_id", ... and step until all finish; tokens by request id."""
+    params_list = params if isinstance(params, list) else [params] * len(prompts)
+    tokens: dict[str, list[int]] = {}
+    finish_reasons: dict[str, str] = {}
+    for i, (prompt, sp) in enumerate(zip(prompts, params_list)):
+        request_id = str(first_id + i)
+        tokens[request_id] = []
+        core.add_request(EngineCoreRequest(request_id, prompt, sp))
+    for _ in range(max_steps):
+        if not core.has_unfinished_requests():
+            break
+        for output in core.step():
+            tokens[output.request_id].extend(output.new_token_ids)
+            if output.finished:
+                finish_reasons[output.request_id] = output.finish_reason
+    else:
+        raise AssertionError(f"requests still unfinished after {max_steps} steps")
+    assert set(finish_reasons) == set(tokens), "every request reports a finish"
+    return tokens
+
+
+def assert_pool_whole(core: EngineCore) -> None:
+    """Every block is back in the free queue and no request holds KV."""
+    scheduler = core.scheduler
+    assert not scheduler.requests
+    assert not scheduler.deferred_frees
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == core.kv_cache_config.num_blocks - 1
+    if hasattr(pool, "check_invariants"):
+        pool.check_invariants()

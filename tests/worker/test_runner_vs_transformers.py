@@ -1,0 +1,119 @@
+"""Greedy tokens through the real scheduler + ModelRunner + model equal transformers' greedy
+`generate` (float32, eager attention) on tiny random Llama and Gemma-2 models.
+
+Gemma-2's sliding window (12) is shorter than most prompts, so the hybrid KV
+layout (a full-attention group and a sliding-window or circular-buffer group)
+matters.
+"""
+import pytest
+
+from engine_helpers import assert_pool_whole, greedy_params, make_engine, run_to_completion
+from tiny_models import load_reference, random_prompts, reference_greedy, save_tiny_model
+
+MAX_TOKENS = 12
+SHARED_PREFIX = list(range(10, 33))  # 23 tokens: not a multiple of the block size
+DISTINCT = random_prompts(6, 2, 40, seed=1)
+SHARED = random_prompts(3, 1, 9, seed=2, shared_prefix=SHARED_PREFIX)
+PROMPTS = DISTINCT + SHARED
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma2"])
+def model_and_reference(request, tmp_path_factory):
+    path = save_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+    expected = reference_greedy(load_reference(path), PROMPTS, MAX_TOKENS)
+    return request.param, path, expected
+
+
+def check(core, prompts, expected, max_tokens=MAX_TOKENS):
+    outputs = run_to_completion(core, prompts, greedy_params(max_tokens))
+    got = [outputs[str(i)] for i in range(len(prompts))]
+    want = [tokens[:max_tokens] for tokens in expected]
+    assert got == want
+    assert_pool_whole(core)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_mixed_batch_matches_transformers(model_and_reference, async_scheduling):
+    _, path, expected = model_and_reference
+    core = make_engine(path, async_scheduling=async_scheduling)
+    try:
+        check(core, PROMPTS[:7], expected[:7])
+    finally:
+        core.shutdown()
+
+
+@pytest.mark.xfail(reason="model/attention.py reads a group's cached context before writing the step's "
+                          "K/V, so a request admitted in the same step as the request that fills its "
+                          "prefix-hit blocks reads them unwritten", strict=False)
+def test_same_step_prefix_hits(model_and_reference):
+    """The KV manager caches blocks when it allocates them, so a request admitted in the
+    same step hits blocks that an earlier request of that step writes."""
+    _, path, expected = model_and_reference
+    core = make_engine(path)
+    try:
+        check(core, SHARED, expected[len(DISTINCT):])
+        assert core.get_stats().prefix_cache_hits > 0
+    finally:
+        core.shutdown()
+
+
+def test_no_prefix_caching(model_and_reference):
+    _, path, expected = model_and_reference
+    core = make_engine(path, enable_prefix_caching=False)
+    try:
+        check(core, PROMPTS, expected)
+    finally:
+        core.shutdown()
+
+
+def test_prefix_hits_with_partial_block_copies(model_and_reference):
+    """Block 8, hash unit 2: the shared 23-token prefix hits inside a block (CoW copy)."""
+    kind, path, expected = model_and_reference
+    core = make_engine(path, block_size=8, hash_block_size=2)
+    try:
+        shared_expected = expected[len(DISTINCT):]
+        check(core, SHARED[:1], shared_expected[:1])
+        stats_before = core.get_stats()
+        outputs = run_to_completion(core, SHARED[1:], greedy_params(MAX_TOKENS), first_id=100)
+        assert [outputs[str(100 + i)] for i in range(2)] == shared_expected[1:]
+        assert core.get_stats().prefix_cache_hits > stats_before.prefix_cache_hits
+        if kind == "llama":  # hybrid models only hit where every group agrees: whole blocks
+            assert core.executor.num_block_copies > 0
+        assert_pool_whole(core)
+    finally:
+        core.shutdown()
+
+
+def test_chunked_prefill(model_and_reference):
+    _, path, expected = model_and_reference
+    core = make_engine(path, max_num_batched_tokens=7)
+    try:
+        check(core, PROMPTS, expected)
+        assert core.executor.max_tokens_per_step <= 7
+    finally:
+        core.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_preemption_and_recompute(model_and_reference, async_scheduling):
+    kind, path, expected = model_and_reference
+    # 30-34 blocks of 4 tokens: the 7 requests (up to 52 tokens each) cannot all fit.
+    # (Gemma-2's two groups draw from one pool; its window group holds few blocks.)
+    num_blocks, bytes_per_block = {"llama": (30, 2 * 2 * 2 * 16 * 4 * 4), "gemma2": (34, 2 * 2 * 2 * 16 * 4 * 4)}[kind]
+    core = make_engine(path, kv_cache_memory=num_blocks * bytes_per_block, async_scheduling=async_scheduling)
+    try:
+        check(core, PROMPTS[:7], expected[:7])
+        assert core.get_stats().num_preemptions > 0
+    finally:
+        core.shutdown()
+
+
+def test_gemma_circular_buffer_windows(model_and_reference):
+    kind, path, expected = model_and_reference
+    if kind != "gemma2":
+        pytest.skip("only Gemma-2 has windowed layers")
+    core = make_engine(path, sliding_window_kv="circular", max_num_batched_tokens=9)
+    try:
+        check(core, PROMPTS, expected)
+    finally:
+        core.shutdown()
