@@ -3,7 +3,9 @@ dequantized and renamed to Hugging Face names (llama.cpp's Q/K row permutation u
 """
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -51,6 +53,17 @@ _BLOCK_TENSORS = {
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
+@functools.lru_cache(maxsize=2)
+def _open_reader(path: str, mtime_ns: int) -> Any:
+    from gguf import GGUFReader
+    return GGUFReader(path)
+
+
+def open_gguf(path: str) -> Any:
+    """A (memory-mapped, cached) GGUFReader: parsing the metadata of a big vocabulary takes seconds."""
+    return _open_reader(os.path.abspath(path), os.stat(path).st_mtime_ns)
+
+
 def _field_value(reader: Any, key: str) -> Any:
     field = reader.fields.get(key)
     if field is None:
@@ -61,11 +74,9 @@ def _field_value(reader: Any, key: str) -> Any:
 
 def read_gguf_hf_config(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """Return (config.json-like dict, ModelConfig overrides) from a GGUF file's metadata."""
-    from gguf import GGUFReader
-
     from kvserve.model.config import ModelConfigError, UnsupportedArchitectureError
     try:
-        reader = GGUFReader(path)
+        reader = open_gguf(path)
     except Exception as exc:  # the gguf package raises bare ValueErrors/struct errors
         raise ModelConfigError(f"{path!r} is not a readable GGUF file: {exc}") from exc
     arch = _field_value(reader, "general.architecture")
@@ -135,7 +146,7 @@ def dequantize_tensor(tensor: Any) -> np.ndarray:
     from gguf.quants import dequantize
     qtype = tensor.tensor_type
     if qtype == GGMLQuantizationType.F32:
-        data = np.asarray(tensor.data, dtype=np.float32)
+        data = np.array(tensor.data, dtype=np.float32)
     elif qtype == GGMLQuantizationType.F16:
         data = np.asarray(tensor.data, dtype=np.float16).astype(np.float32)
     else:
@@ -146,8 +157,7 @@ def dequantize_tensor(tensor: Any) -> np.ndarray:
 
 def iter_gguf_tensors(path: str, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (HF name, float32 array) for every model tensor of the file."""
-    from gguf import GGUFReader
-    reader = GGUFReader(path)
+    reader = open_gguf(path)
     arch = _field_value(reader, "general.architecture")
     norm_minus_one = arch in ("gemma2", "gemma3")
     for tensor in reader.tensors:

@@ -135,10 +135,13 @@ class PagedRunner:
                 continue
             first_needed = max(req.num_computed - spec.sliding_window + 1, 0) // self.block_size
             for i in range(first_needed):
-                if table[i] != 0:
+                block, table[i] = table[i], 0
+                if block != 0 and not self._still_used(block):
                     for name in group.layer_names:
-                        self.kv_caches[name][:, table[i]] = 1e4  # garbage: must never be read
-                    table[i] = 0
+                        self.kv_caches[name][:, block] = 1e4  # garbage: must never be read
+
+    def _still_used(self, block: int) -> bool:
+        return any(block in table for req in self.requests.values() for table in req.block_ids)
 
     def step(self, schedule: dict[str, int]) -> dict[str, torch.Tensor]:
         """Run `schedule[req_id]` tokens of each request; return logits of each request's last token."""
@@ -171,3 +174,29 @@ class PagedRunner:
 
     def copy_blocks(self, copies: list[KVCacheBlockCopy]) -> None:
         copy_kv_blocks(self.kv_caches, self.kv_cache_config, copies)
+
+
+def run_greedy(runner: PagedRunner, prompts: dict[str, list[int]], max_new_tokens: int,
+               chunk: int) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
+    """A minimal continuous batch: every step gives each prefilling request up to
+    `chunk` prompt tokens and each decoding request one token; greedy throughout."""
+    for req_id, prompt in prompts.items():
+        if req_id not in runner.requests:
+            runner.add(req_id, prompt)
+    tokens = {r: [] for r in prompts}
+    logits = {r: [] for r in prompts}
+    while any(len(t) < max_new_tokens for t in tokens.values()):
+        schedule = {}
+        for req_id in prompts:
+            req = runner.requests[req_id]
+            if len(tokens[req_id]) < max_new_tokens:
+                schedule[req_id] = min(chunk, len(req.tokens) - req.num_computed)
+        out = runner.step(schedule)
+        for req_id in schedule:
+            req = runner.requests[req_id]
+            if req.num_computed == len(req.tokens):
+                token = int(out[req_id].argmax())
+                tokens[req_id].append(token)
+                logits[req_id].append(out[req_id])
+                runner.append(req_id, token)
+    return tokens, logits

@@ -1,0 +1,107 @@
+"""Greedy outputs and logits of DecoderModel on paged KV against transformers
+(eager attention, float32) on random-weight tiny models of every family."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.kv_cache.utils import KVCacheBlockCopy
+from kvserve.model.config import ModelConfig
+from kvserve.model.loader import load_model
+from paged_kv_helper import VOCAB, WINDOW, PagedRunner, hf_greedy, load_hf, run_greedy, save_tiny_model
+
+FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"]
+# Same float32 math in a different order: differences are rounding only.
+MAX_LOGIT_DIFF = 1e-4
+NUM_NEW = 6
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            path = save_tiny_model(family, tmp_path_factory.mktemp(family))
+            cache[family] = (load_hf(path), ModelConfig.from_path(path))
+        return cache[family]
+    return get
+
+
+def _prompts(lengths: list[int], seed: int = 0) -> dict[str, list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return {f"r{i}": torch.randint(3, VOCAB, (n,), generator=generator).tolist() for i, n in enumerate(lengths)}
+
+
+def _check_against_hf(hf, prompts, tokens, logits) -> None:
+    for req_id, prompt in prompts.items():
+        ref_tokens, ref_logits = hf_greedy(hf, prompt, len(tokens[req_id]))
+        assert tokens[req_id] == ref_tokens, req_id
+        for ours, ref in zip(logits[req_id], ref_logits):
+            assert (ours - ref).abs().max().item() < MAX_LOGIT_DIFF
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mixed_batch_chunked_prefill_matches_transformers(models, family):
+    hf, config = models(family)
+    model = load_model(config)
+    # 29 and 40 exceed the sliding window (12); chunk 11 splits them over several steps.
+    prompts = _prompts([3, 29, 17, 40, 1])
+    tokens, logits = run_greedy(PagedRunner(model, block_size=4), prompts, NUM_NEW, chunk=11)
+    _check_against_hf(hf, prompts, tokens, logits)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3"])
+def test_prefix_reuse_and_cow_copy_match_transformers(models, family):
+    hf, config = models(family)
+    runner = PagedRunner(load_model(config), block_size=4)
+    base = _prompts([22], seed=1)["r0"]
+    run_greedy(runner, {"a": base}, 1, chunk=64)
+    shared = runner.requests["a"].block_ids
+    tail = _prompts([9], seed=2)["r0"]
+
+    # Full-block reuse: 16 cached tokens = 4 whole blocks of every group.
+    runner.add("b", base[:16] + tail, shared_blocks=[t[:4] for t in shared], num_computed=16)
+    # Partial hit: 18 tokens cached, the 5th block copied (CoW) into a block of c's own.
+    own = [runner.new_block() for _ in shared]
+    runner.copy_blocks([KVCacheBlockCopy(g, shared[g][4], own[g], 2) for g in range(len(shared))])
+    runner.add("c", base[:18] + tail, shared_blocks=[t[:4] + [own[g]] for g, t in enumerate(shared)],
+               num_computed=18)
+    prompts = {"b": base[:16] + tail, "c": base[:18] + tail}
+    tokens, logits = run_greedy(runner, prompts, NUM_NEW, chunk=5)
+    _check_against_hf(hf, prompts, tokens, logits)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3"])
+def test_circular_buffer_kv_matches_transformers(models, family):
+    hf, config = models(family)
+    runner = PagedRunner(load_model(config), block_size=4, sliding_window_kv="circular")
+    # Ring = ceil(12 / 4) + 1 = 4 blocks (16 slots): a 20-token chunk wraps the ring within one step.
+    assert any(type(s).__name__ == "CircularBufferSpec" for s in runner.specs.values())
+    prompts = _prompts([45, 7, 30], seed=3)
+    tokens, logits = run_greedy(runner, prompts, NUM_NEW + 10, chunk=20)
+    assert 45 + NUM_NEW + 10 > 4 * 4 + WINDOW
+    _check_against_hf(hf, prompts, tokens, logits)
+
+
+def test_hybrid_model_declares_two_kv_groups(models):
+    _, config = models("gemma2")
+    model = load_model(config)
+    specs = model.kv_cache_specs(16, torch.float32)
+    kinds = {type(spec).__name__ for spec in specs.values()}
+    assert kinds == {"FullAttentionSpec", "SlidingWindowSpec"}
+    assert {s.sliding_window for s in specs.values() if hasattr(s, "sliding_window")} == {WINDOW}
+    circular = model.kv_cache_specs(16, torch.float32, sliding_window_kv="circular")
+    assert {type(s).__name__ for s in circular.values()} == {"FullAttentionSpec", "CircularBufferSpec"}
+
+
+def test_bfloat16_model_tracks_float32(models):
+    hf, config = models("llama")
+    prompts = _prompts([13, 21], seed=4)
+    config_bf16 = ModelConfig.from_path(config.path, dtype="bfloat16")
+    _, logits32 = run_greedy(PagedRunner(load_model(config)), prompts, 1, chunk=64)
+    _, logits16 = run_greedy(PagedRunner(load_model(config_bf16)), prompts, 1, chunk=64)
+    for req_id in prompts:
+        ref = logits32[req_id][0]
+        # bf16 keeps ~3 significant digits; compare relative to the logit scale.
+        assert (logits16[req_id][0] - ref).abs().max() < 0.05 * ref.abs().max()
