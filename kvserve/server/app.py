@@ -91,6 +91,7 @@ def build_app(engine: Any, served_model_name: str, *, api_key: str | None = None
         yield
         if shutdown_engine:
             await asyncio.to_thread(engine.shutdown)
+            logger.info("engine stopped; server shut down cleanly")
 
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)

@@ -85,6 +85,7 @@ class RequestTimer:
         self._arrival_s = time.perf_counter()
         self._last_token_s: float | None = None
         self._num_tokens = 0
+        self._finished = False
 
     def observe(self, request_output: Any) -> None:
         now = time.perf_counter()
@@ -101,7 +102,14 @@ class RequestTimer:
             self._metrics.generation_tokens.inc(new_tokens)
             self._num_tokens = num_tokens
         if request_output.finished:
+            self._finished = True
             self._metrics.prompt_tokens.inc(len(request_output.prompt_token_ids or []))
             self._metrics.e2e.observe(now - self._arrival_s)
             for completion in request_output.outputs:
                 self._metrics.count_finish(completion.finish_reason)
+
+    def close(self) -> None:
+        """The stream ended; one that never finished was aborted (e.g. a disconnect)."""
+        if not self._finished:
+            self._finished = True
+            self._metrics.count_finish("abort")

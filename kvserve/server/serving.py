@@ -131,6 +131,7 @@ async def merged_outputs(ctx: ServingContext, generators: list[AsyncIterator[Any
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
+            timer.close()
             queue.put_nowait((index, done_marker))
 
     tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generators)]

@@ -19,7 +19,7 @@ from kvserve.engine.tokenizer import apply_chat_template
 from kvserve.server.app import build_app
 
 from .bad_inputs import check_error_shape, run_bad_input_table
-from .conftest import ThreadedServer
+from .conftest import ThreadedServer, metric_values
 from .fake_engine import make_fake_async_llm
 
 MODEL = "fake-model"
@@ -202,8 +202,7 @@ def test_metrics_after_traffic(fake_server, client):
     client.completions.create(model=MODEL, prompt="metrics", max_tokens=3, temperature=0)
     _wait_idle(fake_server.engine)
     time.sleep(0.6)  # the idle engine loop refreshes its stats snapshot
-    text = httpx.get(fake_server.base_url + "/metrics").text
-    values = _parse_metrics(text)
+    values = metric_values(fake_server.base_url)
     assert values["kvserve_num_requests_running"] == 0
     assert values["kvserve_kv_cache_usage_perc"] == 0
     assert values['kvserve_generation_tokens_total{model_name="fake-model"}'] >= 3
@@ -212,15 +211,6 @@ def test_metrics_after_traffic(fake_server, client):
                  "kvserve_prompt_tokens_total", "kvserve_num_preemptions_total",
                  "kvserve_prefix_cache_hit_rate", "kvserve_num_requests_waiting"):
         assert any(key.startswith(name) for key in values), name
-
-
-def _parse_metrics(text: str) -> dict[str, float]:
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            values[key] = float(value)
-    return values
 
 
 def test_engine_loop_is_one_thread(fake_server):
