@@ -213,9 +213,13 @@ class InputBatch:
 
     # ---- building one step's inputs ------------------------------------
 
-    def prepare(self, scheduler_output: SchedulerOutput) -> PreparedBatch:
-        """Flatten the scheduled tokens of every request into one batch."""
+    def prepare(self, scheduler_output: SchedulerOutput,
+                skip_req_ids: set[str] | frozenset = frozenset()) -> PreparedBatch:
+        """Flatten the scheduled tokens of every request (but `skip_req_ids`) into one batch."""
         req_ids, num_computed = self._scheduled_requests(scheduler_output)
+        if skip_req_ids:
+            kept = [i for i, rid in enumerate(req_ids) if rid not in skip_req_ids]
+            req_ids, num_computed = [req_ids[i] for i in kept], [num_computed[i] for i in kept]
         rows = np.array([self._row_of(rid) for rid in req_ids], dtype=np.int64)
         num_sched = np.array([scheduler_output.num_scheduled_tokens[rid] for rid in req_ids],
                              dtype=np.int64)

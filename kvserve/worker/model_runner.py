@@ -50,6 +50,8 @@ class ModelRunner:
         # model's (the engine's default EOS for every request).
         eos_token_ids = list(getattr(model_config, "eos_token_ids", None) or [])
         self._eos_token_id = eos_token_ids[0] if eos_token_ids else None
+        # Requests of a failed step: skipped until the engine reports them finished.
+        self._failed_req_ids: set[str] = set()
 
     @property
     def max_model_len(self) -> int:
@@ -103,13 +105,29 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. If it fails, its requests are skipped by later steps (the
+        engine finishes them) so that steps already scheduled can still run."""
+        try:
+            return self._execute_model(scheduler_output)
+        except Exception:
+            self._failed_req_ids.update(scheduler_output.num_scheduled_tokens)
+            raise
+
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         batch = self.input_batch
         batch.apply_scheduler_output(scheduler_output, self._make_generator)
+        self._failed_req_ids.difference_update(scheduler_output.finished_req_ids)
         if scheduler_output.kv_cache_block_copies:
             self._apply_block_copies(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput.make_empty()
-        prepared = batch.prepare(scheduler_output)
+        prepared = batch.prepare(scheduler_output, self._failed_req_ids)
+        sampled_token_ids, logprobs_by_req = self._forward_and_sample(prepared) if prepared.num_reqs else ({}, {})
+        skipped = [rid for rid in scheduler_output.num_scheduled_tokens if rid in self._failed_req_ids]
+        return self._make_output(prepared.req_ids + skipped, sampled_token_ids, logprobs_by_req)
+
+    def _forward_and_sample(self, prepared: PreparedBatch) -> tuple[dict[str, int], dict]:
+        """Run the model; sample one token for each request that reached its last token."""
         hidden = self.model.forward(
             torch.from_numpy(prepared.input_ids).to(self.device),
             torch.from_numpy(prepared.positions).to(self.device),
@@ -117,19 +135,19 @@ class ModelRunner:
             self.kv_caches,
         )
         sampled_req_ids = prepared.sampled_req_ids
-        sampled_token_ids: dict[str, int] = {}
-        logprobs_by_req = {}
-        if sampled_req_ids:
-            logits_indices = torch.from_numpy(prepared.logits_indices).to(self.device)
-            logits = self.model.compute_logits(hidden[logits_indices])
-            sampler_output = self.sampler.sample(logits, self._sampling_tensors(sampled_req_ids))
-            for i, req_id in enumerate(sampled_req_ids):
-                token_id = int(sampler_output.token_ids[i])
-                sampled_token_ids[req_id] = token_id
-                batch.append_sampled_token(req_id, token_id)
-                if sampler_output.logprobs is not None and sampler_output.logprobs[i] is not None:
-                    logprobs_by_req[req_id] = sampler_output.logprobs[i]
-        return self._make_output(prepared, sampled_token_ids, logprobs_by_req)
+        if not sampled_req_ids:
+            return {}, {}
+        logits_indices = torch.from_numpy(prepared.logits_indices).to(self.device)
+        logits = self.model.compute_logits(hidden[logits_indices])
+        sampler_output = self.sampler.sample(logits, self._sampling_tensors(sampled_req_ids))
+        sampled_token_ids, logprobs_by_req = {}, {}
+        for i, req_id in enumerate(sampled_req_ids):
+            token_id = int(sampler_output.token_ids[i])
+            sampled_token_ids[req_id] = token_id
+            self.input_batch.append_sampled_token(req_id, token_id)
+            if sampler_output.logprobs is not None and sampler_output.logprobs[i] is not None:
+                logprobs_by_req[req_id] = sampler_output.logprobs[i]
+        return sampled_token_ids, logprobs_by_req
 
     def _apply_block_copies(self, scheduler_output: SchedulerOutput) -> None:
         from kvserve.model.attention import copy_kv_blocks
@@ -176,13 +194,13 @@ class ModelRunner:
         return None if sampling_params.seed is None else make_generator(sampling_params.seed, self.device)
 
     @staticmethod
-    def _make_output(prepared: PreparedBatch, sampled_token_ids: dict[str, int],
+    def _make_output(req_ids: list[str], sampled_token_ids: dict[str, int],
                      logprobs_by_req: dict) -> ModelRunnerOutput:
-        tokens = [[sampled_token_ids[rid]] if rid in sampled_token_ids else [] for rid in prepared.req_ids]
+        tokens = [[sampled_token_ids[rid]] if rid in sampled_token_ids else [] for rid in req_ids]
         logprobs = None
         if logprobs_by_req:
-            logprobs = [[logprobs_by_req[rid]] if rid in logprobs_by_req else [] for rid in prepared.req_ids]
-        return ModelRunnerOutput(req_ids=list(prepared.req_ids), sampled_token_ids=tokens, logprobs=logprobs)
+            logprobs = [[logprobs_by_req[rid]] if rid in logprobs_by_req else [] for rid in req_ids]
+        return ModelRunnerOutput(req_ids=list(req_ids), sampled_token_ids=tokens, logprobs=logprobs)
 
 
 def _free_ram_bytes() -> int:
