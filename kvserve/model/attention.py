@@ -11,9 +11,12 @@ Per step and per KV-cache group, `AttentionMetadata.plan()` turns the batch
 into gather indices and masks once; every layer of the group reuses them.
 A layer attends to the cached part of the context (gathered from the cache,
 positions before this step's first token) plus this step's own K/V (taken
-from the fresh projections). The new K/V are written after being read, which
-keeps circular-buffer chunks correct even when a chunk overwrites ring slots
-that its own first tokens still need.
+from the fresh projections). Order of the cache write:
+- block-table groups write first, then read: a request may hit prefix blocks
+  that another request of the same step is filling (the KV manager caches
+  blocks when it allocates them);
+- circular-buffer groups read first, then write: a chunk may overwrite ring
+  slots that its own first tokens still need, and ring blocks are never shared.
 """
 from __future__ import annotations
 
@@ -42,8 +45,9 @@ class AttentionPlan:
     """Gather/scatter indices of one step for one KV-cache group, shared by its layers."""
 
     sub_batches: list[AttentionSubBatch]
-    write_token_index: torch.Tensor  # tokens whose K/V are stored
+    write_token_index: torch.Tensor | None  # tokens whose K/V are stored (None: all)
     write_slots: torch.Tensor  # where they go
+    write_before_read: bool = True
 
 
 @dataclass
@@ -137,10 +141,10 @@ def _build_plan(md: AttentionMetadata, block_size: int, window: int | None) -> A
         # step that collide, only the last may be written.
         keep = positions + ring_blocks * block_size >= md.seq_lens[req_index]
         write_index = keep.nonzero().flatten()
-        return AttentionPlan(sub_batches, write_index, slots[write_index])
+        return AttentionPlan(sub_batches, write_index, slots[write_index], write_before_read=False)
     slots = md.slot_mapping.long() if md.slot_mapping is not None else _slots(
         md.block_table, req_index, positions, block_size, None)
-    return AttentionPlan(sub_batches, torch.arange(len(slots), device=slots.device), slots)
+    return AttentionPlan(sub_batches, None, slots)
 
 
 def _build_sub_batch(md: AttentionMetadata, rows: torch.Tensor, query_lens: torch.Tensor,
@@ -183,19 +187,29 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                     plan: AttentionPlan, scale: float, softcap: float | None) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] of this step's tokens (already rotated).
 
-    Returns [T, Hq, D]. Reads cached K/V, then stores this step's K/V."""
+    Returns [T, Hq, D]; stores this step's K/V in the cache (see the module docstring for the order)."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     k_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
     v_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    if plan.write_before_read:
+        _store(k_cache, v_cache, k, v, plan)
     out = q.new_empty(q.shape)
     for sub in plan.sub_batches:
         keys = torch.cat([k_cache[sub.cached_slots], k[sub.token_index]], dim=1)
         values = torch.cat([v_cache[sub.cached_slots], v[sub.token_index]], dim=1)
         attended = _attend(q[sub.token_index], keys, values, sub.mask, scale, softcap)
         out[sub.out_index] = attended.flatten(0, 1)[sub.valid_rows]
-    k_cache.index_copy_(0, plan.write_slots, k[plan.write_token_index].to(k_cache.dtype))
-    v_cache.index_copy_(0, plan.write_slots, v[plan.write_token_index].to(v_cache.dtype))
+    if not plan.write_before_read:
+        _store(k_cache, v_cache, k, v, plan)
     return out
+
+
+def _store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           plan: AttentionPlan) -> None:
+    if plan.write_token_index is not None:
+        k, v = k[plan.write_token_index], v[plan.write_token_index]
+    k_cache.index_copy_(0, plan.write_slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, plan.write_slots, v.to(v_cache.dtype))
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,

@@ -128,6 +128,11 @@ class PagedRunner:
             while len(table) < needed:
                 table.append(self.new_block())
 
+    def reserve(self, req_id: str, num_tokens: int) -> list[list[int]]:
+        """Allocate blocks for the first `num_tokens` of a request now; return its tables."""
+        self._ensure_blocks(self.requests[req_id], num_tokens)
+        return self.requests[req_id].block_ids
+
     def _release_out_of_window(self, req: _Request) -> None:
         for group, table in zip(self.kv_cache_config.kv_cache_groups, req.block_ids):
             spec = group.kv_cache_spec

@@ -72,6 +72,21 @@ def test_prefix_reuse_and_cow_copy_match_transformers(models, family):
     _check_against_hf(hf, prompts, tokens, logits)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_prefix_blocks_filled_in_the_same_step_match_transformers(models, family):
+    """The KV manager caches blocks when it allocates them, so a request may hit
+    blocks that another request of the same step is writing."""
+    hf, config = models(family)
+    runner = PagedRunner(load_model(config), block_size=4)
+    base, tail = _prompts([22], seed=5)["r0"], _prompts([9], seed=6)["r0"]
+    runner.add("a", base)
+    shared = runner.reserve("a", len(base))
+    runner.add("b", base[:16] + tail, shared_blocks=[t[:4] for t in shared], num_computed=16)
+    prompts = {"a": base, "b": base[:16] + tail}
+    tokens, logits = run_greedy(runner, prompts, NUM_NEW, chunk=64)
+    _check_against_hf(hf, prompts, tokens, logits)
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3"])
 def test_circular_buffer_kv_matches_transformers(models, family):
     hf, config = models(family)
