@@ -1,0 +1,123 @@
+"""Every `kvserve bench` sub-command, run through the CLI in a tiny configuration (seconds each)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+import transformers
+
+from kvserve.cli import main
+
+from .fake_openai_server import FakeServer
+
+ENGINE_FLAGS = ["--kv-cache-memory", "32MiB", "--max-model-len", "256", "--dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A random 2-layer Llama saved like a Hugging Face checkpoint, with the default model's tokenizer."""
+    from kvserve.engine.config import default_model_path
+    from kvserve.engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+    path = tmp_path_factory.mktemp("bench_tiny_llama")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(config).save_pretrained(str(path), safe_serialization=True)
+    tokenizer.save_pretrained(str(path))
+    return str(path)
+
+
+def run_bench(tmp_path, capsys, *argv: str) -> dict:
+    out_json = tmp_path / f"{argv[0]}.json"
+    exit_code = main(["bench", *argv, "--output-json", str(out_json)])
+    printed = capsys.readouterr().out
+    assert exit_code == 0, printed
+    assert str(out_json) in printed
+    payload = json.loads(out_json.read_text())
+    assert payload["benchmark"] == argv[0] and "timestamp_utc" in payload["environment"]
+    return payload["result"]
+
+
+def test_roofline_tiny(tmp_path, capsys):
+    result = run_bench(tmp_path, capsys, "roofline", "--tiny", "--repeats", "1", "--bandwidth-mib", "4",
+                       "--batch-sizes", "1,4")
+    assert set(result["by_dtype"]) == {"float32", "bfloat16"}
+    assert result["read_bandwidth_gb_per_s"] > 0
+    assert (tmp_path / "roofline.png").stat().st_size > 0
+
+
+def test_serve_against_a_fake_server(tmp_path, capsys):
+    with FakeServer(num_tokens=4, first_token_delay_s=0.01, inter_token_delay_s=0.002) as server:
+        result = run_bench(tmp_path, capsys, "serve", "--base-url", server.url, "--num-prompts", "6",
+                           "--prompt-words", "5", "--max-tokens", "4", "--concurrency", "3")
+    assert result["completed"] == 6 and result["output_tokens"] == server.log.tokens_sent == 24
+    assert server.log.max_open_streams <= 3
+
+
+def test_throughput_tiny(tmp_path, capsys, tiny_model_dir):
+    result = run_bench(tmp_path, capsys, "throughput", "--model", tiny_model_dir, "--workloads", "fixed,mixed",
+                       "--num-prompts", "3", "--prompt-len", "8", "--output-len", "4", "--max-prompt-len", "24",
+                       "--max-output-len", "6", *ENGINE_FLAGS)
+    by_workload = {r["workload"]: r for r in result["results"]}
+    for summary in result["workloads"]:
+        measured = by_workload[summary["name"]]
+        assert measured["output_tokens"] == summary["output_tokens"]
+        assert measured["output_tokens_per_s"] == pytest.approx(measured["output_tokens"] / measured["elapsed_s"])
+    assert by_workload["fixed"]["output_tokens"] == 12
+
+
+def test_compare_tiny_against_transformers(tmp_path, capsys, tiny_model_dir):
+    result = run_bench(tmp_path, capsys, "compare", "--model", tiny_model_dir, "--workloads", "fixed",
+                       "--num-prompts", "2", "--prompt-len", "8", "--output-len", "4", "--references",
+                       "transformers,llama.cpp", "--no-warmup", *ENGINE_FLAGS)
+    engines = {r["engine"]: r for r in result["results"]}
+    assert set(engines) >= {"kvserve", "transformers"}
+    (ratio,) = [r for r in result["ratios"] if r["reference"] == "transformers"]
+    assert ratio["speedup"] == pytest.approx(
+        engines["kvserve"]["output_tokens_per_s"] / engines["transformers"]["output_tokens_per_s"])
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert "llama.cpp" in result["skipped"]
+
+
+def test_prefix_tiny_hits_full_and_partial_blocks(tmp_path, capsys, tiny_model_dir):
+    prefix_len, question_len, block_size, hash_size = 40, 4, 16, 4
+    result = run_bench(tmp_path, capsys, "prefix", "--model", tiny_model_dir, "--num-requests", "3",
+                       "--prefix-len", str(prefix_len), "--question-len", str(question_len), "--output-len", "2",
+                       "--block-size", str(block_size), "--partial-hash-block-size", str(hash_size), *ENGINE_FLAGS)
+    off, full_blocks, partial = result["configurations"]
+    prompt_len = prefix_len + question_len
+    assert off["cached_tokens_per_request"] == 0 and off["prefill_tokens_computed"] == 2 * prompt_len
+    # Full-block hashing reuses whole blocks of the shared prefix; finer hashing reaches its end.
+    assert full_blocks["cached_tokens_per_request"] == prefix_len // block_size * block_size
+    assert partial["cached_tokens_per_request"] == prefix_len // hash_size * hash_size
+    assert partial["prefill_tokens_computed"] == 2 * (prompt_len - prefix_len)
+
+
+def test_profile_tiny(tmp_path, capsys, tiny_model_dir):
+    result = run_bench(tmp_path, capsys, "profile", "--model", tiny_model_dir, "--batch-size", "2",
+                       "--context-len", "8", "--steps", "2", *ENGINE_FLAGS)
+    shares = {c["category"]: c["share"] for c in result["categories"]}
+    assert sum(shares.values()) == pytest.approx(1.0)
+    assert shares["matmul (weights)"] > 0 and shares["worker: input preparation / output"] > 0
+    assert result["plain_step_ms"] > 0 and result["top_functions_model_step"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("kvserve.bench.scheduler") is None,
+                    reason="kvserve/bench/scheduler.py not written yet")
+def test_scheduler_tiny(tmp_path, capsys):
+    result = run_bench(tmp_path, capsys, "scheduler", "--num-running", "4", "--prompt-len", "32",
+                       "--output-len", "8", "--no-plot")
+    assert result
+
+
+@pytest.mark.skipif(importlib.util.find_spec("kvserve.bench.kv") is None,
+                    reason="kvserve/bench/kv.py not written yet")
+def test_kv_tiny(tmp_path, capsys):
+    result = run_bench(tmp_path, capsys, "kv", "--num-requests", "100", "--no-plot")
+    assert result
