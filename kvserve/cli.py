@@ -273,9 +273,19 @@ def _stream_to_stdout(llm: Any, request: dict, params: Any, status: "_Status") -
     return last
 
 
+# One conversation at a time: a KV pool for a full 8k-token context (on the
+# default model) instead of the engine's batch-sized default, which takes
+# seconds to allocate at start-up.
+INTERACTIVE_KV_CACHE_MEMORY = "512MiB"
+INTERACTIVE_MAX_NUM_SEQS = 8
+
+
 def _make_llm(args: argparse.Namespace) -> Any:
     from kvserve.engine.llm import LLM
-    return LLM(**engine_kwargs_from_args(args))
+    kwargs = engine_kwargs_from_args(args)
+    kwargs.setdefault("kv_cache_memory", INTERACTIVE_KV_CACHE_MEMORY)
+    kwargs.setdefault("max_num_seqs", INTERACTIVE_MAX_NUM_SEQS)
+    return LLM(**kwargs)
 
 
 def _sampling_params(args: argparse.Namespace) -> Any:

