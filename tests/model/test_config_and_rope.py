@@ -1,0 +1,109 @@
+"""ModelConfig parsing (HF directories, GGUF metadata, errors) and RoPE
+frequencies against transformers' own implementations."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from kvserve.model.config import (ModelConfig, ModelConfigError, ModelFilesNotFoundError, RopeConfig,
+                                  UnsupportedArchitectureError)
+from kvserve.model.layers import rope_inv_freq
+from paged_kv_helper import WINDOW, tiny_hf_config
+
+
+def _save_config(hf_config, path) -> str:
+    hf_config.architectures = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}[hf_config.model_type]]
+    hf_config.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("family,expected_types,softcap,qk_norm,bias", [
+    ("llama", ["full", "full"], None, False, False),
+    ("mistral", ["sliding", "sliding"], None, False, False),
+    ("qwen2", ["full", "full"], None, False, True),
+    ("qwen3", ["full", "full"], None, True, False),
+    ("gemma2", ["sliding", "full", "sliding", "full"], 30.0, False, False),
+    ("gemma3", ["sliding", "sliding", "full", "sliding"], None, True, False),
+])
+def test_family_switches_from_config_json(tmp_path, family, expected_types, softcap, qk_norm, bias):
+    hf = tiny_hf_config(family)
+    config = ModelConfig.from_path(_save_config(hf, tmp_path))
+    assert config.layer_types == expected_types
+    assert config.sliding_window == (WINDOW if "sliding" in expected_types else None)
+    assert config.final_logit_softcapping == softcap
+    assert config.qk_norm == qk_norm
+    assert config.attention_bias == bias
+    assert config.num_kv_heads == hf.num_key_value_heads
+    assert config.head_dim == getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    assert config.eos_token_ids == [2]
+    assert config.max_model_len == hf.max_position_embeddings
+    assert config.is_gemma == family.startswith("gemma")
+
+
+def test_gemma3_local_rope_and_scalar(tmp_path):
+    config = ModelConfig.from_path(_save_config(tiny_hf_config("gemma3"), tmp_path))
+    assert config.rope == RopeConfig(theta=100000.0, rope_type="linear", factor=2.0)
+    assert config.rope_local.theta == 10000.0
+    assert config.rope_for_layer(0) is config.rope_local and config.rope_for_layer(2) is config.rope
+    assert config.attention_scale == 16 ** -0.5
+
+
+def test_transformers_4_layout_still_read():
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 2,
+          "num_attention_heads": 4, "hidden_size": 64, "intermediate_size": 128, "vocab_size": 100,
+          "rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 4.0},
+          "eos_token_id": [5, 6], "max_position_embeddings": 1024}
+    config = ModelConfig.from_hf_dict(hf, max_model_len=256)
+    assert config.rope.theta == 500000.0 and config.rope.rope_type == "linear" and config.rope.factor == 4.0
+    assert config.eos_token_ids == [5, 6]
+    assert config.max_model_len == 256
+    assert config.num_kv_heads == 4
+
+
+def test_errors_are_clear(tmp_path):
+    with pytest.raises(ModelFilesNotFoundError, match="does not exist"):
+        ModelConfig.from_path(str(tmp_path / "nope"))
+    with pytest.raises(ModelFilesNotFoundError, match="config.json"):
+        ModelConfig.from_path(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "model_type": "bert"}))
+    with pytest.raises(UnsupportedArchitectureError, match="BertModel.*supported"):
+        ModelConfig.from_path(str(tmp_path))
+    (tmp_path / "weights.bin").write_text("x")
+    with pytest.raises(ModelFilesNotFoundError, match="gguf"):
+        ModelConfig.from_path(str(tmp_path / "weights.bin"))
+    with pytest.raises(ModelConfigError, match="dtype"):
+        ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
+                                  "num_attention_heads": 2, "hidden_size": 8, "intermediate_size": 8,
+                                  "vocab_size": 10}, dtype="int8")
+    assert issubclass(UnsupportedArchitectureError, ValueError)
+
+
+@pytest.mark.parametrize("rope_parameters", [
+    {"rope_type": "default", "rope_theta": 10000.0},
+    {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192, "rope_theta": 500000.0},
+    {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1000000.0, "original_max_position_embeddings": 32768},
+    {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0, "beta_fast": 16.0, "beta_slow": 2.0},
+])
+def test_rope_frequencies_match_transformers(rope_parameters):
+    max_pos = 131072
+    hf = transformers.LlamaConfig(hidden_size=1024, num_attention_heads=8, max_position_embeddings=max_pos,
+                                  rope_parameters=dict(rope_parameters))
+    rope_type = rope_parameters["rope_type"]
+    if rope_type == "default":
+        head_dim = 128
+        expected = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        expected_factor = 1.0
+    else:
+        expected, expected_factor = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+    config = ModelConfig.from_hf_dict({**hf.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    ours, factor = rope_inv_freq(config.head_dim, config.rope, config.max_position_embeddings)
+    assert torch.allclose(ours, expected.float(), rtol=1e-6, atol=0)
+    assert factor == pytest.approx(expected_factor)
