@@ -53,7 +53,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineStatsCollector(get_engine_stats))
         labels = ["model_name"]
-        self.prompt_tokens = Counter("kvserve_prompt_tokens", "Prompt tokens processed",
+        self.prompt_tokens = Counter("kvserve_prompt_tokens", "Prompt tokens prefilled (counted at the first token)",
                                      labels, registry=self.registry).labels(model_name)
         self.generation_tokens = Counter("kvserve_generation_tokens", "Tokens generated",
                                          labels, registry=self.registry).labels(model_name)
@@ -94,6 +94,7 @@ class RequestTimer:
         if new_tokens > 0:
             if self._last_token_s is None:
                 self._metrics.ttft.observe(now - self._arrival_s)
+                self._metrics.prompt_tokens.inc(len(request_output.prompt_token_ids or []))
             else:
                 gap_s = (now - self._last_token_s) / new_tokens
                 for _ in range(new_tokens):
@@ -103,7 +104,6 @@ class RequestTimer:
             self._num_tokens = num_tokens
         if request_output.finished:
             self._finished = True
-            self._metrics.prompt_tokens.inc(len(request_output.prompt_token_ids or []))
             self._metrics.e2e.observe(now - self._arrival_s)
             for completion in request_output.outputs:
                 self._metrics.count_finish(completion.finish_reason)

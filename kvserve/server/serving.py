@@ -125,6 +125,7 @@ async def merged_outputs(ctx: ServingContext, generators: list[AsyncIterator[Any
         try:
             async for output in generator:
                 timer.observe(output)
+                _raise_if_failed(output)
                 queue.put_nowait((index, output))
         except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
             queue.put_nowait((index, exc))
@@ -151,6 +152,13 @@ async def merged_outputs(ctx: ServingContext, generators: list[AsyncIterator[Any
                 task.cancel()
         for generator in generators:
             await _close_quietly(generator)
+
+
+def _raise_if_failed(request_output: Any) -> None:
+    """A sequence the engine finished with "error" (a failed model step) fails the call."""
+    for completion in request_output.outputs:
+        if completion.finish_reason == "error":
+            raise APIError(500, f"generation failed: {completion.stop_reason}", code="engine_error")
 
 
 async def _close_quietly(generator: AsyncIterator[Any]) -> None:

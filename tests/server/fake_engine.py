@@ -63,6 +63,7 @@ class FakeEngineCore:
         self.block_size = block_size
         self.step_delay_s = step_delay_s
         self.fail_next_step: Exception | None = None
+        self.fail_next_token: str | None = None  # finish the next request with "error"
         self.requests: dict[str, _FakeRequest] = {}
         self.aborted_ids: list[str] = []
         self.shut_down = False
@@ -96,6 +97,10 @@ class FakeEngineCore:
         return [self._advance(request) for request in running]
 
     def _advance(self, request: _FakeRequest) -> EngineCoreOutput:
+        if self.fail_next_token is not None:
+            message, self.fail_next_token = self.fail_next_token, None
+            del self.requests[request.request_id]
+            return EngineCoreOutput(request.request_id, [], "error", message)
         params = request.params
         position = len(request.output_token_ids)
         if params.temperature == 0:

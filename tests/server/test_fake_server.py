@@ -219,6 +219,34 @@ def test_engine_loop_is_one_thread(fake_server):
 
 # ----- servers of their own: limits, engine failure, shutdown -----
 
+def test_failed_step_gives_500_and_engine_keeps_serving(fake_server, client):
+    core = fake_server.engine.engine_core
+    core.fail_next_token = "model step failed: RuntimeError: bad kernel"
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(model=MODEL, prompt="unlucky", max_tokens=3)
+    assert "bad kernel" in str(info.value)
+    core.fail_next_token = "model step failed: RuntimeError: bad kernel"
+    with httpx.stream("POST", fake_server.base_url + "/v1/completions", timeout=30,
+                      headers={"authorization": f"Bearer {API_KEY}"},
+                      json={"model": MODEL, "prompt": "unlucky", "max_tokens": 3, "stream": True}) as response:
+        status = response.status_code
+        body = response.read().decode()
+    assert status == 500 and "bad kernel" in body, (status, body)
+    reply = client.completions.create(model=MODEL, prompt="lucky", max_tokens=3)
+    assert reply.usage.completion_tokens == 3
+
+
+def test_chunked_body_over_the_limit_gives_413(fake_server):
+    def chunks():
+        for _ in range(80):
+            yield b"a" * 65536
+
+    response = httpx.post(fake_server.base_url + "/v1/completions", content=chunks(), timeout=30,
+                          headers={"authorization": f"Bearer {API_KEY}", "content-type": "application/json"})
+    assert response.status_code == 413
+    check_error_shape(response)
+
+
 def test_queue_full_gives_503_with_retry_after(tokenizer):
     engine = make_fake_async_llm(tokenizer, max_num_seqs=2, max_concurrent_requests=2, step_delay_s=0.02)
     with ThreadedServer(build_app(engine, MODEL)) as server:
@@ -234,6 +262,29 @@ def test_queue_full_gives_503_with_retry_after(tokenizer):
             _wait_idle(engine)
             ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "now", "max_tokens": 2})
             assert ok.status_code == 200
+
+
+def test_waiting_queue_full_gives_503(tokenizer):
+    engine = make_fake_async_llm(tokenizer, max_num_seqs=1, max_waiting_requests=1, step_delay_s=0.02)
+    with ThreadedServer(build_app(engine, MODEL)) as server:
+        body = {"model": MODEL, "prompt": "slow", "max_tokens": 30}
+        statuses = []
+
+        def post() -> None:
+            statuses.append(httpx.post(server.base_url + "/v1/completions", json=body, timeout=30).status_code)
+
+        workers = [threading.Thread(target=post) for _ in range(2)]  # one running, one waiting
+        for worker in workers:
+            worker.start()
+        while engine.num_in_flight_requests() < 2:
+            time.sleep(0.01)
+        rejected = httpx.post(server.base_url + "/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert rejected.status_code == 503 and "waiting" in check_error_shape(rejected)["message"]
+        assert rejected.headers["retry-after"].isdigit()
+        for worker in workers:
+            worker.join(30)
+        assert statuses == [200, 200]
 
 
 def test_engine_failure_reaches_waiting_requests(tokenizer):
