@@ -44,7 +44,11 @@ def run(args: argparse.Namespace) -> int:
     if plotter is not None and not args.no_plot:
         png_path = Path(args.output_png) if args.output_png else json_path.with_suffix(".png")
         labels, values, title, ylabel = plotter(result)
-        print(f"plot: {bar_plot(png_path, labels, values, title=title, ylabel=ylabel)}")
+        lines = None
+        if "ceilings" in result:
+            lines = {"batched ceiling": result["ceilings"]["batched_tokens_per_s"],
+                     "single-stream ceiling": result["ceilings"]["single_stream_tokens_per_s"]}
+        print(f"plot: {bar_plot(png_path, labels, values, title=title, ylabel=ylabel, reference_lines=lines)}")
     return 0
 
 
@@ -113,8 +117,14 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
 
 
+def _add_roofline_json_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--roofline-json", default=None, metavar="PATH",
+                        help="a `kvserve bench roofline` result: adds the ceilings and how close each run comes")
+
+
 def _add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     _add_workload_arguments(parser, "fixed,mixed")
+    _add_roofline_json_argument(parser)
     _add_engine_arguments(parser)
 
 
@@ -123,6 +133,7 @@ def _add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--references", default="transformers,llama.cpp,vllm-scheduler",
                         help="comma-separated references to run when available")
     parser.add_argument("--hf-batch-size", type=int, default=32, help="transformers static batch size")
+    _add_roofline_json_argument(parser)
     _add_engine_arguments(parser)
 
 
@@ -210,7 +221,8 @@ def _run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     from kvserve.bench import throughput
 
     kwargs = _engine_kwargs(args)
-    return throughput.run(_workloads(args, _vocab_size(args.model)), warmup=not args.no_warmup, **kwargs)
+    result = throughput.run(_workloads(args, _vocab_size(args.model)), warmup=not args.no_warmup, **kwargs)
+    return _with_ceilings(result, args.roofline_json)
 
 
 def _run_compare(args: argparse.Namespace) -> dict[str, Any]:
@@ -219,9 +231,28 @@ def _run_compare(args: argparse.Namespace) -> dict[str, Any]:
 
     kwargs = _engine_kwargs(args)
     model_path = resolve_model_path(kwargs.pop("model", None))
-    return compare.run(_workloads(args, _vocab_size(model_path)), model_path,
-                       references=_name_list(args.references), hf_batch_size=args.hf_batch_size,
-                       warmup=not args.no_warmup, **kwargs)
+    result = compare.run(_workloads(args, _vocab_size(model_path)), model_path,
+                         references=_name_list(args.references), hf_batch_size=args.hf_batch_size,
+                         warmup=not args.no_warmup, **kwargs)
+    return _with_ceilings(result, args.roofline_json)
+
+
+def _with_ceilings(result: dict[str, Any], roofline_json: str | None) -> dict[str, Any]:
+    """Attach the roofline ceilings of the run's dtype and each run's share of the batched one."""
+    if not roofline_json:
+        return result
+    roofline_result = json.loads(Path(roofline_json).read_text(encoding="utf-8"))["result"]
+    ceilings = roofline_result["by_dtype"].get(result["dtype"])
+    if ceilings is None:
+        raise ValueError(f"{roofline_json} has no {result['dtype']} figures")
+    result["ceilings"] = {"dtype": result["dtype"],
+                          "batched_tokens_per_s": ceilings["batched_ceiling_tokens_per_s"],
+                          "single_stream_tokens_per_s": ceilings["single_stream_ceiling_tokens_per_s"]}
+    for run in result["results"]:
+        # Prompt and output tokens both pass through every weight matmul.
+        all_tokens_per_s = (run["prompt_tokens"] + run["output_tokens"]) / run["elapsed_s"]
+        run["share_of_batched_ceiling"] = all_tokens_per_s / ceilings["batched_ceiling_tokens_per_s"]
+    return result
 
 
 def _run_prefix(args: argparse.Namespace) -> dict[str, Any]:

@@ -83,11 +83,18 @@ def run(workloads: list[Workload], *, warmup: bool = True, **engine_kwargs: Any)
 
 
 def format_results(results: list[dict[str, Any]], title: str) -> str:
-    return format_table(
-        ["engine", "workload", "requests", "elapsed s", "req/s", "prompt tok/s", "output tok/s", "notes"],
-        [[r["engine"], r["workload"], r["num_requests"], r["elapsed_s"], r["requests_per_s"],
-          r["prompt_tokens_per_s"], r["output_tokens_per_s"], r["notes"]] for r in results],
-        title=title)
+    headers = ["engine", "workload", "requests", "elapsed s", "req/s", "prompt tok/s", "output tok/s"]
+    with_share = all("share_of_batched_ceiling" in r for r in results)
+    if with_share:
+        headers.append("% of ceiling")
+    rows = []
+    for r in results:
+        row = [r["engine"], r["workload"], r["num_requests"], r["elapsed_s"], r["requests_per_s"],
+               r["prompt_tokens_per_s"], r["output_tokens_per_s"]]
+        if with_share:
+            row.append(f"{r['share_of_batched_ceiling'] * 100:.0f}%")
+        rows.append(row + [r["notes"]])
+    return format_table(headers + ["notes"], rows, title=title)
 
 
 def format_result(result: dict[str, Any]) -> str:

@@ -60,10 +60,18 @@ def test_serve_against_a_fake_server(tmp_path, capsys):
     assert server.log.max_open_streams <= 3
 
 
-def test_throughput_tiny(tmp_path, capsys, tiny_model_dir):
+def test_throughput_tiny_with_roofline_ceilings(tmp_path, capsys, tiny_model_dir):
+    roofline = run_bench(tmp_path, capsys, "roofline", "--model", tiny_model_dir, "--repeats", "1",
+                         "--bandwidth-mib", "4", "--batch-sizes", "1,4", "--dtypes", "float32", "--no-plot")
+    assert roofline["model_shapes"]["hidden_size"] == 64
     result = run_bench(tmp_path, capsys, "throughput", "--model", tiny_model_dir, "--workloads", "fixed,mixed",
                        "--num-prompts", "3", "--prompt-len", "8", "--output-len", "4", "--max-prompt-len", "24",
-                       "--max-output-len", "6", *ENGINE_FLAGS)
+                       "--max-output-len", "6", "--roofline-json", str(tmp_path / "roofline.json"), *ENGINE_FLAGS)
+    batched_ceiling = roofline["by_dtype"]["float32"]["batched_ceiling_tokens_per_s"]
+    assert result["ceilings"]["batched_tokens_per_s"] == batched_ceiling
+    for run in result["results"]:
+        tokens_per_s = (run["prompt_tokens"] + run["output_tokens"]) / run["elapsed_s"]
+        assert run["share_of_batched_ceiling"] == pytest.approx(tokens_per_s / batched_ceiling)
     by_workload = {r["workload"]: r for r in result["results"]}
     for summary in result["workloads"]:
         measured = by_workload[summary["name"]]
