@@ -4,6 +4,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.sampling_params import SamplingParams
@@ -176,3 +178,24 @@ def test_flush_emits_an_incomplete_trailing_character(smollm_tokenizer):
     deltas, _, _ = stream(tok, [], truncated)
     assert "".join(deltas) == tok.decode(truncated)
     assert "".join(deltas).endswith("\ufffd")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(min_size=1, max_size=40), seed=st.integers(0, 1000),
+       stop=st.text(min_size=1, max_size=3))
+def test_property_any_text_any_chunking(tokenizer, text, seed, stop):
+    prompt_ids = tokenizer.encode("Q:", add_special_tokens=False)
+    output_ids = tokenizer.encode(text, add_special_tokens=False)
+    if not output_ids:
+        return
+    expected = oracle_output_text(tokenizer, prompt_ids, output_ids)
+    deltas, _, _ = stream(tokenizer, prompt_ids, output_ids, seed=seed)
+    assert "".join(deltas) == expected
+    deltas, _, found = stream(tokenizer, prompt_ids, output_ids, SamplingParams(stop=[stop]), seed=seed)
+    streamed = "".join(deltas)
+    if found is None:
+        assert streamed == expected
+    else:
+        # Cut right before the first occurrence of the stop string.
+        assert found == stop and stop not in streamed
+        assert expected.startswith(streamed) and expected[len(streamed):].startswith(stop)
