@@ -8,12 +8,13 @@ each request through that request's asyncio.Queue, always via
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from kvserve.sampling_params import SamplingParams
@@ -61,18 +62,52 @@ class _ShutdownCommand:
 _ABORTED = object()
 
 
-@dataclass
 class _RequestStream:
-    """Where the engine thread delivers one request's outputs."""
+    """Where the engine thread delivers one request's outputs.
 
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    A consumer that falls behind does not pile up outputs: a new RequestOutput
+    replaces an undelivered one (both are cumulative) and the per-step deltas
+    (`new_text`, `new_token_ids`) are concatenated, so memory stays bounded.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._pending: collections.deque = collections.deque()
+        self._ready = asyncio.Event()
 
     def put(self, item: Any) -> None:
+        """Called from the engine thread."""
         try:
-            self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
+            self.loop.call_soon_threadsafe(self._put_on_loop, item)
         except RuntimeError:
             pass  # the loop is closed: nobody is waiting any more
+
+    def _put_on_loop(self, item: Any) -> None:
+        if self._pending and _is_request_output(item) and _is_request_output(self._pending[-1]):
+            item = _merge_outputs(self._pending.pop(), item)
+        self._pending.append(item)
+        self._ready.set()
+
+    async def get(self) -> Any:
+        while not self._pending:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._pending.popleft()
+
+
+def _is_request_output(item: Any) -> bool:
+    return hasattr(item, "outputs") and hasattr(item, "finished")
+
+
+def _merge_outputs(older: Any, newer: Any) -> Any:
+    """`newer` carrying the deltas of both steps (it is cumulative otherwise)."""
+    older_by_index = {c.index: c for c in older.outputs}
+    for completion in newer.outputs:
+        previous = older_by_index.get(completion.index)
+        if previous is not None and hasattr(completion, "new_text"):
+            completion.new_text = previous.new_text + completion.new_text
+            completion.new_token_ids = list(previous.new_token_ids) + list(completion.new_token_ids)
+    return newer
 
 
 @dataclass
@@ -108,7 +143,9 @@ class AsyncLLM:
 
     `max_concurrent_requests` caps the requests in flight (running + waiting);
     `max_waiting_requests` caps those beyond the engine's `max_num_seqs`. Past
-    either cap `generate` raises `EngineOverloadedError` (HTTP 503).
+    either cap `reserve` / `generate` raise `EngineOverloadedError` (HTTP 503).
+    The caps are checked at admission against the registered streams, so
+    requests admitted within the same event-loop tick may pass one by a few.
     """
 
     def __init__(self, engine_config: Any, *, max_concurrent_requests: int | None = None,
@@ -228,7 +265,7 @@ class AsyncLLM:
         finished = False
         try:
             while True:
-                item = await stream.outputs.get()
+                item = await stream.get()
                 if item is _ABORTED:
                     finished = True
                     return

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: FastAPI app over one AsyncLLM (`kvserve serve`)."""

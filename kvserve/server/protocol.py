@@ -34,7 +34,6 @@ class StreamOptions(_StrictModel):
     """`stream_options`: `include_usage` adds a final chunk with token usage."""
 
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(_StrictModel):

@@ -66,7 +66,7 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), code="engine_unavailable")
     if isinstance(exc, PromptTooLongError):
-        return bad_request(str(exc), param="messages", code="context_length_exceeded")
+        return bad_request(str(exc), code="context_length_exceeded")
     if isinstance(exc, SamplingParamsError):
         param = str(exc).split(" ", 1)[0]
         return bad_request(str(exc), param=param, code="invalid_value")

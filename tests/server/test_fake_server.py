@@ -6,8 +6,6 @@ The official `openai` client is the oracle for the protocol.
 """
 from __future__ import annotations
 
-import asyncio
-import json
 import threading
 import time
 
@@ -332,31 +330,3 @@ def test_shutdown_with_streams_in_flight_does_not_hang(tokenizer):
     reader.join(10)
     assert not reader.is_alive()
     assert engine.engine_core.shut_down and not engine.engine_core.requests
-
-
-def test_async_llm_abort_from_another_coroutine(tokenizer):
-    from kvserve.sampling_params import SamplingParams
-
-    engine = make_fake_async_llm(tokenizer, step_delay_s=0.01)
-
-    async def scenario() -> list:
-        outputs = []
-
-        async def consume() -> None:
-            async for output in engine.generate("abc", SamplingParams(max_tokens=200), "r1"):
-                outputs.append(output)
-
-        task = asyncio.create_task(consume())
-        while len(outputs) < 2:
-            await asyncio.sleep(0.01)
-        await engine.abort("r1")
-        await asyncio.wait_for(task, 10)
-        return outputs
-
-    try:
-        outputs = asyncio.run(scenario())
-        assert outputs[-1].finished is False or outputs[-1].outputs[0].finish_reason == "abort"
-        _wait_idle(engine)
-        assert "r1" in engine.engine_core.aborted_ids
-    finally:
-        engine.shutdown()
