@@ -281,6 +281,12 @@ class Scheduler:
         new_blocks = self.kv_cache_manager.allocate_slots(
             request, num_new_tokens, num_new_computed_tokens=num_hit_tokens,
             new_computed_blocks=hit_blocks)
+        if new_blocks is None and num_hit_tokens and self._pool_is_idle():
+            # A partial-block hit costs a copy block on top of the source it
+            # keeps; in a tiny pool that can be the difference. Cold, it fits.
+            num_hit_tokens = 0
+            num_new_tokens = min(self._cap_long_prefill(request.num_tokens), plan.token_budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
         if new_blocks is None:
             return False
         self.waiting.pop()
@@ -292,6 +298,10 @@ class Scheduler:
         self.running.append(request)
         plan.add_admitted(request, num_new_tokens, resumed)
         return True
+
+    def _pool_is_idle(self) -> bool:
+        """No request holds blocks and none wait on a fence: the pool is as free as it gets."""
+        return not self.running and not self.deferred_frees
 
     def _advance_scheduled(self, plan: StepPlan, step_seq: int) -> None:
         for request in plan.scheduled_requests():
