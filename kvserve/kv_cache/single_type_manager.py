@@ -48,6 +48,7 @@ class SingleTypeKVCacheManager(ABC):
         self.kv_cache_group_id = kv_cache_group_id
         self.enable_caching = enable_caching and kv_cache_spec.prefix_cacheable
         self.null_block = block_pool.null_block
+        self._group_id_bytes = make_block_hash_with_group_id(BlockHash(b""), kv_cache_group_id)
         self.req_to_blocks: defaultdict[str, list[KVCacheBlock]] = defaultdict(list)
         self.num_cached_block: dict[str, int] = {}
         # (source, cow) pairs whose copy has not been handed to the runner yet.
@@ -66,11 +67,11 @@ class SingleTypeKVCacheManager(ABC):
         `alignment` is the hash block size), and that length. No side effects."""
 
     def _lookup(self, block_hashes: list[BlockHash], num_tokens: int) -> KVCacheBlock | None:
-        key = make_block_hash_with_group_id(block_hashes[num_tokens // self.block_pool.hash_block_size - 1],
-                                            self.kv_cache_group_id)
         pool = self.block_pool
+        # Inlined make_block_hash_with_group_id: this is the prefix-hit hot path.
+        key = block_hashes[num_tokens // pool.hash_block_size - 1] + self._group_id_bytes
         pool.num_cache_lookups += 1
-        entry = pool.cached_block_hash_to_block.get(key)
+        entry = pool.cached_block_hash_to_block.get(key)  # type: ignore[call-overload]
         if entry is None:
             return None
         pool.num_cache_hits += 1

@@ -264,9 +264,11 @@ def get_request_block_hasher(hash_block_size: int, hash_fn: HashFunction) -> Cal
         start = len(request.block_hashes) * hash_block_size
         parent = request.block_hashes[-1] if request.block_hashes else none_hash
         new_hashes: list[BlockHash] = []
+        has_extra_keys = (getattr(request, "lora_name", None) is not None or getattr(request, "mm_features", None)
+                          or getattr(request, "cache_salt", None) is not None)
         while start + hash_block_size <= len(token_ids):
             end = start + hash_block_size
-            extra_keys = generate_block_extra_keys(request, start, end)
+            extra_keys = generate_block_extra_keys(request, start, end) if has_extra_keys else None
             parent = BlockHash(hash_fn(_encode_block(parent, token_ids[start:end], extra_keys)))
             new_hashes.append(parent)
             start = end
