@@ -42,7 +42,8 @@ def apply_sampled_tokens(
             stopped[req_id] = request
             if was_preempted:
                 scheduler.waiting.remove(request)
-        elif not was_preempted:
+        elif request.num_in_flight_tokens and not was_preempted:
+            # Scheduled ahead: the next allocation would cache these one step late.
             scheduler.cache_processed_blocks(request)
         outputs.append(EngineCoreOutput(
             request_id=req_id,

@@ -1,0 +1,133 @@
+"""Scheduler microbenchmark: microseconds per `schedule()` + `update_from_output()`.
+
+Steady decode: `num_running` requests of `prompt_len` distinct prompt tokens
+are prefilled (untimed), then every step decodes one token for each of them
+(prefix caching on, as in serving). Only the scheduler's two calls are timed;
+the fake runner that produces the tokens is not. When vLLM is importable
+(optional, never a dependency) the same scenario runs through vLLM's
+scheduler in the same process and the ratio is reported.
+
+    python -m kvserve.bench.scheduler [--num-running 64,256,1024] [--steps N]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import time
+from typing import Any, Callable
+
+from kvserve.kv_cache.interface import cdiv
+from kvserve.testing import FakeModelRunner, create_requests, create_scheduler
+
+
+def run(num_running: tuple[int, ...] = (64, 256, 1024), prompt_len: int = 512, output_len: int = 256,
+        block_size: int = 16, num_timed_steps: int | None = None, compare_vllm: bool = True) -> dict[str, Any]:
+    """Per running-request count: microseconds per step (schedule + update), for
+    kvserve and, where importable, vLLM. At most `num_timed_steps` (default
+    `output_len - 2`) decode steps are timed, fewer if a request would finish
+    sooner (early admissions decode while later ones prefill)."""
+    num_steps = num_timed_steps or max(output_len - 2, 1)
+    results: dict[str, Any] = {
+        "scenario": {"prompt_len": prompt_len, "output_len": output_len, "block_size": block_size,
+                     "max_timed_decode_steps": num_steps, "prefix_caching": True},
+        "kvserve": {}, "vllm": None, "ratio_kvserve_over_vllm": None,
+    }
+    vllm_available = compare_vllm and importlib.util.find_spec("vllm") is not None
+    if vllm_available:
+        results["vllm"] = {}
+        results["ratio_kvserve_over_vllm"] = {}
+    for num_reqs in num_running:
+        ours = _time_kvserve(num_reqs, prompt_len, output_len, block_size, num_steps)
+        results["kvserve"][str(num_reqs)] = ours
+        if vllm_available:
+            try:
+                theirs = _time_vllm(num_reqs, prompt_len, output_len, block_size, num_steps)
+            except Exception as exc:  # vLLM's internals move between versions
+                results["vllm"][str(num_reqs)] = {"error": f"{type(exc).__name__}: {exc}"}
+                continue
+            results["vllm"][str(num_reqs)] = theirs
+            results["ratio_kvserve_over_vllm"][str(num_reqs)] = ours["us_per_step"] / theirs["us_per_step"]
+    return results
+
+
+def _num_blocks(num_reqs: int, prompt_len: int, output_len: int, block_size: int) -> int:
+    return num_reqs * cdiv(prompt_len + output_len, block_size) + 2
+
+
+def _time_kvserve(num_reqs: int, prompt_len: int, output_len: int, block_size: int,
+                  num_steps: int) -> dict[str, float]:
+    scheduler = create_scheduler(
+        num_blocks=_num_blocks(num_reqs, prompt_len, output_len, block_size), block_size=block_size,
+        max_num_seqs=num_reqs, max_num_batched_tokens=max(8192, num_reqs),
+        max_model_len=prompt_len + output_len + 1)
+    for request in create_requests(num_reqs, max_tokens=output_len,
+                                   prompt_token_ids=_prompts(num_reqs, prompt_len)):
+        scheduler.add_request(request)
+    return _time_steps(scheduler, FakeModelRunner().execute, num_reqs, num_steps)
+
+
+def _prompts(num_reqs: int, prompt_len: int) -> list[list[int]]:
+    return [[(i * 7919 + j) % 50_000 for j in range(prompt_len)] for i in range(num_reqs)]
+
+
+def _time_steps(scheduler: Any, execute: Callable[[Any], Any], num_reqs: int,
+                num_steps: int) -> dict[str, float]:
+    """Prefill (untimed) until every request decodes, then time `num_steps`
+    steps: the scheduler's two calls only, not the runner's work."""
+    def all_decoding() -> bool:
+        return (len(scheduler.running) == num_reqs
+                and all(request.num_output_tokens > 0 for request in scheduler.running))
+
+    while not all_decoding():
+        scheduler_output = scheduler.schedule()
+        scheduler.update_from_output(scheduler_output, execute(scheduler_output))
+    # Early admissions decode during the others' prefill: stop before any finishes.
+    headroom = min(request.max_tokens - request.num_output_tokens for request in scheduler.running) - 1
+    num_steps = max(min(num_steps, headroom), 1)
+    gc.collect()
+    gc.disable()
+    try:
+        total_s = 0.0
+        for _ in range(num_steps):
+            start = time.perf_counter()
+            scheduler_output = scheduler.schedule()
+            scheduled_s = time.perf_counter() - start
+            runner_output = execute(scheduler_output)
+            start = time.perf_counter()
+            scheduler.update_from_output(scheduler_output, runner_output)
+            total_s += scheduled_s + time.perf_counter() - start
+    finally:
+        gc.enable()
+    us_per_step = total_s / num_steps * 1e6
+    return {"us_per_step": us_per_step, "us_per_request_step": us_per_step / num_reqs,
+            "num_running": num_reqs, "steps": num_steps}
+
+
+def _time_vllm(num_reqs: int, prompt_len: int, output_len: int, block_size: int,
+               num_steps: int) -> dict[str, float]:
+    """The same scenario through vLLM's v1 scheduler. Only used when vLLM is installed."""
+    from kvserve.bench import _vllm_scheduler
+
+    scheduler, execute = _vllm_scheduler.build(
+        _prompts(num_reqs, prompt_len), output_len, block_size,
+        _num_blocks(num_reqs, prompt_len, output_len, block_size), max_num_batched_tokens=max(8192, num_reqs))
+    return _time_steps(scheduler, execute, num_reqs, num_steps)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-running", default="64,256,1024")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=None, help="timed decode steps per size")
+    args = parser.parse_args(argv)
+    result = run(tuple(int(n) for n in args.num_running.split(",")), args.prompt_len, args.output_len,
+                 args.block_size, args.steps)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
