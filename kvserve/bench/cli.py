@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,10 +36,16 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark `args.bench_command`; returns the exit code."""
     name = args.bench_command
+    environment = environment_info()
     result = _RUNNERS[name](args)
-    payload = {"benchmark": name, "environment": environment_info(), "result": result}
+    environment["load_average_1m_end"] = _load_average()
+    payload = {"benchmark": name, "environment": environment, "result": result}
     formatter, plotter = _FORMATTERS[name]
     print(formatter(result))
+    busiest = max(environment.get("load_average_1m", 0.0), environment["load_average_1m_end"])
+    if busiest > (environment.get("cpu_count") or 1):
+        print(f"\nnote: load average {busiest:.1f} on {environment.get('cpu_count')} CPUs while measuring: "
+              f"other work competed for the cores, so these figures are low")
     json_path = write_json(args.output_json or default_output_path(name, ".json"), payload)
     print(f"\nJSON: {json_path}")
     if plotter is not None and not args.no_plot:
@@ -50,6 +57,13 @@ def run(args: argparse.Namespace) -> int:
                      "single-stream ceiling": result["ceilings"]["single_stream_tokens_per_s"]}
         print(f"plot: {bar_plot(png_path, labels, values, title=title, ylabel=ylabel, reference_lines=lines)}")
     return 0
+
+
+def _load_average() -> float:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return 0.0
 
 
 # ---------------------------------------------------------------- arguments
