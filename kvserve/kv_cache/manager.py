@@ -110,7 +110,9 @@ class KVCacheManager:
         prompt (the last token is computed to get logits); changes nothing."""
         if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
             return self.empty_kv_cache_blocks, 0
-        max_hit_length = request.num_tokens - 1
+        # Hashes cover complete hash units only; a request built without this
+        # cache's hasher has none and can never hit.
+        max_hit_length = min(request.num_tokens - 1, len(request.block_hashes) * self.hash_block_size)
         blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(request.block_hashes, max_hit_length)
         stats = self._prefix_cache_stats
         stats.requests += 1

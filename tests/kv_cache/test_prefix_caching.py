@@ -368,3 +368,16 @@ def test_circular_buffer_keeps_a_fixed_ring_and_never_hits():
     manager.free(r0)
     assert manager.block_pool.get_num_free_blocks() == 29
     check(manager)
+
+
+def test_request_without_hashes_never_hits():
+    from kvserve.request import Request
+
+    manager = make_manager()
+    r0 = make_request(manager, "0", list(range(9)))
+    admit(manager, r0)
+    unhashed = Request("1", list(range(9)))
+    assert manager.get_computed_blocks(unhashed) == (manager.empty_kv_cache_blocks, 0)
+    assert manager.allocate_slots(unhashed, 9).get_block_ids() == ([4, 5, 6],)
+    assert all(manager.block_pool.blocks[i].block_hash is None for i in (4, 5, 6))
+    check(manager)
