@@ -211,11 +211,11 @@ class Scheduler:
         num_pending = request.num_output_placeholders
         if num_pending and reached_length_cap(request, self.max_model_len, num_pending):
             return 0  # the in-flight outputs already finish it
-        num_new_tokens = request.num_tokens + num_pending - request.num_computed_tokens
-        num_new_tokens = self._cap_long_prefill(num_new_tokens)
-        num_new_tokens = min(num_new_tokens, token_budget,
-                             self.max_model_len - request.num_computed_tokens)
-        return max(num_new_tokens, 0)
+        num_computed = request.num_computed_tokens
+        num_new_tokens = request.num_tokens + num_pending - num_computed
+        if num_new_tokens > 1:
+            num_new_tokens = self._cap_long_prefill(num_new_tokens)
+        return max(min(num_new_tokens, token_budget, self.max_model_len - num_computed), 0)
 
     def _cap_long_prefill(self, num_new_tokens: int) -> int:
         threshold = self.long_prefill_token_threshold

@@ -56,7 +56,6 @@ class StepPlan:
         return sum(self.num_scheduled_tokens.values())
 
     def _take_budget(self, request: Request, num_tokens: int) -> None:
-        assert num_tokens > 0 and request.request_id not in self.num_scheduled_tokens
         self.num_scheduled_tokens[request.request_id] = num_tokens
         self.token_budget -= num_tokens
 
@@ -107,5 +106,6 @@ def _new_request_data(request: Request, block_ids: BlockIdsByGroup, with_outputs
 
 def block_ids_or_none(blocks: Any) -> BlockIdsByGroup | None:
     """Per-group ids of newly allocated `KVCacheBlocks`, or None when there are none."""
-    block_ids = blocks.get_block_ids()
-    return block_ids if any(block_ids) else None
+    if not any(blocks.blocks):
+        return None
+    return blocks.get_block_ids()

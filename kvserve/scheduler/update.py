@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvserve.request import Request, RequestStatus
-from kvserve.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from kvserve.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvserve.scheduler.stop import check_stop
 
 if TYPE_CHECKING:
@@ -24,39 +24,47 @@ def apply_sampled_tokens(
     """
     outputs: list[EngineCoreOutput] = []
     stopped: dict[str, Request] = {}
+    requests = scheduler.requests
+    max_model_len = scheduler.max_model_len
     index_by_req_id = model_runner_output.req_id_to_index
+    sampled_token_ids = model_runner_output.sampled_token_ids
+    all_logprobs = model_runner_output.logprobs
     for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
-        request = scheduler.requests.get(req_id)
+        request = requests.get(req_id)
         if request is None:
             continue
         request.num_in_flight_tokens -= num_scheduled
         index = index_by_req_id.get(req_id)
-        sampled = model_runner_output.sampled_token_ids[index] if index is not None else []
+        sampled = sampled_token_ids[index] if index is not None else None
         if not sampled:
             continue  # a prefill chunk that did not reach the last prompt token
         if request.num_output_placeholders > 0:
             request.num_output_placeholders -= 1
         was_preempted = request.status == RequestStatus.PREEMPTED
-        new_token_ids = _append_until_stop(request, sampled, scheduler.max_model_len)
-        if request.is_finished():
+        new_token_ids = _append_until_stop(request, sampled, max_model_len)
+        finish_reason = None
+        if request.status > RequestStatus.PREEMPTED:
+            finish_reason = request.get_finished_reason()
             stopped[req_id] = request
             if was_preempted:
                 scheduler.waiting.remove(request)
         elif request.num_in_flight_tokens and not was_preempted:
             # Scheduled ahead: the next allocation would cache these one step late.
             scheduler.cache_processed_blocks(request)
-        outputs.append(EngineCoreOutput(
-            request_id=req_id,
-            new_token_ids=new_token_ids,
-            finish_reason=request.get_finished_reason(),
-            stop_reason=request.stop_reason,
-            new_logprobs=_logprobs_for(model_runner_output, index, len(new_token_ids)),
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-        ))
+        new_logprobs = None
+        if all_logprobs is not None and all_logprobs[index]:
+            new_logprobs = all_logprobs[index][:len(new_token_ids)]
+        outputs.append(EngineCoreOutput(req_id, new_token_ids, finish_reason, request.stop_reason,
+                                        new_logprobs, max(request.num_cached_tokens, 0)))
     return outputs, stopped
 
 
 def _append_until_stop(request: Request, sampled: list[int], max_model_len: int) -> list[int]:
+    if len(sampled) == 1:
+        new_token_ids = [sampled[0]]
+        request.append_output_token_ids(new_token_ids)
+        check_stop(request, max_model_len)
+        return new_token_ids
     new_token_ids = []
     for token_id in sampled:
         request.append_output_token_ids(token_id)
@@ -64,11 +72,3 @@ def _append_until_stop(request: Request, sampled: list[int], max_model_len: int)
         if check_stop(request, max_model_len):
             break
     return new_token_ids
-
-
-def _logprobs_for(model_runner_output: ModelRunnerOutput, index: int | None,
-                  num_tokens: int) -> list[TokenLogprobs] | None:
-    if model_runner_output.logprobs is None or index is None:
-        return None
-    logprobs = model_runner_output.logprobs[index]
-    return logprobs[:num_tokens] if logprobs else None
