@@ -315,6 +315,34 @@ def _format_json(result: dict[str, Any]) -> str:
     return json.dumps(result, indent=2, default=str)
 
 
+def _format_scheduler(result: dict[str, Any]) -> str:
+    from kvserve.bench.report import format_table
+
+    ratios = result.get("ratio_kvserve_over_vllm") or {}
+    vllm = result.get("vllm") or {}
+    rows = []
+    for key, entry in result["kvserve"].items():
+        vllm_us = (vllm.get(key) or {}).get("us_per_step") if isinstance(vllm, dict) else None
+        ratio = ratios.get(key) if isinstance(ratios, dict) else None
+        rows.append([entry["num_running"], entry["us_per_step"], entry["us_per_request_step"],
+                     "-" if vllm_us is None else vllm_us, "-" if ratio is None else f"{ratio:.2f}"])
+    return format_table(["running requests", "kvserve us/step", "us/request/step", "vLLM us/step",
+                         "kvserve / vLLM"], rows,
+                        title="scheduler: schedule() + update_from_output() in steady decode")
+
+
+def _format_kv(result: dict[str, Any]) -> str:
+    from kvserve.bench.report import format_table
+
+    rows = [[phase, result[phase]["requests_per_s"], result[phase]["ops_per_s"], result[phase]["hit_rate"]]
+            for phase in ("allocate_free", "prefix_hit") if phase in result]
+    text = format_table(["phase", "requests/s", "ops/s", "hit rate"], rows,
+                        title=f"kv: {result['trace']['num_requests']:,} requests, synthetic trace")
+    if result.get("vllm"):
+        text += "\nvLLM: " + json.dumps(result["vllm"], default=str)
+    return text
+
+
 def _roofline_plot(result):
     from kvserve.bench import roofline
     labels, values = roofline.plot_values(result)
@@ -383,6 +411,6 @@ _FORMATTERS = {
     "prefix": (_lazy_formatter("prefix"), _prefix_plot),
     "compare": (_lazy_formatter("compare"), _compare_plot),
     "profile": (_lazy_formatter("profile"), _profile_plot),
-    "scheduler": (_format_json, None),
-    "kv": (_format_json, None),
+    "scheduler": (_format_scheduler, None),
+    "kv": (_format_kv, None),
 }
