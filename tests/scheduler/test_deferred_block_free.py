@@ -10,7 +10,7 @@ from kvserve.kv_cache.block_pool import BlockPool
 from kvserve.kv_cache.utils import BlockHashWithGroupId, KVCacheBlock
 from kvserve.request import RequestStatus
 from kvserve.scheduler.scheduler import Scheduler
-from kvserve.testing import FakeModelRunner, create_requests, create_scheduler
+from kvserve.testing import FakeModelRunner, StepDriver, create_requests, create_scheduler
 
 NUM_PROMPT_TOKENS = 40
 BLOCK_SIZE = 16
@@ -291,3 +291,36 @@ def test_preemption_without_deferral_frees_an_in_flight_victim():
     assert second.num_computed_tokens == 0
     scheduler.update_from_output(out2, runner_out2)
     assert len(first.output_token_ids) == 2
+
+
+def test_cow_copy_rides_with_its_step_and_its_endpoints_wait_for_the_fence():
+    """A partial-block prefix hit (hash unit 4 < block 16) is served by a copy
+    in the step that admits the request; the copy's two endpoints stay
+    referenced until that step is processed, then return to the pool."""
+    scheduler = _create_deferring_scheduler(hash_block_size=4, num_blocks=50)
+    driver = StepDriver(scheduler, FakeModelRunner(), async_steps=True)
+    driver.add_requests(create_requests(1, prompt_token_ids=list(range(40)), max_tokens=2))
+    driver.run()
+    prompt = list(range(24)) + [999] * 10  # shares 24 tokens: one block and a half
+    consumer = create_requests(1, prompt_token_ids=prompt, max_tokens=3, id_offset=1)[0]
+    driver.add_requests([consumer])
+
+    out = driver.schedule_step()
+    (copy,) = out.kv_cache_block_copies
+    assert (copy.group_id, copy.num_tokens) == (0, 8)
+    (new_req,) = out.scheduled_new_reqs
+    assert new_req.num_computed_tokens == 24
+    assert new_req.block_ids[0][1] == copy.dst_block_id  # the copy replaced the shared tail
+    pool = scheduler.kv_cache_manager.block_pool
+    ((fence, retained),) = scheduler.deferred_frees
+    assert fence == out.step_seq > scheduler.processed_step_seq
+    assert [b.block_id for b in retained] == [copy.src_block_id, copy.dst_block_id]
+    assert pool.blocks[copy.src_block_id].ref_cnt == 1  # held only by the pending copy
+    assert pool.blocks[copy.dst_block_id].ref_cnt == 2  # the request's and the copy's
+
+    driver.process_step()
+    assert not scheduler.deferred_frees
+    assert pool.blocks[copy.src_block_id].ref_cnt == 0
+    assert pool.blocks[copy.dst_block_id].ref_cnt == 1
+    assert len(driver.run()[consumer.request_id].token_ids) == 3
+    assert pool.get_num_free_blocks() == 49
