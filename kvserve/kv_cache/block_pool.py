@@ -92,16 +92,21 @@ class BlockPool:
     # ------------------------------------------------------------ caching
 
     def cache_full_blocks(self, request: Any, blocks: Sequence[KVCacheBlock], num_cached_blocks: int,
-                          num_full_blocks: int, block_size: int, kv_cache_group_id: int) -> None:
+                          num_full_blocks: int, block_size: int, kv_cache_group_id: int,
+                          with_interior_keys: bool = True) -> None:
         """Register the keys of blocks [num_cached_blocks, num_full_blocks) of a request's
-        table, block i covering prefix tokens up to (i+1)*block_size."""
+        table, block i covering prefix tokens up to (i+1)*block_size. Without
+        interior keys only the full-block key is registered (for groups whose
+        hits are block-aligned anyway)."""
         if num_cached_blocks >= num_full_blocks or not self.enable_caching:
             return
         block_hashes = request.block_hashes
+        interior_span = 0 if with_interior_keys else block_size - self.hash_block_size
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if not block.is_null:
-                self._register_keys(block, block_hashes, i * block_size, (i + 1) * block_size, kv_cache_group_id)
+                self._register_keys(block, block_hashes, i * block_size + interior_span, (i + 1) * block_size,
+                                    kv_cache_group_id)
 
     def cache_partial_block(self, request: Any, block: KVCacheBlock, num_tokens: int,
                             kv_cache_group_id: int, block_size: int) -> None:
@@ -116,7 +121,7 @@ class BlockPool:
     def _register_keys(self, block: KVCacheBlock, block_hashes: list[BlockHash], block_start: int,
                        end: int, group_id: int) -> None:
         hash_block_size = self.hash_block_size
-        start = block._block_hash_num_tokens or block_start
+        start = max(block._block_hash_num_tokens or 0, block_start)
         num_tokens = start + hash_block_size
         while num_tokens <= end:
             key = make_block_hash_with_group_id(block_hashes[num_tokens // hash_block_size - 1], group_id)

@@ -57,6 +57,11 @@ class SingleTypeKVCacheManager(ABC):
         # request id -> (table index of the hit tail block, hit tokens inside it)
         self._partial_hit_reqs: dict[str, tuple[int, int]] = {}
 
+    @property
+    def supports_partial_hits(self) -> bool:
+        """Whether hits may end inside a block (copy-on-write)."""
+        return False
+
     # ------------------------------------------------------------ lookup
 
     @abstractmethod
@@ -154,7 +159,7 @@ class SingleTypeKVCacheManager(ABC):
         num_full = min(num_tokens // self.block_size, len(table))
         if num_full > num_cached:
             self.block_pool.cache_full_blocks(request, table, num_cached, num_full, self.block_size,
-                                              self.kv_cache_group_id)
+                                              self.kv_cache_group_id, self.supports_partial_hits)
             self.num_cached_block[request.request_id] = num_full
         self._cache_partial_tail(request, table, num_tokens, num_full)
 
@@ -185,6 +190,10 @@ class SingleTypeKVCacheManager(ABC):
 class FullAttentionManager(SingleTypeKVCacheManager):
     """Full attention: tables grow with the sequence; hits are prefixes from block 0,
     possibly ending inside a block (copy-on-write)."""
+
+    @property
+    def supports_partial_hits(self) -> bool:
+        return self.block_pool.hash_block_size < self.block_size
 
     def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_length: int,
                                alignment: int) -> tuple[list[KVCacheBlock], int]:

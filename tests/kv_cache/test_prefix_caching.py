@@ -381,3 +381,17 @@ def test_request_without_hashes_never_hits():
     assert manager.allocate_slots(unhashed, 9).get_block_ids() == ([4, 5, 6],)
     assert all(manager.block_pool.blocks[i].block_hash is None for i in (4, 5, 6))
     check(manager)
+
+
+def test_only_full_attention_blocks_carry_interior_keys():
+    manager = make_manager([full_spec(4), sliding_spec(4, window=8)], num_blocks=21, hash_block_size=2)
+    r0 = make_request(manager, "0", list(range(9)))
+    admit(manager, r0)
+    assert manager.get_block_ids("0") == ([1, 2, 3], [4, 5, 6])
+    secondary = manager.block_pool._secondary_keys_by_block_id
+    assert {block_id: len(keys) for block_id, keys in secondary.items()} == {1: 1, 2: 1}
+    assert [manager.block_pool.blocks[i].block_hash_num_tokens for i in range(1, 7)] == [4, 8, None, 4, 8, None]
+    # Mixed with a sliding window, hits stay block-aligned (no copies).
+    r1 = make_request(manager, "1", list(range(7)) + [50, 51])
+    assert manager.get_computed_blocks(r1)[1] == 4
+    check(manager)
