@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvserve.kv_cache.interface import FullAttentionSpec, SlidingWindowSpec
 from kvserve.request import RequestStatus
 from kvserve.testing import FakeModelRunner, StepDriver, create_requests, create_scheduler
 
@@ -46,6 +47,9 @@ class Trace:
     async_steps: bool
     policy: str
     ops: list = field(default_factory=list)
+    # A second, sliding-window group (its out-of-window blocks are released
+    # while the request runs, which only unprocessed *window* reads constrain).
+    hybrid: bool = False
 
 
 @st.composite
@@ -61,6 +65,7 @@ def traces(draw) -> Trace:
         async_steps=draw(st.booleans()),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         ops=draw(st.lists(_ADD, min_size=2, max_size=8)) + draw(st.lists(_OPS, min_size=10, max_size=80)),
+        hybrid=draw(st.booleans()),
     )
 
 
@@ -116,12 +121,10 @@ class FenceChecker:
 
     @staticmethod
     def step_block_ids(out) -> set[int]:
-        ids = set()
-        for new in out.scheduled_new_reqs:
-            ids.update(b for group in new.block_ids for b in group)
+        """Blocks of the full-attention group (0) and CoW endpoints the step touches."""
+        ids = set(out._all_block_ids)
         for copy in out.kv_cache_block_copies:
             ids.update((copy.src_block_id, copy.dst_block_id))
-        ids.update(getattr(out, "_all_block_ids", ()))
         ids.discard(0)
         return ids
 
@@ -135,7 +138,7 @@ class FenceChecker:
     def after_schedule(self, out) -> None:
         # Remember the whole tables of every request this step reads or writes.
         out._all_block_ids = {b for req_id in out.num_scheduled_tokens
-                              for group in self.kv.get_block_ids(req_id) for b in group}
+                              for b in self.kv.get_block_ids(req_id)[0]}
         if self.scheduler.defer_block_free:
             fenced = self.referenced_by_unprocessed_steps(exclude_last=True)
             assert not fenced & set(self.handed_out), "handed out a block an unprocessed step references"
@@ -177,11 +180,19 @@ class FenceChecker:
             assert request.num_tokens + pending <= scheduler.max_model_len + 1
 
 
+def _specs(trace: Trace):
+    if not trace.hybrid:
+        return None
+    spec = dict(block_size=trace.block_size, num_kv_heads=1, head_size=1, dtype="float32")
+    return [FullAttentionSpec(**spec), SlidingWindowSpec(**spec, sliding_window=2 * trace.block_size)]
+
+
 def _run_trace(trace: Trace) -> None:
     scheduler = create_scheduler(
-        num_blocks=trace.num_blocks, block_size=trace.block_size, hash_block_size=trace.hash_block_size,
+        num_blocks=trace.num_blocks, block_size=trace.block_size,
+        hash_block_size=None if trace.hybrid else trace.hash_block_size,
         max_num_batched_tokens=trace.budget, max_num_seqs=trace.max_num_seqs, max_model_len=96,
-        async_scheduling=trace.async_steps, policy=trace.policy)
+        async_scheduling=trace.async_steps, policy=trace.policy, kv_cache_specs=_specs(trace))
     runner = FakeModelRunner(eos_token_id=EOS, eos_after=5)
     driver = StepDriver(scheduler, runner, async_steps=trace.async_steps)
     checker = FenceChecker(scheduler, driver)
