@@ -178,10 +178,6 @@ class SingleTypeKVCacheManager(ABC):
             first_real += 1
         return blocks[first_real:]
 
-    def free(self, request_id: str) -> None:
-        """Return the request's blocks to the pool, tail first."""
-        self.block_pool.free_blocks(reversed(self.pop_blocks_for_free(request_id)))
-
     def get_num_common_prefix_blocks(self, request_id: str) -> int:
         """Leading blocks of the request that every request holding blocks shares."""
         return 0
