@@ -114,3 +114,43 @@ def test_gemma_circular_buffer_windows(model_and_reference):
         check(core, PROMPTS, expected)
     finally:
         core.shutdown()
+
+
+def test_logprobs_match_transformers_log_softmax(model_and_reference):
+    """Logprobs come from the logits row of each request's last token, in a mixed batch
+    where some requests ask for logprobs and some do not."""
+    import torch
+
+    from kvserve.engine.core import EngineCoreRequest
+    from kvserve.sampling_params import SamplingParams
+
+    _, path, expected = model_and_reference
+    reference = load_reference(path)
+    core = make_engine(path, max_num_batched_tokens=16)
+    try:
+        for i, prompt in enumerate(DISTINCT[:4]):
+            logprobs = 3 if i % 2 == 0 else None
+            core.add_request(EngineCoreRequest(str(i), prompt, SamplingParams(
+                temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=logprobs)))
+        logprobs_by_req = {str(i): [] for i in range(4)}
+        while core.has_unfinished_requests():
+            for output in core.step():
+                logprobs_by_req[output.request_id].extend(output.new_logprobs or [])
+        for i in range(4):
+            entries = logprobs_by_req[str(i)]
+            if i % 2:
+                assert entries == []
+                continue
+            sequence = DISTINCT[i] + expected[i][:4]
+            with torch.inference_mode():
+                want = torch.log_softmax(reference(torch.tensor([sequence])).logits[0].float(), dim=-1)
+            assert [e.sampled_token_id for e in entries] == expected[i][:4]
+            for step, entry in enumerate(entries):
+                row = want[len(DISTINCT[i]) - 1 + step]
+                assert entry.sampled_logprob == pytest.approx(row[entry.sampled_token_id].item(), abs=1e-4)
+                assert entry.sampled_rank == 1
+                assert entry.top_token_ids == row.topk(3).indices.tolist()
+                assert entry.top_logprobs == pytest.approx(row.topk(3).values.tolist(), abs=1e-4)
+        assert_pool_whole(core)
+    finally:
+        core.shutdown()
