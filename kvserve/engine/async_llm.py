@@ -264,6 +264,7 @@ class AsyncLLM:
                                        sampling_params, time.monotonic(), priority))
         finished = False
         try:
+            self._check_alive()  # the loop may have stopped while we registered
             while True:
                 item = await stream.get()
                 if item is _ABORTED:
