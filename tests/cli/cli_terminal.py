@@ -1,6 +1,7 @@
 """Drive the `kvserve` command like a person: a subprocess, or a pseudo-terminal."""
 from __future__ import annotations
 
+import fcntl
 import os
 import pty
 import re
@@ -8,6 +9,7 @@ import select
 import shutil
 import subprocess
 import sys
+import termios
 import time
 
 
@@ -47,6 +49,13 @@ def stream_kvserve(*args: str, timeout: float = 300) -> tuple[list[tuple[float, 
     return chunks, stderr, returncode, time.monotonic() - start
 
 
+def _own_terminal() -> None:
+    """In the child: a new session whose controlling terminal is the pty, so
+    Ctrl-C typed there sends SIGINT as in a real terminal."""
+    os.setsid()
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
 class PtySession:
     """A command on a pseudo-terminal: `send` lines, `expect` a regex in the output."""
 
@@ -54,7 +63,7 @@ class PtySession:
         self.timeout = timeout
         main_fd, child_fd = pty.openpty()
         self.proc = subprocess.Popen([*kvserve_command(), *args], stdin=child_fd, stdout=child_fd,
-                                     stderr=child_fd, close_fds=True, start_new_session=True)
+                                     stderr=child_fd, close_fds=True, preexec_fn=_own_terminal)
         os.close(child_fd)
         self.fd = main_fd
         self.buffer = ""

@@ -117,3 +117,14 @@ def test_no_command_prints_help():
     assert result.returncode == 2
     for command in ("generate", "chat", "serve", "bench"):
         assert command in result.stdout
+
+
+def test_ctrl_c_stops_generation_cleanly():
+    session = PtySession("generate", "Write a long story about a dragon.", "--max-tokens", "400")
+    try:
+        session.expect(r"\w+ \w+ \w+")  # the answer has started
+        session.send("\x03")
+        assert session.wait() == 130
+        assert "Traceback" not in session.buffer
+    finally:
+        session.close()
