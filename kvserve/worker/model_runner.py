@@ -16,6 +16,9 @@ import torch
 
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.kv_cache.interface import KVCacheConfig, KVCacheSpec
+from kvserve.model.attention import AttentionMetadata, allocate_kv_caches, copy_kv_blocks
+from kvserve.model.loader import load_model
+from kvserve.model.sampler import Sampler, SamplingTensors, make_generator
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvserve.worker.input_batch import InputBatch, PreparedBatch
@@ -60,9 +63,6 @@ class ModelRunner:
     # ---- set-up -----------------------------------------------------------
 
     def load_model(self) -> None:
-        from kvserve.model.loader import load_model
-        from kvserve.model.sampler import Sampler
-
         torch.manual_seed(self.seed)
         self.model = load_model(self.model_config, device=str(self.device),
                                 tp_rank=self.tp_rank, tp_size=self.tp_size)
@@ -92,8 +92,6 @@ class ModelRunner:
         return int(min(wanted, CPU_DEFAULT_KV_CAP_BYTES, _free_ram_bytes() // 4))
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        from kvserve.model.attention import allocate_kv_caches
-
         self.kv_cache_config = kv_cache_config
         self.kv_caches = allocate_kv_caches(kv_cache_config, self.get_kv_cache_specs(), self.device)
         self.model.bind_kv_cache_config(kv_cache_config)
@@ -150,13 +148,9 @@ class ModelRunner:
         return sampled_token_ids, logprobs_by_req
 
     def _apply_block_copies(self, scheduler_output: SchedulerOutput) -> None:
-        from kvserve.model.attention import copy_kv_blocks
-
         copy_kv_blocks(self.kv_caches, self.kv_cache_config, scheduler_output.kv_cache_block_copies)
 
     def _build_attention_metadata(self, prepared: PreparedBatch) -> list:
-        from kvserve.model.attention import AttentionMetadata
-
         def to_device(array):
             return torch.from_numpy(array).to(self.device)
 
@@ -176,8 +170,6 @@ class ModelRunner:
         ]
 
     def _sampling_tensors(self, req_ids: list[str]):
-        from kvserve.model.sampler import SamplingTensors
-
         states = [self.input_batch.states[rid] for rid in req_ids]
         return SamplingTensors.from_params(
             [s.sampling_params for s in states],
@@ -189,8 +181,6 @@ class ModelRunner:
         )
 
     def _make_generator(self, sampling_params: SamplingParams):
-        from kvserve.model.sampler import make_generator
-
         return None if sampling_params.seed is None else make_generator(sampling_params.seed, self.device)
 
     @staticmethod
