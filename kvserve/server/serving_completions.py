@@ -197,13 +197,16 @@ def _delta_choices(ctx: ServingContext, body: CompletionRequest, prompt: _Prepar
         choice_index = prompt_index * body.n + completion.index
         first_chunk = choice_index not in states
         state = states.setdefault(choice_index, ChoiceStreamState())
+        chars_sent = state.num_chars
         text, start, end, finished_now = next_delta(state, completion)
         echo = body.echo and first_chunk
         if not text and start == end and not finished_now and not echo:
             continue
         logprobs = None
         if body.logprobs is not None:
-            logprobs = _legacy_logprobs(ctx, completion, start, end, prompt if echo else None)
+            # Offsets count from the start of the choice's whole text (echoed prompt included).
+            offset = 0 if echo else chars_sent + (len(_prompt_text(ctx, prompt)) if body.echo else 0)
+            logprobs = _legacy_logprobs(ctx, completion, start, end, prompt if echo else None, offset)
         if echo:
             text = _prompt_text(ctx, prompt) + text
         choices.append({"index": choice_index, "text": text, "logprobs": logprobs,

@@ -151,6 +151,20 @@ def test_logprobs_and_echo(client):
     assert all(len(t.top_logprobs) == 2 for t in content)
 
 
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_logprobs_add_up_to_the_full_ones(client, echo):
+    kwargs = dict(model=MODEL, prompt="Hi there", max_tokens=6, temperature=0, logprobs=1, echo=echo)
+    full = client.completions.create(**kwargs).choices[0].logprobs
+    tokens, token_logprobs, offsets = [], [], []
+    for chunk in client.completions.create(**kwargs, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            lp = chunk.choices[0].logprobs
+            tokens += lp.tokens
+            token_logprobs += lp.token_logprobs
+            offsets += lp.text_offset
+    assert (tokens, token_logprobs, offsets) == (full.tokens, full.token_logprobs, full.text_offset)
+
+
 def test_bad_input_table_then_still_serving(fake_server, client):
     failures = run_bad_input_table(fake_server.base_url, MODEL, API_KEY, max_model_len=256)
     assert not failures, "\n".join(failures)
