@@ -36,3 +36,16 @@ def test_scheduler_bench_main_prints_json(capsys):
     scheduler_bench.main(["--num-running", "3", "--prompt-len", "9", "--output-len", "5", "--block-size", "4"])
     printed = json.loads(capsys.readouterr().out)
     assert set(printed["kvserve"]) == {"3"}
+
+
+def test_scheduler_bench_reports_a_broken_vllm_as_an_error(monkeypatch):
+    """Where `vllm` looks importable but its scheduler cannot be built, the
+    kvserve figures still come back and vLLM's entry names the failure."""
+    real_find_spec = scheduler_bench.importlib.util.find_spec
+    monkeypatch.setattr(scheduler_bench.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else real_find_spec(name, *a))
+    monkeypatch.setitem(sys.modules, "vllm", None)  # importing it raises
+    result = scheduler_bench.run(num_running=(2,), prompt_len=8, output_len=4, block_size=4)
+    assert result["kvserve"]["2"]["us_per_step"] > 0
+    assert "error" in result["vllm"]["2"]
+    assert result["ratio_kvserve_over_vllm"] == {}
