@@ -18,7 +18,7 @@ from kvserve.server.serving import (SSE_DONE, ChoiceStreamState, ServingContext,
 
 def _render_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
     from kvserve.engine.tokenizer import apply_chat_template
-    conversation = body.conversation()
+    conversation = body.conversation()  # raises UnsupportedFeatureError for non-text parts
     try:
         token_ids = apply_chat_template(ctx.engine.tokenizer, conversation,
                                         add_generation_prompt=body.add_generation_prompt)
@@ -75,8 +75,7 @@ def _full_response(ctx: ServingContext, body: ChatCompletionRequest, response_id
 
 
 def _logprob_value(value: float) -> float:
-    if math.isnan(value):
-        return -9999.0
+    """JSON has no -inf or NaN; OpenAI clients expect a very negative number."""
     return value if math.isfinite(value) else -9999.0
 
 

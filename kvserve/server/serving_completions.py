@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.protocol import CompletionRequest
 from kvserve.server.serving import (SSE_DONE, ChoiceStreamState, ServingContext, check_model_name,
@@ -15,17 +17,17 @@ from kvserve.server.serving import (SSE_DONE, ChoiceStreamState, ServingContext,
                                     new_id, next_delta, parse_body, resolve_max_tokens, sse,
                                     to_api_error, token_logprob_entries, token_text, usage_dict)
 
-# Prompts one call may carry (each is an engine request, times n).
-MAX_PROMPTS_PER_CALL = 256
+# Engine requests (prompts x n) one call may cause.
+MAX_CHOICES_PER_CALL = 256
 
 
+@dataclass
 class _PreparedPrompt:
     """One prompt of the call, tokenized, with its sampling parameters."""
 
-    def __init__(self, text: str | None, token_ids: list[int], sampling_params: Any) -> None:
-        self.text = text
-        self.token_ids = token_ids
-        self.sampling_params = sampling_params
+    text: str | None
+    token_ids: list[int]
+    sampling_params: SamplingParams
 
 
 def _prepare(ctx: ServingContext, body: CompletionRequest) -> list[_PreparedPrompt]:
@@ -33,8 +35,9 @@ def _prepare(ctx: ServingContext, body: CompletionRequest) -> list[_PreparedProm
     prompts = body.prompts()
     if not prompts:
         raise bad_request("prompt must not be empty", param="prompt")
-    if len(prompts) > MAX_PROMPTS_PER_CALL:
-        raise bad_request(f"at most {MAX_PROMPTS_PER_CALL} prompts per call", param="prompt")
+    if len(prompts) * body.n > MAX_CHOICES_PER_CALL:
+        raise bad_request(f"prompts x n must be at most {MAX_CHOICES_PER_CALL} per call, "
+                          f"got {len(prompts)} x {body.n}", param="prompt")
     prepared = []
     for prompt in prompts:
         if isinstance(prompt, str):

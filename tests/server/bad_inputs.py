@@ -51,6 +51,7 @@ def bad_cases(model: str, max_model_len: int) -> list[BadCase]:
         BadCase("top_p above 1", COMPLETIONS, {**ok_prompt, "top_p": 1.5}, 400, "top_p"),
         BadCase("n = 0", COMPLETIONS, {**ok_prompt, "n": 0}, 400, "n"),
         BadCase("n = one million", COMPLETIONS, {**ok_prompt, "n": 10**6}, 400, "n"),
+        BadCase("300 prompts x n = 2", COMPLETIONS, {**ok_prompt, "prompt": ["hi"] * 300, "n": 2}, 400, "256"),
         BadCase("logprobs = 100", COMPLETIONS, {**ok_prompt, "logprobs": 100}, 400, "logprobs"),
         BadCase("empty stop string", COMPLETIONS, {**ok_prompt, "stop": [""]}, 400, "stop"),
         BadCase("presence_penalty 5", COMPLETIONS, {**ok_prompt, "presence_penalty": 5}, 400, "presence_penalty"),
