@@ -6,6 +6,7 @@ what its stream must add up to.
 """
 from __future__ import annotations
 
+import json
 import math
 import signal
 import time
@@ -239,3 +240,25 @@ def test_disconnects_abort_and_free_kv(server):
     assert values["kvserve_num_requests_running"] == 0
     assert values["kvserve_kv_cache_usage_perc"] <= idle_kv_usage + 1e-9
     assert values[aborts_key] - aborts_before == num_clients
+
+
+# ----- keep last: it stops the module's server -----
+
+def test_sigterm_lets_an_in_flight_stream_finish(server):
+    body = {"model": MODEL, "prompt": "Describe the sea.", "max_tokens": 24, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    data_lines = []
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=120,
+                      headers={"authorization": f"Bearer {API_KEY}"}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                data_lines.append(line)
+            if len(data_lines) == 2:
+                server.process.send_signal(signal.SIGTERM)
+    assert data_lines[-1] == "data: [DONE]"
+    finish = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in data_lines[:-1]]
+    assert finish[-1] == "length" and finish.count("length") == 1
+    server.process.wait(60)
+    assert "server shut down cleanly" in server.log_text()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.base_url + "/health", timeout=5)
