@@ -13,7 +13,7 @@ from kvserve.model.attention import AttentionMetadata, is_windowed, paged_attent
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import RMSNorm, RotaryEmbedding, activation, apply_rotary
 from kvserve.model.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext,
-                                    VocabParallelEmbedding)
+                                    VocabParallelEmbedding, kv_heads_per_rank)
 
 
 class SelfAttention(nn.Module):
@@ -23,12 +23,11 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.head_dim = config.head_dim
         self.num_heads = config.num_heads // tp.size
-        self.num_kv_heads = config.num_kv_heads // tp.size
-        if config.num_kv_heads % tp.size:
-            raise ValueError(f"num_kv_heads {config.num_kv_heads} is not divisible by tensor_parallel_size {tp.size}")
+        # Fewer KV heads than ranks: each rank keeps a replica of the one its queries use.
+        self.num_kv_heads, kv_replicas = kv_heads_per_rank(config.num_kv_heads, tp)
         q_size, kv_size = config.num_heads * self.head_dim, config.num_kv_heads * self.head_dim
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_size, kv_size, kv_size], config.attention_bias,
-                                             tp, shard_names=["q", "k", "v"])
+                                             tp, shard_names=["q", "k", "v"], replicas=[1, kv_replicas, kv_replicas])
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, False, tp)
         self.q_norm = self.k_norm = None
         if config.qk_norm:
@@ -126,7 +125,7 @@ class DecoderModel(nn.Module):
         if sliding_window_kv not in ("sliding", "circular"):
             raise ValueError(f"sliding_window_kv must be 'sliding' or 'circular', got {sliding_window_kv!r}")
         dtype = kv_dtype if kv_dtype is not None else self.config.torch_dtype
-        num_kv_heads = self.config.num_kv_heads // self.tp.size
+        num_kv_heads = self.layers[0].self_attn.num_kv_heads
         specs: dict[str, KVCacheSpec] = {}
         for name, layer in zip(self.layer_names, self.layers):
             window = layer.self_attn.sliding_window
@@ -174,7 +173,16 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] (final soft-capping applied)."""
-        logits = self.lm_head.logits(hidden).float()
+        return self._finish_logits(self.lm_head.logits(hidden))
+
+    def compute_logits_on_driver(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Like `compute_logits`, but the logits are gathered on tensor-parallel rank 0
+        only (every rank must call it); None on the other ranks."""
+        logits = self.lm_head.logits_on_driver(hidden)
+        return None if logits is None else self._finish_logits(logits)
+
+    def _finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

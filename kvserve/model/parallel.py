@@ -39,6 +39,37 @@ class TPContext:
         torch.distributed.all_gather(parts, tensor.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
+    def gather_last_dim_to_driver(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Concatenate every rank's shard on rank 0 (the driver); None on the other ranks."""
+        if self.size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        if self.rank != 0:
+            torch.distributed.gather(tensor, None, dst=self._global_rank(0), group=self.group)
+            return None
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        torch.distributed.gather(tensor, parts, dst=self._global_rank(0), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def _global_rank(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        return torch.distributed.get_global_rank(self.group, group_rank)
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp: TPContext) -> tuple[int, int]:
+    """(KV heads each rank holds, ranks that hold the same heads).
+
+    With at least as many KV heads as ranks the heads are split; with fewer,
+    each rank holds one head, replicated on tp_size / num_kv_heads ranks, so
+    that every rank's query heads find their KV head locally.
+    """
+    if num_kv_heads >= tp.size:
+        return _split(num_kv_heads, tp, "num_kv_heads"), 1
+    if tp.size % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size {tp.size} is not a multiple of num_kv_heads {num_kv_heads}")
+    return 1, tp.size // num_kv_heads
+
 
 def _split(total: int, tp: TPContext, what: str) -> int:
     if total % tp.size:
@@ -51,32 +82,51 @@ class ColumnParallelLinear(nn.Module):
 
     `output_sizes` lists the fused sub-matrices (e.g. q, k, v or gate, up): each
     is split on its own so rank r holds slice r of every part, contiguous.
+    `replicas[i]` > 1 means part i is cut into tp_size / replicas[i] slices,
+    each held by that many consecutive ranks (KV heads fewer than ranks).
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool, tp: TPContext,
-                 shard_names: list[str] | None = None) -> None:
+                 shard_names: list[str] | None = None, replicas: list[int] | None = None) -> None:
         super().__init__()
         self.tp = tp
         self.input_size = input_size
         self.full_sizes = list(output_sizes)
-        self.shard_sizes = [_split(size, tp, "output size") for size in output_sizes]
+        self.replicas = list(replicas or [1] * len(output_sizes))
+        self.shard_sizes = [_split(size * copies, tp, "output size")
+                            for size, copies in zip(output_sizes, self.replicas)]
         self.shard_names = shard_names or [str(i) for i in range(len(output_sizes))]
         out = sum(self.shard_sizes)
         self.weight = nn.Parameter(torch.empty(out, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out), requires_grad=False) if bias else None
 
-    def _offset(self, shard: str) -> tuple[int, int, int]:
+    def _offset(self, shard: str) -> tuple[int, int, int, int]:
+        """(start in the fused output, slice size, full size, first row of this rank's slice)."""
         index = self.shard_names.index(shard)
-        return sum(self.shard_sizes[:index]), self.shard_sizes[index], self.full_sizes[index]
+        size = self.shard_sizes[index]
+        source_row = (self.tp.rank // self.replicas[index]) * size
+        return sum(self.shard_sizes[:index]), size, self.full_sizes[index], source_row
+
+    def shard_rows(self, shard: str | None = None) -> tuple[int, int]:
+        """(first row, row count) of the checkpoint tensor this rank keeps, for loaders
+        that read only their slice."""
+        _, size, _, source_row = self._offset(shard if shard is not None else self.shard_names[0])
+        return source_row, size
 
     def load_weight(self, param_kind: str, full: torch.Tensor, shard: str | None = None) -> None:
-        """Copy this rank's rows of `full` (weight or bias of one fused part)."""
+        """Copy this rank's rows of `full` (weight or bias of one fused part).
+
+        `full` may already be this rank's slice (a loader that reads only its rows).
+        """
         shard = shard if shard is not None else self.shard_names[0]
-        start, size, full_size = self._offset(shard)
-        if full.shape[0] != full_size:
+        start, size, full_size, source_row = self._offset(shard)
+        if full.shape[0] == full_size:
+            rows = full[source_row:source_row + size]
+        elif full.shape[0] == size and size != full_size:
+            rows = full
+        else:
             raise ValueError(f"{shard}: expected {full_size} rows, got {tuple(full.shape)}")
         target = self.weight if param_kind == "weight" else self.bias
-        rows = full[self.tp.rank * size:(self.tp.rank + 1) * size]
         target.data[start:start + size].copy_(rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,16 +139,24 @@ class RowParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPContext) -> None:
         super().__init__()
         self.tp = tp
+        self.input_size = input_size
         self.shard_input = _split(input_size, tp, "input size")
         self.weight = nn.Parameter(torch.empty(output_size, self.shard_input), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(output_size), requires_grad=False) if bias else None
 
+    def shard_columns(self) -> tuple[int, int]:
+        """(first column, column count) of the checkpoint weight this rank keeps."""
+        return self.tp.rank * self.shard_input, self.shard_input
+
     def load_weight(self, param_kind: str, full: torch.Tensor, shard: str | None = None) -> None:
+        """Copy this rank's columns of `full` (or `full` itself if it is already the slice)."""
         if param_kind == "bias":
             self.bias.data.copy_(full)
             return
-        start = self.tp.rank * self.shard_input
-        self.weight.data.copy_(full[:, start:start + self.shard_input])
+        if full.shape[1] == self.input_size:
+            start = self.tp.rank * self.shard_input
+            full = full[:, start:start + self.shard_input]
+        self.weight.data.copy_(full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.tp.all_reduce(F.linear(x, self.weight))
@@ -116,9 +174,18 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = tp.rank * self.shard_vocab
         self.weight = nn.Parameter(torch.zeros(self.shard_vocab, hidden_size), requires_grad=False)
 
+    def shard_rows(self, shard: str | None = None) -> tuple[int, int]:
+        """(first row, row count) of the checkpoint matrix this rank keeps (the last may be short)."""
+        start = min(self.vocab_start, self.vocab_size)
+        return start, min(self.vocab_start + self.shard_vocab, self.vocab_size) - start
+
     def load_weight(self, param_kind: str, full: torch.Tensor, shard: str | None = None) -> None:
-        rows = full[self.vocab_start:self.vocab_start + self.shard_vocab]
-        self.weight.data[:rows.shape[0]].copy_(rows)
+        """Copy this rank's vocabulary rows of `full` (or `full` itself if it is already the slice)."""
+        start, count = self.shard_rows()
+        rows = full[start:start + count] if full.shape[0] == self.vocab_size else full
+        if rows.shape[0] != count:
+            raise ValueError(f"embedding: expected {self.vocab_size} rows, got {tuple(full.shape)}")
+        self.weight.data[:count].copy_(rows)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -141,3 +208,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         local = F.linear(hidden, self.weight)
         return self.tp.all_gather_last_dim(local)[..., :self.vocab_size]
+
+    def logits_on_driver(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Full-width logits on rank 0 only (the rank that samples); None elsewhere."""
+        gathered = self.tp.gather_last_dim_to_driver(F.linear(hidden, self.weight))
+        return None if gathered is None else gathered[..., :self.vocab_size]
