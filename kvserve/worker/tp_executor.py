@@ -1,0 +1,286 @@
+"""TPExecutor: a tensor-parallel group of worker processes behind the Executor interface.
+
+Layout: the engine process runs the scheduler and this executor only; all
+`tensor_parallel_size` ranks, rank 0 (the driver) included, are worker
+processes started with the `torch.multiprocessing` spawn context. Keeping
+the engine process out of the collectives means a dead or stuck rank can
+never block it inside torch.distributed: it only ever waits on pipes and
+process sentinels, so a worker's death is seen at once and reported as
+`ExecutorDeadError`.
+
+Every call (set-up or model step) is pickled to each rank over its own pipe,
+in submission order; each rank answers each call once, in order. A step's
+`SchedulerOutput` thus reaches every rank (its CoW copies included), and
+the driver's answer carries the `ModelRunnerOutput`. A receiver thread pairs
+the answers with the callers' futures, so `execute_model_async` returns at
+once and the engine can schedule the next step while this one runs.
+
+gloo on CPU, NCCL on CUDA: the backend string and the device are the only
+differences between the two paths.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from collections import deque
+from concurrent.futures import Future
+from multiprocessing.connection import wait as wait_for_ready
+from typing import TYPE_CHECKING, Any
+
+from kvserve.kv_cache.interface import KVCacheConfig, KVCacheSpec
+from kvserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.worker.executor import Executor, ExecutorDeadError
+from kvserve.worker.tp_worker import (DRIVER_RANK, WorkerCall, WorkerInit, WorkerReply, distributed_backend,
+                                      rank_device, worker_main)
+
+if TYPE_CHECKING:
+    from kvserve.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+# A rank stuck in a collective (a peer hung rather than died) gives up after this.
+COLLECTIVE_TIMEOUT_S = 600.0
+# How long shutdown waits for a worker to exit by itself before terminating it.
+WORKER_EXIT_GRACE_S = 10.0
+# How often an idle receiver looks at the workers' liveness.
+IDLE_HEALTH_CHECK_S = 0.5
+
+
+class WorkerStepError(RuntimeError):
+    """A call failed on the workers (every rank alike); the message is the driver's traceback."""
+
+
+def threads_per_rank(world_size: int) -> int:
+    """CPU threads for each rank: the cores this process may use, shared evenly."""
+    try:
+        num_cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        num_cores = os.cpu_count() or 1
+    return max(1, num_cores // world_size)
+
+
+class _PendingCall:
+    """A call sent to every rank, waiting for their replies."""
+
+    def __init__(self, method: str) -> None:
+        self.method = method
+        self.future: Future = Future()
+        self.replies: dict[int, WorkerReply] = {}
+
+
+class TPExecutor(Executor):
+    """Runs each step on `tensor_parallel_size` spawned worker processes (one per rank)."""
+
+    def __init__(self, engine_config: "EngineConfig") -> None:
+        super().__init__(engine_config)
+        import torch.multiprocessing as torch_mp
+
+        self.world_size = engine_config.parallel_config.tensor_parallel_size
+        self.backend = distributed_backend(engine_config.device,
+                                           engine_config.parallel_config.distributed_backend)
+        self._dead_reason: str | None = None
+        self._is_shut_down = False
+        self._lock = threading.RLock()
+        self._pending: deque[_PendingCall] = deque()
+        self._pending_changed = threading.Condition(self._lock)
+        self._rendezvous_dir = tempfile.mkdtemp(prefix="kvserve-tp-")
+        self._processes, self._conns = [], []
+        context = torch_mp.get_context("spawn")
+        for rank in range(self.world_size):
+            self._start_worker(context, rank)
+        self._receiver = threading.Thread(target=self._receive_loop, name="kvserve-tp-receiver", daemon=True)
+        self._receiver.start()
+        try:
+            self._call_all("startup", send=False)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("tensor parallel: %d ranks up (%s, %s)", self.world_size, self.backend, engine_config.device)
+
+    def _start_worker(self, context, rank: int) -> None:
+        init = WorkerInit(
+            rank=rank, world_size=self.world_size, backend=self.backend,
+            init_method="file://" + os.path.join(self._rendezvous_dir, "rendezvous"),
+            device=rank_device(self.engine_config.device, rank),
+            num_threads=threads_per_rank(self.world_size), collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+        parent_conn, child_conn = context.Pipe(duplex=True)
+        process = context.Process(target=worker_main, args=(self.engine_config, init, child_conn),
+                                  name=f"kvserve-tp-rank{rank}", daemon=True)
+        process.start()
+        child_conn.close()
+        self._processes.append(process)
+        self._conns.append(parent_conn)
+
+    # ---- the Executor interface ---------------------------------------------------
+
+    def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        specs_by_rank = self._call_all("get_kv_cache_specs")
+        if any(specs != specs_by_rank[DRIVER_RANK] for specs in specs_by_rank):
+            raise RuntimeError("tensor-parallel ranks disagree on the KV-cache layout")
+        return specs_by_rank[DRIVER_RANK]
+
+    def determine_available_memory(self) -> int:
+        # Every rank gets the same number of blocks, so the smallest budget decides.
+        return min(self._call_all("available_kv_memory_bytes"))
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        self._call_all("initialize_kv_cache", (kv_cache_config,))
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(scheduler_output).result()
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> "Future[ModelRunnerOutput]":
+        return self._submit("execute_model", (scheduler_output,))
+
+    def check_health(self) -> None:
+        with self._lock:
+            self._check_processes()
+        if self._dead_reason is not None:
+            raise ExecutorDeadError(self._dead_reason)
+        if self._is_shut_down:
+            raise ExecutorDeadError("the executor has been shut down")
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._is_shut_down:
+                return
+            self._is_shut_down = True
+            self._pending_changed.notify_all()
+        for conn in self._conns:
+            try:
+                conn.send(WorkerCall("shutdown"))
+            except (BrokenPipeError, OSError):
+                pass
+        self._stop_workers()
+        self._receiver.join(timeout=5.0)
+        self._fail_pending(ExecutorDeadError("the executor has been shut down"))
+        for conn in self._conns:
+            conn.close()
+        shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+
+    # ---- calls and replies ----------------------------------------------------------
+
+    def _call_all(self, method: str, args: tuple = (), send: bool = True) -> list[Any]:
+        """Run `method` on every rank and return their values, by rank."""
+        return self._submit(method, args, send=send).result()
+
+    def _submit(self, method: str, args: tuple = (), send: bool = True) -> Future:
+        with self._lock:
+            self.check_health()
+            call = _PendingCall(method)
+            self._pending.append(call)
+            self._pending_changed.notify_all()
+            # Sent under the lock so that every rank sees the calls in one order.
+            if send:
+                message = WorkerCall(method, args)
+                for rank, conn in enumerate(self._conns):
+                    try:
+                        conn.send(message)
+                    except (BrokenPipeError, OSError) as exc:
+                        self._mark_dead(f"tensor-parallel worker rank {rank} is unreachable: {exc}")
+                        break
+        return call.future
+
+    def _receive_loop(self) -> None:
+        """Pair replies with pending calls, oldest first; watch for dead workers meanwhile."""
+        sentinels = {process.sentinel: rank for rank, process in enumerate(self._processes)}
+        conns = {conn: rank for rank, conn in enumerate(self._conns)}
+        while True:
+            with self._lock:
+                while not self._pending and not self._is_shut_down and self._dead_reason is None:
+                    self._pending_changed.wait(timeout=IDLE_HEALTH_CHECK_S)
+                    self._check_processes()
+                if self._is_shut_down or self._dead_reason is not None:
+                    return
+                call = self._pending[0]
+            waiting = [conn for conn, rank in conns.items() if rank not in call.replies]
+            for ready in wait_for_ready(waiting + list(sentinels), timeout=IDLE_HEALTH_CHECK_S):
+                if ready in conns:
+                    self._take_reply(ready, conns[ready], call)
+            if len(call.replies) == self.world_size:
+                with self._lock:
+                    self._pending.popleft()
+                self._resolve(call)
+            else:
+                with self._lock:
+                    self._check_processes()
+
+    def _take_reply(self, conn, rank: int, call: _PendingCall) -> None:
+        try:
+            call.replies[rank] = conn.recv()
+        except (EOFError, OSError):
+            with self._lock:
+                self._check_processes()
+                if self._dead_reason is None:
+                    self._mark_dead(f"lost the connection to tensor-parallel worker rank {rank}")
+
+    def _resolve(self, call: _PendingCall) -> None:
+        errors = {rank: reply.error for rank, reply in call.replies.items() if reply.error is not None}
+        if not errors:
+            values = [call.replies[rank].value for rank in range(self.world_size)]
+            call.future.set_result(values[DRIVER_RANK] if call.method == "execute_model" else values)
+            return
+        first_rank = min(errors)
+        message = f"{call.method} failed on tensor-parallel rank {first_rank}:\n{errors[first_rank]}"
+        if call.method in ("startup", "execute_model") and len(errors) < self.world_size:
+            # Some ranks went on without the others: their collectives no longer line up.
+            with self._lock:
+                self._mark_dead(message)
+            call.future.set_exception(ExecutorDeadError(message))
+            return
+        call.future.set_exception(WorkerStepError(message))
+
+    # ---- failure and shutdown ----------------------------------------------------
+
+    def _check_processes(self) -> None:
+        """(Lock held.) Mark the executor dead if a worker process has exited."""
+        if self._dead_reason is not None or self._is_shut_down:
+            return
+        for rank, process in enumerate(self._processes):
+            if not process.is_alive():
+                reason = (f"tensor-parallel worker rank {rank} (pid {process.pid}) exited "
+                          f"unexpectedly with exit code {process.exitcode}")
+                replies = self._pending[0].replies.values() if self._pending else ()
+                errors = [reply for reply in replies if reply.error is not None]
+                if errors:
+                    reason += f"; rank {errors[0].rank} reported:\n{errors[0].error}"
+                self._mark_dead(reason)
+                return
+
+    def _mark_dead(self, reason: str) -> None:
+        """(Lock held.) Record why, fail every pending call, and stop the surviving workers
+        (they may be waiting in a collective for the dead one)."""
+        if self._dead_reason is not None:
+            return
+        self._dead_reason = reason
+        logger.error("%s", reason)
+        error = ExecutorDeadError(reason)
+        while self._pending:
+            call = self._pending.popleft()
+            if not call.future.done():
+                call.future.set_exception(error)
+        self._pending_changed.notify_all()
+        for process in self._processes:
+            if process.is_alive():
+                process.terminate()
+
+    def _fail_pending(self, error: Exception) -> None:
+        with self._lock:
+            while self._pending:
+                call = self._pending.popleft()
+                if not call.future.done():
+                    call.future.set_exception(error)
+
+    def _stop_workers(self) -> None:
+        for process in self._processes:
+            process.join(timeout=WORKER_EXIT_GRACE_S)
+            if process.is_alive():
+                logger.warning("tensor-parallel worker %s did not exit; terminating it", process.name)
+                process.terminate()
+                process.join(timeout=2.0)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=2.0)

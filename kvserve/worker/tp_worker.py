@@ -1,0 +1,189 @@
+"""The worker process of a tensor-parallel group: one rank, one ModelRunner.
+
+Every rank runs the same steps on its shard of the weights and of the KV
+cache; the row-parallel layers all-reduce, so all ranks hold the same hidden
+states. Rank 0 (the driver) gathers the logits, samples, and broadcasts the
+sampled token ids so that every rank's persistent batch state (used for
+async placeholders) stays identical. Only rank 0's step output goes back to
+the engine.
+
+Messages on the pipe from the executor are `WorkerCall`s; every call gets
+exactly one `WorkerReply`, in order.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from kvserve.worker.model_runner import ModelRunner
+from kvserve.worker.input_batch import PreparedBatch
+
+logger = logging.getLogger(__name__)
+
+DRIVER_RANK = 0
+
+
+@dataclass
+class WorkerCall:
+    """One request from the executor: a `TPWorker` method and its arguments."""
+
+    method: str
+    args: tuple = ()
+
+
+@dataclass
+class WorkerReply:
+    """The answer to one `WorkerCall`: a value, or the formatted error of this rank."""
+
+    rank: int
+    value: Any = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkerInit:
+    """What a worker process needs to join the group and build its runner."""
+
+    rank: int
+    world_size: int
+    backend: str
+    init_method: str
+    device: str
+    num_threads: int
+    collective_timeout_s: float
+
+
+def distributed_backend(device: str, configured: str | None = None) -> str:
+    """The torch.distributed backend: the configured one, else nccl on CUDA and gloo on CPU."""
+    if configured:
+        return configured
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r uses CUDA device (base + r) of `cuda[:base]`; CPU ranks share the CPU."""
+    if not device.startswith("cuda"):
+        return "cpu"
+    base = int(device.split(":", 1)[1]) if ":" in device else 0
+    return f"cuda:{base + rank}"
+
+
+class TPModelRunner(ModelRunner):
+    """A ModelRunner for one rank: the driver samples and broadcasts the tokens."""
+
+    def _forward_and_sample(self, prepared: PreparedBatch) -> tuple[dict[str, int], dict]:
+        hidden = self.model.forward(
+            torch.from_numpy(prepared.input_ids).to(self.device),
+            torch.from_numpy(prepared.positions).to(self.device),
+            self._build_attention_metadata(prepared),
+            self.kv_caches,
+        )
+        sampled_req_ids = prepared.sampled_req_ids
+        # Every rank derives the same batch from the same SchedulerOutput, so all
+        # take this branch together and the collectives below line up.
+        if not sampled_req_ids:
+            return {}, {}
+        logits_indices = torch.from_numpy(prepared.logits_indices).to(self.device)
+        logits = self.model.compute_logits_on_driver(hidden[logits_indices])
+        # -1 tells the other ranks that the driver's sampling failed, so that they
+        # fail the step too instead of waiting in the broadcast.
+        token_ids = torch.full((len(sampled_req_ids),), -1, dtype=torch.int64, device=self.device)
+        logprobs_by_req, sampling_error = {}, None
+        if logits is not None:
+            try:
+                sampler_output = self.sampler.sample(logits, self._sampling_tensors(sampled_req_ids))
+                token_ids.copy_(torch.as_tensor(list(sampler_output.token_ids), dtype=torch.int64))
+                if sampler_output.logprobs is not None:
+                    logprobs_by_req = {rid: lp for rid, lp in zip(sampled_req_ids, sampler_output.logprobs)
+                                       if lp is not None}
+            except Exception as exc:
+                sampling_error = exc
+                token_ids.fill_(-1)
+        torch.distributed.broadcast(token_ids, src=DRIVER_RANK)
+        if sampling_error is not None:
+            raise sampling_error
+        if bool((token_ids < 0).any()):
+            raise RuntimeError("sampling failed on the driver rank")
+        sampled_token_ids = {}
+        for req_id, token_id in zip(sampled_req_ids, token_ids.tolist()):
+            sampled_token_ids[req_id] = token_id
+            self.input_batch.append_sampled_token(req_id, token_id)
+        return sampled_token_ids, logprobs_by_req
+
+
+class TPWorker:
+    """One rank's state in its process; its public methods are what `WorkerCall`s name."""
+
+    def __init__(self, engine_config, init: WorkerInit) -> None:
+        self.rank = init.rank
+        self.runner = TPModelRunner(
+            engine_config.model_config, engine_config.cache_config, init.device,
+            scheduler_config=engine_config.scheduler_config, seed=engine_config.seed,
+            tp_rank=init.rank, tp_size=init.world_size)
+        self.runner.load_model()
+
+    def get_kv_cache_specs(self):
+        return self.runner.get_kv_cache_specs()
+
+    def available_kv_memory_bytes(self) -> int:
+        return self.runner.available_kv_memory_bytes()
+
+    def initialize_kv_cache(self, kv_cache_config) -> None:
+        self.runner.initialize_kv_cache(kv_cache_config)
+
+    def execute_model(self, scheduler_output):
+        output = self.runner.execute_model(scheduler_output)
+        # Only the driver's output is used; the others only say "done".
+        return output if self.rank == DRIVER_RANK else None
+
+
+def _init_process(init: WorkerInit) -> None:
+    torch.set_num_threads(init.num_threads)
+    if init.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(init.device))
+    torch.distributed.init_process_group(
+        backend=init.backend, init_method=init.init_method, rank=init.rank, world_size=init.world_size,
+        timeout=timedelta(seconds=init.collective_timeout_s))
+
+
+def worker_main(engine_config, init: WorkerInit, conn) -> None:
+    """Entry point of a worker process: join the group, load the shard, serve calls until "shutdown"."""
+    logging.basicConfig(level=os.environ.get("KVSERVE_WORKER_LOG_LEVEL", "WARNING"),
+                        format=f"%(asctime)s tp-rank{init.rank} %(levelname)s %(name)s: %(message)s")
+    try:
+        _init_process(init)
+        worker = TPWorker(engine_config, init)
+    except BaseException:
+        conn.send(WorkerReply(init.rank, error=traceback.format_exc()))
+        return
+    conn.send(WorkerReply(init.rank, value="ready"))
+    try:
+        _serve(worker, conn)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _serve(worker: TPWorker, conn) -> None:
+    while True:
+        try:
+            call = conn.recv()
+        except (EOFError, OSError):
+            return  # the engine went away
+        if call.method == "shutdown":
+            return
+        try:
+            reply = WorkerReply(worker.rank, value=getattr(worker, call.method)(*call.args))
+        except Exception:
+            logger.exception("%s failed on rank %d", call.method, worker.rank)
+            reply = WorkerReply(worker.rank, error=traceback.format_exc(limit=8))
+        try:
+            conn.send(reply)
+        except (BrokenPipeError, OSError):
+            return
