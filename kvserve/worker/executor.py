@@ -43,8 +43,8 @@ class Executor:
     def get_class(engine_config: "EngineConfig") -> type["Executor"]:
         if engine_config.parallel_config.tensor_parallel_size == 1:
             return UniProcExecutor
-        raise NotImplementedError(
-            "tensor_parallel_size > 1 needs the multi-process executor, which is not available yet")
+        from kvserve.worker.tp_executor import TPExecutor
+        return TPExecutor
 
     @classmethod
     def create(cls, engine_config: "EngineConfig") -> "Executor":
