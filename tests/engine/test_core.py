@@ -148,3 +148,29 @@ def test_failed_model_step_fails_its_requests_and_engine_goes_on(llama_path, asy
         assert_pool_whole(core)
     finally:
         core.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_async_scheduling_keeps_one_step_in_flight(llama_path, async_scheduling):
+    """Async: step N+1 is submitted before step N's output is applied (never further
+    ahead). Sync: every step is submitted after the previous one was applied."""
+    core = make_engine(llama_path, async_scheduling=async_scheduling)
+    submit = core.executor.execute_model_async
+    steps_ahead = []
+
+    def recording_submit(scheduler_output):
+        if not scheduler_output.is_empty:
+            steps_ahead.append(scheduler_output.step_seq - core.scheduler.processed_step_seq)
+        return submit(scheduler_output)
+
+    core.executor.execute_model_async = recording_submit
+    try:
+        prompts, _ = random_workload(8, seed=5)
+        run_to_completion(core, prompts, greedy_params(8))
+        if async_scheduling:
+            assert max(steps_ahead) == 2 and steps_ahead.count(2) > len(steps_ahead) // 2
+        else:
+            assert set(steps_ahead) == {1}
+        assert_pool_whole(core)
+    finally:
+        core.shutdown()
