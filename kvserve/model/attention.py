@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from kvserve.kv_cache.interface import (AttentionSpec, CircularBufferSpec, KVCacheConfig, KVCacheSpec,
                                         SlidingWindowSpec)
@@ -35,9 +36,10 @@ class AttentionSubBatch:
 
     token_index: torch.Tensor  # [n, max_q] flat token index per (request, query row); pads clamp to a valid one
     valid_rows: torch.Tensor  # [n * max_q] bool, rows that are real tokens
-    cached_slots: torch.Tensor  # [n, max_cached] cache rows of earlier positions (pads -> slot 0)
-    mask: torch.Tensor  # [n, max_q, max_cached + max_q] bool, True = may attend
+    key_slots: torch.Tensor  # [n, max_keys] cache rows of the keys read from the cache (pads -> slot 0)
+    mask: torch.Tensor  # [n, max_q, max_keys (+ max_q with new_keys)] bool, True = may attend
     out_index: torch.Tensor  # flat token index of each valid row, in row order
+    new_keys: bool  # append this step's fresh K/V after the cached keys (circular groups)
 
 
 @dataclass
@@ -158,29 +160,37 @@ def _build_sub_batch(md: AttentionMetadata, rows: torch.Tensor, query_lens: torc
     token_index = starts[:, None] + torch.where(q_valid, q_offsets[None, :], 0)
     q_pos = context_lens[:, None] + q_offsets[None, :]  # [n, max_q]
 
-    # Cached keys: positions [first_cached, context_len); a window only needs the
-    # last (window - 1) of them for the step's first token.
-    first_cached = (context_lens - (window - 1)).clamp(min=0) if window else torch.zeros_like(context_lens)
-    num_cached = context_lens - first_cached
-    max_cached = int(num_cached.max()) if len(num_cached) else 0
-    c_offsets = torch.arange(max_cached, device=device)
-    c_valid = c_offsets[None, :] < num_cached[:, None]
-    c_pos = first_cached[:, None] + c_offsets[None, :]  # [n, max_cached]
-    req = rows[:, None].expand_as(c_pos)
-    cached_slots = _slots(md.block_table, req, torch.where(c_valid, c_pos, 0), block_size, ring_blocks)
-    cached_slots = torch.where(c_valid, cached_slots, 0)
+    # Keys read from the cache: [first_key, end). A window needs only the last
+    # (window - 1) positions before the step's first token. Ring groups read
+    # only the positions before this step (the new ones come from k/v directly).
+    new_keys = ring_blocks is not None
+    end = context_lens if new_keys else context_lens + query_lens
+    first_key = (context_lens - (window - 1)).clamp(min=0) if window else torch.zeros_like(context_lens)
+    num_keys = end - first_key
+    max_keys = int(num_keys.max()) if len(num_keys) else 0
+    k_offsets = torch.arange(max_keys, device=device)
+    k_valid = k_offsets[None, :] < num_keys[:, None]
+    k_pos = first_key[:, None] + k_offsets[None, :]  # [n, max_keys]
+    req = rows[:, None].expand_as(k_pos)
+    key_slots = _slots(md.block_table, req, torch.where(k_valid, k_pos, 0), block_size, ring_blocks)
+    key_slots = torch.where(k_valid, key_slots, 0)
 
-    cached_mask = c_valid[:, None, :].expand(-1, max_q, -1)
-    new_mask = (q_offsets[None, :, None] >= q_offsets[None, None, :]) & q_valid[:, None, :]
+    mask = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
     if window:
-        cached_mask = cached_mask & (q_pos[:, :, None] - c_pos[:, None, :] < window)
-        new_mask = new_mask & (q_offsets[None, :, None] - q_offsets[None, None, :] < window)
-    # Pad query rows attend to their request's first new token so no row is all-masked.
-    new_mask = new_mask | (~q_valid[:, :, None] & (q_offsets[None, None, :] == 0))
-    mask = torch.cat([cached_mask, new_mask.expand(len(rows), -1, -1)], dim=2)
+        mask = mask & (q_pos[:, :, None] - k_pos[:, None, :] < window)
+    pad_rows = ~q_valid[:, :, None]
+    if new_keys:
+        new_mask = (q_offsets[None, :, None] >= q_offsets[None, None, :]) & q_valid[:, None, :]
+        if window:
+            new_mask = new_mask & (q_offsets[None, :, None] - q_offsets[None, None, :] < window)
+        # Pad query rows attend to one real key so no row is all-masked (no NaNs).
+        new_mask = new_mask | (pad_rows & (q_offsets[None, None, :] == 0))
+        mask = torch.cat([mask, new_mask.expand(len(rows), -1, -1)], dim=2)
+    else:
+        mask = mask | (pad_rows & (k_offsets[None, None, :] == 0))
     valid_rows = q_valid.flatten()
-    return AttentionSubBatch(token_index=token_index, valid_rows=valid_rows, cached_slots=cached_slots,
-                             mask=mask, out_index=token_index.flatten()[valid_rows])
+    return AttentionSubBatch(token_index=token_index, valid_rows=valid_rows, key_slots=key_slots, mask=mask,
+                             out_index=token_index.flatten()[valid_rows], new_keys=new_keys)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -189,39 +199,48 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
     Returns [T, Hq, D]; stores this step's K/V in the cache (see the module docstring for the order)."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
-    k_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
-    v_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    kv_rows = kv_cache.view(2, -1, num_kv_heads, head_dim)
     if plan.write_before_read:
-        _store(k_cache, v_cache, k, v, plan)
+        _store(kv_rows, k, v, plan)
     out = q.new_empty(q.shape)
     for sub in plan.sub_batches:
-        keys = torch.cat([k_cache[sub.cached_slots], k[sub.token_index]], dim=1)
-        values = torch.cat([v_cache[sub.cached_slots], v[sub.token_index]], dim=1)
+        n, num_keys = sub.key_slots.shape
+        # One gather for K and V of every request of the sub-batch.
+        keys, values = kv_rows.index_select(1, sub.key_slots.flatten()).view(2, n, num_keys, num_kv_heads, head_dim)
+        if sub.new_keys:
+            keys = torch.cat([keys, k[sub.token_index]], dim=1)
+            values = torch.cat([values, v[sub.token_index]], dim=1)
         attended = _attend(q[sub.token_index], keys, values, sub.mask, scale, softcap)
         out[sub.out_index] = attended.flatten(0, 1)[sub.valid_rows]
     if not plan.write_before_read:
-        _store(k_cache, v_cache, k, v, plan)
+        _store(kv_rows, k, v, plan)
     return out
 
 
-def _store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           plan: AttentionPlan) -> None:
+def _store(kv_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> None:
     if plan.write_token_index is not None:
         k, v = k[plan.write_token_index], v[plan.write_token_index]
-    k_cache.index_copy_(0, plan.write_slots, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, plan.write_slots, v.to(v_cache.dtype))
+    kv_rows[0].index_copy_(0, plan.write_slots, k.to(kv_rows.dtype))
+    kv_rows[1].index_copy_(0, plan.write_slots, v.to(kv_rows.dtype))
+
+
+# torch's CPU SDPA kernel is slow for short queries (decode); the explicit path wins there.
+_SDPA_MIN_QUERY_LEN = 32
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
             softcap: float | None) -> torch.Tensor:
     """q: [n, Lq, Hq, D]; k/v: [n, Lk, Hkv, D]; mask: [n, Lq, Lk]. GQA without repeating K/V."""
+    if not softcap and q.shape[1] >= _SDPA_MIN_QUERY_LEN:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=mask[:, None], scale=scale, enable_gqa=True)
+        return out.transpose(1, 2)
     n, lq, hq, d = q.shape
     hkv = k.shape[2]
     group = hq // hkv
     # [n, Hkv, group*Lq, D]: query heads of one KV head share its keys in one matmul.
     qg = q.view(n, lq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, group * lq, d)
-    kt = k.permute(0, 2, 3, 1)  # [n, Hkv, D, Lk]
-    scores = torch.matmul(qg, kt).float() * scale
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(n, hkv, group, lq, -1).masked_fill(~mask[:, None, None], float("-inf"))

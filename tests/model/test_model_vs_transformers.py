@@ -51,6 +51,15 @@ def test_mixed_batch_chunked_prefill_matches_transformers(models, family):
     _check_against_hf(hf, prompts, tokens, logits)
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])
+def test_long_single_chunk_prefill_matches_transformers(models, family):
+    """Whole 40+ token prompts in one step (the attention backend's long-query path)."""
+    hf, config = models(family)
+    prompts = _prompts([45, 38, 2], seed=7)
+    tokens, logits = run_greedy(PagedRunner(load_model(config), block_size=8), prompts, 3, chunk=64)
+    _check_against_hf(hf, prompts, tokens, logits)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3"])
 def test_prefix_reuse_and_cow_copy_match_transformers(models, family):
     hf, config = models(family)
