@@ -10,7 +10,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import warnings
 from typing import Any, Sequence
 
@@ -251,7 +253,7 @@ def _chat_loop(llm: Any, args: argparse.Namespace, params: Any) -> None:
         try:
             output = _stream_to_stdout(llm, request, params, _Status())
         except KeyboardInterrupt:
-            sys.stdout.write("\n(interrupted)\n")
+            sys.stdout.write("(interrupted)\n")
             history.pop()
             continue
         history.append({"role": "assistant", "content": output.outputs[0].text})
@@ -260,17 +262,50 @@ def _chat_loop(llm: Any, args: argparse.Namespace, params: Any) -> None:
 
 
 def _stream_to_stdout(llm: Any, request: dict, params: Any, status: "_Status") -> Any:
+    """Print the answer as it arrives. Ctrl-C stops it between engine steps
+    (so the engine stays consistent) and then raises KeyboardInterrupt."""
     last = None
-    for last in llm.stream(request, params):
-        new_text = last.outputs[0].new_text
-        if new_text:
-            status.clear()
-            sys.stdout.write(new_text)
-            sys.stdout.flush()
+    with _DeferredInterrupt() as interrupt:
+        stream = llm.stream(request, params)
+        try:
+            for last in stream:
+                new_text = last.outputs[0].new_text
+                if new_text:
+                    status.clear()
+                    sys.stdout.write(new_text)
+                    sys.stdout.flush()
+                if interrupt.requested:
+                    break
+        finally:
+            stream.close()
     status.clear()
     sys.stdout.write("\n")
     sys.stdout.flush()
+    if interrupt.requested:
+        raise KeyboardInterrupt
     return last
+
+
+class _DeferredInterrupt:
+    """Within the block, SIGINT only sets `requested` (checked between steps)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def __enter__(self) -> "_DeferredInterrupt":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self.requested:  # a second Ctrl-C: do not wait for the step
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 # One conversation at a time: a KV pool for a full 8k-token context (on the

@@ -125,10 +125,20 @@ class LLM:
                 if output.request_id == request_id:
                     finished = output.finished
                     yield output
-        finally:
+        except GeneratorExit:
+            # Closed by the consumer between steps: the engine is consistent.
             if not finished:
                 self._abort([request_id])
                 self._drain_engine()
+            raise
+        except BaseException:
+            # Interrupted inside a step (e.g. Ctrl-C): forget the request, and
+            # never let cleanup hide the original exception.
+            try:
+                self._abort([request_id])
+            except Exception:  # noqa: BLE001
+                logger.debug("abort after an interrupted step failed", exc_info=True)
+            raise
 
     def shutdown(self) -> None:
         """Stop the engine (worker threads / processes)."""
