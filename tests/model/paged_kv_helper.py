@@ -91,6 +91,7 @@ class PagedRunner:
 
     def __init__(self, model, block_size: int = 4, num_blocks: int = 512, sliding_window_kv: str = "sliding"):
         self.model = model
+        self.device = next(model.parameters()).device
         self.block_size = block_size
         dtype = next(model.parameters()).dtype
         self.specs = model.kv_cache_specs(block_size, dtype, sliding_window_kv)
@@ -103,7 +104,7 @@ class PagedRunner:
         tensors = [KVCacheTensor(page * num_blocks, [names[i] for names in by_kind.values() if i < len(names)])
                    for i in range(max(len(n) for n in by_kind.values()))]
         self.kv_cache_config = KVCacheConfig(num_blocks, tensors, groups)
-        self.kv_caches = allocate_kv_caches(self.kv_cache_config, self.specs)
+        self.kv_caches = allocate_kv_caches(self.kv_cache_config, self.specs, self.device)
         model.bind_kv_cache_config(self.kv_cache_config)
         self.next_free_block = 1
         self.requests: dict[str, _Request] = {}
@@ -165,11 +166,13 @@ class PagedRunner:
             tables = [self.requests[r].block_ids[g] for r in schedule]
             width = max(len(t) for t in tables)
             block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-            metadata.append(AttentionMetadata.build(group.kv_cache_spec, query_lens, seq_lens, block_table))
+            metadata.append(AttentionMetadata.build(group.kv_cache_spec, query_lens, seq_lens, block_table,
+                                                    self.device))
         with torch.inference_mode():
-            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), metadata, self.kv_caches)
-            last = torch.tensor(query_lens).cumsum(0) - 1
-            logits = self.model.compute_logits(hidden[last])
+            hidden = self.model(torch.tensor(input_ids, device=self.device),
+                                torch.tensor(positions, device=self.device), metadata, self.kv_caches)
+            last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
+            logits = self.model.compute_logits(hidden[last]).cpu()
         for req_id, n in schedule.items():
             self.requests[req_id].num_computed += n
         return {req_id: logits[i] for i, req_id in enumerate(schedule)}
