@@ -35,7 +35,7 @@ from kvserve.scheduler.preemption import pick_victim, reset_for_recompute
 from kvserve.scheduler.request_queue import create_request_queue
 from kvserve.scheduler.stats import SchedulerStats, prefix_cache_counts
 from kvserve.scheduler.step_plan import StepPlan, block_ids_or_none, build_scheduler_output
-from kvserve.scheduler.stop import check_stop, reached_length_cap
+from kvserve.scheduler.stop import reached_length_cap
 from kvserve.scheduler.update import apply_sampled_tokens
 
 logger = logging.getLogger(__name__)
