@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -271,3 +272,11 @@ def test_a_preemption_heavy_async_trace():
            ("add", 20, 20, 2, 0, False)] + [("step",)] * 30 + [("abort", 1)] + [("step",)] * 10
     _run_trace(Trace(num_blocks=9, block_size=8, hash_block_size=4, budget=24, max_num_seqs=4,
                      async_steps=True, policy="fcfs", ops=ops))
+
+
+@pytest.mark.slow
+@settings(max_examples=1500, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(traces())
+def test_random_traces_keep_fences_and_pool_whole_long(trace):
+    _run_trace(trace)
