@@ -93,6 +93,11 @@ class ServerProcess:
         with open(self.log.name) as f:
             return f.read()[-5000:]
 
+    def remove_log(self) -> None:
+        import os
+        self.log.close()
+        os.unlink(self.log.name)
+
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM, as an operator would; returns the exit code."""
         import signal

@@ -34,6 +34,7 @@ def server():
     # uvicorn re-raises the signal after its graceful shutdown, hence -SIGTERM.
     assert process.stop() in (0, -signal.SIGTERM), process.log_text()
     assert "server shut down cleanly" in process.log_text()
+    process.remove_log()
 
 
 @pytest.fixture(scope="module")
