@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -144,6 +145,8 @@ class TPWorker:
 
 
 def _init_process(init: WorkerInit) -> None:
+    # Ctrl-C reaches the whole process group; the engine decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(init.num_threads)
     if init.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(init.device))

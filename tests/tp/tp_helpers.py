@@ -1,0 +1,83 @@
+"""Tiny random models for the tensor-parallel tests, and an engine driver.
+
+The oracle for TP=2 is the same engine at TP=1 (itself checked against
+transformers in tests/worker and tests/model): greedy tokens must be identical.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+import transformers
+
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.core import EngineCore, EngineCoreRequest
+from kvserve.sampling_params import SamplingParams
+
+VOCAB_SIZE = 250  # not a multiple of 4: the vocabulary shards are padded
+
+
+def _llama_config(num_kv_heads: int):
+    return transformers.LlamaConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=num_kv_heads, max_position_embeddings=512,
+        initializer_range=0.2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+
+
+def _gemma2_config():
+    return transformers.Gemma2Config(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        sliding_window=12, query_pre_attn_scalar=16, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, tie_word_embeddings=True)
+
+
+MODELS = {
+    "llama_gqa": (lambda: _llama_config(2), transformers.LlamaForCausalLM),
+    "llama_mqa": (lambda: _llama_config(1), transformers.LlamaForCausalLM),
+    "gemma2": (_gemma2_config, transformers.Gemma2ForCausalLM),
+}
+
+
+def save_tiny_model(kind: str, path) -> str:
+    """Save a random float32 model of `kind` with transformers; return its directory."""
+    torch.manual_seed(4321)
+    make_config, model_class = MODELS[kind]
+    model_class(make_config()).eval().save_pretrained(str(path), safe_serialization=True)
+    return str(path)
+
+
+def make_engine(model_path: str, tensor_parallel_size: int, **overrides) -> EngineCore:
+    kwargs = dict(kv_cache_memory="8MiB", block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                  device="cpu", async_scheduling=True, tensor_parallel_size=tensor_parallel_size)
+    kwargs.update(overrides)
+    return EngineCore(EngineConfig.create(model=model_path, **kwargs))
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def random_prompts(num_prompts: int, min_len: int, max_len: int, seed: int = 0,
+                   shared_prefix: list[int] | None = None) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = list(shared_prefix or [])
+    return [prefix + [rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randint(min_len, max_len))]
+            for _ in range(num_prompts)]
+
+
+def run_requests(core: EngineCore, prompts: list[list[int]], params, first_id: int = 0,
+                 max_steps: int = 5_000) -> dict[str, list[int]]:
+    """Add the prompts as requests and step until all finish; output tokens by request id."""
+    params_list = params if isinstance(params, list) else [params] * len(prompts)
+    tokens: dict[str, list[int]] = {}
+    for i, (prompt, sampling_params) in enumerate(zip(prompts, params_list)):
+        tokens[str(first_id + i)] = []
+        core.add_request(EngineCoreRequest(str(first_id + i), prompt, sampling_params))
+    for _ in range(max_steps):
+        if not core.has_unfinished_requests():
+            return tokens
+        for output in core.step():
+            tokens[output.request_id].extend(output.new_token_ids)
+    raise AssertionError(f"requests unfinished after {max_steps} steps")
