@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 # Steps submitted to the executor and not yet applied: the one executing and
 # the one scheduled ahead of it.
 MAX_STEPS_IN_FLIGHT = 2
+# Consecutive steps that schedule nothing, with nothing in flight, while requests
+# are unfinished: the scheduler is stuck, and callers looping on step() would hang.
+MAX_STALLED_STEPS = 1000
 
 
 class EngineDeadError(RuntimeError):
@@ -68,6 +71,7 @@ class EngineCore:
         self.async_scheduling = engine_config.scheduler_config.async_scheduling
         self._steps_in_flight: deque[tuple[SchedulerOutput, Future]] = deque()
         self._is_dead: str | None = None
+        self._num_stalled_steps = 0
 
     def _initialize_kv_cache(self) -> KVCacheConfig:
         layer_specs = self.executor.get_kv_cache_specs()
@@ -158,7 +162,21 @@ class EngineCore:
             model_runner_output = future.result()
         except Exception as exc:  # a failed step fails its requests, not the engine
             return self._fail_step(scheduler_output, exc)
-        return self.scheduler.update_from_output(scheduler_output, model_runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, model_runner_output)
+        self._check_progress(scheduler_output, outputs)
+        return outputs
+
+    def _check_progress(self, scheduler_output: SchedulerOutput, outputs: list[EngineCoreOutput]) -> None:
+        if (outputs or not scheduler_output.is_empty or self._steps_in_flight
+                or not self.scheduler.has_unfinished_requests()):
+            self._num_stalled_steps = 0
+            return
+        self._num_stalled_steps += 1
+        if self._num_stalled_steps >= MAX_STALLED_STEPS:
+            self._is_dead = (f"the scheduler scheduled nothing in {MAX_STALLED_STEPS} steps while "
+                             f"{self.scheduler.get_num_unfinished_requests()} requests are unfinished "
+                             f"({self.scheduler.make_stats()})")
+            raise EngineDeadError(self._is_dead)
 
     def _fail_step(self, scheduler_output: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
         logger.error("model step %d failed: %r", scheduler_output.step_seq, exc,
@@ -170,12 +188,13 @@ class EngineCore:
             raise EngineDeadError(self._is_dead) from exc
         req_ids = list(scheduler_output.num_scheduled_tokens)
         finished = self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ERROR) or []
-        # Apply an output with no tokens so the step's fence is processed and its frees drain.
-        self.scheduler.update_from_output(
+        # Apply an output with no tokens so the step's fence is processed and its frees
+        # drain; it may still carry other requests' outputs (ignored prompts).
+        outputs = self.scheduler.update_from_output(
             scheduler_output, ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids]))
         reason = f"model step failed: {type(exc).__name__}: {exc}"
-        return [EngineCoreOutput(request.request_id, [], finish_reason="error", stop_reason=reason)
-                for request in finished]
+        return outputs + [EngineCoreOutput(request.request_id, [], finish_reason="error", stop_reason=reason)
+                          for request in finished]
 
     def _check_alive(self) -> None:
         if self._is_dead:

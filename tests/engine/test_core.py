@@ -174,3 +174,20 @@ def test_async_scheduling_keeps_one_step_in_flight(llama_path, async_scheduling)
         assert_pool_whole(core)
     finally:
         core.shutdown()
+
+
+def test_a_stuck_scheduler_raises_instead_of_hanging(llama_path):
+    from kvserve.engine.core import EngineDeadError
+    from kvserve.scheduler.output import SchedulerOutput
+
+    core = make_engine(llama_path)
+    try:
+        core.add_request(EngineCoreRequest("0", [5, 6, 7], greedy_params(4)))
+        core.scheduler.schedule = lambda: SchedulerOutput.make_empty(core.scheduler.sched_step_seq)
+        with pytest.raises(EngineDeadError, match="scheduled nothing"):
+            for _ in range(10_000):
+                core.step()
+        with pytest.raises(EngineDeadError):
+            core.add_request(EngineCoreRequest("1", [5], greedy_params(4)))
+    finally:
+        core.shutdown()
