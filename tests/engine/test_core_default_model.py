@@ -5,7 +5,7 @@ import pytest
 
 from kvserve.engine.config import EngineConfig, default_model_path
 from kvserve.engine.core import EngineCore, EngineCoreRequest
-from kvserve.engine.tokenizer import apply_chat_template, load_tokenizer
+from kvserve.engine.tokenizer import apply_chat_template
 from kvserve.sampling_params import SamplingParams
 
 QUESTIONS = ["What is the capital of France?", "Name the largest planet of the solar system."]
