@@ -255,7 +255,7 @@ class _ProgressBar:
 def _as_prompt_list(prompts: Any) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    prompts = list(prompts)
+    prompts = prompts.tolist() if hasattr(prompts, "tolist") else list(prompts)  # numpy / torch ids
     if not prompts:
         raise ValueError("no prompts given")
     if all(isinstance(item, int) for item in prompts):
@@ -286,7 +286,9 @@ def _as_conversation_list(messages: Any) -> list[Conversation]:
 
 
 def _check_token_ids(token_ids: Any) -> list[int]:
-    token_ids = list(token_ids)
+    if isinstance(token_ids, (str, bytes)):
+        raise TypeError("token ids must be a sequence of integers")
+    token_ids = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
     if not token_ids:
         raise ValueError("prompt must not be empty")
     if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in token_ids):

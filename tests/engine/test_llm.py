@@ -100,6 +100,10 @@ def test_token_id_prompts(llm, reference_model):
     for prompt, output in zip(prompts, outputs):
         assert output.prompt is None and output.prompt_token_ids == prompt
         assert output.outputs[0].token_ids == reference_greedy(reference_model, prompt, 8)
+    # One prompt as a list of ids, a tensor, or a dict: the same request.
+    single = [llm.generate(p, greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+              for p in (prompts[0], torch.tensor(prompts[0]), {"prompt_token_ids": prompts[0]})]
+    assert single == [outputs[0].outputs[0].token_ids] * 3
 
 
 def test_chat_uses_the_template(llm, reference_model):
