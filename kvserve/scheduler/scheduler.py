@@ -20,11 +20,10 @@ import logging
 import math
 from collections import deque
 from collections.abc import Iterable
-from typing import Any
 
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.kv_cache.interface import KVCacheConfig
-from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from kvserve.kv_cache.utils import KVCacheBlock
 from kvserve.request import Request, RequestStatus
 from kvserve.scheduler.admission import max_tokens_in_pool
@@ -224,7 +223,8 @@ class Scheduler:
             return min(num_new_tokens, threshold)
         return num_new_tokens
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: StepPlan) -> Any:
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int,
+                             plan: StepPlan) -> KVCacheBlocks | None:
         """Allocate slots for `request`, preempting victims until they fit.
 
         Returns None when the request cannot run in this step: it was the
