@@ -62,10 +62,16 @@ def _load_uncached(path: str) -> Any:
     raise TokenizerError(f"cannot load a tokenizer from {path!r}: expected a model directory or a .gguf file")
 
 
-def _from_pretrained(directory: str, **kwargs: Any) -> Any:
-    from transformers import AutoTokenizer
+def _from_pretrained(directory: str, fast_only: bool = False, **kwargs: Any) -> Any:
+    # AutoTokenizer imports transformers' model registry (about 2 s of CPU);
+    # a directory we saved ourselves holds a fast tokenizer, which loads
+    # directly through PreTrainedTokenizerFast.
+    if fast_only:
+        from transformers import PreTrainedTokenizerFast as tokenizer_class
+    else:
+        from transformers import AutoTokenizer as tokenizer_class
     try:
-        return AutoTokenizer.from_pretrained(directory, **kwargs)
+        return tokenizer_class.from_pretrained(directory, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         raise TokenizerError(f"cannot load the tokenizer of {directory!r}: {exc}") from exc
 
@@ -80,7 +86,7 @@ def _load_gguf_tokenizer(path: str) -> Any:
     cached_dir = os.path.join(tokenizer_cache_dir(), _gguf_cache_key(path))
     if os.path.isfile(os.path.join(cached_dir, "tokenizer.json")):
         try:
-            return _from_pretrained(cached_dir)
+            return _from_pretrained(cached_dir, fast_only=True)
         except TokenizerError:
             logger.warning("ignoring unreadable tokenizer cache %s", cached_dir)
     directory, file_name = os.path.split(path)
