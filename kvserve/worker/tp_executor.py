@@ -62,6 +62,24 @@ def threads_per_rank(world_size: int) -> int:
     return max(1, num_cores // world_size)
 
 
+def check_model_splits(model_config, tp_size: int) -> None:
+    """Raise ConfigError, before any process starts, when the model cannot be split tp_size ways."""
+    from kvserve.config import ConfigError
+
+    problems = []
+    if model_config.num_heads % tp_size:
+        problems.append(f"{model_config.num_heads} attention heads")
+    num_kv_heads = model_config.num_kv_heads
+    if (num_kv_heads >= tp_size and num_kv_heads % tp_size) or (num_kv_heads < tp_size and tp_size % num_kv_heads):
+        problems.append(f"{num_kv_heads} KV heads")
+    intermediate_size = getattr(model_config, "intermediate_size", None)
+    if intermediate_size and intermediate_size % tp_size:
+        problems.append(f"an MLP width of {intermediate_size}")
+    if problems:
+        raise ConfigError(f"tensor_parallel_size {tp_size} does not divide the model's {' and '.join(problems)}; "
+                          "it must divide the attention heads and the MLP width, and divide or be a multiple of the KV heads")
+
+
 class _PendingCall:
     """A call sent to every rank, waiting for their replies."""
 
@@ -79,6 +97,7 @@ class TPExecutor(Executor):
         import torch.multiprocessing as torch_mp
 
         self.world_size = engine_config.parallel_config.tensor_parallel_size
+        check_model_splits(engine_config.model_config, self.world_size)
         self.backend = distributed_backend(engine_config.device,
                                            engine_config.parallel_config.distributed_backend)
         self._dead_reason: str | None = None
@@ -113,6 +132,11 @@ class TPExecutor(Executor):
         child_conn.close()
         self._processes.append(process)
         self._conns.append(parent_conn)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the ranks' workers, by rank."""
+        return [process.pid for process in self._processes]
 
     # ---- the Executor interface ---------------------------------------------------
 

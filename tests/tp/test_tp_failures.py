@@ -1,0 +1,67 @@
+"""Tensor-parallel failures: a killed worker stops the engine with a clear error
+within seconds and nothing hangs; a model that cannot be split is refused up front."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tp_helpers import greedy, make_engine, random_prompts, run_requests, save_tiny_model
+from kvserve.config import ConfigError
+from kvserve.engine.core import EngineCoreRequest, EngineDeadError
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped) counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_killed_worker_makes_the_engine_fail_fast_and_shut_down(tmp_path):
+    # One KV head on two ranks: each rank holds a replica of it.
+    path = save_tiny_model("llama_mqa", tmp_path / "mqa")
+    prompts = random_prompts(4, 5, 20, seed=3)
+    with make_engine(path, 1, kv_cache_memory="1MiB") as core:
+        expected = run_requests(core, prompts, greedy(6))
+    core = make_engine(path, 2, kv_cache_memory="1MiB")
+    worker_pids = core.executor.worker_pids
+    try:
+        assert run_requests(core, prompts, greedy(6)) == expected
+        for i in range(3):
+            core.add_request(EngineCoreRequest(f"long-{i}", prompts[i], greedy(400)))
+        for _ in range(3):
+            core.step()
+        os.kill(worker_pids[1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        with pytest.raises(EngineDeadError, match=r"rank 1 .*exited unexpectedly") as failure:
+            while time.monotonic() - killed_at < 60:
+                core.step()
+        assert time.monotonic() - killed_at < 5, "the dead worker should be noticed within seconds"
+        assert "-9" in str(failure.value)  # the exit code says it was killed
+        with pytest.raises(EngineDeadError):
+            core.add_request(EngineCoreRequest("after", prompts[0], greedy(2)))
+    finally:
+        shutdown_at = time.monotonic()
+        core.shutdown()
+        shutdown_s = time.monotonic() - shutdown_at
+    assert shutdown_s < 5
+    assert not any(_is_running(pid) for pid in worker_pids), "surviving workers must be stopped"
+
+
+def test_model_that_cannot_be_split_is_refused_before_starting_workers(tmp_path):
+    import transformers
+
+    path = tmp_path / "three_heads"
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                                      num_attention_heads=3, num_key_value_heads=3)
+    transformers.LlamaForCausalLM(config).save_pretrained(str(path))
+    with pytest.raises(ConfigError, match="tensor_parallel_size 2 does not divide the model's 3 attention heads"):
+        make_engine(str(path), 2)
