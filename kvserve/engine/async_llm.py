@@ -110,6 +110,51 @@ def _merge_outputs(older: Any, newer: Any) -> Any:
     return newer
 
 
+class RequestHandle:
+    """The consumer side of one submitted request: an async iterator of outputs.
+
+    Iteration ends after the finished output, or quietly when someone else
+    aborted the request; an engine failure is raised. `close()` before the end
+    aborts the request; a handle dropped unclosed does the same.
+    """
+
+    def __init__(self, engine: "AsyncLLM", request_id: str, stream: _RequestStream) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._stream = stream
+        self._done = False
+
+    def __aiter__(self) -> "RequestHandle":
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._stream.get()
+        if item is _ABORTED:
+            self._end(abort=False)
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._end(abort=False)
+            raise item
+        if item.finished:
+            self._end(abort=False)
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless it already ended; safe to call repeatedly."""
+        if not self._done:
+            self._end(abort=True)
+
+    def _end(self, abort: bool) -> None:
+        self._done = True
+        self._engine._release(self.request_id, abort)  # noqa: SLF001 - the engine's own helper
+
+    def __del__(self) -> None:
+        if not getattr(self, "_done", True):
+            self.close()
+
+
 @dataclass
 class EngineLoopStats:
     """What the engine loop has seen, cumulative since start; read by /metrics."""
@@ -228,7 +273,11 @@ class AsyncLLM:
                 "Please reduce the length of the prompt or of max_tokens")
 
     def reserve(self, num_requests: int = 1) -> None:
-        """Raise EngineOverloadedError if `num_requests` more would pass a cap."""
+        """Raise EngineOverloadedError if `num_requests` more would pass a cap.
+
+        Admission is exact when the check and the `add_request` calls that
+        follow run without an `await` in between (one event-loop step).
+        """
         self._check_alive()
         in_flight = self.num_in_flight_requests() + num_requests
         if self.max_concurrent_requests is not None and in_flight > self.max_concurrent_requests:
@@ -239,17 +288,19 @@ class AsyncLLM:
                 raise EngineOverloadedError(
                     f"server busy: the waiting queue is full ({self.max_waiting_requests})")
 
-    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
-                       request_id: str | None = None, priority: int = 0,
-                       check_capacity: bool = True) -> AsyncIterator[Any]:
-        """Yield RequestOutputs of one request until it finishes.
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams,
+                    request_id: str | None = None, priority: int = 0,
+                    check_capacity: bool = True) -> "RequestHandle":
+        """Submit one request now; iterate the handle for its RequestOutputs.
 
-        Leaving the iteration early (a disconnect cancels it) aborts the request;
-        an `abort(request_id)` from elsewhere ends the iteration quietly.
+        Must be called on the event loop that will consume the handle. Closing
+        the handle (or dropping it) before the request finishes aborts it.
         """
         request_id = request_id or f"req-{next(self._id_counter)}"
         if check_capacity:
             self.reserve(1)
+        else:
+            self._check_alive()
         if isinstance(prompt, str):
             prompt_text, prompt_token_ids = prompt, self.encode(prompt)
         else:
@@ -262,26 +313,31 @@ class AsyncLLM:
             self._streams[request_id] = stream
         self._commands.put(_AddCommand(request_id, prompt_text, prompt_token_ids,
                                        sampling_params, time.monotonic(), priority))
-        finished = False
+        handle = RequestHandle(self, request_id, stream)
+        if not self.is_running:  # the loop may have stopped while we registered
+            handle.close()
+            self._check_alive()
+        return handle
+
+    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[Any]:
+        """Yield RequestOutputs of one request until it finishes.
+
+        Leaving the iteration early (a disconnect cancels it) aborts the request;
+        an `abort(request_id)` from elsewhere ends the iteration quietly.
+        """
+        handle = self.add_request(prompt, sampling_params, request_id, priority)
         try:
-            self._check_alive()  # the loop may have stopped while we registered
-            while True:
-                item = await stream.get()
-                if item is _ABORTED:
-                    finished = True
-                    return
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = bool(item.finished)
-                yield item
-                if finished:
-                    return
+            async for output in handle:
+                yield output
         finally:
-            with self._streams_lock:
-                self._streams.pop(request_id, None)
-            if not finished:
-                self.abort_nowait(request_id)
+            handle.close()
+
+    def _release(self, request_id: str, abort: bool) -> None:
+        with self._streams_lock:
+            self._streams.pop(request_id, None)
+        if abort:
+            self.abort_nowait(request_id)
 
     def abort_nowait(self, request_id: str) -> None:
         """Abort a request from any thread or coroutine; never blocks."""

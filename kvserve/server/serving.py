@@ -111,19 +111,38 @@ def usage_dict(final_outputs: list[Any]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-async def merged_outputs(ctx: ServingContext, generators: list[AsyncIterator[Any]]
-                         ) -> AsyncIterator[tuple[int, Any]]:
-    """Interleave several engine streams as `(prompt_index, output)`.
+def submit_all(ctx: ServingContext, requests: list[tuple[list[int], Any]], response_id: str
+               ) -> list[Any]:
+    """Admit and submit a call's engine requests in one event-loop step.
 
-    Cancelling the consumer cancels every producer, which aborts its request.
+    Ids are `f"{response_id}-{i}"`; if one cannot be submitted, the ones
+    already submitted are aborted and the error is raised as an APIError.
+    """
+    handles = []
+    try:
+        ctx.engine.reserve(len(requests))
+        for index, (token_ids, sampling_params) in enumerate(requests):
+            handles.append(ctx.engine.add_request(token_ids, sampling_params, f"{response_id}-{index}",
+                                                  check_capacity=False))
+    except Exception as exc:  # noqa: BLE001
+        for handle in handles:
+            handle.close()
+        raise to_api_error(exc) from None
+    return handles
+
+
+async def merged_outputs(ctx: ServingContext, handles: list[Any]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several requests' outputs as `(prompt_index, output)`.
+
+    Leaving the iteration early aborts every request still running.
     """
     queue: asyncio.Queue = asyncio.Queue()
     done_marker = object()
 
-    async def pump(index: int, generator: AsyncIterator[Any]) -> None:
+    async def pump(index: int, handle: Any) -> None:
         timer = ctx.metrics.timer()
         try:
-            async for output in generator:
+            async for output in handle:
                 timer.observe(output)
                 _raise_if_failed(output)
                 queue.put_nowait((index, output))
@@ -132,10 +151,11 @@ async def merged_outputs(ctx: ServingContext, generators: list[AsyncIterator[Any
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
+            handle.close()
             timer.close()
             queue.put_nowait((index, done_marker))
 
-    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generators)]
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
     remaining = len(tasks)
     try:
         while remaining:
@@ -148,10 +168,9 @@ async def merged_outputs(ctx: ServingContext, generators: list[AsyncIterator[Any
                 yield index, item
     finally:
         for task in tasks:
-            if not task.done():
-                task.cancel()
-        for generator in generators:
-            await _close_quietly(generator)
+            task.cancel()
+        for handle in handles:
+            handle.close()
 
 
 def _raise_if_failed(request_output: Any) -> None:
@@ -161,9 +180,9 @@ def _raise_if_failed(request_output: Any) -> None:
             raise APIError(500, f"generation failed: {completion.stop_reason}", code="engine_error")
 
 
-async def _close_quietly(generator: AsyncIterator[Any]) -> None:
+async def _close_quietly(outputs: AsyncIterator[Any]) -> None:
     try:
-        await generator.aclose()  # type: ignore[attr-defined]
+        await outputs.aclose()  # type: ignore[attr-defined]
     except BaseException:  # noqa: BLE001 - a closing stream may still raise its error
         pass
 

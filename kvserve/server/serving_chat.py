@@ -12,7 +12,7 @@ from kvserve.server.errors import APIError, bad_request
 from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.server.serving import (SSE_DONE, ChoiceStreamState, ServingContext, check_model_name,
                                     collect_until_disconnect, merged_outputs, new_id, next_delta,
-                                    parse_body, resolve_max_tokens, sse, to_api_error,
+                                    parse_body, resolve_max_tokens, sse, submit_all, to_api_error,
                                     token_logprob_entries, token_text, usage_dict)
 
 
@@ -39,12 +39,10 @@ async def create_chat_completion(raw_request: Request, ctx: ServingContext):
                                         body.requested_max_tokens())
         params = body.build_sampling_params(max_tokens, body.num_logprobs())
         ctx.engine.check_prompt_fits(len(prompt_token_ids), max_tokens)
-        ctx.engine.reserve(1)
     except Exception as exc:  # noqa: BLE001
         raise to_api_error(exc) from None
     response_id = new_id("chatcmpl")
-    generator = ctx.engine.generate(prompt_token_ids, params, response_id, check_capacity=False)
-    outputs = merged_outputs(ctx, [generator])
+    outputs = merged_outputs(ctx, submit_all(ctx, [(prompt_token_ids, params)], response_id))
     if body.stream:
         return await _stream_response(ctx, body, response_id, outputs)
     try:

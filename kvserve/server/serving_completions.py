@@ -14,6 +14,7 @@ from kvserve.server.errors import APIError, bad_request
 from kvserve.server.protocol import CompletionRequest
 from kvserve.server.serving import (SSE_DONE, ChoiceStreamState, ServingContext, check_model_name,
                                     check_token_ids, collect_until_disconnect, merged_outputs,
+                                    submit_all,
                                     new_id, next_delta, parse_body, resolve_max_tokens, sse,
                                     to_api_error, token_logprob_entries, token_text, usage_dict)
 
@@ -61,14 +62,11 @@ async def create_completion(raw_request: Request, ctx: ServingContext):
         check_model_name(ctx, body.model)
         body.check_supported()
         prepared = _prepare(ctx, body)
-        ctx.engine.reserve(len(prepared))
     except Exception as exc:  # noqa: BLE001
         raise to_api_error(exc) from None
     response_id = new_id("cmpl")
-    generators = [ctx.engine.generate(p.token_ids, p.sampling_params, f"{response_id}-{i}",
-                                      check_capacity=False)
-                  for i, p in enumerate(prepared)]
-    outputs = merged_outputs(ctx, generators)
+    handles = submit_all(ctx, [(p.token_ids, p.sampling_params) for p in prepared], response_id)
+    outputs = merged_outputs(ctx, handles)
     if body.stream:
         return await _stream_response(ctx, body, prepared, response_id, outputs)
     try:

@@ -276,6 +276,21 @@ def test_queue_full_gives_503_with_retry_after(tokenizer):
             assert ok.status_code == 200
 
 
+def test_admission_cap_is_exact_under_a_burst(tokenizer):
+    import asyncio
+
+    engine = make_fake_async_llm(tokenizer, max_num_seqs=8, max_concurrent_requests=4, step_delay_s=0.02)
+    with ThreadedServer(build_app(engine, MODEL)) as server:
+        async def burst() -> list[int]:
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
+                responses = await asyncio.gather(*[
+                    http.post("/v1/completions", json={"model": MODEL, "prompt": f"burst {i}", "max_tokens": 40})
+                    for i in range(12)])
+            return sorted(r.status_code for r in responses)
+
+        assert asyncio.run(burst()) == [200] * 4 + [503] * 8
+
+
 def test_waiting_queue_full_gives_503(tokenizer):
     engine = make_fake_async_llm(tokenizer, max_num_seqs=1, max_waiting_requests=1, step_delay_s=0.02)
     with ThreadedServer(build_app(engine, MODEL)) as server:
