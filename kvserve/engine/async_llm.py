@@ -2,7 +2,7 @@
 
 The EngineCore and the OutputProcessor are touched only by the engine thread.
 Coroutines talk to it through a thread-safe command queue; the thread answers
-each request through that request's asyncio.Queue, always via
+each request through that request's stream, always via
 `loop.call_soon_threadsafe`, so no asyncio object is touched off its loop.
 """
 from __future__ import annotations
@@ -175,12 +175,9 @@ class EngineLoopStats:
         return self.prefix_cache_hits / self.prefix_cache_queries
 
 
-def _stat(stats: Any, *names: str, default: float = 0) -> float:
-    for name in names:
-        value = getattr(stats, name, None)
-        if value is not None:
-            return value
-    return default
+def _stat(stats: Any, name: str) -> float:
+    value = getattr(stats, name, None)
+    return 0 if value is None else value
 
 
 class AsyncLLM:
@@ -188,9 +185,11 @@ class AsyncLLM:
 
     `max_concurrent_requests` caps the requests in flight (running + waiting);
     `max_waiting_requests` caps those beyond the engine's `max_num_seqs`. Past
-    either cap `reserve` / `generate` raise `EngineOverloadedError` (HTTP 503).
-    The caps are checked at admission against the registered streams, so
-    requests admitted within the same event-loop tick may pass one by a few.
+    either cap `reserve` / `add_request` raise `EngineOverloadedError` (HTTP
+    503). `add_request` registers the request before returning, so a check and
+    the submissions that follow it in the same loop step are exact.
+
+    Engine and tokenizer parts may be injected (tests use a model-free core).
     """
 
     def __init__(self, engine_config: Any, *, max_concurrent_requests: int | None = None,
@@ -448,13 +447,13 @@ class AsyncLLM:
         if stats is None:
             return
         own = self._stats
-        own.num_running_reqs = int(_stat(stats, "num_running_reqs", "num_running"))
-        own.num_waiting_reqs = int(_stat(stats, "num_waiting_reqs", "num_waiting"))
-        own.kv_cache_usage = float(_stat(stats, "kv_cache_usage", "gpu_cache_usage"))
+        own.num_running_reqs = int(_stat(stats, "num_running_reqs"))
+        own.num_waiting_reqs = int(_stat(stats, "num_waiting_reqs"))
+        own.kv_cache_usage = float(_stat(stats, "kv_cache_usage"))
         # The scheduler reports prefix-cache lookups since its previous snapshot.
         own.prefix_cache_queries += int(_stat(stats, "prefix_cache_queries"))
         own.prefix_cache_hits += int(_stat(stats, "prefix_cache_hits"))
-        own.num_preemptions = int(_stat(stats, "num_preemptions", "num_preempted_reqs"))
+        own.num_preemptions = int(_stat(stats, "num_preemptions"))
 
     def _fail_all(self, error: BaseException) -> None:
         with self._streams_lock:

@@ -155,3 +155,17 @@ def test_shutdown_fails_in_flight_and_stops_the_core(engine):
     [error] = asyncio.run(scenario())
     assert isinstance(error, EngineDeadError)
     assert engine.engine_core.shut_down and not engine.engine_core.requests
+
+
+def test_dropped_handle_aborts_its_request(engine):
+    import gc
+
+    async def scenario() -> None:
+        handle = engine.add_request("dropped", SamplingParams(max_tokens=100), "r3")
+        await handle.__anext__()
+        del handle
+        gc.collect()
+
+    asyncio.run(scenario())
+    _wait_idle(engine)
+    assert engine.engine_core.aborted_ids == ["r3"]
