@@ -166,8 +166,16 @@ def test_streamed_logprobs_add_up_to_the_full_ones(client, echo):
 
 
 def test_bad_input_table_then_still_serving(fake_server, client):
+    kwargs = dict(model=MODEL, prompt="A request in flight", max_tokens=200, temperature=0)
+    streamed: list[str] = []
+    bystander = threading.Thread(target=lambda: streamed.extend(
+        c.choices[0].text for c in client.completions.create(**kwargs, stream=True) if c.choices))
+    bystander.start()
     failures = run_bad_input_table(fake_server.base_url, MODEL, API_KEY, max_model_len=256)
+    bystander.join(60)
     assert not failures, "\n".join(failures)
+    assert "".join(streamed) == client.completions.create(**kwargs).choices[0].text, \
+        "a request in flight during the bad inputs must be unaffected"
     reply = client.completions.create(model=MODEL, prompt="Still alive?", max_tokens=3, temperature=0)
     assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 3
     _wait_idle(fake_server.engine)
