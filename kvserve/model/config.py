@@ -214,7 +214,8 @@ class ModelConfig:
             sliding_window=sliding_window, rope=rope, rope_local=rope_local,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", is_gemma)),
-            hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "silu",
+            hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or (
+                "gelu_pytorch_tanh" if is_gemma else "silu"),
             attention_bias=bool(hf.get("attention_bias", family == "qwen2")),
             qk_norm=family in ("qwen3", "gemma3"),
             attn_logit_softcapping=hf.get("attn_logit_softcapping") if family == "gemma2" else None,

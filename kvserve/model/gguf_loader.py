@@ -121,14 +121,19 @@ def _add_rope_scaling(reader: Any, arch: str, hf: dict[str, Any]) -> None:
         hf["rope_freq_factors_in_file"] = True
 
 
-def gguf_hf_name(gguf_name: str) -> str | None:
+# Gemma's sandwich norms: llama.cpp's ffn_norm is the pre-MLP norm there.
+_GEMMA_BLOCK_TENSORS = {**_BLOCK_TENSORS, "ffn_norm": "pre_feedforward_layernorm"}
+
+
+def gguf_hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """Map a GGUF tensor name ("blk.3.attn_q.weight") to its HF name, or None if unused."""
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
+    block_tensors = _GEMMA_BLOCK_TENSORS if arch in ("gemma2", "gemma3") else _BLOCK_TENSORS
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
-    if match and match.group(2) in _BLOCK_TENSORS:
-        return f"model.layers.{match.group(1)}.{_BLOCK_TENSORS[match.group(2)]}.{suffix}"
+    if match and match.group(2) in block_tensors:
+        return f"model.layers.{match.group(1)}.{block_tensors[match.group(2)]}.{suffix}"
     return None
 
 
@@ -164,7 +169,7 @@ def iter_gguf_tensors(path: str, num_heads: int, num_kv_heads: int) -> Iterator[
         if tensor.name == "rope_freqs.weight":
             yield "rope_freq_factors", dequantize_tensor(tensor)
             continue
-        name = gguf_hf_name(tensor.name)
+        name = gguf_hf_name(tensor.name, arch)
         if name is None:
             logger.debug("skipping GGUF tensor %s", tensor.name)
             continue

@@ -29,23 +29,25 @@ def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 _GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+               "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+# Gemma's sandwich norms under llama.cpp's names.
+_GEMMA_GGUF_NAMES = {**_GGUF_NAMES, "post_attention_layernorm": "post_attention_norm",
+                     "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}
 
 
-def _gguf_name(hf_name: str) -> str:
-    globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight"}
-    if hf_name in globals_:
-        return globals_[hf_name]
-    parts = hf_name.split(".")  # model.layers.N.<module...>.weight
-    return f"blk.{parts[2]}.{_GGUF_NAMES['.'.join(parts[3:-1])]}.weight"
+def _gguf_name(hf_name: str, arch: str) -> str:
+    if hf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[hf_name]
+    names = _GEMMA_GGUF_NAMES if arch == "gemma2" else _GGUF_NAMES
+    parts = hf_name.split(".")  # model.layers.N.<module...>.weight|bias
+    return f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.{parts[-1]}"
 
 
-def write_llama_gguf(hf_model, path: str, qtype: QType) -> None:
-    """Write a transformers Llama model as a llama.cpp-style GGUF; matrices stored as `qtype`."""
-    cfg = hf_model.config
-    writer = gguf.GGUFWriter(path, "llama")
+def _write_metadata(writer, cfg, arch: str) -> None:
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -57,18 +59,38 @@ def write_llama_gguf(hf_model, path: str, qtype: QType) -> None:
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_bos_token_id(cfg.bos_token_id)
     writer.add_eos_token_id(cfg.eos_token_id)
+    if getattr(cfg, "head_dim", None):
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+    if arch == "gemma2":
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+
+
+def write_gguf(hf_model, path: str, qtype: QType) -> None:
+    """Write a transformers model as llama.cpp's converter would; matrices stored as `qtype`.
+
+    llama.cpp conventions reproduced here: Llama Q/K rows permuted, Gemma norm
+    weights stored as (1 + w), tied output matrix omitted."""
+    cfg = hf_model.config
+    arch = cfg.model_type
+    writer = gguf.GGUFWriter(path, arch)
+    _write_metadata(writer, cfg, arch)
     for name, tensor in hf_model.state_dict().items():
         if "rotary" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         array = tensor.float().numpy()
-        if name.endswith("q_proj.weight"):
+        if arch == "llama" and name.endswith("q_proj.weight"):
             array = _llama_cpp_permute(array, cfg.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
+        elif arch == "llama" and name.endswith("k_proj.weight"):
             array = _llama_cpp_permute(array, cfg.num_key_value_heads)
+        if arch == "gemma2" and "norm" in name:
+            array = array + 1.0
         if array.ndim == 1 or qtype == QType.F32:
-            writer.add_tensor(_gguf_name(name), array)
+            writer.add_tensor(_gguf_name(name, arch), array)
         else:
-            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+            writer.add_tensor(_gguf_name(name, arch), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -81,26 +103,38 @@ def tiny_llama(tmp_path_factory):
     return load_hf(path)
 
 
-def test_float32_gguf_matches_transformers(tiny_llama, tmp_path):
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2"])
+def test_float32_gguf_matches_transformers(tmp_path, family):
+    import transformers
+    hf = load_hf(save_tiny_model(family, tmp_path))
     path = str(tmp_path / "tiny.gguf")
-    write_llama_gguf(tiny_llama, path, QType.F32)
+    write_gguf(hf, path, QType.F32)
     config = ModelConfig.from_path(path)
-    assert config.is_gguf and config.family == "llama" and config.eos_token_ids == [2]
-    assert not config.tie_word_embeddings
+    assert config.is_gguf and config.family == family and config.eos_token_ids == [2]
+    assert config.tie_word_embeddings == hf.config.tie_word_embeddings
     generator = torch.Generator().manual_seed(0)
     prompts = {f"r{i}": torch.randint(3, VOCAB, (n,), generator=generator).tolist() for i, n in enumerate([7, 19])}
     tokens, logits = run_greedy(PagedRunner(load_model(config)), prompts, 4, chunk=8)
     for req_id, prompt in prompts.items():
-        ref_tokens, ref_logits = hf_greedy(tiny_llama, prompt, 4)
+        ref_tokens, ref_logits = hf_greedy(hf, prompt, 4)
         assert tokens[req_id] == ref_tokens
         assert max((a - b).abs().max().item() for a, b in zip(logits[req_id], ref_logits)) < 1e-4
+    # transformers' GGUF reader ignores head_dim (Qwen3) and the query scalar (Gemma-2): only
+    # where it reads every field does it serve as an oracle for the file written here.
+    if family in ("llama", "qwen2"):
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf",
+                                                                   dtype=torch.float32).eval()
+        ids = torch.tensor([prompts["r1"]])
+        with torch.inference_mode():
+            # The file itself is what transformers expects: same logits as the source model.
+            assert (theirs(ids).logits - hf(ids).logits).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("qtype", [QType.F16, QType.BF16, QType.Q8_0, QType.Q5_0, QType.Q5_1, QType.Q4_0,
                                    QType.Q4_1])
 def test_quantized_gguf_weights_dequantize_into_place(tiny_llama, tmp_path, qtype):
     path = str(tmp_path / f"tiny-{qtype.name}.gguf")
-    write_llama_gguf(tiny_llama, path, qtype)
+    write_gguf(tiny_llama, path, qtype)
     model = load_model(ModelConfig.from_path(path))
     reference = tiny_llama.state_dict()
     layer = model.layers[1]
