@@ -83,6 +83,18 @@ def resolve_max_tokens(engine: AsyncLLM, num_prompt_tokens: int, requested: int 
     return max(1, engine.max_model_len - num_prompt_tokens)
 
 
+# Longer texts are tokenized on a worker thread (the tokenizer releases the
+# GIL), so one huge prompt does not stall every other stream on the loop.
+INLINE_TOKENIZE_MAX_CHARS = 16_384
+
+
+async def run_tokenizer(text_len: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` inline for short texts, on a thread for long ones."""
+    if text_len <= INLINE_TOKENIZE_MAX_CHARS:
+        return fn(*args, **kwargs)
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
 def check_token_ids(engine: AsyncLLM, token_ids: list[int], param: str = "prompt") -> None:
     vocab_size = int(getattr(engine.model_config, "vocab_size", 0) or 0)
     for token_id in token_ids:

@@ -12,16 +12,18 @@ from kvserve.server.errors import APIError, bad_request
 from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.server.serving import (SSE_DONE, ChoiceStreamState, ServingContext, check_model_name,
                                     collect_until_disconnect, merged_outputs, new_id, next_delta,
-                                    parse_body, resolve_max_tokens, sse, submit_all, to_api_error,
+                                    parse_body, resolve_max_tokens, run_tokenizer, sse, submit_all,
+                                    to_api_error,
                                     token_logprob_entries, token_text, usage_dict)
 
 
-def _render_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
+async def _render_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
     from kvserve.engine.tokenizer import apply_chat_template
     conversation = body.conversation()  # raises UnsupportedFeatureError for non-text parts
+    text_len = sum(len(message["content"]) for message in conversation)
     try:
-        token_ids = apply_chat_template(ctx.engine.tokenizer, conversation,
-                                        add_generation_prompt=body.add_generation_prompt)
+        token_ids = await run_tokenizer(text_len, apply_chat_template, ctx.engine.tokenizer,
+                                        conversation, add_generation_prompt=body.add_generation_prompt)
     except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
         raise bad_request(f"the chat template rejected the messages: {exc}",
                           param="messages") from None
@@ -34,7 +36,7 @@ async def create_chat_completion(raw_request: Request, ctx: ServingContext):
     try:
         check_model_name(ctx, body.model)
         body.check_supported()
-        prompt_token_ids = _render_prompt(ctx, body)
+        prompt_token_ids = await _render_prompt(ctx, body)
         max_tokens = resolve_max_tokens(ctx.engine, len(prompt_token_ids),
                                         body.requested_max_tokens())
         params = body.build_sampling_params(max_tokens, body.num_logprobs())

@@ -14,7 +14,7 @@ from kvserve.server.errors import APIError, bad_request
 from kvserve.server.protocol import CompletionRequest
 from kvserve.server.serving import (SSE_DONE, ChoiceStreamState, ServingContext, check_model_name,
                                     check_token_ids, collect_until_disconnect, merged_outputs,
-                                    submit_all,
+                                    run_tokenizer, submit_all,
                                     new_id, next_delta, parse_body, resolve_max_tokens, sse,
                                     to_api_error, token_logprob_entries, token_text, usage_dict)
 
@@ -31,7 +31,7 @@ class _PreparedPrompt:
     sampling_params: SamplingParams
 
 
-def _prepare(ctx: ServingContext, body: CompletionRequest) -> list[_PreparedPrompt]:
+async def _prepare(ctx: ServingContext, body: CompletionRequest) -> list[_PreparedPrompt]:
     engine = ctx.engine
     prompts = body.prompts()
     if not prompts:
@@ -42,7 +42,7 @@ def _prepare(ctx: ServingContext, body: CompletionRequest) -> list[_PreparedProm
     prepared = []
     for prompt in prompts:
         if isinstance(prompt, str):
-            text, token_ids = prompt, engine.encode(prompt)
+            text, token_ids = prompt, await run_tokenizer(len(prompt), engine.encode, prompt)
         else:
             check_token_ids(engine, prompt)
             text, token_ids = None, prompt
@@ -61,7 +61,7 @@ async def create_completion(raw_request: Request, ctx: ServingContext):
     try:
         check_model_name(ctx, body.model)
         body.check_supported()
-        prepared = _prepare(ctx, body)
+        prepared = await _prepare(ctx, body)
     except Exception as exc:  # noqa: BLE001
         raise to_api_error(exc) from None
     response_id = new_id("cmpl")

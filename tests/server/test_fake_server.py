@@ -181,6 +181,14 @@ def test_bad_input_table_then_still_serving(fake_server, client):
     _wait_idle(fake_server.engine)
 
 
+def test_huge_prompts_are_tokenized_off_the_loop_and_rejected(client):
+    huge = "hello " * 300_000  # 1.8 MB: tokenized on a worker thread
+    with pytest.raises(openai.BadRequestError, match="256"):
+        client.completions.create(model=MODEL, prompt=huge, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="256"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": huge}], max_tokens=2)
+
+
 def test_openai_client_raises_typed_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x", max_tokens=2)
