@@ -113,6 +113,21 @@ def test_n_seed_reproducible_and_distinct(client):
     assert first.usage.completion_tokens == 24
 
 
+def test_chat_stream_with_n_matches_the_full_reply(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Pick words"}], max_tokens=6,
+                  temperature=1.0, seed=99, n=2)
+    full = client.chat.completions.create(**kwargs)
+    pieces = {0: "", 1: ""}
+    finishes = {}
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            pieces[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert pieces == {c.index: c.message.content for c in full.choices}
+    assert finishes == {0: "length", 1: "length"}
+
+
 def test_multiple_prompts_and_token_ids(client, tokenizer):
     ids = tokenizer.encode("Hello world")
     reply = client.completions.create(model=MODEL, prompt=["a b c", "Hello world"], max_tokens=3,
@@ -121,6 +136,8 @@ def test_multiple_prompts_and_token_ids(client, tokenizer):
     from_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0)
     by_index = {c.index: c.text for c in reply.choices}
     assert from_ids.choices[0].text == by_index[2] == by_index[3]
+    from_id_lists = client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=3, temperature=0)
+    assert [c.text for c in from_id_lists.choices] == [by_index[2]] * 2
 
 
 def test_stop_string_is_cut(client):
