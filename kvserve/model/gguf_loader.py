@@ -155,7 +155,8 @@ def dequantize_tensor(tensor: Any) -> np.ndarray:
     elif qtype == GGMLQuantizationType.F16:
         data = np.asarray(tensor.data, dtype=np.float16).astype(np.float32)
     else:
-        data = dequantize(tensor.data, qtype).astype(np.float32, copy=False)
+        # A plain ndarray view: the numpy.memmap subclass makes each block slice slow.
+        data = dequantize(np.asarray(tensor.data), qtype).astype(np.float32, copy=False)
     shape = tuple(int(d) for d in reversed(tensor.shape))
     return data.reshape(shape)
 
