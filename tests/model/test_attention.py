@@ -1,0 +1,97 @@
+"""The paged attention backend against dense attention over the whole sequence,
+plus KV allocation (shared buffers) and CoW block copies."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.kv_cache.interface import (CircularBufferSpec, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                        KVCacheTensor, SlidingWindowSpec)
+from kvserve.kv_cache.utils import KVCacheBlockCopy
+from kvserve.model.attention import AttentionMetadata, allocate_kv_caches, copy_kv_blocks, paged_attention
+
+HQ, HKV, D, BS = 4, 2, 8, 4
+
+
+def dense_attention(q, k, v, first_pos, scale, softcap, window):
+    """q: [Lq, HQ, D] at positions first_pos.., k/v: [L, HKV, D] for positions 0..L-1."""
+    k = k.repeat_interleave(HQ // HKV, dim=1)
+    v = v.repeat_interleave(HQ // HKV, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    q_pos = torch.arange(first_pos, first_pos + q.shape[0])[:, None]
+    k_pos = torch.arange(k.shape[0])[None, :]
+    allowed = k_pos <= q_pos
+    if window:
+        allowed &= q_pos - k_pos < window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def _spec(kind: str, window: int):
+    common = dict(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.float32)
+    if kind == "full":
+        return FullAttentionSpec(**common)
+    if kind == "sliding":
+        return SlidingWindowSpec(**common, sliding_window=window)
+    return CircularBufferSpec(**common, sliding_window=window)
+
+
+@pytest.mark.parametrize("kind,softcap", [("full", None), ("full", 20.0), ("sliding", None), ("circular", None),
+                                          ("circular", 20.0)])
+def test_paged_attention_matches_dense(kind, softcap):
+    window = 6 if kind != "full" else None
+    spec = _spec(kind, window or 1)
+    generator = torch.Generator().manual_seed(0)
+    lengths = [23, 5, 14]
+    # Steps of (tokens per request): chunked prefills, a 13-token chunk wider than the
+    # ring (3 blocks = 12 slots), then decodes, mixed in one batch.
+    schedule = [[13, 2, 9], [10, 1, 5], [0, 1, 0], [0, 1, 0]]
+    qs = [torch.randn(n, HQ, D, generator=generator) for n in lengths]
+    ks = [torch.randn(n, HKV, D, generator=generator) for n in lengths]
+    vs = [torch.randn(n, HKV, D, generator=generator) for n in lengths]
+    num_blocks = 64
+    cache = torch.zeros(2, num_blocks, BS, HKV, D)
+    free = torch.randperm(num_blocks - 1, generator=generator).add(1).tolist()  # scattered block ids
+    tables = [[free.pop() for _ in range(-(-n // BS))] for n in lengths]
+    if kind == "circular":
+        tables = [t[:spec.blocks_per_request] for t in tables]
+    done = [0] * len(lengths)
+    for step in schedule:
+        rows = [i for i, n in enumerate(step) if n]
+        query_lens = [step[i] for i in rows]
+        seq_lens = [done[i] + step[i] for i in rows]
+        width = max(len(tables[i]) for i in rows)
+        block_table = torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i in rows])
+        md = AttentionMetadata.build(spec, query_lens, seq_lens, block_table)
+        q = torch.cat([qs[i][done[i]:done[i] + step[i]] for i in rows])
+        k = torch.cat([ks[i][done[i]:done[i] + step[i]] for i in rows])
+        v = torch.cat([vs[i][done[i]:done[i] + step[i]] for i in rows])
+        out = paged_attention(q, k, v, cache, md.plan(BS, window), 0.3, softcap)
+        offset = 0
+        for i in rows:
+            end = done[i] + step[i]
+            expected = dense_attention(qs[i][done[i]:end], ks[i][:end], vs[i][:end], done[i], 0.3, softcap, window)
+            torch.testing.assert_close(out[offset:offset + step[i]], expected, atol=1e-5, rtol=1e-5)
+            offset += step[i]
+            done[i] = end
+
+
+def test_allocate_shares_buffers_and_copies_only_the_groups_layers():
+    full, sliding = _spec("full", 1), _spec("sliding", 8)
+    specs = {"a0": full, "a1": full, "b0": sliding}
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[
+        KVCacheTensor(full.page_size_bytes * 8, ["a0", "b0"]), KVCacheTensor(full.page_size_bytes * 8, ["a1"])],
+        kv_cache_groups=[KVCacheGroupSpec(["a0", "a1"], full), KVCacheGroupSpec(["b0"], sliding)])
+    caches = allocate_kv_caches(config, specs)
+    assert caches["a0"].shape == (2, 8, BS, HKV, D)
+    assert caches["a0"].data_ptr() == caches["b0"].data_ptr()
+    assert caches["a1"].data_ptr() != caches["a0"].data_ptr()
+    caches["a0"][:, 3] = 1.0
+    caches["a1"][:, 3] = 2.0
+    copy_kv_blocks(caches, config, [KVCacheBlockCopy(group_id=0, src_block_id=3, dst_block_id=5, num_tokens=2)])
+    assert torch.all(caches["a0"][:, 5] == 1.0) and torch.all(caches["a1"][:, 5] == 2.0)
+    caches["b0"][:, 6] = 7.0  # block 6 belongs to group 1 only (the shared buffer shows it in a0 too)
+    copy_kv_blocks(caches, config, [KVCacheBlockCopy(group_id=1, src_block_id=6, dst_block_id=2, num_tokens=4)])
+    assert torch.all(caches["b0"][:, 2] == 7.0) and torch.all(caches["a1"][:, 2] == 0.0)
