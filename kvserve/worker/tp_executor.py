@@ -25,6 +25,7 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 from collections import deque
 from concurrent.futures import Future
 from multiprocessing.connection import wait as wait_for_ready
@@ -106,6 +107,7 @@ class TPExecutor(Executor):
         self._pending: deque[_PendingCall] = deque()
         self._pending_changed = threading.Condition(self._lock)
         self._rendezvous_dir = tempfile.mkdtemp(prefix="kvserve-tp-")
+        weakref.finalize(self, shutil.rmtree, self._rendezvous_dir, True)
         self._processes, self._conns = [], []
         context = torch_mp.get_context("spawn")
         for rank in range(self.world_size):

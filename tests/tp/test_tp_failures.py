@@ -8,21 +8,9 @@ import time
 
 import pytest
 
-from tp_helpers import greedy, make_engine, random_prompts, run_requests, save_tiny_model
+from tp_helpers import greedy, is_running, make_engine, random_prompts, run_requests, save_tiny_model
 from kvserve.config import ConfigError
 from kvserve.engine.core import EngineCoreRequest, EngineDeadError
-
-
-def _is_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie (exited, not yet reaped) counts as gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_killed_worker_makes_the_engine_fail_fast_and_shut_down(tmp_path):
@@ -53,7 +41,7 @@ def test_killed_worker_makes_the_engine_fail_fast_and_shut_down(tmp_path):
         core.shutdown()
         shutdown_s = time.monotonic() - shutdown_at
     assert shutdown_s < 5
-    assert not any(_is_running(pid) for pid in worker_pids), "surviving workers must be stopped"
+    assert not any(is_running(pid) for pid in worker_pids), "surviving workers must be stopped"
 
 
 def test_model_that_cannot_be_split_is_refused_before_starting_workers(tmp_path):

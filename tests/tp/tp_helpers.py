@@ -81,3 +81,95 @@ def run_requests(core: EngineCore, prompts: list[list[int]], params, first_id: i
         for output in core.step():
             tokens[output.request_id].extend(output.new_token_ids)
     raise AssertionError(f"requests unfinished after {max_steps} steps")
+
+
+def save_tiny_chat_model(path) -> str:
+    """A tiny random Llama (one KV head, so replicated at TP=2) that carries the default
+    model's tokenizer and chat template, for tests through the text front-ends."""
+    from kvserve.engine.config import default_model_path
+    from kvserve.engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+    torch.manual_seed(4321)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256, initializer_range=0.2,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(str(path), safe_serialization=True)
+    tokenizer.save_pretrained(str(path))
+    return str(path)
+
+
+class ServeProcess:
+    """`python -m kvserve.cli serve ...` on 127.0.0.1 and a free port, until `stop()`."""
+
+    def __init__(self, *flags: str, startup_timeout_s: float = 240.0) -> None:
+        import os
+        import socket
+        import subprocess
+        import sys
+        import tempfile
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-tp-serve-", suffix=".log", delete=False)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+             "--uvicorn-log-level", "warning", *flags],
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        self._wait_ready(startup_timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        import time
+
+        import httpx
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log_text()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"server not ready after {timeout_s:.0f} s:\n{self.log_text()}")
+
+    def log_text(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()[-5000:]
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM, as an operator would; the exit code."""
+        import signal
+        import subprocess
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                raise AssertionError(f"the server did not stop within {timeout_s:.0f} s:\n{self.log_text()}")
+        return self.process.returncode
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def is_running(pid: int) -> bool:
+    """Alive and not a zombie (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
