@@ -239,13 +239,18 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     hkv = k.shape[2]
     group = hq // hkv
     # [n, Hkv, group*Lq, D]: query heads of one KV head share its keys in one matmul.
-    qg = q.view(n, lq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, group * lq, d)
+    if lq == 1:
+        qg = q.view(n, hkv, group, d)
+    else:
+        qg = q.view(n, lq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, group * lq, d)
     scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(n, hkv, group, lq, -1).masked_fill(~mask[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(n, hkv, group * lq, -1)
     out = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [n, Hkv, group*Lq, D]
+    if lq == 1:
+        return out.view(n, 1, hq, d)
     return out.view(n, hkv, group, lq, d).permute(0, 3, 1, 2, 4).reshape(n, lq, hq, d)
 
 

@@ -7,7 +7,7 @@ import functools
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -145,24 +145,40 @@ def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def dequantize_tensor(tensor: Any) -> np.ndarray:
-    """A GGUF tensor as float32, shaped like the PyTorch weight (rows first)."""
+def dequantize_tensor(tensor: Any, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """A GGUF tensor as float32, shaped like the PyTorch weight (rows first).
+
+    `rows` = (first, count) dequantizes only those rows (a tensor-parallel shard):
+    quantized blocks never span rows, so the other rows are not even read.
+    """
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
     qtype = tensor.tensor_type
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    raw = tensor.data
+    if rows is not None:
+        first, count = rows
+        raw = raw[first:first + count]
+        shape = (count, *shape[1:])
     if qtype == GGMLQuantizationType.F32:
-        data = np.array(tensor.data, dtype=np.float32)
+        data = np.array(raw, dtype=np.float32)
     elif qtype == GGMLQuantizationType.F16:
-        data = np.asarray(tensor.data, dtype=np.float16).astype(np.float32)
+        data = np.asarray(raw, dtype=np.float16).astype(np.float32)
     else:
         # A plain ndarray view: the numpy.memmap subclass makes each block slice slow.
-        data = dequantize(np.asarray(tensor.data), qtype).astype(np.float32, copy=False)
-    shape = tuple(int(d) for d in reversed(tensor.shape))
+        data = dequantize(np.asarray(raw), qtype).astype(np.float32, copy=False)
     return data.reshape(shape)
 
 
-def iter_gguf_tensors(path: str, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (HF name, float32 array) for every model tensor of the file."""
+def iter_gguf_tensors(path: str, num_heads: int, num_kv_heads: int,
+                      select: Callable[[str], tuple[int, int, int] | None] | None = None,
+                      ) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (HF name, float32 array) for every model tensor of the file.
+
+    `select(hf_name)` may return (dim, first, count): then only that slice of
+    the tensor is yielded (a tensor-parallel rank's shard). Row slices are
+    cut before dequantizing; column slices after.
+    """
     reader = open_gguf(path)
     arch = _field_value(reader, "general.architecture")
     norm_minus_one = arch in ("gemma2", "gemma3")
@@ -174,11 +190,19 @@ def iter_gguf_tensors(path: str, num_heads: int, num_kv_heads: int) -> Iterator[
         if name is None:
             logger.debug("skipping GGUF tensor %s", tensor.name)
             continue
-        array = dequantize_tensor(tensor)
+        full_rows = int(tensor.shape[-1])
+        part = select(name) if select is not None else None
+        if part is not None and part[0] == 0:
+            array = dequantize_tensor(tensor, rows=(part[1], part[2]))
+        else:
+            array = dequantize_tensor(tensor)
+            if part is not None:
+                array = array[:, part[1]:part[1] + part[2]]
+        # A row shard holds whole heads, so the per-head un-permutation applies to it alone.
         if arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "q_proj.bias")):
-            array = _unpermute_rows(array, num_heads)
+            array = _unpermute_rows(array, num_heads * array.shape[0] // full_rows)
         elif arch in _PERMUTED_ARCHS and name.endswith(("k_proj.weight", "k_proj.bias")):
-            array = _unpermute_rows(array, num_kv_heads)
+            array = _unpermute_rows(array, num_kv_heads * array.shape[0] // full_rows)
         if norm_minus_one and "norm" in name:
             # llama.cpp stores Gemma norms as (1 + w); our RMSNorm adds the 1 itself.
             array = array - 1.0

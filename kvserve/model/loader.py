@@ -11,13 +11,14 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
 
 from kvserve.model.config import ModelConfig, ModelFilesNotFoundError
 from kvserve.model.decoder import DecoderModel
+from kvserve.model.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -29,13 +30,15 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", tp
                tp_group=None) -> DecoderModel:
     """Build the model for `model_config`, load its weights (this rank's shard), cast to its dtype."""
     model = DecoderModel(model_config, tp_rank, tp_size, tp_group)
+    # With tensor parallelism each rank reads only its slice of the sharded tensors.
+    select = shard_selector(model) if tp_size > 1 else None
     if model_config.is_gguf:
         from kvserve.model.gguf_loader import iter_gguf_tensors
         tensors = ((name, torch.from_numpy(np.ascontiguousarray(array)))
                    for name, array in iter_gguf_tensors(model_config.path, model_config.num_heads,
-                                                        model_config.num_kv_heads))
+                                                        model_config.num_kv_heads, select=select))
     else:
-        tensors = iter_safetensors(model_config.path)
+        tensors = iter_safetensors(model_config.path, select)
     load_weights(model, tensors)
     rotaries = [r for r in (model.rotary_global, model.rotary_local) if r is not None]
     inv_freqs = [r.inv_freq for r in rotaries]
@@ -61,12 +64,47 @@ def safetensors_files(path: str) -> list[str]:
     return files
 
 
-def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: str, select: Callable[[str], TensorSlice | None] | None = None,
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every checkpoint tensor; `select(name)` -> (dim, first, count)
+    reads only that slice (a tensor-parallel rank's shard)."""
     from safetensors import safe_open
     for file in safetensors_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                part = select(name) if select is not None else None
+                if part is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                dim, first, count = part
+                lazy = f.get_slice(name)
+                yield name, lazy[first:first + count] if dim == 0 else lazy[:, first:first + count]
+
+
+# (dim, first index, count): the part of a checkpoint tensor one tensor-parallel rank keeps.
+TensorSlice = tuple[int, int, int]
+
+
+def shard_selector(model: DecoderModel) -> Callable[[str], TensorSlice | None]:
+    """For a checkpoint tensor name, the slice of it that `model` (one rank) keeps, or
+    None when it keeps the whole tensor (norms, replicated biases) or ignores it."""
+    modules = dict(model.named_modules())
+
+    def select(name: str) -> TensorSlice | None:
+        target = _route(name)
+        if target is None:
+            return None
+        module_name, param_kind, shard = target
+        module = modules.get(module_name)
+        if isinstance(module, ColumnParallelLinear):
+            return (0, *module.shard_rows(shard))
+        if isinstance(module, RowParallelLinear) and param_kind == "weight":
+            return (1, *module.shard_columns())
+        if isinstance(module, VocabParallelEmbedding):
+            return (0, *module.shard_rows())
+        return None
+
+    return select
 
 
 def load_weights(model: DecoderModel, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
