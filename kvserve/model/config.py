@@ -25,6 +25,13 @@ ARCHITECTURE_FAMILIES = {
     "Gemma3ForCausalLM": "gemma3",
 }
 
+# config.json files without "architectures" (e.g. a bare config) still name a model_type.
+_ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                               "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+
+_MULTIMODAL_TEXT_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 
 
@@ -186,7 +193,13 @@ class ModelConfig:
     def from_hf_dict(cls, hf: dict[str, Any], *, path: str = "", is_gguf: bool = False, dtype: str = "float32",
                      max_model_len: int | None = None, **overrides: Any) -> "ModelConfig":
         """Build from a config.json dictionary (transformers 4.x or 5.x layout)."""
-        architecture = (hf.get("architectures") or [""])[0]
+        architecture = (hf.get("architectures") or [_ARCHITECTURE_BY_MODEL_TYPE.get(hf.get("model_type"), "")])[0]
+        if architecture in _MULTIMODAL_TEXT_ARCHITECTURES and "text_config" in hf:
+            # Serve the language model of a multimodal checkpoint; the loader skips the vision tower.
+            text = {**hf["text_config"], "architectures": [_MULTIMODAL_TEXT_ARCHITECTURES[architecture]]}
+            for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+                text.setdefault(key, hf.get(key))
+            hf, architecture = text, text["architectures"][0]
         family = ARCHITECTURE_FAMILIES.get(architecture)
         if family is None:
             supported = ", ".join(sorted(ARCHITECTURE_FAMILIES))

@@ -107,3 +107,13 @@ def test_rope_frequencies_match_transformers(rope_parameters):
     ours, factor = rope_inv_freq(config.head_dim, config.rope, config.max_position_embeddings)
     assert torch.allclose(ours, expected.float(), rtol=1e-6, atol=0)
     assert factor == pytest.approx(expected_factor)
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path):
+    text = tiny_hf_config("gemma3").to_dict()
+    hf = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+          "text_config": text, "vision_config": {"hidden_size": 32}, "eos_token_id": [1, 106]}
+    config = ModelConfig.from_hf_dict(hf)
+    assert config.family == "gemma3" and config.architecture == "Gemma3ForCausalLM"
+    assert config.layer_types == ["sliding", "sliding", "full", "sliding"]
+    assert config.eos_token_ids == [2]  # the text config's own eos wins when it has one
