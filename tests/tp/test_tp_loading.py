@@ -1,0 +1,101 @@
+"""Sharded loading: each rank reads only its slice of the checkpoint (safetensors
+`get_slice`, GGUF rows before dequantizing) and ends up with exactly the weights
+it would keep after reading the whole checkpoint. No process group is needed to
+build and load one rank's model, so tp_size 4 (KV heads replicated) runs here too.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tp_helpers import save_tiny_model
+from kvserve.model.config import ModelConfig
+from kvserve.model.decoder import DecoderModel
+from kvserve.model.loader import iter_safetensors, load_model, load_weights, shard_selector
+
+gguf = pytest.importorskip("gguf")
+
+
+def _write_gguf(hf_dir: str, path: str) -> str:
+    """The tiny Llama as llama.cpp lays it out: Q/K rows permuted per head, matrices Q8_0."""
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    cfg = model.config
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(cfg.vocab_size)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    for name, tensor in model.state_dict().items():
+        array = tensor.numpy()
+        heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}.get(name.split(".")[-2])
+        if heads:
+            array = (array.reshape(heads, 2, array.shape[0] // heads // 2, -1).swapaxes(1, 2)
+                     .reshape(array.shape))
+        parts = name.split(".")
+        gguf_name = top.get(name) or f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.{parts[-1]}"
+        if array.ndim == 1:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+        else:
+            quantized = gguf.quants.quantize(np.ascontiguousarray(array), gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(gguf_name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp_loading")
+    hf_dir = save_tiny_model("llama_gqa", root / "hf")
+    return {"safetensors": hf_dir, "gguf": _write_gguf(hf_dir, str(root / "tiny.gguf"))}
+
+
+def _full_read_shard(config: ModelConfig, rank: int, tp_size: int) -> DecoderModel:
+    """The rank's model from whole checkpoint tensors, sliced by the layers themselves."""
+    model = DecoderModel(config, rank, tp_size)
+    if config.is_gguf:
+        from kvserve.model.gguf_loader import iter_gguf_tensors
+        tensors = ((name, torch.from_numpy(np.ascontiguousarray(array)))
+                   for name, array in iter_gguf_tensors(config.path, config.num_heads, config.num_kv_heads))
+    else:
+        tensors = iter_safetensors(config.path)
+    load_weights(model, tensors)
+    return model
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+@pytest.mark.parametrize("source", ["safetensors", "gguf"])
+def test_each_rank_reads_only_its_shard(checkpoints, source, tp_size):
+    config = ModelConfig.from_path(checkpoints[source])
+    for rank in range(tp_size):
+        sharded = load_model(config, tp_rank=rank, tp_size=tp_size).state_dict()
+        expected = _full_read_shard(config, rank, tp_size).state_dict()
+        assert sharded.keys() == expected.keys()
+        for name, tensor in expected.items():
+            torch.testing.assert_close(sharded[name], tensor, rtol=0, atol=0, msg=name)
+    # KV heads: 2 over 4 ranks means one head per rank, each head on two ranks.
+    model = DecoderModel(config, 0, tp_size)
+    assert model.layers[0].self_attn.num_kv_heads == max(1, config.num_kv_heads // tp_size)
+
+
+def test_sharded_safetensors_reads_a_fraction_of_the_bytes(checkpoints):
+    config = ModelConfig.from_path(checkpoints["safetensors"])
+    whole = sum(t.numel() for _, t in iter_safetensors(config.path))
+    select = shard_selector(DecoderModel(config, 1, 2))
+    shard = sum(t.numel() for _, t in iter_safetensors(config.path, select))
+    # Everything but the norms is split in two.
+    assert shard < 0.51 * whole
