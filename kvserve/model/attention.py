@@ -40,6 +40,9 @@ class AttentionSubBatch:
     mask: torch.Tensor  # [n, max_q, max_keys (+ max_q with new_keys)] bool, True = may attend
     out_index: torch.Tensor  # flat token index of each valid row, in row order
     new_keys: bool  # append this step's fresh K/V after the cached keys (circular groups)
+    # The padded rows are exactly the batch's tokens in order (no pads, one sub-batch):
+    # queries and outputs then need no gather/scatter.
+    is_whole_batch: bool = False
 
 
 @dataclass
@@ -136,6 +139,10 @@ def _build_plan(md: AttentionMetadata, block_size: int, window: int | None) -> A
         if len(rows):
             sub_batches.append(_build_sub_batch(md, rows, query_lens[rows], context_lens[rows],
                                                 block_size, window, ring_blocks))
+    num_tokens = int(md.query_start_loc[-1])
+    if len(sub_batches) == 1 and sub_batches[0].token_index.numel() == num_tokens \
+            and bool(sub_batches[0].valid_rows.all()):
+        sub_batches[0].is_whole_batch = True
     req_index, positions = token_positions(md.query_start_loc, md.seq_lens)
     if ring_blocks is not None:
         slots = _slots(md.block_table, req_index, positions, block_size, ring_blocks)
@@ -202,19 +209,30 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     kv_rows = kv_cache.view(2, -1, num_kv_heads, head_dim)
     if plan.write_before_read:
         _store(kv_rows, k, v, plan)
-    out = q.new_empty(q.shape)
+    out = None
     for sub in plan.sub_batches:
         n, num_keys = sub.key_slots.shape
         # One gather for K and V of every request of the sub-batch.
         keys, values = kv_rows.index_select(1, sub.key_slots.flatten()).view(2, n, num_keys, num_kv_heads, head_dim)
         if sub.new_keys:
-            keys = torch.cat([keys, k[sub.token_index]], dim=1)
-            values = torch.cat([values, v[sub.token_index]], dim=1)
-        attended = _attend(q[sub.token_index], keys, values, sub.mask, scale, softcap)
-        out[sub.out_index] = attended.flatten(0, 1)[sub.valid_rows]
+            keys = torch.cat([keys, _rows(k, sub)], dim=1)
+            values = torch.cat([values, _rows(v, sub)], dim=1)
+        attended = _attend(_rows(q, sub), keys, values, sub.mask, scale, softcap)
+        if sub.is_whole_batch:
+            out = attended.reshape(q.shape)
+        else:
+            out = q.new_empty(q.shape) if out is None else out
+            out[sub.out_index] = attended.flatten(0, 1)[sub.valid_rows]
     if not plan.write_before_read:
         _store(kv_rows, k, v, plan)
     return out
+
+
+def _rows(x: torch.Tensor, sub: AttentionSubBatch) -> torch.Tensor:
+    """This step's per-token tensor [T, H, D] as the sub-batch's padded [n, max_q, H, D]."""
+    if sub.is_whole_batch:
+        return x.view(sub.token_index.shape + x.shape[1:])
+    return x[sub.token_index]
 
 
 def _store(kv_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> None:

@@ -49,7 +49,7 @@ class SelfAttention(nn.Module):
         q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
         plan = metadata.plan(kv_cache.shape[2], self.sliding_window)
         out = paged_attention(q, k, v, kv_cache, plan, self.scale, self.softcap)
-        return self.o_proj(out.view(num_tokens, -1))
+        return self.o_proj(out.reshape(num_tokens, -1))
 
 
 class GatedMLP(nn.Module):
