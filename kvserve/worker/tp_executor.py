@@ -51,7 +51,8 @@ IDLE_HEALTH_CHECK_S = 0.5
 
 
 class WorkerStepError(RuntimeError):
-    """A call failed on the workers (every rank alike); the message is the driver's traceback."""
+    """A call failed on the workers (every rank alike); the message names the error, the log
+    has its traceback."""
 
 
 def threads_per_rank(world_size: int) -> int:
@@ -250,7 +251,8 @@ class TPExecutor(Executor):
             call.future.set_result(values[DRIVER_RANK] if call.method == "execute_model" else values)
             return
         first_rank = min(errors)
-        message = f"{call.method} failed on tensor-parallel rank {first_rank}:\n{errors[first_rank]}"
+        message = f"{call.method} failed on tensor-parallel rank {first_rank}: {errors[first_rank]}"
+        logger.error("%s\n%s", message, call.replies[first_rank].error_traceback)
         if call.method in ("startup", "execute_model") and len(errors) < self.world_size:
             # Some ranks went on without the others: their collectives no longer line up.
             with self._lock:
@@ -272,7 +274,7 @@ class TPExecutor(Executor):
                 replies = self._pending[0].replies.values() if self._pending else ()
                 errors = [reply for reply in replies if reply.error is not None]
                 if errors:
-                    reason += f"; rank {errors[0].rank} reported:\n{errors[0].error}"
+                    reason += f"; rank {errors[0].rank} reported {errors[0].error}"
                 self._mark_dead(reason)
                 return
 

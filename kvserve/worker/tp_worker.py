@@ -40,11 +40,16 @@ class WorkerCall:
 
 @dataclass
 class WorkerReply:
-    """The answer to one `WorkerCall`: a value, or the formatted error of this rank."""
+    """The answer to one `WorkerCall`: a value, or this rank's error (one line, and its traceback)."""
 
     rank: int
     value: Any = None
     error: str | None = None
+    error_traceback: str | None = None
+
+    @classmethod
+    def from_exception(cls, rank: int, exc: BaseException) -> "WorkerReply":
+        return cls(rank, error=f"{type(exc).__name__}: {exc}", error_traceback=traceback.format_exc(limit=12))
 
 
 @dataclass(frozen=True)
@@ -162,8 +167,8 @@ def worker_main(engine_config, init: WorkerInit, conn) -> None:
     try:
         _init_process(init)
         worker = TPWorker(engine_config, init)
-    except BaseException:
-        conn.send(WorkerReply(init.rank, error=traceback.format_exc()))
+    except BaseException as exc:
+        conn.send(WorkerReply.from_exception(init.rank, exc))
         return
     conn.send(WorkerReply(init.rank, value="ready"))
     try:
@@ -183,9 +188,8 @@ def _serve(worker: TPWorker, conn) -> None:
             return
         try:
             reply = WorkerReply(worker.rank, value=getattr(worker, call.method)(*call.args))
-        except Exception:
-            logger.exception("%s failed on rank %d", call.method, worker.rank)
-            reply = WorkerReply(worker.rank, error=traceback.format_exc(limit=8))
+        except Exception as exc:
+            reply = WorkerReply.from_exception(worker.rank, exc)
         try:
             conn.send(reply)
         except (BrokenPipeError, OSError):

@@ -53,3 +53,19 @@ def test_model_that_cannot_be_split_is_refused_before_starting_workers(tmp_path)
     transformers.LlamaForCausalLM(config).save_pretrained(str(path))
     with pytest.raises(ConfigError, match="tensor_parallel_size 2 does not divide the model's 3 attention heads"):
         make_engine(str(path), 2)
+
+
+def test_worker_start_failure_is_reported_in_one_line(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = save_tiny_model("llama_gqa", tmp_path / "broken")
+    weights_file = tmp_path / "broken" / "model.safetensors"
+    tensors = load_file(str(weights_file))
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, str(weights_file), metadata={"format": "pt"})
+    started_at = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^startup failed on tensor-parallel rank 0: ValueError: "
+                                           r"checkpoint is missing 1 tensors") as failure:
+        make_engine(path, 2)
+    assert "\n" not in str(failure.value)
+    assert time.monotonic() - started_at < 60
