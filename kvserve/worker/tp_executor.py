@@ -82,6 +82,21 @@ def check_model_splits(model_config, tp_size: int) -> None:
                           "it must divide the attention heads and the MLP width, and divide or be a multiple of the KV heads")
 
 
+def check_devices(device: str, tp_size: int) -> None:
+    """Raise ConfigError when a CUDA run has fewer visible GPUs than ranks need."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    from kvserve.config import ConfigError
+
+    last_needed = rank_device(device, tp_size - 1)
+    available = torch.cuda.device_count()
+    if int(last_needed.split(":")[1]) >= available:
+        raise ConfigError(f"tensor_parallel_size {tp_size} on {device} needs GPUs up to {last_needed}, "
+                          f"but {available} are visible (one GPU per rank)")
+
+
 class _PendingCall:
     """A call sent to every rank, waiting for their replies."""
 
@@ -100,6 +115,7 @@ class TPExecutor(Executor):
 
         self.world_size = engine_config.parallel_config.tensor_parallel_size
         check_model_splits(engine_config.model_config, self.world_size)
+        check_devices(engine_config.device, self.world_size)
         self.backend = distributed_backend(engine_config.device,
                                            engine_config.parallel_config.distributed_backend)
         self._dead_reason: str | None = None
@@ -110,12 +126,12 @@ class TPExecutor(Executor):
         self._rendezvous_dir = tempfile.mkdtemp(prefix="kvserve-tp-")
         weakref.finalize(self, shutil.rmtree, self._rendezvous_dir, True)
         self._processes, self._conns = [], []
-        context = torch_mp.get_context("spawn")
-        for rank in range(self.world_size):
-            self._start_worker(context, rank)
         self._receiver = threading.Thread(target=self._receive_loop, name="kvserve-tp-receiver", daemon=True)
-        self._receiver.start()
         try:
+            context = torch_mp.get_context("spawn")
+            for rank in range(self.world_size):
+                self._start_worker(context, rank)
+            self._receiver.start()
             self._call_all("startup", send=False)
         except BaseException:
             self.shutdown()
@@ -182,7 +198,8 @@ class TPExecutor(Executor):
             except (BrokenPipeError, OSError):
                 pass
         self._stop_workers()
-        self._receiver.join(timeout=5.0)
+        if self._receiver.is_alive():
+            self._receiver.join(timeout=5.0)
         self._fail_pending(ExecutorDeadError("the executor has been shut down"))
         for conn in self._conns:
             conn.close()

@@ -69,3 +69,13 @@ def test_worker_start_failure_is_reported_in_one_line(tmp_path):
         make_engine(path, 2)
     assert "\n" not in str(failure.value)
     assert time.monotonic() - started_at < 60
+
+
+def test_cuda_run_with_fewer_gpus_than_ranks_is_refused(tmp_path):
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has enough GPUs for 2 ranks")
+    path = save_tiny_model("llama_gqa", tmp_path / "llama")
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size 2 on cuda needs GPUs up to cuda:1"):
+        make_engine(path, 2, device="cuda")
