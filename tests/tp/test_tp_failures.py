@@ -71,11 +71,13 @@ def test_worker_start_failure_is_reported_in_one_line(tmp_path):
     assert time.monotonic() - started_at < 60
 
 
-def test_cuda_run_with_fewer_gpus_than_ranks_is_refused(tmp_path):
+def test_cuda_run_with_fewer_gpus_than_ranks_is_refused(monkeypatch):
     import torch
 
-    if torch.cuda.device_count() >= 2:
-        pytest.skip("this machine has enough GPUs for 2 ranks")
-    path = save_tiny_model("llama_gqa", tmp_path / "llama")
-    with pytest.raises(ConfigError, match=r"tensor_parallel_size 2 on cuda needs GPUs up to cuda:1"):
-        make_engine(path, 2, device="cuda")
+    from kvserve.worker.tp_executor import check_devices
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_devices("cuda", 2)
+    check_devices("cpu", 8)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size 2 on cuda:1 needs GPUs up to cuda:2, but 2 "):
+        check_devices("cuda:1", 2)
