@@ -1,10 +1,12 @@
 """Attention over a paged KV cache: the per-step metadata, the KV tensors and
 the portable torch backend (CPU, and CUDA as a fallback).
 
-KV layout, per layer: one tensor `[2, num_blocks, block_size, num_kv_heads,
+KV layout, per layer: one tensor `[2, num_kv_heads, num_blocks, block_size,
 head_size]` (K at index 0, V at 1). Token slot s of block b is row
-`b * block_size + s` of the flattened `[num_blocks * block_size, heads, dim]`
-view. Layers of different KV-cache groups may share one backing buffer
+`b * block_size + s` of the per-head `[num_blocks * block_size, head_size]`
+view. Heads outermost lets a gather of rows come out as `[heads, requests,
+keys, dim]`, which the attention matmuls consume without a transposing copy.
+Layers of different KV-cache groups may share one backing buffer
 (`KVCacheTensor.shared_by`): they use disjoint block ids from one pool.
 
 Per step and per KV-cache group, `AttentionMetadata.plan()` turns the batch
@@ -36,8 +38,8 @@ class AttentionSubBatch:
 
     token_index: torch.Tensor  # [n, max_q] flat token index per (request, query row); pads clamp to a valid one
     valid_rows: torch.Tensor  # [n * max_q] bool, rows that are real tokens
-    key_slots: torch.Tensor  # [n, max_keys] cache rows of the keys read from the cache (pads -> slot 0)
-    mask: torch.Tensor  # [n, max_q, max_keys (+ max_q with new_keys)] bool, True = may attend
+    key_blocks: torch.Tensor  # [n, max_blocks] cache blocks holding the keys read from the cache (pads -> 0)
+    mask: torch.Tensor  # [n, max_q, max_blocks * block_size (+ max_q with new_keys)] bool, True = may attend
     out_index: torch.Tensor  # flat token index of each valid row, in row order
     new_keys: bool  # append this step's fresh K/V after the cached keys (circular groups)
     # The padded rows are exactly the batch's tokens in order (no pads, one sub-batch):
@@ -167,20 +169,25 @@ def _build_sub_batch(md: AttentionMetadata, rows: torch.Tensor, query_lens: torc
     token_index = starts[:, None] + torch.where(q_valid, q_offsets[None, :], 0)
     q_pos = context_lens[:, None] + q_offsets[None, :]  # [n, max_q]
 
-    # Keys read from the cache: [first_key, end). A window needs only the last
-    # (window - 1) positions before the step's first token. Ring groups read
-    # only the positions before this step (the new ones come from k/v directly).
+    # Keys read from the cache: [first_key, end), fetched as whole blocks (big
+    # contiguous rows gather fast). A window needs only the last (window - 1)
+    # positions before the step's first token. Ring groups read only the
+    # positions before this step (the new ones come from k/v directly).
     new_keys = ring_blocks is not None
     end = context_lens if new_keys else context_lens + query_lens
     first_key = (context_lens - (window - 1)).clamp(min=0) if window else torch.zeros_like(context_lens)
-    num_keys = end - first_key
-    max_keys = int(num_keys.max()) if len(num_keys) else 0
-    k_offsets = torch.arange(max_keys, device=device)
-    k_valid = k_offsets[None, :] < num_keys[:, None]
-    k_pos = first_key[:, None] + k_offsets[None, :]  # [n, max_keys]
-    req = rows[:, None].expand_as(k_pos)
-    key_slots = _slots(md.block_table, req, torch.where(k_valid, k_pos, 0), block_size, ring_blocks)
-    key_slots = torch.where(k_valid, key_slots, 0)
+    first_block = first_key // block_size
+    num_blocks = (end + block_size - 1) // block_size - first_block
+    max_blocks = int(num_blocks.max()) if len(num_blocks) else 0
+    b_offsets = torch.arange(max_blocks, device=device)
+    block_valid = b_offsets[None, :] < num_blocks[:, None]
+    logical_block = torch.where(block_valid, first_block[:, None] + b_offsets[None, :], 0)
+    if new_keys:
+        logical_block = logical_block % ring_blocks
+    key_blocks = torch.where(block_valid, md.block_table[rows[:, None], logical_block], 0)
+    k_offsets = torch.arange(max_blocks * block_size, device=device)
+    k_pos = (first_block * block_size)[:, None] + k_offsets[None, :]  # [n, max_keys]
+    k_valid = (k_pos >= first_key[:, None]) & (k_pos < end[:, None])
 
     mask = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
     if window:
@@ -194,9 +201,10 @@ def _build_sub_batch(md: AttentionMetadata, rows: torch.Tensor, query_lens: torc
         new_mask = new_mask | (pad_rows & (q_offsets[None, None, :] == 0))
         mask = torch.cat([mask, new_mask.expand(len(rows), -1, -1)], dim=2)
     else:
-        mask = mask | (pad_rows & (k_offsets[None, None, :] == 0))
+        # Pad query rows attend to one real key so no row is all-masked (no NaNs).
+        mask = mask | (pad_rows & (k_pos == first_key[:, None])[:, None, :])
     valid_rows = q_valid.flatten()
-    return AttentionSubBatch(token_index=token_index, valid_rows=valid_rows, key_slots=key_slots, mask=mask,
+    return AttentionSubBatch(token_index=token_index, valid_rows=valid_rows, key_blocks=key_blocks, mask=mask,
                              out_index=token_index.flatten()[valid_rows], new_keys=new_keys)
 
 
@@ -205,18 +213,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     """q: [T, Hq, D], k/v: [T, Hkv, D] of this step's tokens (already rotated).
 
     Returns [T, Hq, D]; stores this step's K/V in the cache (see the module docstring for the order)."""
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    kv_rows = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    num_kv_heads, block_size, head_dim = kv_cache.shape[1], kv_cache.shape[3], kv_cache.shape[4]
+    kv_rows = kv_cache.view(2, num_kv_heads, -1, head_dim)
     if plan.write_before_read:
         _store(kv_rows, k, v, plan)
     out = None
     for sub in plan.sub_batches:
-        n, num_keys = sub.key_slots.shape
-        # One gather for K and V of every request of the sub-batch.
-        keys, values = kv_rows.index_select(1, sub.key_slots.flatten()).view(2, n, num_keys, num_kv_heads, head_dim)
+        n, num_blocks = sub.key_blocks.shape
+        # One gather for K and V of every request of the sub-batch: [2, Hkv, n, keys, D].
+        keys, values = kv_cache.index_select(2, sub.key_blocks.flatten()).view(
+            2, num_kv_heads, n, num_blocks * block_size, head_dim)
         if sub.new_keys:
-            keys = torch.cat([keys, _rows(k, sub)], dim=1)
-            values = torch.cat([values, _rows(v, sub)], dim=1)
+            keys = torch.cat([keys, _rows(k, sub).permute(2, 0, 1, 3)], dim=2)
+            values = torch.cat([values, _rows(v, sub).permute(2, 0, 1, 3)], dim=2)
         attended = _attend(_rows(q, sub), keys, values, sub.mask, scale, softcap)
         if sub.is_whole_batch:
             out = attended.reshape(q.shape)
@@ -238,8 +247,8 @@ def _rows(x: torch.Tensor, sub: AttentionSubBatch) -> torch.Tensor:
 def _store(kv_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> None:
     if plan.write_token_index is not None:
         k, v = k[plan.write_token_index], v[plan.write_token_index]
-    kv_rows[0].index_copy_(0, plan.write_slots, k.to(kv_rows.dtype))
-    kv_rows[1].index_copy_(0, plan.write_slots, v.to(kv_rows.dtype))
+    kv_rows[0].index_copy_(1, plan.write_slots, k.transpose(0, 1).to(kv_rows.dtype))
+    kv_rows[1].index_copy_(1, plan.write_slots, v.transpose(0, 1).to(kv_rows.dtype))
 
 
 # torch's CPU SDPA kernel is slow for short queries (decode); the explicit path wins there.
@@ -248,34 +257,32 @@ _SDPA_MIN_QUERY_LEN = 32
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
             softcap: float | None) -> torch.Tensor:
-    """q: [n, Lq, Hq, D]; k/v: [n, Lk, Hkv, D]; mask: [n, Lq, Lk]. GQA without repeating K/V."""
-    if not softcap and q.shape[1] >= _SDPA_MIN_QUERY_LEN:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+    """q: [n, Lq, Hq, D]; k/v: [Hkv, n, Lk, D]; mask: [n, Lq, Lk] -> [n, Lq, Hq, D].
+
+    GQA without repeating K/V: the query heads of one KV head form the rows of one matmul."""
+    n, lq, hq, d = q.shape
+    hkv = k.shape[0]
+    group = hq // hkv
+    if not softcap and lq >= _SDPA_MIN_QUERY_LEN:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(0, 1), v.transpose(0, 1),
                                              attn_mask=mask[:, None], scale=scale, enable_gqa=True)
         return out.transpose(1, 2)
-    n, lq, hq, d = q.shape
-    hkv = k.shape[2]
-    group = hq // hkv
-    # [n, Hkv, group*Lq, D]: query heads of one KV head share its keys in one matmul.
-    if lq == 1:
-        qg = q.view(n, hkv, group, d)
-    else:
-        qg = q.view(n, lq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, group * lq, d)
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale
+    # [Hkv, n, group*Lq, D]
+    qg = q.view(n, lq, hkv, group, d).permute(2, 0, 3, 1, 4).reshape(hkv, n, group * lq, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.view(n, hkv, group, lq, -1).masked_fill(~mask[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(n, hkv, group * lq, -1)
-    out = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [n, Hkv, group*Lq, D]
-    if lq == 1:
-        return out.view(n, 1, hq, d)
-    return out.view(n, hkv, group, lq, d).permute(0, 3, 1, 2, 4).reshape(n, lq, hq, d)
+    scores = scores.view(hkv, n, group, lq, -1).masked_fill(~mask[None, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(hkv, n, group * lq, -1)
+    out = torch.matmul(probs, v)  # [Hkv, n, group*Lq, D]
+    return out.view(hkv, n, group, lq, d).permute(1, 3, 0, 2, 4).reshape(n, lq, hq, d)
 
 
 # -- KV tensors ---------------------------------------------------------------------------
 
 def kv_cache_shape(spec: AttentionSpec, num_blocks: int) -> tuple[int, ...]:
-    return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+    """[K/V, kv heads, blocks, slots per block, head size] (see the module docstring)."""
+    return (2, spec.num_kv_heads, num_blocks, spec.block_size, spec.head_size)
 
 
 def _torch_dtype(dtype) -> torch.dtype:
@@ -322,7 +329,7 @@ def copy_kv_blocks(kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheC
         src = torch.tensor([c.src_block_id for c in group_copies], device=device)
         dst = torch.tensor([c.dst_block_id for c in group_copies], device=device)
         for name in layer_names:
-            kv_caches[name][:, dst] = kv_caches[name][:, src]
+            kv_caches[name][:, :, dst] = kv_caches[name][:, :, src]
 
 
 def is_windowed(spec: KVCacheSpec) -> bool:

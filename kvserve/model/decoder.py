@@ -47,7 +47,7 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
-        plan = metadata.plan(kv_cache.shape[2], self.sliding_window)
+        plan = metadata.plan(kv_cache.shape[-2], self.sliding_window)
         out = paged_attention(q, k, v, kv_cache, plan, self.scale, self.softcap)
         return self.o_proj(out.reshape(num_tokens, -1))
 

@@ -144,7 +144,7 @@ class PagedRunner:
                 block, table[i] = table[i], 0
                 if block != 0 and not self._still_used(block):
                     for name in group.layer_names:
-                        self.kv_caches[name][:, block] = 1e4  # garbage: must never be read
+                        self.kv_caches[name][:, :, block] = 1e4  # garbage: must never be read
 
     def _still_used(self, block: int) -> bool:
         return any(block in table for req in self.requests.values() for table in req.block_ids)

@@ -8,7 +8,8 @@ import torch
 from kvserve.kv_cache.interface import (CircularBufferSpec, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
                                         KVCacheTensor, SlidingWindowSpec)
 from kvserve.kv_cache.utils import KVCacheBlockCopy
-from kvserve.model.attention import AttentionMetadata, allocate_kv_caches, copy_kv_blocks, paged_attention
+from kvserve.model.attention import (AttentionMetadata, allocate_kv_caches, copy_kv_blocks, kv_cache_shape,
+                                     paged_attention)
 
 HQ, HKV, D, BS = 4, 2, 8, 4
 
@@ -52,7 +53,7 @@ def test_paged_attention_matches_dense(kind, softcap):
     ks = [torch.randn(n, HKV, D, generator=generator) for n in lengths]
     vs = [torch.randn(n, HKV, D, generator=generator) for n in lengths]
     num_blocks = 64
-    cache = torch.zeros(2, num_blocks, BS, HKV, D)
+    cache = torch.zeros(kv_cache_shape(spec, num_blocks))
     free = torch.randperm(num_blocks - 1, generator=generator).add(1).tolist()  # scattered block ids
     tables = [[free.pop() for _ in range(-(-n // BS))] for n in lengths]
     if kind == "circular":
@@ -85,13 +86,13 @@ def test_allocate_shares_buffers_and_copies_only_the_groups_layers():
         KVCacheTensor(full.page_size_bytes * 8, ["a0", "b0"]), KVCacheTensor(full.page_size_bytes * 8, ["a1"])],
         kv_cache_groups=[KVCacheGroupSpec(["a0", "a1"], full), KVCacheGroupSpec(["b0"], sliding)])
     caches = allocate_kv_caches(config, specs)
-    assert caches["a0"].shape == (2, 8, BS, HKV, D)
+    assert caches["a0"].shape == kv_cache_shape(full, 8) == (2, HKV, 8, BS, D)
     assert caches["a0"].data_ptr() == caches["b0"].data_ptr()
     assert caches["a1"].data_ptr() != caches["a0"].data_ptr()
-    caches["a0"][:, 3] = 1.0
-    caches["a1"][:, 3] = 2.0
+    caches["a0"][:, :, 3] = 1.0
+    caches["a1"][:, :, 3] = 2.0
     copy_kv_blocks(caches, config, [KVCacheBlockCopy(group_id=0, src_block_id=3, dst_block_id=5, num_tokens=2)])
-    assert torch.all(caches["a0"][:, 5] == 1.0) and torch.all(caches["a1"][:, 5] == 2.0)
-    caches["b0"][:, 6] = 7.0  # block 6 belongs to group 1 only (the shared buffer shows it in a0 too)
+    assert torch.all(caches["a0"][:, :, 5] == 1.0) and torch.all(caches["a1"][:, :, 5] == 2.0)
+    caches["b0"][:, :, 6] = 7.0  # block 6 belongs to group 1 only (the shared buffer shows it in a0 too)
     copy_kv_blocks(caches, config, [KVCacheBlockCopy(group_id=1, src_block_id=6, dst_block_id=2, num_tokens=4)])
-    assert torch.all(caches["b0"][:, 2] == 7.0) and torch.all(caches["a1"][:, 2] == 0.0)
+    assert torch.all(caches["b0"][:, :, 2] == 7.0) and torch.all(caches["a1"][:, :, 2] == 0.0)
