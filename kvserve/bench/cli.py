@@ -39,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
     environment = environment_info()
     result = _RUNNERS[name](args)
     environment["load_average_1m_end"] = _load_average()
+    # torch is imported by the benchmark itself; its version and threads are known only now.
+    environment.update({k: v for k, v in environment_info().items() if k.startswith(("torch", "cuda"))})
     payload = {"benchmark": name, "environment": environment, "result": result}
     formatter, plotter = _FORMATTERS[name]
     print(formatter(result))
