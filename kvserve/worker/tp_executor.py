@@ -29,6 +29,7 @@ import weakref
 from collections import deque
 from concurrent.futures import Future
 from multiprocessing.connection import wait as wait_for_ready
+from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
 from kvserve.kv_cache.interface import KVCacheConfig, KVCacheSpec
@@ -219,10 +220,11 @@ class TPExecutor(Executor):
             self._pending_changed.notify_all()
             # Sent under the lock so that every rank sees the calls in one order.
             if send:
-                message = WorkerCall(method, args)
+                # Pickled once for all ranks (Connection.recv unpickles what send_bytes sent).
+                message = ForkingPickler.dumps(WorkerCall(method, args))
                 for rank, conn in enumerate(self._conns):
                     try:
-                        conn.send(message)
+                        conn.send_bytes(message)
                     except (BrokenPipeError, OSError) as exc:
                         self._mark_dead(f"tensor-parallel worker rank {rank} is unreachable: {exc}")
                         break
