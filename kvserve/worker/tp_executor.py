@@ -258,6 +258,8 @@ class TPExecutor(Executor):
         try:
             call.replies[rank] = conn.recv()
         except (EOFError, OSError):
+            # The pipe closes a moment before the process can be reaped: wait for its exit code.
+            self._processes[rank].join(timeout=2.0)
             with self._lock:
                 self._check_processes()
                 if self._dead_reason is None:
