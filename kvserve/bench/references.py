@@ -59,7 +59,9 @@ class TransformersRunner:
     def __init__(self, model_path: str, dtype: str = "float32", batch_size: int | None = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()  # the GGUF dequantization bars would flood the bench's table
         started = time.perf_counter()
         directory, gguf_file = split_gguf_path(model_path)
         kwargs = {"gguf_file": gguf_file} if gguf_file else {}
