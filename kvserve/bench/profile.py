@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import cProfile
 import pstats
+import re
 import time
 from collections import defaultdict
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 from kvserve.bench.report import format_table
 from kvserve.bench.workloads import random_token_ids
 
-_MATMUL_OPS = ("linear", "addmm", "'mm'", "method 'mm'", "matmul", "bmm", "baddbmm")
+_MATMUL_OP = re.compile(r"\b(linear|addmm|mm|matmul|__matmul__|bmm|baddbmm)\b")
 
 CATEGORIES = (
     "matmul (weights)",
@@ -61,11 +62,10 @@ def _category(function: tuple[str, int, str], caller: tuple[str, int, str] | Non
     filename, _, name = function
     if filename == "~":  # a C function: attribute it by name, then by who called it
         caller_area = _kvserve_area(caller[0]) if caller else None
-        if caller_area != "attention" and any(op in name for op in _MATMUL_OPS):
+        is_matmul = _MATMUL_OP.search(name) is not None
+        if is_matmul and caller_area != "attention":
             return "matmul (weights)"
-        if caller_area:
-            return caller_area
-        return "matmul (weights)" if any(op in name for op in _MATMUL_OPS) else "other"
+        return caller_area or "other"
     area = _kvserve_area(filename)
     if area:
         return area

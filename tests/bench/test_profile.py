@@ -1,0 +1,39 @@
+"""The profile's attribution of time: C functions split by caller, matmuls by name."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kvserve.bench.profile import categorize
+
+ATTENTION = ("/src/kvserve/model/attention.py", 10, "paged_attention")
+LAYERS = ("/src/kvserve/model/layers.py", 20, "forward")
+RUNNER = ("/src/kvserve/worker/model_runner.py", 30, "execute_model")
+SAMPLER = ("/src/kvserve/model/sampler.py", 40, "sample")
+TORCH_MODULE = ("/site-packages/torch/nn/modules/module.py", 1, "_call_impl")
+
+
+def entry(self_s: float, callers: dict | None = None):
+    return (1, 1, self_s, self_s, callers or {})
+
+
+def test_c_function_time_is_split_by_caller_and_matmuls_by_name():
+    stats = SimpleNamespace(stats={
+        # torch.matmul: 0.5 s from attention (scores) and 2.0 s from the linear layers.
+        ("~", 0, "<built-in method torch.matmul>"): entry(2.5, {ATTENTION: (1, 1, 0.5, 0.5),
+                                                                 LAYERS: (1, 1, 2.0, 2.0)}),
+        ("~", 0, "<method 'index_select' of 'torch._C.TensorBase' objects>"): entry(
+            0.75, {ATTENTION: (1, 1, 0.5, 0.5), RUNNER: (1, 1, 0.25, 0.25)}),
+        ("~", 0, "<built-in method torch.argmax>"): entry(0.125, {SAMPLER: (1, 1, 0.125, 0.125)}),
+        ATTENTION: entry(0.0625),
+        RUNNER: entry(0.25),
+        TORCH_MODULE: entry(0.5),
+    })
+    totals = categorize(stats)
+    assert totals["matmul (weights)"] == pytest.approx(2.0)
+    assert totals["attention"] == pytest.approx(0.5 + 0.5 + 0.0625)
+    assert totals["worker: input preparation / output"] == pytest.approx(0.25 + 0.25)
+    assert totals["sampling"] == pytest.approx(0.125)
+    assert totals["torch Python wrappers"] == pytest.approx(0.5)
+    assert sum(totals.values()) == pytest.approx(2.5 + 0.75 + 0.125 + 0.0625 + 0.25 + 0.5)
