@@ -23,7 +23,8 @@ from typing import Any
 from kvserve.bench.report import format_table
 from kvserve.bench.workloads import random_token_ids
 
-_MATMUL_OP = re.compile(r"\b(linear|addmm|mm|matmul|__matmul__|bmm|baddbmm)\b")
+# Weight matmuls, whichever kernel the model picks (F.linear, addmm, oneDNN's _linear_pointwise, ...).
+_MATMUL_OP = re.compile(r"linear|addmm|matmul|bmm|\bmm\b")
 
 CATEGORIES = (
     "matmul (weights)",

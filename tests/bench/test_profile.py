@@ -12,6 +12,7 @@ LAYERS = ("/src/kvserve/model/layers.py", 20, "forward")
 RUNNER = ("/src/kvserve/worker/model_runner.py", 30, "execute_model")
 SAMPLER = ("/src/kvserve/model/sampler.py", 40, "sample")
 TORCH_MODULE = ("/site-packages/torch/nn/modules/module.py", 1, "_call_impl")
+TORCH_OPS = ("/site-packages/torch/_ops.py", 2, "__call__")
 
 
 def entry(self_s: float, callers: dict | None = None):
@@ -26,14 +27,16 @@ def test_c_function_time_is_split_by_caller_and_matmuls_by_name():
         ("~", 0, "<method 'index_select' of 'torch._C.TensorBase' objects>"): entry(
             0.75, {ATTENTION: (1, 1, 0.5, 0.5), RUNNER: (1, 1, 0.25, 0.25)}),
         ("~", 0, "<built-in method torch.argmax>"): entry(0.125, {SAMPLER: (1, 1, 0.125, 0.125)}),
+        # A prepacked oneDNN linear reached through torch's op wrappers is still a weight matmul.
+        ("~", 0, "<built-in method torch._ops.mkldnn._linear_pointwise>"): entry(1.0, {TORCH_OPS: (1, 1, 1.0, 1.0)}),
         ATTENTION: entry(0.0625),
         RUNNER: entry(0.25),
         TORCH_MODULE: entry(0.5),
     })
     totals = categorize(stats)
-    assert totals["matmul (weights)"] == pytest.approx(2.0)
+    assert totals["matmul (weights)"] == pytest.approx(2.0 + 1.0)
     assert totals["attention"] == pytest.approx(0.5 + 0.5 + 0.0625)
     assert totals["worker: input preparation / output"] == pytest.approx(0.25 + 0.25)
     assert totals["sampling"] == pytest.approx(0.125)
     assert totals["torch Python wrappers"] == pytest.approx(0.5)
-    assert sum(totals.values()) == pytest.approx(2.5 + 0.75 + 0.125 + 0.0625 + 0.25 + 0.5)
+    assert sum(totals.values()) == pytest.approx(2.5 + 0.75 + 0.125 + 1.0 + 0.0625 + 0.25 + 0.5)
