@@ -12,8 +12,9 @@ from kvserve.kv_cache.interface import (CircularBufferSpec, FullAttentionSpec, K
 from kvserve.model.attention import AttentionMetadata, is_windowed, paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import RMSNorm, RotaryEmbedding, activation, apply_rotary
-from kvserve.model.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext,
-                                    VocabParallelEmbedding, kv_heads_per_rank)
+from kvserve.model.parallel import (ColumnParallelLinear, PackableLinearMixin, ParallelLMHead, RowParallelLinear,
+                                    TPContext, VocabParallelEmbedding, cpu_weight_packing_supported,
+                                    kv_heads_per_rank)
 
 
 class SelfAttention(nn.Module):
@@ -155,6 +156,18 @@ class DecoderModel(nn.Module):
         # Unbound hybrid model: match each layer to the group whose spec has its kind.
         kinds = [md.spec is not None and is_windowed(md.spec) for md in metadata_by_group]
         return [kinds.index(layer.self_attn.sliding_window is not None) for layer in self.layers]
+
+    def pack_linear_weights(self) -> bool:
+        """Hold every linear weight (and the LM head) pre-packed for oneDNN's CPU matmul
+        (see `PackableLinearMixin`). Returns False, changing nothing, off CPU or for a
+        dtype oneDNN cannot pack here. Call after loading: the plain weights are dropped."""
+        weight = self.embed_tokens.weight
+        if weight.device.type != "cpu" or not cpu_weight_packing_supported(weight.dtype):
+            return False
+        for module in self.modules():
+            if isinstance(module, PackableLinearMixin) and module.packed_weight is None:
+                module.pack_weight()
+        return True
 
     # -- forward --------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 # at full length, but never more than this nor a quarter of free RAM.
 CPU_DEFAULT_KV_CAP_BYTES = 2 << 30
 CUDA_ACTIVATION_RESERVE_FRACTION = 0.1
+# "0" keeps the plain F.linear weights on CPU (for A/B measurements).
+PACKED_WEIGHTS_ENV = "KVSERVE_CPU_PACKED_WEIGHTS"
 
 
 class ModelRunner:
@@ -66,6 +68,8 @@ class ModelRunner:
         torch.manual_seed(self.seed)
         self.model = load_model(self.model_config, device=str(self.device),
                                 tp_rank=self.tp_rank, tp_size=self.tp_size)
+        if os.environ.get(PACKED_WEIGHTS_ENV, "1") != "0" and self.model.pack_linear_weights():
+            logger.debug("linear weights packed for oneDNN")
         self.sampler = Sampler()
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:

@@ -129,3 +129,35 @@ def test_bfloat16_model_tracks_float32(models):
         ref = logits32[req_id][0]
         # bf16 keeps ~3 significant digits; compare relative to the logit scale.
         assert (logits16[req_id][0] - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+def test_packed_cpu_weights_match_transformers(models, family):
+    """oneDNN-packed linear weights (the runner's CPU default): same outputs; the
+    plain weights are dropped, the embedding (tied or not) stays."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("oneDNN not available")
+    hf, config = models(family)
+    model = load_model(config)
+    assert model.pack_linear_weights()
+    assert model.layers[0].self_attn.qkv_proj.weight is None and model.lm_head.weight is None
+    assert model.embed_tokens.weight is not None
+    prompts = _prompts([3, 29, 17], seed=5)
+    tokens, logits = run_greedy(PagedRunner(model, block_size=4), prompts, NUM_NEW, chunk=11)
+    _check_against_hf(hf, prompts, tokens, logits)
+
+
+def test_packed_bfloat16_weights_match_plain_bfloat16(models):
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        pytest.skip("oneDNN bfloat16 not available")
+    _, config = models("llama")
+    config_bf16 = ModelConfig.from_path(config.path, dtype="bfloat16")
+    prompts = _prompts([13, 21], seed=6)
+    packed = load_model(config_bf16)
+    assert packed.pack_linear_weights()
+    _, plain_logits = run_greedy(PagedRunner(load_model(config_bf16)), prompts, 1, chunk=64)
+    _, packed_logits = run_greedy(PagedRunner(packed), prompts, 1, chunk=64)
+    for req_id in prompts:
+        ref = plain_logits[req_id][0]
+        # Both bf16 with float32 accumulation; only the summation order differs.
+        assert (packed_logits[req_id][0] - ref).abs().max() < 0.02 * ref.abs().max()
