@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import re
+import struct
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+
+from kvserve.model.gguf_file import GGUFFile, file_identity
 
 logger = logging.getLogger(__name__)
 
@@ -54,22 +56,17 @@ _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
 
 
 @functools.lru_cache(maxsize=2)
-def _open_reader(path: str, mtime_ns: int) -> Any:
-    from gguf import GGUFReader
-    return GGUFReader(path)
+def _open_reader(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    return GGUFFile(path)
 
 
-def open_gguf(path: str) -> Any:
-    """A (memory-mapped, cached) GGUFReader: parsing the metadata of a big vocabulary takes seconds."""
-    return _open_reader(os.path.abspath(path), os.stat(path).st_mtime_ns)
+def open_gguf(path: str) -> GGUFFile:
+    """The file's metadata and tensor views (memory-mapped, cached per path, size and mtime)."""
+    return _open_reader(*file_identity(path))
 
 
-def _field_value(reader: Any, key: str) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    value = field.contents()
-    return value
+def _field_value(reader: GGUFFile, key: str) -> Any:
+    return reader.get(key)
 
 
 def read_gguf_hf_config(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -77,7 +74,7 @@ def read_gguf_hf_config(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     from kvserve.model.config import ModelConfigError, UnsupportedArchitectureError
     try:
         reader = open_gguf(path)
-    except Exception as exc:  # the gguf package raises bare ValueErrors/struct errors
+    except (OSError, ValueError, struct.error) as exc:
         raise ModelConfigError(f"{path!r} is not a readable GGUF file: {exc}") from exc
     arch = _field_value(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -90,7 +87,7 @@ def read_gguf_hf_config(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
             hf[hf_key] = value
     if "vocab_size" not in hf:
         tokens = reader.fields.get("tokenizer.ggml.tokens")
-        hf["vocab_size"] = len(tokens.data) if tokens is not None else 0
+        hf["vocab_size"] = tokens.count if tokens is not None else 0
     _add_rope_scaling(reader, arch, hf)
     if arch == "gemma3":
         hf.setdefault("rope_local_base_freq", 10000.0)

@@ -1,0 +1,180 @@
+"""A lazy reader of GGUF files: metadata and tensor locations, nothing more.
+
+`gguf.GGUFReader` builds a numpy view for every part of every metadata
+entry at open time; a Llama-style vocabulary makes that ~150k entries and
+several seconds. This reader walks the header once with `struct`, decodes
+scalars and strings, records arrays by offset only (string arrays are
+skipped over by their length prefixes) and maps the tensor data as plain
+ndarray views of one read-only mmap. Little-endian GGUF v2/v3 only.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+GGUF_MAGIC = b"GGUF"
+_DEFAULT_ALIGNMENT = 32
+
+# GGUF metadata value types (gguf.GGUFValueType) -> struct format.
+_STRING, _ARRAY = 8, 9
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                   10: "<Q", 11: "<q", 12: "<d"}
+_NUMPY_TYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
+                6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+
+
+class GGUFFormatError(ValueError):
+    """The file is not a GGUF file this reader understands."""
+
+
+@dataclass
+class GGUFField:
+    """One metadata entry. Arrays are decoded only when `contents()` is called."""
+
+    name: str
+    value_type: int
+    value: Any = None  # scalars and strings
+    element_type: int | None = None  # arrays
+    count: int = 0  # arrays: number of elements
+    offset: int = 0  # arrays: file offset of the first element
+    _buffer: Any = None
+
+    def contents(self) -> Any:
+        """The value as Python objects (list for arrays), like gguf's ReaderField.contents()."""
+        if self.value_type != _ARRAY:
+            return self.value
+        if self.element_type == _STRING:
+            strings, offset = [], self.offset
+            for _ in range(self.count):
+                (length,) = struct.unpack_from("<Q", self._buffer, offset)
+                strings.append(bytes(self._buffer[offset + 8:offset + 8 + length]).decode("utf-8"))
+                offset += 8 + length
+            return strings
+        if self.element_type == _ARRAY:
+            raise GGUFFormatError(f"{self.name}: nested arrays are not supported")
+        return np.frombuffer(self._buffer, dtype=_NUMPY_TYPES[self.element_type], count=self.count,
+                             offset=self.offset).tolist()
+
+
+@dataclass
+class GGUFTensor:
+    """A tensor's name, GGML type, dims (GGUF order: fastest first) and raw data view.
+
+    `data` is shaped like gguf's ReaderTensor.data: the PyTorch shape for plain
+    types, and (rows..., bytes per row) as uint8 for block-quantized ones.
+    """
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+class GGUFFile:
+    """Metadata (`fields`) and tensors (`tensors`) of one GGUF file, memory-mapped read-only."""
+
+    def __init__(self, path: str) -> None:
+        with open(path, "rb") as f:
+            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._buffer = memoryview(self._mmap)
+        self.path = path
+        if bytes(self._buffer[:4]) != GGUF_MAGIC:
+            raise GGUFFormatError("GGUF magic not found")
+        version, tensor_count, kv_count = struct.unpack_from("<IQQ", self._buffer, 4)
+        if version not in (2, 3):
+            raise GGUFFormatError(f"GGUF version {version} is not supported (2 and 3 are)")
+        self._offset = 24
+        self.fields: dict[str, GGUFField] = {}
+        for _ in range(kv_count):
+            field = self._read_field()
+            self.fields[field.name] = field
+        infos = [self._read_tensor_info() for _ in range(tensor_count)]
+        alignment = self.get("general.alignment", _DEFAULT_ALIGNMENT)
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise GGUFFormatError(f"invalid general.alignment {alignment}")
+        data_start = -(-self._offset // alignment) * alignment
+        self.tensors = [self._tensor(name, dims, raw_type, data_start + offset)
+                        for name, dims, raw_type, offset in infos]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.fields.get(key)
+        return default if field is None else field.contents()
+
+    # -- parsing -----------------------------------------------------------------------
+
+    def _unpack(self, fmt: str) -> tuple:
+        values = struct.unpack_from(fmt, self._buffer, self._offset)
+        self._offset += struct.calcsize(fmt)
+        return values
+
+    def _read_string(self) -> str:
+        (length,) = self._unpack("<Q")
+        text = bytes(self._buffer[self._offset:self._offset + length]).decode("utf-8")
+        self._offset += length
+        return text
+
+    def _read_field(self) -> GGUFField:
+        name = self._read_string()
+        (value_type,) = self._unpack("<I")
+        if value_type == _STRING:
+            return GGUFField(name, value_type, value=self._read_string())
+        if value_type in _SCALAR_FORMATS:
+            return GGUFField(name, value_type, value=self._unpack(_SCALAR_FORMATS[value_type])[0])
+        if value_type != _ARRAY:
+            raise GGUFFormatError(f"{name}: unknown metadata type {value_type}")
+        element_type, count = self._unpack("<IQ")
+        field = GGUFField(name, value_type, element_type=element_type, count=count, offset=self._offset,
+                          _buffer=self._buffer)
+        self._skip_array(name, element_type, count)
+        return field
+
+    def _skip_array(self, name: str, element_type: int, count: int) -> None:
+        if element_type in _SCALAR_FORMATS:
+            self._offset += count * struct.calcsize(_SCALAR_FORMATS[element_type])
+        elif element_type == _STRING:
+            buffer, offset, unpack = self._buffer, self._offset, struct.Struct("<Q").unpack_from
+            for _ in range(count):
+                offset += 8 + unpack(buffer, offset)[0]
+            self._offset = offset
+        else:
+            raise GGUFFormatError(f"{name}: arrays of type {element_type} are not supported")
+
+    def _read_tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
+        name = self._read_string()
+        (num_dims,) = self._unpack("<I")
+        dims = self._unpack(f"<{num_dims}Q")
+        raw_type, offset = self._unpack("<IQ")
+        return name, tuple(int(d) for d in dims), raw_type, offset
+
+    def _tensor(self, name: str, dims: tuple[int, ...], raw_type: int, start: int) -> GGUFTensor:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        tensor_type = GGMLQuantizationType(raw_type)
+        numpy_shape = tuple(reversed(dims))
+        num_elements = int(np.prod(dims, dtype=np.int64))
+        plain = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
+                 GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+                 GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+                 GGMLQuantizationType.I64: np.int64}.get(tensor_type)
+        if plain is not None:
+            data = np.frombuffer(self._buffer, dtype=plain, count=num_elements, offset=start)
+            return GGUFTensor(name, tensor_type, dims, data.reshape(numpy_shape))
+        block_size, type_size = GGML_QUANT_SIZES[tensor_type]
+        if numpy_shape[-1] % block_size:
+            raise GGUFFormatError(f"{name}: row of {numpy_shape[-1]} is not a multiple of {block_size}")
+        byte_shape = (*numpy_shape[:-1], numpy_shape[-1] // block_size * type_size)
+        data = np.frombuffer(self._buffer, dtype=np.uint8, count=num_elements // block_size * type_size,
+                             offset=start)
+        return GGUFTensor(name, tensor_type, dims, data.reshape(byte_shape))
+
+
+def file_identity(path: str) -> tuple[str, int, int]:
+    """(absolute path, size, mtime in ns): what on-disk caches of a file are keyed by."""
+    path = os.path.abspath(path)
+    stat = os.stat(path)
+    return path, stat.st_size, stat.st_mtime_ns
