@@ -96,3 +96,53 @@ def test_allocate_shares_buffers_and_copies_only_the_groups_layers():
     caches["b0"][:, :, 6] = 7.0  # block 6 belongs to group 1 only (the shared buffer shows it in a0 too)
     copy_kv_blocks(caches, config, [KVCacheBlockCopy(group_id=1, src_block_id=6, dst_block_id=2, num_tokens=4)])
     assert torch.all(caches["b0"][:, :, 2] == 7.0) and torch.all(caches["a1"][:, :, 2] == 0.0)
+
+
+@pytest.mark.parametrize("kind", ["full", "sliding"])
+def test_decode_batch_of_mixed_lengths_split_into_sub_batches_matches_dense(kind, monkeypatch):
+    """Decode rows of very different lengths go to several padded sub-batches."""
+    import kvserve.model.attention as attention
+    monkeypatch.setattr(attention, "_MIN_SAVED_BLOCK_READS", 1)
+    window = 9 if kind == "sliding" else None
+    spec = _spec(kind, window or 1)
+    generator = torch.Generator().manual_seed(1)
+    lengths = [3, 61, 17, 90, 9, 44, 90, 2]
+    num_blocks = 128
+    cache = torch.zeros(kv_cache_shape(spec, num_blocks))
+    free = torch.randperm(num_blocks - 1, generator=generator).add(1).tolist()
+    tables = [[free.pop() for _ in range(-(-n // BS))] for n in lengths]
+    ks = [torch.randn(n, HKV, D, generator=generator) for n in lengths]
+    vs = [torch.randn(n, HKV, D, generator=generator) for n in lengths]
+    # Fill the cache with every token but the last (a prefill step), then decode the last.
+    prefill = AttentionMetadata.build(spec, [n - 1 for n in lengths], [n - 1 for n in lengths],
+                                      _padded_table(tables))
+    q_prefill = torch.randn(sum(lengths) - len(lengths), HQ, D, generator=generator)
+    paged_attention(q_prefill, torch.cat([k[:-1] for k in ks]), torch.cat([v[:-1] for v in vs]), cache,
+                    prefill.plan(BS, window), 0.3, None)
+    md = AttentionMetadata.build(spec, [1] * len(lengths), lengths, _padded_table(tables))
+    plan = md.plan(BS, window)
+    assert 1 < len(plan.sub_batches) <= attention._MAX_DECODE_SUB_BATCHES
+    q = torch.randn(len(lengths), HQ, D, generator=generator)
+    out = paged_attention(q, torch.cat([k[-1:] for k in ks]), torch.cat([v[-1:] for v in vs]), cache, plan,
+                          0.3, None)
+    for i, n in enumerate(lengths):
+        expected = dense_attention(q[i:i + 1], ks[i], vs[i], n - 1, 0.3, None, window)
+        torch.testing.assert_close(out[i:i + 1], expected, atol=1e-5, rtol=1e-5)
+
+
+def _padded_table(tables: list[list[int]]) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables])
+
+
+def test_length_groups_cover_each_row_once_longest_first():
+    from kvserve.model.attention import _MAX_DECODE_SUB_BATCHES, _length_groups
+    blocks = torch.tensor([2, 70, 3, 65, 30, 1, 2, 33] * 8)
+    rows = torch.arange(len(blocks)) + 100
+    groups = _length_groups(rows, blocks)
+    assert 1 < len(groups) <= _MAX_DECODE_SUB_BATCHES
+    assert sorted(torch.cat(groups).tolist()) == rows.tolist()
+    longest = [int(blocks[g - 100].max()) for g in groups]
+    assert longest == sorted(longest, reverse=True)
+    # Equal lengths: nothing to gain, one group.
+    assert len(_length_groups(rows, torch.full((len(rows),), 9))) == 1
