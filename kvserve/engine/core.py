@@ -16,7 +16,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from kvserve.engine.config import EngineConfig
+from kvserve.config import EngineConfig
 from kvserve.kv_cache.interface import KVCacheConfig
 from kvserve.kv_cache.utils import get_kv_cache_config
 from kvserve.request import Request, RequestStatus

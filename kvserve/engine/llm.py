@@ -13,7 +13,7 @@ from kvserve.engine.tokenizer import apply_chat_template, load_tokenizer, render
 from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from kvserve.engine.config import EngineConfig
+    from kvserve.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class LLM:
         async_scheduling: bool = True,
         **engine_kwargs: Any,
     ) -> None:
-        from kvserve.engine.config import EngineConfig
+        from kvserve.config import EngineConfig
         optional = dict(dtype=dtype, kv_cache_memory=kv_cache_memory, max_model_len=max_model_len,
                         max_num_seqs=max_num_seqs)
         engine_kwargs.update({key: value for key, value in optional.items() if value is not None})

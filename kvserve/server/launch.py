@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 def _byte_size(text: str) -> int:
     try:
-        from kvserve.engine.config import parse_memory_size
+        from kvserve.config import parse_memory_size
         return int(parse_memory_size(text))
     except ImportError:
         return int(text)

@@ -18,7 +18,7 @@ from kvserve.kv_cache.interface import KVCacheConfig, KVCacheSpec
 from kvserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
-    from kvserve.engine.config import EngineConfig
+    from kvserve.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from kvserve.worker.tp_worker import (DRIVER_RANK, WorkerCall, WorkerInit, Worke
                                       rank_device, worker_main)
 
 if TYPE_CHECKING:
-    from kvserve.engine.config import EngineConfig
+    from kvserve.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

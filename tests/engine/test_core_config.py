@@ -4,7 +4,7 @@ import os
 import pytest
 
 from kvserve.config import ConfigError
-from kvserve.engine.config import (ModelNotFoundError, default_model_path, parse_memory_size,
+from kvserve.config import (ModelNotFoundError, default_model_path, parse_memory_size,
                                    resolve_model_path)
 
 
@@ -52,7 +52,7 @@ def test_engine_config_create_validates(tmp_path):
 
     import torch
 
-    from kvserve.engine.config import EngineConfig
+    from kvserve.config import EngineConfig
 
     path = save_tiny_model("llama", tmp_path / "llama")
     config = EngineConfig.create(model=path, kv_cache_memory="1MiB", max_model_len=128, device="cpu")

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from kvserve.engine.config import EngineConfig, default_model_path
+from kvserve.config import EngineConfig, default_model_path
 from kvserve.engine.core import EngineCore, EngineCoreRequest
 from kvserve.engine.tokenizer import apply_chat_template
 from kvserve.sampling_params import SamplingParams

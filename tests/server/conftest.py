@@ -9,7 +9,7 @@ import time
 import pytest
 import uvicorn
 
-from kvserve.engine.config import default_model_path
+from kvserve.config import default_model_path
 from kvserve.engine.tokenizer import load_tokenizer
 
 

@@ -10,7 +10,7 @@ import random
 import torch
 import transformers
 
-from kvserve.engine.config import EngineConfig
+from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore, EngineCoreRequest
 from kvserve.sampling_params import SamplingParams
 
@@ -86,7 +86,7 @@ def run_requests(core: EngineCore, prompts: list[list[int]], params, first_id: i
 def save_tiny_chat_model(path) -> str:
     """A tiny random Llama (one KV head, so replicated at TP=2) that carries the default
     model's tokenizer and chat template, for tests through the text front-ends."""
-    from kvserve.engine.config import default_model_path
+    from kvserve.config import default_model_path
     from kvserve.engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_path())

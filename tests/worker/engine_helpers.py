@@ -1,7 +1,7 @@
 """Drive the real scheduler + ModelRunner + model through EngineCore in tests."""
 from __future__ import annotations
 
-from kvserve.engine.config import EngineConfig
+from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore, EngineCoreRequest
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.executor import UniProcExecutor
