@@ -144,8 +144,7 @@ def _build_plan(md: AttentionMetadata, block_size: int, window: int | None) -> A
             sub_batches.append(_build_sub_batch(md, rows, query_lens[rows], context_lens[rows],
                                                 block_size, window, ring_blocks))
     num_tokens = int(md.query_start_loc[-1])
-    if len(sub_batches) == 1 and sub_batches[0].token_index.numel() == num_tokens \
-            and bool(sub_batches[0].valid_rows.all()):
+    if len(sub_batches) == 1 and _covers_batch_in_order(sub_batches[0], num_tokens):
         sub_batches[0].is_whole_batch = True
     req_index, positions = token_positions(md.query_start_loc, md.seq_lens)
     if ring_blocks is not None:
@@ -167,6 +166,12 @@ def _build_plan(md: AttentionMetadata, block_size: int, window: int | None) -> A
 # of the waste of a mixed-length batch.
 _MIN_SAVED_BLOCK_READS = 256
 _MAX_DECODE_SUB_BATCHES = 4
+
+
+def _covers_batch_in_order(sub: AttentionSubBatch, num_tokens: int) -> bool:
+    index = sub.token_index.flatten()
+    return (index.numel() == num_tokens and bool(sub.valid_rows.all())
+            and bool((index == torch.arange(num_tokens, device=index.device)).all()))
 
 
 def _blocks_read(context_lens: torch.Tensor, query_len: int, block_size: int, window: int | None) -> torch.Tensor:
@@ -197,7 +202,8 @@ def _length_groups(rows: torch.Tensor, num_blocks: torch.Tensor) -> list[torch.T
         if best_cut is None or best_saving < _MIN_SAVED_BLOCK_READS:
             break
         bounds = sorted(bounds + [best_cut])
-    return [rows[order[start:end]] for start, end in zip(bounds, bounds[1:])]
+    # Each group keeps the batch order (a lone group is the input itself).
+    return [rows[order[start:end].sort().values] for start, end in zip(bounds, bounds[1:])]
 
 
 def _build_sub_batch(md: AttentionMetadata, rows: torch.Tensor, query_lens: torch.Tensor,

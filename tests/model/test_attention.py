@@ -144,5 +144,7 @@ def test_length_groups_cover_each_row_once_longest_first():
     assert sorted(torch.cat(groups).tolist()) == rows.tolist()
     longest = [int(blocks[g - 100].max()) for g in groups]
     assert longest == sorted(longest, reverse=True)
-    # Equal lengths: nothing to gain, one group.
-    assert len(_length_groups(rows, torch.full((len(rows),), 9))) == 1
+    assert all(bool((g[1:] > g[:-1]).all()) for g in groups)  # batch order within a group
+    # Nothing to gain: one group, the rows in their batch order (not sorted by length).
+    small = torch.tensor([1, 3, 2, 3, 1])
+    assert _length_groups(rows[:5], small)[0].tolist() == rows[:5].tolist()
