@@ -18,21 +18,10 @@ from types import SimpleNamespace
 
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.output import EngineCoreOutput, TokenLogprobs
+from kvserve.scheduler.stats import SchedulerStats
 
 WORDS = (" the quick brown fox jumps over a lazy dog while seven small birds sing"
          " about green hills and blue rivers under bright morning light")
-
-
-@dataclass
-class FakeStats:
-    """The fields of the scheduler's stats snapshot that AsyncLLM reads."""
-
-    num_running_reqs: int
-    num_waiting_reqs: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
 
 
 @dataclass
@@ -128,10 +117,12 @@ class FakeEngineCore:
         return sum(math.ceil((len(r.prompt_token_ids) + len(r.output_token_ids)) / self.block_size)
                    for r in self.requests.values())
 
-    def get_stats(self) -> FakeStats:
+    def get_stats(self) -> SchedulerStats:
         num_running = min(len(self.requests), self.engine_config.scheduler_config.max_num_seqs)
-        return FakeStats(num_running, len(self.requests) - num_running,
-                         self.used_blocks() / self.num_blocks, 0, 0, 0)
+        return SchedulerStats(num_running, len(self.requests) - num_running,
+                              self.used_blocks() / self.num_blocks, prefix_cache_queries=0,
+                              prefix_cache_hits=0, num_preemptions=0, num_deferred_blocks=0,
+                              sched_step_seq=0, processed_step_seq=0)
 
     def shutdown(self) -> None:
         self.shut_down = True
