@@ -38,6 +38,7 @@ class Executor:
 
     def __init__(self, engine_config: "EngineConfig") -> None:
         self.engine_config = engine_config
+        self._is_shut_down = False
 
     @staticmethod
     def get_class(engine_config: "EngineConfig") -> type["Executor"]:
@@ -66,7 +67,8 @@ class Executor:
         raise NotImplementedError
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        raise NotImplementedError
+        """Run one step and wait for its output."""
+        return self.execute_model_async(scheduler_output).result()
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> "Future[ModelRunnerOutput]":
         raise NotImplementedError
@@ -77,6 +79,10 @@ class Executor:
 
     def shutdown(self) -> None:
         raise NotImplementedError
+
+    def _raise_if_shut_down(self) -> None:
+        if self._is_shut_down:
+            raise ExecutorDeadError("the executor has been shut down")
 
 
 class UniProcExecutor(Executor):
@@ -93,7 +99,6 @@ class UniProcExecutor(Executor):
         # One thread: steps must run in submission order on the runner's state.
         self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
         self._lock = threading.Lock()
-        self._is_shut_down = False
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         return self.model_runner.get_kv_cache_specs()
@@ -104,17 +109,13 @@ class UniProcExecutor(Executor):
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self.model_runner.initialize_kv_cache(kv_cache_config)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.execute_model_async(scheduler_output).result()
-
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> "Future[ModelRunnerOutput]":
         with self._lock:
             self.check_health()
             return self._step_thread.submit(self.model_runner.execute_model, scheduler_output)
 
     def check_health(self) -> None:
-        if self._is_shut_down:
-            raise ExecutorDeadError("the executor has been shut down")
+        self._raise_if_shut_down()
 
     def shutdown(self) -> None:
         with self._lock:

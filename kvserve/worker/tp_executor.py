@@ -120,7 +120,6 @@ class TPExecutor(Executor):
         self.backend = distributed_backend(engine_config.device,
                                            engine_config.parallel_config.distributed_backend)
         self._dead_reason: str | None = None
-        self._is_shut_down = False
         self._lock = threading.RLock()
         self._pending: deque[_PendingCall] = deque()
         self._pending_changed = threading.Condition(self._lock)
@@ -173,9 +172,6 @@ class TPExecutor(Executor):
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self._call_all("initialize_kv_cache", (kv_cache_config,))
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.execute_model_async(scheduler_output).result()
-
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> "Future[ModelRunnerOutput]":
         return self._submit("execute_model", (scheduler_output,))
 
@@ -184,8 +180,7 @@ class TPExecutor(Executor):
             self._check_processes()
         if self._dead_reason is not None:
             raise ExecutorDeadError(self._dead_reason)
-        if self._is_shut_down:
-            raise ExecutorDeadError("the executor has been shut down")
+        self._raise_if_shut_down()
 
     def shutdown(self) -> None:
         with self._lock:
