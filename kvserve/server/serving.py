@@ -12,9 +12,10 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, TypeVar
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from kvserve.engine.async_llm import (AsyncLLM, EngineDeadError, EngineOverloadedError,
@@ -111,6 +112,24 @@ def sse(payload: dict) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class ChunkFormatter:
+    """The SSE chunks of one streamed call: same id, object, creation time and model in each."""
+
+    response_id: str
+    object_name: str
+    model: str
+    include_usage: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __call__(self, choices: list[dict], usage: dict | None = None) -> str:
+        payload = {"id": self.response_id, "object": self.object_name, "created": self.created,
+                   "model": self.model, "choices": choices}
+        if self.include_usage:
+            payload["usage"] = usage
+        return sse(payload)
 
 
 def usage_dict(final_outputs: list[Any]) -> dict:
@@ -221,6 +240,55 @@ async def collect_until_disconnect(raw_request: Request, outputs: AsyncIterator[
         return None
     consumer.result()  # re-raise an engine error
     return final_by_index
+
+
+async def collect_final_outputs(raw_request: Request, outputs: AsyncIterator[tuple[int, Any]]
+                                ) -> dict[int, Any] | None:
+    """`collect_until_disconnect`, with an engine error raised as its APIError."""
+    try:
+        return await collect_until_disconnect(raw_request, outputs)
+    except Exception as exc:  # noqa: BLE001
+        raise to_api_error(exc) from None
+
+
+async def streaming_response(
+        outputs: AsyncIterator[tuple[int, Any]],
+        make_events: Callable[[AsyncIterator[tuple[int, Any]]], AsyncIterator[str]]) -> StreamingResponse:
+    """An SSE response whose events `make_events` builds from the call's outputs.
+
+    The first output is awaited before the headers go out, so an error the
+    engine reports for the request still gets its own status code.
+    """
+    try:
+        first = await outputs.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except Exception as exc:  # noqa: BLE001
+        raise to_api_error(exc) from None
+    events = _sse_body(make_events(_prepend(first, outputs)), outputs)
+    return StreamingResponse(events, media_type="text/event-stream")
+
+
+async def _prepend(first: tuple[int, Any] | None,
+                   outputs: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[tuple[int, Any]]:
+    if first is not None:
+        yield first
+    async for item in outputs:
+        yield item
+
+
+async def _sse_body(events: AsyncIterator[str], outputs: AsyncIterator[Any]) -> AsyncIterator[str]:
+    """`events`, an in-band error event if they raise, then [DONE]; `outputs` closed in any case."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
+        error: APIError = to_api_error(exc)
+        yield sse(error.to_dict())
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+        await outputs.aclose()  # type: ignore[attr-defined]
+    yield SSE_DONE
 
 
 async def _wait_for_disconnect(raw_request: Request) -> None:

@@ -3,18 +3,18 @@ from __future__ import annotations
 
 import math
 import time
+from functools import partial
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
-from kvserve.server.errors import APIError, bad_request
+from kvserve.server.errors import bad_request
 from kvserve.server.protocol import ChatCompletionRequest
-from kvserve.server.serving import (SSE_DONE, ChoiceStreamState, ServingContext, check_model_name,
-                                    collect_until_disconnect, merged_outputs, new_id, next_delta,
-                                    parse_body, resolve_max_tokens, run_tokenizer, sse, submit_all,
-                                    to_api_error,
-                                    token_logprob_entries, token_text, usage_dict)
+from kvserve.server.serving import (ChoiceStreamState, ChunkFormatter, ServingContext, check_model_name,
+                                    collect_final_outputs, merged_outputs, new_id, next_delta, parse_body,
+                                    resolve_max_tokens, run_tokenizer, streaming_response, submit_all,
+                                    to_api_error, token_logprob_entries, token_text, usage_dict)
 
 
 async def _render_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
@@ -46,11 +46,8 @@ async def create_chat_completion(raw_request: Request, ctx: ServingContext):
     response_id = new_id("chatcmpl")
     outputs = merged_outputs(ctx, submit_all(ctx, [(prompt_token_ids, params)], response_id))
     if body.stream:
-        return await _stream_response(ctx, body, response_id, outputs)
-    try:
-        final_by_index = await collect_until_disconnect(raw_request, outputs)
-    except Exception as exc:  # noqa: BLE001
-        raise to_api_error(exc) from None
+        return await streaming_response(outputs, partial(_stream_events, ctx, body, response_id))
+    final_by_index = await collect_final_outputs(raw_request, outputs)
     if final_by_index is None:
         return JSONResponse({}, status_code=499)
     return JSONResponse(_full_response(ctx, body, response_id, final_by_index[0]))
@@ -97,53 +94,20 @@ def _chat_logprobs(ctx: ServingContext, completion: Any, start: int, end: int,
     return content
 
 
-async def _stream_response(ctx: ServingContext, body: ChatCompletionRequest, response_id: str,
-                           outputs: AsyncIterator[tuple[int, Any]]) -> StreamingResponse:
-    try:
-        first = await outputs.__anext__()
-    except StopAsyncIteration:
-        first = None
-    except Exception as exc:  # noqa: BLE001
-        raise to_api_error(exc) from None
-    return StreamingResponse(_stream_events(ctx, body, response_id, first, outputs),
-                             media_type="text/event-stream")
-
-
 async def _stream_events(ctx: ServingContext, body: ChatCompletionRequest, response_id: str,
-                         first: tuple[int, Any] | None,
                          outputs: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[str]:
-    created = int(time.time())
-    include_usage = body.include_usage
+    chunk = ChunkFormatter(response_id, "chat.completion.chunk", ctx.served_model_name, body.include_usage)
     states: dict[int, ChoiceStreamState] = {}
-    last_output = first[1] if first else None
-
-    def chunk(choices: list[dict], usage: dict | None = None) -> str:
-        payload = {"id": response_id, "object": "chat.completion.chunk", "created": created,
-                   "model": ctx.served_model_name, "choices": choices}
-        if include_usage:
-            payload["usage"] = usage
-        return sse(payload)
-
-    try:
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                      "logprobs": None, "finish_reason": None} for i in range(body.n)])
-        if first is not None:
-            choices = _delta_choices(ctx, body, first[1], states)
-            if choices:
-                yield chunk(choices)
-        async for _, request_output in outputs:
-            last_output = request_output
-            choices = _delta_choices(ctx, body, request_output, states)
-            if choices:
-                yield chunk(choices)
-        if include_usage and last_output is not None:
-            yield chunk([], usage_dict([last_output]))
-    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-        error: APIError = to_api_error(exc)
-        yield sse(error.to_dict())
-    finally:
-        await outputs.aclose()  # type: ignore[attr-defined]
-    yield SSE_DONE
+    last_output = None
+    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                  "logprobs": None, "finish_reason": None} for i in range(body.n)])
+    async for _, request_output in outputs:
+        last_output = request_output
+        choices = _delta_choices(ctx, body, request_output, states)
+        if choices:
+            yield chunk(choices)
+    if body.include_usage and last_output is not None:
+        yield chunk([], usage_dict([last_output]))
 
 
 def _delta_choices(ctx: ServingContext, body: ChatCompletionRequest, request_output: Any,

@@ -4,19 +4,20 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.errors import APIError, bad_request
+from kvserve.server.errors import bad_request
 from kvserve.server.protocol import CompletionRequest
-from kvserve.server.serving import (SSE_DONE, ChoiceStreamState, ServingContext, check_model_name,
-                                    check_token_ids, collect_until_disconnect, merged_outputs,
-                                    run_tokenizer, submit_all,
-                                    new_id, next_delta, parse_body, resolve_max_tokens, sse,
-                                    to_api_error, token_logprob_entries, token_text, usage_dict)
+from kvserve.server.serving import (ChoiceStreamState, ChunkFormatter, ServingContext, check_model_name,
+                                    check_token_ids, collect_final_outputs, merged_outputs, new_id,
+                                    next_delta, parse_body, resolve_max_tokens, run_tokenizer,
+                                    streaming_response, submit_all, to_api_error, token_logprob_entries,
+                                    token_text, usage_dict)
 
 # Engine requests (prompts x n) one call may cause.
 MAX_CHOICES_PER_CALL = 256
@@ -68,11 +69,8 @@ async def create_completion(raw_request: Request, ctx: ServingContext):
     handles = submit_all(ctx, [(p.token_ids, p.sampling_params) for p in prepared], response_id)
     outputs = merged_outputs(ctx, handles)
     if body.stream:
-        return await _stream_response(ctx, body, prepared, response_id, outputs)
-    try:
-        final_by_index = await collect_until_disconnect(raw_request, outputs)
-    except Exception as exc:  # noqa: BLE001
-        raise to_api_error(exc) from None
+        return await streaming_response(outputs, partial(_stream_events, ctx, body, prepared, response_id))
+    final_by_index = await collect_final_outputs(raw_request, outputs)
     if final_by_index is None:
         return JSONResponse({}, status_code=499)
     return JSONResponse(_full_response(ctx, body, prepared, response_id, final_by_index))
@@ -136,58 +134,19 @@ def _legacy_logprobs(ctx: ServingContext, completion: Any, start: int, end: int,
             "text_offset": offsets}
 
 
-async def _stream_response(ctx: ServingContext, body: CompletionRequest,
-                           prepared: list[_PreparedPrompt], response_id: str,
-                           outputs: AsyncIterator[tuple[int, Any]]) -> StreamingResponse:
-    # The first output is awaited before the headers go out, so an error the
-    # engine reports for this request still gets its own status code.
-    try:
-        first = await outputs.__anext__()
-    except StopAsyncIteration:
-        first = None
-    except Exception as exc:  # noqa: BLE001
-        raise to_api_error(exc) from None
-    events = _stream_events(ctx, body, prepared, response_id, first, outputs)
-    return StreamingResponse(events, media_type="text/event-stream")
-
-
 async def _stream_events(ctx: ServingContext, body: CompletionRequest,
                          prepared: list[_PreparedPrompt], response_id: str,
-                         first: tuple[int, Any] | None,
                          outputs: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[str]:
-    created = int(time.time())
+    chunk = ChunkFormatter(response_id, "text_completion", ctx.served_model_name, body.include_usage)
     states: dict[int, ChoiceStreamState] = {}
     final_by_index: dict[int, Any] = {}
-    include_usage = body.include_usage
-
-    def chunk(choices: list[dict], usage: dict | None = None) -> str:
-        payload = {"id": response_id, "object": "text_completion", "created": created,
-                   "model": ctx.served_model_name, "choices": choices}
-        if include_usage:
-            payload["usage"] = usage
-        return sse(payload)
-
-    async def all_outputs():
-        if first is not None:
-            yield first
-        async for item in outputs:
-            yield item
-
-    try:
-        async for prompt_index, request_output in all_outputs():
-            final_by_index[prompt_index] = request_output
-            choices = _delta_choices(ctx, body, prepared[prompt_index], prompt_index,
-                                     request_output, states)
-            if choices:
-                yield chunk(choices)
-        if include_usage:
-            yield chunk([], usage_dict(list(final_by_index.values())))
-    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-        error: APIError = to_api_error(exc)
-        yield sse(error.to_dict())
-    finally:
-        await outputs.aclose()  # type: ignore[attr-defined]
-    yield SSE_DONE
+    async for prompt_index, request_output in outputs:
+        final_by_index[prompt_index] = request_output
+        choices = _delta_choices(ctx, body, prepared[prompt_index], prompt_index, request_output, states)
+        if choices:
+            yield chunk(choices)
+    if body.include_usage:
+        yield chunk([], usage_dict(list(final_by_index.values())))
 
 
 def _delta_choices(ctx: ServingContext, body: CompletionRequest, prompt: _PreparedPrompt,
