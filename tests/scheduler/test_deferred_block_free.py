@@ -6,8 +6,9 @@ test is written from its description (issue 3, reference §7.6)."""
 from collections import deque
 from types import SimpleNamespace
 
-from kvserve.kv_cache.block_pool import BlockPool
-from kvserve.kv_cache.utils import BlockHashWithGroupId, KVCacheBlock
+from helpers.kv_blocks import eviction_order, make_pool_with_cached_blocks, make_two_group_kv_cache_manager
+
+from kvserve.kv_cache.utils import KVCacheBlock
 from kvserve.request import RequestStatus
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.testing import FakeModelRunner, StepDriver, create_requests, create_scheduler
@@ -21,33 +22,6 @@ def _create_deferring_scheduler(**kwargs) -> Scheduler:
     scheduler = create_scheduler(block_size=BLOCK_SIZE, async_scheduling=True, **kwargs)
     scheduler.defer_block_free = True
     return scheduler
-
-
-def _make_pool_with_cached_blocks(num_blocks: int, block_size: int = 16):
-    """Build a BlockPool holding `num_blocks` allocated, hashed blocks.
-
-    Returns (pool, blocks_by_id). Each block gets a distinct hash so it is a
-    prefix-cache eviction candidate once freed (blocks without a hash are
-    always evicted first and would mask ordering).
-    """
-    pool = BlockPool(
-        num_gpu_blocks=num_blocks + 1, enable_caching=True, hash_block_size=block_size
-    )
-    blocks = pool.get_new_blocks(num_blocks)
-    for i, block in enumerate(blocks):
-        block.set_block_hash(
-            BlockHashWithGroupId(f"hash{i}".encode()), num_tokens=block_size
-        )
-    return pool, {b.block_id: b for b in blocks}
-
-
-def _eviction_order(pool: BlockPool) -> list[int]:
-    """Drain the pool's free queue, returning block ids in eviction order
-    (first returned == evicted first)."""
-    order = []
-    while pool.get_num_free_blocks() > 0:
-        order.append(pool.get_new_blocks(1)[0].block_id)
-    return order
 
 
 def test_pop_blocks_for_free_returns_eviction_order():
@@ -75,56 +49,6 @@ def test_pop_blocks_for_free_returns_eviction_order():
     assert coordinator.pop_blocks_for_free(request.request_id) == expected
 
 
-def _make_two_group_kv_cache_manager(num_blocks: int, block_size: int = 16):
-    """Build a KVCacheManager with two single-type managers (a hybrid
-    full-attention + sliding-window config), so CoW copies can be queued on
-    more than one group."""
-    from math import lcm
-
-    from kvserve.kv_cache.interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        SlidingWindowSpec,
-    )
-    from kvserve.kv_cache.manager import KVCacheManager
-
-    config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["layer1"],
-                FullAttentionSpec(
-                    block_size=block_size,
-                    num_kv_heads=1,
-                    head_size=1,
-                    dtype="float32",
-                ),
-            ),
-            KVCacheGroupSpec(
-                ["layer2"],
-                SlidingWindowSpec(
-                    block_size=block_size,
-                    num_kv_heads=1,
-                    head_size=1,
-                    dtype="float32",
-                    sliding_window=2 * block_size,
-                ),
-            ),
-        ],
-    )
-    return KVCacheManager(
-        config,
-        max_model_len=1024,
-        scheduler_block_size=lcm(
-            *(g.kv_cache_spec.block_size for g in config.kv_cache_groups)
-        ),
-        hash_block_size=block_size,
-        enable_caching=True,
-    )
-
-
 def test_cow_retained_blocks_span_groups_and_free_order_is_stable():
     """CoW retentions from multiple KV cache groups are concatenated into one
     flat list by ``take_kv_cache_block_copies``. Unlike per-request eviction,
@@ -132,7 +56,7 @@ def test_cow_retained_blocks_span_groups_and_free_order_is_stable():
     that list in exactly the same order as the immediate path -- the
     group-flattening does not reintroduce the eviction-order divergence.
     """
-    manager = _make_two_group_kv_cache_manager(num_blocks=20)
+    manager = make_two_group_kv_cache_manager(num_blocks=20)
     coordinator = manager.coordinator
     assert len(coordinator.single_type_managers) == 2
 
@@ -148,6 +72,12 @@ def test_cow_retained_blocks_span_groups_and_free_order_is_stable():
     _copies, retained = manager.take_kv_cache_block_copies()
     # Retentions from both groups are flattened into one list, group 0 first.
     assert [b.block_id for b in retained] == [b.block_id for b in blocks]
+    # (Beyond the seed: the copies themselves, and the queue is drained.)
+    assert [(c.group_id, c.src_block_id, c.dst_block_id) for c in _copies] == [
+        (0, blocks[0].block_id, blocks[1].block_id),
+        (1, blocks[2].block_id, blocks[3].block_id),
+    ]
+    assert manager.take_kv_cache_block_copies() == ([], [])
 
     # Drive the scheduler free helper on the same retained ordering, immediate
     # vs deferred, and confirm identical eviction order.
@@ -155,15 +85,15 @@ def test_cow_retained_blocks_span_groups_and_free_order_is_stable():
 
     imm_scheduler = _create_deferring_scheduler()
     imm_scheduler.defer_block_free = False
-    imm_pool, imm_by_id = _make_pool_with_cached_blocks(len(retained_ids))
+    imm_pool, imm_by_id = make_pool_with_cached_blocks(len(retained_ids))
     imm_scheduler.kv_cache_manager.block_pool = imm_pool
     imm_scheduler._free_cow_retained_blocks(
         [imm_by_id[i] for i in retained_ids], fence_seq=1
     )
-    immediate_order = _eviction_order(imm_pool)
+    immediate_order = eviction_order(imm_pool)
 
     def_scheduler = _create_deferring_scheduler()
-    def_pool, def_by_id = _make_pool_with_cached_blocks(len(retained_ids))
+    def_pool, def_by_id = make_pool_with_cached_blocks(len(retained_ids))
     def_scheduler.kv_cache_manager.block_pool = def_pool
     # fence in the future -> deferred; then drain once the fence is processed.
     def_scheduler.processed_step_seq = 0
@@ -173,9 +103,11 @@ def test_cow_retained_blocks_span_groups_and_free_order_is_stable():
     assert def_scheduler.deferred_frees
     def_scheduler.processed_step_seq = 1
     def_scheduler._drain_deferred_frees()
-    deferred_order = _eviction_order(def_pool)
+    deferred_order = eviction_order(def_pool)
 
     assert deferred_order == immediate_order
+    # (Beyond the seed: both free the retained list as-is, so it is the eviction order.)
+    assert immediate_order == retained_ids
 
 
 def test_free_cow_retained_blocks_defers_until_copy_step_processed():
