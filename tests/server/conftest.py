@@ -2,21 +2,15 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 
 import pytest
 import uvicorn
+from helpers.server_process import free_port
 
 from kvserve.config import default_model_path
 from kvserve.engine.tokenizer import load_tokenizer
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ThreadedServer:
@@ -52,66 +46,6 @@ class ThreadedServer:
 def tokenizer():
     """The default model's real tokenizer (no model weights needed)."""
     return load_tokenizer(default_model_path())
-
-
-class ServerProcess:
-    """`python -m kvserve.server.launch` as a subprocess on 127.0.0.1 and a free port."""
-
-    def __init__(self, *flags: str, startup_timeout_s: float = 300.0) -> None:
-        import os
-        import subprocess
-        import sys
-        import tempfile
-
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-server-", suffix=".log", delete=False)
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvserve.server.launch", "--host", "127.0.0.1",
-             "--port", str(self.port), "--uvicorn-log-level", "warning", *flags],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self._wait_ready(startup_timeout_s)
-
-    def _wait_ready(self, timeout_s: float) -> None:
-        import httpx
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log_text()}")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"server not ready after {timeout_s:.0f} s:\n{self.log_text()}")
-
-    def log_text(self) -> str:
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()[-5000:]
-
-    def remove_log(self) -> None:
-        import os
-        self.log.close()
-        os.unlink(self.log.name)
-
-    def stop(self, timeout_s: float = 30.0) -> int:
-        """SIGTERM, as an operator would; returns the exit code."""
-        import signal
-        import subprocess
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-                raise AssertionError("the server did not stop within "
-                                     f"{timeout_s:.0f} s of SIGTERM:\n{self.log_text()}")
-        return self.process.returncode
 
 
 def metric_values(base_url: str) -> dict[str, float]:

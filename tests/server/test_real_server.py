@@ -14,11 +14,12 @@ import time
 import httpx
 import openai
 import pytest
+from helpers.server_process import ServerProcess
 
 from kvserve import LLM, SamplingParams
 
 from .bad_inputs import run_bad_input_table
-from .conftest import ServerProcess, metric_values, wait_for_idle
+from .conftest import metric_values, wait_for_idle
 
 MODEL = "smollm2"
 API_KEY = "sk-test-real"

@@ -5,8 +5,9 @@ import os
 import signal
 
 import pytest
+from helpers.server_process import CLI_SERVE, ServerProcess
 
-from tp_helpers import ServeProcess, cmdline, is_running, save_tiny_chat_model
+from tp_helpers import cmdline, is_running, save_tiny_chat_model
 from kvserve.sampling_params import SamplingParams
 
 PROMPT = "The capital of France is"
@@ -29,7 +30,8 @@ def test_serve_tp2_matches_llm_tp1(chat_model):
         expected_completion = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
         expected_chat = llm.chat(MESSAGES, params, use_tqdm=False)[0].outputs[0]
 
-    server = ServeProcess("--model", chat_model, "-tp", "2", "--kv-cache-memory", "2MiB", "--device", "cpu")
+    server = ServerProcess("--model", chat_model, "-tp", "2", "--kv-cache-memory", "2MiB", "--device", "cpu",
+                           command=CLI_SERVE, startup_timeout_s=240.0)
     try:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=60)
         model_name = client.models.list().data[0].id

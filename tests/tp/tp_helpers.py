@@ -100,64 +100,6 @@ def save_tiny_chat_model(path) -> str:
     return str(path)
 
 
-class ServeProcess:
-    """`python -m kvserve.cli serve ...` on 127.0.0.1 and a free port, until `stop()`."""
-
-    def __init__(self, *flags: str, startup_timeout_s: float = 240.0) -> None:
-        import os
-        import socket
-        import subprocess
-        import sys
-        import tempfile
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-tp-serve-", suffix=".log", delete=False)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-             "--uvicorn-log-level", "warning", *flags],
-            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-        self._wait_ready(startup_timeout_s)
-
-    def _wait_ready(self, timeout_s: float) -> None:
-        import time
-
-        import httpx
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log_text()}")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"server not ready after {timeout_s:.0f} s:\n{self.log_text()}")
-
-    def log_text(self) -> str:
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()[-5000:]
-
-    def stop(self, timeout_s: float = 30.0) -> int:
-        """SIGTERM, as an operator would; the exit code."""
-        import signal
-        import subprocess
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-                raise AssertionError(f"the server did not stop within {timeout_s:.0f} s:\n{self.log_text()}")
-        return self.process.returncode
-
-
 def cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline") as f:
