@@ -5,10 +5,11 @@ transformers in tests/worker and tests/model): greedy tokens must be identical.
 """
 from __future__ import annotations
 
-import random
+from functools import partial
 
 import torch
 import transformers
+from helpers.tiny_models import random_token_prompts, tiny_gemma2_config, tiny_llama_config
 
 from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore, EngineCoreRequest
@@ -17,26 +18,11 @@ from kvserve.sampling_params import SamplingParams
 VOCAB_SIZE = 250  # not a multiple of 4: the vocabulary shards are padded
 
 
-def _llama_config(num_kv_heads: int):
-    return transformers.LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=num_kv_heads, max_position_embeddings=512,
-        initializer_range=0.2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-
-
-def _gemma2_config():
-    return transformers.Gemma2Config(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        sliding_window=12, query_pre_attn_scalar=16, attn_logit_softcapping=50.0,
-        final_logit_softcapping=30.0, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, tie_word_embeddings=True)
-
-
 MODELS = {
-    "llama_gqa": (lambda: _llama_config(2), transformers.LlamaForCausalLM),
-    "llama_mqa": (lambda: _llama_config(1), transformers.LlamaForCausalLM),
-    "gemma2": (_gemma2_config, transformers.Gemma2ForCausalLM),
+    "llama_gqa": (partial(tiny_llama_config, VOCAB_SIZE, num_kv_heads=2), transformers.LlamaForCausalLM),
+    "llama_mqa": (partial(tiny_llama_config, VOCAB_SIZE, num_kv_heads=1), transformers.LlamaForCausalLM),
+    "gemma2": (partial(tiny_gemma2_config, VOCAB_SIZE, tie_word_embeddings=True),
+               transformers.Gemma2ForCausalLM),
 }
 
 
@@ -59,12 +45,7 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def random_prompts(num_prompts: int, min_len: int, max_len: int, seed: int = 0,
-                   shared_prefix: list[int] | None = None) -> list[list[int]]:
-    rng = random.Random(seed)
-    prefix = list(shared_prefix or [])
-    return [prefix + [rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randint(min_len, max_len))]
-            for _ in range(num_prompts)]
+random_prompts = partial(random_token_prompts, VOCAB_SIZE)
 
 
 def run_requests(core: EngineCore, prompts: list[list[int]], params, first_id: int = 0,

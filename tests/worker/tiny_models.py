@@ -6,31 +6,17 @@ are well separated.
 """
 from __future__ import annotations
 
-import random
+from functools import partial
 
 import torch
 import transformers
+from helpers.tiny_models import random_token_prompts, tiny_gemma2_config, tiny_llama_config
 
 VOCAB_SIZE = 256
 
 
-def _llama_config():
-    return transformers.LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        initializer_range=0.2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-
-
-def _gemma2_config():
-    return transformers.Gemma2Config(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        sliding_window=12, query_pre_attn_scalar=16, attn_logit_softcapping=50.0,
-        final_logit_softcapping=30.0, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, tie_word_embeddings=False)
-
-
-CONFIGS = {"llama": _llama_config, "gemma2": _gemma2_config}
+CONFIGS = {"llama": partial(tiny_llama_config, VOCAB_SIZE),
+           "gemma2": partial(tiny_gemma2_config, VOCAB_SIZE, tie_word_embeddings=False)}
 
 
 def save_tiny_model(kind: str, path) -> str:
@@ -63,9 +49,4 @@ def reference_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> li
     return outputs
 
 
-def random_prompts(num_prompts: int, min_len: int, max_len: int, seed: int = 0,
-                   shared_prefix: list[int] | None = None) -> list[list[int]]:
-    rng = random.Random(seed)
-    prefix = list(shared_prefix or [])
-    return [prefix + [rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randint(min_len, max_len))]
-            for _ in range(num_prompts)]
+random_prompts = partial(random_token_prompts, VOCAB_SIZE)

@@ -1,0 +1,38 @@
+"""Configs of tiny random-weight transformers models, and random token prompts.
+
+A large init range keeps the logits of such a small model well separated, so
+greedy outputs vary and do not tie.
+"""
+from __future__ import annotations
+
+import random
+
+import transformers
+
+
+def tiny_llama_config(vocab_size: int, num_kv_heads: int = 2) -> transformers.LlamaConfig:
+    """Two layers, four query heads, untied LM head."""
+    return transformers.LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=num_kv_heads, max_position_embeddings=512,
+        initializer_range=0.2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+
+
+def tiny_gemma2_config(vocab_size: int, tie_word_embeddings: bool) -> transformers.Gemma2Config:
+    """Four layers alternating sliding (window 12) and global attention, both soft-caps on."""
+    return transformers.Gemma2Config(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        sliding_window=12, query_pre_attn_scalar=16, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, tie_word_embeddings=tie_word_embeddings)
+
+
+def random_token_prompts(vocab_size: int, num_prompts: int, min_len: int, max_len: int, seed: int = 0,
+                         shared_prefix: list[int] | None = None) -> list[list[int]]:
+    """Prompts of random length in [min_len, max_len] (after `shared_prefix`), ids >= 3
+    so that none is a special token."""
+    rng = random.Random(seed)
+    prefix = list(shared_prefix or [])
+    return [prefix + [rng.randrange(3, vocab_size) for _ in range(rng.randint(min_len, max_len))]
+            for _ in range(num_prompts)]
