@@ -15,45 +15,14 @@ from kvserve.model.decoder import DecoderModel
 from kvserve.model.loader import iter_safetensors, load_model, load_weights, shard_selector
 
 gguf = pytest.importorskip("gguf")
+from helpers.gguf_writer import write_gguf  # noqa: E402
 
 
 def _write_gguf(hf_dir: str, path: str) -> str:
     """The tiny Llama as llama.cpp lays it out: Q/K rows permuted per head, matrices Q8_0."""
     import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
-    cfg = model.config
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_vocab_size(cfg.vocab_size)
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    for name, tensor in model.state_dict().items():
-        array = tensor.numpy()
-        heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}.get(name.split(".")[-2])
-        if heads:
-            array = (array.reshape(heads, 2, array.shape[0] // heads // 2, -1).swapaxes(1, 2)
-                     .reshape(array.shape))
-        parts = name.split(".")
-        gguf_name = top.get(name) or f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.{parts[-1]}"
-        if array.ndim == 1:
-            writer.add_tensor(gguf_name, np.ascontiguousarray(array))
-        else:
-            quantized = gguf.quants.quantize(np.ascontiguousarray(array), gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(gguf_name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32), path,
+               gguf.GGMLQuantizationType.Q8_0)
     return path
 
 
