@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from kvserve.engine.async_llm import (AsyncLLM, EngineDeadError, EngineOverloadedError,
@@ -47,6 +47,17 @@ async def parse_body(raw_request: Request, model_cls: type[ModelT]) -> ModelT:
         return model_cls.model_validate_json(body)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+
+
+async def parse_request(raw_request: Request, ctx: ServingContext, model_cls: type[ModelT]) -> ModelT:
+    """The validated body, checked to name the served model and only supported features."""
+    body = await parse_body(raw_request, model_cls)
+    try:
+        check_model_name(ctx, body.model)
+        body.check_supported()
+    except Exception as exc:  # noqa: BLE001
+        raise to_api_error(exc) from None
+    return body
 
 
 def check_model_name(ctx: ServingContext, requested: str | None) -> None:
@@ -242,16 +253,24 @@ async def collect_until_disconnect(raw_request: Request, outputs: AsyncIterator[
     return final_by_index
 
 
-async def collect_final_outputs(raw_request: Request, outputs: AsyncIterator[tuple[int, Any]]
-                                ) -> dict[int, Any] | None:
-    """`collect_until_disconnect`, with an engine error raised as its APIError."""
+async def respond(raw_request: Request, outputs: AsyncIterator[tuple[int, Any]], stream: bool,
+                  make_events: Callable[[AsyncIterator[tuple[int, Any]]], AsyncIterator[str]],
+                  make_full_response: Callable[[dict[int, Any]], dict]) -> Response:
+    """Answer a call: its outputs streamed as the SSE events `make_events` builds, or once
+    all are final, the JSON `make_full_response` builds from them by prompt index (an
+    empty 499 when the client hung up first)."""
+    if stream:
+        return await _streaming_response(outputs, make_events)
     try:
-        return await collect_until_disconnect(raw_request, outputs)
+        final_by_index = await collect_until_disconnect(raw_request, outputs)
     except Exception as exc:  # noqa: BLE001
         raise to_api_error(exc) from None
+    if final_by_index is None:
+        return JSONResponse({}, status_code=499)
+    return JSONResponse(make_full_response(final_by_index))
 
 
-async def streaming_response(
+async def _streaming_response(
         outputs: AsyncIterator[tuple[int, Any]],
         make_events: Callable[[AsyncIterator[tuple[int, Any]]], AsyncIterator[str]]) -> StreamingResponse:
     """An SSE response whose events `make_events` builds from the call's outputs.

@@ -7,14 +7,13 @@ from functools import partial
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import ChatCompletionRequest
-from kvserve.server.serving import (ChoiceStreamState, ChunkFormatter, ServingContext, check_model_name,
-                                    collect_final_outputs, merged_outputs, new_id, next_delta, parse_body,
-                                    resolve_max_tokens, run_tokenizer, streaming_response, submit_all,
-                                    to_api_error, token_logprob_entries, token_text, usage_dict)
+from kvserve.server.serving import (ChoiceStreamState, ChunkFormatter, ServingContext, merged_outputs,
+                                    new_id, next_delta, parse_request, resolve_max_tokens, respond,
+                                    run_tokenizer, submit_all, to_api_error, token_logprob_entries,
+                                    token_text, usage_dict)
 
 
 async def _render_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
@@ -32,10 +31,8 @@ async def _render_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> li
 
 async def create_chat_completion(raw_request: Request, ctx: ServingContext):
     """Handle one /v1/chat/completions call (streaming or not)."""
-    body = await parse_body(raw_request, ChatCompletionRequest)
+    body = await parse_request(raw_request, ctx, ChatCompletionRequest)
     try:
-        check_model_name(ctx, body.model)
-        body.check_supported()
         prompt_token_ids = await _render_prompt(ctx, body)
         max_tokens = resolve_max_tokens(ctx.engine, len(prompt_token_ids),
                                         body.requested_max_tokens())
@@ -45,16 +42,13 @@ async def create_chat_completion(raw_request: Request, ctx: ServingContext):
         raise to_api_error(exc) from None
     response_id = new_id("chatcmpl")
     outputs = merged_outputs(ctx, submit_all(ctx, [(prompt_token_ids, params)], response_id))
-    if body.stream:
-        return await streaming_response(outputs, partial(_stream_events, ctx, body, response_id))
-    final_by_index = await collect_final_outputs(raw_request, outputs)
-    if final_by_index is None:
-        return JSONResponse({}, status_code=499)
-    return JSONResponse(_full_response(ctx, body, response_id, final_by_index[0]))
+    return await respond(raw_request, outputs, body.stream, partial(_stream_events, ctx, body, response_id),
+                         partial(_full_response, ctx, body, response_id))
 
 
 def _full_response(ctx: ServingContext, body: ChatCompletionRequest, response_id: str,
-                   request_output: Any) -> dict:
+                   final_by_index: dict[int, Any]) -> dict:
+    request_output = final_by_index[0]
     choices = []
     for completion in request_output.outputs:
         logprobs = None

@@ -8,15 +8,13 @@ from functools import partial
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import CompletionRequest
-from kvserve.server.serving import (ChoiceStreamState, ChunkFormatter, ServingContext, check_model_name,
-                                    check_token_ids, collect_final_outputs, merged_outputs, new_id,
-                                    next_delta, parse_body, resolve_max_tokens, run_tokenizer,
-                                    streaming_response, submit_all, to_api_error, token_logprob_entries,
+from kvserve.server.serving import (ChoiceStreamState, ChunkFormatter, ServingContext, check_token_ids,
+                                    merged_outputs, new_id, next_delta, parse_request, resolve_max_tokens,
+                                    respond, run_tokenizer, submit_all, to_api_error, token_logprob_entries,
                                     token_text, usage_dict)
 
 # Engine requests (prompts x n) one call may cause.
@@ -58,22 +56,17 @@ async def _prepare(ctx: ServingContext, body: CompletionRequest) -> list[_Prepar
 
 async def create_completion(raw_request: Request, ctx: ServingContext):
     """Handle one /v1/completions call (streaming or not)."""
-    body = await parse_body(raw_request, CompletionRequest)
+    body = await parse_request(raw_request, ctx, CompletionRequest)
     try:
-        check_model_name(ctx, body.model)
-        body.check_supported()
         prepared = await _prepare(ctx, body)
     except Exception as exc:  # noqa: BLE001
         raise to_api_error(exc) from None
     response_id = new_id("cmpl")
     handles = submit_all(ctx, [(p.token_ids, p.sampling_params) for p in prepared], response_id)
     outputs = merged_outputs(ctx, handles)
-    if body.stream:
-        return await streaming_response(outputs, partial(_stream_events, ctx, body, prepared, response_id))
-    final_by_index = await collect_final_outputs(raw_request, outputs)
-    if final_by_index is None:
-        return JSONResponse({}, status_code=499)
-    return JSONResponse(_full_response(ctx, body, prepared, response_id, final_by_index))
+    return await respond(raw_request, outputs, body.stream,
+                         partial(_stream_events, ctx, body, prepared, response_id),
+                         partial(_full_response, ctx, body, prepared, response_id))
 
 
 def _full_response(ctx: ServingContext, body: CompletionRequest, prepared: list[_PreparedPrompt],
