@@ -38,6 +38,7 @@ class Executor:
 
     def __init__(self, engine_config: "EngineConfig") -> None:
         self.engine_config = engine_config
+        self._lock = threading.RLock()
         self._is_shut_down = False
 
     @staticmethod
@@ -78,6 +79,14 @@ class Executor:
         raise NotImplementedError
 
     def shutdown(self) -> None:
+        """Stop the runners, once; later steps raise ExecutorDeadError."""
+        with self._lock:
+            if self._is_shut_down:
+                return
+            self._is_shut_down = True
+        self._stop_runners()
+
+    def _stop_runners(self) -> None:
         raise NotImplementedError
 
     def _raise_if_shut_down(self) -> None:
@@ -98,7 +107,6 @@ class UniProcExecutor(Executor):
         self.model_runner.load_model()
         # One thread: steps must run in submission order on the runner's state.
         self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
-        self._lock = threading.Lock()
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         return self.model_runner.get_kv_cache_specs()
@@ -117,9 +125,5 @@ class UniProcExecutor(Executor):
     def check_health(self) -> None:
         self._raise_if_shut_down()
 
-    def shutdown(self) -> None:
-        with self._lock:
-            if self._is_shut_down:
-                return
-            self._is_shut_down = True
+    def _stop_runners(self) -> None:
         self._step_thread.shutdown(wait=True, cancel_futures=True)

@@ -120,7 +120,6 @@ class TPExecutor(Executor):
         self.backend = distributed_backend(engine_config.device,
                                            engine_config.parallel_config.distributed_backend)
         self._dead_reason: str | None = None
-        self._lock = threading.RLock()
         self._pending: deque[_PendingCall] = deque()
         self._pending_changed = threading.Condition(self._lock)
         self._rendezvous_dir = tempfile.mkdtemp(prefix="kvserve-tp-")
@@ -182,12 +181,9 @@ class TPExecutor(Executor):
             raise ExecutorDeadError(self._dead_reason)
         self._raise_if_shut_down()
 
-    def shutdown(self) -> None:
+    def _stop_runners(self) -> None:
         with self._lock:
-            if self._is_shut_down:
-                return
-            self._is_shut_down = True
-            self._pending_changed.notify_all()
+            self._pending_changed.notify_all()  # the receiver sees the flag and returns
         for conn in self._conns:
             try:
                 conn.send(WorkerCall("shutdown"))
