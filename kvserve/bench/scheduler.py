@@ -14,7 +14,10 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
+import inspect
 import json
+import os
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -123,7 +126,7 @@ def _build_vllm_scheduler(prompts: list[list[int]], output_len: int, block_size:
     it, built the way vLLM's own unit tests build one (`tests/v1/core/utils.py`).
     That needs a model config vLLM can resolve; any failure is reported by
     the caller as an error entry instead of a measurement."""
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -140,14 +143,19 @@ def _build_vllm_scheduler(prompts: list[list[int]], output_len: int, block_size:
         from vllm.utils import sha256  # older layouts
 
     max_model_len = len(prompts[0]) + output_len + 1
-    model_config = ModelConfig(model="facebook/opt-125m", dtype="float16", seed=42,
-                               max_model_len=max_model_len)
+    model_config = ModelConfig(model=_local_model_dir(), dtype="float16", seed=42,
+                               max_model_len=max_model_len, skip_tokenizer_init=True)
+    scheduler_kwargs: dict[str, Any] = {}
+    if "is_encoder_decoder" in inspect.signature(SchedulerConfig).parameters:
+        scheduler_kwargs["is_encoder_decoder"] = False  # required from vLLM 0.1x on
     scheduler_config = SchedulerConfig(max_num_seqs=len(prompts), max_num_batched_tokens=max_num_batched_tokens,
-                                       max_model_len=max_model_len, enable_chunked_prefill=True)
+                                       max_model_len=max_model_len, enable_chunked_prefill=True,
+                                       **scheduler_kwargs)
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True)
     cache_config.num_gpu_blocks = num_blocks
+    # The device is named so that vLLM need not detect one (it may find no GPU here).
     vllm_config = VllmConfig(scheduler_config=scheduler_config, model_config=model_config,
-                             cache_config=cache_config)
+                             cache_config=cache_config, device_config=DeviceConfig(device="cpu"))
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1,
                                                       dtype=torch.float32))])
@@ -156,11 +164,14 @@ def _build_vllm_scheduler(prompts: list[list[int]], output_len: int, block_size:
                           block_size=block_size)
     init_none_hash(sha256)
     block_hasher = get_request_block_hasher(block_size, sha256)
+    request_kwargs: dict[str, Any] = {"block_hasher": block_hasher}
+    if "eos_token_id" in inspect.signature(Request).parameters:
+        request_kwargs["eos_token_id"] = None  # removed from Request in later vLLM versions
     for i, prompt in enumerate(prompts):
         scheduler.add_request(Request(
             request_id=str(i), prompt_token_ids=prompt,
             sampling_params=SamplingParams(ignore_eos=True, max_tokens=output_len),
-            pooling_params=None, eos_token_id=None, block_hasher=block_hasher))
+            pooling_params=None, **request_kwargs))
 
     def execute(scheduler_output: Any) -> Any:
         req_ids = list(scheduler_output.num_scheduled_tokens)
@@ -174,6 +185,26 @@ def _build_vllm_scheduler(prompts: list[list[int]], output_len: int, block_size:
                                  pooler_output=[])
 
     return scheduler, execute
+
+
+# SmolLM2-135M's shape; vLLM's ModelConfig only reads config.json, so no weights
+# and no hub access are needed (the machine running the bench may be offline).
+_LOCAL_MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+    "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+    "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-05, "rope_theta": 100000.0, "torch_dtype": "bfloat16", "hidden_act": "silu",
+    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def _local_model_dir() -> str:
+    """A temporary directory holding only a config.json vLLM can resolve offline."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model_dir = tempfile.mkdtemp(prefix="kvserve-vllm-config-")
+    with open(os.path.join(model_dir, "config.json"), "w") as config_file:
+        json.dump(_LOCAL_MODEL_CONFIG, config_file)
+    return model_dir
 
 
 def main(argv: list[str] | None = None) -> None:
