@@ -14,6 +14,7 @@ its KVCacheManager and the ratios are reported.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import random
@@ -95,8 +96,10 @@ def _run_vllm(prompts: list[list[int]], block_size: int, num_blocks: int, max_ru
     init_none_hash(hash_fn)
     spec = VllmFull(block_size=block_size, num_kv_heads=8, head_size=64, dtype=torch.bfloat16)
     config = VllmConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[VllmGroup(["layer0"], spec)])
-    manager = VllmKVCacheManager(config, max_model_len=max(map(len, prompts)) + 1,
-                                 hash_block_size=block_size, enable_caching=enable_caching)
+    manager_kwargs: dict[str, Any] = {"hash_block_size": block_size, "enable_caching": enable_caching}
+    if "scheduler_block_size" in inspect.signature(VllmKVCacheManager).parameters:
+        manager_kwargs["scheduler_block_size"] = block_size  # required from vLLM 0.33
+    manager = VllmKVCacheManager(config, max_model_len=max(map(len, prompts)) + 1, **manager_kwargs)
     hasher = get_request_block_hasher(block_size, hash_fn)
     requests = [VllmRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=1),
                             pooling_params=None, block_hasher=hasher)
