@@ -105,14 +105,19 @@ def _run_vllm(prompts: list[list[int]], block_size: int, num_blocks: int, max_ru
                             pooling_params=None, block_hasher=hasher)
                 for i, prompt in enumerate(prompts)]
 
+    num_hit_tokens = 0
+
     def admit(request: Any) -> None:
+        nonlocal num_hit_tokens
         hit_blocks, num_hit = manager.get_computed_blocks(request)[:2]
+        num_hit_tokens += num_hit
         if manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, hit_blocks) is None:
             raise RuntimeError("benchmark pool too small")
 
     elapsed_s = _drive(requests, max_running, admit, manager.free)
     return {"elapsed_s": elapsed_s, "requests_per_s": len(requests) / elapsed_s,
-            "ops_per_s": 2 * len(requests) / elapsed_s}
+            "ops_per_s": 2 * len(requests) / elapsed_s,
+            "hit_rate": num_hit_tokens / sum(len(prompt) for prompt in prompts)}
 
 
 def run(num_requests: int = 10_000, block_size: int = 16, num_prefixes: int = 32, prefix_len: int = 256,
