@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -121,7 +122,10 @@ class LlamaCppRunner:
         if not model_path.endswith(".gguf"):
             raise ValueError("llama.cpp needs a .gguf model file")
         started = time.perf_counter()
-        self.llm = llama_cpp.Llama(model_path=model_path, n_ctx=n_ctx, n_threads=n_threads, verbose=False)
+        # llama-cpp-python defaults to half the cores; use as many threads as torch does.
+        n_threads = n_threads or os.cpu_count() or 1
+        self.llm = llama_cpp.Llama(model_path=model_path, n_ctx=n_ctx, n_threads=n_threads,
+                                   n_threads_batch=n_threads, verbose=False)
         self.load_s = time.perf_counter() - started
 
     def _generate_one(self, request) -> None:
