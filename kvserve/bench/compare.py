@@ -90,9 +90,26 @@ def format_result(result: dict[str, Any]) -> str:
         [[r["workload"], r["reference"], r["kvserve_output_tokens_per_s"], r["reference_output_tokens_per_s"],
           f"{r['speedup']:.2f}x"] for r in result["ratios"]],
         title="compare: ratios (output tokens/s)")
+    text += _format_scheduler_comparison(result.get("scheduler_comparison"))
     for name, why in result["skipped"].items():
         text += f"\nskipped {name}: {why}"
     return text
+
+
+def _format_scheduler_comparison(comparison: dict[str, Any] | None) -> str:
+    """The vLLM scheduler rows of the same run, or nothing when vLLM was not run."""
+    if not comparison or not comparison.get("vllm"):
+        return ""
+    rows = []
+    for num_running, ours in comparison["kvserve"].items():
+        theirs = comparison["vllm"].get(num_running, {})
+        if "us_per_step" not in theirs:
+            rows.append([num_running, f"{ours['us_per_step']:.0f}", theirs.get("error", "-"), "-"])
+            continue
+        rows.append([num_running, f"{ours['us_per_step']:.0f}", f"{theirs['us_per_step']:.0f}",
+                     f"{comparison['ratio_kvserve_over_vllm'][num_running]:.2f}x"])
+    return "\n\n" + format_table(["running requests", "kvserve us/step", "vLLM us/step", "kvserve / vLLM"],
+                                  rows, title="compare: scheduler step against vLLM")
 
 
 def plot_values(result: dict[str, Any]) -> tuple[list[str], list[float]]:
