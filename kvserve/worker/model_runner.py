@@ -128,19 +128,26 @@ class ModelRunner:
         skipped = [rid for rid in scheduler_output.num_scheduled_tokens if rid in self._failed_req_ids]
         return self._make_output(prepared.req_ids + skipped, sampled_token_ids, logprobs_by_req)
 
-    def _forward_and_sample(self, prepared: PreparedBatch) -> tuple[dict[str, int], dict]:
-        """Run the model; sample one token for each request that reached its last token."""
+    def _forward_sampled_rows(self, prepared: PreparedBatch) -> torch.Tensor | None:
+        """Run the model over the step; the hidden rows of the requests to sample
+        (None when no request reached its last token)."""
         hidden = self.model.forward(
             torch.from_numpy(prepared.input_ids).to(self.device),
             torch.from_numpy(prepared.positions).to(self.device),
             self._build_attention_metadata(prepared),
             self.kv_caches,
         )
-        sampled_req_ids = prepared.sampled_req_ids
-        if not sampled_req_ids:
+        if not prepared.sampled_req_ids:
+            return None
+        return hidden[torch.from_numpy(prepared.logits_indices).to(self.device)]
+
+    def _forward_and_sample(self, prepared: PreparedBatch) -> tuple[dict[str, int], dict]:
+        """Run the model; sample one token for each request that reached its last token."""
+        sampled_hidden = self._forward_sampled_rows(prepared)
+        if sampled_hidden is None:
             return {}, {}
-        logits_indices = torch.from_numpy(prepared.logits_indices).to(self.device)
-        logits = self.model.compute_logits(hidden[logits_indices])
+        sampled_req_ids = prepared.sampled_req_ids
+        logits = self.model.compute_logits(sampled_hidden)
         sampler_output = self.sampler.sample(logits, self._sampling_tensors(sampled_req_ids))
         sampled_token_ids, logprobs_by_req = {}, {}
         for i, req_id in enumerate(sampled_req_ids):

@@ -84,19 +84,13 @@ class TPModelRunner(ModelRunner):
     """A ModelRunner for one rank: the driver samples and broadcasts the tokens."""
 
     def _forward_and_sample(self, prepared: PreparedBatch) -> tuple[dict[str, int], dict]:
-        hidden = self.model.forward(
-            torch.from_numpy(prepared.input_ids).to(self.device),
-            torch.from_numpy(prepared.positions).to(self.device),
-            self._build_attention_metadata(prepared),
-            self.kv_caches,
-        )
-        sampled_req_ids = prepared.sampled_req_ids
+        sampled_hidden = self._forward_sampled_rows(prepared)
         # Every rank derives the same batch from the same SchedulerOutput, so all
         # take this branch together and the collectives below line up.
-        if not sampled_req_ids:
+        if sampled_hidden is None:
             return {}, {}
-        logits_indices = torch.from_numpy(prepared.logits_indices).to(self.device)
-        logits = self.model.compute_logits_on_driver(hidden[logits_indices])
+        sampled_req_ids = prepared.sampled_req_ids
+        logits = self.model.compute_logits_on_driver(sampled_hidden)
         # -1 tells the other ranks that the driver's sampling failed, so that they
         # fail the step too instead of waiting in the broadcast.
         token_ids = torch.full((len(sampled_req_ids),), -1, dtype=torch.int64, device=self.device)
