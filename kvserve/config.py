@@ -121,6 +121,12 @@ _UNIT_BYTES = {
 _MEMORY_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
+def cache_root() -> str:
+    """Root of kvserve's on-disk caches: $KVSERVE_CACHE_DIR, else $XDG_CACHE_HOME/kvserve or ~/.cache/kvserve."""
+    return os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvserve")
+
+
 def parse_memory_size(size: int | float | str) -> int:
     """Bytes from an int or a string such as "2GiB", "512MiB", "1.5G", "3GB".
 

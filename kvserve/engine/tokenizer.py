@@ -15,9 +15,10 @@ import tempfile
 import threading
 from typing import Any, Sequence
 
+from kvserve.config import cache_root
+
 logger = logging.getLogger(__name__)
 
-_CACHE_ENV = "KVSERVE_CACHE_DIR"
 # Bump when the cached layout changes, so stale entries are ignored.
 _CACHE_VERSION = "1"
 
@@ -31,9 +32,7 @@ class TokenizerError(ValueError):
 
 def tokenizer_cache_dir() -> str:
     """Root of the on-disk tokenizer cache ($KVSERVE_CACHE_DIR or ~/.cache/kvserve)."""
-    root = os.environ.get(_CACHE_ENV) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvserve")
-    return os.path.join(root, "tokenizers")
+    return os.path.join(cache_root(), "tokenizers")
 
 
 def load_tokenizer(model: Any) -> Any:

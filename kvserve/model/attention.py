@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from kvserve.kv_cache.interface import (AttentionSpec, CircularBufferSpec, KVCacheConfig, KVCacheSpec,
                                         SlidingWindowSpec)
 from kvserve.kv_cache.utils import KVCacheBlockCopy
+from kvserve.model import cpu_kernels
 
 
 @dataclass
@@ -48,6 +49,17 @@ class AttentionSubBatch:
 
 
 @dataclass
+class NativeTokens:
+    """Tokens attended by the native CPU kernel, reading K/V in place from the cache."""
+
+    token_index: torch.Tensor  # [n] flat token index
+    positions: torch.Tensor  # [n] position of each; it reads keys up to and including it
+    table_row: torch.Tensor  # [n] row of `block_table` holding its request's blocks
+    block_table: torch.Tensor  # [B, max_blocks] int64, contiguous
+    window: int | None
+
+
+@dataclass
 class AttentionPlan:
     """Gather/scatter indices of one step for one KV-cache group, shared by its layers."""
 
@@ -55,6 +67,7 @@ class AttentionPlan:
     write_token_index: torch.Tensor | None  # tokens whose K/V are stored (None: all)
     write_slots: torch.Tensor  # where they go
     write_before_read: bool = True
+    native: NativeTokens | None = None
 
 
 @dataclass
@@ -94,11 +107,22 @@ class AttentionMetadata:
                                                      metadata.seq_lens)
         return metadata
 
-    def plan(self, block_size: int, sliding_window: int | None) -> AttentionPlan:
-        key = (block_size, sliding_window)
+    def plan(self, block_size: int, sliding_window: int | None, native: bool = False) -> AttentionPlan:
+        """The step's plan for layers of this block size and window; `native` lets the CPU kernel
+        take the short queries (see `native_kernel_usable`)."""
+        key = (block_size, sliding_window, native)
         if key not in self._plans:
-            self._plans[key] = _build_plan(self, block_size, sliding_window)
+            self._plans[key] = _build_plan(self, block_size, sliding_window, native)
         return self._plans[key]
+
+
+def native_kernel_usable(kv_cache: torch.Tensor, q: torch.Tensor) -> bool:
+    """The native CPU kernel can serve attention of queries `q` [T, Hq, D] over this cache
+    (CPU, float32/bfloat16, a shape it takes, built)."""
+    return (kv_cache.device.type == "cpu" and cpu_kernels.supports_dtype(kv_cache.dtype)
+            and cpu_kernels.supports_dtype(q.dtype) and kv_cache.is_contiguous()
+            and cpu_kernels.supports_shape(q.shape[1], kv_cache.shape[1], q.shape[2])
+            and cpu_kernels.load_paged_attention() is not None)
 
 
 def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,25 +152,31 @@ def _slots(block_table: torch.Tensor, req_index: torch.Tensor, positions: torch.
     return block_table[req_index, block_index] * block_size + positions % block_size
 
 
-def _build_plan(md: AttentionMetadata, block_size: int, window: int | None) -> AttentionPlan:
+def _build_plan(md: AttentionMetadata, block_size: int, window: int | None, native: bool) -> AttentionPlan:
     ring_blocks = _ring_blocks(md.spec)
     md.block_table = md.block_table.long()
     md.query_start_loc = md.query_start_loc.long()
     md.seq_lens = md.seq_lens.long()
     query_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
     context_lens = md.seq_lens - query_lens
-    is_decode = query_lens == 1
-    decode_rows = is_decode.nonzero().flatten()
-    decode_groups = _length_groups(decode_rows, _blocks_read(context_lens[decode_rows], 1, block_size, window))
+    req_index, positions = token_positions(md.query_start_loc, md.seq_lens)
+    num_tokens = int(md.query_start_loc[-1])
+    # Ring groups read before they write, which the kernel (reading only the cache) cannot.
+    native = native and ring_blocks is None
+    short = (query_lens > 0) & (query_lens <= _NATIVE_MAX_QUERY_LEN) if native else query_lens == 1
+    native_tokens, decode_groups = None, []
+    if native:
+        native_tokens = _native_tokens(md, short, req_index, positions, window)
+    else:
+        decode_rows = short.nonzero().flatten()
+        decode_groups = _length_groups(decode_rows, _blocks_read(context_lens[decode_rows], 1, block_size, window))
     sub_batches = []
-    for rows in (*decode_groups, (~is_decode & (query_lens > 0)).nonzero().flatten()):
+    for rows in (*decode_groups, (~short & (query_lens > 0)).nonzero().flatten()):
         if len(rows):
             sub_batches.append(_build_sub_batch(md, rows, query_lens[rows], context_lens[rows],
                                                 block_size, window, ring_blocks))
-    num_tokens = int(md.query_start_loc[-1])
     if len(sub_batches) == 1 and _covers_batch_in_order(sub_batches[0], num_tokens):
         sub_batches[0].is_whole_batch = True
-    req_index, positions = token_positions(md.query_start_loc, md.seq_lens)
     if ring_blocks is not None:
         slots = _slots(md.block_table, req_index, positions, block_size, ring_blocks)
         # A ring slot is reused every ring_capacity positions: of the tokens of this
@@ -156,7 +186,23 @@ def _build_plan(md: AttentionMetadata, block_size: int, window: int | None) -> A
         return AttentionPlan(sub_batches, write_index, slots[write_index], write_before_read=False)
     slots = md.slot_mapping.long() if md.slot_mapping is not None else _slots(
         md.block_table, req_index, positions, block_size, None)
-    return AttentionPlan(sub_batches, None, slots)
+    return AttentionPlan(sub_batches, None, slots, native=native_tokens)
+
+
+# Queries of up to this many tokens go to the native kernel (each token reads
+# its keys once per KV head); longer ones are prefills, where the padded
+# matmul path (SDPA) reuses each key across many queries.
+_NATIVE_MAX_QUERY_LEN = 16
+
+
+def _native_tokens(md: AttentionMetadata, requests: torch.Tensor, req_index: torch.Tensor,
+                   positions: torch.Tensor, window: int | None) -> NativeTokens | None:
+    token_index = requests[req_index].nonzero().flatten()
+    if not len(token_index):
+        return None
+    return NativeTokens(token_index=token_index, positions=positions[token_index].contiguous(),
+                        table_row=req_index[token_index].contiguous(), block_table=md.block_table.contiguous(),
+                        window=window)
 
 
 # A decode sub-batch pads every request to its longest context. Splitting one
@@ -266,6 +312,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     if plan.write_before_read:
         _store(kv_rows, k, v, plan)
     out = None
+    if plan.native is not None:
+        out = q.new_empty(q.shape)
+        tokens = plan.native
+        cpu_kernels.paged_attention_cpu(q, kv_cache, out, tokens.token_index, tokens.positions, tokens.block_table,
+                                        tokens.table_row, tokens.window, scale, softcap)
     for sub in plan.sub_batches:
         n, num_blocks = sub.key_blocks.shape
         # One gather for K and V of every request of the sub-batch: [2, Hkv, n, keys, D].

@@ -9,7 +9,7 @@ from torch import nn
 
 from kvserve.kv_cache.interface import (CircularBufferSpec, FullAttentionSpec, KVCacheConfig, KVCacheSpec,
                                         SlidingWindowSpec)
-from kvserve.model.attention import AttentionMetadata, is_windowed, paged_attention
+from kvserve.model.attention import AttentionMetadata, is_windowed, native_kernel_usable, paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import RMSNorm, RotaryEmbedding, activation, apply_rotary
 from kvserve.model.parallel import (ColumnParallelLinear, PackableLinearMixin, ParallelLMHead, RowParallelLinear,
@@ -48,7 +48,7 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
-        plan = metadata.plan(kv_cache.shape[-2], self.sliding_window)
+        plan = metadata.plan(kv_cache.shape[-2], self.sliding_window, native_kernel_usable(kv_cache, q))
         out = paged_attention(q, k, v, kv_cache, plan, self.scale, self.softcap)
         return self.o_proj(out.reshape(num_tokens, -1))
 

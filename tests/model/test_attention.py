@@ -8,10 +8,14 @@ import torch
 from kvserve.kv_cache.interface import (CircularBufferSpec, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
                                         KVCacheTensor, SlidingWindowSpec)
 from kvserve.kv_cache.utils import KVCacheBlockCopy
+from kvserve.model import cpu_kernels
 from kvserve.model.attention import (AttentionMetadata, allocate_kv_caches, copy_kv_blocks, kv_cache_shape,
-                                     paged_attention)
+                                     native_kernel_usable, paged_attention)
 
 HQ, HKV, D, BS = 4, 2, 8, 4
+
+needs_native = pytest.mark.skipif(cpu_kernels.load_paged_attention() is None,
+                                  reason="the native CPU kernel could not be built (no C compiler?)")
 
 
 def dense_attention(q, k, v, first_pos, scale, softcap, window):
@@ -39,9 +43,12 @@ def _spec(kind: str, window: int):
     return CircularBufferSpec(**common, sliding_window=window)
 
 
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=needs_native)])
 @pytest.mark.parametrize("kind,softcap", [("full", None), ("full", 20.0), ("sliding", None), ("circular", None),
                                           ("circular", 20.0)])
-def test_paged_attention_matches_dense(kind, softcap):
+def test_paged_attention_matches_dense(kind, softcap, native):
+    """Chunked prefills and decodes; with `native`, queries of up to 16 tokens go to the C kernel
+    (circular groups keep the torch path)."""
     window = 6 if kind != "full" else None
     spec = _spec(kind, window or 1)
     generator = torch.Generator().manual_seed(0)
@@ -69,7 +76,9 @@ def test_paged_attention_matches_dense(kind, softcap):
         q = torch.cat([qs[i][done[i]:done[i] + step[i]] for i in rows])
         k = torch.cat([ks[i][done[i]:done[i] + step[i]] for i in rows])
         v = torch.cat([vs[i][done[i]:done[i] + step[i]] for i in rows])
-        out = paged_attention(q, k, v, cache, md.plan(BS, window), 0.3, softcap)
+        plan = md.plan(BS, window, native)
+        assert (plan.native is not None) == (native and kind != "circular")
+        out = paged_attention(q, k, v, cache, plan, 0.3, softcap)
         offset = 0
         for i in rows:
             end = done[i] + step[i]
@@ -148,3 +157,44 @@ def test_length_groups_cover_each_row_once_longest_first():
     # Nothing to gain: one group, the rows in their batch order (not sorted by length).
     small = torch.tensor([1, 3, 2, 3, 1])
     assert _length_groups(rows[:5], small)[0].tolist() == rows[:5].tolist()
+
+
+@needs_native
+@pytest.mark.parametrize("dtype,window", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, 37)])
+def test_native_kernel_matches_torch_path_at_model_shapes(dtype, window):
+    """SmolLM2's attention shape (9 query heads on 3 KV heads of 64, block 16): the kernel's
+    decode output equals the torch path's within the storage dtype's rounding."""
+    hq, hkv, d, bs = 9, 3, 64, 16
+    spec = FullAttentionSpec(block_size=bs, num_kv_heads=hkv, head_size=d, dtype=dtype)
+    if window:
+        spec = SlidingWindowSpec(block_size=bs, num_kv_heads=hkv, head_size=d, dtype=dtype, sliding_window=window)
+    generator = torch.Generator().manual_seed(3)
+    cache = torch.randn(kv_cache_shape(spec, 96), generator=generator).to(dtype)
+    assert native_kernel_usable(cache, torch.empty(1, hq, d, dtype=dtype))
+    lengths = [1, 16, 17, 100, 250, 33]
+    free = torch.randperm(95, generator=generator).add(1).tolist()
+    tables = [[free.pop() for _ in range(-(-n // bs))] for n in lengths]
+    md = AttentionMetadata.build(spec, [1] * len(lengths), lengths, _padded_table(tables))
+    q = torch.randn(len(lengths), hq, d, generator=generator).to(dtype)
+    # k/v of this step: what the cache already holds at the last position (the write is a no-op).
+    last = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lengths)])
+    rows = cache.view(2, hkv, -1, d)
+    k, v = rows[0][:, last].transpose(0, 1), rows[1][:, last].transpose(0, 1)
+    expected = paged_attention(q, k, v, cache, md.plan(bs, window, False), 0.125, None)
+    native_plan = md.plan(bs, window, True)
+    assert native_plan.native is not None and not native_plan.sub_batches
+    out = paged_attention(q, k, v, cache, native_plan, 0.125, None)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@needs_native
+def test_native_kernel_rejects_shapes_it_cannot_take():
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=512, dtype=torch.float32)
+    cache = torch.zeros(kv_cache_shape(spec, 4))
+    q = torch.zeros(1, HQ, 512)
+    assert not native_kernel_usable(cache, q)
+    index = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(cpu_kernels.KernelArgumentError, match="head size 512"):
+        cpu_kernels.paged_attention_cpu(q, cache, torch.empty_like(q), index, index, torch.ones(1, 1, dtype=torch.int64),
+                                        index, None, 1.0, None)

@@ -1,0 +1,175 @@
+/* Paged attention for CPU: each query token attends to its request's keys,
+ * read in place from the block-paged KV cache (no gather into a contiguous
+ * copy). Built and loaded at run time by kvserve/model/cpu_kernels.py.
+ *
+ * Layout (see kvserve/model/attention.py): K and V are each
+ * [kv_heads, num_blocks, block_size, head_dim]; the key at position p of a
+ * request lives in block block_table[p / block_size], slot p % block_size.
+ * Every key a token reads (positions lo..pos) must already be in the cache.
+ *
+ * One work item is (query token, KV head): the query heads that share the KV
+ * head (GQA) are handled together, so each K/V row is read once per item.
+ * Scores are kept exactly (two passes: scores, then softmax and the weighted
+ * sum of V), in float32 whatever the storage type.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { KV_F32 = 0, KV_BF16 = 1 };
+#define MAX_HEAD_DIM 256
+#define MAX_GROUP 32
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* quiet NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(bits >> 16);
+}
+
+static inline void load_row(const void *base, int64_t offset, int dtype, int64_t dim, float *dst) {
+    if (dtype == KV_F32) {
+        memcpy(dst, (const float *)base + offset, (size_t)dim * sizeof(float));
+    } else {
+        const uint16_t *src = (const uint16_t *)base + offset;
+        for (int64_t i = 0; i < dim; i++) dst[i] = bf16_to_f32(src[i]);
+    }
+}
+
+static inline void store_row(void *base, int64_t offset, int dtype, int64_t dim, const float *src) {
+    if (dtype == KV_F32) {
+        memcpy((float *)base + offset, src, (size_t)dim * sizeof(float));
+    } else {
+        uint16_t *dst = (uint16_t *)base + offset;
+        for (int64_t i = 0; i < dim; i++) dst[i] = f32_to_bf16(src[i]);
+    }
+}
+
+typedef struct {
+    const void *q;
+    int64_t q_token_stride, q_head_stride;
+    const void *k_cache, *v_cache;
+    int64_t cache_head_stride; /* elements between KV heads (num_blocks * block_size * head_dim) */
+    void *out;
+    int64_t out_token_stride, out_head_stride;
+    const int64_t *token_index; /* [n] row of q/out */
+    const int64_t *positions;   /* [n] position of the token; it reads keys lo..pos */
+    const int64_t *block_table; /* [rows, block_table_stride] */
+    int64_t block_table_stride;
+    const int64_t *table_row;   /* [n] block-table row of the token's request */
+    int64_t num_heads, num_kv_heads, head_dim, block_size, window;
+    float scale, softcap;
+    int q_dtype, kv_dtype;
+} Args;
+
+/* always_inline: the dispatch below calls it with a constant head_dim so the
+ * inner loops get fixed trip counts. */
+static inline __attribute__((always_inline)) void attend_item(const Args *a, int64_t item, const int64_t dim,
+                                                             float *scores) {
+    const int64_t token = item / a->num_kv_heads, kv_head = item % a->num_kv_heads;
+    const int64_t group = a->num_heads / a->num_kv_heads;
+    const int64_t pos = a->positions[token];
+    const int64_t lo = (a->window > 0 && pos - a->window + 1 > 0) ? pos - a->window + 1 : 0;
+    const int64_t num_keys = pos - lo + 1;
+    const int64_t *table = a->block_table + a->table_row[token] * a->block_table_stride;
+    const int64_t q_row = a->token_index[token];
+    float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], row[MAX_HEAD_DIM];
+
+    for (int64_t g = 0; g < group; g++) {
+        int64_t head = kv_head * group + g;
+        load_row(a->q, q_row * a->q_token_stride + head * a->q_head_stride, a->q_dtype, dim, qf[g]);
+        for (int64_t i = 0; i < dim; i++) qf[g][i] *= a->scale;
+    }
+    const int64_t head_base = kv_head * a->cache_head_stride;
+    for (int64_t j = 0; j < num_keys; j++) {
+        int64_t p = lo + j;
+        int64_t slot = table[p / a->block_size] * a->block_size + p % a->block_size;
+        load_row(a->k_cache, head_base + slot * dim, a->kv_dtype, dim, row);
+        for (int64_t g = 0; g < group; g++) {
+            float s = 0.f;
+            for (int64_t i = 0; i < dim; i++) s += qf[g][i] * row[i];
+            if (a->softcap > 0.f) s = tanhf(s / a->softcap) * a->softcap;
+            scores[g * num_keys + j] = s;
+        }
+    }
+    float inv_sum[MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) {
+        float *s = scores + g * num_keys, m = -INFINITY, sum = 0.f;
+        for (int64_t j = 0; j < num_keys; j++) m = s[j] > m ? s[j] : m;
+        for (int64_t j = 0; j < num_keys; j++) {
+            s[j] = expf(s[j] - m);
+            sum += s[j];
+        }
+        inv_sum[g] = 1.f / sum;
+        for (int64_t i = 0; i < dim; i++) acc[g][i] = 0.f;
+    }
+    for (int64_t j = 0; j < num_keys; j++) {
+        int64_t p = lo + j;
+        int64_t slot = table[p / a->block_size] * a->block_size + p % a->block_size;
+        load_row(a->v_cache, head_base + slot * dim, a->kv_dtype, dim, row);
+        for (int64_t g = 0; g < group; g++) {
+            float w = scores[g * num_keys + j];
+            for (int64_t i = 0; i < dim; i++) acc[g][i] += w * row[i];
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        int64_t head = kv_head * group + g;
+        for (int64_t i = 0; i < dim; i++) acc[g][i] *= inv_sum[g];
+        store_row(a->out, q_row * a->out_token_stride + head * a->out_head_stride, a->q_dtype, dim, acc[g]);
+    }
+}
+
+static void attend_range(const Args *a, int64_t item, float *scores) {
+    switch (a->head_dim) {
+    case 64: attend_item(a, item, 64, scores); break;
+    case 128: attend_item(a, item, 128, scores); break;
+    default: attend_item(a, item, a->head_dim, scores); break;
+    }
+}
+
+/* Returns 0 on success, a positive code for arguments the kernel cannot take. */
+int kvserve_paged_attention(const void *q, int64_t q_token_stride, int64_t q_head_stride,
+                            const void *k_cache, const void *v_cache, int64_t cache_head_stride,
+                            void *out, int64_t out_token_stride, int64_t out_head_stride,
+                            const int64_t *token_index, const int64_t *positions,
+                            const int64_t *block_table, int64_t block_table_stride, const int64_t *table_row,
+                            int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t block_size, int64_t window, float scale, float softcap,
+                            int q_dtype, int kv_dtype, int num_threads) {
+    if (head_dim > MAX_HEAD_DIM || num_kv_heads <= 0 || num_heads % num_kv_heads != 0
+        || num_heads / num_kv_heads > MAX_GROUP)
+        return 1;
+    Args a = {q, q_token_stride, q_head_stride, k_cache, v_cache, cache_head_stride, out, out_token_stride,
+              out_head_stride, token_index, positions, block_table, block_table_stride, table_row,
+              num_heads, num_kv_heads, head_dim, block_size, window, scale, softcap, q_dtype, kv_dtype};
+    int64_t max_keys = 0;
+    for (int64_t t = 0; t < num_tokens; t++) {
+        int64_t keys = positions[t] + 1;
+        if (window > 0 && keys > window) keys = window;
+        if (keys > max_keys) max_keys = keys;
+    }
+    const int64_t group = num_heads / num_kv_heads, num_items = num_tokens * num_kv_heads;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = malloc((size_t)(max_keys * group) * sizeof(float));
+        if (!scores) {
+#pragma omp atomic write
+            failed = 2;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_items; item++)
+            if (scores) attend_range(&a, item, scores);
+        free(scores);
+    }
+    return failed;
+}
