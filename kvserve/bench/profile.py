@@ -44,7 +44,7 @@ def _kvserve_area(filename: str) -> str | None:
     if "/kvserve/" not in path:
         return None
     relative = path.split("/kvserve/", 1)[1]
-    if relative.startswith(("model/attention", "model/cpu_kernels")):
+    if relative.startswith("model/attention"):
         return "attention"
     if relative.startswith("model/sampler"):
         return "sampling"

@@ -68,6 +68,10 @@ class AttentionPlan:
     write_slots: torch.Tensor  # where they go
     write_before_read: bool = True
     native: NativeTokens | None = None
+    # Prompts computed from scratch this step (no cached context): (first token, length).
+    # They attend only to their own fresh K/V, causally, without padding or a gather.
+    fresh_prompts: list[tuple[int, int]] = field(default_factory=list)
+    window: int | None = None  # the layers' sliding window
 
 
 @dataclass
@@ -122,7 +126,7 @@ def native_kernel_usable(kv_cache: torch.Tensor, q: torch.Tensor) -> bool:
     return (kv_cache.device.type == "cpu" and cpu_kernels.supports_dtype(kv_cache.dtype)
             and cpu_kernels.supports_dtype(q.dtype) and kv_cache.is_contiguous()
             and cpu_kernels.supports_shape(q.shape[1], kv_cache.shape[1], q.shape[2])
-            and cpu_kernels.load_paged_attention() is not None)
+            and cpu_kernels.load_library() is not None)
 
 
 def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,8 +174,10 @@ def _build_plan(md: AttentionMetadata, block_size: int, window: int | None, nati
     else:
         decode_rows = short.nonzero().flatten()
         decode_groups = _length_groups(decode_rows, _blocks_read(context_lens[decode_rows], 1, block_size, window))
+    is_fresh = ~short & (query_lens > 1) & (context_lens == 0)
+    fresh_prompts = list(zip(md.query_start_loc[:-1][is_fresh].tolist(), query_lens[is_fresh].tolist()))
     sub_batches = []
-    for rows in (*decode_groups, (~short & (query_lens > 0)).nonzero().flatten()):
+    for rows in (*decode_groups, (~short & ~is_fresh & (query_lens > 0)).nonzero().flatten()):
         if len(rows):
             sub_batches.append(_build_sub_batch(md, rows, query_lens[rows], context_lens[rows],
                                                 block_size, window, ring_blocks))
@@ -183,10 +189,12 @@ def _build_plan(md: AttentionMetadata, block_size: int, window: int | None, nati
         # step that collide, only the last may be written.
         keep = positions + ring_blocks * block_size >= md.seq_lens[req_index]
         write_index = keep.nonzero().flatten()
-        return AttentionPlan(sub_batches, write_index, slots[write_index], write_before_read=False)
+        return AttentionPlan(sub_batches, write_index, slots[write_index], write_before_read=False,
+                             fresh_prompts=fresh_prompts, window=window)
     slots = md.slot_mapping.long() if md.slot_mapping is not None else _slots(
         md.block_table, req_index, positions, block_size, None)
-    return AttentionPlan(sub_batches, None, slots, native=native_tokens)
+    return AttentionPlan(sub_batches, None, slots, native=native_tokens, fresh_prompts=fresh_prompts,
+                         window=window)
 
 
 # Queries of up to this many tokens go to the native kernel (each token reads
@@ -317,6 +325,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         tokens = plan.native
         cpu_kernels.paged_attention_cpu(q, kv_cache, out, tokens.token_index, tokens.positions, tokens.block_table,
                                         tokens.table_row, tokens.window, scale, softcap)
+    for start, length in plan.fresh_prompts:
+        out = q.new_empty(q.shape) if out is None else out
+        end = start + length
+        out[start:end] = _causal_prompt(q[start:end], k[start:end], v[start:end], scale, softcap, plan.window)
     for sub in plan.sub_batches:
         n, num_blocks = sub.key_blocks.shape
         # One gather for K and V of every request of the sub-batch: [2, Hkv, n, keys, D].
@@ -334,6 +346,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     if not plan.write_before_read:
         _store(kv_rows, k, v, plan)
     return out
+
+
+def _causal_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float | None,
+                   window: int | None) -> torch.Tensor:
+    """One prompt attending to itself: q [L, Hq, D], k/v [L, Hkv, D] -> [L, Hq, D]."""
+    length = q.shape[0]
+    if not softcap and (window is None or window >= length):
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                             is_causal=True, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
+    pos = torch.arange(length, device=q.device)
+    mask = pos[None, :] <= pos[:, None]
+    if window:
+        mask &= pos[:, None] - pos[None, :] < window
+    return _attend(q[None], k.permute(1, 0, 2)[:, None], v.permute(1, 0, 2)[:, None], mask[None], scale, softcap)[0]
 
 
 def _rows(x: torch.Tensor, sub: AttentionSubBatch) -> torch.Tensor:

@@ -1,11 +1,13 @@
 """Native CPU kernels, compiled at first use with the system C compiler and
-loaded with ctypes (no torch headers, so a build takes about a second).
+loaded with ctypes (no torch headers, so a build takes about a second):
+paged attention (csrc/paged_attention.c) and the decoder's fused element-wise
+ops (csrc/fused_ops.c: residual add + RMSNorm, SiLU-gated product, RoPE).
 
 The shared object is cached under `<cache root>/kernels/<key>/`, keyed by the
 source, the compiler flags, the compiler's version and the CPU's feature flags
 (`-march=native` code must not run on another CPU). Without a compiler, or
-with KVSERVE_CPU_KERNELS=0, `load_paged_attention()` returns None and callers
-keep the portable torch path.
+with KVSERVE_CPU_KERNELS=0, `load_library()` returns None and callers keep
+the portable torch path.
 
 The kernel is linked with `-fopenmp`: the library it needs (libgomp.so.1) is
 the one torch already loaded, so both share one thread pool.
@@ -30,7 +32,7 @@ from kvserve.config import cache_root
 logger = logging.getLogger(__name__)
 
 KERNELS_ENV = "KVSERVE_CPU_KERNELS"
-_SOURCE = "paged_attention.c"
+_SOURCES = ("paged_attention.c", "fused_ops.c")
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -50,8 +52,9 @@ def supports_dtype(dtype: torch.dtype) -> bool:
     return dtype in _DTYPE_CODES
 
 
-# Limits of the kernel's on-stack buffers (MAX_HEAD_DIM, MAX_GROUP in the C source).
-_MAX_HEAD_DIM, _MAX_GROUP = 256, 32
+# Limits of the kernels' on-stack buffers (MAX_HEAD_DIM, MAX_GROUP in paged_attention.c,
+# the row buffer of kvserve_rms_norm in fused_ops.c).
+_MAX_HEAD_DIM, _MAX_GROUP, _MAX_NORM_DIM = 256, 32, 8192
 
 
 def supports_shape(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -74,54 +77,75 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
-def _build(compiler: str, source: str, target_dir: str) -> str:
-    target = os.path.join(target_dir, "paged_attention.so")
+def _build(compiler: str, sources: dict[str, str], target_dir: str) -> str:
+    target = os.path.join(target_dir, "kvserve_cpu.so")
     if os.path.exists(target):
         return target
     os.makedirs(target_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target_dir) as tmp:
-        src_path = os.path.join(tmp, _SOURCE)
-        with open(src_path, "w") as f:
-            f.write(source)
+        paths = []
+        for name, text in sources.items():
+            paths.append(os.path.join(tmp, name))
+            with open(paths[-1], "w") as f:
+                f.write(text)
         tmp_target = os.path.join(tmp, "out.so")
-        subprocess.run([compiler, *_CFLAGS, src_path, "-o", tmp_target, "-lm"], check=True,
+        subprocess.run([compiler, *_CFLAGS, *paths, "-o", tmp_target, "-lm"], check=True,
                        capture_output=True, text=True, timeout=300)
         os.replace(tmp_target, target)  # atomic: concurrent builders (TP ranks) agree
     return target
 
 
-def _load() -> object | None:
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr, f32, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    signatures = {
+        "kvserve_paged_attention": ([ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr,
+                                     i64, i64, i64, i64, i64, i64, f32, f32, c_int, c_int, c_int], c_int),
+        "kvserve_rms_norm": ([ptr, ptr, ptr, ptr, i64, i64, i64, f32, c_int, c_int, c_int], None),
+        "kvserve_silu_mul": ([ptr, ptr, i64, i64, c_int, c_int], None),
+        "kvserve_rotary": ([ptr, i64, i64, ptr, ptr, i64, i64, i64, c_int, c_int], None),
+    }
+    for name, (argtypes, restype) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+
+
+def _load() -> ctypes.CDLL | None:
     compiler = _compiler()
     if compiler is None:
-        logger.warning("no C compiler found: CPU attention uses the slower torch path")
+        logger.warning("no C compiler found: CPU attention and norms use the slower torch path")
         return None
-    source = resources.files("kvserve.model").joinpath("csrc", _SOURCE).read_text()
+    package = resources.files("kvserve.model").joinpath("csrc")
+    sources = {name: package.joinpath(name).read_text() for name in _SOURCES}
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([source, " ".join(_CFLAGS), version, _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*sources.values(), " ".join(_CFLAGS), version, _cpu_flags()]).encode())
     try:
-        path = _build(compiler, source, os.path.join(cache_root(), "kernels", key))
-        lib = ctypes.CDLL(path)
-    except (OSError, subprocess.SubprocessError) as exc:
+        lib = ctypes.CDLL(_build(compiler, sources, os.path.join(cache_root(), "kernels", key.hexdigest()[:16])))
+        _declare(lib)
+    except (OSError, AttributeError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
-        logger.warning("building the CPU attention kernel failed, using the torch path: %s", detail.strip()[-500:])
+        logger.warning("building the CPU kernels failed, using the torch path: %s", detail.strip()[-500:])
         return None
-    fn = lib.kvserve_paged_attention
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr,
-                   i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    return lib
 
 
-def load_paged_attention():
-    """The compiled kernel's entry point, or None (disabled, no compiler, build failed). Built once per process."""
+def load_library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (disabled, no compiler, build failed). Built once per process."""
     if not kernels_enabled():
         return None
     with _lock:
-        if "paged_attention" not in _loaded:
-            _loaded["paged_attention"] = _load()
-        return _loaded["paged_attention"]
+        if "lib" not in _loaded:
+            _loaded["lib"] = _load()
+        return _loaded["lib"]
+
+
+def usable_for(*tensors: torch.Tensor) -> bool:
+    """The kernels can take these tensors: on the CPU, float32 or bfloat16, rows contiguous, library built."""
+    return (all(t.device.type == "cpu" and t.dtype in _DTYPE_CODES and t.stride(-1) == 1 for t in tensors)
+            and load_library() is not None)
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
 
 
 def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, token_index: torch.Tensor,
@@ -133,22 +157,55 @@ def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
     `table_row[t]` of `block_table` (int64); it attends to keys
     max(0, pos - window + 1)..pos, all of which must already be in `kv_cache`
     [2, Hkv, blocks, block_size, D]. Index tensors are int64 and contiguous."""
-    fn = load_paged_attention()
-    if fn is None:
-        raise RuntimeError("the CPU attention kernel is not available")
+    lib = load_library()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not available")
     num_tokens = token_index.numel()
     if num_tokens == 0:
         return
     _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
     if q.stride(2) != 1 or out.stride(2) != 1 or not kv_cache.is_contiguous():
         raise KernelArgumentError("q/out rows and the KV cache must be contiguous in the head dimension")
-    code = fn(q.data_ptr(), q.stride(0), q.stride(1),
+    code = lib.kvserve_paged_attention(q.data_ptr(), q.stride(0), q.stride(1),
               kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), num_blocks * block_size * head_dim,
               out.data_ptr(), out.stride(0), out.stride(1),
               token_index.data_ptr(), positions.data_ptr(), block_table.data_ptr(), block_table.stride(0),
               table_row.data_ptr(), num_tokens, q.shape[1], num_kv_heads, head_dim, block_size,
               window or 0, scale, softcap or 0.0, _DTYPE_CODES[q.dtype], _DTYPE_CODES[kv_cache.dtype],
-              torch.get_num_threads())
+              _threads())
     if code:
         raise KernelArgumentError(f"CPU attention kernel rejected its arguments (code {code}): "
                                   f"{q.shape[1]} heads, {num_kv_heads} KV heads, head size {head_dim}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, adds_one: bool,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of x [..., dim] (or of x + residual, stored into residual in place); `weight`
+    is float32. Callers check `usable_for` and that the rows are contiguous."""
+    dim = x.shape[-1]
+    if dim > _MAX_NORM_DIM:
+        raise KernelArgumentError(f"RMSNorm over {dim} > {_MAX_NORM_DIM} elements")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    rows = x.numel() // dim
+    load_library().kvserve_rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None,
+                                    weight.data_ptr(), out.data_ptr(), rows, dim, dim, eps, int(adds_one),
+                                    _DTYPE_CODES[x.dtype], _threads())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [rows, 2 * width] (contiguous) -> [rows, width]."""
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(rows, width)
+    load_library().kvserve_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width,
+                                    _DTYPE_CODES[gate_up.dtype], _threads())
+    return out
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates x [tokens, heads, dim] in place (rows may be strided views); cos/sin [tokens, 1, dim] contiguous."""
+    tokens, heads, dim = x.shape
+    load_library().kvserve_rotary(x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
+                                  tokens, heads, dim, _DTYPE_CODES[x.dtype], _threads())
+    return x

@@ -9,6 +9,7 @@ from torch import nn
 
 from kvserve.kv_cache.interface import (CircularBufferSpec, FullAttentionSpec, KVCacheConfig, KVCacheSpec,
                                         SlidingWindowSpec)
+from kvserve.model import cpu_kernels
 from kvserve.model.attention import AttentionMetadata, is_windowed, native_kernel_usable, paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import RMSNorm, RotaryEmbedding, activation, apply_rotary
@@ -63,9 +64,13 @@ class GatedMLP(nn.Module):
                                                  shard_names=["gate", "up"])
         self.down_proj = RowParallelLinear(size, config.hidden_size, False, tp)
         self.act = activation(config.hidden_act)
+        self.is_silu = config.hidden_act in ("silu", "swish")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.is_silu and gate_up.dim() == 2 and gate_up.is_contiguous() and cpu_kernels.usable_for(gate_up):
+            return self.down_proj(cpu_kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -85,14 +90,22 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, plus_one)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, plus_one)
 
-    def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                metadata: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        attn_out = self.self_attn(self.input_layernorm(hidden), cos_sin, metadata, kv_cache)
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                metadata: AttentionMetadata, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(output, residual): the layer's result is output + residual (residual None: output alone).
+
+        Pre-norm layers hand the residual add on to the next norm, which fuses it
+        (`RMSNorm.add_and_norm`); sandwich-norm layers return their sum whole."""
         if self.sandwich:
+            if residual is not None:
+                hidden = hidden + residual
+            attn_out = self.self_attn(self.input_layernorm(hidden), cos_sin, metadata, kv_cache)
             hidden = hidden + self.post_attention_layernorm(attn_out)
-            return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
-        hidden = hidden + attn_out
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+            return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden))), None
+        x, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        attn_out = self.self_attn(x, cos_sin, metadata, kv_cache)
+        x, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -179,10 +192,11 @@ class DecoderModel(nn.Module):
         global_cos_sin = self.rotary_global.cos_sin(positions, hidden.dtype)
         local_cos_sin = (self.rotary_local.cos_sin(positions, hidden.dtype)
                          if self.rotary_local is not None else global_cos_sin)
+        residual = None
         for layer, name, group_id in zip(self.layers, self.layer_names, self._group_ids(attn_metadata_by_group)):
             cos_sin = local_cos_sin if layer.self_attn.sliding_window is not None else global_cos_sin
-            hidden = layer(hidden, cos_sin, attn_metadata_by_group[group_id], kv_caches[name])
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos_sin, attn_metadata_by_group[group_id], kv_caches[name])
+        return self.norm.add_and_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] (final soft-capping applied)."""

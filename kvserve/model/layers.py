@@ -9,21 +9,48 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.model import cpu_kernels
 from kvserve.model.config import RopeConfig
 
 logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32; Gemma's variant scales by (1 + w)."""
+    """RMSNorm computed in float32; Gemma's variant scales by (1 + w).
+
+    On the CPU the native kernel does it in one pass (`cpu_kernels.rms_norm`);
+    `add_and_norm` also folds in the residual add before it."""
 
     def __init__(self, size: int, eps: float, adds_one: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.adds_one = adds_one
         self.weight = nn.Parameter(torch.zeros(size) if adds_one else torch.ones(size), requires_grad=False)
+        self._weight32: tuple[tuple, torch.Tensor] | None = None  # (weight's identity, float32 copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.usable_for(x) and x.dtype == self.weight.dtype:
+            return cpu_kernels.rms_norm(x, self._float_weight(), self.eps, self.adds_one)
+        return self._torch_norm(x)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); the sum is written into `residual` in place.
+        With no residual yet: (norm(x), x)."""
+        if residual is None:
+            return self(x), x
+        if (cpu_kernels.usable_for(x, residual) and x.dtype == residual.dtype == self.weight.dtype
+                and residual.is_contiguous() and x.shape == residual.shape):
+            return cpu_kernels.rms_norm(x, self._float_weight(), self.eps, self.adds_one, residual), residual
+        residual = residual + x
+        return self._torch_norm(residual), residual
+
+    def _float_weight(self) -> torch.Tensor:
+        identity = (self.weight.data_ptr(), self.weight._version, self.weight.device)
+        if self._weight32 is None or self._weight32[0] != identity:
+            self._weight32 = (identity, self.weight.detach().float().contiguous())
+        return self._weight32[1]
+
+    def _torch_norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.adds_one:
@@ -119,7 +146,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim]."""
+    """x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim]. On the CPU kernel path x is rotated in place."""
+    if cpu_kernels.usable_for(x, cos, sin) and x.dtype == cos.dtype == sin.dtype and cos.is_contiguous() \
+            and sin.is_contiguous():
+        return cpu_kernels.rotary_(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

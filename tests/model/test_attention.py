@@ -14,7 +14,7 @@ from kvserve.model.attention import (AttentionMetadata, allocate_kv_caches, copy
 
 HQ, HKV, D, BS = 4, 2, 8, 4
 
-needs_native = pytest.mark.skipif(cpu_kernels.load_paged_attention() is None,
+needs_native = pytest.mark.skipif(cpu_kernels.load_library() is None,
                                   reason="the native CPU kernel could not be built (no C compiler?)")
 
 

@@ -71,6 +71,63 @@ typedef struct {
     int q_dtype, kv_dtype;
 } Args;
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define VEC 16
+
+/* 16 consecutive K/V elements as float32. */
+static inline __m512 load16(const void *base, int64_t offset, int dtype) {
+    if (dtype == KV_F32) return _mm512_loadu_ps((const float *)base + offset);
+    __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+static inline float dot_row(const float *q, const void *base, int64_t offset, int dtype, int64_t dim) {
+    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(q), load16(base, offset, dtype));
+    for (int64_t i = VEC; i < dim; i += VEC)
+        sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(base, offset + i, dtype), sum);
+    return _mm512_reduce_add_ps(sum);
+}
+
+static inline void axpy_row(float *acc, float w, const void *base, int64_t offset, int dtype, int64_t dim) {
+    __m512 weight = _mm512_set1_ps(w);
+    for (int64_t i = 0; i < dim; i += VEC)
+        _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(weight, load16(base, offset + i, dtype), _mm512_loadu_ps(acc + i)));
+}
+#define VECTOR_ROWS(dim) ((dim) % VEC == 0)
+#else
+#define VECTOR_ROWS(dim) 0
+static inline float dot_row(const float *q, const void *base, int64_t offset, int dtype, int64_t dim) {
+    (void)q, (void)base, (void)offset, (void)dtype, (void)dim;
+    return 0.f; /* unused: VECTOR_ROWS is 0 */
+}
+static inline void axpy_row(float *acc, float w, const void *base, int64_t offset, int dtype, int64_t dim) {
+    (void)acc, (void)w, (void)base, (void)offset, (void)dtype, (void)dim;
+}
+#endif
+
+/* Keys lo..pos, block by block: runs `body` with j (key index from lo) and the offset of its row. */
+#define FOR_EACH_KEY(a, base, elem, table, lo, pos, head_base, dim, j, offset, body)              \
+    for (int64_t blk = (lo) / (a)->block_size; blk <= (pos) / (a)->block_size; blk++) {          \
+        int64_t first = blk * (a)->block_size, last = first + (a)->block_size - 1;              \
+        if (last > (pos)) last = (pos);                                                         \
+        int64_t offset = (head_base) + (table[blk] * (a)->block_size) * (dim);                  \
+        /* The next block is elsewhere in memory: fetch it while this one is used. */           \
+        if (blk < (pos) / (a)->block_size) {                                                    \
+            const char *next_ = (const char *)(base) +                                          \
+                ((head_base) + table[blk + 1] * (a)->block_size * (dim)) * (elem);              \
+            for (int64_t b_ = 0; b_ < (a)->block_size * (dim) * (elem); b_ += 64)               \
+                __builtin_prefetch(next_ + b_);                                                 \
+        }                                                                                       \
+        if (first < (lo)) {                                                                     \
+            offset += ((lo) - first) * (dim);                                                   \
+            first = (lo);                                                                       \
+        }                                                                                       \
+        for (int64_t j = first - (lo); j <= last - (lo); j++, offset += (dim)) {                \
+            body                                                                                \
+        }                                                                                       \
+    }
+
 /* always_inline: the dispatch below calls it with a constant head_dim so the
  * inner loops get fixed trip counts. */
 static inline __attribute__((always_inline)) void attend_item(const Args *a, int64_t item, const int64_t dim,
@@ -82,6 +139,8 @@ static inline __attribute__((always_inline)) void attend_item(const Args *a, int
     const int64_t num_keys = pos - lo + 1;
     const int64_t *table = a->block_table + a->table_row[token] * a->block_table_stride;
     const int64_t q_row = a->token_index[token];
+    const int vector = VECTOR_ROWS(dim);
+    const int64_t elem = a->kv_dtype == KV_F32 ? 4 : 2;
     float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], row[MAX_HEAD_DIM];
 
     for (int64_t g = 0; g < group; g++) {
@@ -90,20 +149,24 @@ static inline __attribute__((always_inline)) void attend_item(const Args *a, int
         for (int64_t i = 0; i < dim; i++) qf[g][i] *= a->scale;
     }
     const int64_t head_base = kv_head * a->cache_head_stride;
-    for (int64_t j = 0; j < num_keys; j++) {
-        int64_t p = lo + j;
-        int64_t slot = table[p / a->block_size] * a->block_size + p % a->block_size;
-        load_row(a->k_cache, head_base + slot * dim, a->kv_dtype, dim, row);
-        for (int64_t g = 0; g < group; g++) {
-            float s = 0.f;
-            for (int64_t i = 0; i < dim; i++) s += qf[g][i] * row[i];
-            if (a->softcap > 0.f) s = tanhf(s / a->softcap) * a->softcap;
-            scores[g * num_keys + j] = s;
+    FOR_EACH_KEY(a, a->k_cache, elem, table, lo, pos, head_base, dim, j, offset, {
+        if (vector) {
+            for (int64_t g = 0; g < group; g++) scores[g * num_keys + j] = dot_row(qf[g], a->k_cache, offset,
+                                                                                  a->kv_dtype, dim);
+        } else {
+            load_row(a->k_cache, offset, a->kv_dtype, dim, row);
+            for (int64_t g = 0; g < group; g++) {
+                float s = 0.f;
+                for (int64_t i = 0; i < dim; i++) s += qf[g][i] * row[i];
+                scores[g * num_keys + j] = s;
+            }
         }
-    }
+    })
     float inv_sum[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) {
         float *s = scores + g * num_keys, m = -INFINITY, sum = 0.f;
+        if (a->softcap > 0.f)
+            for (int64_t j = 0; j < num_keys; j++) s[j] = tanhf(s[j] / a->softcap) * a->softcap;
         for (int64_t j = 0; j < num_keys; j++) m = s[j] > m ? s[j] : m;
         for (int64_t j = 0; j < num_keys; j++) {
             s[j] = expf(s[j] - m);
@@ -112,15 +175,18 @@ static inline __attribute__((always_inline)) void attend_item(const Args *a, int
         inv_sum[g] = 1.f / sum;
         for (int64_t i = 0; i < dim; i++) acc[g][i] = 0.f;
     }
-    for (int64_t j = 0; j < num_keys; j++) {
-        int64_t p = lo + j;
-        int64_t slot = table[p / a->block_size] * a->block_size + p % a->block_size;
-        load_row(a->v_cache, head_base + slot * dim, a->kv_dtype, dim, row);
-        for (int64_t g = 0; g < group; g++) {
-            float w = scores[g * num_keys + j];
-            for (int64_t i = 0; i < dim; i++) acc[g][i] += w * row[i];
+    FOR_EACH_KEY(a, a->v_cache, elem, table, lo, pos, head_base, dim, j, offset, {
+        if (vector) {
+            for (int64_t g = 0; g < group; g++) axpy_row(acc[g], scores[g * num_keys + j], a->v_cache, offset,
+                                                         a->kv_dtype, dim);
+        } else {
+            load_row(a->v_cache, offset, a->kv_dtype, dim, row);
+            for (int64_t g = 0; g < group; g++) {
+                float w = scores[g * num_keys + j];
+                for (int64_t i = 0; i < dim; i++) acc[g][i] += w * row[i];
+            }
         }
-    }
+    })
     for (int64_t g = 0; g < group; g++) {
         int64_t head = kv_head * group + g;
         for (int64_t i = 0; i < dim; i++) acc[g][i] *= inv_sum[g];
