@@ -67,6 +67,8 @@ def _category(function: tuple[str, int, str], caller: tuple[str, int, str] | Non
         if is_matmul and caller_area != "attention":
             return "matmul (weights)"
         return caller_area or "other"
+    if name == "paged_attention_cpu":  # the native kernel's time shows as its wrapper's own
+        return "attention"
     area = _kvserve_area(filename)
     if area:
         return area

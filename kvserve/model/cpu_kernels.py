@@ -129,19 +129,22 @@ def _load() -> ctypes.CDLL | None:
 
 
 def load_library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (disabled, no compiler, build failed). Built once per process."""
-    if not kernels_enabled():
-        return None
+    """The compiled kernels, or None (disabled, no compiler, build failed). Built, and
+    KVSERVE_CPU_KERNELS read, once per process."""
+    if "lib" in _loaded:  # the per-op fast path: no lock, no environment lookup
+        return _loaded["lib"]
     with _lock:
         if "lib" not in _loaded:
-            _loaded["lib"] = _load()
+            _loaded["lib"] = _load() if kernels_enabled() else None
         return _loaded["lib"]
 
 
 def usable_for(*tensors: torch.Tensor) -> bool:
     """The kernels can take these tensors: on the CPU, float32 or bfloat16, rows contiguous, library built."""
-    return (all(t.device.type == "cpu" and t.dtype in _DTYPE_CODES and t.stride(-1) == 1 for t in tensors)
-            and load_library() is not None)
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype not in _DTYPE_CODES or t.stride(-1) != 1:
+            return False
+    return load_library() is not None
 
 
 def _threads() -> int:

@@ -21,16 +21,20 @@ enum { KV_F32 = 0, KV_BF16 = 1 };
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 32
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
+/* Bit casts through a union: gcc does not vectorize loops around a memcpy pun. */
+typedef union {
     float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+    uint32_t u;
+} Bits;
+
+static inline float bf16_to_f32(uint16_t x) {
+    Bits b = {.u = (uint32_t)x << 16};
+    return b.f;
 }
 
 static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
+    Bits b = {.f = f};
+    uint32_t bits = b.u;
     if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* quiet NaN */
     bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
     return (uint16_t)(bits >> 16);

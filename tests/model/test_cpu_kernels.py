@@ -1,0 +1,92 @@
+"""The native CPU kernels (kvserve/model/cpu_kernels.py) against the torch ops they
+replace, and the decoder with the kernels off against the decoder with them on."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.model import cpu_kernels
+from kvserve.model.config import ModelConfig
+from kvserve.model.layers import RMSNorm
+from kvserve.model.loader import load_model
+from paged_kv_helper import PagedRunner, run_greedy, save_tiny_model
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None,
+                                reason="the native CPU kernels could not be built (no C compiler?)")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    # bfloat16: at most one rounding step apart (the float32 sums run in another order).
+    tolerance = 1e-5 if actual.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def _rand(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("adds_one", [False, True])
+def test_rms_norm_and_fused_residual_add_match_torch(dtype, adds_one):
+    norm = RMSNorm(96, 1e-6, adds_one)
+    norm.weight.data = _rand(96, dtype=torch.float32, seed=1).to(dtype)
+    norm = norm.to(dtype)
+    x, residual = _rand(7, 96, dtype=dtype, seed=2), _rand(7, 96, dtype=dtype, seed=3)
+    _close(norm(x), norm._torch_norm(x))
+    expected_sum = residual + x
+    expected = norm._torch_norm(expected_sum)
+    out, new_residual = norm.add_and_norm(x, residual)
+    assert new_residual is residual  # the sum is stored in place
+    torch.testing.assert_close(residual, expected_sum, atol=0, rtol=0)
+    _close(out, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_torch(dtype):
+    gate_up = _rand(5, 2 * 1100, dtype=dtype) * 4  # wider than the kernel's 1024-element chunk
+    gate, up = gate_up.chunk(2, dim=-1)
+    _close(cpu_kernels.silu_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_a_strided_view_matches_torch(dtype):
+    qkv = _rand(6, 5, 16, dtype=dtype)
+    q = qkv[:, :3]  # a view, as the fused QKV projection hands it over
+    angles = torch.arange(6.0)[:, None] * torch.linspace(0.1, 1.0, 8)[None, :]
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)[:, None]
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)[:, None]
+    rotated = torch.cat((-q[..., 8:], q[..., :8]), dim=-1)
+    expected = q * cos + rotated * sin
+    untouched = qkv[:, 3:].clone()
+    cpu_kernels.rotary_(q, cos, sin)
+    _close(q, expected)
+    torch.testing.assert_close(qkv[:, 3:], untouched, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decoder_without_kernels_matches_decoder_with_them(tmp_path, monkeypatch, dtype):
+    """The torch path (CUDA, KVSERVE_CPU_KERNELS=0) and the kernel path agree on greedy tokens."""
+    config = ModelConfig.from_path(save_tiny_model("llama", tmp_path), dtype=dtype)
+    prompts = {"a": list(range(3, 40)), "b": list(range(50, 61)), "c": [7, 8]}
+    with_kernels = run_greedy(PagedRunner(load_model(config), block_size=4), prompts, 5, chunk=64)
+    monkeypatch.setitem(cpu_kernels._loaded, "lib", None)
+    without = run_greedy(PagedRunner(load_model(config), block_size=4), prompts, 5, chunk=64)
+    assert with_kernels[0] == without[0]
+    for req_id in prompts:
+        for ours, ref in zip(with_kernels[1][req_id], without[1][req_id]):
+            # float32: the rounding of another summation order; bfloat16: ~3 significant digits.
+            atol = 1e-4 if dtype == "float32" else 0.05 * ref.abs().max().item()
+            torch.testing.assert_close(ours, ref, atol=atol, rtol=0)
+
+
+def test_kernels_switched_off_by_environment():
+    code = "from kvserve.model import cpu_kernels; print(cpu_kernels.load_library())"
+    env = {**os.environ, "KVSERVE_CPU_KERNELS": "0"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "None"
