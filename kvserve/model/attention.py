@@ -316,9 +316,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
     Returns [T, Hq, D]; stores this step's K/V in the cache (see the module docstring for the order)."""
     num_kv_heads, block_size, head_dim = kv_cache.shape[1], kv_cache.shape[3], kv_cache.shape[4]
-    kv_rows = kv_cache.view(2, num_kv_heads, -1, head_dim)
     if plan.write_before_read:
-        _store(kv_rows, k, v, plan)
+        _store(kv_cache, k, v, plan)
     out = None
     if plan.native is not None:
         out = q.new_empty(q.shape)
@@ -344,7 +343,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             out = q.new_empty(q.shape) if out is None else out
             out[sub.out_index] = attended.flatten(0, 1)[sub.valid_rows]
     if not plan.write_before_read:
-        _store(kv_rows, k, v, plan)
+        _store(kv_cache, k, v, plan)
     return out
 
 
@@ -370,7 +369,12 @@ def _rows(x: torch.Tensor, sub: AttentionSubBatch) -> torch.Tensor:
     return x[sub.token_index]
 
 
-def _store(kv_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> None:
+def _store(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> None:
+    if (cpu_kernels.usable_for(k, v, kv_cache) and k.stride() == v.stride() and kv_cache.is_contiguous()
+            and plan.write_slots.dtype == torch.int64 and plan.write_slots.is_contiguous()):
+        cpu_kernels.store_kv(k, v, kv_cache, plan.write_slots, plan.write_token_index)
+        return
+    kv_rows = kv_cache.view(2, kv_cache.shape[1], -1, kv_cache.shape[4])
     if plan.write_token_index is not None:
         k, v = k[plan.write_token_index], v[plan.write_token_index]
     kv_rows[0].index_copy_(1, plan.write_slots, k.transpose(0, 1).to(kv_rows.dtype))

@@ -100,6 +100,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     signatures = {
         "kvserve_paged_attention": ([ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr,
                                      i64, i64, i64, i64, i64, i64, f32, f32, c_int, c_int, c_int], c_int),
+        "kvserve_store_kv": ([ptr, ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i64, i64, i64, c_int, c_int], None),
         "kvserve_rms_norm": ([ptr, ptr, ptr, ptr, i64, i64, i64, f32, c_int, c_int, c_int], None),
         "kvserve_silu_mul": ([ptr, ptr, i64, i64, c_int, c_int], None),
         "kvserve_rotary": ([ptr, i64, i64, ptr, ptr, i64, i64, i64, c_int, c_int], None),
@@ -179,6 +180,20 @@ def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
     if code:
         raise KernelArgumentError(f"CPU attention kernel rejected its arguments (code {code}): "
                                   f"{q.shape[1]} heads, {num_kv_heads} KV heads, head size {head_dim}")
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+             token_index: torch.Tensor | None) -> None:
+    """Writes k/v [T, Hkv, D] (same strides, rows contiguous) into `kv_cache` [2, Hkv, blocks, block_size, D]
+    at the int64 `slots` of the tokens `token_index` (None: all T, in order)."""
+    _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+    if k.stride() != v.stride() or k.stride(2) != 1 or not kv_cache.is_contiguous() or head_dim > _MAX_HEAD_DIM:
+        raise KernelArgumentError("store_kv needs k/v with equal strides, contiguous rows and a contiguous cache")
+    count = len(slots)
+    load_library().kvserve_store_kv(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), kv_cache[0].data_ptr(),
+                                    kv_cache[1].data_ptr(), num_blocks * block_size * head_dim, slots.data_ptr(),
+                                    token_index.data_ptr() if token_index is not None else None, count,
+                                    num_kv_heads, head_dim, _DTYPE_CODES[k.dtype], _DTYPE_CODES[kv_cache.dtype])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, adds_one: bool,

@@ -243,3 +243,24 @@ int kvserve_paged_attention(const void *q, int64_t q_token_stride, int64_t q_hea
     }
     return failed;
 }
+
+/* Writes this step's K and V rows into the cache: token t's head h goes to row
+ * slots[t] of head h (K into k_cache, V into v_cache, each [kv_heads, rows, dim]).
+ * k/v rows are strided ([tokens, heads, dim] views of the QKV projection); tokens
+ * lists which of them to write (NULL: all, in order). */
+void kvserve_store_kv(const void *k, const void *v, int64_t token_stride, int64_t head_stride, void *k_cache,
+                      void *v_cache, int64_t cache_head_stride, const int64_t *slots, const int64_t *tokens,
+                      int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int in_dtype, int cache_dtype) {
+    float row[MAX_HEAD_DIM];
+    for (int64_t i = 0; i < num_tokens; i++) {
+        const int64_t t = tokens ? tokens[i] : i;
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const int64_t src = t * token_stride + h * head_stride;
+            const int64_t dst = h * cache_head_stride + slots[i] * head_dim;
+            load_row(k, src, in_dtype, head_dim, row);
+            store_row(k_cache, dst, cache_dtype, head_dim, row);
+            load_row(v, src, in_dtype, head_dim, row);
+            store_row(v_cache, dst, cache_dtype, head_dim, row);
+        }
+    }
+}
