@@ -425,7 +425,10 @@ def allocate_kv_caches(kv_cache_config: KVCacheConfig, layer_specs: dict[str, KV
     num_blocks = kv_cache_config.num_blocks
     caches: dict[str, torch.Tensor] = {}
     for tensor in kv_cache_config.kv_cache_tensors:
-        buffer = torch.zeros(tensor.size, dtype=torch.int8, device=device)
+        if torch.device(device).type == "cpu":
+            buffer = cpu_kernels.zeros_on_huge_pages(tensor.size).view(torch.int8)
+        else:
+            buffer = torch.zeros(tensor.size, dtype=torch.int8, device=device)
         for name in tensor.shared_by:
             spec = layer_specs[name]
             dtype = _torch_dtype(spec.dtype)

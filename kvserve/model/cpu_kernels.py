@@ -21,6 +21,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from importlib import resources
@@ -180,6 +181,31 @@ def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
     if code:
         raise KernelArgumentError(f"CPU attention kernel rejected its arguments (code {code}): "
                                   f"{q.shape[1]} heads, {num_kv_heads} KV heads, head size {head_dim}")
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def zeros_on_huge_pages(nbytes: int) -> torch.Tensor:
+    """A zeroed CPU byte buffer whose 2 MiB-aligned part is backed by transparent huge
+    pages where the kernel allows (Linux, THP in "madvise" or "always" mode).
+
+    The paged attention kernel reads KV blocks scattered over a large buffer: on
+    4 KiB pages nearly every block costs a TLB miss (about 15% of its time).
+    Elsewhere this is a plain `torch.zeros`."""
+    if nbytes < 4 * _HUGE_PAGE or not sys.platform.startswith("linux"):
+        return torch.zeros(nbytes, dtype=torch.uint8)
+    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)  # untouched: no pages yet
+    start = (-raw.data_ptr()) % _HUGE_PAGE
+    buffer = raw[start:start + nbytes]
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(buffer.data_ptr()), ctypes.c_size_t(nbytes - nbytes % _HUGE_PAGE),
+                     _MADV_HUGEPAGE)  # advice only: a refusal leaves ordinary pages
+    except (OSError, AttributeError):
+        pass
+    return buffer.zero_()
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,

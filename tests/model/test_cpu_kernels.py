@@ -90,3 +90,23 @@ def test_kernels_switched_off_by_environment():
     env = {**os.environ, "KVSERVE_CPU_KERNELS": "0"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "None"
+
+
+def test_store_kv_writes_the_listed_tokens_where_index_copy_would():
+    cache = torch.zeros(2, 2, 6, 4, 8, dtype=torch.bfloat16)
+    qkv = _rand(5, 6, 8, dtype=torch.bfloat16)
+    k, v = qkv[:, 2:4], qkv[:, 4:6]  # strided views, as the projection hands them over
+    slots, tokens = torch.tensor([3, 17, 9]), torch.tensor([4, 0, 2])
+    cpu_kernels.store_kv(k, v, cache, slots, tokens)
+    expected = torch.zeros_like(cache).view(2, 2, -1, 8)
+    expected[0][:, slots] = k[tokens].transpose(0, 1)
+    expected[1][:, slots] = v[tokens].transpose(0, 1)
+    torch.testing.assert_close(cache.view(2, 2, -1, 8), expected, atol=0, rtol=0)
+
+
+def test_huge_page_buffer_is_zeroed_and_aligned():
+    nbytes = 9 * (2 << 20) + 123
+    buffer = cpu_kernels.zeros_on_huge_pages(nbytes)
+    assert buffer.numel() == nbytes and buffer.dtype == torch.uint8
+    assert buffer.data_ptr() % (2 << 20) == 0 or not sys.platform.startswith("linux")
+    assert int(buffer.count_nonzero()) == 0
