@@ -83,12 +83,18 @@ def test_throughput_tiny_with_roofline_ceilings(tmp_path, capsys, tiny_model_dir
 def test_compare_tiny_against_transformers(tmp_path, capsys, tiny_model_dir):
     result = run_bench(tmp_path, capsys, "compare", "--model", tiny_model_dir, "--workloads", "fixed",
                        "--num-prompts", "2", "--prompt-len", "8", "--output-len", "4", "--references",
-                       "transformers,llama.cpp", "--no-warmup", *ENGINE_FLAGS)
+                       "transformers,llama.cpp", "--no-warmup", "--rounds", "3", *ENGINE_FLAGS)
     engines = {r["engine"]: r for r in result["results"]}
     assert set(engines) >= {"kvserve", "transformers"}
     (ratio,) = [r for r in result["ratios"] if r["reference"] == "transformers"]
     assert ratio["speedup"] == pytest.approx(
         engines["kvserve"]["output_tokens_per_s"] / engines["transformers"]["output_tokens_per_s"])
+    # Three rounds each; the reported run is the one of median time.
+    for engine in ("kvserve", "transformers"):
+        times = engines[engine]["rounds_elapsed_s"]
+        assert len(times) == 3 and engines[engine]["elapsed_s"] == sorted(times)[1]
+    kv_times, hf_times = engines["kvserve"]["rounds_elapsed_s"], engines["transformers"]["rounds_elapsed_s"]
+    assert ratio["round_speedups"] == pytest.approx([hf / kv for kv, hf in zip(kv_times, hf_times)])
     if importlib.util.find_spec("llama_cpp") is None:
         assert "llama.cpp" in result["skipped"]
 
