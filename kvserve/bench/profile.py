@@ -67,8 +67,11 @@ def _category(function: tuple[str, int, str], caller: tuple[str, int, str] | Non
         if is_matmul and caller_area != "attention":
             return "matmul (weights)"
         return caller_area or "other"
-    if name == "paged_attention_cpu":  # the native kernel's time shows as its wrapper's own
+    # A native kernel's time shows as its ctypes wrapper's own.
+    if name == "paged_attention_cpu":
         return "attention"
+    if name == "small_linear":
+        return "matmul (weights)"
     area = _kvserve_area(filename)
     if area:
         return area

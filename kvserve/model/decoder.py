@@ -170,16 +170,20 @@ class DecoderModel(nn.Module):
         kinds = [md.spec is not None and is_windowed(md.spec) for md in metadata_by_group]
         return [kinds.index(layer.self_attn.sliding_window is not None) for layer in self.layers]
 
-    def pack_linear_weights(self) -> bool:
+    def pack_linear_weights(self, keep_plain: bool | None = None) -> bool:
         """Hold every linear weight (and the LM head) pre-packed for oneDNN's CPU matmul
         (see `PackableLinearMixin`). Returns False, changing nothing, off CPU or for a
-        dtype oneDNN cannot pack here. Call after loading: the plain weights are dropped."""
+        dtype oneDNN cannot pack here. Call after loading. The plain weights are dropped
+        unless `keep_plain` (default: where the small-batch kernel is built for this dtype
+        and not switched off, see `cpu_kernels.small_linear_wanted`)."""
         weight = self.embed_tokens.weight
         if weight.device.type != "cpu" or not cpu_weight_packing_supported(weight.dtype):
             return False
+        if keep_plain is None:
+            keep_plain = cpu_kernels.small_linear_wanted(weight.dtype)
         for module in self.modules():
             if isinstance(module, PackableLinearMixin) and module.packed_weight is None:
-                module.pack_weight()
+                module.pack_weight(keep_plain=keep_plain)
         return True
 
     # -- forward --------------------------------------------------------------------

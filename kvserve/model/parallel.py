@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.model import cpu_kernels
+
 
 @dataclass(frozen=True)
 class TPContext:
@@ -72,18 +74,31 @@ class PackableLinearMixin:
     `F.linear` on CPU goes through MKL, which re-reads the weight in its plain
     layout every call (and on AMD CPUs takes slow paths); a weight packed once
     by oneDNN runs the decode/prefill matmuls 1.5-3x faster. After packing the
-    plain weight is dropped (`weight` is None): the module can no longer be
-    re-loaded or saved, only run.
+    plain weight is dropped (`weight` is None) unless `keep_plain`: then a
+    batch of up to `SMALL_LINEAR_MAX_ROWS` rows runs through the native
+    small-batch kernel over the plain weight (the single-stream decode step is
+    a stream over the weights, which oneDNN's packed path reads at about half
+    the memory bandwidth), at the price of holding both copies. Packed, the
+    module can no longer be re-loaded or saved, only run.
     """
 
     packed_weight: torch.Tensor | None = None
+    small_batch_kernel: bool = False
 
-    def pack_weight(self) -> None:
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous())
-        self.register_parameter("weight", None)
+    def pack_weight(self, keep_plain: bool = False) -> None:
+        plain = self.weight.detach().contiguous()
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(plain)
+        if keep_plain:
+            self.weight.data = plain
+            self.small_batch_kernel = True
+        else:
+            self.register_parameter("weight", None)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed_weight is not None:
+            if self.small_batch_kernel and x.dim() == 2 and x.shape[0] <= cpu_kernels.SMALL_LINEAR_MAX_ROWS \
+                    and x.stride(-1) == 1:
+                return cpu_kernels.small_linear(x, self.weight, bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
 

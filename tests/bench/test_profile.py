@@ -29,14 +29,16 @@ def test_c_function_time_is_split_by_caller_and_matmuls_by_name():
         ("~", 0, "<built-in method torch.argmax>"): entry(0.125, {SAMPLER: (1, 1, 0.125, 0.125)}),
         # A prepacked oneDNN linear reached through torch's op wrappers is still a weight matmul.
         ("~", 0, "<built-in method torch._ops.mkldnn._linear_pointwise>"): entry(1.0, {TORCH_OPS: (1, 1, 1.0, 1.0)}),
+        # The native small-batch matmul: its time is its ctypes wrapper's self time.
+        ("/x/kvserve/model/cpu_kernels.py", 300, "small_linear"): entry(0.5),
         ATTENTION: entry(0.0625),
         RUNNER: entry(0.25),
         TORCH_MODULE: entry(0.5),
     })
     totals = categorize(stats)
-    assert totals["matmul (weights)"] == pytest.approx(2.0 + 1.0)
+    assert totals["matmul (weights)"] == pytest.approx(2.0 + 1.0 + 0.5)
     assert totals["attention"] == pytest.approx(0.5 + 0.5 + 0.0625)
     assert totals["worker: input preparation / output"] == pytest.approx(0.25 + 0.25)
     assert totals["sampling"] == pytest.approx(0.125)
     assert totals["torch Python wrappers"] == pytest.approx(0.5)
-    assert sum(totals.values()) == pytest.approx(2.5 + 0.75 + 0.125 + 1.0 + 0.0625 + 0.25 + 0.5)
+    assert sum(totals.values()) == pytest.approx(2.5 + 0.75 + 0.125 + 1.0 + 0.5 + 0.0625 + 0.25 + 0.5)

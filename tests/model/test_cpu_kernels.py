@@ -14,6 +14,7 @@ from kvserve.model import cpu_kernels
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import RMSNorm
 from kvserve.model.loader import load_model
+from kvserve.model.parallel import ColumnParallelLinear, TPContext, cpu_weight_packing_supported
 from paged_kv_helper import PagedRunner, run_greedy, save_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None,
@@ -110,3 +111,56 @@ def test_huge_page_buffer_is_zeroed_and_aligned():
     assert buffer.numel() == nbytes and buffer.dtype == torch.uint8
     assert buffer.data_ptr() % (2 << 20) == 0 or not sys.platform.startswith("linux")
     assert int(buffer.count_nonzero()) == 0
+
+
+def _needs_small_linear(dtype: torch.dtype) -> None:
+    if not cpu_kernels.small_linear_supported(dtype):
+        pytest.skip(f"the small-batch matmul kernel is not built for {dtype} on this CPU")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("out_features, in_features", [(13, 77), (64, 576), (962, 1536)])
+def test_small_linear_matches_a_float64_matmul(dtype, rows, out_features, in_features):
+    """Row and width tails (out % 4, in % 32), strided rows of x, a bias; the float64
+    product rounded once to the dtype is the oracle (bfloat16: one rounding step)."""
+    _needs_small_linear(dtype)
+    weight = _rand(out_features, in_features, dtype=dtype, seed=1)
+    bias = _rand(out_features, dtype=dtype, seed=2)
+    wide = _rand(rows, in_features + 40, dtype=dtype, seed=3)
+    x = wide[:, 5:5 + in_features]  # rows in_features + 40 apart
+    expected = (x.double() @ weight.double().T + bias.double()).to(dtype)
+    actual = cpu_kernels.small_linear(x, weight, bias)
+    assert actual.shape == (rows, out_features) and actual.dtype == dtype
+    scale = expected.float().abs().max().item()
+    tolerance = 1e-5 * scale if dtype == torch.float32 else 2 ** -7 * scale
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance, rtol=0)
+    torch.testing.assert_close(cpu_kernels.small_linear(x, weight), (x.double() @ weight.double().T).to(dtype),
+                               atol=tolerance, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_linear_runs_small_batches_through_the_kernel(monkeypatch, dtype):
+    """Up to SMALL_LINEAR_MAX_ROWS rows take the kernel over the plain weight, more rows
+    oneDNN's packed weight; both give the plain F.linear result."""
+    _needs_small_linear(dtype)
+    if not cpu_weight_packing_supported(dtype):
+        pytest.skip(f"oneDNN cannot pack {dtype} weights here")
+    layer = ColumnParallelLinear(96, [40, 24], bias=False, tp=TPContext()).to(dtype)
+    layer.weight.data = _rand(64, 96, dtype=dtype, seed=4)
+    plain = layer.weight.detach().clone()
+    layer.pack_weight(keep_plain=True)
+    calls = []
+    real = cpu_kernels.small_linear
+    monkeypatch.setattr(cpu_kernels, "small_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, cpu_kernels.SMALL_LINEAR_MAX_ROWS, cpu_kernels.SMALL_LINEAR_MAX_ROWS + 1, 33):
+        x = _rand(rows, 96, dtype=dtype, seed=rows)
+        _close(layer(x), F.linear(x, plain))
+    assert calls == [1, cpu_kernels.SMALL_LINEAR_MAX_ROWS]
+
+
+def test_small_batch_matmul_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.SMALL_LINEAR_ENV, "0")
+    assert not cpu_kernels.small_linear_wanted(torch.float32)
+    monkeypatch.setenv(cpu_kernels.SMALL_LINEAR_ENV, "1")
+    assert cpu_kernels.small_linear_wanted(torch.float32) == cpu_kernels.small_linear_supported(torch.float32)

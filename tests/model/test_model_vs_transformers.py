@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvserve.kv_cache.utils import KVCacheBlockCopy
+from kvserve.model import cpu_kernels
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from paged_kv_helper import VOCAB, WINDOW, PagedRunner, hf_greedy, load_hf, run_greedy, save_tiny_model
@@ -131,33 +132,49 @@ def test_bfloat16_model_tracks_float32(models):
         assert (logits16[req_id][0] - ref).abs().max() < 0.05 * ref.abs().max()
 
 
+@pytest.mark.parametrize("keep_plain", [False, True], ids=["packed-only", "small-batch-kernel"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
-def test_packed_cpu_weights_match_transformers(models, family):
-    """oneDNN-packed linear weights (the runner's CPU default): same outputs; the
-    plain weights are dropped, the embedding (tied or not) stays."""
+def test_packed_cpu_weights_match_transformers(models, family, keep_plain):
+    """oneDNN-packed linear weights (the runner's CPU default): same outputs. Without
+    keep_plain the plain weights are dropped (the embedding, tied or not, stays); with
+    it the decode steps (3 rows) run through the small-batch kernel on them."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("oneDNN not available")
+    if keep_plain and not cpu_kernels.small_linear_supported(torch.float32):
+        pytest.skip("the small-batch matmul kernel is not built on this CPU")
     hf, config = models(family)
     model = load_model(config)
-    assert model.pack_linear_weights()
-    assert model.layers[0].self_attn.qkv_proj.weight is None and model.lm_head.weight is None
+    assert model.pack_linear_weights(keep_plain=keep_plain)
+    qkv = model.layers[0].self_attn.qkv_proj
+    if keep_plain:
+        assert qkv.small_batch_kernel and qkv.weight is not None and model.lm_head.weight is not None
+    else:
+        assert qkv.weight is None and model.lm_head.weight is None
     assert model.embed_tokens.weight is not None
     prompts = _prompts([3, 29, 17], seed=5)
     tokens, logits = run_greedy(PagedRunner(model, block_size=4), prompts, NUM_NEW, chunk=11)
     _check_against_hf(hf, prompts, tokens, logits)
 
 
-def test_packed_bfloat16_weights_match_plain_bfloat16(models):
+@pytest.mark.parametrize("keep_plain", [False, True], ids=["packed-only", "small-batch-kernel"])
+def test_packed_bfloat16_weights_match_plain_bfloat16(models, keep_plain):
     if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         pytest.skip("oneDNN bfloat16 not available")
+    if keep_plain and not cpu_kernels.small_linear_supported(torch.bfloat16):
+        pytest.skip("the bfloat16 small-batch matmul kernel is not built on this CPU")
     _, config = models("llama")
     config_bf16 = ModelConfig.from_path(config.path, dtype="bfloat16")
     prompts = _prompts([13, 21], seed=6)
     packed = load_model(config_bf16)
-    assert packed.pack_linear_weights()
-    _, plain_logits = run_greedy(PagedRunner(load_model(config_bf16)), prompts, 1, chunk=64)
-    _, packed_logits = run_greedy(PagedRunner(packed), prompts, 1, chunk=64)
+    assert packed.pack_linear_weights(keep_plain=keep_plain)
+    # Two prompts and four new tokens: the decode steps have 2 rows (the kernel's range).
+    plain_tokens, plain_logits = run_greedy(PagedRunner(load_model(config_bf16)), prompts, 4, chunk=64)
+    packed_tokens, packed_logits = run_greedy(PagedRunner(packed), prompts, 4, chunk=64)
     for req_id in prompts:
-        ref = plain_logits[req_id][0]
-        # Both bf16 with float32 accumulation; only the summation order differs.
-        assert (packed_logits[req_id][0] - ref).abs().max() < 0.02 * ref.abs().max()
+        # Steps compared while both runs fed the same tokens (bf16 noise may flip a near-tie).
+        same_history = 1 + next((i for i, (a, b) in enumerate(zip(plain_tokens[req_id], packed_tokens[req_id]))
+                                 if a != b), len(plain_tokens[req_id]))
+        assert same_history >= 2  # the prefill step and at least one decode step
+        for ref, got in list(zip(plain_logits[req_id], packed_logits[req_id]))[:same_history]:
+            # Both bf16 with float32 accumulation; only the summation order differs.
+            assert (got - ref).abs().max() < 0.02 * ref.abs().max()

@@ -10,26 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { F32 = 0, BF16 = 1 };
-
-/* Bit casts through a union: gcc does not vectorize loops around a memcpy pun. */
-typedef union {
-    float f;
-    uint32_t u;
-} Bits;
-
-static inline float bf16_value(uint16_t x) {
-    Bits b = {.u = (uint32_t)x << 16};
-    return b.f;
-}
-
-static inline uint16_t bf16_bits(float f) {
-    Bits b = {.f = f};
-    uint32_t bits = b.u;
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
+#include "bf16.h"
 
 static inline float get(const void *base, int64_t i, int dtype) {
     return dtype == F32 ? ((const float *)base)[i] : bf16_value(((const uint16_t *)base)[i]);

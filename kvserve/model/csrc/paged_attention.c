@@ -17,44 +17,26 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { KV_F32 = 0, KV_BF16 = 1 };
+#include "bf16.h"
+
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 32
 
-/* Bit casts through a union: gcc does not vectorize loops around a memcpy pun. */
-typedef union {
-    float f;
-    uint32_t u;
-} Bits;
-
-static inline float bf16_to_f32(uint16_t x) {
-    Bits b = {.u = (uint32_t)x << 16};
-    return b.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    Bits b = {.f = f};
-    uint32_t bits = b.u;
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* quiet NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(bits >> 16);
-}
-
 static inline void load_row(const void *base, int64_t offset, int dtype, int64_t dim, float *dst) {
-    if (dtype == KV_F32) {
+    if (dtype == F32) {
         memcpy(dst, (const float *)base + offset, (size_t)dim * sizeof(float));
     } else {
         const uint16_t *src = (const uint16_t *)base + offset;
-        for (int64_t i = 0; i < dim; i++) dst[i] = bf16_to_f32(src[i]);
+        for (int64_t i = 0; i < dim; i++) dst[i] = bf16_value(src[i]);
     }
 }
 
 static inline void store_row(void *base, int64_t offset, int dtype, int64_t dim, const float *src) {
-    if (dtype == KV_F32) {
+    if (dtype == F32) {
         memcpy((float *)base + offset, src, (size_t)dim * sizeof(float));
     } else {
         uint16_t *dst = (uint16_t *)base + offset;
-        for (int64_t i = 0; i < dim; i++) dst[i] = f32_to_bf16(src[i]);
+        for (int64_t i = 0; i < dim; i++) dst[i] = bf16_bits(src[i]);
     }
 }
 
@@ -81,7 +63,7 @@ typedef struct {
 
 /* 16 consecutive K/V elements as float32. */
 static inline __m512 load16(const void *base, int64_t offset, int dtype) {
-    if (dtype == KV_F32) return _mm512_loadu_ps((const float *)base + offset);
+    if (dtype == F32) return _mm512_loadu_ps((const float *)base + offset);
     __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
@@ -144,7 +126,7 @@ static inline __attribute__((always_inline)) void attend_item(const Args *a, int
     const int64_t *table = a->block_table + a->table_row[token] * a->block_table_stride;
     const int64_t q_row = a->token_index[token];
     const int vector = VECTOR_ROWS(dim);
-    const int64_t elem = a->kv_dtype == KV_F32 ? 4 : 2;
+    const int64_t elem = a->kv_dtype == F32 ? 4 : 2;
     float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], row[MAX_HEAD_DIM];
 
     for (int64_t g = 0; g < group; g++) {
