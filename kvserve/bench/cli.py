@@ -148,7 +148,11 @@ def _add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     _add_workload_arguments(parser, "fixed,mixed")
     parser.add_argument("--references", default="transformers,llama.cpp,vllm-scheduler",
                         help="comma-separated references to run when available")
-    parser.add_argument("--hf-batch-size", type=int, default=32, help="transformers static batch size")
+    parser.add_argument("--hf-batch-size", type=int, default=32,
+                        help="transformers' static batch size and llama.cpp's number of sequence slots")
+    parser.add_argument("--llama-cpp-weights", choices=("dtype", "stored"), default="dtype",
+                        help="llama.cpp on the GGUF re-stored at --dtype (equal precision, default) "
+                             "or on the file as stored (e.g. Q4_1)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every engine this many times, alternating their order; report the median")
     _add_roofline_json_argument(parser)
@@ -251,7 +255,8 @@ def _run_compare(args: argparse.Namespace) -> dict[str, Any]:
     model_path = resolve_model_path(kwargs.pop("model", None))
     result = compare.run(_workloads(args, _vocab_size(model_path)), model_path,
                          references=_name_list(args.references), hf_batch_size=args.hf_batch_size,
-                         warmup=not args.no_warmup, rounds=args.rounds, **kwargs)
+                         warmup=not args.no_warmup, rounds=args.rounds,
+                         llama_cpp_weights=args.llama_cpp_weights, **kwargs)
     return _with_ceilings(result, args.roofline_json)
 
 

@@ -1,9 +1,10 @@
 """kvserve against the engines users pick, on the same workloads in the same run.
 
 transformers always runs (same weights dequantized from the GGUF, same dtype,
-same token ids, left padding); llama.cpp runs when `llama_cpp` is importable
-(on the GGUF file as stored); vLLM's scheduler runs through the scheduler
-benchmark when `vllm` is importable. Engines run one after the other, never
+same token ids, left padding); llama.cpp runs when `llama_cpp` is importable,
+batched, by default on the GGUF re-stored at kvserve's dtype (same weights,
+same precision; see `gguf_export`), else on the file as stored; vLLM's
+scheduler runs through the scheduler benchmark when `vllm` is importable. Engines run one after the other, never
 at the same time, so they do not compete for the cores.
 
 On a shared machine the speed of the cores drifts over minutes. With
@@ -30,13 +31,15 @@ logger = logging.getLogger(__name__)
 REFERENCES = ("transformers", "llama.cpp", "vllm-scheduler")
 
 
-def _references(references, model_path: str, dtype: str, hf_batch_size: int | None) -> tuple[list, dict[str, str]]:
+def _references(references, model_path: str, dtype: str, hf_batch_size: int | None,
+                llama_cpp_weights: str) -> tuple[list, dict[str, str]]:
     runners, skipped = [], {}
     if "transformers" in references:
         runners.append(TransformersRunner(model_path, dtype=dtype, batch_size=hf_batch_size))
     if "llama.cpp" in references:
         if llama_cpp_available() and model_path.endswith(".gguf"):
-            runners.append(LlamaCppRunner(model_path))
+            weights_dtype = dtype if llama_cpp_weights == "dtype" else None
+            runners.append(LlamaCppRunner(model_path, dtype=weights_dtype, max_batch=hf_batch_size or 32))
         else:
             skipped["llama.cpp"] = "llama_cpp not importable" if not llama_cpp_available() else "model is not GGUF"
     return runners, skipped
@@ -67,15 +70,19 @@ def _median_run(runs: list[dict]) -> dict[str, Any]:
 
 
 def run(workloads: list[Workload], model_path: str, *, references=REFERENCES, hf_batch_size: int | None = 32,
-        warmup: bool = True, rounds: int = 1, **engine_kwargs: Any) -> dict[str, Any]:
+        warmup: bool = True, rounds: int = 1, llama_cpp_weights: str = "dtype", **engine_kwargs: Any) -> dict[str, Any]:
     """Run kvserve and each available reference over `workloads`, `rounds` times (see the module
-    docstring); ratios are kvserve / reference."""
+    docstring); ratios are kvserve / reference. `hf_batch_size` is transformers' static batch
+    and llama.cpp's number of sequence slots; `llama_cpp_weights` "dtype" runs llama.cpp on the
+    GGUF re-stored at kvserve's dtype (equal precision), "stored" on the file as it is."""
+    if llama_cpp_weights not in ("dtype", "stored"):
+        raise ValueError(f"llama_cpp_weights must be 'dtype' or 'stored', got {llama_cpp_weights!r}")
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     kvserve = KvserveRunner(model=model_path, **engine_kwargs)
     try:
         dtype = kvserve.dtype
-        reference_runners, skipped = _references(references, model_path, dtype, hf_batch_size)
+        reference_runners, skipped = _references(references, model_path, dtype, hf_batch_size, llama_cpp_weights)
         runners = [kvserve, *reference_runners]
         if warmup:
             for runner in runners:

@@ -11,8 +11,10 @@ import importlib.util
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import numpy as np
 
 from kvserve.bench.model_info import split_gguf_path
 from kvserve.bench.workloads import Workload
@@ -108,39 +110,164 @@ def llama_cpp_available() -> bool:
 
 
 class LlamaCppRunner:
-    """llama.cpp through llama-cpp-python on the GGUF file itself (its own quantized weights).
+    """llama.cpp through llama-cpp-python's low-level API, batched like its server.
 
-    llama-cpp-python's high-level API decodes one sequence at a time, so this
-    is llama.cpp's single-stream speed, run over the workload's requests in turn.
+    Up to `max_batch` sequences decode together, each in its own sequence slot of
+    its own KV stream: every `llama_decode` call carries one token per decoding
+    sequence plus chunks of waiting prompts (at most `n_batch` tokens), a finished
+    sequence's cells are cleared and the next request takes its slot, and each
+    next token is the argmax of its logits (greedy, EOS ignored, as kvserve runs
+    the workloads). With `dtype` the GGUF is first re-stored at that precision
+    (`gguf_export`), so llama.cpp computes with the weights kvserve computes with;
+    without it llama.cpp runs the file as stored (e.g. Q4_1).
+
+    The model loads without llama.cpp's "extra" buffer types: its AMX repacking
+    crashes on some Sapphire Rapids virtual machines (llama.cpp issue 20824,
+    reproduced here); the plain CPU kernels run instead.
     """
 
     name = "llama.cpp"
 
-    def __init__(self, model_path: str, n_ctx: int = 4096, n_threads: int | None = None) -> None:
+    def __init__(self, model_path: str, dtype: str | None = None, max_batch: int = 32, n_batch: int = 2048,
+                 n_threads: int | None = None) -> None:
         import llama_cpp
 
         if not model_path.endswith(".gguf"):
             raise ValueError("llama.cpp needs a .gguf model file")
+        self.lib = llama_cpp
         started = time.perf_counter()
-        # llama-cpp-python defaults to half the cores; use as many threads as torch does.
-        n_threads = n_threads or os.cpu_count() or 1
-        self.llm = llama_cpp.Llama(model_path=model_path, n_ctx=n_ctx, n_threads=n_threads,
-                                   n_threads_batch=n_threads, verbose=False)
+        if dtype is not None:
+            from kvserve.bench.gguf_export import export_gguf
+            model_path = export_gguf(model_path, dtype)
+        self.precision = dtype or "as stored"
+        _silence_logs(llama_cpp)
+        llama_cpp.llama_backend_init()
+        params = llama_cpp.llama_model_default_params()
+        params.use_extra_bufts = False
+        self.model = llama_cpp.llama_model_load_from_file(model_path.encode(), params)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {model_path}")
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.max_batch, self.n_batch = max_batch, n_batch
+        # As many threads as torch uses (llama-cpp-python's own default is half the cores).
+        self.n_threads = n_threads or os.cpu_count() or 1
+        self.ctx, self.ctx_cells = None, 0
+        self.batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self.last_output_token_ids: list[list[int]] = []  # per request of the last run, in order
         self.load_s = time.perf_counter() - started
 
-    def _generate_one(self, request) -> None:
-        self.llm.reset()
-        produced = 0
-        for _ in self.llm.generate(request.prompt_token_ids, temp=0.0, top_k=1):
-            produced += 1
-            if produced >= request.output_len:
-                break
+    def _context(self, cells: int):
+        """A context of `cells` KV cells in all (reused when large enough)."""
+        lib = self.lib
+        if self.ctx is not None and self.ctx_cells >= cells:
+            lib.llama_memory_clear(lib.llama_get_memory(self.ctx), True)
+            return self.ctx
+        if self.ctx is not None:
+            lib.llama_free(self.ctx)
+        params = lib.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch = cells, self.n_batch, min(self.n_batch, 512)
+        # One KV stream per sequence slot (n_ctx / n_seq_max cells each): in a unified cache
+        # every token's attention would scan the cells of all sequences.
+        params.n_seq_max, params.kv_unified = self.max_batch, False
+        params.n_threads = params.n_threads_batch = self.n_threads
+        params.no_perf = True
+        self.ctx = lib.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not create a context of {cells} cells")
+        self.ctx_cells = cells
+        return self.ctx
+
+    def _batch_entries(self, slots: dict[int, "_Sequence"]) -> tuple[list[tuple[int, int, int, bool]], list[int]]:
+        """This step's (token, position, sequence, wants logits) entries and, in the order of
+        their logit rows, the sequences that get a next token."""
+        entries, owners = [], []
+        for seq, state in slots.items():  # one token per decoding sequence first
+            if state.prefilled == state.request.prompt_len:
+                entries.append((state.last_token, state.request.prompt_len + state.produced - 1, seq, True))
+                owners.append(seq)
+        for seq, state in slots.items():  # then prompt chunks, as many tokens as fit
+            prompt = state.request.prompt_token_ids
+            while state.prefilled < len(prompt) and len(entries) < self.n_batch:
+                last = state.prefilled == len(prompt) - 1
+                entries.append((prompt[state.prefilled], state.prefilled, seq, last))
+                state.prefilled += 1
+                if last:
+                    owners.append(seq)
+        return entries, owners
+
+    def _fill_batch(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        batch = self.batch
+        for i, (token, pos, seq, wants_logits) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, wants_logits
+        batch.n_tokens = len(entries)
+
+    def _argmax(self, ctx, index: int) -> int:
+        logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(ctx, index), shape=(self.n_vocab,))
+        return int(logits.argmax())
 
     def run(self, workload: Workload) -> ThroughputResult:
+        longest = max(r.prompt_len + r.output_len for r in workload.requests)
+        ctx = self._context(self.max_batch * longest)
+        memory = self.lib.llama_get_memory(ctx)
         started = time.perf_counter()
-        for request in workload.requests:
-            self._generate_one(request)
+        waiting = [_Sequence(request) for request in workload.requests][::-1]
+        finished: list[_Sequence] = []
+        slots: dict[int, _Sequence] = {}
+        while waiting or slots:
+            for seq in range(self.max_batch):
+                if seq not in slots and waiting:
+                    slots[seq] = waiting.pop()
+            entries, owners = self._batch_entries(slots)
+            self._fill_batch(entries)
+            if self.lib.llama_decode(ctx, self.batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            logit_rows = [i for i, entry in enumerate(entries) if entry[3]]
+            for seq, row in zip(owners, logit_rows):
+                state = slots[seq]
+                state.last_token = self._argmax(ctx, row)
+                state.output_token_ids.append(state.last_token)
+                if state.produced >= state.request.output_len:
+                    self.lib.llama_memory_seq_rm(memory, seq, -1, -1)
+                    finished.append(slots.pop(seq))
         elapsed_s = time.perf_counter() - started
+        by_request = {id(state.request): state.output_token_ids for state in finished}
+        self.last_output_token_ids = [by_request[id(request)] for request in workload.requests]
         return ThroughputResult(self.name, workload.name, len(workload.requests), workload.num_prompt_tokens,
                                workload.num_output_tokens, elapsed_s, self.load_s,
-                               notes="GGUF weights as stored, one sequence at a time")
+                               notes=f"weights {self.precision}, batches of up to {self.max_batch} sequences")
+
+    def __del__(self) -> None:
+        lib = getattr(self, "lib", None)
+        if lib is None:
+            return
+        if getattr(self, "ctx", None):
+            lib.llama_free(self.ctx)
+        if getattr(self, "batch", None) is not None:
+            lib.llama_batch_free(self.batch)
+        if getattr(self, "model", None):
+            lib.llama_model_free(self.model)
+
+
+_log_sink: list = []  # keeps the ctypes callback alive while llama.cpp holds it
+
+
+def _silence_logs(llama_cpp) -> None:
+    """llama.cpp logs every tensor and context it loads to stderr; the bench's table is the output."""
+    if not _log_sink:
+        _log_sink.append(llama_cpp.llama_log_callback(lambda level, text, user_data: None))
+        llama_cpp.llama_log_set(_log_sink[0], None)
+
+
+@dataclass
+class _Sequence:
+    """One request in a llama.cpp sequence slot."""
+
+    request: Any
+    prefilled: int = 0
+    last_token: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def produced(self) -> int:
+        return len(self.output_token_ids)

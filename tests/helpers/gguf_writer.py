@@ -53,15 +53,18 @@ def _write_metadata(writer, cfg, arch: str) -> None:
         writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
 
 
-def write_gguf(hf_model, path: str, qtype: QType) -> None:
+def write_gguf(hf_model, path: str, qtype: QType, tokenizer_model: str | None = None) -> None:
     """Write a transformers model as llama.cpp's converter would; matrices stored as `qtype`.
 
     llama.cpp conventions reproduced here: Llama Q/K rows permuted, Gemma norm
-    weights stored as (1 + w), tied output matrix omitted."""
+    weights stored as (1 + w), tied output matrix omitted. `tokenizer_model`
+    "no_vocab" lets llama.cpp itself load the file (token ids only, no text)."""
     cfg = hf_model.config
     arch = cfg.model_type
     writer = gguf.GGUFWriter(path, arch)
     _write_metadata(writer, cfg, arch)
+    if tokenizer_model is not None:
+        writer.add_tokenizer_model(tokenizer_model)
     for name, tensor in hf_model.state_dict().items():
         if "rotary" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue

@@ -53,7 +53,7 @@ static inline float rounded(float v, int dtype) { return dtype == F32 ? v : bf16
 INLINE void rms_norm(const void *x, void *residual, const float *weight, void *out, int64_t rows, int64_t dim,
                      int64_t row_stride, float eps, int adds_one, const int dtype, int num_threads) {
     int threads = rows * dim >= PARALLEL_MIN_ELEMENTS ? num_threads : 1;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t base = r * row_stride;
         float h[MAX_NORM_DIM], o[MAX_NORM_DIM];
@@ -81,7 +81,7 @@ void kvserve_rms_norm(const void *x, void *residual, const float *weight, void *
 /* out[r] = round(silu(gate)) * up, where row r of gate_up is [gate (width), up (width)]. */
 INLINE void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, const int dtype, int num_threads) {
     int threads = rows * width >= PARALLEL_MIN_ELEMENTS ? num_threads : 1;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t in_base = r * 2 * width, out_base = r * width;
         float act[CHUNK];
@@ -108,7 +108,7 @@ INLINE void rotary(void *x, int64_t token_stride, int64_t head_stride, const voi
                    int64_t tokens, int64_t heads, int64_t dim, const int dtype, int num_threads) {
     const int64_t half = dim / 2;
     int threads = tokens * heads * dim >= PARALLEL_MIN_ELEMENTS ? num_threads : 1;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t t = 0; t < tokens; t++) {
         /* Local float copies: the compiler cannot prove x, cos and sin apart, and would not vectorize. */
         float c[MAX_ROTARY_DIM], s[MAX_ROTARY_DIM], v[MAX_ROTARY_DIM], r[MAX_ROTARY_DIM];

@@ -21,6 +21,9 @@
 
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 32
+/* Below this much K/V to read one thread does the step: starting a parallel region
+ * costs tens of microseconds on a virtual machine, about what a core reads 256 KiB in. */
+#define PARALLEL_MIN_BYTES (256 * 1024)
 
 static inline void load_row(const void *base, int64_t offset, int dtype, int64_t dim, float *dst) {
     if (dtype == F32) {
@@ -203,15 +206,18 @@ int kvserve_paged_attention(const void *q, int64_t q_token_stride, int64_t q_hea
     Args a = {q, q_token_stride, q_head_stride, k_cache, v_cache, cache_head_stride, out, out_token_stride,
               out_head_stride, token_index, positions, block_table, block_table_stride, table_row,
               num_heads, num_kv_heads, head_dim, block_size, window, scale, softcap, q_dtype, kv_dtype};
-    int64_t max_keys = 0;
+    int64_t max_keys = 0, total_keys = 0;
     for (int64_t t = 0; t < num_tokens; t++) {
         int64_t keys = positions[t] + 1;
         if (window > 0 && keys > window) keys = window;
         if (keys > max_keys) max_keys = keys;
+        total_keys += keys;
     }
     const int64_t group = num_heads / num_kv_heads, num_items = num_tokens * num_kv_heads;
+    const int64_t kv_bytes = total_keys * num_kv_heads * head_dim * 2 * (kv_dtype == F32 ? 4 : 2);
+    if (kv_bytes < PARALLEL_MIN_BYTES) num_threads = 1;
     int failed = 0;
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         float *scores = malloc((size_t)(max_keys * group) * sizeof(float));
         if (!scores) {

@@ -19,6 +19,9 @@
 #define TILE_ROWS 4 /* output rows per tile */
 #define TILE_BATCH 4 /* rows of x per pass over a tile */
 #define PREFETCH_BYTES 4096 /* how far ahead of the current load the weights are prefetched */
+/* Smaller weights are read by one thread: a parallel region costs about as much as
+ * reading this many bytes. */
+#define PARALLEL_MIN_BYTES (256 * 1024)
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -137,7 +140,8 @@ int kvserve_small_linear(const void *x, int64_t x_stride, const void *w, const v
     const int64_t full_tiles = out / TILE_ROWS;
     const int64_t tiles = full_tiles + (out % TILE_ROWS);
     const int element = dtype == F32 ? 4 : 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+    if (out * in * element < PARALLEL_MIN_BYTES) num_threads = 1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
     for (int64_t t = 0; t < tiles; t++) {
         int64_t row = t < full_tiles ? t * TILE_ROWS : full_tiles * TILE_ROWS + (t - full_tiles);
         int rows = t < full_tiles ? TILE_ROWS : 1;
