@@ -4,8 +4,9 @@ transformers always runs (same weights dequantized from the GGUF, same dtype,
 same token ids, left padding); llama.cpp runs when `llama_cpp` is importable,
 batched, by default on the GGUF re-stored at kvserve's dtype (same weights,
 same precision; see `gguf_export`), else on the file as stored; vLLM's
-scheduler runs through the scheduler benchmark when `vllm` is importable. Engines run one after the other, never
-at the same time, so they do not compete for the cores.
+scheduler runs through the scheduler benchmark when `vllm` is importable.
+Engines run one after the other, never at the same time, so they do not
+compete for the cores.
 
 On a shared machine the speed of the cores drifts over minutes. With
 `rounds` > 1 every engine stays loaded and each round runs them all, in

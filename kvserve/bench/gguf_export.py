@@ -68,14 +68,10 @@ def export_gguf(source: str, dtype: str, target: str | None = None) -> str:
 def _copy_metadata(reader, writer, file_type: int) -> None:
     import gguf
 
-    if "general.file_type" not in reader.fields:
-        writer.add_file_type(file_type)
+    writer.add_file_type(file_type)
     for field in reader.fields.values():
         # The writer adds the GGUF.* header fields and the architecture itself.
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        if field.name == "general.file_type":
-            writer.add_file_type(file_type)
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.file_type"):
             continue
         value_type = field.types[0]
         sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None

@@ -48,8 +48,13 @@ class KernelArgumentError(ValueError):
     """The native kernel rejected its arguments (a shape it does not handle)."""
 
 
+def _switched_on(env: str) -> bool:
+    """An on-by-default switch: off when `env` is 0, false, no or off."""
+    return os.environ.get(env, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def kernels_enabled() -> bool:
-    return os.environ.get(KERNELS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return _switched_on(KERNELS_ENV)
 
 
 def supports_dtype(dtype: torch.dtype) -> bool:
@@ -276,8 +281,7 @@ def small_linear_supported(dtype: torch.dtype) -> bool:
 def small_linear_wanted(dtype: torch.dtype) -> bool:
     """Keep plain weight copies for the small-batch kernel: built for `dtype` and not
     switched off by KVSERVE_SMALL_BATCH_MATMUL=0."""
-    switched_off = os.environ.get(SMALL_LINEAR_ENV, "1").strip().lower() in ("0", "false", "no", "off")
-    return not switched_off and small_linear_supported(dtype)
+    return _switched_on(SMALL_LINEAR_ENV) and small_linear_supported(dtype)
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

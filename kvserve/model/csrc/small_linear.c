@@ -8,8 +8,9 @@
  * AVX512-BF16 dot products (float32 accumulation) for bfloat16 and FMAs for
  * float32. The rows of a tile are read side by side, so the hardware prefetcher
  * sees short interleaved streams; prefetching a few KiB ahead by hand is what
- * takes the kernel from ~11 to ~18 GB/s on the machine it was tuned on. Results are rounded to the storage type once, as oneDNN does; only
- * the order of the float32 sum differs. Built with the other kernels by
+ * takes the kernel from ~11 to ~18 GB/s on the machine it was tuned on.
+ * Results are rounded to the storage type once, as oneDNN does; only the order
+ * of the float32 sum differs. Built with the other kernels by
  * kvserve/model/cpu_kernels.py.
  */
 #include <stdint.h>
