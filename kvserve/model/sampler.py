@@ -176,7 +176,10 @@ class Sampler:
                         if any(n is not None for n in st.num_logprobs) else None)
         if st.blocked_tokens is not None:
             blocked = token_counts(st.blocked_tokens, logits.shape[-1]) > 0
-            logits = logits.masked_fill(blocked, float("-inf"))
+            blocked_logits = logits.masked_fill(blocked, float("-inf"))
+            # A grammar that allows nothing but a stop token wins over min_tokens.
+            nothing_left = torch.isneginf(blocked_logits).all(dim=-1, keepdim=True)
+            logits = torch.where(nothing_left, logits, blocked_logits)
         if st.do_penalties:
             logits = apply_penalties(logits, st)
         tokens = logits.argmax(dim=-1)

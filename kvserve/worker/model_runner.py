@@ -18,10 +18,11 @@ from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.kv_cache.interface import KVCacheConfig, KVCacheSpec
 from kvserve.model.attention import AttentionMetadata, allocate_kv_caches, copy_kv_blocks
 from kvserve.model.loader import load_model
-from kvserve.model.sampler import Sampler, SamplingTensors, make_generator
+from kvserve.model.sampler import Sampler, SamplerOutput, SamplingTensors, make_generator
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvserve.worker.input_batch import InputBatch, PreparedBatch
+from kvserve.worker.logits_constraints import LogitsConstraints
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class ModelRunner:
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.input_batch: InputBatch | None = None
         self.sampler = None
+        self.logits_constraints = LogitsConstraints(model_config)
         # SchedulerOutput does not carry a request's EOS id; min_tokens blocks the
         # model's (the engine's default EOS for every request).
         eos_token_ids = list(getattr(model_config, "eos_token_ids", None) or [])
@@ -148,7 +150,7 @@ class ModelRunner:
             return {}, {}
         sampled_req_ids = prepared.sampled_req_ids
         logits = self.model.compute_logits(sampled_hidden)
-        sampler_output = self.sampler.sample(logits, self._sampling_tensors(sampled_req_ids))
+        sampler_output = self._sample(logits, sampled_req_ids)
         sampled_token_ids, logprobs_by_req = {}, {}
         for i, req_id in enumerate(sampled_req_ids):
             token_id = int(sampler_output.token_ids[i])
@@ -157,6 +159,14 @@ class ModelRunner:
             if sampler_output.logprobs is not None and sampler_output.logprobs[i] is not None:
                 logprobs_by_req[req_id] = sampler_output.logprobs[i]
         return sampled_token_ids, logprobs_by_req
+
+    def _sample(self, logits: torch.Tensor, req_ids: list[str]) -> SamplerOutput:
+        """Constrain (logit_bias, grammars), sample, and advance the grammars on the sampled tokens."""
+        states = [self.input_batch.states[rid] for rid in req_ids]
+        logits = self.logits_constraints.apply(logits, states)
+        sampler_output = self.sampler.sample(logits, self._sampling_tensors(req_ids))
+        self.logits_constraints.advance(states, sampler_output.token_ids)
+        return sampler_output
 
     def _apply_block_copies(self, scheduler_output: SchedulerOutput) -> None:
         copy_kv_blocks(self.kv_caches, self.kv_cache_config, scheduler_output.kv_cache_block_copies)

@@ -97,7 +97,7 @@ class TPModelRunner(ModelRunner):
         logprobs_by_req, sampling_error = {}, None
         if logits is not None:
             try:
-                sampler_output = self.sampler.sample(logits, self._sampling_tensors(sampled_req_ids))
+                sampler_output = self._sample(logits, sampled_req_ids)
                 token_ids.copy_(torch.as_tensor(list(sampler_output.token_ids), dtype=torch.int64))
                 if sampler_output.logprobs is not None:
                     logprobs_by_req = {rid: lp for rid, lp in zip(sampled_req_ids, sampler_output.logprobs)
