@@ -64,7 +64,6 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
     kv_cache_block_copies: list[KVCacheBlockCopy] = field(default_factory=list)
-    num_common_prefix_blocks: list[int] = field(default_factory=list)
 
     @classmethod
     def make_empty(cls, step_seq: int = 0) -> "SchedulerOutput":
