@@ -14,14 +14,12 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvserve.errors import ConfigError
+
 if TYPE_CHECKING:
     from kvserve.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names it."""
 
 
 @dataclass(frozen=True)
