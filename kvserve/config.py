@@ -63,15 +63,18 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Budgets and policy of the continuous-batching scheduler."""
+    """Budgets and policy of the continuous-batching scheduler.
 
-    max_num_seqs: int = 128
+    The defaults are the engine's: `EngineConfig.create` takes its own from here.
+    """
+
+    max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
-    async_scheduling: bool = False
+    async_scheduling: bool = True
     # Defer frees of blocks an in-flight step may still touch (default: on with async).
     defer_block_free: bool | None = None
     # Speculative decoding (None: off); see kvserve.spec_decode.config.
@@ -230,17 +233,17 @@ class EngineConfig:
         dtype: str = "float32",
         kv_cache_memory: int | str | None = None,
         max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = SchedulerConfig.max_num_seqs,
+        max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
         enable_prefix_caching: bool = True,
-        block_size: int = 16,
+        block_size: int = CacheConfig.block_size,
         hash_block_size: int | None = None,
         tensor_parallel_size: int = 1,
-        async_scheduling: bool = True,
-        enable_chunked_prefill: bool = True,
-        policy: str = "fcfs",
-        sliding_window_kv: str = "sliding",
-        gpu_memory_utilization: float = 0.9,
+        async_scheduling: bool = SchedulerConfig.async_scheduling,
+        enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill,
+        policy: str = SchedulerConfig.policy,
+        sliding_window_kv: str = CacheConfig.sliding_window_kv,
+        gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization,
         device: str | None = None,
         seed: int = 0,
         speculative_config: "SpeculativeConfig | dict | str | None" = None,

@@ -67,7 +67,6 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
     kv_cache_block_copies: list[KVCacheBlockCopy] = field(default_factory=list)
-    num_common_prefix_blocks: list[int] = field(default_factory=list)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
