@@ -18,6 +18,7 @@ from kvserve.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvserve.model.config import ModelConfig
+    from kvserve.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class SchedulerConfig:
     async_scheduling: bool = True
     # Defer frees of blocks an in-flight step may still touch (default: on with async).
     defer_block_free: bool | None = None
+    # Speculative decoding (None: off); see kvserve.spec_decode.config.
+    speculative_config: "SpeculativeConfig | None" = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -217,6 +220,10 @@ class EngineConfig:
     def max_model_len(self) -> int:
         return self.scheduler_config.max_model_len
 
+    @property
+    def speculative_config(self) -> "SpeculativeConfig | None":
+        return self.scheduler_config.speculative_config
+
     @classmethod
     def create(
         cls,
@@ -237,6 +244,7 @@ class EngineConfig:
         gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization,
         device: str | None = None,
         seed: int = 0,
+        speculative_config: "SpeculativeConfig | dict | str | None" = None,
     ) -> "EngineConfig":
         """Build and validate the whole configuration from user-facing knobs."""
         from kvserve.model.config import ModelConfig
@@ -260,7 +268,17 @@ class EngineConfig:
             enable_chunked_prefill=enable_chunked_prefill,
             policy=policy,
             async_scheduling=async_scheduling,
+            speculative_config=_speculative_config(speculative_config),
         )
         parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
         return cls(model_config, cache_config, scheduler_config, parallel_config,
                    device=device or default_device(), seed=seed)
+
+
+def _speculative_config(value) -> "SpeculativeConfig | None":
+    """vLLM's `speculative_config` (dict, JSON text or object), as a ConfigError when invalid."""
+    from kvserve.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
+    try:
+        return SpeculativeConfig.from_value(value)
+    except SpeculativeConfigError as exc:
+        raise ConfigError(str(exc)) from None
