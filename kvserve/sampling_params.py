@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.errors import SamplingParamsError
 
-class SamplingParamsError(ValueError):
-    """A sampling parameter is out of range; the message names the field."""
+__all__ = ["SamplingParams", "SamplingParamsError"]
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class StructuredOutputsParams:
     - `grammar`: a Lark or GBNF (llama.cpp EBNF) grammar;
     - `json_object=True`: any JSON object.
 
-    The engine compiles it into a token mask (`kvserve.structured_output`).
+    The engine compiles it into a token mask (`kvserve.model.grammar`).
     """
 
     json: dict | str | None = None

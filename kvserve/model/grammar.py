@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import TYPE_CHECKING, Any
 
+from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -42,13 +43,13 @@ MAX_CACHED_GRAMMARS = 256
 JSON_COMPILE_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 
 
-class StructuredOutputError(ValueError):
-    """A constraint cannot be compiled or enforced; `param` names which one
-    ("json", "regex", "choice", "grammar", "json_object")."""
+class StructuredOutputError(InvalidRequestError):
+    """A constraint cannot be compiled or enforced; `kind` says which one
+    ("json", "regex", "choice", "grammar", "json_object"), `param` the request field."""
 
-    def __init__(self, param: str, reason: str) -> None:
-        super().__init__(f"invalid {param} constraint: {reason}")
-        self.param = param
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(f"invalid {kind} constraint: {reason}", f"structured_outputs.{kind}")
+        self.kind = kind
         self.reason = reason
 
 
@@ -161,6 +162,24 @@ class GrammarCompiler:
                 for eos in self.eos_token_ids:
                     bitmask[row, eos // 32] |= _bit(eos % 32)
         return bitmask
+
+    def fill_bitmasks_along(self, matcher: Any, draft_token_ids: list[int]) -> "torch.Tensor":
+        """1 + len(drafts) bitmask rows: row j is the mask after the first j draft tokens
+        (rows past a draft token the grammar rejects repeat the last mask: the verifier
+        rejects that token anyway). The matcher is left as it was."""
+        import torch
+
+        rows = [self.fill_bitmasks([matcher])[0]]
+        consumed = 0
+        for token_id in draft_token_ids:
+            if consumed == len(rows) - 1 and not matcher.is_error() and matcher.try_consume_tokens([token_id]) == 1:
+                consumed += 1
+                rows.append(self.fill_bitmasks([matcher])[0])
+            else:
+                rows.append(rows[-1])
+        if consumed:
+            matcher.rollback(consumed)
+        return torch.stack(rows)
 
 
 def apply_bitmask(logits: "torch.Tensor", bitmask: "torch.Tensor", rows: list[int]) -> "torch.Tensor":

@@ -35,26 +35,46 @@ class LogitsConstraints:
             self._compiler = compiler_for_model(self.model_config)
         return self._compiler
 
-    def apply(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
-        """The logits of rows `states` after their bias and grammar mask (unchanged when none has either)."""
-        biased = [(row, s.sampling_params.logit_bias) for row, s in enumerate(states) if s.sampling_params.logit_bias]
-        if biased:
-            logits = logits.clone()
-            for row, bias in biased:
-                ids = torch.tensor(list(bias), dtype=torch.int64, device=logits.device)
-                values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
-                logits[row].index_add_(0, ids, values)
-        constrained = [row for row, s in enumerate(states) if s.sampling_params.structured_outputs is not None]
+    def apply(self, logits: torch.Tensor, states: list[RequestState],
+              drafts: list[list[int]] | None = None) -> torch.Tensor:
+        """The logits after each request's bias and grammar mask (unchanged when none has either).
+
+        Without drafts, row i is request i. With drafts (speculative decoding), request i
+        owns 1 + len(drafts[i]) consecutive rows, row j after its first j draft tokens.
+        """
+        num_rows = [1 + len(d) for d in drafts] if drafts is not None else [1] * len(states)
+        first_rows = [sum(num_rows[:i]) for i in range(len(states))]
+        if any(s.sampling_params.logit_bias for s in states):
+            logits = self._add_bias(logits, states, first_rows, num_rows)
+        constrained = [i for i, s in enumerate(states) if s.sampling_params.structured_outputs is not None]
         if not constrained:
             return logits
-        matchers = [self._matcher(states[row]) for row in constrained]
-        return apply_bitmask(logits, self.compiler.fill_bitmasks(matchers), constrained)
+        matchers = [self._matcher(states[i]) for i in constrained]
+        if drafts is None or not any(drafts[i] for i in constrained):
+            bitmask = self.compiler.fill_bitmasks(matchers)
+            return apply_bitmask(logits, bitmask, [first_rows[i] for i in constrained])
+        rows = [first_rows[i] + j for i in constrained for j in range(num_rows[i])]
+        bitmask = torch.cat([self.compiler.fill_bitmasks_along(m, drafts[i]) for i, m in zip(constrained, matchers)])
+        return apply_bitmask(logits, bitmask, rows)
 
-    def advance(self, states: list[RequestState], token_ids: list[int]) -> None:
-        """Feed each constrained request the token just sampled for it."""
-        for state, token_id in zip(states, token_ids):
+    def advance(self, states: list[RequestState], token_ids: list[list[int]]) -> None:
+        """Feed each constrained request the tokens this step really produced for it."""
+        for state, tokens in zip(states, token_ids):
             if state.grammar is not None:
-                state.grammar.consume_token(int(token_id))
+                for token_id in tokens:
+                    state.grammar.consume_token(int(token_id))
+
+    @staticmethod
+    def _add_bias(logits: torch.Tensor, states: list[RequestState], first_rows: list[int],
+                  num_rows: list[int]) -> torch.Tensor:
+        logits = logits.clone()
+        for state, first, count in zip(states, first_rows, num_rows):
+            bias = state.sampling_params.logit_bias
+            if bias:
+                ids = torch.tensor(list(bias), dtype=torch.int64, device=logits.device)
+                values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+                logits[first:first + count, ids] += values
+        return logits
 
     def _matcher(self, state: RequestState):
         if state.grammar is None:

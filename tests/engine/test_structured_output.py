@@ -95,3 +95,14 @@ def test_bad_constraint_raises_before_anything_runs(llm):
                      use_tqdm=False)
     (after,) = llm.generate(["hello"], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     assert len(after.outputs[0].token_ids) == 2
+
+
+def test_speculative_drafts_are_masked_and_greedy_output_is_unchanged(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=Constraint(json=PERSON))
+    conversation = [{"role": "user", "content": 'Repeat exactly: {"name": "Ann", "age": 7} {"name": "Ann", "age": 7}'}]
+    (plain,) = llm.chat([conversation], params, use_tqdm=False)
+    with LLM(kv_cache_memory="32MiB", max_model_len=512, max_num_seqs=4,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}) as spec:
+        (drafted,) = spec.chat([conversation], params, use_tqdm=False)
+    assert drafted.outputs[0].token_ids == plain.outputs[0].token_ids
+    jsonschema.validate(json.loads(drafted.outputs[0].text), PERSON)

@@ -84,7 +84,7 @@ def test_gbnf_and_lark_grammars(compiler, tokenizer):
 def test_bad_constraints_name_their_parameter(compiler, constraint, param):
     with pytest.raises(StructuredOutputError) as info:
         compiler.compile(constraint)
-    assert info.value.param == param and info.value.reason
+    assert info.value.kind == param and info.value.reason
 
 
 def test_constraint_needs_exactly_one_kind():
