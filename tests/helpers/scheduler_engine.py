@@ -11,6 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from types import SimpleNamespace
 
 from kvserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from kvserve.kv_cache.events import KVEventsConfig
 from kvserve.kv_cache.interface import FullAttentionSpec, KVCacheSpec
 from kvserve.testing import FakeModelRunner
 from kvserve.worker.executor import Executor
@@ -52,7 +53,8 @@ def _fake_runner_executor(num_blocks: int, specs: dict[str, KVCacheSpec], step_d
 
 
 def scheduler_engine_config(max_model_len: int = 512, max_num_seqs: int = 16, block_size: int = 16,
-                            async_scheduling: bool = True, hash_block_size: int | None = None) -> EngineConfig:
+                            async_scheduling: bool = True, hash_block_size: int | None = None,
+                            kv_events_config=None) -> EngineConfig:
     model_config = SimpleNamespace(max_model_len=max_model_len, vocab_size=49152, eos_token_ids=[],
                                    path="/models/fake-model")
     return EngineConfig(model_config=model_config,
@@ -60,7 +62,8 @@ def scheduler_engine_config(max_model_len: int = 512, max_num_seqs: int = 16, bl
                         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
                                                          max_model_len=max_model_len,
                                                          async_scheduling=async_scheduling),
-                        parallel_config=ParallelConfig())
+                        parallel_config=ParallelConfig(),
+                        kv_events_config=None if kv_events_config is None else KVEventsConfig(**kv_events_config))
 
 
 def make_scheduler_engine_core(num_blocks: int = 64, step_delay_s: float = 0.002,
