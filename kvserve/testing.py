@@ -17,10 +17,12 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
-from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from kvserve.engine.core import EngineCore
 from kvserve.kv_cache.interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
+from kvserve.model.config import ModelConfig
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
@@ -273,10 +275,14 @@ class FakeExecutor(Executor):
     """
 
     def __init__(self, engine_config: EngineConfig | None = None, runner: FakeModelRunner | None = None,
-                 num_blocks: int = 512, step_delay_s: float = 0.0) -> None:
+                 num_blocks: int = 512, step_delay_s: float = 0.0,
+                 kv_cache_specs: dict[str, KVCacheSpec] | None = None) -> None:
         super().__init__(engine_config)  # type: ignore[arg-type]
         self.runner = runner or FakeModelRunner()
         self.num_blocks = num_blocks
+        block_size = engine_config.cache_config.block_size if engine_config else 16
+        self.kv_cache_specs = kv_cache_specs or {
+            "layer0": FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype="float32")}
         self.step_delay_s = step_delay_s
         self.fail_next_step: Exception | None = None
         self.error_next_step: Exception | None = None
@@ -286,12 +292,10 @@ class FakeExecutor(Executor):
         self._dead_error: BaseException | None = None
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
-        block_size = self.engine_config.cache_config.block_size if self.engine_config else 16
-        return {"layer0": FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype="float32")}
+        return dict(self.kv_cache_specs)
 
     def determine_available_memory(self) -> int:
-        (spec,) = self.get_kv_cache_specs().values()
-        return self.num_blocks * spec.page_size_bytes
+        return self.num_blocks * sum(spec.page_size_bytes for spec in self.kv_cache_specs.values())
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self.kv_cache_config = kv_cache_config
@@ -327,6 +331,20 @@ class FakeExecutor(Executor):
 
     def _stop_runners(self) -> None:
         pass
+
+
+def fake_engine_config(max_model_len: int = 256, vocab_size: int = 49152, eos_token_ids: Sequence[int] = (),
+                       cache_config: CacheConfig | None = None, scheduler_config: SchedulerConfig | None = None,
+                       **engine_kwargs: Any) -> EngineConfig:
+    """A real EngineConfig naming a model no one loads, for an EngineCore over a `FakeExecutor`."""
+    model_config = ModelConfig(
+        path="/models/fake-model", is_gguf=False, architecture="LlamaForCausalLM", model_type="llama",
+        family="llama", num_layers=1, hidden_size=8, intermediate_size=16, num_heads=1, num_kv_heads=1,
+        head_dim=8, vocab_size=vocab_size, max_position_embeddings=max_model_len,
+        max_model_len=max_model_len, eos_token_ids=list(eos_token_ids))
+    return EngineConfig(model_config, cache_config or CacheConfig(),
+                        scheduler_config or SchedulerConfig(max_model_len=max_model_len),
+                        ParallelConfig(), device="cpu", **engine_kwargs)
 
 
 class StepDriver:

@@ -18,8 +18,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kvserve.config import EngineConfig
+from kvserve.engine.kv_events import ZmqEventPublisher, create_publisher
+from kvserve.engine.kv_view import EngineKVView, PrefixCacheTotals, StepTimeline, build_kv_view
 from kvserve.engine.validation import RequestValidator
 from kvserve.errors import EngineDeadError, InvalidRequestError
+from kvserve.kv_cache.events import KVEventRecorder
 from kvserve.kv_cache.interface import KVCacheConfig
 from kvserve.kv_cache.utils import get_kv_cache_config
 from kvserve.request import Request, RequestStatus
@@ -62,11 +65,12 @@ class EngineCore:
         try:
             kv_cache_config = _initialize_kv_cache(engine_config, executor)
             scheduler = Scheduler(engine_config.scheduler_config, kv_cache_config, engine_config.cache_config)
+            kv_event_publisher = create_publisher(engine_config.kv_events_config)
         except BaseException:
             executor.shutdown()
             raise
         model_config = engine_config.model_config
-        self._start(scheduler, executor, model_config.vocab_size, model_config.eos_token_ids)
+        self._start(scheduler, executor, model_config.vocab_size, model_config.eos_token_ids, kv_event_publisher)
 
     @classmethod
     def from_parts(cls, scheduler: Scheduler, executor: Executor, vocab_size: int,
@@ -79,9 +83,10 @@ class EngineCore:
         return core
 
     def _start(self, scheduler: Scheduler, executor: Executor, vocab_size: int,
-               eos_token_ids: Sequence[int]) -> None:
+               eos_token_ids: Sequence[int], kv_event_publisher: ZmqEventPublisher | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
+        self.kv_event_publisher = kv_event_publisher
         self.kv_cache_config = scheduler.kv_cache_config
         self.model_eos_token_ids = list(eos_token_ids or [])
         # The scheduler picks the hash unit (it may be finer than a block, for
@@ -94,6 +99,9 @@ class EngineCore:
         self.steps_in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self._is_dead: str | None = None
         self._num_stalled_steps = 0
+        self.step_timeline = StepTimeline()
+        if self.kv_event_publisher is not None:
+            self.scheduler.kv_cache_manager.block_pool.kv_events = KVEventRecorder()
 
     # ---- requests -----------------------------------------------------------
 
@@ -154,6 +162,7 @@ class EngineCore:
     def schedule_step(self) -> SchedulerOutput:
         """The first half of a step: schedule and submit it to the executor."""
         scheduler_output = self.scheduler.schedule()
+        self.step_timeline.start(scheduler_output.step_seq)
         self.steps_in_flight.append((scheduler_output, self.executor.execute_model_async(scheduler_output)))
         return scheduler_output
 
@@ -165,6 +174,9 @@ class EngineCore:
         except Exception as exc:  # a failed step fails its requests, not the engine
             return self._fail_step(scheduler_output, exc)
         outputs = self.scheduler.update_from_output(scheduler_output, model_runner_output)
+        self.step_timeline.finish(scheduler_output.step_seq, scheduler_output.total_num_scheduled_tokens,
+                                  len(scheduler_output.num_scheduled_tokens))
+        self._publish_kv_events()
         self._check_progress(scheduler_output, outputs)
         return outputs
 
@@ -207,8 +219,19 @@ class EngineCore:
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 
+    def get_kv_view(self, prefix_cache: PrefixCacheTotals) -> EngineKVView:
+        """The KV cache, queues and recent steps now (`prefix_cache`: the caller's totals)."""
+        return build_kv_view(self.scheduler, self.step_timeline, prefix_cache)
+
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+        reset = self.scheduler.reset_prefix_cache()
+        self._publish_kv_events()
+        return reset
+
+    def _publish_kv_events(self) -> None:
+        """One batch per step of what the block pool stored, evicted or cleared."""
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(self.scheduler.kv_cache_manager.block_pool.kv_events.take())
 
     def shutdown(self) -> None:
         """Finish the steps in flight (their outputs are dropped) and stop the executor."""
@@ -216,6 +239,9 @@ class EngineCore:
             _, future = self.steps_in_flight.popleft()
             future.cancel()
         self.executor.shutdown()
+        if self.kv_event_publisher is not None:
+            self._publish_kv_events()
+            self.kv_event_publisher.shutdown()
 
     def __enter__(self) -> "EngineCore":
         return self

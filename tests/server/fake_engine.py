@@ -12,11 +12,10 @@ import random
 import time
 from functools import partial
 
-from kvserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from kvserve.config import EngineConfig, SchedulerConfig
 from kvserve.engine.core import EngineCore
-from kvserve.model.config import ModelConfig
 from kvserve.scheduler.output import TokenLogprobs
-from kvserve.testing import FakeExecutor, FakeModelRunner
+from kvserve.testing import FakeExecutor, FakeModelRunner, fake_engine_config
 
 WORDS = (" the quick brown fox jumps over a lazy dog while seven small birds sing"
          " about green hills and blue rivers under bright morning light")
@@ -62,15 +61,9 @@ class RecordingEngineCore(EngineCore):
         super().abort_requests(request_ids)
 
 
-def fake_engine_config(max_model_len: int = 256, max_num_seqs: int = 8, vocab_size: int = 49152) -> EngineConfig:
-    """A real EngineConfig naming a model that no one loads (the executor is fake)."""
-    model_config = ModelConfig(
-        path="/models/fake-model", is_gguf=False, architecture="LlamaForCausalLM", model_type="llama",
-        family="llama", num_layers=1, hidden_size=8, intermediate_size=16, num_heads=1, num_kv_heads=1,
-        head_dim=8, vocab_size=vocab_size, max_position_embeddings=max_model_len,
-        max_model_len=max_model_len, eos_token_ids=[2])
-    scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len)
-    return EngineConfig(model_config, CacheConfig(), scheduler_config, ParallelConfig(), device="cpu")
+def server_engine_config(max_model_len: int = 256, max_num_seqs: int = 8) -> EngineConfig:
+    return fake_engine_config(max_model_len, eos_token_ids=[2], scheduler_config=SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_model_len=max_model_len))
 
 
 def make_fake_async_llm(tokenizer, **kwargs):
@@ -79,7 +72,7 @@ def make_fake_async_llm(tokenizer, **kwargs):
     from kvserve.engine.output_processor import OutputProcessor
 
     engine_kwargs = {k: kwargs.pop(k) for k in ("max_model_len", "max_num_seqs") if k in kwargs}
-    config = fake_engine_config(**engine_kwargs)
+    config = server_engine_config(**engine_kwargs)
     runner = WordRunner(tokenizer.encode(WORDS, add_special_tokens=False), config.model_config.vocab_size)
     executor_class = partial(FakeExecutor, runner=runner, step_delay_s=kwargs.pop("step_delay_s", 0.002))
     core = RecordingEngineCore(config, executor_class=executor_class)
