@@ -15,11 +15,8 @@ from typing import Any, Callable
 
 from kvserve.bench.report import bar_plot, default_output_path, environment_info, write_json
 
-<<<<<<< HEAD
-SUBCOMMANDS = ("roofline", "throughput", "serve", "prefix", "compare", "profile", "scheduler", "kv", "structured")
-=======
-SUBCOMMANDS = ("roofline", "throughput", "serve", "prefix", "compare", "profile", "scheduler", "kv", "route")
->>>>>>> main
+SUBCOMMANDS = ("roofline", "throughput", "serve", "prefix", "compare", "profile", "scheduler", "kv", "structured",
+               "route")
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -463,21 +460,15 @@ _COMMANDS = {
     "profile": (_add_profile_arguments, "where the time of one decode step goes"),
     "scheduler": (_add_scheduler_arguments, "microseconds per scheduler step at many running requests"),
     "kv": (_add_kv_arguments, "KV-cache allocate/free and prefix-hit operations per second"),
-<<<<<<< HEAD
     "structured": (_add_structured_arguments, "grammar back-ends (compile, mask per token) and constrained throughput"),
-=======
     "route": (_add_route_arguments, "N replicas behind SGLang's Model Gateway: hit rate, TTFT, spread per policy"),
->>>>>>> main
 }
 
 _RUNNERS = {
     "roofline": _run_roofline, "throughput": _run_throughput, "serve": _run_serve, "prefix": _run_prefix,
     "compare": _run_compare, "profile": _run_profile, "scheduler": _run_scheduler, "kv": _run_kv,
-<<<<<<< HEAD
     "structured": _run_structured,
-=======
     "route": _run_route,
->>>>>>> main
 }
 
 _FORMATTERS = {
@@ -489,9 +480,6 @@ _FORMATTERS = {
     "profile": (_lazy_formatter("profile"), _profile_plot),
     "scheduler": (_format_scheduler, None),
     "kv": (_format_kv, None),
-<<<<<<< HEAD
     "structured": (_lazy_formatter("structured"), None),
-=======
     "route": (_lazy_formatter("route"), None),
->>>>>>> main
 }
