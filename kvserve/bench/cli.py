@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from kvserve.bench.report import bar_plot, default_output_path, environment_info, write_json
 
-SUBCOMMANDS = ("roofline", "throughput", "serve", "prefix", "compare", "profile", "scheduler", "kv")
+SUBCOMMANDS = ("roofline", "throughput", "serve", "prefix", "compare", "profile", "scheduler", "kv", "spec")
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -191,6 +191,15 @@ def _add_kv_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ---------------------------------------------------------------- runners
 
+def _add_spec_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_engine_arguments(parser)
+    group = parser.add_argument_group("speculative decoding")
+    group.add_argument("--rounds", type=int, default=3, help="rounds, each running both engines (default 3)")
+    group.add_argument("--max-tokens", type=int, default=128, help="new tokens per chat (default 128)")
+    group.add_argument("--scenarios", default="grounded,unrelated,unrelated batch",
+                       help="comma-separated: grounded, unrelated, unrelated batch")
+
+
 def _int_list(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
@@ -318,6 +327,16 @@ def _run_kv(args: argparse.Namespace) -> dict[str, Any]:
     return _call_with_supported(kv.run, num_requests=args.num_requests)
 
 
+def _run_spec(args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.bench import spec
+
+    scenarios = tuple(name.strip() for name in args.scenarios.split(",") if name.strip())
+    unknown = sorted(set(scenarios) - set(spec.SCENARIOS))
+    if unknown:
+        raise SystemExit(f"kvserve: error: unknown scenario(s) {unknown}; known: {list(spec.SCENARIOS)}")
+    return spec.run(rounds=args.rounds, max_tokens=args.max_tokens, scenarios=scenarios, **_engine_kwargs(args))
+
+
 # ---------------------------------------------------------------- formatting and plots
 
 def _format_json(result: dict[str, Any]) -> str:
@@ -406,11 +425,13 @@ _COMMANDS = {
     "profile": (_add_profile_arguments, "where the time of one decode step goes"),
     "scheduler": (_add_scheduler_arguments, "microseconds per scheduler step at many running requests"),
     "kv": (_add_kv_arguments, "KV-cache allocate/free and prefix-hit operations per second"),
+    "spec": (_add_spec_arguments, "speculative decoding on vs off: input-grounded and unrelated chats"),
 }
 
 _RUNNERS = {
     "roofline": _run_roofline, "throughput": _run_throughput, "serve": _run_serve, "prefix": _run_prefix,
     "compare": _run_compare, "profile": _run_profile, "scheduler": _run_scheduler, "kv": _run_kv,
+    "spec": _run_spec,
 }
 
 _FORMATTERS = {
@@ -422,4 +443,5 @@ _FORMATTERS = {
     "profile": (_lazy_formatter("profile"), _profile_plot),
     "scheduler": (_format_scheduler, None),
     "kv": (_format_kv, None),
+    "spec": (_lazy_formatter("spec"), None),
 }

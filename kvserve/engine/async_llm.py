@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import itertools
 import logging
 import queue
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from kvserve.sampling_params import SamplingParams
+from kvserve.scheduler.speculation import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +169,8 @@ class EngineLoopStats:
     num_preemptions: int = 0
     num_steps: int = 0
     num_in_flight_requests: int = 0
+    # Speculative decoding counters since start (None when it is off).
+    spec_decoding: SpecDecodingStats | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -248,6 +252,8 @@ class AsyncLLM:
     def get_stats(self) -> EngineLoopStats:
         """A snapshot of the engine loop's latest stats."""
         snapshot = EngineLoopStats(**vars(self._stats))
+        if snapshot.spec_decoding is not None:
+            snapshot.spec_decoding = copy.deepcopy(snapshot.spec_decoding)
         snapshot.num_in_flight_requests = self.num_in_flight_requests()
         return snapshot
 
@@ -454,6 +460,10 @@ class AsyncLLM:
         own.prefix_cache_queries += int(_stat(stats, "prefix_cache_queries"))
         own.prefix_cache_hits += int(_stat(stats, "prefix_cache_hits"))
         own.num_preemptions = int(_stat(stats, "num_preemptions"))
+        spec = getattr(stats, "spec_decoding_stats", None)
+        if spec is not None:
+            own.spec_decoding = own.spec_decoding or SpecDecodingStats()
+            own.spec_decoding.add(spec)
 
     def _fail_all(self, error: BaseException) -> None:
         with self._streams_lock:

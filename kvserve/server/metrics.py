@@ -44,6 +44,24 @@ class _EngineStatsCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=float(value))
+        if getattr(stats, "spec_decoding", None) is not None:
+            yield from _spec_decode_counters(stats.spec_decoding)
+
+
+def _spec_decode_counters(spec: Any):
+    """Speculative decoding under vLLM's metric names (`_total` is added by the exposition)."""
+    counters = {
+        "vllm:spec_decode_num_drafts": ("Verification steps that carried a draft", spec.num_drafts),
+        "vllm:spec_decode_num_draft_tokens": ("Draft tokens proposed", spec.num_draft_tokens),
+        "vllm:spec_decode_num_accepted_tokens": ("Draft tokens accepted", spec.num_accepted_tokens),
+    }
+    for name, (doc, value) in counters.items():
+        yield CounterMetricFamily(name, doc, value=float(value))
+    per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Drafts whose token at this position was accepted", labels=["position"])
+    for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+        per_pos.add_metric([str(position)], float(count))
+    yield per_pos
 
 
 class ServerMetrics:
