@@ -14,15 +14,13 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvserve.errors import ConfigError
+
 if TYPE_CHECKING:
     from kvserve.model.config import ModelConfig
     from kvserve.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names it."""
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.errors import SamplingParamsError
 
-class SamplingParamsError(ValueError):
-    """A sampling parameter is out of range; the message names the field."""
+__all__ = ["SamplingParams", "SamplingParamsError"]
 
 
 @dataclass

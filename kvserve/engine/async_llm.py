@@ -18,27 +18,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from kvserve.errors import EngineDeadError, EngineOverloadedError
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.speculation import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (an error in a step, or shutdown)."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """Too many requests in flight; retry after `retry_after_s` seconds."""
-
-    def __init__(self, message: str, retry_after_s: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class PromptTooLongError(ValueError):
-    """The prompt (plus the tokens asked for) does not fit the context."""
-
 
 @dataclass
 class _AddCommand:
@@ -213,8 +197,8 @@ class AsyncLLM:
             from kvserve.engine.output_processor import OutputProcessor
             output_processor = OutputProcessor(tokenizer)
         self.output_processor = output_processor
-        self.max_model_len = int(getattr(engine_config, "max_model_len", None)
-                                 or self.model_config.max_model_len)
+        self.validator = self.engine_core.validator
+        self.max_model_len = self.validator.max_model_len
         self.max_concurrent_requests = max_concurrent_requests
         self.max_waiting_requests = max_waiting_requests
         self._max_num_seqs = int(getattr(engine_config.scheduler_config, "max_num_seqs", 1))
@@ -261,22 +245,6 @@ class AsyncLLM:
         """Token ids of a text prompt, exactly as `LLM.generate` tokenizes it."""
         return list(self.tokenizer.encode(prompt))
 
-    def check_prompt_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        """Raise PromptTooLongError, with the numbers, if the request cannot fit."""
-        if num_prompt_tokens == 0:
-            raise PromptTooLongError("the prompt is empty")
-        if num_prompt_tokens >= self.max_model_len:
-            raise PromptTooLongError(
-                f"This model's maximum context length is {self.max_model_len} tokens, "
-                f"but the prompt has {num_prompt_tokens} tokens (at least one token must "
-                "be left for the completion)")
-        if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, you requested {num_prompt_tokens + max_tokens} tokens "
-                f"({num_prompt_tokens} in the prompt, {max_tokens} for the completion). "
-                "Please reduce the length of the prompt or of max_tokens")
-
     def reserve(self, num_requests: int = 1) -> None:
         """Raise EngineOverloadedError if `num_requests` more would pass a cap.
 
@@ -309,8 +277,8 @@ class AsyncLLM:
         if isinstance(prompt, str):
             prompt_text, prompt_token_ids = prompt, self.encode(prompt)
         else:
-            prompt_text, prompt_token_ids = None, list(prompt)
-        self.check_prompt_fits(len(prompt_token_ids), sampling_params.max_tokens)
+            prompt_text, prompt_token_ids = None, prompt
+        prompt_token_ids = self.validator.validate(prompt_token_ids, sampling_params, max_tokens_must_fit=True)
         stream = _RequestStream(asyncio.get_running_loop())
         with self._streams_lock:
             if request_id in self._streams:

@@ -17,6 +17,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kvserve.config import EngineConfig
+from kvserve.engine.validation import RequestValidator
+from kvserve.errors import EngineDeadError, InvalidRequestError
 from kvserve.kv_cache.interface import KVCacheConfig
 from kvserve.kv_cache.utils import get_kv_cache_config
 from kvserve.request import Request, RequestStatus
@@ -33,10 +35,6 @@ MAX_STEPS_IN_FLIGHT = 2
 # Consecutive steps that schedule nothing, with nothing in flight, while requests
 # are unfinished: the scheduler is stuck, and callers looping on step() would hang.
 MAX_STALLED_STEPS = 1000
-
-
-class EngineDeadError(RuntimeError):
-    """The engine cannot run any more steps; the message says why."""
 
 
 @dataclass
@@ -68,6 +66,8 @@ class EngineCore:
         # The scheduler picks the hash unit (it may be finer than a block, for
         # partial-block hits); requests hash their tokens with its hasher.
         self.request_block_hasher = self.scheduler.block_hasher
+        self.validator = RequestValidator(engine_config.max_model_len, engine_config.model_config.vocab_size,
+                                          self.scheduler.max_tokens_in_pool)
         self.async_scheduling = engine_config.scheduler_config.async_scheduling
         self._steps_in_flight: deque[tuple[SchedulerOutput, Future]] = deque()
         self._is_dead: str | None = None
@@ -91,20 +91,11 @@ class EngineCore:
     # ---- requests -----------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request; raises ValueError for prompts the engine can never serve."""
+        """Queue a request; raises InvalidRequestError (a ValueError) for one the engine can never serve."""
         self._check_alive()
-        prompt = list(request.prompt_token_ids)
-        max_model_len = self.engine_config.max_model_len
-        vocab_size = self.engine_config.model_config.vocab_size
-        if not prompt:
-            raise ValueError(f"request {request.request_id!r}: the prompt is empty")
-        if len(prompt) >= max_model_len:
-            raise ValueError(f"request {request.request_id!r}: the prompt has {len(prompt)} tokens, but the "
-                             f"context length is {max_model_len} (the prompt must leave room for output)")
-        if min(prompt) < 0 or max(prompt) >= vocab_size:
-            raise ValueError(f"request {request.request_id!r}: prompt token ids must be in [0, {vocab_size})")
+        prompt = self.validator.validate(request.prompt_token_ids, request.sampling_params)
         if request.request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request.request_id!r} is already running")
+            raise InvalidRequestError(f"request id {request.request_id!r} is already running", "request_id")
         eos_token_id, sampling_params = self._eos_and_stop_ids(request)
         self.scheduler.add_request(Request(
             request.request_id, prompt, sampling_params, eos_token_id=eos_token_id,

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 import kvserve
 from kvserve.server.errors import APIError, install_error_handlers
+from kvserve.server.gateway import add_gateway_routes
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.serving import ServingContext
 from kvserve.server.serving_chat import create_chat_completion
@@ -98,6 +99,7 @@ def build_app(engine: Any, served_model_name: str, *, api_key: str | None = None
     app.state.ctx = ctx
     install_error_handlers(app)
     _add_routes(app, ctx, model_root)
+    add_gateway_routes(app, engine, served_model_name)
     app.add_middleware(_BodyLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)

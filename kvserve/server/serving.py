@@ -18,12 +18,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from kvserve.engine.async_llm import (AsyncLLM, EngineDeadError, EngineOverloadedError,
-                                      PromptTooLongError)
-from kvserve.sampling_params import SamplingParamsError
-from kvserve.server.errors import APIError, bad_request, from_unsupported, from_validation_error
+from kvserve.engine.async_llm import AsyncLLM
+from kvserve.server.errors import APIError, from_validation_error, to_api_error
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.protocol import UnsupportedFeatureError
 
 logger = logging.getLogger(__name__)
 
@@ -66,28 +63,6 @@ def check_model_name(ctx: ServingContext, requested: str | None) -> None:
                             f"{ctx.served_model_name!r}", param="model", code="model_not_found")
 
 
-def to_api_error(exc: BaseException) -> APIError:
-    """Map an engine-side exception onto the status a client should see."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, UnsupportedFeatureError):
-        return from_unsupported(exc)
-    if isinstance(exc, EngineOverloadedError):
-        return APIError(503, str(exc), code="server_busy",
-                        headers={"Retry-After": str(exc.retry_after_s)})
-    if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc), code="engine_unavailable")
-    if isinstance(exc, PromptTooLongError):
-        return bad_request(str(exc), code="context_length_exceeded")
-    if isinstance(exc, SamplingParamsError):
-        param = str(exc).split(" ", 1)[0]
-        return bad_request(str(exc), param=param, code="invalid_value")
-    if isinstance(exc, ValueError):
-        return bad_request(str(exc), code="invalid_value")
-    logger.error("request failed: %s: %s", type(exc).__name__, exc)
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
-
-
 def resolve_max_tokens(engine: AsyncLLM, num_prompt_tokens: int, requested: int | None) -> int:
     """`None` means "the rest of the context"; the fit is checked by the caller."""
     if requested is not None:
@@ -105,13 +80,6 @@ async def run_tokenizer(text_len: int, fn: Any, *args: Any, **kwargs: Any) -> An
     if text_len <= INLINE_TOKENIZE_MAX_CHARS:
         return fn(*args, **kwargs)
     return await asyncio.to_thread(fn, *args, **kwargs)
-
-
-def check_token_ids(engine: AsyncLLM, token_ids: list[int], param: str = "prompt") -> None:
-    vocab_size = int(getattr(engine.model_config, "vocab_size", 0) or 0)
-    for token_id in token_ids:
-        if token_id < 0 or (vocab_size and token_id >= vocab_size):
-            raise bad_request(f"token id {token_id} is out of range [0, {vocab_size})", param=param)
 
 
 def new_id(prefix: str) -> str:

@@ -37,7 +37,7 @@ async def create_chat_completion(raw_request: Request, ctx: ServingContext):
         max_tokens = resolve_max_tokens(ctx.engine, len(prompt_token_ids),
                                         body.requested_max_tokens())
         params = body.build_sampling_params(max_tokens, body.num_logprobs())
-        ctx.engine.check_prompt_fits(len(prompt_token_ids), max_tokens)
+        ctx.engine.validator.check_prompt_fits(len(prompt_token_ids), max_tokens)
     except Exception as exc:  # noqa: BLE001
         raise to_api_error(exc) from None
     response_id = new_id("chatcmpl")

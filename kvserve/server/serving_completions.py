@@ -12,7 +12,7 @@ from fastapi import Request
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import CompletionRequest
-from kvserve.server.serving import (ChoiceStreamState, ChunkFormatter, ServingContext, check_token_ids,
+from kvserve.server.serving import (ChoiceStreamState, ChunkFormatter, ServingContext,
                                     merged_outputs, new_id, next_delta, parse_request, resolve_max_tokens,
                                     respond, run_tokenizer, submit_all, to_api_error, token_logprob_entries,
                                     token_text, usage_dict)
@@ -43,13 +43,12 @@ async def _prepare(ctx: ServingContext, body: CompletionRequest) -> list[_Prepar
         if isinstance(prompt, str):
             text, token_ids = prompt, await run_tokenizer(len(prompt), engine.encode, prompt)
         else:
-            check_token_ids(engine, prompt)
-            text, token_ids = None, prompt
+            text, token_ids = None, engine.validator.check_token_ids(prompt, param="prompt")
         if not token_ids:
             raise bad_request("prompt must not be empty", param="prompt")
         max_tokens = resolve_max_tokens(engine, len(token_ids), body.max_tokens)
         params = body.build_sampling_params(max_tokens, body.logprobs)
-        engine.check_prompt_fits(len(token_ids), max_tokens)
+        engine.validator.check_prompt_fits(len(token_ids), max_tokens)
         prepared.append(_PreparedPrompt(text, token_ids, params))
     return prepared
 

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from kvserve.engine.validation import RequestValidator
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.output import EngineCoreOutput, TokenLogprobs
 from kvserve.scheduler.stats import SchedulerStats
@@ -57,6 +58,7 @@ class FakeEngineCore:
         self.aborted_ids: list[str] = []
         self.shut_down = False
         self.step_thread_ids: set[int] = set()
+        self.validator = RequestValidator(engine_config.max_model_len, engine_config.model_config.vocab_size)
 
     def add_request(self, request) -> None:
         prompt = list(request.prompt_token_ids)

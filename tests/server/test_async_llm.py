@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from kvserve.engine.async_llm import EngineDeadError, EngineOverloadedError, PromptTooLongError
+from kvserve.errors import EngineDeadError, EngineOverloadedError, PromptTooLongError
 from kvserve.sampling_params import SamplingParams
 
 from .fake_engine import make_fake_async_llm
