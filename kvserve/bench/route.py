@@ -36,9 +36,9 @@ _FILLER = ("answer briefly and politely keep the tone friendly cite the policy w
            "facts ask a clarifying question when the request is ambiguous and summarise at the end").split()
 
 # Counter names on each replica's /metrics: requests finished, prefix-cache queries and hits.
-_REQUESTS_METRIC = "kvserve_request_success"
-_PREFIX_QUERIES_METRIC = "kvserve_prefix_cache_queries"
-_PREFIX_HITS_METRIC = "kvserve_prefix_cache_hits"
+_REQUESTS_METRIC = "vllm:request_success"
+_PREFIX_QUERIES_METRIC = "vllm:prefix_cache_queries"
+_PREFIX_HITS_METRIC = "vllm:prefix_cache_hits"
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import copy
 import itertools
 import logging
@@ -42,6 +43,13 @@ class _AbortCommand:
 @dataclass
 class _ShutdownCommand:
     pass
+
+
+@dataclass
+class _KVViewCommand:
+    """Take an `EngineKVView` on the engine thread and resolve `result` with it."""
+
+    result: concurrent.futures.Future
 
 
 # Delivered to a request's stream when someone else aborted it: the stream ends.
@@ -241,6 +249,22 @@ class AsyncLLM:
         snapshot.num_in_flight_requests = self.num_in_flight_requests()
         return snapshot
 
+    async def get_kv_view(self, timeout_s: float = 30.0) -> Any:
+        """An `EngineKVView` taken by the engine thread between two steps.
+
+        Raises NotImplementedError when the engine core has no KV view.
+        """
+        self._check_alive()
+        if not hasattr(self.engine_core, "get_kv_view"):
+            raise NotImplementedError("this engine core has no KV-cache view")
+        result: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_KVViewCommand(result))
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(result), timeout_s)
+        except asyncio.TimeoutError:
+            self._check_alive()
+            raise
+
     def encode(self, prompt: str) -> list[int]:
         """Token ids of a text prompt, exactly as `LLM.generate` tokenizes it."""
         return list(self.tokenizer.encode(prompt))
@@ -370,9 +394,12 @@ class AsyncLLM:
             except queue.Empty:
                 return True
 
-    def _apply(self, command: _AddCommand | _AbortCommand) -> None:
+    def _apply(self, command: _AddCommand | _AbortCommand | _KVViewCommand) -> None:
         if isinstance(command, _AbortCommand):
             self._abort_in_engine(command.request_ids)
+            return
+        if isinstance(command, _KVViewCommand):
+            self._take_kv_view(command.result)
             return
         try:
             self._add_to_engine(command)
@@ -397,6 +424,15 @@ class AsyncLLM:
             self._deliver(request_id, _ABORTED)
         if engine_ids:
             self.engine_core.abort_requests(engine_ids)
+
+    def _take_kv_view(self, result: concurrent.futures.Future) -> None:
+        from kvserve.engine.kv_view import PrefixCacheTotals
+        try:
+            self._refresh_stats()
+            totals = PrefixCacheTotals(self._stats.prefix_cache_queries, self._stats.prefix_cache_hits)
+            result.set_result(self.engine_core.get_kv_view(totals))
+        except Exception as exc:  # noqa: BLE001 - the caller gets the error, the loop goes on
+            result.set_exception(exc)
 
     def _step(self) -> None:
         core_outputs = self.engine_core.step()
@@ -450,6 +486,8 @@ class AsyncLLM:
                 return
             if isinstance(command, _AddCommand):
                 self._deliver(command.request_id, EngineDeadError("the engine has stopped"))
+            elif isinstance(command, _KVViewCommand):
+                command.result.set_exception(EngineDeadError("the engine has stopped"))
 
     def _shutdown_core(self) -> None:
         try:

@@ -17,8 +17,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kvserve.config import EngineConfig
+from kvserve.engine.kv_events import create_publisher
+from kvserve.engine.kv_view import EngineKVView, PrefixCacheTotals, StepTimeline, build_kv_view
 from kvserve.engine.validation import RequestValidator
 from kvserve.errors import EngineDeadError, InvalidRequestError
+from kvserve.kv_cache.events import KVEventRecorder
 from kvserve.kv_cache.interface import KVCacheConfig
 from kvserve.kv_cache.utils import get_kv_cache_config
 from kvserve.request import Request, RequestStatus
@@ -60,6 +63,7 @@ class EngineCore:
             self.kv_cache_config = self._initialize_kv_cache()
             self.scheduler = Scheduler(engine_config.scheduler_config, self.kv_cache_config,
                                        engine_config.cache_config)
+            self.kv_event_publisher = create_publisher(getattr(engine_config, "kv_events_config", None))
         except BaseException:
             self.executor.shutdown()
             raise
@@ -72,6 +76,9 @@ class EngineCore:
         self._steps_in_flight: deque[tuple[SchedulerOutput, Future]] = deque()
         self._is_dead: str | None = None
         self._num_stalled_steps = 0
+        self.step_timeline = StepTimeline()
+        if self.kv_event_publisher is not None:
+            self.scheduler.kv_cache_manager.block_pool.kv_events = KVEventRecorder()
 
     def _initialize_kv_cache(self) -> KVCacheConfig:
         layer_specs = self.executor.get_kv_cache_specs()
@@ -132,12 +139,14 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
+        self.step_timeline.start(scheduler_output.step_seq)
         return self._apply_step(scheduler_output, self.executor.execute_model_async(scheduler_output))
 
     def _step_pipelined(self) -> list[EngineCoreOutput]:
         """Schedule step N+1 while step N executes, then apply step N's output."""
         if len(self._steps_in_flight) < MAX_STEPS_IN_FLIGHT and self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
+            self.step_timeline.start(scheduler_output.step_seq)
             future = self.executor.execute_model_async(scheduler_output)
             self._steps_in_flight.append((scheduler_output, future))
             if not scheduler_output.is_empty and len(self._steps_in_flight) < MAX_STEPS_IN_FLIGHT:
@@ -154,6 +163,9 @@ class EngineCore:
         except Exception as exc:  # a failed step fails its requests, not the engine
             return self._fail_step(scheduler_output, exc)
         outputs = self.scheduler.update_from_output(scheduler_output, model_runner_output)
+        self.step_timeline.finish(scheduler_output.step_seq, scheduler_output.total_num_scheduled_tokens,
+                                  len(scheduler_output.num_scheduled_tokens))
+        self._publish_kv_events()
         self._check_progress(scheduler_output, outputs)
         return outputs
 
@@ -196,8 +208,19 @@ class EngineCore:
     def get_stats(self):
         return self.scheduler.make_stats()
 
+    def get_kv_view(self, prefix_cache: PrefixCacheTotals) -> EngineKVView:
+        """The KV cache, queues and recent steps now (`prefix_cache`: the caller's totals)."""
+        return build_kv_view(self.scheduler, self.step_timeline, prefix_cache)
+
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+        reset = self.scheduler.reset_prefix_cache()
+        self._publish_kv_events()
+        return reset
+
+    def _publish_kv_events(self) -> None:
+        """One batch per step of what the block pool stored, evicted or cleared."""
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(self.scheduler.kv_cache_manager.block_pool.kv_events.take())
 
     def shutdown(self) -> None:
         """Finish the steps in flight (their outputs are dropped) and stop the executor."""
@@ -205,6 +228,9 @@ class EngineCore:
             _, future = self._steps_in_flight.popleft()
             future.cancel()
         self.executor.shutdown()
+        if self.kv_event_publisher is not None:
+            self._publish_kv_events()
+            self.kv_event_publisher.shutdown()
 
     def __enter__(self) -> "EngineCore":
         return self

@@ -13,13 +13,13 @@ from kvserve.bench.route import (ReplicaCounters, RouteBenchConfig, conversation
 from kvserve.bench.serve import RequestResult
 
 METRICS_TEXT = """\
-# TYPE kvserve_request_success counter
-kvserve_request_success_total{model_name="m",finished_reason="length"} 5.0
-kvserve_request_success_total{model_name="m",finished_reason="stop"} 2.0
-# TYPE kvserve_prefix_cache_queries counter
-kvserve_prefix_cache_queries_total 400.0
-# TYPE kvserve_prefix_cache_hits counter
-kvserve_prefix_cache_hits_total 300.0
+# TYPE vllm:request_success counter
+vllm:request_success_total{model_name="m",engine="0",finished_reason="length"} 5.0
+vllm:request_success_total{model_name="m",engine="0",finished_reason="stop"} 2.0
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{model_name="m",engine="0"} 400.0
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{model_name="m",engine="0"} 300.0
 """
 
 

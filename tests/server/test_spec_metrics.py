@@ -10,7 +10,7 @@ from kvserve.server.metrics import ServerMetrics
 
 def _samples(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
     text = metrics.render().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k == "position"))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
