@@ -275,6 +275,7 @@ class EngineConfig:
         """Build and validate the whole configuration from user-facing knobs."""
         from kvserve.model.config import ModelConfig
 
+        spec_config = _speculative_config(speculative_config)  # checked before the model loads
         model_config = ModelConfig.from_path(resolve_model_path(model), dtype=dtype,
                                              max_model_len=max_model_len)
         context_len = model_config.max_model_len
@@ -294,7 +295,7 @@ class EngineConfig:
             enable_chunked_prefill=enable_chunked_prefill,
             policy=policy,
             async_scheduling=async_scheduling,
-            speculative_config=_speculative_config(speculative_config),
+            speculative_config=spec_config,
         )
         parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size, nnodes=nnodes,
                                          node_rank=node_rank, master_addr=master_addr, master_port=master_port)
