@@ -4,10 +4,11 @@ from __future__ import annotations
 import math
 import time
 from functools import partial
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from fastapi import Request
 
+from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.server.serving import (ChoiceStreamState, ChunkFormatter, ServingContext, merged_outputs,
@@ -66,7 +67,7 @@ async def create_chat_completion(raw_request: Request, ctx: ServingContext):
 
 
 def _full_response(ctx: ServingContext, body: ChatCompletionRequest, response_id: str,
-                   tool_request: ToolRequest | None, final_by_index: dict[int, Any]) -> dict:
+                   tool_request: ToolRequest | None, final_by_index: dict[int, RequestOutput]) -> dict:
     request_output = final_by_index[0]
     choices = []
     for completion in request_output.outputs:
@@ -84,14 +85,14 @@ def _full_response(ctx: ServingContext, body: ChatCompletionRequest, response_id
             "usage": usage_dict([request_output])}
 
 
-def _parsed_calls(completion: Any, tool_request: ToolRequest | None) -> tuple[str, list[ToolCall]]:
+def _parsed_calls(completion: CompletionOutput, tool_request: ToolRequest | None) -> tuple[str, list[ToolCall]]:
     if tool_request is None or not tool_request.parses_calls:
         return completion.text, []
     content, calls = extract_tool_calls(tool_request.parser, completion.text)
     return content, calls if tool_request.parallel else calls[:1]
 
 
-def _message(completion: Any, tool_request: ToolRequest | None) -> tuple[dict, str | None]:
+def _message(completion: CompletionOutput, tool_request: ToolRequest | None) -> tuple[dict, str | None]:
     """The assistant message and finish reason of a finished choice ("tool_calls" when it called)."""
     content, calls = _parsed_calls(completion, tool_request)
     if not calls:
@@ -106,7 +107,7 @@ def _logprob_value(value: float) -> float:
     return value if math.isfinite(value) else -9999.0
 
 
-def _chat_logprobs(ctx: ServingContext, completion: Any, start: int, end: int,
+def _chat_logprobs(ctx: ServingContext, completion: CompletionOutput, start: int, end: int,
                    num_top: int) -> list[dict]:
     tokenizer = ctx.engine.tokenizer
     content = []
@@ -126,7 +127,7 @@ def _chat_logprobs(ctx: ServingContext, completion: Any, start: int, end: int,
 
 async def _stream_events(ctx: ServingContext, body: ChatCompletionRequest, response_id: str,
                          tool_request: ToolRequest | None,
-                         outputs: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[str]:
+                         outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
     chunk = ChunkFormatter(response_id, "chat.completion.chunk", ctx.served_model_name, body.include_usage)
     states: dict[int, ChoiceStreamState] = {}
     last_output = None
@@ -145,7 +146,7 @@ async def _stream_events(ctx: ServingContext, body: ChatCompletionRequest, respo
         yield chunk([], usage_dict([last_output]))
 
 
-def _delta_choices(ctx: ServingContext, body: ChatCompletionRequest, request_output: Any,
+def _delta_choices(ctx: ServingContext, body: ChatCompletionRequest, request_output: RequestOutput,
                    states: dict[int, ChoiceStreamState]) -> list[dict]:
     choices = []
     for completion in request_output.outputs:
@@ -168,7 +169,7 @@ def _delta_choices(ctx: ServingContext, body: ChatCompletionRequest, request_out
 ARGUMENT_FRAGMENT_CHARS = 24
 
 
-def _tool_stream_chunks(request_output: Any, tool_request: ToolRequest,
+def _tool_stream_chunks(request_output: RequestOutput, tool_request: ToolRequest,
                         states: dict[int, ChoiceStreamState]) -> list[list[dict]]:
     """With tools, a choice's text is held back until it finishes (it may be a call); then
     it is sent as content, or as OpenAI tool-call deltas: id, type and name first, then
