@@ -8,20 +8,21 @@ Importing this module needs no torch.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvserve.errors import ConfigError
+
 if TYPE_CHECKING:
     from kvserve.model.config import ModelConfig
+    from kvserve.kv_cache.events import KVEventsConfig
+    from kvserve.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names it."""
 
 
 @dataclass(frozen=True)
@@ -62,17 +63,22 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Budgets and policy of the continuous-batching scheduler."""
+    """Budgets and policy of the continuous-batching scheduler.
 
-    max_num_seqs: int = 128
+    The defaults are the engine's: `EngineConfig.create` takes its own from here.
+    """
+
+    max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
-    async_scheduling: bool = False
+    async_scheduling: bool = True
     # Defer frees of blocks an in-flight step may still touch (default: on with async).
     defer_block_free: bool | None = None
+    # Speculative decoding (None: off); see kvserve.spec_decode.config.
+    speculative_config: "SpeculativeConfig | None" = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -200,6 +206,8 @@ class EngineConfig:
     parallel_config: ParallelConfig
     device: str = "cpu"
     seed: int = 0
+    # vLLM's --kv-events-config (`kvserve.engine.kv_events.KVEventsConfig`); None: no events.
+    kv_events_config: "KVEventsConfig | None" = None
 
     def __post_init__(self) -> None:
         model_max_len = getattr(self.model_config, "max_model_len", None)
@@ -216,6 +224,10 @@ class EngineConfig:
     def max_model_len(self) -> int:
         return self.scheduler_config.max_model_len
 
+    @property
+    def speculative_config(self) -> "SpeculativeConfig | None":
+        return self.scheduler_config.speculative_config
+
     @classmethod
     def create(
         cls,
@@ -223,23 +235,26 @@ class EngineConfig:
         dtype: str = "float32",
         kv_cache_memory: int | str | None = None,
         max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = SchedulerConfig.max_num_seqs,
+        max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
         enable_prefix_caching: bool = True,
-        block_size: int = 16,
+        block_size: int = CacheConfig.block_size,
         hash_block_size: int | None = None,
         tensor_parallel_size: int = 1,
-        async_scheduling: bool = True,
-        enable_chunked_prefill: bool = True,
-        policy: str = "fcfs",
-        sliding_window_kv: str = "sliding",
-        gpu_memory_utilization: float = 0.9,
+        async_scheduling: bool = SchedulerConfig.async_scheduling,
+        enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill,
+        policy: str = SchedulerConfig.policy,
+        sliding_window_kv: str = CacheConfig.sliding_window_kv,
+        gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization,
         device: str | None = None,
         seed: int = 0,
+        speculative_config: "SpeculativeConfig | dict | str | None" = None,
+        kv_events_config: "KVEventsConfig | dict | str | None" = None,
     ) -> "EngineConfig":
         """Build and validate the whole configuration from user-facing knobs."""
         from kvserve.model.config import ModelConfig
 
+        spec_config = _speculative_config(speculative_config)  # checked before the model loads
         model_config = ModelConfig.from_path(resolve_model_path(model), dtype=dtype,
                                              max_model_len=max_model_len)
         context_len = model_config.max_model_len
@@ -259,7 +274,26 @@ class EngineConfig:
             enable_chunked_prefill=enable_chunked_prefill,
             policy=policy,
             async_scheduling=async_scheduling,
+            speculative_config=spec_config,
         )
         parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
         return cls(model_config, cache_config, scheduler_config, parallel_config,
-                   device=device or default_device(), seed=seed)
+                   device=device or default_device(), seed=seed,
+                   kv_events_config=_kv_events_config(kv_events_config))
+
+
+def _kv_events_config(value) -> "KVEventsConfig | None":
+    """vLLM's `kv_events_config` (dict, JSON text or object); ConfigError when invalid."""
+    from kvserve.kv_cache.events import KVEventsConfig
+    if value is None or isinstance(value, KVEventsConfig):
+        return value
+    return KVEventsConfig.from_json(value if isinstance(value, str) else json.dumps(value))
+
+
+def _speculative_config(value) -> "SpeculativeConfig | None":
+    """vLLM's `speculative_config` (dict, JSON text or object), as a ConfigError when invalid."""
+    from kvserve.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
+    try:
+        return SpeculativeConfig.from_value(value)
+    except SpeculativeConfigError as exc:
+        raise ConfigError(str(exc)) from None

@@ -23,6 +23,8 @@ _VALUE_FLAGS = {
     "tensor_parallel_size": "tensor_parallel_size",
     "seed": "seed",
     "device": "device",
+    "speculative_config": "speculative_config",
+    "kv_events_config": "kv_events_config",
 }
 
 
@@ -52,6 +54,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        help="split each layer across N processes")
     group.add_argument("--seed", type=int, default=None, help="engine random seed")
     group.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
+    group.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help='speculative decoding, as in vLLM, e.g. \'{"method": "ngram", '
+                            '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\'')
+    group.add_argument("--kv-events-config", default=None, metavar="JSON",
+                       help='publish KV-cache events as vLLM does (ZMQ, msgpack), e.g. '
+                            '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'')
     return parser
 
 
