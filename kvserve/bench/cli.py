@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 from kvserve.bench.report import bar_plot, default_output_path, environment_info, write_json
 
-SUBCOMMANDS = ("roofline", "throughput", "serve", "prefix", "compare", "profile", "scheduler", "kv", "route")
+SUBCOMMANDS = ("roofline", "throughput", "serve", "prefix", "compare", "profile", "scheduler", "kv", "structured",
+               "route")
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -189,6 +190,14 @@ def _add_kv_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=10_000)
 
 
+def _add_structured_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_engine_arguments(parser)
+    parser.add_argument("--batch", type=int, default=32, help="matchers / requests at once (default 32)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request in the engine part")
+    parser.add_argument("--skip-engine", action="store_true", help="only time the grammar back-ends")
+
+
 # ---------------------------------------------------------------- runners
 
 def _add_route_arguments(parser: argparse.ArgumentParser) -> None:
@@ -336,6 +345,14 @@ def _run_kv(args: argparse.Namespace) -> dict[str, Any]:
     return _call_with_supported(kv.run, num_requests=args.num_requests)
 
 
+def _run_structured(args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.bench import structured
+
+    engine_kwargs = _engine_kwargs(args)
+    return structured.run(engine_kwargs.pop("model", None), batch=args.batch, rounds=args.rounds,
+                          max_tokens=args.max_tokens, skip_engine=args.skip_engine, **engine_kwargs)
+
+
 # ---------------------------------------------------------------- formatting and plots
 
 def _run_route(args: argparse.Namespace) -> dict[str, Any]:
@@ -443,12 +460,14 @@ _COMMANDS = {
     "profile": (_add_profile_arguments, "where the time of one decode step goes"),
     "scheduler": (_add_scheduler_arguments, "microseconds per scheduler step at many running requests"),
     "kv": (_add_kv_arguments, "KV-cache allocate/free and prefix-hit operations per second"),
+    "structured": (_add_structured_arguments, "grammar back-ends (compile, mask per token) and constrained throughput"),
     "route": (_add_route_arguments, "N replicas behind SGLang's Model Gateway: hit rate, TTFT, spread per policy"),
 }
 
 _RUNNERS = {
     "roofline": _run_roofline, "throughput": _run_throughput, "serve": _run_serve, "prefix": _run_prefix,
     "compare": _run_compare, "profile": _run_profile, "scheduler": _run_scheduler, "kv": _run_kv,
+    "structured": _run_structured,
     "route": _run_route,
 }
 
@@ -461,5 +480,6 @@ _FORMATTERS = {
     "profile": (_lazy_formatter("profile"), _profile_plot),
     "scheduler": (_format_scheduler, None),
     "kv": (_format_kv, None),
+    "structured": (_lazy_formatter("structured"), None),
     "route": (_lazy_formatter("route"), None),
 }

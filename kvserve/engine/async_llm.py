@@ -18,6 +18,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from kvserve.config import EngineConfig
+from kvserve.engine.core import EngineCore
+from kvserve.engine.kv_view import EngineKVView, PrefixCacheTotals
+from kvserve.engine.output_processor import OutputProcessor
+from kvserve.engine.outputs import RequestOutput
 from kvserve.errors import EngineDeadError, EngineOverloadedError
 from kvserve.sampling_params import SamplingParams
 
@@ -87,16 +92,16 @@ class _RequestStream:
         return self._pending.popleft()
 
 
-def _is_request_output(item: Any) -> bool:
-    return hasattr(item, "outputs") and hasattr(item, "finished")
+def _is_request_output(item: object) -> bool:
+    return isinstance(item, RequestOutput)
 
 
-def _merge_outputs(older: Any, newer: Any) -> Any:
+def _merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     """`newer` carrying the deltas of both steps (it is cumulative otherwise)."""
     older_by_index = {c.index: c for c in older.outputs}
     for completion in newer.outputs:
         previous = older_by_index.get(completion.index)
-        if previous is not None and hasattr(completion, "new_text"):
+        if previous is not None:
             completion.new_text = previous.new_text + completion.new_text
             completion.new_token_ids = list(previous.new_token_ids) + list(completion.new_token_ids)
     return newer
@@ -119,7 +124,7 @@ class RequestHandle:
     def __aiter__(self) -> "RequestHandle":
         return self
 
-    async def __anext__(self) -> Any:
+    async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
         item = await self._stream.get()
@@ -167,11 +172,6 @@ class EngineLoopStats:
         return self.prefix_cache_hits / self.prefix_cache_queries
 
 
-def _stat(stats: Any, name: str) -> float:
-    value = getattr(stats, name, None)
-    return 0 if value is None else value
-
-
 class AsyncLLM:
     """Serve many concurrent asyncio requests from one EngineCore.
 
@@ -181,31 +181,26 @@ class AsyncLLM:
     503). `add_request` registers the request before returning, so a check and
     the submissions that follow it in the same loop step are exact.
 
-    Engine and tokenizer parts may be injected (tests use a model-free core).
+    Engine and tokenizer parts may be injected (tests run the real EngineCore
+    over `kvserve.testing.FakeExecutor`).
     """
 
-    def __init__(self, engine_config: Any, *, max_concurrent_requests: int | None = None,
-                 max_waiting_requests: int | None = None, engine_core: Any = None,
-                 tokenizer: Any = None, output_processor: Any = None) -> None:
+    def __init__(self, engine_config: EngineConfig, *, max_concurrent_requests: int | None = None,
+                 max_waiting_requests: int | None = None, engine_core: EngineCore | None = None,
+                 tokenizer: Any = None, output_processor: OutputProcessor | None = None) -> None:
         self.engine_config = engine_config
         self.model_config = engine_config.model_config
         if tokenizer is None:
             from kvserve.engine.tokenizer import load_tokenizer
             tokenizer = load_tokenizer(self.model_config)
         self.tokenizer = tokenizer
-        if engine_core is None:
-            from kvserve.engine.core import EngineCore
-            engine_core = EngineCore(engine_config)
-        self.engine_core = engine_core
-        if output_processor is None:
-            from kvserve.engine.output_processor import OutputProcessor
-            output_processor = OutputProcessor(tokenizer)
-        self.output_processor = output_processor
+        self.engine_core = engine_core or EngineCore(engine_config)
+        self.output_processor = output_processor or OutputProcessor(tokenizer)
         self.validator = self.engine_core.validator
         self.max_model_len = self.validator.max_model_len
         self.max_concurrent_requests = max_concurrent_requests
         self.max_waiting_requests = max_waiting_requests
-        self._max_num_seqs = int(getattr(engine_config.scheduler_config, "max_num_seqs", 1))
+        self._max_num_seqs = engine_config.scheduler_config.max_num_seqs
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _RequestStream] = {}
         self._streams_lock = threading.Lock()
@@ -243,14 +238,9 @@ class AsyncLLM:
         snapshot.num_in_flight_requests = self.num_in_flight_requests()
         return snapshot
 
-    async def get_kv_view(self, timeout_s: float = 30.0) -> Any:
-        """An `EngineKVView` taken by the engine thread between two steps.
-
-        Raises NotImplementedError when the engine core has no KV view.
-        """
+    async def get_kv_view(self, timeout_s: float = 30.0) -> EngineKVView:
+        """An `EngineKVView` taken by the engine thread between two steps."""
         self._check_alive()
-        if not hasattr(self.engine_core, "get_kv_view"):
-            raise NotImplementedError("this engine core has no KV-cache view")
         result: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(_KVViewCommand(result))
         try:
@@ -420,7 +410,6 @@ class AsyncLLM:
             self.engine_core.abort_requests(engine_ids)
 
     def _take_kv_view(self, result: concurrent.futures.Future) -> None:
-        from kvserve.engine.kv_view import PrefixCacheTotals
         try:
             self._refresh_stats()
             totals = PrefixCacheTotals(self._stats.prefix_cache_queries, self._stats.prefix_cache_hits)
@@ -448,16 +437,14 @@ class AsyncLLM:
 
     def _refresh_stats(self) -> None:
         stats = self.engine_core.get_stats()
-        if stats is None:
-            return
         own = self._stats
-        own.num_running_reqs = int(_stat(stats, "num_running_reqs"))
-        own.num_waiting_reqs = int(_stat(stats, "num_waiting_reqs"))
-        own.kv_cache_usage = float(_stat(stats, "kv_cache_usage"))
+        own.num_running_reqs = stats.num_running_reqs
+        own.num_waiting_reqs = stats.num_waiting_reqs
+        own.kv_cache_usage = stats.kv_cache_usage
         # The scheduler reports prefix-cache lookups since its previous snapshot.
-        own.prefix_cache_queries += int(_stat(stats, "prefix_cache_queries"))
-        own.prefix_cache_hits += int(_stat(stats, "prefix_cache_hits"))
-        own.num_preemptions = int(_stat(stats, "num_preemptions"))
+        own.prefix_cache_queries += stats.prefix_cache_queries
+        own.prefix_cache_hits += stats.prefix_cache_hits
+        own.num_preemptions = stats.num_preemptions
 
     def _fail_all(self, error: BaseException) -> None:
         with self._streams_lock:

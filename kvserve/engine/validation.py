@@ -63,6 +63,10 @@ class RequestValidator:
             if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
                 raise SamplingParamsError(
                     f"stop_token_ids holds {token_id!r}, outside the vocabulary [0, {self.vocab_size})")
+        for token_id in params.logit_bias or ():
+            if token_id >= self.vocab_size:
+                raise SamplingParamsError(
+                    f"logit_bias names token {token_id}, outside the vocabulary [0, {self.vocab_size})")
 
     def validate(self, prompt_token_ids: Any, params: SamplingParams,
                  max_tokens_must_fit: bool = False) -> list[int]:

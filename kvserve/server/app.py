@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import kvserve
+from kvserve.engine.async_llm import AsyncLLM
 from kvserve.server.errors import APIError, install_error_handlers
 from kvserve.server.gateway import add_gateway_routes
 from kvserve.server.kv_cache_routes import add_kv_cache_routes, optional_kv_view
@@ -86,7 +87,7 @@ class _BodyLimitMiddleware:
                         code="request_too_large")
 
 
-def build_app(engine: Any, served_model_name: str, *, api_key: str | None = None,
+def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, model_root: str | None = None,
               shutdown_engine: bool = True) -> FastAPI:
     """An app serving `engine` (an AsyncLLM) under `served_model_name`."""

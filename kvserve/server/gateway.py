@@ -21,6 +21,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 import kvserve
+from kvserve.engine.async_llm import AsyncLLM
 
 
 @dataclass
@@ -36,17 +37,13 @@ class WorkerLoad:
     kv_capacity_tokens: int
 
 
-def kv_capacity_tokens(engine: Any) -> int:
-    """Tokens the engine's KV pool holds (block 0, the null block, excluded); 0 if unknown."""
-    core = getattr(engine, "engine_core", None)
-    kv_cache_config = getattr(core, "kv_cache_config", None)
-    cache_config = getattr(getattr(engine, "engine_config", None), "cache_config", None)
-    if kv_cache_config is None or cache_config is None:
-        return 0
-    return max(0, int(kv_cache_config.num_blocks) - 1) * int(cache_config.block_size)
+def kv_capacity_tokens(engine: AsyncLLM) -> int:
+    """Tokens the engine's KV pool holds (block 0, the null block, excluded)."""
+    num_blocks = engine.engine_core.kv_cache_config.num_blocks
+    return max(0, num_blocks - 1) * engine.engine_config.cache_config.block_size
 
 
-def worker_load(engine: Any) -> WorkerLoad:
+def worker_load(engine: AsyncLLM) -> WorkerLoad:
     """The load figures the gateway's load-aware policies compare."""
     stats = engine.get_stats()
     capacity = kv_capacity_tokens(engine)
@@ -57,38 +54,36 @@ def worker_load(engine: Any) -> WorkerLoad:
                       kv_cache_usage=float(stats.kv_cache_usage), kv_capacity_tokens=capacity)
 
 
-def server_info(engine: Any, served_model_name: str) -> dict[str, Any]:
+def server_info(engine: AsyncLLM, served_model_name: str) -> dict[str, Any]:
     """Static facts about this worker, in SGLang's `/server_info` field names."""
     engine_config = engine.engine_config
-    parallel = getattr(engine_config, "parallel_config", None)
-    scheduler = getattr(engine_config, "scheduler_config", None)
-    cache = getattr(engine_config, "cache_config", None)
+    cache = engine_config.cache_config
     return {
         "served_model_name": served_model_name,
         "version": kvserve.__version__,
-        "tp_size": int(getattr(parallel, "tensor_parallel_size", 1)),
+        "tp_size": engine_config.parallel_config.tensor_parallel_size,
         "dp_size": 1,
-        "context_length": int(engine.max_model_len),
+        "context_length": engine.max_model_len,
         "max_total_num_tokens": kv_capacity_tokens(engine),
-        "max_running_requests": int(getattr(scheduler, "max_num_seqs", 0) or 0),
-        "page_size": int(getattr(cache, "block_size", 0) or 0),
-        "enable_prefix_caching": bool(getattr(cache, "enable_prefix_caching", False)),
+        "max_running_requests": engine_config.scheduler_config.max_num_seqs,
+        "page_size": cache.block_size,
+        "enable_prefix_caching": cache.enable_prefix_caching,
         "is_generation": True,
     }
 
 
-def model_info(engine: Any, served_model_name: str) -> dict[str, Any]:
+def model_info(engine: AsyncLLM, served_model_name: str) -> dict[str, Any]:
     """The model's identity, in SGLang's `/model_info` field names."""
     model_config = engine.model_config
     return {
         "served_model_name": served_model_name,
         "is_generation": True,
-        "model_type": getattr(model_config, "model_type", None),
-        "architectures": [a for a in [getattr(model_config, "architecture", None)] if a],
+        "model_type": model_config.model_type,
+        "architectures": [model_config.architecture],
     }
 
 
-def add_gateway_routes(app: FastAPI, engine: Any, served_model_name: str) -> None:
+def add_gateway_routes(app: FastAPI, engine: AsyncLLM, served_model_name: str) -> None:
     """Mount the worker-information routes a router polls (no API key: like /health)."""
 
     async def get_load() -> JSONResponse:

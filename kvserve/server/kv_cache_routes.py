@@ -14,6 +14,8 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvserve.engine.async_llm import AsyncLLM
+from kvserve.engine.kv_view import EngineKVView
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.serving import sse
 
@@ -61,18 +63,16 @@ def kv_view_to_json(view: Any) -> dict[str, Any]:
     }
 
 
-async def _kv_json(engine: Any) -> dict[str, Any]:
+async def _kv_json(engine: AsyncLLM) -> dict[str, Any]:
     try:
         view = await engine.get_kv_view()
-    except NotImplementedError as exc:
-        raise APIError(501, str(exc), code="not_implemented", error_type="not_implemented_error") from exc
     except Exception as exc:  # noqa: BLE001 - a dead engine or a failed snapshot
         raise APIError(503, f"the KV-cache view is unavailable: {exc}", code="engine_unavailable") from exc
     return kv_view_to_json(view)
 
 
-async def optional_kv_view(engine: Any, timeout_s: float = 5.0) -> Any:
-    """The engine's `EngineKVView`, or None when it has none or cannot answer now."""
+async def optional_kv_view(engine: AsyncLLM, timeout_s: float = 5.0) -> EngineKVView | None:
+    """The engine's `EngineKVView`, or None when it cannot answer now."""
     try:
         return await engine.get_kv_view(timeout_s=timeout_s)
     except Exception:  # noqa: BLE001 - metrics must render without it
@@ -92,7 +92,7 @@ def _interval_s(raw_request: Request) -> float:
     return interval_ms / 1e3
 
 
-async def _stream_views(raw_request: Request, engine: Any, interval_s: float) -> AsyncIterator[str]:
+async def _stream_views(raw_request: Request, engine: AsyncLLM, interval_s: float) -> AsyncIterator[str]:
     while not await raw_request.is_disconnected():
         try:
             yield sse(await _kv_json(engine))
@@ -102,7 +102,7 @@ async def _stream_views(raw_request: Request, engine: Any, interval_s: float) ->
         await asyncio.sleep(interval_s)
 
 
-def add_kv_cache_routes(app: FastAPI, engine: Any) -> None:
+def add_kv_cache_routes(app: FastAPI, engine: AsyncLLM) -> None:
     """Register `/kv-cache` and `/kv-cache/stream` on `app`."""
 
     @app.get("/kv-cache")

@@ -5,10 +5,11 @@ import math
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from fastapi import Request
 
+from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import CompletionRequest
@@ -69,7 +70,7 @@ async def create_completion(raw_request: Request, ctx: ServingContext):
 
 
 def _full_response(ctx: ServingContext, body: CompletionRequest, prepared: list[_PreparedPrompt],
-                   response_id: str, final_by_index: dict[int, Any]) -> dict:
+                   response_id: str, final_by_index: dict[int, RequestOutput]) -> dict:
     choices = []
     for prompt_index, prompt in enumerate(prepared):
         request_output = final_by_index[prompt_index]
@@ -102,7 +103,7 @@ def _finite(value: float | None) -> float | None:
     return value if math.isfinite(value) else -9999.0
 
 
-def _legacy_logprobs(ctx: ServingContext, completion: Any, start: int, end: int,
+def _legacy_logprobs(ctx: ServingContext, completion: CompletionOutput, start: int, end: int,
                      echo_prompt: _PreparedPrompt | None, text_offset: int = 0) -> dict:
     """The completions API's logprobs object; echoed prompt tokens get null."""
     tokenizer = ctx.engine.tokenizer
@@ -128,10 +129,10 @@ def _legacy_logprobs(ctx: ServingContext, completion: Any, start: int, end: int,
 
 async def _stream_events(ctx: ServingContext, body: CompletionRequest,
                          prepared: list[_PreparedPrompt], response_id: str,
-                         outputs: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[str]:
+                         outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
     chunk = ChunkFormatter(response_id, "text_completion", ctx.served_model_name, body.include_usage)
     states: dict[int, ChoiceStreamState] = {}
-    final_by_index: dict[int, Any] = {}
+    final_by_index: dict[int, RequestOutput] = {}
     async for prompt_index, request_output in outputs:
         final_by_index[prompt_index] = request_output
         choices = _delta_choices(ctx, body, prepared[prompt_index], prompt_index, request_output, states)
@@ -142,7 +143,7 @@ async def _stream_events(ctx: ServingContext, body: CompletionRequest,
 
 
 def _delta_choices(ctx: ServingContext, body: CompletionRequest, prompt: _PreparedPrompt,
-                   prompt_index: int, request_output: Any,
+                   prompt_index: int, request_output: RequestOutput,
                    states: dict[int, ChoiceStreamState]) -> list[dict]:
     choices = []
     for completion in request_output.outputs:

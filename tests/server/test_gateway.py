@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -23,16 +22,14 @@ from .conftest import ThreadedServer
 from .fake_engine import make_fake_async_llm
 
 MODEL = "fake-model"
-NUM_BLOCKS = 513
+NUM_BLOCKS = 512  # the fake executor's pool, the null block included
 BLOCK_SIZE = 16
 
 
 def _replica_engine(tokenizer, step_delay_s: float = 0.002):
     engine = make_fake_async_llm(tokenizer, max_model_len=256, max_num_seqs=4, step_delay_s=step_delay_s)
-    # The fake core counts blocks; give it the KV geometry a real core reports.
-    engine.engine_core.kv_cache_config = SimpleNamespace(num_blocks=NUM_BLOCKS)
-    engine.engine_core.num_blocks = NUM_BLOCKS - 1
-    engine.engine_config.cache_config = SimpleNamespace(block_size=BLOCK_SIZE, enable_prefix_caching=True)
+    assert engine.engine_core.kv_cache_config.num_blocks == NUM_BLOCKS
+    assert engine.engine_config.cache_config.block_size == BLOCK_SIZE
     return engine
 
 
