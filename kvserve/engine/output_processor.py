@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler.output import EngineCoreOutput, TokenLogprobs
+from kvserve.messages import EngineCoreOutput, TokenLogprobs
 
 if TYPE_CHECKING:
     from kvserve.engine.core import EngineCoreRequest
