@@ -16,7 +16,7 @@ from typing import Any, Callable
 from kvserve.bench.report import bar_plot, default_output_path, environment_info, write_json
 
 SUBCOMMANDS = ("roofline", "throughput", "serve", "prefix", "compare", "profile", "scheduler", "kv", "structured",
-               "route")
+               "route", "spec")
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -200,6 +200,15 @@ def _add_structured_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ---------------------------------------------------------------- runners
 
+def _add_spec_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_engine_arguments(parser)
+    group = parser.add_argument_group("speculative decoding")
+    group.add_argument("--rounds", type=int, default=3, help="rounds, each running both engines (default 3)")
+    group.add_argument("--max-tokens", type=int, default=128, help="new tokens per chat (default 128)")
+    group.add_argument("--scenarios", default="grounded,unrelated,unrelated batch",
+                       help="comma-separated: grounded, unrelated, unrelated batch")
+
+
 def _add_route_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=2, help="kvserve replicas to start (default 2)")
     parser.add_argument("--policies", default="cache_aware,power_of_two,round_robin,random",
@@ -353,7 +362,15 @@ def _run_structured(args: argparse.Namespace) -> dict[str, Any]:
                           max_tokens=args.max_tokens, skip_engine=args.skip_engine, **engine_kwargs)
 
 
-# ---------------------------------------------------------------- formatting and plots
+def _run_spec(args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.bench import spec
+
+    scenarios = tuple(name.strip() for name in args.scenarios.split(",") if name.strip())
+    unknown = sorted(set(scenarios) - set(spec.SCENARIOS))
+    if unknown:
+        raise SystemExit(f"kvserve: error: unknown scenario(s) {unknown}; known: {list(spec.SCENARIOS)}")
+    return spec.run(rounds=args.rounds, max_tokens=args.max_tokens, scenarios=scenarios, **_engine_kwargs(args))
+
 
 def _run_route(args: argparse.Namespace) -> dict[str, Any]:
     import shlex
@@ -373,6 +390,8 @@ def _run_route(args: argparse.Namespace) -> dict[str, Any]:
         result["plot"] = route.plot(result, png_path)
     return result
 
+
+# ---------------------------------------------------------------- formatting and plots
 
 def _format_json(result: dict[str, Any]) -> str:
     return json.dumps(result, indent=2, default=str)
@@ -461,6 +480,7 @@ _COMMANDS = {
     "scheduler": (_add_scheduler_arguments, "microseconds per scheduler step at many running requests"),
     "kv": (_add_kv_arguments, "KV-cache allocate/free and prefix-hit operations per second"),
     "structured": (_add_structured_arguments, "grammar back-ends (compile, mask per token) and constrained throughput"),
+    "spec": (_add_spec_arguments, "speculative decoding on vs off: input-grounded and unrelated chats"),
     "route": (_add_route_arguments, "N replicas behind SGLang's Model Gateway: hit rate, TTFT, spread per policy"),
 }
 
@@ -468,6 +488,7 @@ _RUNNERS = {
     "roofline": _run_roofline, "throughput": _run_throughput, "serve": _run_serve, "prefix": _run_prefix,
     "compare": _run_compare, "profile": _run_profile, "scheduler": _run_scheduler, "kv": _run_kv,
     "structured": _run_structured,
+    "spec": _run_spec,
     "route": _run_route,
 }
 
@@ -481,5 +502,6 @@ _FORMATTERS = {
     "scheduler": (_format_scheduler, None),
     "kv": (_format_kv, None),
     "structured": (_lazy_formatter("structured"), None),
+    "spec": (_lazy_formatter("spec"), None),
     "route": (_lazy_formatter("route"), None),
 }

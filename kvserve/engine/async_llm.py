@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import copy
 import itertools
 import logging
 import queue
@@ -25,6 +26,7 @@ from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestOutput
 from kvserve.errors import EngineDeadError, EngineOverloadedError
 from kvserve.sampling_params import SamplingParams
+from kvserve.scheduler.speculation import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +166,8 @@ class EngineLoopStats:
     num_preemptions: int = 0
     num_steps: int = 0
     num_in_flight_requests: int = 0
+    # Speculative decoding counters since start (None when it is off).
+    spec_decoding: SpecDecodingStats | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -235,6 +239,8 @@ class AsyncLLM:
     def get_stats(self) -> EngineLoopStats:
         """A snapshot of the engine loop's latest stats."""
         snapshot = EngineLoopStats(**vars(self._stats))
+        if snapshot.spec_decoding is not None:
+            snapshot.spec_decoding = copy.deepcopy(snapshot.spec_decoding)
         snapshot.num_in_flight_requests = self.num_in_flight_requests()
         return snapshot
 
@@ -445,6 +451,10 @@ class AsyncLLM:
         own.prefix_cache_queries += stats.prefix_cache_queries
         own.prefix_cache_hits += stats.prefix_cache_hits
         own.num_preemptions = stats.num_preemptions
+        spec = stats.spec_decoding_stats
+        if spec is not None:
+            own.spec_decoding = own.spec_decoding or SpecDecodingStats()
+            own.spec_decoding.add(spec)
 
     def _fail_all(self, error: BaseException) -> None:
         with self._streams_lock:

@@ -58,8 +58,26 @@ class _EngineStatsCollector:
         }
         for name, (doc, value) in counters.items():
             yield self._family(CounterMetricFamily, name, doc, value)
+        if getattr(stats, "spec_decoding", None) is not None:
+            yield from self._spec_decode_families(stats.spec_decoding)
         if self.kv_view is not None:
             yield from self._kv_view_families(self.kv_view)
+
+    def _spec_decode_families(self, spec: Any):
+        """Speculative decoding under vLLM's names (the exposition adds `_total`)."""
+        counters = {
+            "vllm:spec_decode_num_drafts": ("Verification steps that carried a draft", spec.num_drafts),
+            "vllm:spec_decode_num_draft_tokens": ("Draft tokens proposed", spec.num_draft_tokens),
+            "vllm:spec_decode_num_accepted_tokens": ("Draft tokens accepted", spec.num_accepted_tokens),
+        }
+        for name, (doc, value) in counters.items():
+            yield self._family(CounterMetricFamily, name, doc, value)
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Drafts whose token at this position was accepted",
+                                      labels=self._label_names + ["position"])
+        for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+            per_pos.add_metric(self._label_values + [str(position)], float(count))
+        yield per_pos
 
     def _kv_view_families(self, view: Any):
         blocks = GaugeMetricFamily("kvserve_kv_cache_blocks",
