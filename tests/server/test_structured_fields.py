@@ -1,0 +1,113 @@
+"""Request fields → constraints, tool parsing and forcing grammars, without a server or model."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from kvserve.errors import InvalidRequestError
+from kvserve.model import grammar
+from kvserve.sampling_params import StructuredOutputsParams as Constraint
+from kvserve.server.protocol import ChatCompletionRequest
+from kvserve.server.structured import ConstraintSource, compile_constraint, constraint_from_request
+from kvserve.server.tools import extract_tool_calls, parse_tool_request, parser_for_template
+
+TOOL = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+
+
+def request(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **fields})
+
+
+@pytest.mark.parametrize("fields, expected, field_name", [
+    ({"response_format": {"type": "json_object"}}, Constraint(json_object=True), "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}},
+     Constraint(json={"type": "integer"}), "response_format.json_schema"),
+    ({"structured_outputs": {"regex": "a+"}}, Constraint(regex="a+"), "structured_outputs"),
+    ({"guided_choice": ["x", "y"]}, Constraint(choice=["x", "y"]), "guided_choice"),
+    ({"guided_grammar": 'root ::= "a"'}, Constraint(grammar='root ::= "a"'), "guided_grammar"),
+    ({"guided_json": {"type": "object"}}, Constraint(json={"type": "object"}), "guided_json"),
+])
+def test_each_field_maps_to_one_constraint(fields, expected, field_name):
+    source = constraint_from_request(request(**fields))
+    assert source.params == expected and source.field_name == field_name
+
+
+def test_text_and_nothing_mean_no_constraint():
+    assert constraint_from_request(request(response_format={"type": "text"})) is None
+    assert constraint_from_request(request()) is None
+
+
+def test_two_constraints_are_refused():
+    with pytest.raises(InvalidRequestError) as info:
+        constraint_from_request(request(response_format={"type": "json_object"}, guided_regex="a"))
+    assert info.value.param == "guided_regex"
+
+
+def test_compile_timeout_is_a_400_naming_the_field(monkeypatch):
+    class SlowCompiler:
+        pool = ThreadPoolExecutor(1)
+
+        def compile_async(self, params):
+            return self.pool.submit(time.sleep, 1.0)
+
+    monkeypatch.setattr(grammar, "compiler_for_model", lambda model_config: SlowCompiler())
+    monkeypatch.setenv(grammar.COMPILE_TIMEOUT_ENV, "0.05")
+    source = ConstraintSource(Constraint(regex="a"), "guided_regex")
+    with pytest.raises(InvalidRequestError, match="did not compile within") as info:
+        asyncio.run(compile_constraint(None, source))
+    assert info.value.param == "guided_regex"
+
+
+@pytest.mark.parametrize("parser, text, content", [
+    ("hermes", 'Sure.<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n'
+               '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>', "Sure."),
+    ("llama3_json", '<|python_tag|>{"name": "add", "parameters": {"a": 1}}; {"name": "add", "parameters": {"a": 2}}',
+     ""),
+    ("mistral", 'ok [TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": {"a": 2}}]',
+     "ok"),
+])
+def test_parsers_extract_calls_with_ids(parser, text, content):
+    parsed_content, calls = extract_tool_calls(parser, text)
+    assert parsed_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1}), ("add", {"a": 2})]
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+
+
+def test_plain_text_and_a_cut_off_call_are_not_calls():
+    assert extract_tool_calls("hermes", "Hello there") == ("Hello there", [])
+    assert extract_tool_calls("hermes", '<tool_call>{"name": "add", "argu')[1] == []
+    assert extract_tool_calls("llama3_json", "Paris is sunny.")[1] == []
+
+
+def test_parser_is_picked_from_the_template():
+    assert parser_for_template("... [TOOL_CALLS] ...") == "mistral"
+    assert parser_for_template("... <|python_tag|> ...") == "llama3_json"
+    assert parser_for_template(None) == "hermes"
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "sub"}}}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0]"),
+    ({"tool_choice": "required"}, "tool_choice"),
+])
+def test_bad_tool_fields(fields, param):
+    with pytest.raises(InvalidRequestError) as info:
+        parse_tool_request(request(**fields), "hermes")
+    assert info.value.param == param
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_forcing_grammars_compile(parser, tool_choice):
+    tool_request = parse_tool_request(request(tools=[TOOL], tool_choice=tool_choice), parser)
+    import llguidance
+
+    source = llguidance.grammar_from("grammar", tool_request.forcing_grammar())
+    assert llguidance.LLMatcher.validate_grammar(source) == ""
+    assert parse_tool_request(request(tools=[TOOL], tool_choice="auto"), parser).forcing_grammar() is None
