@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvserve.model.config import ModelConfig
+    from kvserve.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -62,17 +63,22 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Budgets and policy of the continuous-batching scheduler."""
+    """Budgets and policy of the continuous-batching scheduler.
 
-    max_num_seqs: int = 128
+    The defaults are the engine's: `EngineConfig.create` takes its own from here.
+    """
+
+    max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
-    async_scheduling: bool = False
+    async_scheduling: bool = True
     # Defer frees of blocks an in-flight step may still touch (default: on with async).
     defer_block_free: bool | None = None
+    # Speculative decoding (None: off); see kvserve.spec_decode.config.
+    speculative_config: "SpeculativeConfig | None" = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -216,6 +222,10 @@ class EngineConfig:
     def max_model_len(self) -> int:
         return self.scheduler_config.max_model_len
 
+    @property
+    def speculative_config(self) -> "SpeculativeConfig | None":
+        return self.scheduler_config.speculative_config
+
     @classmethod
     def create(
         cls,
@@ -224,19 +234,20 @@ class EngineConfig:
         quantization: str = "auto",
         kv_cache_memory: int | str | None = None,
         max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = SchedulerConfig.max_num_seqs,
+        max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
         enable_prefix_caching: bool = True,
-        block_size: int = 16,
+        block_size: int = CacheConfig.block_size,
         hash_block_size: int | None = None,
         tensor_parallel_size: int = 1,
-        async_scheduling: bool = True,
-        enable_chunked_prefill: bool = True,
-        policy: str = "fcfs",
-        sliding_window_kv: str = "sliding",
-        gpu_memory_utilization: float = 0.9,
+        async_scheduling: bool = SchedulerConfig.async_scheduling,
+        enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill,
+        policy: str = SchedulerConfig.policy,
+        sliding_window_kv: str = CacheConfig.sliding_window_kv,
+        gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization,
         device: str | None = None,
         seed: int = 0,
+        speculative_config: "SpeculativeConfig | dict | str | None" = None,
     ) -> "EngineConfig":
         """Build and validate the whole configuration from user-facing knobs."""
         from kvserve.model.config import ModelConfig
@@ -268,6 +279,16 @@ class EngineConfig:
             enable_chunked_prefill=enable_chunked_prefill,
             policy=policy,
             async_scheduling=async_scheduling,
+            speculative_config=_speculative_config(speculative_config),
         )
         parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
         return cls(model_config, cache_config, scheduler_config, parallel_config, device=device, seed=seed)
+
+
+def _speculative_config(value) -> "SpeculativeConfig | None":
+    """vLLM's `speculative_config` (dict, JSON text or object), as a ConfigError when invalid."""
+    from kvserve.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
+    try:
+        return SpeculativeConfig.from_value(value)
+    except SpeculativeConfigError as exc:
+        raise ConfigError(str(exc)) from None

@@ -84,6 +84,8 @@ class Request:
         self.num_output_placeholders = 0
         # Sequence number of the newest step that scheduled this request.
         self.last_sched_seq = 0
+        # Speculative decoding: the draft tokens of the step in flight, if any.
+        self.spec_token_ids: list[int] = []
         self.block_hashes: list[Any] = []
         self._block_hasher = block_hasher
         self.update_block_hashes()

@@ -37,6 +37,7 @@ def create_scheduler(
     long_prefill_token_threshold: int = 0,
     hash_block_size: int | None = None,
     defer_block_free: bool | None = None,
+    speculative_config=None,
 ) -> Scheduler:
     """A scheduler over `num_blocks` blocks (block 0 is the null block), one
     KV-cache group per spec in `kv_cache_specs` (default: one full-attention
@@ -59,6 +60,7 @@ def create_scheduler(
         policy=policy,
         async_scheduling=async_scheduling,
         defer_block_free=defer_block_free,
+        speculative_config=speculative_config,
     )
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                                hash_block_size=hash_block_size)
@@ -136,16 +138,24 @@ class FakeModelRunner:
 
     The token at sequence position p of request r is a fixed function of
     (r, p) that never equals `eos_token_id`; with `eos_after=k`, every
-    request's output token k (0-based) is `eos_token_id` instead.
+    request's output token k (0-based) is `eos_token_id` instead. With
+    `period=m`, outputs mostly repeat every m tokens (one in four positions
+    breaks the pattern), so prompt-lookup drafts are partly accepted; drafts
+    (`scheduled_spec_decode_tokens`) are verified greedily against these tokens.
+    With `block_size`, every scheduled token must have a slot in group 0's table.
     """
 
     def __init__(self, eos_token_id: int | None = None, eos_after: int | None = None,
-                 vocab_size: int = 1000) -> None:
+                 vocab_size: int = 1000, period: int | None = None,
+                 block_size: int | None = None) -> None:
         if eos_after is not None and eos_token_id is None:
             raise ValueError("eos_after needs an eos_token_id")
         self.eos_token_id = eos_token_id
         self.eos_after = eos_after
         self.vocab_size = vocab_size
+        self.period = period
+        # Given: each scheduled token must have a KV slot in group 0's table.
+        self.block_size = block_size
         self.states: dict[str, _FakeRequestState] = {}
         self.block_copies_seen: list = []
 
@@ -154,6 +164,9 @@ class FakeModelRunner:
         if self.eos_after is not None and position - prompt_len == self.eos_after:
             return self.eos_token_id  # type: ignore[return-value]
         token_id = zlib.crc32(f"{request_id}:{position}".encode()) % self.vocab_size
+        if self.period is not None and token_id % 4:
+            folded = prompt_len + (position - prompt_len) % self.period
+            token_id = zlib.crc32(f"{request_id}:{folded}".encode()) % self.vocab_size
         if token_id == self.eos_token_id:
             token_id = (token_id + 1) % self.vocab_size
         return token_id
@@ -163,20 +176,34 @@ class FakeModelRunner:
         req_ids, sampled, logprobs = [], [], []
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             state = self.states[req_id]
-            if state.num_computed_tokens + num_tokens > len(state.token_ids):
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
+            if state.num_computed_tokens + num_tokens > len(state.token_ids) + len(drafts):
                 raise AssertionError(f"request {req_id} scheduled past its known tokens")
+            num_slots = len(state.block_ids[0]) * self.block_size if self.block_size else None
+            if num_slots is not None and state.num_computed_tokens + num_tokens > num_slots:
+                raise AssertionError(f"request {req_id} scheduled past its {num_slots} KV slots")
             state.num_computed_tokens += num_tokens
             tokens = []
-            if state.num_computed_tokens == len(state.token_ids):
-                token_id = self.token_for(req_id, len(state.token_ids), state.prompt_len)
-                state.token_ids.append(token_id)
-                tokens.append(token_id)
+            if state.num_computed_tokens == len(state.token_ids) + len(drafts):
+                tokens = self._verify(req_id, state, drafts)
+                state.token_ids.extend(tokens)
+                state.num_computed_tokens = len(state.token_ids) - 1
             req_ids.append(req_id)
             sampled.append(tokens)
             logprobs.append([_fake_logprobs(t) for t in tokens] if state.wants_logprobs else [])
         wants_any_logprobs = any(self.states[r].wants_logprobs for r in req_ids)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
                                  logprobs=logprobs if wants_any_logprobs else None)
+
+    def _verify(self, req_id: str, state: _FakeRequestState, drafts: list[int]) -> list[int]:
+        """The accepted prefix of `drafts` plus the token after it (greedy verification)."""
+        tokens = []
+        for draft in [*drafts, None]:
+            token_id = self.token_for(req_id, len(state.token_ids) + len(tokens), state.prompt_len)
+            tokens.append(token_id)
+            if token_id != draft:
+                break
+        return tokens
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:

@@ -14,6 +14,7 @@ inflated; the plain step time above them is the undisturbed figure.
 from __future__ import annotations
 
 import cProfile
+import os
 import pstats
 import re
 import time
@@ -39,11 +40,17 @@ CATEGORIES = (
 )
 
 
+# The package's own folder: a path substring such as "/kvserve/" would also match the
+# checkout's folder, which `git clone` names kvserve too.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def _kvserve_area(filename: str) -> str | None:
-    path = filename.replace("\\", "/")
-    if "/kvserve/" not in path:
+    if filename == "~" or filename.startswith("<"):
         return None
-    relative = path.split("/kvserve/", 1)[1]
+    relative = os.path.relpath(os.path.abspath(filename), _PACKAGE_DIR).replace("\\", "/")
+    if relative.startswith("../") or relative == "..":
+        return None
     if relative.startswith("model/attention"):
         return "attention"
     if relative.startswith("model/sampler"):

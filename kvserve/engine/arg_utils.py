@@ -24,6 +24,7 @@ _VALUE_FLAGS = {
     "tensor_parallel_size": "tensor_parallel_size",
     "seed": "seed",
     "device": "device",
+    "speculative_config": "speculative_config",
 }
 
 
@@ -57,6 +58,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        help="split each layer across N processes")
     group.add_argument("--seed", type=int, default=None, help="engine random seed")
     group.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
+    group.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help='speculative decoding, as in vLLM, e.g. \'{"method": "ngram", '
+                            '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\'')
     return parser
 
 

@@ -94,9 +94,6 @@ class KVCacheCoordinator:
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         return tuple(manager.req_to_blocks.get(request_id, []) for manager in self.single_type_managers)
 
-    def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
-        return [manager.get_num_common_prefix_blocks(request_id) for manager in self.single_type_managers]
-
 
 class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
     """Prefix caching off: no lookups, nothing registered."""

@@ -25,7 +25,7 @@ from kvserve.kv_cache.utils import (
     get_hash_fn_by_name,
     get_request_block_hasher,
 )
-from kvserve.request import Request, RequestStatus
+from kvserve.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +70,10 @@ class KVCacheManager:
     `hash_block_size` (default: the GCD of the cacheable groups' block sizes)
     must divide every cacheable group's block size; when it is smaller than a
     full-attention block size, prompts can hit inside a block (copy-on-write).
-    `watermark` is the fraction of blocks kept free for running requests when a
-    new request is admitted while others run.
     """
 
     def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int, scheduler_block_size: int | None = None,
-                 hash_block_size: int | None = None, enable_caching: bool = True, watermark: float = 0.0,
+                 hash_block_size: int | None = None, enable_caching: bool = True,
                  hash_algo: str = "sha256") -> None:
         groups = kv_cache_config.kv_cache_groups
         if not groups:
@@ -89,7 +87,6 @@ class KVCacheManager:
             if spec.prefix_cacheable and spec.block_size % self.hash_block_size:
                 raise ValueError(f"hash_block_size {self.hash_block_size} must divide block size {spec.block_size}")
         self.enable_caching = enable_caching and any(g.kv_cache_spec.prefix_cacheable for g in groups)
-        self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self.coordinator: KVCacheCoordinator = get_kv_cache_coordinator(
             kv_cache_config, max_model_len, self.enable_caching, self.hash_block_size)
         self.block_pool = self.coordinator.block_pool
@@ -108,7 +105,7 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The request's longest prefix hit and its length in tokens. Never the whole
         prompt (the last token is computed to get logits); changes nothing."""
-        if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
+        if not self.enable_caching:
             return self.empty_kv_cache_blocks, 0
         # Hashes cover complete hash units only; a request built without this
         # cache's hasher has none and can never hit.
@@ -140,7 +137,7 @@ class KVCacheManager:
         self.coordinator.remove_skipped_blocks(request_id, num_local_computed - request.num_in_flight_tokens)
         num_required = self.coordinator.get_num_blocks_to_allocate(request_id, num_slots, hit_blocks,
                                                                    num_new_computed_tokens)
-        if num_required + self._watermark_for(request) > self.block_pool.get_num_free_blocks():
+        if num_required > self.block_pool.get_num_free_blocks():
             return None
         if any(hit_blocks):
             self.coordinator.save_new_computed_blocks(request_id, hit_blocks, num_new_computed_tokens)
@@ -148,11 +145,6 @@ class KVCacheManager:
         if self.enable_caching:
             self.coordinator.cache_blocks(request, min(num_local_computed + num_new_tokens, request.num_tokens))
         return KVCacheBlocks(new_blocks)
-
-    def _watermark_for(self, request: Request) -> int:
-        if not self.watermark_blocks or request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            return 0
-        return self.watermark_blocks if self.coordinator.single_type_managers[0].req_to_blocks else 0
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's blocks up to prefix length `num_computed_tokens`."""
@@ -193,10 +185,6 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's whole block table, per group (nulls as id 0)."""
         return tuple([block.block_id for block in blocks] for blocks in self.coordinator.get_blocks(request_id))
-
-    def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
-        """Per group, the leading blocks of `request_id` held by every request with blocks."""
-        return self.coordinator.get_num_common_prefix_blocks(request_id)
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """Lookups since the previous call."""

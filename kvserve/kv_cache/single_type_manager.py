@@ -178,10 +178,6 @@ class SingleTypeKVCacheManager(ABC):
             first_real += 1
         return blocks[first_real:]
 
-    def get_num_common_prefix_blocks(self, request_id: str) -> int:
-        """Leading blocks of the request that every request holding blocks shares."""
-        return 0
-
 
 class FullAttentionManager(SingleTypeKVCacheManager):
     """Full attention: tables grow with the sequence; hits are prefixes from block 0,
@@ -226,15 +222,6 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 and request.request_id not in self._partial_hit_reqs):
             self.block_pool.cache_partial_block(request, table[num_full], num_tokens, self.kv_cache_group_id,
                                                 self.block_size)
-
-    def get_num_common_prefix_blocks(self, request_id: str) -> int:
-        num_holders = len(self.req_to_blocks)
-        num_common = 0
-        for block in self.req_to_blocks.get(request_id, ()):
-            if block.ref_cnt != num_holders:
-                break
-            num_common += 1
-        return num_common
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):

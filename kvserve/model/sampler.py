@@ -174,26 +174,37 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(n is not None for n in st.num_logprobs) else None)
+        logits = self.process_logits(logits, st)
+        tokens = logits.argmax(dim=-1)
+        if not st.all_greedy:
+            tokens = torch.where(st.temperature == 0, tokens, self._random_sample(logits, st))
+        token_list = tokens.tolist()
+        logprobs = gather_logprobs(raw_logprobs, token_list, st.num_logprobs) if raw_logprobs is not None else None
+        return SamplerOutput(token_ids=token_list, logprobs=logprobs)
+
+    @staticmethod
+    def process_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        """Float32 logits with the banned tokens and the penalties applied: greedy
+        takes their argmax, random sampling their `target_probs`."""
         if st.blocked_tokens is not None:
             blocked = token_counts(st.blocked_tokens, logits.shape[-1]) > 0
             logits = logits.masked_fill(blocked, float("-inf"))
         if st.do_penalties:
             logits = apply_penalties(logits, st)
-        tokens = logits.argmax(dim=-1)
-        if not st.all_greedy:
-            tokens = torch.where(st.temperature == 0, tokens, self._random_sample(logits, st))
-        token_list = tokens.tolist()
-        logprobs = _gather_logprobs(raw_logprobs, token_list, st.num_logprobs) if raw_logprobs is not None else None
-        return SamplerOutput(token_ids=token_list, logprobs=logprobs)
+        return logits
 
     @staticmethod
-    def _random_sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    def target_probs(processed_logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        """The distribution random sampling draws from (temperature, top-k/p, min-p)."""
         temperature = torch.where(st.temperature == 0, 1.0, st.temperature)
-        scaled = filter_logits(logits / temperature[:, None], st)
-        return _draw(scaled.softmax(dim=-1), st.generators)
+        return filter_logits(processed_logits / temperature[:, None], st).softmax(dim=-1)
+
+    @classmethod
+    def _random_sample(cls, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        return _draw(cls.target_probs(logits, st), st.generators)
 
 
-def _gather_logprobs(logprobs: torch.Tensor, tokens: list[int], num_logprobs: list[int | None]) -> list[TokenLogprobs | None]:
+def gather_logprobs(logprobs: torch.Tensor, tokens: list[int], num_logprobs: list[int | None]) -> list[TokenLogprobs | None]:
     max_top = max((n for n in num_logprobs if n is not None), default=0)
     top_values, top_ids = logprobs.topk(max_top, dim=-1) if max_top else (None, None)
     token_index = torch.tensor(tokens, device=logprobs.device)[:, None]

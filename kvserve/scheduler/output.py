@@ -54,6 +54,9 @@ class SchedulerOutput:
     the previous, still unprocessed step: the runner feeds it the token it
     sampled there. `kv_cache_block_copies` must be applied before the forward
     pass; `finished_req_ids` lists requests whose runner state can be dropped.
+    `scheduled_spec_decode_tokens[r]` are draft tokens to verify after request
+    r's last known token; they are counted in its `num_scheduled_tokens`, and
+    the runner returns 1 to 1 + len(drafts) tokens for it.
     """
 
     step_seq: int
@@ -64,7 +67,7 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
     kv_cache_block_copies: list[KVCacheBlockCopy] = field(default_factory=list)
-    num_common_prefix_blocks: list[int] = field(default_factory=list)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def make_empty(cls, step_seq: int = 0) -> "SchedulerOutput":
@@ -111,7 +114,9 @@ class EngineCoreOutput:
     """What one step did for one request, for the engine front-end.
 
     `finish_reason` is "stop", "length" or "abort" once the request finished;
-    `stop_reason` the stop token id that ended it, if any.
+    `stop_reason` the stop token id that ended it, if any. With speculative
+    decoding, `num_draft_tokens` drafts were verified in this step and
+    `num_accepted_tokens` of them accepted.
     """
 
     request_id: str
@@ -120,6 +125,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     new_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:

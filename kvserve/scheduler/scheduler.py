@@ -32,6 +32,7 @@ from kvserve.scheduler.output import EngineCoreOutput, ModelRunnerOutput, Schedu
 from kvserve.scheduler.pause import PAUSE_MODES, PauseState
 from kvserve.scheduler.preemption import pick_victim, reset_for_recompute
 from kvserve.scheduler.request_queue import create_request_queue
+from kvserve.scheduler.speculation import Speculator
 from kvserve.scheduler.stats import SchedulerStats, prefix_cache_counts
 from kvserve.scheduler.step_plan import StepPlan, block_ids_or_none, build_scheduler_output
 from kvserve.scheduler.stop import reached_length_cap
@@ -97,6 +98,8 @@ class Scheduler:
         self._fences = DeferredBlockFrees(enabled=scheduler_config.should_defer_block_free)
         self.pause_state = PauseState.UNPAUSED
         self.num_preemptions = 0
+        spec_config = scheduler_config.speculative_config
+        self.speculator = Speculator(spec_config) if spec_config is not None else None
 
     # -- fence state, exposed under the names the seed's tests use -----------
 
@@ -177,6 +180,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first, then admissions, then the output."""
         self._drain_deferred_frees()
+        if self.speculator is not None:
+            self.speculator.begin_step()
         plan = StepPlan(token_budget=self.max_num_scheduled_tokens)
         if self.pause_state != PauseState.PAUSED_ALL:
             self._schedule_running(plan)
@@ -199,10 +204,14 @@ class Scheduler:
             if num_new_tokens == 0:
                 req_index += 1
                 continue
-            new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
+            drafts = self._propose_drafts(request, num_new_tokens, plan.token_budget)
+            new_blocks = self._allocate_drafts(request, drafts)
+            if new_blocks is None:
+                drafts = []
+                new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
             if new_blocks is None:
                 return
-            plan.add_running(request, num_new_tokens, block_ids_or_none(new_blocks))
+            plan.add_running(request, num_new_tokens + len(drafts), block_ids_or_none(new_blocks), drafts)
             # A priority victim may have sat before this request in `running`.
             req_index = self.running.index(request) + 1 if plan.preempted_req_ids else req_index + 1
 
@@ -210,11 +219,37 @@ class Scheduler:
         num_pending = request.num_output_placeholders
         if num_pending and reached_length_cap(request, self.max_model_len, num_pending):
             return 0  # the in-flight outputs already finish it
+        if request.spec_token_ids:
+            return 0  # its step in flight emits an unknown number of tokens
+        if num_pending and self._speculates(request):
+            return 0  # wait for the last token, then propose after it
         num_computed = request.num_computed_tokens
         num_new_tokens = request.num_tokens + num_pending - num_computed
         if num_new_tokens > 1:
             num_new_tokens = self._cap_long_prefill(num_new_tokens)
         return max(min(num_new_tokens, token_budget, self.max_model_len - num_computed), 0)
+
+    def _speculates(self, request: Request) -> bool:
+        return self.speculator is not None and self.speculator.wants_drafts(request, len(self.running))
+
+    def _propose_drafts(self, request: Request, num_new_tokens: int, token_budget: int) -> list[int]:
+        """Draft tokens to verify after a decoding request's last token: none while
+        it prefills, has an output in flight, or when speculation does not pay."""
+        if (num_new_tokens != 1 or request.num_output_placeholders
+                or request.num_computed_tokens != request.num_tokens - 1 or not self._speculates(request)):
+            return []
+        # Room: the drafts plus the token sampled after them stay within the caps.
+        room = min(token_budget - 1, self.max_model_len - request.num_tokens - 1)
+        if request.max_tokens is not None:
+            room = min(room, request.max_tokens - request.num_output_tokens - 1)
+        return self.speculator.propose(request, room)
+
+    def _allocate_drafts(self, request: Request, drafts: list[int]) -> KVCacheBlocks | None:
+        """Slots for the last token plus the drafts as lookahead (never hashed into the
+        prefix cache); None when there are no drafts or the pool is short."""
+        if not drafts:
+            return None
+        return self.kv_cache_manager.allocate_slots(request, 1, num_lookahead_tokens=len(drafts))
 
     def _cap_long_prefill(self, num_new_tokens: int) -> int:
         threshold = self.long_prefill_token_threshold
@@ -309,6 +344,7 @@ class Scheduler:
             request.num_computed_tokens += num_tokens
             request.num_in_flight_tokens += num_tokens
             request.last_sched_seq = step_seq
+            request.spec_token_ids = plan.spec_token_ids.get(request.request_id, [])
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1
 
@@ -367,6 +403,8 @@ class Scheduler:
 
     def _free_finished(self, request: Request) -> None:
         self._free_request_blocks(request)
+        if self.speculator is not None:
+            self.speculator.forget(request.request_id)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -424,4 +462,5 @@ class Scheduler:
             num_deferred_blocks=self._fences.num_deferred_blocks,
             sched_step_seq=self.sched_step_seq,
             processed_step_seq=self.processed_step_seq,
+            spec_decoding_stats=self.speculator.take_stats() if self.speculator is not None else None,
         )

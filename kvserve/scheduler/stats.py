@@ -22,6 +22,8 @@ class SchedulerStats:
     num_deferred_blocks: int
     sched_step_seq: int
     processed_step_seq: int
+    # Draft counts since the previous snapshot (None without speculative decoding).
+    spec_decoding_stats: Any = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:

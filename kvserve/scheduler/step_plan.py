@@ -27,10 +27,15 @@ class StepPlan:
     running_reqs: list[Request] = field(default_factory=list)
     new_block_ids: dict[str, BlockIdsByGroup | None] = field(default_factory=dict)
     preempted_req_ids: set[str] = field(default_factory=set)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
-    def add_running(self, request: Request, num_tokens: int, new_block_ids: BlockIdsByGroup | None) -> None:
+    def add_running(self, request: Request, num_tokens: int, new_block_ids: BlockIdsByGroup | None,
+                    draft_token_ids: list[int] | None = None) -> None:
+        """`num_tokens` counts the draft tokens to verify, if any."""
         self.running_reqs.append(request)
         self.new_block_ids[request.request_id] = new_block_ids
+        if draft_token_ids:
+            self.spec_token_ids[request.request_id] = draft_token_ids
         self._take_budget(request, num_tokens)
 
     def add_admitted(self, request: Request, num_tokens: int, resumed: bool) -> None:
@@ -44,6 +49,7 @@ class StepPlan:
             return
         self.token_budget += num_tokens
         self.new_block_ids.pop(request.request_id, None)
+        self.spec_token_ids.pop(request.request_id, None)
         for reqs in (self.running_reqs, self.new_reqs, self.resumed_reqs):
             if request in reqs:
                 reqs.remove(request)
@@ -90,6 +96,7 @@ def build_scheduler_output(
         finished_req_ids=finished_req_ids,
         preempted_req_ids=set(plan.preempted_req_ids),
         kv_cache_block_copies=block_copies,
+        scheduled_spec_decode_tokens={req_id: list(drafts) for req_id, drafts in plan.spec_token_ids.items()},
     )
 
 

@@ -34,10 +34,14 @@ def apply_sampled_tokens(
         if request is None:
             continue
         request.num_in_flight_tokens -= num_scheduled
+        drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+        if drafts:
+            request.spec_token_ids = []
         index = index_by_req_id.get(req_id)
         sampled = sampled_token_ids[index] if index is not None else None
         if not sampled:
             continue  # a prefill chunk that did not reach the last prompt token
+        num_drafts, num_accepted = _roll_back_rejected(scheduler, request, drafts, sampled)
         if request.num_output_placeholders > 0:
             request.num_output_placeholders -= 1
         was_preempted = request.status == RequestStatus.PREEMPTED
@@ -55,8 +59,23 @@ def apply_sampled_tokens(
         if all_logprobs is not None and all_logprobs[index]:
             new_logprobs = all_logprobs[index][:len(new_token_ids)]
         outputs.append(EngineCoreOutput(req_id, new_token_ids, finish_reason, request.stop_reason,
-                                        new_logprobs, max(request.num_cached_tokens, 0)))
+                                        new_logprobs, max(request.num_cached_tokens, 0),
+                                        num_drafts, num_accepted))
     return outputs, stopped
+
+
+def _roll_back_rejected(scheduler: "Scheduler", request: Request, drafts: list[int] | None,
+                        sampled: list[int]) -> tuple[int, int]:
+    """Settle the drafts the step verified for `request`: its computed tokens counted
+    every draft, so step back over the rejected ones (their slots are rewritten by
+    the next step). Returns (drafts, accepted)."""
+    if not drafts:
+        return 0, 0
+    num_accepted = len(sampled) - 1
+    if request.status == RequestStatus.RUNNING:  # a preempted one restarts from 0 anyway
+        request.num_computed_tokens -= len(drafts) - num_accepted
+    scheduler.speculator.record(request.request_id, len(drafts), num_accepted)
+    return len(drafts), num_accepted
 
 
 def _append_until_stop(request: Request, sampled: list[int], max_model_len: int) -> list[int]:

@@ -59,11 +59,6 @@ class Executor:
         """Bytes the KV cache may use (the minimum over all ranks)."""
         raise NotImplementedError
 
-    def determine_num_blocks(self) -> int:
-        """Blocks of the pool that fit the available memory, for these specs."""
-        from kvserve.kv_cache.utils import get_kv_cache_config
-        return get_kv_cache_config(self.get_kv_cache_specs(), self.determine_available_memory()).num_blocks
-
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         raise NotImplementedError
 

@@ -103,7 +103,9 @@ class PreparedBatch:
     query_start_loc[i]:query_start_loc[i+1]. `sample_mask[i]` is True when
     request i's scheduled tokens reach its last known token (so the step
     samples one token for it); `logits_indices` holds those requests' last
-    token slots.
+    token slots. A request with `num_draft_tokens[i] = k` draft tokens
+    scheduled after its last known token has its last k + 1 slots in
+    `logits_indices` (one target distribution per draft, plus the bonus).
     """
 
     req_ids: list[str]
@@ -118,6 +120,8 @@ class PreparedBatch:
     block_tables: list[np.ndarray]
     sample_mask: np.ndarray
     logits_indices: np.ndarray
+    num_draft_tokens: np.ndarray | None = None
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:
@@ -225,7 +229,11 @@ class InputBatch:
                              dtype=np.int64)
         starts = np.array(num_computed, dtype=np.int64)
         ends = starts + num_sched
-        known = self.num_tokens[rows]
+        drafts = {rid: scheduler_output.scheduled_spec_decode_tokens[rid] for rid in req_ids
+                  if rid in scheduler_output.scheduled_spec_decode_tokens}
+        num_drafts = np.array([len(drafts.get(rid, ())) for rid in req_ids], dtype=np.int64)
+        self._write_drafts(drafts)
+        known = self.num_tokens[rows] + num_drafts
         if np.any(ends > known):
             bad = int(np.argmax(ends > known))
             raise InputPreparationError(
@@ -243,8 +251,21 @@ class InputBatch:
             input_ids=input_ids, positions=positions, query_start_loc=query_start_loc, seq_lens=ends,
             slot_mappings=[t.slot_mapping(rows_per_token, positions) for t in self.block_tables],
             block_tables=[t.rows(rows) for t in self.block_tables],
-            sample_mask=sample_mask, logits_indices=cu_num_tokens[sample_mask] - 1,
+            sample_mask=sample_mask,
+            logits_indices=_last_slots(cu_num_tokens[sample_mask], 1 + num_drafts[sample_mask]),
+            num_draft_tokens=num_drafts, draft_token_ids=drafts,
         )
+
+    def _write_drafts(self, drafts: dict[str, list[int]]) -> None:
+        """Put draft tokens after each request's known tokens (without counting them as
+        known): the forward pass reads them there, accepted ones are appended later."""
+        for req_id, draft in drafts.items():
+            row = self._row_of(req_id)
+            start = int(self.num_tokens[row])
+            if start + len(draft) > self.max_model_len:
+                raise InputPreparationError(
+                    f"request {req_id}: {len(draft)} draft tokens after {start} overflow max_model_len")
+            self.token_ids[row, start:start + len(draft)] = draft
 
     @staticmethod
     def _scheduled_requests(scheduler_output: SchedulerOutput) -> tuple[list[str], list[int]]:
@@ -273,3 +294,11 @@ class InputBatch:
         for table in self.block_tables:
             table.grow_rows(max_num_rows)
         self._free_rows.extend(range(max_num_rows - 1, old - 1, -1))
+
+
+def _last_slots(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The last counts[i] token slots before ends[i], request after request."""
+    if not len(counts) or int(counts.max()) == 1:
+        return ends - 1
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(ends - counts, counts) + offsets

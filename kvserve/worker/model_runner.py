@@ -18,6 +18,7 @@ from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.kv_cache.interface import KVCacheConfig, KVCacheSpec
 from kvserve.model.attention import AttentionMetadata, allocate_kv_caches, copy_kv_blocks
 from kvserve.model.loader import load_model
+from kvserve.model.rejection_sampler import verify_drafts
 from kvserve.model.sampler import Sampler, SamplingTensors, make_generator
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -141,22 +142,38 @@ class ModelRunner:
             return None
         return hidden[torch.from_numpy(prepared.logits_indices).to(self.device)]
 
-    def _forward_and_sample(self, prepared: PreparedBatch) -> tuple[dict[str, int], dict]:
-        """Run the model; sample one token for each request that reached its last token."""
+    def _forward_and_sample(self, prepared: PreparedBatch) -> tuple[dict[str, list[int]], dict]:
+        """Run the model; for each request that reached its last token, sample one
+        token or verify its drafts (then 1 to 1 + drafts tokens)."""
         sampled_hidden = self._forward_sampled_rows(prepared)
         if sampled_hidden is None:
             return {}, {}
-        sampled_req_ids = prepared.sampled_req_ids
-        logits = self.model.compute_logits(sampled_hidden)
-        sampler_output = self.sampler.sample(logits, self._sampling_tensors(sampled_req_ids))
-        sampled_token_ids, logprobs_by_req = {}, {}
-        for i, req_id in enumerate(sampled_req_ids):
-            token_id = int(sampler_output.token_ids[i])
-            sampled_token_ids[req_id] = token_id
-            self.input_batch.append_sampled_token(req_id, token_id)
-            if sampler_output.logprobs is not None and sampler_output.logprobs[i] is not None:
-                logprobs_by_req[req_id] = sampler_output.logprobs[i]
+        sampled_token_ids, logprobs_by_req = self._sample(self.model.compute_logits(sampled_hidden), prepared)
+        self._record_sampled(sampled_token_ids)
         return sampled_token_ids, logprobs_by_req
+
+    def _sample(self, logits: torch.Tensor, prepared: PreparedBatch) -> tuple[dict[str, list[int]], dict]:
+        """Tokens and logprobs (one list per request) from the sampled rows' logits."""
+        sampled_req_ids = prepared.sampled_req_ids
+        if prepared.draft_token_ids:
+            drafts = [prepared.draft_token_ids.get(rid, []) for rid in sampled_req_ids]
+            verified = verify_drafts(self.sampler, logits, self._sampling_tensors(sampled_req_ids, drafts),
+                                     drafts)
+            return (dict(zip(sampled_req_ids, verified.token_ids)),
+                    {rid: lp for rid, lp in zip(sampled_req_ids, verified.logprobs) if lp is not None})
+        sampler_output = self.sampler.sample(logits, self._sampling_tensors(sampled_req_ids))
+        sampled_token_ids = {rid: [int(t)] for rid, t in zip(sampled_req_ids, sampler_output.token_ids)}
+        logprobs_by_req = {}
+        if sampler_output.logprobs is not None:
+            logprobs_by_req = {rid: [lp] for rid, lp in zip(sampled_req_ids, sampler_output.logprobs)
+                               if lp is not None}
+        return sampled_token_ids, logprobs_by_req
+
+    def _record_sampled(self, sampled_token_ids: dict[str, list[int]]) -> None:
+        """Append the step's tokens to the batch (a later step may feed them back)."""
+        for req_id, token_ids in sampled_token_ids.items():
+            for token_id in token_ids:
+                self.input_batch.append_sampled_token(req_id, token_id)
 
     def _apply_block_copies(self, scheduler_output: SchedulerOutput) -> None:
         copy_kv_blocks(self.kv_caches, self.kv_cache_config, scheduler_output.kv_cache_block_copies)
@@ -180,27 +197,34 @@ class ModelRunner:
                                                        prepared.slot_mappings)
         ]
 
-    def _sampling_tensors(self, req_ids: list[str]):
+    def _sampling_tensors(self, req_ids: list[str], drafts: list[list[int]] | None = None):
+        """One row per request, or with `drafts` one row per draft position plus one
+        (row j of a request sees its first j draft tokens as outputs)."""
         states = [self.input_batch.states[rid] for rid in req_ids]
+        if drafts is None:
+            rows = [(s, s.output_token_ids) for s in states]
+        else:
+            rows = [(s, s.output_token_ids + draft[:j]) for s, draft in zip(states, drafts)
+                    for j in range(len(draft) + 1)]
         return SamplingTensors.from_params(
-            [s.sampling_params for s in states],
-            output_token_ids=[s.output_token_ids for s in states],
-            prompt_token_ids=[s.prompt_token_ids for s in states],
-            generators=[s.generator for s in states],
+            [s.sampling_params for s, _ in rows],
+            output_token_ids=[outputs for _, outputs in rows],
+            prompt_token_ids=[s.prompt_token_ids for s, _ in rows],
+            generators=[s.generator for s, _ in rows],
             device=self.device,
-            eos_token_ids=[self._eos_token_id] * len(states),
+            eos_token_ids=[self._eos_token_id] * len(rows),
         )
 
     def _make_generator(self, sampling_params: SamplingParams):
         return None if sampling_params.seed is None else make_generator(sampling_params.seed, self.device)
 
     @staticmethod
-    def _make_output(req_ids: list[str], sampled_token_ids: dict[str, int],
+    def _make_output(req_ids: list[str], sampled_token_ids: dict[str, list[int]],
                      logprobs_by_req: dict) -> ModelRunnerOutput:
-        tokens = [[sampled_token_ids[rid]] if rid in sampled_token_ids else [] for rid in req_ids]
+        tokens = [list(sampled_token_ids.get(rid, [])) for rid in req_ids]
         logprobs = None
         if logprobs_by_req:
-            logprobs = [[logprobs_by_req[rid]] if rid in logprobs_by_req else [] for rid in req_ids]
+            logprobs = [list(logprobs_by_req.get(rid, [])) for rid in req_ids]
         return ModelRunnerOutput(req_ids=list(req_ids), sampled_token_ids=tokens, logprobs=logprobs)
 
 

@@ -80,10 +80,14 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{base + rank}"
 
 
+# Fills the rows of requests that emitted fewer tokens than the longest in the step.
+PAD_TOKEN = -2
+
+
 class TPModelRunner(ModelRunner):
     """A ModelRunner for one rank: the driver samples and broadcasts the tokens."""
 
-    def _forward_and_sample(self, prepared: PreparedBatch) -> tuple[dict[str, int], dict]:
+    def _forward_and_sample(self, prepared: PreparedBatch) -> tuple[dict[str, list[int]], dict]:
         sampled_hidden = self._forward_sampled_rows(prepared)
         # Every rank derives the same batch from the same SchedulerOutput, so all
         # take this branch together and the collectives below line up.
@@ -91,29 +95,29 @@ class TPModelRunner(ModelRunner):
             return {}, {}
         sampled_req_ids = prepared.sampled_req_ids
         logits = self.model.compute_logits_on_driver(sampled_hidden)
-        # -1 tells the other ranks that the driver's sampling failed, so that they
-        # fail the step too instead of waiting in the broadcast.
-        token_ids = torch.full((len(sampled_req_ids),), -1, dtype=torch.int64, device=self.device)
+        # One row per request: its 1 to 1 + drafts tokens, padded with PAD_TOKEN. -1
+        # tells the other ranks that the driver's sampling failed, so that they fail
+        # the step too instead of waiting in the broadcast.
+        max_tokens = 1 + max((len(prepared.draft_token_ids.get(rid, ())) for rid in sampled_req_ids), default=0)
+        token_ids = torch.full((len(sampled_req_ids), max_tokens), PAD_TOKEN, dtype=torch.int64,
+                               device=self.device)
         logprobs_by_req, sampling_error = {}, None
         if logits is not None:
             try:
-                sampler_output = self.sampler.sample(logits, self._sampling_tensors(sampled_req_ids))
-                token_ids.copy_(torch.as_tensor(list(sampler_output.token_ids), dtype=torch.int64))
-                if sampler_output.logprobs is not None:
-                    logprobs_by_req = {rid: lp for rid, lp in zip(sampled_req_ids, sampler_output.logprobs)
-                                       if lp is not None}
+                sampled, logprobs_by_req = self._sample(logits, prepared)
+                for row, req_id in enumerate(sampled_req_ids):
+                    token_ids[row, :len(sampled[req_id])] = torch.as_tensor(sampled[req_id], dtype=torch.int64)
             except Exception as exc:
                 sampling_error = exc
                 token_ids.fill_(-1)
         torch.distributed.broadcast(token_ids, src=DRIVER_RANK)
         if sampling_error is not None:
             raise sampling_error
-        if bool((token_ids < 0).any()):
+        if bool((token_ids == -1).any()):
             raise RuntimeError("sampling failed on the driver rank")
-        sampled_token_ids = {}
-        for req_id, token_id in zip(sampled_req_ids, token_ids.tolist()):
-            sampled_token_ids[req_id] = token_id
-            self.input_batch.append_sampled_token(req_id, token_id)
+        sampled_token_ids = {req_id: [t for t in row if t != PAD_TOKEN]
+                             for req_id, row in zip(sampled_req_ids, token_ids.tolist())}
+        self._record_sampled(sampled_token_ids)
         return sampled_token_ids, logprobs_by_req
 
 

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from kvserve.kv_cache.interface import FullAttentionSpec, SlidingWindowSpec
 from kvserve.request import RequestStatus
+from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.testing import FakeModelRunner, StepDriver, create_requests, create_scheduler
 
 from oracle import assert_pool_whole, expected_result
@@ -51,6 +52,9 @@ class Trace:
     # A second, sliding-window group (its out-of-window blocks are released
     # while the request runs, which only unprocessed *window* reads constrain).
     hybrid: bool = False
+    # Prompt-lookup drafts of up to this many tokens (0: no speculation), over
+    # outputs that mostly repeat, so drafts are partly accepted and rolled back.
+    num_spec_tokens: int = 0
 
 
 @st.composite
@@ -67,6 +71,7 @@ def traces(draw) -> Trace:
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         ops=draw(st.lists(_ADD, min_size=2, max_size=8)) + draw(st.lists(_OPS, min_size=10, max_size=80)),
         hybrid=draw(st.booleans()),
+        num_spec_tokens=draw(st.sampled_from([0, 0, 1, 3, 5])),
     )
 
 
@@ -188,13 +193,22 @@ def _specs(trace: Trace):
     return [FullAttentionSpec(**spec), SlidingWindowSpec(**spec, sliding_window=2 * trace.block_size)]
 
 
-def _run_trace(trace: Trace) -> None:
+def _spec_config(trace: Trace) -> SpeculativeConfig | None:
+    if not trace.num_spec_tokens:
+        return None
+    return SpeculativeConfig(num_speculative_tokens=trace.num_spec_tokens, prompt_lookup_min=1,
+                             prompt_lookup_max=3, disable_by_batch_size=4, backoff_steps=3)
+
+
+def _run_trace(trace: Trace) -> StepDriver:
     scheduler = create_scheduler(
         num_blocks=trace.num_blocks, block_size=trace.block_size,
         hash_block_size=None if trace.hybrid else trace.hash_block_size,
         max_num_batched_tokens=trace.budget, max_num_seqs=trace.max_num_seqs, max_model_len=96,
-        async_scheduling=trace.async_steps, policy=trace.policy, kv_cache_specs=_specs(trace))
-    runner = FakeModelRunner(eos_token_id=EOS, eos_after=5)
+        async_scheduling=trace.async_steps, policy=trace.policy, kv_cache_specs=_specs(trace),
+        speculative_config=_spec_config(trace))
+    runner = FakeModelRunner(eos_token_id=EOS, eos_after=5 if not trace.num_spec_tokens else 9,
+                             period=3 if trace.num_spec_tokens else None, block_size=trace.block_size)
     driver = StepDriver(scheduler, runner, async_steps=trace.async_steps)
     checker = FenceChecker(scheduler, driver)
     added, aborted = [], set()
@@ -257,6 +271,7 @@ def _run_trace(trace: Trace) -> None:
         else:
             assert (result.token_ids, result.finish_reason, result.stop_reason) == (
                 expected.token_ids, expected.finish_reason, expected.stop_reason), request.request_id
+    return driver
 
 
 @settings(max_examples=120, deadline=None, derandomize=True, database=None,
@@ -272,6 +287,22 @@ def test_a_preemption_heavy_async_trace():
            ("add", 20, 20, 2, 0, False)] + [("step",)] * 30 + [("abort", 1)] + [("step",)] * 10
     _run_trace(Trace(num_blocks=9, block_size=8, hash_block_size=4, budget=24, max_num_seqs=4,
                      async_steps=True, policy="fcfs", ops=ops))
+
+
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_a_speculative_trace_accepts_and_rolls_back(async_steps):
+    """Drafts of up to 4 tokens over mostly periodic outputs, with preemption and an
+    abort: some drafts are accepted, some rejected, and the fences and pool hold."""
+    ops = [("add", 20, 40, 0, 0, False), ("add", 14, 40, 1, 1, False), ("add", 9, 30, 2, 2, True),
+           ("add", 25, 40, 3, 0, False)] + [("step",)] * 40 + [("abort", 2)] + [("step",)] * 20
+    driver = _run_trace(Trace(num_blocks=14, block_size=4, hash_block_size=2, budget=32, max_num_seqs=4,
+                              async_steps=async_steps, policy="fcfs", ops=ops, num_spec_tokens=4))
+    drafts = [d for out in driver.scheduler_outputs for d in out.scheduled_spec_decode_tokens.values()]
+    assert drafts and max(map(len, drafts)) == 4
+    stats = driver.scheduler.make_stats().spec_decoding_stats
+    assert stats.num_drafts == len(drafts)
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert driver.scheduler.num_preemptions > 0
 
 
 @pytest.mark.slow

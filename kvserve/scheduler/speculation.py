@@ -1,0 +1,114 @@
+"""The scheduler's side of speculative decoding: when to propose drafts, and their counts.
+
+Drafts are proposed while scheduling, from the request's known tokens, for
+a request whose previous step is processed (its last token is known). A
+request that speculates is therefore not scheduled ahead under async
+scheduling: its step in flight may emit 1 to 1 + k tokens, so the position
+of its next token is unknown until that step is applied.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.request import Request
+from kvserve.spec_decode.config import SpeculativeConfig
+from kvserve.spec_decode.ngram import propose_ngram
+
+# Weight of the older drafts in a request's running acceptance rate.
+_ACCEPTANCE_DECAY = 0.5
+
+
+@dataclass
+class SpecDecodingStats:
+    """Draft counts since the previous report (vLLM's spec_decode counters).
+
+    `num_accepted_tokens_per_pos[j]` counts the drafts whose token at
+    position j was accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        if len(self.num_accepted_tokens_per_pos) < num_draft_tokens:
+            self.num_accepted_tokens_per_pos.extend(
+                [0] * (num_draft_tokens - len(self.num_accepted_tokens_per_pos)))
+        for position in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[position] += 1
+
+
+@dataclass
+class _RequestState:
+    """Recent draft outcomes of one request, for the adaptive switch-off."""
+
+    num_misses: int = 0
+    weighted_drafted: float = 0.0
+    weighted_accepted: float = 0.0
+    backoff_until: int = 0
+
+
+class Speculator:
+    """Proposes drafts for decoding requests and decides when speculation pays."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self._states: dict[str, _RequestState] = {}
+        self._num_schedules = 0
+        self._stats = SpecDecodingStats()
+
+    def begin_step(self) -> None:
+        """Count one `schedule()` call (the clock of the back-off)."""
+        self._num_schedules += 1
+
+    def wants_drafts(self, request: Request, num_running: int) -> bool:
+        """Whether `request` should speculate now (and so wait for its step in flight)."""
+        if num_running >= self.config.disable_by_batch_size:
+            return False
+        state = self._states.get(request.request_id)
+        return state is None or state.backoff_until <= self._num_schedules
+
+    def propose(self, request: Request, max_num_tokens: int) -> list[int]:
+        """Draft tokens to verify after the request's last token (maybe none)."""
+        num_tokens = min(self.config.num_speculative_tokens, max_num_tokens)
+        if num_tokens <= 0:
+            return []
+        draft = propose_ngram(request.all_token_ids, self.config.prompt_lookup_min,
+                              self.config.prompt_lookup_max, num_tokens)
+        if not draft:
+            state = self._state(request.request_id)
+            state.num_misses += 1
+            if state.num_misses >= self.config.max_misses:
+                self._back_off(state)
+        return draft
+
+    def record(self, request_id: str, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """Account a verified draft; a request whose drafts keep failing backs off."""
+        self._stats.observe(num_draft_tokens, num_accepted_tokens)
+        state = self._state(request_id)
+        state.num_misses = 0
+        state.weighted_drafted = state.weighted_drafted * _ACCEPTANCE_DECAY + num_draft_tokens
+        state.weighted_accepted = state.weighted_accepted * _ACCEPTANCE_DECAY + num_accepted_tokens
+        # Judge only once a few drafts have been seen (the weights saturate at 2x a draft).
+        if (state.weighted_drafted >= self.config.num_speculative_tokens
+                and state.weighted_accepted < self.config.min_acceptance_rate * state.weighted_drafted):
+            self._back_off(state)
+
+    def forget(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def take_stats(self) -> SpecDecodingStats:
+        """Counts since the previous call."""
+        stats, self._stats = self._stats, SpecDecodingStats()
+        return stats
+
+    def _state(self, request_id: str) -> _RequestState:
+        return self._states.setdefault(request_id, _RequestState())
+
+    def _back_off(self, state: _RequestState) -> None:
+        state.backoff_until = self._num_schedules + self.config.backoff_steps
+        state.num_misses = 0
+        state.weighted_drafted = state.weighted_accepted = 0.0

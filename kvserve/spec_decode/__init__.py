@@ -1,0 +1,1 @@
+"""Speculative decoding: configuration and torch-free draft proposers."""

@@ -1,0 +1,106 @@
+"""`SpeculativeConfig`: vLLM's `speculative_config` dict, validated.
+
+Importing this module needs no torch.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+SPEC_METHODS = ("ngram",)
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+# Batches this large run without drafts: verifying rejected drafts costs more
+# compute than one memory pass over the weights saves.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+
+
+class SpeculativeConfigError(ValueError):
+    """A `speculative_config` value is invalid; the message names it."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How drafts are proposed and when speculation is switched off.
+
+    `ngram` (prompt lookup): the longest suffix of the request's tokens, of
+    `prompt_lookup_min`..`prompt_lookup_max` tokens, is searched in its earlier
+    tokens (prompt and outputs); the tokens that followed its latest earlier
+    occurrence are the draft, at most `num_speculative_tokens` of them.
+
+    Adaptive: no drafts while `disable_by_batch_size` or more requests run; a
+    request whose drafts keep failing (acceptance below `min_acceptance_rate`
+    over its recent drafts, or no match `max_misses` times in a row) stops
+    proposing for `backoff_steps` steps and runs like a request without
+    speculation (scheduled ahead under async scheduling).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    min_acceptance_rate: float = 0.2
+    max_misses: int = 4
+    backoff_steps: int = 16
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise SpeculativeConfigError(
+                f"speculative_config: method must be one of {list(SPEC_METHODS)}, got {self.method!r}")
+        _check_positive("num_speculative_tokens", self.num_speculative_tokens)
+        _check_positive("prompt_lookup_min", self.prompt_lookup_min)
+        _check_positive("prompt_lookup_max", self.prompt_lookup_max)
+        _check_positive("disable_by_batch_size", self.disable_by_batch_size)
+        _check_positive("backoff_steps", self.backoff_steps)
+        _check_positive("max_misses", self.max_misses)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise SpeculativeConfigError(
+                f"speculative_config: prompt_lookup_min {self.prompt_lookup_min} exceeds "
+                f"prompt_lookup_max {self.prompt_lookup_max}")
+        if not 0.0 <= self.min_acceptance_rate <= 1.0:
+            raise SpeculativeConfigError(
+                f"speculative_config: min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate}")
+
+    @classmethod
+    def from_value(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """From a SpeculativeConfig, a dict (vLLM's keys) or its JSON text; None stays None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise SpeculativeConfigError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise SpeculativeConfigError(
+                f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise SpeculativeConfigError(
+                f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        for key, expected in (("method", str), ("model", str)):
+            if key in value and value[key] is not None and not isinstance(value[key], expected):
+                raise SpeculativeConfigError(f"speculative_config: {key} must be a string")
+        for key in known - {"method", "model", "min_acceptance_rate"}:
+            if key in value and (not isinstance(value[key], int) or isinstance(value[key], bool)):
+                raise SpeculativeConfigError(
+                    f"speculative_config: {key} must be an integer, got {value[key]!r}")
+        return cls(**_with_vllm_defaults(value))
+
+
+def _with_vllm_defaults(value: dict[str, Any]) -> dict[str, Any]:
+    """vLLM: only `prompt_lookup_max` given means min = max and the reverse."""
+    value = dict(value)
+    if "prompt_lookup_max" in value and "prompt_lookup_min" not in value:
+        value["prompt_lookup_min"] = min(2, value["prompt_lookup_max"])
+    if "prompt_lookup_min" in value and "prompt_lookup_max" not in value:
+        value["prompt_lookup_max"] = max(value["prompt_lookup_min"], 5)
+    return value
+
+
+def _check_positive(name: str, value: int) -> None:
+    if value < 1:
+        raise SpeculativeConfigError(f"speculative_config: {name} must be >= 1, got {value}")
