@@ -119,7 +119,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvserve_small_linear": ([ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, c_int, c_int], c_int),
         "kvserve_quant_isa_available": ([c_int], c_int),
         "kvserve_quant_linear": ([ptr, i64, i64, ptr, ptr, ptr, c_int, i64, i64, ptr, ptr, i64, c_int, c_int,
-                                  c_int], c_int),
+                                  c_int, c_int], c_int),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)

@@ -7,6 +7,7 @@ the default torch.distributed process group unless one is given.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -300,8 +301,8 @@ class VocabParallelEmbedding(QuantizedWeightMixin, nn.Module):
             raise QuantizationError(f"embedding: expected {self.vocab_size} rows, got {weight.out_features}")
         padding = self.shard_vocab - count  # zero rows (d = m = 0) for the padded vocabulary
         if padding:
-            rows = QuantizedWeight(F.pad(rows.qs, (0, 0, 0, padding)), F.pad(rows.d, (0, 0, 0, padding)),
-                                   F.pad(rows.m, (0, 0, 0, padding)), rows.bits, rows.in_features, rows.source_type)
+            rows = dataclasses.replace(rows, qs=F.pad(rows.qs, (0, 0, 0, padding)),
+                                       d=F.pad(rows.d, (0, 0, 0, padding)), m=F.pad(rows.m, (0, 0, 0, padding)))
         return rows
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,9 @@ rows, tests).
 
 The kernel path is picked once from the CPU's features: AVX512-VNNI, AVX2 or
 portable C; KVSERVE_QUANT_ISA=avx2|portable forces a narrower one (for tests
-and comparisons).
+and comparisons). The kernel rounds the activations per block of 32 to int16
+(KVSERVE_QUANT_ACT_BITS=8: to int8, as llama.cpp does, faster but enough to flip
+near-tied greedy tokens of the default model).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from kvserve.model import cpu_kernels
 logger = logging.getLogger(__name__)
 
 ISA_ENV = "KVSERVE_QUANT_ISA"
+ACT_BITS_ENV = "KVSERVE_QUANT_ACT_BITS"
 ISA_CODES = {"portable": 0, "avx2": 1, "avx512": 2}
 BLOCK = 32
 GROUP_COLS = 128  # columns of one 64-byte group of 4-bit blocks
@@ -43,7 +46,9 @@ class QuantizationError(ValueError):
 @dataclass
 class QuantizedWeight:
     """One [out, in] weight in the kernel's layout: `qs` uint8 [out, in/2 or in],
-    `d` and `m` float32 [out, in/32], `bits` 4 or 8; `source_type` names the GGUF type."""
+    `d` and `m` float32 [out, in/32], `bits` 4 or 8; `source_type` names the GGUF type.
+    `act_bits` (8 or 16): how finely the kernel rounds the activations it multiplies
+    (see `activation_bits`)."""
 
     qs: torch.Tensor
     d: torch.Tensor
@@ -51,6 +56,7 @@ class QuantizedWeight:
     bits: int
     in_features: int
     source_type: str
+    act_bits: int = 16
 
     @property
     def out_features(self) -> int:
@@ -66,7 +72,7 @@ class QuantizedWeight:
     def rows(self, index: torch.Tensor | slice) -> "QuantizedWeight":
         """The weight restricted to some rows (a tensor-parallel slice, a permutation)."""
         return QuantizedWeight(self.qs[index].contiguous(), self.d[index].contiguous(), self.m[index].contiguous(),
-                               self.bits, self.in_features, self.source_type)
+                               self.bits, self.in_features, self.source_type, self.act_bits)
 
     def dequantize(self, index: torch.Tensor | None = None) -> torch.Tensor:
         """float32 values of all rows, or of the rows `index` (a 1-D int64 tensor)."""
@@ -83,7 +89,7 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
         raise QuantizationError("fused parts differ in bits or width")
     names = "+".join(dict.fromkeys(p.source_type for p in parts))
     return QuantizedWeight(torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]),
-                           torch.cat([p.m for p in parts]), first.bits, first.in_features, names)
+                           torch.cat([p.m for p in parts]), first.bits, first.in_features, names, first.act_bits)
 
 
 # ---- layout -------------------------------------------------------------------------
@@ -174,7 +180,16 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, in_features: int) -> Quant
     q, d, m, bits = _DECODERS[type_name](blocks)
     packed = pack_quants(q.reshape(rows, in_features), bits)
     return QuantizedWeight(torch.from_numpy(packed), torch.from_numpy(np.ascontiguousarray(d, np.float32)),
-                           torch.from_numpy(np.ascontiguousarray(m, np.float32)), bits, in_features, type_name)
+                           torch.from_numpy(np.ascontiguousarray(m, np.float32)), bits, in_features, type_name,
+                           activation_bits())
+
+
+def activation_bits() -> int:
+    """How finely the kernel rounds activations: 16 (default) or 8 (KVSERVE_QUANT_ACT_BITS)."""
+    value = os.environ.get(ACT_BITS_ENV, "16").strip()
+    if value not in ("8", "16"):
+        raise ValueError(f"{ACT_BITS_ENV} must be 8 or 16, got {value!r}")
+    return int(value)
 
 
 def slice_gguf_columns(type_name: str, raw: np.ndarray, first: int, count: int) -> np.ndarray | None:
@@ -229,7 +244,7 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
     code = cpu_kernels.load_library().kvserve_quant_linear(
         x2.data_ptr(), x2.stride(0), x2.shape[0], weight.qs.data_ptr(), weight.d.data_ptr(), weight.m.data_ptr(),
         weight.bits, weight.out_features, weight.in_features, bias.data_ptr() if bias is not None else None,
-        y.data_ptr(), y.stride(0), 0 if x2.dtype == torch.float32 else 1,
+        y.data_ptr(), y.stride(0), 0 if x2.dtype == torch.float32 else 1, weight.act_bits,
         ISA_CODES[isa or kernel_isa()], torch.get_num_threads())
     if code:
         raise cpu_kernels.KernelArgumentError(f"quantized matmul rejected its arguments (code {code})")
@@ -265,7 +280,7 @@ def default_dtype(path: str, quantization: str, device: str) -> str:
     weights stay quantized (the kernels take float32 activations and quantize them per
     block themselves) or off the CPU; for dequantized GGUF weights bfloat16 on CPUs
     with native bfloat16; float32 otherwise (and for Hugging Face checkpoints)."""
-    if torch.device(device).type != "cpu" or not path.endswith(".gguf"):
+    if str(device).split(":")[0] != "cpu" or not path.endswith(".gguf"):  # validated later
         return "float32"
     types = _file_matrix_types(path)
     kept = {name: n for name, n in types.items() if name in SUPPORTED_GGUF_TYPES}

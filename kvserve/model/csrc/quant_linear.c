@@ -17,6 +17,12 @@
  * C, chosen by the caller (`isa`) among those this build and CPU have; every
  * path gives the same integer sums, so only the float accumulation order
  * differs between them. Built with the other kernels by cpu_kernels.py.
+ *
+ * With act_bits = 16 the activations are rounded to int16 per block instead
+ * (vpdpwssd / vpmaddwd): about as exact as float32 inputs, at twice the integer
+ * work. That is the default (quantized.py): SmolLM2's hidden states carry a few
+ * large outliers, and int8 rounding of the rest of their blocks moves the logits
+ * enough to flip near-tied greedy choices (llama.cpp's Q8 activations do the same).
  */
 #include <math.h>
 #include <stdint.h>
@@ -57,9 +63,11 @@ typedef struct {
     int bits;
 } QWeight;
 
-/* The quantized activations: qx [batch, in], dx and sx (= dx * sum qx) [batch, nb]. */
+/* The quantized activations: qx [batch, in] (int8, or int16 in qx16), dx and
+ * sx (= dx * sum qx) [batch, nb]. */
 typedef struct {
     const int8_t *qx;
+    const int16_t *qx16;
     const float *dx, *sx;
     int64_t in, nb;
 } QAct;
@@ -80,7 +88,8 @@ int kvserve_quant_isa_available(int isa) {
 
 /* ---- activations ------------------------------------------------------------------ */
 
-static void quantize_row(const void *x, int dtype, int64_t in, int8_t *qx, float *dx, float *sx) {
+static void quantize_row(const void *x, int dtype, int64_t in, int act_bits, void *qx, float *dx, float *sx) {
+    const float top = act_bits == 16 ? 32767.0f : 127.0f;
     float v[QBLOCK];
     for (int64_t b = 0; b < in / QBLOCK; b++) {
         float amax = 0.0f;
@@ -90,12 +99,15 @@ static void quantize_row(const void *x, int dtype, int64_t in, int8_t *qx, float
             float a = fabsf(v[i]);
             amax = a > amax ? a : amax;
         }
-        float scale = amax / 127.0f;
-        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        float scale = amax / top;
+        float inv = amax > 0.0f ? top / amax : 0.0f;
         int sum = 0;
         for (int i = 0; i < QBLOCK; i++) {
             int q = (int)lrintf(v[i] * inv);
-            qx[b * QBLOCK + i] = (int8_t)q;
+            if (act_bits == 16)
+                ((int16_t *)qx)[b * QBLOCK + i] = (int16_t)q;
+            else
+                ((int8_t *)qx)[b * QBLOCK + i] = (int8_t)q;
             sum += q;
         }
         dx[b] = scale;
@@ -130,14 +142,15 @@ static void unpack_block(const QWeight *w, const uint8_t *row, int64_t blk, int 
 
 static float dot_portable(const QWeight *w, int64_t row, const QAct *a, int64_t b) {
     const uint8_t *qrow = w->qs + row * w->row_bytes;
-    const int8_t *qx = a->qx + b * a->in;
+    const int8_t *qx = a->qx ? a->qx + b * a->in : NULL;
+    const int16_t *qx16 = a->qx16 ? a->qx16 + b * a->in : NULL;
     const float *d = w->d + row * w->nb, *dx = a->dx + b * a->nb;
     float acc = 0.0f;
     int q[QBLOCK];
     for (int64_t blk = 0; blk < w->nb; blk++) {
         unpack_block(w, qrow, blk, q);
         int32_t sum = 0;
-        for (int i = 0; i < QBLOCK; i++) sum += q[i] * qx[blk * QBLOCK + i];
+        for (int i = 0; i < QBLOCK; i++) sum += q[i] * (qx ? qx[blk * QBLOCK + i] : qx16[blk * QBLOCK + i]);
         acc += d[blk] * dx[blk] * (float)sum;
     }
     return acc;
@@ -171,6 +184,16 @@ INLINE __m256i load_block_avx2(const QWeight *w, const uint8_t *row, int64_t blk
     return _mm256_and_si256(v, _mm256_set1_epi8(15));
 }
 
+/* int16 activations: the block's quants widened to int16, vpmaddwd. */
+INLINE __m256 block_dot16_avx2(__m256i q, const int16_t *x, int bits) {
+    __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    __m256i q0 = bits == 8 ? _mm256_cvtepi8_epi16(lo) : _mm256_cvtepu8_epi16(lo);
+    __m256i q1 = bits == 8 ? _mm256_cvtepi8_epi16(hi) : _mm256_cvtepu8_epi16(hi);
+    __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)x)),
+                                   _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i *)(x + 16))));
+    return _mm256_cvtepi32_ps(sum);
+}
+
 static void tile_avx2(const QWeight *w, int64_t row, int rows, const QAct *a, int64_t b0, int batch,
                       float sums[TILE_ROWS][TILE_BATCH]) {
     __m256 acc[TILE_ROWS][TILE_BATCH];
@@ -180,8 +203,15 @@ static void tile_avx2(const QWeight *w, int64_t row, int rows, const QAct *a, in
         __m256i q[TILE_ROWS];
         for (int r = 0; r < rows; r++) q[r] = load_block_avx2(w, w->qs + (row + r) * w->row_bytes, blk);
         for (int b = 0; b < batch; b++) {
-            __m256i x = _mm256_loadu_si256((const __m256i *)(a->qx + (b0 + b) * a->in + blk * QBLOCK));
             float dx = a->dx[(b0 + b) * a->nb + blk];
+            if (a->qx16) {
+                const int16_t *x16 = a->qx16 + (b0 + b) * a->in + blk * QBLOCK;
+                for (int r = 0; r < rows; r++)
+                    acc[r][b] = _mm256_fmadd_ps(block_dot16_avx2(q[r], x16, w->bits),
+                                                _mm256_set1_ps(w->d[(row + r) * w->nb + blk] * dx), acc[r][b]);
+                continue;
+            }
+            __m256i x = _mm256_loadu_si256((const __m256i *)(a->qx + (b0 + b) * a->in + blk * QBLOCK));
             for (int r = 0; r < rows; r++)
                 acc[r][b] = _mm256_fmadd_ps(block_dot_avx2(q[r], x, w->bits),
                                             _mm256_set1_ps(w->d[(row + r) * w->nb + blk] * dx), acc[r][b]);
@@ -306,9 +336,39 @@ INLINE void tile8_avx512(const QWeight *w, int64_t row, int rows, const QAct *a,
     }
 }
 
+/* int16 activations, one block at a time: quants widened to int16, vpdpwssd. */
+INLINE void tile16_avx512(const QWeight *w, int64_t row, int rows, const QAct *a, int64_t b0, int batch,
+                          float sums[TILE_ROWS][TILE_BATCH]) {
+    __m512 acc[TILE_ROWS][TILE_BATCH];
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < batch; b++) acc[r][b] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < w->nb; blk++) {
+        __m512i q[TILE_ROWS];
+        for (int r = 0; r < rows; r++) {
+            const uint8_t *src = w->qs + (row + r) * w->row_bytes;
+            _mm_prefetch((const char *)src + blk * (w->bits == 8 ? 32 : 16) + 1024, _MM_HINT_T0);
+            __m256i bytes = load_block_avx2(w, src, blk);
+            q[r] = w->bits == 8 ? _mm512_cvtepi8_epi16(bytes) : _mm512_cvtepu8_epi16(bytes);
+        }
+        for (int b = 0; b < batch; b++) {
+            __m512i x = _mm512_loadu_si512(a->qx16 + (b0 + b) * a->in + blk * QBLOCK);
+            float dx = a->dx[(b0 + b) * a->nb + blk];
+            for (int r = 0; r < rows; r++) {
+                __m512i i = _mm512_dpwssd_epi32(_mm512_setzero_si512(), q[r], x);
+                acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_set1_ps(w->d[(row + r) * w->nb + blk] * dx),
+                                            acc[r][b]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < batch; b++) sums[r][b] = _mm512_reduce_add_ps(acc[r][b]);
+}
+
 INLINE void tile_avx512(const QWeight *w, int64_t row, int rows, const QAct *a, int64_t b0, int batch,
                         float sums[TILE_ROWS][TILE_BATCH]) {
-    if (w->bits == 8)
+    if (a->qx16)
+        tile16_avx512(w, row, rows, a, b0, batch, sums);
+    else if (w->bits == 8)
         tile8_avx512(w, row, rows, a, b0, batch, sums);
     else
         tile4_avx512(w, row, rows, a, b0, batch, sums);
@@ -355,12 +415,13 @@ static float min_term(const QWeight *w, int64_t row, const QAct *a, int64_t b, f
  * `isa` is not available, -3 when out of memory (nothing written then). */
 int kvserve_quant_linear(const void *x, int64_t x_stride, int64_t batch, const uint8_t *qs, const float *d,
                          const float *m, int bits, int64_t out, int64_t in, const void *bias, void *y,
-                         int64_t y_stride, int dtype, int isa, int num_threads) {
-    if (in % QBLOCK || (bits != 4 && bits != 8) || batch < 0 || out < 0) return -1;
+                         int64_t y_stride, int dtype, int act_bits, int isa, int num_threads) {
+    if (in % QBLOCK || (bits != 4 && bits != 8) || (act_bits != 8 && act_bits != 16) || batch < 0 || out < 0)
+        return -1;
     if (!kvserve_quant_isa_available(isa)) return -2;
     const int64_t nb = in / QBLOCK;
     const int element = dtype == F32 ? 4 : 2;
-    int8_t *qx = malloc((size_t)(batch * in) + 64);
+    void *qx = malloc((size_t)(batch * in * (act_bits / 8)) + 64);
     float *scales = malloc(sizeof(float) * (size_t)(2 * batch * nb + 1));
     if (!qx || !scales) {
         free(qx);
@@ -368,12 +429,13 @@ int kvserve_quant_linear(const void *x, int64_t x_stride, int64_t batch, const u
         return -3;
     }
     QWeight w = {qs, d, m, bits == 4 ? in / 2 : in, nb, bits};
-    QAct a = {qx, scales, scales + batch * nb, in, nb};
+    QAct a = {act_bits == 8 ? qx : NULL, act_bits == 16 ? qx : NULL, scales, scales + batch * nb, in, nb};
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && batch >= 16)
     for (int64_t b = 0; b < batch; b++)
-        quantize_row((const char *)x + b * x_stride * element, dtype, in, qx + b * in, scales + b * nb,
+        quantize_row((const char *)x + b * x_stride * element, dtype, in, act_bits,
+                     (char *)qx + b * in * (act_bits / 8), scales + b * nb,
                      scales + batch * nb + b * nb);
-    const float offset = (isa == ISA_AVX512 && bits == 8) ? 128.0f : 0.0f;
+    const float offset = (isa == ISA_AVX512 && bits == 8 && act_bits == 8) ? 128.0f : 0.0f;
     const int64_t full_tiles = out / TILE_ROWS;
     const int64_t tiles = full_tiles + out % TILE_ROWS;
     if (out * w.row_bytes * (batch > 4 ? 4 : 1) < PARALLEL_MIN_BYTES) num_threads = 1;
