@@ -8,21 +8,21 @@ Importing this module needs no torch.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvserve.errors import ConfigError
+
 if TYPE_CHECKING:
     from kvserve.model.config import ModelConfig
+    from kvserve.kv_cache.events import KVEventsConfig
     from kvserve.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names it."""
 
 
 @dataclass(frozen=True)
@@ -206,6 +206,8 @@ class EngineConfig:
     parallel_config: ParallelConfig
     device: str = "cpu"
     seed: int = 0
+    # vLLM's --kv-events-config (`kvserve.engine.kv_events.KVEventsConfig`); None: no events.
+    kv_events_config: "KVEventsConfig | None" = None
 
     def __post_init__(self) -> None:
         model_max_len = getattr(self.model_config, "max_model_len", None)
@@ -248,11 +250,12 @@ class EngineConfig:
         device: str | None = None,
         seed: int = 0,
         speculative_config: "SpeculativeConfig | dict | str | None" = None,
+        kv_events_config: "KVEventsConfig | dict | str | None" = None,
     ) -> "EngineConfig":
         """Build and validate the whole configuration from user-facing knobs."""
-        from kvserve.model.config import ModelConfig
+        from kvserve.model.config import QUANTIZATION_MODES, ModelConfig
 
-        from kvserve.model.config import QUANTIZATION_MODES
+        spec_config = _speculative_config(speculative_config)  # checked before the model loads
         if quantization not in QUANTIZATION_MODES:
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {quantization!r}")
         path = resolve_model_path(model)
@@ -279,10 +282,19 @@ class EngineConfig:
             enable_chunked_prefill=enable_chunked_prefill,
             policy=policy,
             async_scheduling=async_scheduling,
-            speculative_config=_speculative_config(speculative_config),
+            speculative_config=spec_config,
         )
         parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
-        return cls(model_config, cache_config, scheduler_config, parallel_config, device=device, seed=seed)
+        return cls(model_config, cache_config, scheduler_config, parallel_config, device=device, seed=seed,
+                   kv_events_config=_kv_events_config(kv_events_config))
+
+
+def _kv_events_config(value) -> "KVEventsConfig | None":
+    """vLLM's `kv_events_config` (dict, JSON text or object); ConfigError when invalid."""
+    from kvserve.kv_cache.events import KVEventsConfig
+    if value is None or isinstance(value, KVEventsConfig):
+        return value
+    return KVEventsConfig.from_json(value if isinstance(value, str) else json.dumps(value))
 
 
 def _speculative_config(value) -> "SpeculativeConfig | None":

@@ -6,10 +6,58 @@ Pure Python (no torch) so the scheduler can read the fields it needs
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.errors import SamplingParamsError
+
+__all__ = ["SamplingParams", "SamplingParamsError"]
 
 
-class SamplingParamsError(ValueError):
-    """A sampling parameter is out of range; the message names the field."""
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's shape): exactly one of
+
+    - `json`: a JSON schema (dict or JSON text) the output must validate against;
+    - `regex`: a regular expression the whole output must match;
+    - `choice`: the output is one of these strings;
+    - `grammar`: a Lark or GBNF (llama.cpp EBNF) grammar;
+    - `json_object=True`: any JSON object.
+
+    The engine compiles it into a token mask (`kvserve.model.grammar`).
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice):
+                raise SamplingParamsError(f"structured_outputs.choice must be a list of strings, got {self.choice!r}")
+            if not self.choice:
+                raise SamplingParamsError("structured_outputs.choice must not be empty")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise SamplingParamsError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
+                f"got {given or 'none'}")
+        self.kind  # noqa: B018  (validates the value's type)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        for name, types in (("json", (dict, str)), ("regex", str), ("grammar", str), ("choice", tuple)):
+            value = getattr(self, name)
+            if value is not None:
+                if not isinstance(value, types):
+                    raise SamplingParamsError(f"structured_outputs.{name} has the wrong type: {value!r}")
+                return name
+        return "json_object"
 
 
 @dataclass
@@ -39,12 +87,20 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.logit_bias:
+            self.logit_bias = _checked_logit_bias(self.logit_bias)
+        else:
+            self.logit_bias = None
         self._validate()
 
     def _validate(self) -> None:
@@ -88,3 +144,20 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+def _checked_logit_bias(logit_bias: Any) -> dict[int, float]:
+    """{token id: bias in [-100, 100]} with integer keys (OpenAI sends them as strings)."""
+    if not isinstance(logit_bias, dict):
+        raise SamplingParamsError(f"logit_bias must map token ids to numbers, got {logit_bias!r}")
+    checked = {}
+    for key, value in logit_bias.items():
+        try:
+            token_id = int(key)
+        except (TypeError, ValueError):
+            raise SamplingParamsError(f"logit_bias keys must be token ids, got {key!r}") from None
+        if token_id < 0 or isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise SamplingParamsError(f"logit_bias[{key!r}] must be a number in [-100, 100] for a token id >= 0, "
+                                      f"got {value!r}")
+        checked[token_id] = float(value)
+    return checked

@@ -4,22 +4,30 @@
 `create_requests` makes requests with ids "0", "1", ..., and
 `FakeModelRunner` turns a `SchedulerOutput` into a `ModelRunnerOutput` with
 deterministic tokens, keeping per-request state the way a real runner does,
-and `StepDriver` runs the engine's loop (sync, or async with one step in
-flight) over the two. Imports no torch.
+`FakeExecutor` puts it behind the `Executor` interface, and `StepDriver` runs
+the real `EngineCore` loop (sync, or async with one step in flight) over a
+scheduler and a fake executor. Imports no torch.
 """
 from __future__ import annotations
 
+import threading
+import time
 import zlib
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
-from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from kvserve.engine.core import EngineCore
 from kvserve.kv_cache.interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
+from kvserve.model.config import ModelConfig
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from kvserve.scheduler.scheduler import Scheduler
+from kvserve.worker.executor import Executor, ExecutorDeadError
 
 
 def create_scheduler(
@@ -127,7 +135,11 @@ class _FakeRequestState:
     token_ids: list[int]
     num_computed_tokens: int
     block_ids: list[list[int]] = field(default_factory=list)
-    wants_logprobs: bool = False
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.sampling_params.logprobs is not None
 
 
 class FakeModelRunner:
@@ -190,10 +202,14 @@ class FakeModelRunner:
                 state.num_computed_tokens = len(state.token_ids) - 1
             req_ids.append(req_id)
             sampled.append(tokens)
-            logprobs.append([_fake_logprobs(t) for t in tokens] if state.wants_logprobs else [])
+            logprobs.append([self.logprobs_for(req_id, t) for t in tokens] if state.wants_logprobs else [])
         wants_any_logprobs = any(self.states[r].wants_logprobs for r in req_ids)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
                                  logprobs=logprobs if wants_any_logprobs else None)
+
+    def logprobs_for(self, request_id: str, token_id: int) -> TokenLogprobs:
+        """The logprobs reported with a sampled token (a fixed function of the token)."""
+        return _fake_logprobs(token_id)
 
     def _verify(self, req_id: str, state: _FakeRequestState, drafts: list[int]) -> list[int]:
         """The accepted prefix of `drafts` plus the token after it (greedy verification)."""
@@ -215,7 +231,7 @@ class FakeModelRunner:
                 token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 block_ids=[list(ids) for ids in new.block_ids],
-                wants_logprobs=new.sampling_params.logprobs is not None,
+                sampling_params=new.sampling_params,
             )
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, new_block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
@@ -245,23 +261,123 @@ class RequestResult:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
-class StepDriver:
-    """The engine loop over a scheduler and a `FakeModelRunner`.
+class FakeExecutor(Executor):
+    """A `FakeModelRunner` behind the `Executor` interface, for the real `EngineCore`.
 
-    Sync: schedule, execute, apply. Async: schedule step N+1 (and run it on
-    the runner, which knows its own sampled tokens) before applying step N,
-    so at most two steps are unprocessed; outputs are applied in step order.
+    Steps run on the calling thread (the runner works one step ahead, so the
+    engine's async pipelining still applies), after `step_delay_s`. With an
+    `EngineConfig`, the KV pool has one full-attention layer of the configured
+    block size and `num_blocks` blocks. A step that raises kills the executor
+    (`check_health` then raises with the step's error), so the engine reports
+    it as dead; `fail_next_step` injects such an error. `error_next_step`
+    makes the next step raise while the executor stays healthy (the engine
+    finishes that step's requests with "error" and goes on).
+    """
+
+    def __init__(self, engine_config: EngineConfig | None = None, runner: FakeModelRunner | None = None,
+                 num_blocks: int = 512, step_delay_s: float = 0.0,
+                 kv_cache_specs: dict[str, KVCacheSpec] | None = None) -> None:
+        super().__init__(engine_config)  # type: ignore[arg-type]
+        self.runner = runner or FakeModelRunner()
+        self.num_blocks = num_blocks
+        block_size = engine_config.cache_config.block_size if engine_config else 16
+        self.kv_cache_specs = kv_cache_specs or {
+            "layer0": FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype="float32")}
+        self.step_delay_s = step_delay_s
+        self.fail_next_step: Exception | None = None
+        self.error_next_step: Exception | None = None
+        self.step_thread_ids: set[int] = set()
+        # Called with each scheduler output as it is submitted (before it runs).
+        self.on_submit: Callable[[SchedulerOutput], None] | None = None
+        self._dead_error: BaseException | None = None
+
+    def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        return dict(self.kv_cache_specs)
+
+    def determine_available_memory(self) -> int:
+        return self.num_blocks * sum(spec.page_size_bytes for spec in self.kv_cache_specs.values())
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        self.kv_cache_config = kv_cache_config
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> "Future[ModelRunnerOutput]":
+        with self._lock:
+            self.check_health()
+            self.step_thread_ids.add(threading.get_ident())
+            if self.on_submit is not None:
+                self.on_submit(scheduler_output)
+            future: Future[ModelRunnerOutput] = Future()
+            if self.error_next_step is not None:  # fails once the runner state moved, as a kernel would
+                error, self.error_next_step = self.error_next_step, None
+                self.runner.execute(scheduler_output)
+                future.set_exception(error)
+                return future
+            try:
+                if self.fail_next_step is not None:
+                    error, self.fail_next_step = self.fail_next_step, None
+                    raise error
+                if self.step_delay_s:
+                    time.sleep(self.step_delay_s)
+                future.set_result(self.runner.execute(scheduler_output))
+            except Exception as exc:  # noqa: BLE001 - delivered through the future, as a real step would
+                self._dead_error = exc
+                future.set_exception(exc)
+            return future
+
+    def check_health(self) -> None:
+        self._raise_if_shut_down()
+        if self._dead_error is not None:
+            raise ExecutorDeadError(f"{type(self._dead_error).__name__}: {self._dead_error}")
+
+    def _stop_runners(self) -> None:
+        pass
+
+
+def fake_engine_config(max_model_len: int = 256, vocab_size: int = 49152, eos_token_ids: Sequence[int] = (),
+                       cache_config: CacheConfig | None = None, scheduler_config: SchedulerConfig | None = None,
+                       **engine_kwargs: Any) -> EngineConfig:
+    """A real EngineConfig naming a model no one loads, for an EngineCore over a `FakeExecutor`."""
+    model_config = ModelConfig(
+        path="/models/fake-model", is_gguf=False, architecture="LlamaForCausalLM", model_type="llama",
+        family="llama", num_layers=1, hidden_size=8, intermediate_size=16, num_heads=1, num_kv_heads=1,
+        head_dim=8, vocab_size=vocab_size, max_position_embeddings=max_model_len,
+        max_model_len=max_model_len, eos_token_ids=list(eos_token_ids))
+    return EngineConfig(model_config, cache_config or CacheConfig(),
+                        scheduler_config or SchedulerConfig(max_model_len=max_model_len),
+                        ParallelConfig(), device="cpu", **engine_kwargs)
+
+
+class StepDriver:
+    """The real `EngineCore` loop over a scheduler and a `FakeModelRunner`.
+
+    Requests go to the scheduler as they are (tests keep the `Request`
+    objects); `step()` is `EngineCore.step()`, and `schedule_step()` /
+    `process_step()` are its two halves for tests that interleave checks.
+    Async (`async_steps`): at most two steps are unprocessed; outputs are
+    applied in step order. A runner error (a broken invariant) raises.
     """
 
     def __init__(self, scheduler: Scheduler, runner: FakeModelRunner, async_steps: bool = False) -> None:
         self.scheduler = scheduler
         self.runner = runner
-        self.async_steps = async_steps
-        self.in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
+        self.executor = FakeExecutor(runner=runner)
+        self.executor.on_submit = self._on_submit
+        self.core = EngineCore.from_parts(scheduler, self.executor, runner.vocab_size)
+        self.core.async_scheduling = async_steps
         self.results: dict[str, RequestResult] = {}
         self.scheduler_outputs: list[SchedulerOutput] = []
         # Steps that scheduled a request whose previous step was still unprocessed.
         self.num_steps_scheduled_ahead = 0
+
+    def _on_submit(self, scheduler_output: SchedulerOutput) -> None:
+        in_flight_req_ids = {req_id for out, _ in self.in_flight for req_id in out.num_scheduled_tokens}
+        if in_flight_req_ids & scheduler_output.num_scheduled_tokens.keys():
+            self.num_steps_scheduled_ahead += 1
+        self.scheduler_outputs.append(scheduler_output)
+
+    @property
+    def in_flight(self) -> deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]]:
+        return self.core.steps_in_flight
 
     def add_requests(self, requests: Iterable[Request]) -> None:
         for request in requests:
@@ -269,17 +385,12 @@ class StepDriver:
             self.scheduler.add_request(request)
 
     def schedule_step(self) -> SchedulerOutput:
-        scheduler_output = self.scheduler.schedule()
-        in_flight_req_ids = {req_id for out, _ in self.in_flight for req_id in out.num_scheduled_tokens}
-        if in_flight_req_ids & scheduler_output.num_scheduled_tokens.keys():
-            self.num_steps_scheduled_ahead += 1
-        self.scheduler_outputs.append(scheduler_output)
-        self.in_flight.append((scheduler_output, self.runner.execute(scheduler_output)))
-        return scheduler_output
+        return self.core.schedule_step()
 
     def process_step(self) -> list[EngineCoreOutput]:
-        scheduler_output, runner_output = self.in_flight.popleft()
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return self._record_all(self.core.process_step())
+
+    def _record_all(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         for output in outputs:
             self.record(output)
         return outputs
@@ -293,14 +404,8 @@ class StepDriver:
             result.stop_reason = output.stop_reason
 
     def step(self) -> None:
-        """One engine iteration."""
-        max_in_flight = 2 if self.async_steps else 1
-        if len(self.in_flight) < max_in_flight and self.scheduler.has_unfinished_requests():
-            scheduler_output = self.schedule_step()
-            if not scheduler_output.is_empty and len(self.in_flight) < max_in_flight:
-                return
-        if self.in_flight:
-            self.process_step()
+        """One engine iteration (`EngineCore.step()`)."""
+        self._record_all(self.core.step())
 
     def is_done(self) -> bool:
         return not self.in_flight and not self.scheduler.has_unfinished_requests()
@@ -312,3 +417,15 @@ class StepDriver:
                 return self.results
             self.step()
         raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+
+def assert_pool_whole(scheduler: Scheduler) -> None:
+    """Every request gone, every fence drained, every block back in the pool."""
+    pool = scheduler.kv_cache_manager.block_pool
+    assert not scheduler.requests
+    assert not scheduler.running and not scheduler.waiting
+    assert not scheduler.deferred_frees
+    assert pool.get_num_free_blocks() == scheduler.kv_cache_config.num_blocks - 1
+    pool.check_invariants()
+    for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+        assert not any(manager.req_to_blocks.values())

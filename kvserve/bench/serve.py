@@ -72,11 +72,13 @@ class RequestResult:
 
     ok: bool
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     output_tokens: int = 0
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     error: str | None = None
+    text: str = ""
 
     @property
     def tpot_s(self) -> float | None:
@@ -132,9 +134,11 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
     return "".join(text_parts)
 
 
-async def _stream_one(client, url: str, body: dict[str, Any], headers: dict[str, str]) -> RequestResult:
+async def stream_one(client, url: str, body: dict[str, Any], headers: dict[str, str]) -> RequestResult:
+    """Send one streaming request and time it; failures come back as `ok=False`, never raised."""
     sent = time.perf_counter()
     arrivals: list[float] = []
+    text_parts: list[str] = []
     usage: dict[str, Any] | None = None
     try:
         async with client.stream("POST", url, json=body, headers=headers) as response:
@@ -150,8 +154,10 @@ async def _stream_one(client, url: str, body: dict[str, Any], headers: dict[str,
                 chunk = json.loads(data)
                 if "error" in chunk:
                     return RequestResult(ok=False, error=f"stream error: {json.dumps(chunk['error'])[:200]}")
-                if _chunk_text(chunk):
+                chunk_text = _chunk_text(chunk)
+                if chunk_text:
                     arrivals.append(time.perf_counter())
+                    text_parts.append(chunk_text)
                 usage = chunk.get("usage") or usage
     except Exception as exc:  # a benchmark counts failures instead of stopping at the first
         return RequestResult(ok=False, error=f"{type(exc).__name__}: {exc}"[:200])
@@ -162,10 +168,12 @@ async def _stream_one(client, url: str, body: dict[str, Any], headers: dict[str,
     return RequestResult(
         ok=True,
         prompt_tokens=int(usage.get("prompt_tokens", 0)) if usage else 0,
+        cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0) if usage else 0,
         output_tokens=output_tokens,
         ttft_s=arrivals[0] - sent,
         e2e_s=finished - sent,
         itl_s=[b - a for a, b in zip(arrivals, arrivals[1:])],
+        text="".join(text_parts),
     )
 
 
@@ -197,9 +205,9 @@ async def run_async(config: ServeBenchConfig) -> dict[str, Any]:
         async def one(prompt: str) -> RequestResult:
             body = _request_body(config, model, prompt)
             if gate is None:
-                return await _stream_one(client, url, body, headers)
+                return await stream_one(client, url, body, headers)
             async with gate:
-                return await _stream_one(client, url, body, headers)
+                return await stream_one(client, url, body, headers)
 
         started = time.perf_counter()
         tasks = []

@@ -25,6 +25,7 @@ _VALUE_FLAGS = {
     "seed": "seed",
     "device": "device",
     "speculative_config": "speculative_config",
+    "kv_events_config": "kv_events_config",
 }
 
 
@@ -61,6 +62,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding, as in vLLM, e.g. \'{"method": "ngram", '
                             '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\'')
+    group.add_argument("--kv-events-config", default=None, metavar="JSON",
+                       help='publish KV-cache events as vLLM does (ZMQ, msgpack), e.g. '
+                            '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'')
     return parser
 
 

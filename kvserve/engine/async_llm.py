@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
+import copy
 import itertools
 import logging
 import queue
@@ -17,26 +19,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from kvserve.config import EngineConfig
+from kvserve.engine.core import EngineCore
+from kvserve.engine.kv_view import EngineKVView, PrefixCacheTotals
+from kvserve.engine.output_processor import OutputProcessor
+from kvserve.engine.outputs import RequestOutput
+from kvserve.errors import EngineDeadError, EngineOverloadedError
 from kvserve.sampling_params import SamplingParams
+from kvserve.scheduler.speculation import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (an error in a step, or shutdown)."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """Too many requests in flight; retry after `retry_after_s` seconds."""
-
-    def __init__(self, message: str, retry_after_s: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class PromptTooLongError(ValueError):
-    """The prompt (plus the tokens asked for) does not fit the context."""
-
 
 @dataclass
 class _AddCommand:
@@ -56,6 +48,13 @@ class _AbortCommand:
 @dataclass
 class _ShutdownCommand:
     pass
+
+
+@dataclass
+class _KVViewCommand:
+    """Take an `EngineKVView` on the engine thread and resolve `result` with it."""
+
+    result: concurrent.futures.Future
 
 
 # Delivered to a request's stream when someone else aborted it: the stream ends.
@@ -95,16 +94,16 @@ class _RequestStream:
         return self._pending.popleft()
 
 
-def _is_request_output(item: Any) -> bool:
-    return hasattr(item, "outputs") and hasattr(item, "finished")
+def _is_request_output(item: object) -> bool:
+    return isinstance(item, RequestOutput)
 
 
-def _merge_outputs(older: Any, newer: Any) -> Any:
+def _merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     """`newer` carrying the deltas of both steps (it is cumulative otherwise)."""
     older_by_index = {c.index: c for c in older.outputs}
     for completion in newer.outputs:
         previous = older_by_index.get(completion.index)
-        if previous is not None and hasattr(completion, "new_text"):
+        if previous is not None:
             completion.new_text = previous.new_text + completion.new_text
             completion.new_token_ids = list(previous.new_token_ids) + list(completion.new_token_ids)
     return newer
@@ -127,7 +126,7 @@ class RequestHandle:
     def __aiter__(self) -> "RequestHandle":
         return self
 
-    async def __anext__(self) -> Any:
+    async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
         item = await self._stream.get()
@@ -167,17 +166,14 @@ class EngineLoopStats:
     num_preemptions: int = 0
     num_steps: int = 0
     num_in_flight_requests: int = 0
+    # Speculative decoding counters since start (None when it is off).
+    spec_decoding: SpecDecodingStats | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         if not self.prefix_cache_queries:
             return 0.0
         return self.prefix_cache_hits / self.prefix_cache_queries
-
-
-def _stat(stats: Any, name: str) -> float:
-    value = getattr(stats, name, None)
-    return 0 if value is None else value
 
 
 class AsyncLLM:
@@ -189,31 +185,26 @@ class AsyncLLM:
     503). `add_request` registers the request before returning, so a check and
     the submissions that follow it in the same loop step are exact.
 
-    Engine and tokenizer parts may be injected (tests use a model-free core).
+    Engine and tokenizer parts may be injected (tests run the real EngineCore
+    over `kvserve.testing.FakeExecutor`).
     """
 
-    def __init__(self, engine_config: Any, *, max_concurrent_requests: int | None = None,
-                 max_waiting_requests: int | None = None, engine_core: Any = None,
-                 tokenizer: Any = None, output_processor: Any = None) -> None:
+    def __init__(self, engine_config: EngineConfig, *, max_concurrent_requests: int | None = None,
+                 max_waiting_requests: int | None = None, engine_core: EngineCore | None = None,
+                 tokenizer: Any = None, output_processor: OutputProcessor | None = None) -> None:
         self.engine_config = engine_config
         self.model_config = engine_config.model_config
         if tokenizer is None:
             from kvserve.engine.tokenizer import load_tokenizer
             tokenizer = load_tokenizer(self.model_config)
         self.tokenizer = tokenizer
-        if engine_core is None:
-            from kvserve.engine.core import EngineCore
-            engine_core = EngineCore(engine_config)
-        self.engine_core = engine_core
-        if output_processor is None:
-            from kvserve.engine.output_processor import OutputProcessor
-            output_processor = OutputProcessor(tokenizer)
-        self.output_processor = output_processor
-        self.max_model_len = int(getattr(engine_config, "max_model_len", None)
-                                 or self.model_config.max_model_len)
+        self.engine_core = engine_core or EngineCore(engine_config)
+        self.output_processor = output_processor or OutputProcessor(tokenizer)
+        self.validator = self.engine_core.validator
+        self.max_model_len = self.validator.max_model_len
         self.max_concurrent_requests = max_concurrent_requests
         self.max_waiting_requests = max_waiting_requests
-        self._max_num_seqs = int(getattr(engine_config.scheduler_config, "max_num_seqs", 1))
+        self._max_num_seqs = engine_config.scheduler_config.max_num_seqs
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _RequestStream] = {}
         self._streams_lock = threading.Lock()
@@ -248,28 +239,25 @@ class AsyncLLM:
     def get_stats(self) -> EngineLoopStats:
         """A snapshot of the engine loop's latest stats."""
         snapshot = EngineLoopStats(**vars(self._stats))
+        if snapshot.spec_decoding is not None:
+            snapshot.spec_decoding = copy.deepcopy(snapshot.spec_decoding)
         snapshot.num_in_flight_requests = self.num_in_flight_requests()
         return snapshot
+
+    async def get_kv_view(self, timeout_s: float = 30.0) -> EngineKVView:
+        """An `EngineKVView` taken by the engine thread between two steps."""
+        self._check_alive()
+        result: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_KVViewCommand(result))
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(result), timeout_s)
+        except asyncio.TimeoutError:
+            self._check_alive()
+            raise
 
     def encode(self, prompt: str) -> list[int]:
         """Token ids of a text prompt, exactly as `LLM.generate` tokenizes it."""
         return list(self.tokenizer.encode(prompt))
-
-    def check_prompt_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        """Raise PromptTooLongError, with the numbers, if the request cannot fit."""
-        if num_prompt_tokens == 0:
-            raise PromptTooLongError("the prompt is empty")
-        if num_prompt_tokens >= self.max_model_len:
-            raise PromptTooLongError(
-                f"This model's maximum context length is {self.max_model_len} tokens, "
-                f"but the prompt has {num_prompt_tokens} tokens (at least one token must "
-                "be left for the completion)")
-        if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, you requested {num_prompt_tokens + max_tokens} tokens "
-                f"({num_prompt_tokens} in the prompt, {max_tokens} for the completion). "
-                "Please reduce the length of the prompt or of max_tokens")
 
     def reserve(self, num_requests: int = 1) -> None:
         """Raise EngineOverloadedError if `num_requests` more would pass a cap.
@@ -303,8 +291,8 @@ class AsyncLLM:
         if isinstance(prompt, str):
             prompt_text, prompt_token_ids = prompt, self.encode(prompt)
         else:
-            prompt_text, prompt_token_ids = None, list(prompt)
-        self.check_prompt_fits(len(prompt_token_ids), sampling_params.max_tokens)
+            prompt_text, prompt_token_ids = None, prompt
+        prompt_token_ids = self.validator.validate(prompt_token_ids, sampling_params, max_tokens_must_fit=True)
         stream = _RequestStream(asyncio.get_running_loop())
         with self._streams_lock:
             if request_id in self._streams:
@@ -396,9 +384,12 @@ class AsyncLLM:
             except queue.Empty:
                 return True
 
-    def _apply(self, command: _AddCommand | _AbortCommand) -> None:
+    def _apply(self, command: _AddCommand | _AbortCommand | _KVViewCommand) -> None:
         if isinstance(command, _AbortCommand):
             self._abort_in_engine(command.request_ids)
+            return
+        if isinstance(command, _KVViewCommand):
+            self._take_kv_view(command.result)
             return
         try:
             self._add_to_engine(command)
@@ -424,6 +415,14 @@ class AsyncLLM:
         if engine_ids:
             self.engine_core.abort_requests(engine_ids)
 
+    def _take_kv_view(self, result: concurrent.futures.Future) -> None:
+        try:
+            self._refresh_stats()
+            totals = PrefixCacheTotals(self._stats.prefix_cache_queries, self._stats.prefix_cache_hits)
+            result.set_result(self.engine_core.get_kv_view(totals))
+        except Exception as exc:  # noqa: BLE001 - the caller gets the error, the loop goes on
+            result.set_exception(exc)
+
     def _step(self) -> None:
         core_outputs = self.engine_core.step()
         processed = self.output_processor.process_outputs(core_outputs)
@@ -444,16 +443,18 @@ class AsyncLLM:
 
     def _refresh_stats(self) -> None:
         stats = self.engine_core.get_stats()
-        if stats is None:
-            return
         own = self._stats
-        own.num_running_reqs = int(_stat(stats, "num_running_reqs"))
-        own.num_waiting_reqs = int(_stat(stats, "num_waiting_reqs"))
-        own.kv_cache_usage = float(_stat(stats, "kv_cache_usage"))
+        own.num_running_reqs = stats.num_running_reqs
+        own.num_waiting_reqs = stats.num_waiting_reqs
+        own.kv_cache_usage = stats.kv_cache_usage
         # The scheduler reports prefix-cache lookups since its previous snapshot.
-        own.prefix_cache_queries += int(_stat(stats, "prefix_cache_queries"))
-        own.prefix_cache_hits += int(_stat(stats, "prefix_cache_hits"))
-        own.num_preemptions = int(_stat(stats, "num_preemptions"))
+        own.prefix_cache_queries += stats.prefix_cache_queries
+        own.prefix_cache_hits += stats.prefix_cache_hits
+        own.num_preemptions = stats.num_preemptions
+        spec = stats.spec_decoding_stats
+        if spec is not None:
+            own.spec_decoding = own.spec_decoding or SpecDecodingStats()
+            own.spec_decoding.add(spec)
 
     def _fail_all(self, error: BaseException) -> None:
         with self._streams_lock:
@@ -472,6 +473,8 @@ class AsyncLLM:
                 return
             if isinstance(command, _AddCommand):
                 self._deliver(command.request_id, EngineDeadError("the engine has stopped"))
+            elif isinstance(command, _KVViewCommand):
+                command.result.set_exception(EngineDeadError("the engine has stopped"))
 
     def _shutdown_core(self) -> None:
         try:

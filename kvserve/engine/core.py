@@ -13,30 +13,33 @@ import dataclasses
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kvserve.config import EngineConfig
+from kvserve.engine.kv_events import ZmqEventPublisher, create_publisher
+from kvserve.engine.kv_view import EngineKVView, PrefixCacheTotals, StepTimeline, build_kv_view
+from kvserve.engine.validation import RequestValidator
+from kvserve.errors import EngineDeadError, InvalidRequestError
+from kvserve.kv_cache.events import KVEventRecorder
 from kvserve.kv_cache.interface import KVCacheConfig
 from kvserve.kv_cache.utils import get_kv_cache_config
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvserve.scheduler.scheduler import Scheduler
+from kvserve.scheduler.stats import SchedulerStats
 from kvserve.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
 
-# Steps submitted to the executor and not yet applied: the one executing and
-# the one scheduled ahead of it.
+# Steps submitted to the executor and not yet applied under async scheduling:
+# the one executing and the one scheduled ahead of it.
 MAX_STEPS_IN_FLIGHT = 2
 # Consecutive steps that schedule nothing, with nothing in flight, while requests
 # are unfinished: the scheduler is stuck, and callers looping on step() would hang.
 MAX_STALLED_STEPS = 1000
-
-
-class EngineDeadError(RuntimeError):
-    """The engine cannot run any more steps; the message says why."""
 
 
 @dataclass
@@ -55,56 +58,59 @@ class EngineCoreRequest:
 class EngineCore:
     """Owns the scheduler and the executor; `step()` advances every request by one step."""
 
-    def __init__(self, engine_config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
+    def __init__(self, engine_config: EngineConfig,
+                 executor_class: Callable[[EngineConfig], Executor] | None = None) -> None:
         self.engine_config = engine_config
-        self.executor = (executor_class or Executor.get_class(engine_config))(engine_config)
+        executor = (executor_class or Executor.get_class(engine_config))(engine_config)
         try:
-            self.kv_cache_config = self._initialize_kv_cache()
-            self.scheduler = Scheduler(engine_config.scheduler_config, self.kv_cache_config,
-                                       engine_config.cache_config)
+            kv_cache_config = _initialize_kv_cache(engine_config, executor)
+            scheduler = Scheduler(engine_config.scheduler_config, kv_cache_config, engine_config.cache_config)
+            kv_event_publisher = create_publisher(engine_config.kv_events_config)
         except BaseException:
-            self.executor.shutdown()
+            executor.shutdown()
             raise
+        model_config = engine_config.model_config
+        self._start(scheduler, executor, model_config.vocab_size, model_config.eos_token_ids, kv_event_publisher)
+
+    @classmethod
+    def from_parts(cls, scheduler: Scheduler, executor: Executor, vocab_size: int,
+                   eos_token_ids: Sequence[int] = ()) -> "EngineCore":
+        """The same loop over a scheduler and an executor built elsewhere (tests, tools);
+        `engine_config` is None. Async scheduling follows the scheduler's config."""
+        core = cls.__new__(cls)
+        core.engine_config = None  # type: ignore[assignment]
+        core._start(scheduler, executor, vocab_size, eos_token_ids)
+        return core
+
+    def _start(self, scheduler: Scheduler, executor: Executor, vocab_size: int,
+               eos_token_ids: Sequence[int], kv_event_publisher: ZmqEventPublisher | None = None) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.kv_event_publisher = kv_event_publisher
+        self.kv_cache_config = scheduler.kv_cache_config
+        self.model_eos_token_ids = list(eos_token_ids or [])
         # The scheduler picks the hash unit (it may be finer than a block, for
         # partial-block hits); requests hash their tokens with its hasher.
-        self.request_block_hasher = self.scheduler.block_hasher
-        self.async_scheduling = engine_config.scheduler_config.async_scheduling
-        self._steps_in_flight: deque[tuple[SchedulerOutput, Future]] = deque()
+        self.request_block_hasher = scheduler.block_hasher
+        self.validator = RequestValidator(scheduler.scheduler_config.max_model_len, vocab_size,
+                                          scheduler.max_tokens_in_pool)
+        self.async_scheduling = scheduler.scheduler_config.async_scheduling
+        # Steps submitted to the executor and not yet applied, oldest first.
+        self.steps_in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self._is_dead: str | None = None
         self._num_stalled_steps = 0
-
-    def _initialize_kv_cache(self) -> KVCacheConfig:
-        layer_specs = self.executor.get_kv_cache_specs()
-        available_bytes = self.executor.determine_available_memory()
-        kv_cache_config = get_kv_cache_config(layer_specs, available_bytes)
-        block_size = self.engine_config.cache_config.block_size
-        capacity_tokens = (kv_cache_config.num_blocks - 1) * block_size
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %d groups)",
-                    kv_cache_config.num_blocks, block_size, available_bytes / 2**20,
-                    len(kv_cache_config.kv_cache_groups))
-        if capacity_tokens < self.engine_config.max_model_len:
-            logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d: "
-                           "longer requests cannot run", capacity_tokens, self.engine_config.max_model_len)
-        self.executor.initialize_kv_cache(kv_cache_config)
-        return kv_cache_config
+        self.step_timeline = StepTimeline()
+        if self.kv_event_publisher is not None:
+            self.scheduler.kv_cache_manager.block_pool.kv_events = KVEventRecorder()
 
     # ---- requests -----------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request; raises ValueError for prompts the engine can never serve."""
+        """Queue a request; raises InvalidRequestError (a ValueError) for one the engine can never serve."""
         self._check_alive()
-        prompt = list(request.prompt_token_ids)
-        max_model_len = self.engine_config.max_model_len
-        vocab_size = self.engine_config.model_config.vocab_size
-        if not prompt:
-            raise ValueError(f"request {request.request_id!r}: the prompt is empty")
-        if len(prompt) >= max_model_len:
-            raise ValueError(f"request {request.request_id!r}: the prompt has {len(prompt)} tokens, but the "
-                             f"context length is {max_model_len} (the prompt must leave room for output)")
-        if min(prompt) < 0 or max(prompt) >= vocab_size:
-            raise ValueError(f"request {request.request_id!r}: prompt token ids must be in [0, {vocab_size})")
+        prompt = self.validator.validate(request.prompt_token_ids, request.sampling_params)
         if request.request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request.request_id!r} is already running")
+            raise InvalidRequestError(f"request id {request.request_id!r} is already running", "request_id")
         eos_token_id, sampling_params = self._eos_and_stop_ids(request)
         self.scheduler.add_request(Request(
             request.request_id, prompt, sampling_params, eos_token_id=eos_token_id,
@@ -114,7 +120,7 @@ class EngineCore:
 
     def _eos_and_stop_ids(self, request: EngineCoreRequest) -> tuple[int | None, SamplingParams]:
         """The request's EOS id; a model's further EOS ids become stop token ids."""
-        model_eos_ids = list(self.engine_config.model_config.eos_token_ids or [])
+        model_eos_ids = self.model_eos_token_ids
         eos_token_id = request.eos_token_id
         if eos_token_id is None and model_eos_ids:
             eos_token_id = model_eos_ids[0]
@@ -129,45 +135,53 @@ class EngineCore:
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._steps_in_flight)
+        return self.scheduler.has_unfinished_requests() or bool(self.steps_in_flight)
 
     # ---- the loop -------------------------------------------------------------
 
+    @property
+    def max_steps_in_flight(self) -> int:
+        return MAX_STEPS_IN_FLIGHT if self.async_scheduling else 1
+
     def step(self) -> list[EngineCoreOutput]:
-        """Advance by one step and return what it produced (possibly nothing)."""
+        """Advance by one step and return what it produced (possibly nothing).
+
+        With async scheduling, step N+1 is scheduled and submitted while step N
+        executes, then step N's output is applied; without it, each step is
+        scheduled, executed and applied before the next.
+        """
         self._check_alive()
-        if self.async_scheduling:
-            return self._step_pipelined()
-        if not self.scheduler.has_unfinished_requests():
-            return []
-        scheduler_output = self.scheduler.schedule()
-        return self._apply_step(scheduler_output, self.executor.execute_model_async(scheduler_output))
-
-    def _step_pipelined(self) -> list[EngineCoreOutput]:
-        """Schedule step N+1 while step N executes, then apply step N's output."""
-        if len(self._steps_in_flight) < MAX_STEPS_IN_FLIGHT and self.scheduler.has_unfinished_requests():
-            scheduler_output = self.scheduler.schedule()
-            future = self.executor.execute_model_async(scheduler_output)
-            self._steps_in_flight.append((scheduler_output, future))
-            if not scheduler_output.is_empty and len(self._steps_in_flight) < MAX_STEPS_IN_FLIGHT:
+        if len(self.steps_in_flight) < self.max_steps_in_flight and self.scheduler.has_unfinished_requests():
+            scheduler_output = self.schedule_step()
+            if not scheduler_output.is_empty and len(self.steps_in_flight) < self.max_steps_in_flight:
                 return []
-        if not self._steps_in_flight:
+        if not self.steps_in_flight:
             return []
-        scheduler_output, future = self._steps_in_flight.popleft()
-        return self._apply_step(scheduler_output, future)
+        return self.process_step()
 
-    def _apply_step(self, scheduler_output: SchedulerOutput,
-                    future: "Future[ModelRunnerOutput]") -> list[EngineCoreOutput]:
+    def schedule_step(self) -> SchedulerOutput:
+        """The first half of a step: schedule and submit it to the executor."""
+        scheduler_output = self.scheduler.schedule()
+        self.step_timeline.start(scheduler_output.step_seq)
+        self.steps_in_flight.append((scheduler_output, self.executor.execute_model_async(scheduler_output)))
+        return scheduler_output
+
+    def process_step(self) -> list[EngineCoreOutput]:
+        """The second half of the oldest step in flight: wait for it and apply its output."""
+        scheduler_output, future = self.steps_in_flight.popleft()
         try:
             model_runner_output = future.result()
         except Exception as exc:  # a failed step fails its requests, not the engine
             return self._fail_step(scheduler_output, exc)
         outputs = self.scheduler.update_from_output(scheduler_output, model_runner_output)
+        self.step_timeline.finish(scheduler_output.step_seq, scheduler_output.total_num_scheduled_tokens,
+                                  len(scheduler_output.num_scheduled_tokens))
+        self._publish_kv_events()
         self._check_progress(scheduler_output, outputs)
         return outputs
 
     def _check_progress(self, scheduler_output: SchedulerOutput, outputs: list[EngineCoreOutput]) -> None:
-        if (outputs or not scheduler_output.is_empty or self._steps_in_flight
+        if (outputs or not scheduler_output.is_empty or self.steps_in_flight
                 or not self.scheduler.has_unfinished_requests()):
             self._num_stalled_steps = 0
             return
@@ -202,21 +216,51 @@ class EngineCore:
 
     # ---- misc -----------------------------------------------------------------
 
-    def get_stats(self):
+    def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 
+    def get_kv_view(self, prefix_cache: PrefixCacheTotals) -> EngineKVView:
+        """The KV cache, queues and recent steps now (`prefix_cache`: the caller's totals)."""
+        return build_kv_view(self.scheduler, self.step_timeline, prefix_cache)
+
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+        reset = self.scheduler.reset_prefix_cache()
+        self._publish_kv_events()
+        return reset
+
+    def _publish_kv_events(self) -> None:
+        """One batch per step of what the block pool stored, evicted or cleared."""
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(self.scheduler.kv_cache_manager.block_pool.kv_events.take())
 
     def shutdown(self) -> None:
         """Finish the steps in flight (their outputs are dropped) and stop the executor."""
-        while self._steps_in_flight:
-            _, future = self._steps_in_flight.popleft()
+        while self.steps_in_flight:
+            _, future = self.steps_in_flight.popleft()
             future.cancel()
         self.executor.shutdown()
+        if self.kv_event_publisher is not None:
+            self._publish_kv_events()
+            self.kv_event_publisher.shutdown()
 
     def __enter__(self) -> "EngineCore":
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.shutdown()
+
+
+def _initialize_kv_cache(engine_config: EngineConfig, executor: Executor) -> KVCacheConfig:
+    """Size the KV pool from the executor's layer specs and memory, and have it allocated."""
+    available_bytes = executor.determine_available_memory()
+    kv_cache_config = get_kv_cache_config(executor.get_kv_cache_specs(), available_bytes)
+    block_size = engine_config.cache_config.block_size
+    capacity_tokens = (kv_cache_config.num_blocks - 1) * block_size
+    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %d groups)",
+                kv_cache_config.num_blocks, block_size, available_bytes / 2**20,
+                len(kv_cache_config.kv_cache_groups))
+    if capacity_tokens < engine_config.max_model_len:
+        logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d: "
+                       "longer requests cannot run", capacity_tokens, engine_config.max_model_len)
+    executor.initialize_kv_cache(kv_cache_config)
+    return kv_cache_config

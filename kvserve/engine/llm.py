@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence, Union
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.tokenizer import apply_chat_template, load_tokenizer, render_chat_template
+from kvserve.model.grammar import check_constraints
 from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -118,7 +119,9 @@ class LLM:
         that changed it (`outputs[i].new_text` holds the new text). Closing the
         iterator early aborts the request."""
         text, token_ids = self._tokenize(prompt)
-        request_id = self._add_request(text, token_ids, sampling_params or SamplingParams(), final_only=False)
+        sampling_params = sampling_params or SamplingParams()
+        check_constraints(self.model_config, [sampling_params])
+        request_id = self._add_request(text, token_ids, sampling_params, final_only=False)
         finished = False
         try:
             for output in self._step_until_done():
@@ -153,7 +156,7 @@ class LLM:
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), _check_token_ids(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), self.engine_core.validator.check_token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -162,7 +165,7 @@ class LLM:
             if not prompt:
                 raise ValueError("prompt must not be empty")
             return prompt, list(self.tokenizer.encode(prompt))
-        return None, _check_token_ids(prompt)
+        return None, self.engine_core.validator.check_token_ids(prompt)
 
     def _add_request(self, prompt: str | None, token_ids: list[int], params: SamplingParams,
                      final_only: bool) -> str:
@@ -183,6 +186,9 @@ class LLM:
 
     def _run_batch(self, requests: list[tuple[str | None, list[int], SamplingParams]],
                    use_tqdm: bool) -> list[RequestOutput]:
+        for _, token_ids, params in requests:  # the whole batch, before any of it runs
+            self.engine_core.validator.validate(token_ids, params)
+        check_constraints(self.model_config, [params for _, _, params in requests])
         request_ids: list[str] = []
         try:
             for text, token_ids, params in requests:
@@ -284,13 +290,3 @@ def _as_conversation_list(messages: Any) -> list[Conversation]:
         return [messages]
     return [list(conversation) for conversation in messages]
 
-
-def _check_token_ids(token_ids: Any) -> list[int]:
-    if isinstance(token_ids, (str, bytes)):
-        raise TypeError("token ids must be a sequence of integers")
-    token_ids = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
-    if not token_ids:
-        raise ValueError("prompt must not be empty")
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in token_ids):
-        raise ValueError("prompt token ids must be non-negative integers")
-    return token_ids

@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from kvserve.engine.detokenizer import IncrementalDetokenizer
-from kvserve.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from kvserve.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SpecDecodeMetrics,
+)
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.output import EngineCoreOutput, TokenLogprobs
 
@@ -47,6 +54,7 @@ class _SequenceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     new_token_ids: list[int] = field(default_factory=list)
+    spec_decode: SpecDecodeMetrics | None = None
 
 
 @dataclass
@@ -163,6 +171,11 @@ class OutputProcessor:
             state.num_cached_tokens = max(state.num_cached_tokens, core_output.num_cached_tokens)
         if core_output.new_token_ids and state.metrics.first_token_time is None:
             state.metrics.first_token_time = now
+        if core_output.num_draft_tokens:
+            spec = seq.spec_decode = seq.spec_decode or SpecDecodeMetrics()
+            spec.num_drafts += 1
+            spec.num_draft_tokens += core_output.num_draft_tokens
+            spec.num_accepted_tokens += core_output.num_accepted_tokens
         detok = seq.detokenizer
         num_tokens_before = len(detok.token_ids)
         stop_by_token = core_output.finish_reason == "stop" and not isinstance(core_output.stop_reason, str)
@@ -217,7 +230,8 @@ class OutputProcessor:
             cumulative_logprob=seq.cumulative_logprob,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            new_text=new_text, new_token_ids=new_token_ids)
+            new_text=new_text, new_token_ids=new_token_ids,
+            spec_decode=dataclasses.replace(seq.spec_decode) if seq.spec_decode is not None else None)
 
     def _forget(self, state: _RequestState) -> None:
         self._requests.pop(state.request_id, None)

@@ -42,6 +42,27 @@ class RequestMetrics:
 
 
 @dataclass
+class SpecDecodeMetrics:
+    """Speculative decoding for one sequence: verification steps that carried a
+    draft, draft tokens proposed, and how many of them were accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0 when none was proposed)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification step with a draft: 1 + accepted / drafts (vLLM's
+        mean acceptance length); 0 when no draft was verified."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence of a request (a request with n > 1 has n).
 
@@ -49,7 +70,8 @@ class CompletionOutput:
     `new_token_ids` what the latest step added, so streaming consumers need
     no diffing. `finish_reason` is None while running, then "stop", "length",
     "abort" or "error"; `stop_reason` the stop string or stop token id that
-    ended it (None for EOS or length).
+    ended it (None for EOS or length). `spec_decode` counts the drafts
+    verified for it (None without speculative decoding).
     """
 
     index: int
@@ -61,6 +83,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
+    spec_decode: SpecDecodeMetrics | None = None
 
     @property
     def finished(self) -> bool:

@@ -17,11 +17,14 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable, Sequence
 
+from kvserve.kv_cache.events import KVEventRecorder
 from kvserve.kv_cache.utils import (
     BlockHash,
     BlockHashWithGroupId,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
+    get_block_hash,
+    get_group_id,
     make_block_hash_with_group_id,
 )
 
@@ -58,6 +61,8 @@ class BlockPool:
         self.num_cache_lookups = 0
         self.num_cache_hits = 0
         self.num_evictions = 0
+        # Set to a KVEventRecorder when KV events are published (see `events`).
+        self.kv_events: KVEventRecorder | None = None
 
     # ------------------------------------------------------------ lookup
 
@@ -100,12 +105,11 @@ class BlockPool:
         hits are block-aligned anyway)."""
         if num_cached_blocks >= num_full_blocks or not self.enable_caching:
             return
-        block_hashes = request.block_hashes
         interior_span = 0 if with_interior_keys else block_size - self.hash_block_size
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if not block.is_null:
-                self._register_keys(block, block_hashes, i * block_size + interior_span, (i + 1) * block_size,
+                self._register_keys(block, request, i * block_size + interior_span, (i + 1) * block_size,
                                     kv_cache_group_id)
 
     def cache_partial_block(self, request: Any, block: KVCacheBlock, num_tokens: int,
@@ -116,11 +120,11 @@ class BlockPool:
             return
         block_start = ((num_tokens - 1) // block_size) * block_size
         end = (num_tokens // self.hash_block_size) * self.hash_block_size
-        self._register_keys(block, request.block_hashes, block_start, end, kv_cache_group_id)
+        self._register_keys(block, request, block_start, end, kv_cache_group_id)
 
-    def _register_keys(self, block: KVCacheBlock, block_hashes: list[BlockHash], block_start: int,
-                       end: int, group_id: int) -> None:
+    def _register_keys(self, block: KVCacheBlock, request: Any, block_start: int, end: int, group_id: int) -> None:
         hash_block_size = self.hash_block_size
+        block_hashes = request.block_hashes
         start = max(block._block_hash_num_tokens or 0, block_start)
         num_tokens = start + hash_block_size
         while num_tokens <= end:
@@ -129,18 +133,28 @@ class BlockPool:
                 self._secondary_keys_by_block_id.setdefault(block.block_id, []).append(block._block_hash)
                 block.reset_hash()
             block.set_block_hash(key, num_tokens)
-            self._insert(key, block)
+            if self._insert(key, block) and self.kv_events is not None:
+                self._record_stored(request, num_tokens // hash_block_size - 1, group_id)
             self._num_tokens_cached_this_step.setdefault(block.block_id, num_tokens)
             num_tokens += hash_block_size
 
-    def _insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
+    def _record_stored(self, request: Any, unit: int, group_id: int) -> None:
+        size = self.hash_block_size
+        parent = request.block_hashes[unit - 1] if unit > 0 else None
+        self.kv_events.stored(request.block_hashes[unit], parent,
+                              request.all_token_ids[unit * size:(unit + 1) * size], size, group_id)
+
+    def _insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> bool:
+        """Map `key` to `block` too; True when the key is new to the map."""
         entry = self.cached_block_hash_to_block.get(key)
         if entry is None:
             self.cached_block_hash_to_block[key] = block
-        elif isinstance(entry, KVCacheBlock):
+            return True
+        if isinstance(entry, KVCacheBlock):
             self.cached_block_hash_to_block[key] = {entry.block_id: entry, block.block_id: block}
         else:
             entry[block.block_id] = block
+        return False
 
     def _remove(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
         # A key set on a block directly (`set_block_hash`) may never have been
@@ -151,6 +165,8 @@ class BlockPool:
         if isinstance(entry, KVCacheBlock):
             if entry is block:
                 del self.cached_block_hash_to_block[key]
+                if self.kv_events is not None:
+                    self.kv_events.removed(get_block_hash(key), get_group_id(key))
             return
         if entry.pop(block.block_id, None) is None:
             return
@@ -222,6 +238,8 @@ class BlockPool:
             logger.warning("cannot reset the prefix cache: %d blocks are still in use", num_used)
             return False
         self.cached_block_hash_to_block.clear()
+        if self.kv_events is not None:
+            self.kv_events.cleared()
         self._secondary_keys_by_block_id.clear()
         self._num_tokens_cached_this_step.clear()
         for block in self.blocks:

@@ -188,7 +188,10 @@ class Sampler:
         takes their argmax, random sampling their `target_probs`."""
         if st.blocked_tokens is not None:
             blocked = token_counts(st.blocked_tokens, logits.shape[-1]) > 0
-            logits = logits.masked_fill(blocked, float("-inf"))
+            blocked_logits = logits.masked_fill(blocked, float("-inf"))
+            # A grammar that allows nothing but a stop token wins over min_tokens.
+            nothing_left = torch.isneginf(blocked_logits).all(dim=-1, keepdim=True)
+            logits = torch.where(nothing_left, logits, blocked_logits)
         if st.do_penalties:
             logits = apply_penalties(logits, st)
         return logits

@@ -164,12 +164,9 @@ class Scheduler:
         self.waiting.add(request)
 
     def _reason_to_ignore(self, request: Request) -> str | None:
+        # Lengths, ids and parameters are checked before a request gets here
+        # (kvserve/engine/validation.py); only the pool's own limit remains.
         num_prompt_tokens = request.num_prompt_tokens
-        if num_prompt_tokens == 0:
-            return "prompt is empty"
-        if num_prompt_tokens > self.scheduler_config.max_model_len:
-            return (f"prompt of {num_prompt_tokens} tokens is longer than "
-                    f"max_model_len {self.scheduler_config.max_model_len}")
         if num_prompt_tokens > self.max_tokens_in_pool:
             return (f"prompt of {num_prompt_tokens} tokens cannot fit the KV cache "
                     f"({self.kv_cache_config.num_blocks} blocks)")

@@ -40,6 +40,16 @@ class SpecDecodingStats:
         for position in range(num_accepted_tokens):
             self.num_accepted_tokens_per_pos[position] += 1
 
+    def add(self, other: "SpecDecodingStats") -> None:
+        """Accumulate another report into this one."""
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (len(other.num_accepted_tokens_per_pos) - len(per_pos)))
+        for position, count in enumerate(other.num_accepted_tokens_per_pos):
+            per_pos[position] += count
+
 
 @dataclass
 class _RequestState:

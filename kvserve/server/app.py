@@ -15,26 +15,34 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import kvserve
+from kvserve.engine.async_llm import AsyncLLM
 from kvserve.server.errors import APIError, install_error_handlers
+from kvserve.server.gateway import add_gateway_routes
+from kvserve.server.kv_cache_routes import add_kv_cache_routes, optional_kv_view
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.serving import ServingContext
 from kvserve.server.serving_chat import create_chat_completion
 from kvserve.server.serving_completions import create_completion
+from kvserve.server.web_page import add_page_routes
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
+# Routes that need the API key when one is set; `/`, /health, /metrics stay open.
+_PROTECTED_PATH_PREFIXES = ("/v1", "/kv-cache")
+
+
 class _ApiKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on every /v1 route."""
+    """Requires `Authorization: Bearer <key>` on every /v1 and /kv-cache route."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PATH_PREFIXES):
             headers = dict(scope.get("headers") or [])
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
@@ -79,7 +87,7 @@ class _BodyLimitMiddleware:
                         code="request_too_large")
 
 
-def build_app(engine: Any, served_model_name: str, *, api_key: str | None = None,
+def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, model_root: str | None = None,
               shutdown_engine: bool = True) -> FastAPI:
     """An app serving `engine` (an AsyncLLM) under `served_model_name`."""
@@ -98,6 +106,9 @@ def build_app(engine: Any, served_model_name: str, *, api_key: str | None = None
     app.state.ctx = ctx
     install_error_handlers(app)
     _add_routes(app, ctx, model_root)
+    add_kv_cache_routes(app, engine)
+    add_page_routes(app)
+    add_gateway_routes(app, engine, served_model_name)
     app.add_middleware(_BodyLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
@@ -117,7 +128,8 @@ def _add_routes(app: FastAPI, ctx: ServingContext, model_root: str | None) -> No
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        kv_view = await optional_kv_view(ctx.engine)
+        return Response(ctx.metrics.render(kv_view), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:

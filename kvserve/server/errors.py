@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvserve.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from kvserve.server.protocol import UnsupportedFeatureError
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,24 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
 
 def from_unsupported(exc: UnsupportedFeatureError) -> APIError:
     return bad_request(str(exc), param=exc.param, code="unsupported_feature")
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Map an exception raised while handling a request onto the status a client should see."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, UnsupportedFeatureError):
+        return from_unsupported(exc)
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(503, str(exc), code="server_busy", headers={"Retry-After": str(exc.retry_after_s)})
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), code="engine_unavailable")
+    if isinstance(exc, InvalidRequestError):
+        return bad_request(str(exc), param=exc.param, code=exc.code)
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc), code="invalid_value")
+    logger.error("request failed: %s: %s", type(exc).__name__, exc)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
 def install_error_handlers(app: FastAPI) -> None:

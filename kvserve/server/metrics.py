@@ -1,8 +1,11 @@
 """Prometheus metrics of one server app, in a registry of its own.
 
-Engine-wide figures (running/waiting requests, KV usage, prefix-cache hit
-rate, preemptions) are read from the engine loop's stats snapshot at scrape
-time by a custom collector; per-request latencies and token counts are
+Metrics vLLM documents carry vLLM's names and labels (`vllm:...`, with
+`model_name` and `engine`), so a vLLM Grafana dashboard or autoscaler reads
+kvserve unchanged; kvserve's own figures are `kvserve_...` extensions (the
+README lists both). Engine-wide figures are read at scrape time by a custom
+collector from the engine loop's stats and, when the engine has one, its KV
+view (blocks per state per group); per-request latencies and token counts are
 observed by `RequestTimer` as outputs stream out.
 """
 from __future__ import annotations
@@ -18,32 +21,83 @@ _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 
 
 
 class _EngineStatsCollector:
-    """Reads the engine's stats snapshot on every scrape."""
+    """Reads the engine's stats snapshot (and the latest KV view) on every scrape."""
 
-    def __init__(self, get_stats: Callable[[], Any]) -> None:
+    def __init__(self, get_stats: Callable[[], Any], labels: dict[str, str]) -> None:
         self._get_stats = get_stats
+        self._label_names = list(labels)
+        self._label_values = list(labels.values())
+        self.kv_view: Any = None  # set by the /metrics route just before rendering
+
+    def _family(self, kind: type, name: str, doc: str, value: float):
+        family = kind(name, doc, labels=self._label_names)
+        family.add_metric(self._label_values, float(value))
+        return family
 
     def collect(self):
         stats = self._get_stats()
         gauges = {
-            "kvserve_num_requests_running": ("Requests in the engine's running batch", stats.num_running_reqs),
-            "kvserve_num_requests_waiting": ("Requests waiting to be scheduled", stats.num_waiting_reqs),
+            "vllm:num_requests_running": ("Requests in the engine's running batch", stats.num_running_reqs),
+            "vllm:num_requests_waiting": ("Requests waiting to be scheduled (preempted included)",
+                                          stats.num_waiting_reqs),
+            "vllm:kv_cache_usage_perc": ("Fraction of KV-cache blocks held by requests (1 = full); "
+                                         "cached prefixes not counted, see kvserve_kv_cache_blocks",
+                                         stats.kv_cache_usage),
             "kvserve_num_requests_in_flight": ("Requests accepted by the server and not finished",
                                                stats.num_in_flight_requests),
-            "kvserve_kv_cache_usage_perc": ("Fraction of KV-cache blocks in use (1 = full)", stats.kv_cache_usage),
             "kvserve_prefix_cache_hit_rate": ("Prefix-cache hits / queries (tokens), since start",
                                               stats.prefix_cache_hit_rate),
         }
         for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=float(value))
+            yield self._family(GaugeMetricFamily, name, doc, value)
         counters = {
-            "kvserve_num_preemptions": ("Requests preempted by the scheduler", stats.num_preemptions),
-            "kvserve_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache",
-                                             stats.prefix_cache_queries),
-            "kvserve_prefix_cache_hits": ("Prompt tokens found in the prefix cache", stats.prefix_cache_hits),
+            "vllm:num_preemptions": ("Requests preempted by the scheduler", stats.num_preemptions),
+            "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache",
+                                          stats.prefix_cache_queries),
+            "vllm:prefix_cache_hits": ("Prompt tokens found in the prefix cache", stats.prefix_cache_hits),
         }
         for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(name, doc, value=float(value))
+            yield self._family(CounterMetricFamily, name, doc, value)
+        if getattr(stats, "spec_decoding", None) is not None:
+            yield from self._spec_decode_families(stats.spec_decoding)
+        if self.kv_view is not None:
+            yield from self._kv_view_families(self.kv_view)
+
+    def _spec_decode_families(self, spec: Any):
+        """Speculative decoding under vLLM's names (the exposition adds `_total`)."""
+        counters = {
+            "vllm:spec_decode_num_drafts": ("Verification steps that carried a draft", spec.num_drafts),
+            "vllm:spec_decode_num_draft_tokens": ("Draft tokens proposed", spec.num_draft_tokens),
+            "vllm:spec_decode_num_accepted_tokens": ("Draft tokens accepted", spec.num_accepted_tokens),
+        }
+        for name, (doc, value) in counters.items():
+            yield self._family(CounterMetricFamily, name, doc, value)
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Drafts whose token at this position was accepted",
+                                      labels=self._label_names + ["position"])
+        for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+            per_pos.add_metric(self._label_values + [str(position)], float(count))
+        yield per_pos
+
+    def _kv_view_families(self, view: Any):
+        blocks = GaugeMetricFamily("kvserve_kv_cache_blocks",
+                                   "KV-cache blocks of the pool by state (in_use, cached = free but holding "
+                                   "a prefix, free = empty), seen from each group",
+                                   labels=self._label_names + ["group", "kind", "state"])
+        own = GaugeMetricFamily("kvserve_kv_cache_group_blocks",
+                                "Blocks a group holds in request tables (tables) or has cached (cached)",
+                                labels=self._label_names + ["group", "kind", "state"])
+        for group in view.kv_cache.groups:
+            ids = self._label_values + [str(group.group_id), group.kind]
+            for state, value in (("in_use", group.pool.blocks_in_use), ("cached", group.pool.blocks_cached),
+                                 ("free", group.pool.blocks_free)):
+                blocks.add_metric(ids + [state], float(value))
+            own.add_metric(ids + ["tables"], float(group.blocks_in_tables))
+            own.add_metric(ids + ["cached"], float(group.blocks_cached_for_group))
+        yield blocks
+        yield own
+        yield self._family(GaugeMetricFamily, "kvserve_num_requests_preempted",
+                           "Requests preempted and waiting to be recomputed", view.num_preempted)
 
 
 class ServerMetrics:
@@ -51,30 +105,37 @@ class ServerMetrics:
 
     def __init__(self, get_engine_stats: Callable[[], Any], model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineStatsCollector(get_engine_stats))
-        labels = ["model_name"]
-        self.prompt_tokens = Counter("kvserve_prompt_tokens", "Prompt tokens prefilled (counted at the first token)",
-                                     labels, registry=self.registry).labels(model_name)
-        self.generation_tokens = Counter("kvserve_generation_tokens", "Tokens generated",
-                                         labels, registry=self.registry).labels(model_name)
-        self.requests_finished = Counter("kvserve_request_success", "Requests finished, by reason",
+        self._label_values = {"model_name": model_name, "engine": "0"}
+        self._engine_collector = _EngineStatsCollector(get_engine_stats, self._label_values)
+        self.registry.register(self._engine_collector)
+        labels = list(self._label_values)
+        values = list(self._label_values.values())
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens prefilled (counted at the first token)",
+                                     labels, registry=self.registry).labels(*values)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated",
+                                         labels, registry=self.registry).labels(*values)
+        self.requests_finished = Counter("vllm:request_success", "Requests finished, by reason",
                                          labels + ["finished_reason"], registry=self.registry)
-        self._model_name = model_name
-        self.ttft = Histogram("kvserve_time_to_first_token_seconds", "Time to first token",
-                              labels, buckets=_LATENCY_BUCKETS_S, registry=self.registry).labels(model_name)
-        self.itl = Histogram("kvserve_inter_token_latency_seconds", "Time between output tokens",
-                             labels, buckets=_ITL_BUCKETS_S, registry=self.registry).labels(model_name)
-        self.e2e = Histogram("kvserve_e2e_request_latency_seconds", "Request latency, arrival to finish",
-                             labels, buckets=_LATENCY_BUCKETS_S, registry=self.registry).labels(model_name)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token",
+                              labels, buckets=_LATENCY_BUCKETS_S, registry=self.registry).labels(*values)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens",
+                             labels, buckets=_ITL_BUCKETS_S, registry=self.registry).labels(*values)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish",
+                             labels, buckets=_LATENCY_BUCKETS_S, registry=self.registry).labels(*values)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, kv_view: Any = None) -> bytes:
+        """The exposition text; `kv_view` (an EngineKVView) adds the per-group block gauges."""
+        self._engine_collector.kv_view = kv_view
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self._engine_collector.kv_view = None
 
     def timer(self) -> "RequestTimer":
         return RequestTimer(self)
 
     def count_finish(self, reason: str | None) -> None:
-        self.requests_finished.labels(self._model_name, reason or "abort").inc()
+        self.requests_finished.labels(*self._label_values.values(), reason or "abort").inc()
 
 
 class RequestTimer:

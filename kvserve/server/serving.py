@@ -18,12 +18,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from kvserve.engine.async_llm import (AsyncLLM, EngineDeadError, EngineOverloadedError,
-                                      PromptTooLongError)
-from kvserve.sampling_params import SamplingParamsError
-from kvserve.server.errors import APIError, bad_request, from_unsupported, from_validation_error
+from kvserve.engine.async_llm import AsyncLLM, RequestHandle
+from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.errors import APIError, from_validation_error, to_api_error
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.protocol import UnsupportedFeatureError
 
 logger = logging.getLogger(__name__)
 
@@ -66,28 +65,6 @@ def check_model_name(ctx: ServingContext, requested: str | None) -> None:
                             f"{ctx.served_model_name!r}", param="model", code="model_not_found")
 
 
-def to_api_error(exc: BaseException) -> APIError:
-    """Map an engine-side exception onto the status a client should see."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, UnsupportedFeatureError):
-        return from_unsupported(exc)
-    if isinstance(exc, EngineOverloadedError):
-        return APIError(503, str(exc), code="server_busy",
-                        headers={"Retry-After": str(exc.retry_after_s)})
-    if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc), code="engine_unavailable")
-    if isinstance(exc, PromptTooLongError):
-        return bad_request(str(exc), code="context_length_exceeded")
-    if isinstance(exc, SamplingParamsError):
-        param = str(exc).split(" ", 1)[0]
-        return bad_request(str(exc), param=param, code="invalid_value")
-    if isinstance(exc, ValueError):
-        return bad_request(str(exc), code="invalid_value")
-    logger.error("request failed: %s: %s", type(exc).__name__, exc)
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
-
-
 def resolve_max_tokens(engine: AsyncLLM, num_prompt_tokens: int, requested: int | None) -> int:
     """`None` means "the rest of the context"; the fit is checked by the caller."""
     if requested is not None:
@@ -105,13 +82,6 @@ async def run_tokenizer(text_len: int, fn: Any, *args: Any, **kwargs: Any) -> An
     if text_len <= INLINE_TOKENIZE_MAX_CHARS:
         return fn(*args, **kwargs)
     return await asyncio.to_thread(fn, *args, **kwargs)
-
-
-def check_token_ids(engine: AsyncLLM, token_ids: list[int], param: str = "prompt") -> None:
-    vocab_size = int(getattr(engine.model_config, "vocab_size", 0) or 0)
-    for token_id in token_ids:
-        if token_id < 0 or (vocab_size and token_id >= vocab_size):
-            raise bad_request(f"token id {token_id} is out of range [0, {vocab_size})", param=param)
 
 
 def new_id(prefix: str) -> str:
@@ -143,18 +113,18 @@ class ChunkFormatter:
         return sse(payload)
 
 
-def usage_dict(final_outputs: list[Any]) -> dict:
+def usage_dict(final_outputs: list[RequestOutput]) -> dict:
     """OpenAI usage (cached prompt tokens included) over one call's requests."""
     prompt_tokens = sum(len(o.prompt_token_ids or []) for o in final_outputs)
     completion_tokens = sum(len(c.token_ids) for o in final_outputs for c in o.outputs)
-    cached_tokens = sum(int(getattr(o, "num_cached_tokens", 0) or 0) for o in final_outputs)
+    cached_tokens = sum(o.num_cached_tokens for o in final_outputs)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def submit_all(ctx: ServingContext, requests: list[tuple[list[int], Any]], response_id: str
-               ) -> list[Any]:
+def submit_all(ctx: ServingContext, requests: list[tuple[list[int], SamplingParams]], response_id: str
+               ) -> list[RequestHandle]:
     """Admit and submit a call's engine requests in one event-loop step.
 
     Ids are `f"{response_id}-{i}"`; if one cannot be submitted, the ones
@@ -173,7 +143,8 @@ def submit_all(ctx: ServingContext, requests: list[tuple[list[int], Any]], respo
     return handles
 
 
-async def merged_outputs(ctx: ServingContext, handles: list[Any]) -> AsyncIterator[tuple[int, Any]]:
+async def merged_outputs(ctx: ServingContext, handles: list[RequestHandle]
+                         ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several requests' outputs as `(prompt_index, output)`.
 
     Leaving the iteration early aborts every request still running.
@@ -181,7 +152,7 @@ async def merged_outputs(ctx: ServingContext, handles: list[Any]) -> AsyncIterat
     queue: asyncio.Queue = asyncio.Queue()
     done_marker = object()
 
-    async def pump(index: int, handle: Any) -> None:
+    async def pump(index: int, handle: RequestHandle) -> None:
         timer = ctx.metrics.timer()
         try:
             async for output in handle:
@@ -215,7 +186,7 @@ async def merged_outputs(ctx: ServingContext, handles: list[Any]) -> AsyncIterat
             handle.close()
 
 
-def _raise_if_failed(request_output: Any) -> None:
+def _raise_if_failed(request_output: RequestOutput) -> None:
     """A sequence the engine finished with "error" (a failed model step) fails the call."""
     for completion in request_output.outputs:
         if completion.finish_reason == "error":
@@ -326,7 +297,7 @@ class ChoiceStreamState:
     finish_sent: bool = False
 
 
-def next_delta(state: ChoiceStreamState, completion: Any) -> tuple[str, int, int, bool]:
+def next_delta(state: ChoiceStreamState, completion: CompletionOutput) -> tuple[str, int, int, bool]:
     """(new text, first new token index, end token index, finished now) for a choice."""
     text = completion.text or ""
     delta_text = text[state.num_chars:] if len(text) >= state.num_chars else ""
@@ -338,29 +309,23 @@ def next_delta(state: ChoiceStreamState, completion: Any) -> tuple[str, int, int
     return delta_text, start, end, finished_now
 
 
-def token_logprob_entries(completion: Any, start: int, end: int
+def token_logprob_entries(completion: CompletionOutput, start: int, end: int
                           ) -> list[tuple[int, float, list[tuple[int, float, int | None]]]]:
     """`(token_id, logprob, candidates)` for tokens start..end of a choice.
 
     `candidates` are `(token_id, logprob, rank)`, best first: the top N the
     request asked for plus the sampled token.
     """
-    logprobs = getattr(completion, "logprobs", None) or []
+    logprobs = completion.logprobs or []
     entries = []
     for position in range(start, min(end, len(logprobs))):
         by_token_id = logprobs[position]
         token_id = completion.token_ids[position]
         sampled = by_token_id.get(token_id)
-        candidates = [(tid, _as_float(lp), getattr(lp, "rank", None)) for tid, lp in by_token_id.items()]
+        candidates = [(tid, lp.logprob, lp.rank) for tid, lp in by_token_id.items()]
         candidates.sort(key=lambda c: -c[1])
-        entries.append((token_id, _as_float(sampled), candidates))
+        entries.append((token_id, float("nan") if sampled is None else sampled.logprob, candidates))
     return entries
-
-
-def _as_float(value: Any) -> float:
-    if value is None:
-        return float("nan")
-    return float(getattr(value, "logprob", value))
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:

@@ -4,10 +4,11 @@ from __future__ import annotations
 import math
 import time
 from functools import partial
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from fastapi import Request
 
+from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.server.serving import (ChoiceStreamState, ChunkFormatter, ServingContext, merged_outputs,
@@ -37,7 +38,7 @@ async def create_chat_completion(raw_request: Request, ctx: ServingContext):
         max_tokens = resolve_max_tokens(ctx.engine, len(prompt_token_ids),
                                         body.requested_max_tokens())
         params = body.build_sampling_params(max_tokens, body.num_logprobs())
-        ctx.engine.check_prompt_fits(len(prompt_token_ids), max_tokens)
+        ctx.engine.validator.check_prompt_fits(len(prompt_token_ids), max_tokens)
     except Exception as exc:  # noqa: BLE001
         raise to_api_error(exc) from None
     response_id = new_id("chatcmpl")
@@ -47,7 +48,7 @@ async def create_chat_completion(raw_request: Request, ctx: ServingContext):
 
 
 def _full_response(ctx: ServingContext, body: ChatCompletionRequest, response_id: str,
-                   final_by_index: dict[int, Any]) -> dict:
+                   final_by_index: dict[int, RequestOutput]) -> dict:
     request_output = final_by_index[0]
     choices = []
     for completion in request_output.outputs:
@@ -70,7 +71,7 @@ def _logprob_value(value: float) -> float:
     return value if math.isfinite(value) else -9999.0
 
 
-def _chat_logprobs(ctx: ServingContext, completion: Any, start: int, end: int,
+def _chat_logprobs(ctx: ServingContext, completion: CompletionOutput, start: int, end: int,
                    num_top: int) -> list[dict]:
     tokenizer = ctx.engine.tokenizer
     content = []
@@ -89,7 +90,7 @@ def _chat_logprobs(ctx: ServingContext, completion: Any, start: int, end: int,
 
 
 async def _stream_events(ctx: ServingContext, body: ChatCompletionRequest, response_id: str,
-                         outputs: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[str]:
+                         outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
     chunk = ChunkFormatter(response_id, "chat.completion.chunk", ctx.served_model_name, body.include_usage)
     states: dict[int, ChoiceStreamState] = {}
     last_output = None
@@ -104,7 +105,7 @@ async def _stream_events(ctx: ServingContext, body: ChatCompletionRequest, respo
         yield chunk([], usage_dict([last_output]))
 
 
-def _delta_choices(ctx: ServingContext, body: ChatCompletionRequest, request_output: Any,
+def _delta_choices(ctx: ServingContext, body: ChatCompletionRequest, request_output: RequestOutput,
                    states: dict[int, ChoiceStreamState]) -> list[dict]:
     choices = []
     for completion in request_output.outputs:

@@ -5,14 +5,15 @@ import math
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from fastapi import Request
 
+from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import CompletionRequest
-from kvserve.server.serving import (ChoiceStreamState, ChunkFormatter, ServingContext, check_token_ids,
+from kvserve.server.serving import (ChoiceStreamState, ChunkFormatter, ServingContext,
                                     merged_outputs, new_id, next_delta, parse_request, resolve_max_tokens,
                                     respond, run_tokenizer, submit_all, to_api_error, token_logprob_entries,
                                     token_text, usage_dict)
@@ -43,13 +44,12 @@ async def _prepare(ctx: ServingContext, body: CompletionRequest) -> list[_Prepar
         if isinstance(prompt, str):
             text, token_ids = prompt, await run_tokenizer(len(prompt), engine.encode, prompt)
         else:
-            check_token_ids(engine, prompt)
-            text, token_ids = None, prompt
+            text, token_ids = None, engine.validator.check_token_ids(prompt, param="prompt")
         if not token_ids:
             raise bad_request("prompt must not be empty", param="prompt")
         max_tokens = resolve_max_tokens(engine, len(token_ids), body.max_tokens)
         params = body.build_sampling_params(max_tokens, body.logprobs)
-        engine.check_prompt_fits(len(token_ids), max_tokens)
+        engine.validator.check_prompt_fits(len(token_ids), max_tokens)
         prepared.append(_PreparedPrompt(text, token_ids, params))
     return prepared
 
@@ -70,7 +70,7 @@ async def create_completion(raw_request: Request, ctx: ServingContext):
 
 
 def _full_response(ctx: ServingContext, body: CompletionRequest, prepared: list[_PreparedPrompt],
-                   response_id: str, final_by_index: dict[int, Any]) -> dict:
+                   response_id: str, final_by_index: dict[int, RequestOutput]) -> dict:
     choices = []
     for prompt_index, prompt in enumerate(prepared):
         request_output = final_by_index[prompt_index]
@@ -103,7 +103,7 @@ def _finite(value: float | None) -> float | None:
     return value if math.isfinite(value) else -9999.0
 
 
-def _legacy_logprobs(ctx: ServingContext, completion: Any, start: int, end: int,
+def _legacy_logprobs(ctx: ServingContext, completion: CompletionOutput, start: int, end: int,
                      echo_prompt: _PreparedPrompt | None, text_offset: int = 0) -> dict:
     """The completions API's logprobs object; echoed prompt tokens get null."""
     tokenizer = ctx.engine.tokenizer
@@ -129,10 +129,10 @@ def _legacy_logprobs(ctx: ServingContext, completion: Any, start: int, end: int,
 
 async def _stream_events(ctx: ServingContext, body: CompletionRequest,
                          prepared: list[_PreparedPrompt], response_id: str,
-                         outputs: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[str]:
+                         outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
     chunk = ChunkFormatter(response_id, "text_completion", ctx.served_model_name, body.include_usage)
     states: dict[int, ChoiceStreamState] = {}
-    final_by_index: dict[int, Any] = {}
+    final_by_index: dict[int, RequestOutput] = {}
     async for prompt_index, request_output in outputs:
         final_by_index[prompt_index] = request_output
         choices = _delta_choices(ctx, body, prepared[prompt_index], prompt_index, request_output, states)
@@ -143,7 +143,7 @@ async def _stream_events(ctx: ServingContext, body: CompletionRequest,
 
 
 def _delta_choices(ctx: ServingContext, body: CompletionRequest, prompt: _PreparedPrompt,
-                   prompt_index: int, request_output: Any,
+                   prompt_index: int, request_output: RequestOutput,
                    states: dict[int, ChoiceStreamState]) -> list[dict]:
     choices = []
     for completion in request_output.outputs:

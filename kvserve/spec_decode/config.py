@@ -41,8 +41,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
     min_acceptance_rate: float = 0.2
-    max_misses: int = 4
-    backoff_steps: int = 16
+    max_misses: int = 6
+    backoff_steps: int = 8
     model: str | None = None
 
     def __post_init__(self) -> None:

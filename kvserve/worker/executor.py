@@ -81,6 +81,10 @@ class Executor:
             self._is_shut_down = True
         self._stop_runners()
 
+    @property
+    def is_shut_down(self) -> bool:
+        return self._is_shut_down
+
     def _stop_runners(self) -> None:
         raise NotImplementedError
 

@@ -34,6 +34,7 @@ class RequestState:
     sampling_params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
     generator: Any = None  # torch.Generator for seeded requests
+    grammar: Any = None  # llguidance matcher of a structured-output request (sampling rank only)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -23,6 +23,7 @@ from kvserve.model.sampler import Sampler, SamplingTensors, make_generator
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvserve.worker.input_batch import InputBatch, PreparedBatch
+from kvserve.worker.logits_constraints import LogitsConstraints
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class ModelRunner:
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.input_batch: InputBatch | None = None
         self.sampler = None
+        self.logits_constraints = LogitsConstraints(model_config)
         # SchedulerOutput does not carry a request's EOS id; min_tokens blocks the
         # model's (the engine's default EOS for every request).
         eos_token_ids = list(getattr(model_config, "eos_token_ids", None) or [])
@@ -155,14 +157,19 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, prepared: PreparedBatch) -> tuple[dict[str, list[int]], dict]:
         """Tokens and logprobs (one list per request) from the sampled rows' logits."""
         sampled_req_ids = prepared.sampled_req_ids
+        states = [self.input_batch.states[rid] for rid in sampled_req_ids]
         if prepared.draft_token_ids:
             drafts = [prepared.draft_token_ids.get(rid, []) for rid in sampled_req_ids]
+            logits = self.logits_constraints.apply(logits, states, drafts)
             verified = verify_drafts(self.sampler, logits, self._sampling_tensors(sampled_req_ids, drafts),
                                      drafts)
+            self.logits_constraints.advance(states, verified.token_ids)
             return (dict(zip(sampled_req_ids, verified.token_ids)),
                     {rid: lp for rid, lp in zip(sampled_req_ids, verified.logprobs) if lp is not None})
+        logits = self.logits_constraints.apply(logits, states)
         sampler_output = self.sampler.sample(logits, self._sampling_tensors(sampled_req_ids))
         sampled_token_ids = {rid: [int(t)] for rid, t in zip(sampled_req_ids, sampler_output.token_ids)}
+        self.logits_constraints.advance(states, list(sampled_token_ids.values()))
         logprobs_by_req = {}
         if sampler_output.logprobs is not None:
             logprobs_by_req = {rid: [lp] for rid, lp in zip(sampled_req_ids, sampler_output.logprobs)

@@ -99,8 +99,8 @@ def test_abort_running_and_waiting_requests_frees_everything(llama_path):
 
 @pytest.mark.parametrize("prompt, message", [
     ([], "empty"),
-    ([7] * 512, "context length"),
-    ([VOCAB_SIZE + 5], "token ids must be in"),
+    ([7] * 512, "maximum context length"),
+    ([VOCAB_SIZE + 5], "out of range"),
 ])
 def test_add_request_rejects_unservable_prompts(llama_path, prompt, message):
     core = make_engine(llama_path)
@@ -177,7 +177,7 @@ def test_async_scheduling_keeps_one_step_in_flight(llama_path, async_scheduling)
 
 
 def test_a_stuck_scheduler_raises_instead_of_hanging(llama_path):
-    from kvserve.engine.core import EngineDeadError
+    from kvserve.errors import EngineDeadError
     from kvserve.scheduler.output import SchedulerOutput
 
     core = make_engine(llama_path)

@@ -8,7 +8,7 @@ preempted or pipelined it.
 from __future__ import annotations
 
 from kvserve.request import Request
-from kvserve.testing import FakeModelRunner, RequestResult
+from kvserve.testing import FakeModelRunner, RequestResult, assert_pool_whole  # noqa: F401 - re-exported
 
 
 def expected_result(runner: FakeModelRunner, request: Request, max_model_len: int) -> RequestResult:
@@ -37,14 +37,3 @@ def assert_results_match(runner: FakeModelRunner, requests: list[Request],
         assert (got.token_ids, got.finish_reason, got.stop_reason) == (
             expected.token_ids, expected.finish_reason, expected.stop_reason), request.request_id
 
-
-def assert_pool_whole(scheduler) -> None:
-    """Every request gone, every fence drained, every block back in the pool."""
-    pool = scheduler.kv_cache_manager.block_pool
-    assert not scheduler.requests
-    assert not scheduler.running and not scheduler.waiting
-    assert not scheduler.deferred_frees
-    assert pool.get_num_free_blocks() == scheduler.kv_cache_config.num_blocks - 1
-    pool.check_invariants()
-    for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
-        assert not any(manager.req_to_blocks.values())

@@ -49,13 +49,20 @@ def tokenizer():
 
 
 def metric_values(base_url: str) -> dict[str, float]:
-    """The /metrics page as {series (with labels): value}."""
+    """The /metrics page, parsed by prometheus_client, as {sample: value}.
+
+    The key is the sample name, followed by its labels other than the
+    `model_name` / `engine` every metric carries: `vllm:request_success_total{finished_reason="abort"}`.
+    """
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
     values = {}
-    for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            values[key] = float(value)
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            extra = sorted((k, v) for k, v in sample.labels.items() if k not in ("model_name", "engine"))
+            key = sample.name + ("{" + ",".join(f'{k}="{v}"' for k, v in extra) + "}" if extra else "")
+            values[key] = sample.value
     return values
 
 
@@ -64,9 +71,9 @@ def wait_for_idle(base_url: str, idle_kv_usage: float, timeout_s: float = 30.0) 
     deadline = time.monotonic() + timeout_s
     while True:
         values = metric_values(base_url)
-        idle = (values["kvserve_num_requests_running"] == 0 and values["kvserve_num_requests_waiting"] == 0
+        idle = (values["vllm:num_requests_running"] == 0 and values["vllm:num_requests_waiting"] == 0
                 and values["kvserve_num_requests_in_flight"] == 0
-                and values["kvserve_kv_cache_usage_perc"] <= idle_kv_usage + 1e-9)
+                and values["vllm:kv_cache_usage_perc"] <= idle_kv_usage + 1e-9)
         if idle or time.monotonic() > deadline:
             return values
         time.sleep(0.2)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from kvserve.engine.async_llm import EngineDeadError, EngineOverloadedError, PromptTooLongError
+from kvserve.errors import EngineDeadError, EngineOverloadedError, PromptTooLongError
 from kvserve.sampling_params import SamplingParams
 
 from .fake_engine import make_fake_async_llm
@@ -21,7 +21,7 @@ def engine(tokenizer):
 
 def _wait_idle(engine, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while engine.engine_core.requests or engine.num_in_flight_requests():
+    while engine.engine_core.scheduler.requests or engine.num_in_flight_requests():
         assert time.monotonic() < deadline, "engine still busy"
         time.sleep(0.01)
 
@@ -42,7 +42,7 @@ def test_many_coroutines_get_their_own_outputs(engine):
     alone = {p: asyncio.run(scenario_single(engine, p, params)) for p in list(concurrent)[:3]}
     for prompt, text in alone.items():
         assert concurrent[prompt] == text
-    assert len(engine.engine_core.step_thread_ids) == 1
+    assert len(engine.engine_core.executor.step_thread_ids) == 1
 
 
 async def scenario_single(engine, prompt, params) -> str:
@@ -128,9 +128,9 @@ def test_engine_error_fails_waiting_requests_and_later_ones(engine):
                 pass
 
         task = asyncio.create_task(consume())
-        while not engine.engine_core.requests:
+        while not engine.engine_core.scheduler.requests:
             await asyncio.sleep(0.005)
-        engine.engine_core.fail_next_step = RuntimeError("device lost")
+        engine.engine_core.executor.fail_next_step = RuntimeError("device lost")
         return await asyncio.gather(task, return_exceptions=True)
 
     [error] = asyncio.run(scenario())
@@ -147,14 +147,14 @@ def test_shutdown_fails_in_flight_and_stops_the_core(engine):
                 pass
 
         task = asyncio.create_task(consume())
-        while not engine.engine_core.requests:
+        while not engine.engine_core.scheduler.requests:
             await asyncio.sleep(0.005)
         await asyncio.to_thread(engine.shutdown)
         return await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 10)
 
     [error] = asyncio.run(scenario())
     assert isinstance(error, EngineDeadError)
-    assert engine.engine_core.shut_down and not engine.engine_core.requests
+    assert engine.engine_core.executor.is_shut_down and not engine.engine_core.scheduler.requests
 
 
 def test_dropped_handle_aborts_its_request(engine):

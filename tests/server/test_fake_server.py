@@ -1,6 +1,6 @@
 """The server over a model-free engine core: protocol, errors, limits, aborts.
 
-The engine core is `FakeEngineCore`; AsyncLLM, the OutputProcessor, the
+The engine core is the real `EngineCore` over a fake executor (fake_engine.py); AsyncLLM, the OutputProcessor, the
 tokenizer (the default model's) and the whole HTTP stack are the real ones.
 The official `openai` client is the oracle for the protocol.
 """
@@ -15,6 +15,7 @@ import pytest
 
 from kvserve.engine.tokenizer import apply_chat_template
 from kvserve.server.app import build_app
+from kvserve.testing import assert_pool_whole
 
 from .bad_inputs import check_error_shape, run_bad_input_table
 from .conftest import ThreadedServer, metric_values
@@ -31,7 +32,7 @@ def fake_server(tokenizer):
     with ThreadedServer(app) as server:
         server.engine = engine
         yield server
-    assert engine.engine_core.shut_down, "the app's shutdown did not stop the engine"
+    assert engine.engine_core.executor.is_shut_down, "the app's shutdown did not stop the engine"
 
 
 @pytest.fixture
@@ -42,10 +43,10 @@ def client(fake_server):
 def _wait_idle(engine, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not engine.engine_core.requests and engine.num_in_flight_requests() == 0:
+        if not engine.engine_core.scheduler.requests and engine.num_in_flight_requests() == 0:
             return
         time.sleep(0.02)
-    raise AssertionError(f"engine still busy: {list(engine.engine_core.requests)}")
+    raise AssertionError(f"engine still busy: {list(engine.engine_core.scheduler.requests)}")
 
 
 def test_models_health_version(client, fake_server):
@@ -228,7 +229,7 @@ def test_streaming_disconnect_aborts(fake_server):
             assert any(line.startswith("data: ") for line in data_lines)
     _wait_idle(engine)
     assert len(core.aborted_ids) == aborted_before + 1
-    assert core.used_blocks() == 0
+    assert_pool_whole(core.scheduler)
 
 
 def test_non_streaming_disconnect_aborts(fake_server):
@@ -248,29 +249,29 @@ def test_metrics_after_traffic(fake_server, client):
     _wait_idle(fake_server.engine)
     time.sleep(0.6)  # the idle engine loop refreshes its stats snapshot
     values = metric_values(fake_server.base_url)
-    assert values["kvserve_num_requests_running"] == 0
-    assert values["kvserve_kv_cache_usage_perc"] == 0
-    assert values['kvserve_generation_tokens_total{model_name="fake-model"}'] >= 3
-    assert values['kvserve_time_to_first_token_seconds_count{model_name="fake-model"}'] >= 1
-    for name in ("kvserve_inter_token_latency_seconds_count", "kvserve_e2e_request_latency_seconds_count",
-                 "kvserve_prompt_tokens_total", "kvserve_num_preemptions_total",
-                 "kvserve_prefix_cache_hit_rate", "kvserve_num_requests_waiting"):
-        assert any(key.startswith(name) for key in values), name
+    assert values["vllm:num_requests_running"] == 0
+    assert values["vllm:kv_cache_usage_perc"] == 0
+    assert values["vllm:generation_tokens_total"] >= 3
+    assert values["vllm:time_to_first_token_seconds_count"] >= 1
+    for name in ("vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:prompt_tokens_total", "vllm:num_preemptions_total",
+                 "kvserve_prefix_cache_hit_rate", "vllm:num_requests_waiting"):
+        assert name in values, name
 
 
 def test_engine_loop_is_one_thread(fake_server):
-    assert len(fake_server.engine.engine_core.step_thread_ids) == 1
+    assert len(fake_server.engine.engine_core.executor.step_thread_ids) == 1
 
 
 # ----- servers of their own: limits, engine failure, shutdown -----
 
 def test_failed_step_gives_500_and_engine_keeps_serving(fake_server, client):
-    core = fake_server.engine.engine_core
-    core.fail_next_token = "model step failed: RuntimeError: bad kernel"
+    executor = fake_server.engine.engine_core.executor
+    executor.error_next_step = RuntimeError("bad kernel")
     with pytest.raises(openai.InternalServerError) as info:
         client.completions.create(model=MODEL, prompt="unlucky", max_tokens=3)
     assert "bad kernel" in str(info.value)
-    core.fail_next_token = "model step failed: RuntimeError: bad kernel"
+    executor.error_next_step = RuntimeError("bad kernel")
     with httpx.stream("POST", fake_server.base_url + "/v1/completions", timeout=30,
                       headers={"authorization": f"Bearer {API_KEY}"},
                       json={"model": MODEL, "prompt": "unlucky", "max_tokens": 3, "stream": True}) as response:
@@ -355,9 +356,9 @@ def test_engine_failure_reaches_waiting_requests(tokenizer):
             result = {}
             worker = threading.Thread(target=lambda: result.update(r=http.post("/v1/completions", json=body)))
             worker.start()
-            while not engine.engine_core.requests:
+            while not engine.engine_core.scheduler.requests:
                 time.sleep(0.01)
-            engine.engine_core.fail_next_step = RuntimeError("device lost")
+            engine.engine_core.executor.fail_next_step = RuntimeError("device lost")
             worker.join(20)
             response = result["r"]
             assert response.status_code == 503
@@ -391,4 +392,4 @@ def test_shutdown_with_streams_in_flight_does_not_hang(tokenizer):
     assert time.monotonic() - started < 15
     reader.join(10)
     assert not reader.is_alive()
-    assert engine.engine_core.shut_down and not engine.engine_core.requests
+    assert engine.engine_core.executor.is_shut_down and not engine.engine_core.scheduler.requests

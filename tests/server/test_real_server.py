@@ -140,11 +140,11 @@ def test_bad_inputs_then_still_correct(server, client):
 
 def test_metrics_idle_after_requests(server):
     values = wait_for_idle(server.base_url, idle_kv_usage=0.0)
-    assert values["kvserve_num_requests_running"] == 0
-    assert values["kvserve_kv_cache_usage_perc"] == 0
-    assert values[f'kvserve_generation_tokens_total{{model_name="{MODEL}"}}'] > 0
-    assert values[f'kvserve_time_to_first_token_seconds_count{{model_name="{MODEL}"}}'] > 0
-    assert values["kvserve_prefix_cache_hits_total"] > 0
+    assert values["vllm:num_requests_running"] == 0
+    assert values["vllm:kv_cache_usage_perc"] == 0
+    assert values["vllm:generation_tokens_total"] > 0
+    assert values["vllm:time_to_first_token_seconds_count"] > 0
+    assert values["vllm:prefix_cache_hits_total"] > 0
     assert 0 < values["kvserve_prefix_cache_hit_rate"] <= 1
 
 
@@ -191,16 +191,16 @@ def run_load(base_url: str, num_clients: int, num_requests: int, max_tokens: int
         await aclient.close()
         return expected, [r for results in per_client for r in results]
 
-    idle_kv_usage = metric_values(base_url)["kvserve_kv_cache_usage_perc"]
+    idle_kv_usage = metric_values(base_url)["vllm:kv_cache_usage_perc"]
     expected, results = asyncio.run(scenario())
     assert len(results) == num_clients * num_requests
     mismatches = [(p, t, n, expected[p]) for p, t, n in results if (t, n) != expected[p]]
     # Greedy decoding in a batch of 64 may flip a near-tie token; allow a sliver.
     assert len(mismatches) <= len(results) // 50, mismatches[:5]
     values = wait_for_idle(base_url, idle_kv_usage)
-    assert values["kvserve_num_requests_running"] == 0
-    assert values["kvserve_num_requests_waiting"] == 0
-    assert values["kvserve_kv_cache_usage_perc"] <= idle_kv_usage + 1e-9
+    assert values["vllm:num_requests_running"] == 0
+    assert values["vllm:num_requests_waiting"] == 0
+    assert values["vllm:kv_cache_usage_perc"] <= idle_kv_usage + 1e-9
 
 
 def test_concurrent_streaming_load(server):
@@ -215,8 +215,8 @@ def test_concurrent_streaming_load_full(server):
 def test_disconnects_abort_and_free_kv(server):
     import asyncio
 
-    idle_kv_usage = metric_values(server.base_url)["kvserve_kv_cache_usage_perc"]
-    aborts_key = f'kvserve_request_success_total{{finished_reason="abort",model_name="{MODEL}"}}'
+    idle_kv_usage = metric_values(server.base_url)["vllm:kv_cache_usage_perc"]
+    aborts_key = 'vllm:request_success_total{finished_reason="abort"}'
     aborts_before = metric_values(server.base_url).get(aborts_key, 0.0)
     num_clients = 20
 
@@ -239,8 +239,8 @@ def test_disconnects_abort_and_free_kv(server):
 
     assert asyncio.run(scenario()) == [3] * num_clients
     values = wait_for_idle(server.base_url, idle_kv_usage)
-    assert values["kvserve_num_requests_running"] == 0
-    assert values["kvserve_kv_cache_usage_perc"] <= idle_kv_usage + 1e-9
+    assert values["vllm:num_requests_running"] == 0
+    assert values["vllm:kv_cache_usage_perc"] <= idle_kv_usage + 1e-9
     assert values[aborts_key] - aborts_before == num_clients
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from tp_helpers import greedy, is_running, make_engine, random_prompts, run_requests, save_tiny_model
 from kvserve.config import ConfigError
-from kvserve.engine.core import EngineCoreRequest, EngineDeadError
+from kvserve.engine.core import EngineCoreRequest
+from kvserve.errors import EngineDeadError
 
 
 def test_killed_worker_makes_the_engine_fail_fast_and_shut_down(tmp_path):

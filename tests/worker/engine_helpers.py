@@ -4,6 +4,7 @@ from __future__ import annotations
 from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore, EngineCoreRequest
 from kvserve.sampling_params import SamplingParams
+from kvserve.testing import assert_pool_whole as assert_scheduler_pool_whole
 from kvserve.worker.executor import UniProcExecutor
 
 
@@ -63,10 +64,4 @@ def run_to_completion(core: EngineCore, prompts: list[list[int]], params, first_
 
 def assert_pool_whole(core: EngineCore) -> None:
     """Every block is back in the free queue and no request holds KV."""
-    scheduler = core.scheduler
-    assert not scheduler.requests
-    assert not scheduler.deferred_frees
-    pool = scheduler.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == core.kv_cache_config.num_blocks - 1
-    if hasattr(pool, "check_invariants"):
-        pool.check_invariants()
+    assert_scheduler_pool_whole(core.scheduler)

@@ -1,0 +1,118 @@
+"""`kvserve bench spec`: speculative decoding on against off, side by side.
+
+Two engines with the same settings are loaded, one with `speculative_config`.
+Each round runs, on both (the order alternates round by round):
+- `grounded`: the input-grounded chats (copy, edit, quote), one at a time;
+- `unrelated`: the unrelated chats, one at a time;
+- `unrelated batch`: all the unrelated chats at once.
+Tokens/s of a scenario is its generated tokens over its wall time; the
+speed-up is the median over rounds of the per-round ratio on / off. Greedy
+outputs of the two engines must be token-identical (reported, per chat).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from kvserve.bench.report import format_table
+from kvserve.bench.spec_chats import GROUNDED_CHATS, UNRELATED_CHATS, as_conversation
+
+DEFAULT_SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 4,
+                              "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+SCENARIOS = ("grounded", "unrelated", "unrelated batch")
+
+
+def _scenario_chats(scenario: str) -> tuple[list[str], list[list[dict]], bool]:
+    """(names, conversations, sent as one batch)."""
+    if scenario == "grounded":
+        return list(GROUNDED_CHATS), [as_conversation(t) for t in GROUNDED_CHATS.values()], False
+    names = [f"unrelated {i}" for i in range(len(UNRELATED_CHATS))]
+    return names, [as_conversation(t) for t in UNRELATED_CHATS], scenario == "unrelated batch"
+
+
+def _run_scenario(llm, scenario: str, params) -> dict[str, Any]:
+    names, conversations, batched = _scenario_chats(scenario)
+    started = time.perf_counter()
+    if batched:
+        outputs = llm.chat(conversations, params, use_tqdm=False)
+    else:
+        outputs = [llm.chat(conversation, params, use_tqdm=False)[0] for conversation in conversations]
+    elapsed_s = time.perf_counter() - started
+    completions = [output.outputs[0] for output in outputs]
+    num_tokens = sum(len(c.token_ids) for c in completions)
+    drafts = [c.spec_decode for c in completions if c.spec_decode is not None]
+    return {
+        "tokens": {name: list(c.token_ids) for name, c in zip(names, completions)},
+        "num_tokens": num_tokens,
+        "elapsed_s": elapsed_s,
+        "tokens_per_s": num_tokens / elapsed_s,
+        "num_drafts": sum(d.num_drafts for d in drafts),
+        "num_draft_tokens": sum(d.num_draft_tokens for d in drafts),
+        "num_accepted_tokens": sum(d.num_accepted_tokens for d in drafts),
+    }
+
+
+def run(*, rounds: int = 3, max_tokens: int = 128, scenarios: tuple[str, ...] = SCENARIOS,
+        speculative_config: dict | str | None = None, **engine_kwargs: Any) -> dict[str, Any]:
+    """Tokens/s with speculation on and off per scenario, per-round ratios and their medians."""
+    from kvserve import LLM, SamplingParams
+    from kvserve.spec_decode.config import SpeculativeConfig
+
+    spec_config = SpeculativeConfig.from_value(speculative_config or DEFAULT_SPECULATIVE_CONFIG)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    engines = {"off": LLM(**engine_kwargs), "on": LLM(speculative_config=spec_config, **engine_kwargs)}
+    try:
+        for llm in engines.values():  # warm-up: kernels, caches, first-call costs
+            llm.chat(as_conversation("Say hello."), SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+        per_round = []
+        for round_index in range(rounds):
+            order = ["off", "on"] if round_index % 2 == 0 else ["on", "off"]
+            measured = {scenario: {name: _run_scenario(engines[name], scenario, params) for name in order}
+                        for scenario in scenarios}
+            per_round.append(measured)
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+    return _summarize(per_round, scenarios, spec_config, engine_kwargs, max_tokens)
+
+
+def _summarize(per_round: list[dict], scenarios: tuple[str, ...], spec_config, engine_kwargs: dict,
+               max_tokens: int) -> dict[str, Any]:
+    rows = []
+    for scenario in scenarios:
+        runs = [measured[scenario] for measured in per_round]
+        ratios = [run["on"]["tokens_per_s"] / run["off"]["tokens_per_s"] for run in runs]
+        mismatched = sorted({name for run in runs for name, tokens in run["on"]["tokens"].items()
+                             if tokens != run["off"]["tokens"][name]})
+        draft_tokens = sum(run["on"]["num_draft_tokens"] for run in runs)
+        drafts = sum(run["on"]["num_drafts"] for run in runs)
+        accepted = sum(run["on"]["num_accepted_tokens"] for run in runs)
+        rows.append({
+            "scenario": scenario,
+            "off_tokens_per_s": [run["off"]["tokens_per_s"] for run in runs],
+            "on_tokens_per_s": [run["on"]["tokens_per_s"] for run in runs],
+            "per_round_ratio": ratios,
+            "median_ratio": statistics.median(ratios),
+            "greedy_outputs_identical": not mismatched,
+            "mismatched_chats": mismatched,
+            "num_drafts": drafts,
+            "num_draft_tokens": draft_tokens,
+            "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
+            "tokens_per_round": runs[0]["on"]["num_tokens"],
+        })
+    return {"speculative_config": vars(spec_config), "engine_kwargs": engine_kwargs, "max_tokens": max_tokens,
+            "rounds": len(per_round), "scenarios": rows,
+            "outputs_last_round": {s: per_round[-1][s]["off"]["tokens"] for s in scenarios}}
+
+
+def format_result(result: dict[str, Any]) -> str:
+    return format_table(
+        ["scenario", "off tok/s", "on tok/s", "median on/off", "identical", "accept rate", "mean acc. len"],
+        [[r["scenario"], statistics.median(r["off_tokens_per_s"]), statistics.median(r["on_tokens_per_s"]),
+          f"{r['median_ratio']:.2f}x", "yes" if r["greedy_outputs_identical"] else "NO",
+          r["acceptance_rate"], r["mean_accepted_length"]] for r in result["scenarios"]],
+        title=(f"spec: ngram k={result['speculative_config']['num_speculative_tokens']}, "
+               f"{result['rounds']} rounds, max_tokens {result['max_tokens']}"))

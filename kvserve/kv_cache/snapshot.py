@@ -1,0 +1,136 @@
+"""A point-in-time picture of the KV cache, read from the block pool itself.
+
+Every block of the pool (the null block aside) is in exactly one state:
+  * in use: held (ref count > 0) by a request table, a pending CoW copy or a
+    deferred free that waits on an in-flight step;
+  * cached: free, but still carrying a prefix-cache key, so a later prompt can
+    hit it until the free queue hands it out (and evicts it);
+  * free: free and empty.
+So `num_blocks == blocks_in_use + blocks_cached + blocks_free` by construction.
+All groups draw from one pool; each group's entry adds what is its own (blocks
+in its request tables, cached blocks keyed for it). Never holds token ids.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from kvserve.kv_cache.block_pool import BlockPool
+from kvserve.kv_cache.interface import CircularBufferSpec, KVCacheSpec, SlidingWindowSpec
+from kvserve.kv_cache.utils import KVCacheBlock, get_group_id
+
+DEFAULT_EVICTION_HEAD_LEN = 16
+
+
+@dataclass(frozen=True)
+class PoolBlockCounts:
+    """The pool's usable blocks split by state (sums to `num_blocks`)."""
+
+    num_blocks: int
+    blocks_in_use: int
+    blocks_cached: int
+    blocks_free: int
+
+
+@dataclass(frozen=True)
+class EvictionQueueEntry:
+    """One block at the head of the free queue: handed out (and evicted) first."""
+
+    block_id: int
+    hashed: bool
+    group_id: int | None  # the group its prefix-cache key belongs to, when hashed
+
+
+@dataclass(frozen=True)
+class KVGroupSnapshot:
+    """One KV-cache group: its spec, the shared pool's counts, and its own share."""
+
+    group_id: int
+    kind: str
+    block_size: int
+    sliding_window: int | None
+    num_layers: int
+    pool: PoolBlockCounts
+    blocks_in_tables: int
+    blocks_cached_for_group: int
+
+
+@dataclass(frozen=True)
+class KVCacheSnapshot:
+    """The whole cache: pool counts, groups and the head of the eviction queue."""
+
+    block_size: int
+    hash_block_size: int
+    enable_caching: bool
+    pool: PoolBlockCounts
+    groups: list[KVGroupSnapshot]
+    eviction_queue_head: list[EvictionQueueEntry] = field(default_factory=list)
+    num_evictions: int = 0
+
+
+def kv_cache_kind(spec: KVCacheSpec) -> str:
+    """"full", "sliding_window" or "circular_buffer"."""
+    if isinstance(spec, CircularBufferSpec):
+        return "circular_buffer"
+    if isinstance(spec, SlidingWindowSpec):
+        return "sliding_window"
+    return "full"
+
+
+def _free_blocks(pool: BlockPool) -> Iterator[KVCacheBlock]:
+    # Walks the intrusive list in eviction order without copying it.
+    queue = pool.free_block_queue
+    block = queue._head.next_free_block  # noqa: SLF001 - read-only walk of the pool's own list
+    while block is not None and block is not queue._tail:  # noqa: SLF001
+        yield block
+        block = block.next_free_block
+
+
+def count_pool_blocks(pool: BlockPool) -> tuple[PoolBlockCounts, dict[int, int]]:
+    """The pool's counts and, per group id, its cached (free, hashed) blocks."""
+    cached_by_group: dict[int, int] = {}
+    num_cached = 0
+    for block in _free_blocks(pool):
+        key = block.block_hash
+        if key is not None:
+            num_cached += 1
+            group_id = get_group_id(key)
+            cached_by_group[group_id] = cached_by_group.get(group_id, 0) + 1
+    num_free = pool.get_num_free_blocks()
+    num_usable = pool.num_gpu_blocks - 1
+    counts = PoolBlockCounts(num_blocks=num_usable, blocks_in_use=num_usable - num_free,
+                             blocks_cached=num_cached, blocks_free=num_free - num_cached)
+    return counts, cached_by_group
+
+
+def eviction_queue_head(pool: BlockPool, max_len: int = DEFAULT_EVICTION_HEAD_LEN) -> list[EvictionQueueEntry]:
+    """The first `max_len` blocks of the free queue, next to be handed out first."""
+    head = []
+    for block in _free_blocks(pool):
+        if len(head) >= max_len:
+            break
+        key = block.block_hash
+        head.append(EvictionQueueEntry(block.block_id, key is not None,
+                                       None if key is None else get_group_id(key)))
+    return head
+
+
+def snapshot_kv_cache(manager, eviction_head_len: int = DEFAULT_EVICTION_HEAD_LEN) -> KVCacheSnapshot:
+    """A `KVCacheSnapshot` of a `KVCacheManager`; call it from the thread that owns it."""
+    pool = manager.block_pool
+    counts, cached_by_group = count_pool_blocks(pool)
+    groups = []
+    for group_id, (group, single) in enumerate(zip(manager.kv_cache_config.kv_cache_groups,
+                                                   manager.coordinator.single_type_managers)):
+        spec = group.kv_cache_spec
+        held_ids = {block.block_id for blocks in single.req_to_blocks.values()
+                    for block in blocks if not block.is_null}
+        groups.append(KVGroupSnapshot(
+            group_id=group_id, kind=kv_cache_kind(spec), block_size=spec.block_size,
+            sliding_window=getattr(spec, "sliding_window", None), num_layers=len(group.layer_names),
+            pool=counts, blocks_in_tables=len(held_ids),
+            blocks_cached_for_group=cached_by_group.get(group_id, 0)))
+    return KVCacheSnapshot(
+        block_size=manager.scheduler_block_size, hash_block_size=manager.hash_block_size,
+        enable_caching=manager.enable_caching, pool=counts, groups=groups,
+        eviction_queue_head=eviction_queue_head(pool, eviction_head_len), num_evictions=pool.num_evictions)

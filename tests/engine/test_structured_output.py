@@ -1,0 +1,108 @@
+"""Structured output through `kvserve.LLM` with the default model (SmolLM2-135M)."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.model.grammar import StructuredOutputError
+from kvserve.sampling_params import StructuredOutputsParams as Constraint
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+ASK = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["async", "sync"])
+def llm(request):
+    engine = LLM(kv_cache_memory="48MiB", max_model_len=512, max_num_seqs=16,
+                 async_scheduling=request.param)
+    yield engine
+    engine.shutdown()
+
+
+def test_json_schema_under_every_sampling_mode(llm):
+    modes = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3),
+             SamplingParams(temperature=0.9, top_k=5, top_p=0.8, seed=4),
+             SamplingParams(temperature=1.0, min_p=0.2, seed=5),
+             SamplingParams(temperature=0.7, presence_penalty=1.5, frequency_penalty=1.0,
+                            repetition_penalty=1.3, seed=6),
+             SamplingParams(temperature=0.0, logprobs=3),
+             SamplingParams(temperature=1.0, n=3, seed=7)]
+    params = [SamplingParams(**{**vars(p), "max_tokens": 80, "structured_outputs": Constraint(json=PERSON)})
+              for p in modes]
+    outputs = llm.chat([ASK] * len(params), params, use_tqdm=False)
+    for output in outputs:
+        for completion in output.outputs:
+            assert completion.finish_reason == "stop", completion
+            jsonschema.validate(json.loads(completion.text), PERSON)
+
+
+def test_choice_regex_grammar_and_json_object(llm):
+    params = [Constraint(choice=["red", "green", "blue"]), Constraint(regex=r"[0-9]{3}-[0-9]{4}"),
+              Constraint(grammar='root ::= "(" [a-z]+ ")"'), Constraint(json_object=True)]
+    outputs = llm.chat([ASK] * len(params), [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=c)
+                                             for c in params], use_tqdm=False)
+    texts = [o.outputs[0].text for o in outputs]
+    assert texts[0] in ("red", "green", "blue")
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", texts[1])
+    assert outputs[2].outputs[0].finish_reason == "length" or re.fullmatch(r"\([a-z]+\)", texts[2])
+    assert isinstance(json.loads(texts[3]), dict)
+
+
+def test_max_tokens_before_the_grammar_ends_is_length(llm):
+    (output,) = llm.chat([ASK], SamplingParams(temperature=0.0, max_tokens=4,
+                                               structured_outputs=Constraint(json=PERSON)), use_tqdm=False)
+    assert output.outputs[0].finish_reason == "length"
+    assert len(output.outputs[0].token_ids) == 4
+
+
+def test_preemption_and_recompute_keep_the_grammar_state():
+    # A KV pool of 16 blocks for 8 requests that grow to ~6 blocks each: requests are
+    # preempted, and resumed requests rebuild their matcher from their tokens so far.
+    people = {"type": "array", "items": PERSON, "minItems": 3, "maxItems": 3}
+    with LLM(kv_cache_memory="12MiB", max_model_len=512, max_num_seqs=8) as small:
+        params = SamplingParams(temperature=0.0, max_tokens=100, structured_outputs=Constraint(json=people))
+        outputs = small.chat([ASK] * 8, params, use_tqdm=False)
+        assert small.engine_core.scheduler.num_preemptions > 0
+    for output in outputs:
+        if output.outputs[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(output.outputs[0].text), people)
+        else:
+            assert len(output.outputs[0].token_ids) == 100
+
+
+def test_logit_bias_forces_and_bans_tokens(llm):
+    tokenizer = llm.get_tokenizer()
+    (forced,) = tokenizer.encode(" banana", add_special_tokens=False)[:1]
+    (output,) = llm.chat([ASK], SamplingParams(temperature=0.0, max_tokens=3, logit_bias={forced: 100}),
+                         use_tqdm=False)
+    assert output.outputs[0].token_ids == [forced] * 3
+    (plain,) = llm.chat([ASK], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    first = plain.outputs[0].token_ids[0]
+    (banned,) = llm.chat([ASK], SamplingParams(temperature=0.0, max_tokens=1, logit_bias={first: -100}),
+                         use_tqdm=False)
+    assert banned.outputs[0].token_ids[0] != first
+
+
+def test_bad_constraint_raises_before_anything_runs(llm):
+    with pytest.raises(StructuredOutputError, match="regex"):
+        llm.generate(["a", "b"], [SamplingParams(), SamplingParams(structured_outputs=Constraint(regex="(a"))],
+                     use_tqdm=False)
+    (after,) = llm.generate(["hello"], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    assert len(after.outputs[0].token_ids) == 2
+
+
+def test_speculative_drafts_are_masked_and_greedy_output_is_unchanged(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=Constraint(json=PERSON))
+    conversation = [{"role": "user", "content": 'Repeat exactly: {"name": "Ann", "age": 7} {"name": "Ann", "age": 7}'}]
+    (plain,) = llm.chat([conversation], params, use_tqdm=False)
+    with LLM(kv_cache_memory="32MiB", max_model_len=512, max_num_seqs=4,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}) as spec:
+        (drafted,) = spec.chat([conversation], params, use_tqdm=False)
+    assert drafted.outputs[0].token_ids == plain.outputs[0].token_ids
+    jsonschema.validate(json.loads(drafted.outputs[0].text), PERSON)
