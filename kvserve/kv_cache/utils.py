@@ -301,7 +301,7 @@ class BlockHashListWithBlockSize:
 
 
 # The layout builder lives in `layout`; it is re-exported here, where vLLM keeps it.
-from kvserve.kv_cache.layout import (  # noqa: E402
+from kvserve.kv_cache.layout import (  # noqa: E402, F401 - re-exported
     get_default_hash_block_size,
     get_kv_cache_config,
     get_scheduler_block_size,

@@ -46,6 +46,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="seconds open requests may run after SIGINT/SIGTERM (default 10)")
     group.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
+    group.add_argument("--headless", action="store_true",
+                       help="multi-node TP, nodes 1..K-1: run only this node's ranks (no engine, no server)")
     return parser
 
 
@@ -74,6 +76,10 @@ def run(args: Any) -> int:
     """Serve until SIGINT/SIGTERM; returns the process exit code."""
     import uvicorn
 
+    if getattr(args, "headless", False):
+        from kvserve.engine.arg_utils import engine_config_from_args
+        from kvserve.worker.multinode import run_headless
+        return run_headless(engine_config_from_args(args))
     app, engine = build_from_args(args)
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level,
