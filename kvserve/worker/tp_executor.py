@@ -33,8 +33,9 @@ from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
 from kvserve.kv_cache.interface import KVCacheConfig, KVCacheSpec
-from kvserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.messages import ModelRunnerOutput, SchedulerOutput
 from kvserve.worker.executor import Executor, ExecutorDeadError
+from kvserve.worker.multinode import NodeLayout, RemoteRankListener, cluster_identity, join_timeout_s
 from kvserve.worker.tp_worker import (DRIVER_RANK, WorkerCall, WorkerInit, WorkerReply, distributed_backend,
                                       rank_device, worker_main)
 
@@ -98,6 +99,16 @@ def check_devices(device: str, tp_size: int) -> None:
                           f"but {available} are visible (one GPU per rank)")
 
 
+def worker_init(engine_config, rank: int, local_rank: int, init_method: str, num_threads: int,
+                collective_timeout_s: float) -> WorkerInit:
+    """The WorkerInit of global `rank`, the `local_rank`-th on its node (which picks its GPU)."""
+    return WorkerInit(
+        rank=rank, world_size=engine_config.parallel_config.tensor_parallel_size,
+        backend=distributed_backend(engine_config.device, engine_config.parallel_config.distributed_backend),
+        init_method=init_method, device=rank_device(engine_config.device, local_rank),
+        num_threads=num_threads, collective_timeout_s=collective_timeout_s)
+
+
 class _PendingCall:
     """A call sent to every rank, waiting for their replies."""
 
@@ -115,8 +126,13 @@ class TPExecutor(Executor):
         import torch.multiprocessing as torch_mp
 
         self.world_size = engine_config.parallel_config.tensor_parallel_size
+        self.layout = NodeLayout.from_parallel_config(engine_config.parallel_config)
+        if self.layout.node_rank != 0:
+            from kvserve.config import ConfigError
+            raise ConfigError(f"node rank {self.layout.node_rank} does not run the engine: start it with "
+                              "`kvserve serve ... --headless` (only node 0 runs the engine and the server)")
         check_model_splits(engine_config.model_config, self.world_size)
-        check_devices(engine_config.device, self.world_size)
+        check_devices(engine_config.device, self.layout.ranks_per_node)
         self.backend = distributed_backend(engine_config.device,
                                            engine_config.parallel_config.distributed_backend)
         self._dead_reason: str | None = None
@@ -124,25 +140,35 @@ class TPExecutor(Executor):
         self._pending_changed = threading.Condition(self._lock)
         self._rendezvous_dir = tempfile.mkdtemp(prefix="kvserve-tp-")
         weakref.finalize(self, shutil.rmtree, self._rendezvous_dir, True)
-        self._processes, self._conns = [], []
+        # By rank; a remote rank (another node) has a connection but no local process.
+        self._processes: list = []
+        self._conns: list = []
         self._receiver = threading.Thread(target=self._receive_loop, name="kvserve-tp-receiver", daemon=True)
+        listener = None
+        if self.layout.nnodes > 1:
+            # Bound before any rank starts, so a port in use fails at once.
+            listener = RemoteRankListener(self.layout, cluster_identity(engine_config))
+            init_method = self.layout.torch_init_method
+        else:
+            init_method = "file://" + os.path.join(self._rendezvous_dir, "rendezvous")
         try:
             context = torch_mp.get_context("spawn")
-            for rank in range(self.world_size):
-                self._start_worker(context, rank)
+            for rank in self.layout.ranks_on(0):
+                self._start_worker(context, rank, init_method)
+            if listener is not None:
+                self._join_remote_ranks(listener)
             self._receiver.start()
             self._call_all("startup", send=False)
         except BaseException:
+            if listener is not None:
+                listener.close()
             self.shutdown()
             raise
         logger.info("tensor parallel: %d ranks up (%s, %s)", self.world_size, self.backend, engine_config.device)
 
-    def _start_worker(self, context, rank: int) -> None:
-        init = WorkerInit(
-            rank=rank, world_size=self.world_size, backend=self.backend,
-            init_method="file://" + os.path.join(self._rendezvous_dir, "rendezvous"),
-            device=rank_device(self.engine_config.device, rank),
-            num_threads=threads_per_rank(self.world_size), collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+    def _start_worker(self, context, rank: int, init_method: str) -> None:
+        init = worker_init(self.engine_config, rank, rank, init_method,
+                           threads_per_rank(self.layout.ranks_per_node), COLLECTIVE_TIMEOUT_S)
         parent_conn, child_conn = context.Pipe(duplex=True)
         process = context.Process(target=worker_main, args=(self.engine_config, init, child_conn),
                                   name=f"kvserve-tp-rank{rank}", daemon=True)
@@ -151,10 +177,28 @@ class TPExecutor(Executor):
         self._processes.append(process)
         self._conns.append(parent_conn)
 
+    def _join_remote_ranks(self, listener: RemoteRankListener) -> None:
+        """Wait (bounded) for every other node's ranks to connect; they take ranks after node 0's."""
+
+        def check_local() -> None:
+            for rank, process in enumerate(self._processes):
+                if not process.is_alive():
+                    raise ExecutorDeadError(f"tensor-parallel worker rank {rank} (node 0, pid {process.pid}) "
+                                            f"exited with code {process.exitcode} while waiting for the other nodes")
+
+        remote = listener.accept_all(join_timeout_s(), check_local)
+        for rank in sorted(remote):
+            self._processes.append(None)
+            self._conns.append(remote[rank])
+
+    def _where(self, rank: int) -> str:
+        """'rank R on node N' for messages that must say which machine to look at."""
+        return f"rank {rank} on node {self.layout.node_of(rank)}"
+
     @property
     def worker_pids(self) -> list[int]:
-        """Process ids of the ranks' workers, by rank."""
-        return [process.pid for process in self._processes]
+        """Process ids of this node's ranks' workers, by rank (the other nodes' ranks are not listed)."""
+        return [process.pid for process in self._processes if process is not None]
 
     # ---- the Executor interface ---------------------------------------------------
 
@@ -223,13 +267,14 @@ class TPExecutor(Executor):
 
     def _receive_loop(self) -> None:
         """Pair replies with pending calls, oldest first; watch for dead workers meanwhile."""
-        sentinels = {process.sentinel: rank for rank, process in enumerate(self._processes)}
+        sentinels = {process.sentinel: rank for rank, process in enumerate(self._processes) if process is not None}
         conns = {conn: rank for rank, conn in enumerate(self._conns)}
         while True:
             with self._lock:
                 while not self._pending and not self._is_shut_down and self._dead_reason is None:
                     self._pending_changed.wait(timeout=IDLE_HEALTH_CHECK_S)
                     self._check_processes()
+                    self._check_idle_remote_ranks()
                 if self._is_shut_down or self._dead_reason is not None:
                     return
                 call = self._pending[0]
@@ -249,6 +294,11 @@ class TPExecutor(Executor):
         try:
             call.replies[rank] = conn.recv()
         except (EOFError, OSError):
+            if self._processes[rank] is None:
+                with self._lock:
+                    self._mark_dead(f"lost the connection to tensor-parallel {self._where(rank)}: "
+                                    "the rank or its node died")
+                return
             # The pipe closes a moment before the process can be reaped: wait for its exit code.
             self._processes[rank].join(timeout=2.0)
             with self._lock:
@@ -280,7 +330,7 @@ class TPExecutor(Executor):
         if self._dead_reason is not None or self._is_shut_down:
             return
         for rank, process in enumerate(self._processes):
-            if not process.is_alive():
+            if process is not None and not process.is_alive():
                 reason = (f"tensor-parallel worker rank {rank} (pid {process.pid}) exited "
                           f"unexpectedly with exit code {process.exitcode}")
                 replies = self._pending[0].replies.values() if self._pending else ()
@@ -288,6 +338,23 @@ class TPExecutor(Executor):
                 if errors:
                     reason += f"; rank {errors[0].rank} reported {errors[0].error}"
                 self._mark_dead(reason)
+                return
+
+    def _check_idle_remote_ranks(self) -> None:
+        """(Lock held, no call pending.) A remote rank's connection that is readable now can only
+        be closing: its rank or node died."""
+        if self._dead_reason is not None or self._is_shut_down or self._pending:
+            return
+        for rank, (process, conn) in enumerate(zip(self._processes, self._conns)):
+            if process is not None:
+                continue
+            try:
+                closing = conn.poll()
+            except (EOFError, OSError):
+                closing = True
+            if closing:
+                self._mark_dead(f"lost the connection to tensor-parallel {self._where(rank)}: "
+                                "the rank or its node died")
                 return
 
     def _mark_dead(self, reason: str) -> None:
@@ -303,8 +370,14 @@ class TPExecutor(Executor):
             if not call.future.done():
                 call.future.set_exception(error)
         self._pending_changed.notify_all()
-        for process in self._processes:
-            if process.is_alive():
+        for process, conn in zip(self._processes, self._conns):
+            if process is None:
+                # Another node's rank: ask it to exit (it may be waiting for the next call).
+                try:
+                    conn.send(WorkerCall("shutdown"))
+                except (BrokenPipeError, OSError):
+                    pass
+            elif process.is_alive():
                 process.terminate()
 
     def _fail_pending(self, error: Exception) -> None:
@@ -316,6 +389,8 @@ class TPExecutor(Executor):
 
     def _stop_workers(self) -> None:
         for process in self._processes:
+            if process is None:
+                continue
             process.join(timeout=WORKER_EXIT_GRACE_S)
             if process.is_alive():
                 logger.warning("tensor-parallel worker %s did not exit; terminating it", process.name)

@@ -1,0 +1,173 @@
+"""Tensor parallelism across two "nodes" on loopback: separate process trees.
+
+Node 1 is `kvserve serve --headless` in its own process (and session); node 0
+is an EngineCore in this process. The oracle is the same engine at TP=1 with
+the same number of KV blocks: greedy tokens must be identical, with prefix
+hits (partial-block CoW copies) and preemption in play.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tp_helpers import greedy, make_engine, random_prompts, run_requests, save_tiny_model
+from helpers.server_process import free_port
+from kvserve.config import ConfigError
+from kvserve.engine.core import EngineCoreRequest
+from kvserve.errors import EngineDeadError
+from kvserve.worker.multinode import NodeJoinError
+
+KV_BYTES_TP1 = 48 * 1024
+ENGINE_SETTINGS = dict(block_size=4, hash_block_size=2, max_num_seqs=6, max_num_batched_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return save_tiny_model("llama_gqa", tmp_path_factory.mktemp("tiny-llama"))
+
+
+def _two_free_ports() -> int:
+    """A port P with P and P+1 both free on 127.0.0.1."""
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+class HeadlessNode:
+    """`kvserve serve --headless` for node `node_rank`, in its own session (a separate process tree)."""
+
+    def __init__(self, model_path: str, port: int, *, node_rank: int = 1, tp: int = 2, nnodes: int = 2,
+                 extra: tuple[str, ...] = (), join_timeout_s: float = 60.0) -> None:
+        env = {**os.environ, "KVSERVE_NODE_JOIN_TIMEOUT_S": str(join_timeout_s), "OMP_NUM_THREADS": "1"}
+        command = [sys.executable, "-m", "kvserve.cli", "serve", "--model", model_path, "--device", "cpu",
+                   "-tp", str(tp), "--nnodes", str(nnodes), "--node-rank", str(node_rank),
+                   "--master-addr", "127.0.0.1", "--master-port", str(port), "--headless",
+                   "--kv-cache-memory", str(KV_BYTES_TP1 // 2), "--block-size", "4", *extra]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        env=env, start_new_session=True)
+
+    def wait(self, timeout_s: float = 60.0) -> tuple[int, str]:
+        try:
+            output, _ = self.process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            output, _ = self.process.communicate()
+            raise AssertionError(f"the headless node did not exit within {timeout_s} s:\n{output[-3000:]}")
+        return self.process.returncode, output
+
+    def rank_pids(self) -> list[int]:
+        children = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True)
+        return [int(pid) for pid in children.stdout.split()]
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+
+def _node0_engine(model_path: str, port: int, **overrides):
+    settings = dict(ENGINE_SETTINGS, kv_cache_memory=KV_BYTES_TP1 // 2, nnodes=2, node_rank=0,
+                    master_addr="127.0.0.1", master_port=port)
+    settings.update(overrides)
+    return make_engine(model_path, 2, **settings)
+
+
+def _workload() -> list[list[int]]:
+    shared = list(range(3, 22))
+    first = random_prompts(6, 4, 26, seed=1, shared_prefix=shared)
+    return first + [prompt[:len(prompt) - 3] + [5, 6] for prompt in first[:4]]
+
+
+def test_two_nodes_give_the_tokens_of_one_rank(model_path, monkeypatch):
+    monkeypatch.setenv("KVSERVE_NODE_JOIN_TIMEOUT_S", "120")
+    prompts = _workload()
+    with make_engine(model_path, 1, kv_cache_memory=KV_BYTES_TP1, **ENGINE_SETTINGS) as single:
+        expected = run_requests(single, prompts, greedy(12))
+        single_stats = single.get_stats()
+    port = _two_free_ports()
+    node1 = HeadlessNode(model_path, port)
+    try:
+        with _node0_engine(model_path, port) as core:
+            assert core.kv_cache_config.num_blocks == single.kv_cache_config.num_blocks
+            got = run_requests(core, prompts, greedy(12))
+            stats = core.get_stats()
+        code, output = node1.wait()
+    finally:
+        node1.kill()
+    assert got == expected
+    assert stats.num_preemptions > 0 and stats.num_preemptions == single_stats.num_preemptions
+    assert code == 0, output[-3000:]
+
+
+def test_a_node_that_never_arrives_stops_the_start(model_path, monkeypatch):
+    monkeypatch.setenv("KVSERVE_NODE_JOIN_TIMEOUT_S", "4")
+    started = time.monotonic()
+    with pytest.raises(NodeJoinError, match=r"node 1 \(ranks 1-1\) did not join within 4 s"):
+        _node0_engine(model_path, _two_free_ports())
+    assert time.monotonic() - started < 60
+
+
+def test_a_killed_remote_rank_stops_the_engine_naming_node_and_rank(model_path, monkeypatch):
+    monkeypatch.setenv("KVSERVE_NODE_JOIN_TIMEOUT_S", "120")
+    port = _two_free_ports()
+    node1 = HeadlessNode(model_path, port)
+    try:
+        core = _node0_engine(model_path, port)
+        try:
+            run_requests(core, _workload()[:2], greedy(4))
+            for pid in node1.rank_pids():
+                os.kill(pid, signal.SIGKILL)
+            core.add_request(EngineCoreRequest("late", [5, 6, 7, 8], greedy(50)))
+            with pytest.raises(EngineDeadError, match="rank 1 on node 1"):
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    core.step()
+        finally:
+            core.shutdown()
+        code, output = node1.wait()
+    finally:
+        node1.kill()
+    assert code != 0, output[-3000:]
+    assert "rank 1 on node 1" in output
+
+
+def test_mismatched_nodes_fail_at_start_with_the_reason(model_path, monkeypatch):
+    monkeypatch.setenv("KVSERVE_NODE_JOIN_TIMEOUT_S", "60")
+    port = _two_free_ports()
+    node1 = HeadlessNode(model_path, port, extra=("--max-model-len", "64"))
+    try:
+        with pytest.raises(NodeJoinError, match="max_model_len 64 here"):
+            _node0_engine(model_path, port)
+        code, output = node1.wait()
+    finally:
+        node1.kill()
+    assert code != 0 and "max_model_len 64 here" in output
+
+
+def test_bad_layouts_and_ports_are_refused_before_any_rank_starts(model_path):
+    with pytest.raises(ConfigError, match="node_rank must be in"):
+        _node0_engine(model_path, 29500, node_rank=2)
+    with pytest.raises(ConfigError, match="multiple of nnodes"):
+        make_engine(model_path, 2, nnodes=3, **ENGINE_SETTINGS)
+    with pytest.raises(ConfigError, match="--headless"):
+        _node0_engine(model_path, 29500, node_rank=1)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        with pytest.raises(ConfigError, match="choose another --master-port"):
+            _node0_engine(model_path, busy.getsockname()[1])
+    code = subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", "--model", model_path, "--device", "cpu",
+                           "-tp", "2", "--nnodes", "2", "--node-rank", "0", "--headless"],
+                          capture_output=True, text=True, timeout=120)
+    assert code.returncode != 0 and "--headless is for nodes 1..K-1" in code.stderr
