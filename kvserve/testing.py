@@ -25,7 +25,7 @@ from kvserve.kv_cache.interface import FullAttentionSpec, KVCacheConfig, KVCache
 from kvserve.model.config import ModelConfig
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from kvserve.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.worker.executor import Executor, ExecutorDeadError
 

@@ -27,7 +27,7 @@ from kvserve.kv_cache.interface import KVCacheConfig
 from kvserve.kv_cache.utils import get_kv_cache_config
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from kvserve.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.stats import SchedulerStats
 from kvserve.worker.executor import Executor

@@ -24,7 +24,7 @@ from kvserve.engine.outputs import (
     SpecDecodeMetrics,
 )
 from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler.output import EngineCoreOutput, TokenLogprobs
+from kvserve.messages import EngineCoreOutput, TokenLogprobs
 
 if TYPE_CHECKING:
     from kvserve.engine.core import EngineCoreRequest

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.model.sampler import Sampler, SamplingTensors, gather_logprobs
-from kvserve.scheduler.output import TokenLogprobs
+from kvserve.messages import TokenLogprobs
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler.output import TokenLogprobs
+from kvserve.messages import TokenLogprobs
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:

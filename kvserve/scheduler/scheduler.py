@@ -28,7 +28,7 @@ from kvserve.kv_cache.utils import KVCacheBlock
 from kvserve.request import Request, RequestStatus
 from kvserve.scheduler.admission import max_tokens_in_pool
 from kvserve.scheduler.deferred_free import DeferredBlockFrees, drain_ready, free_or_defer
-from kvserve.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from kvserve.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvserve.scheduler.pause import PAUSE_MODES, PauseState
 from kvserve.scheduler.preemption import pick_victim, reset_for_recompute
 from kvserve.scheduler.request_queue import create_request_queue

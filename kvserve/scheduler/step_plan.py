@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from kvserve.kv_cache.utils import KVCacheBlockCopy
 from kvserve.request import Request
-from kvserve.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from kvserve.messages import CachedRequestData, NewRequestData, SchedulerOutput
 
 BlockIdsByGroup = tuple[list[int], ...]
 
@@ -103,7 +103,7 @@ def build_scheduler_output(
 def _new_request_data(request: Request, block_ids: BlockIdsByGroup, with_outputs: bool) -> NewRequestData:
     return NewRequestData(
         req_id=request.request_id,
-        prompt_token_ids=request.prompt_token_ids,
+        prompt_token_ids=list(request.prompt_token_ids),  # a copy: the message is a value
         sampling_params=request.sampling_params,
         block_ids=block_ids,
         num_computed_tokens=request.num_computed_tokens,

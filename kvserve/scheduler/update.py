@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvserve.request import Request, RequestStatus
-from kvserve.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from kvserve.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvserve.scheduler.stop import check_stop
 
 if TYPE_CHECKING:

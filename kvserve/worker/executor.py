@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from kvserve.kv_cache.interface import KVCacheConfig, KVCacheSpec
-from kvserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.messages import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig

@@ -18,7 +18,7 @@ import numpy as np
 
 from kvserve.kv_cache.interface import KVCacheSpec, cdiv
 from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler.output import NewRequestData, SchedulerOutput
+from kvserve.messages import NewRequestData, SchedulerOutput
 
 
 class InputPreparationError(RuntimeError):

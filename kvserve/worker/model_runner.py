@@ -21,7 +21,7 @@ from kvserve.model.loader import load_model
 from kvserve.model.rejection_sampler import verify_drafts
 from kvserve.model.sampler import Sampler, SamplingTensors, make_generator
 from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.messages import ModelRunnerOutput, SchedulerOutput
 from kvserve.worker.input_batch import InputBatch, PreparedBatch
 from kvserve.worker.logits_constraints import LogitsConstraints
 

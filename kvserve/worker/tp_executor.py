@@ -33,7 +33,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
 from kvserve.kv_cache.interface import KVCacheConfig, KVCacheSpec
-from kvserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.messages import ModelRunnerOutput, SchedulerOutput
 from kvserve.worker.executor import Executor, ExecutorDeadError
 from kvserve.worker.multinode import NodeLayout, RemoteRankListener, cluster_identity, join_timeout_s
 from kvserve.worker.tp_worker import (DRIVER_RANK, WorkerCall, WorkerInit, WorkerReply, distributed_backend,

@@ -1,7 +1,7 @@
 """Test tokenizers built in memory (no downloads)."""
 from __future__ import annotations
 
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, normalizers
 
 _WORDS = ["hello", "world", "stop", "here", "the", "end", "tok", "en", "izer"]
 

@@ -178,7 +178,7 @@ def test_async_scheduling_keeps_one_step_in_flight(llama_path, async_scheduling)
 
 def test_a_stuck_scheduler_raises_instead_of_hanging(llama_path):
     from kvserve.errors import EngineDeadError
-    from kvserve.scheduler.output import SchedulerOutput
+    from kvserve.messages import SchedulerOutput
 
     core = make_engine(llama_path)
     try:

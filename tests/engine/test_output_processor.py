@@ -9,7 +9,7 @@ import pytest
 
 from kvserve.engine.output_processor import OutputProcessor, child_request_id
 from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler.output import EngineCoreOutput, TokenLogprobs
+from kvserve.messages import EngineCoreOutput, TokenLogprobs
 
 
 class ScriptedEngine:

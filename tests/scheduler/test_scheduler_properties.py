@@ -86,6 +86,8 @@ class FenceChecker:
         self.handed_out: list[int] = []
         self.free_calls: list[list[int]] = []
         self.parked_lists: set[int] = set()
+        # Step sequence number -> the whole group-0 tables of the requests it schedules.
+        self.tables_by_step: dict[int, set[int]] = {}
         self._wrap()
 
     def _wrap(self) -> None:
@@ -125,10 +127,9 @@ class FenceChecker:
         steps = list(self.driver.in_flight)[:-1] if exclude_last else self.driver.in_flight
         return {block_id for out, _ in steps for block_id in self.step_block_ids(out)}
 
-    @staticmethod
-    def step_block_ids(out) -> set[int]:
+    def step_block_ids(self, out) -> set[int]:
         """Blocks of the full-attention group (0) and CoW endpoints the step touches."""
-        ids = set(out._all_block_ids)
+        ids = set(self.tables_by_step[out.step_seq])
         for copy in out.kv_cache_block_copies:
             ids.update((copy.src_block_id, copy.dst_block_id))
         ids.discard(0)
@@ -143,8 +144,8 @@ class FenceChecker:
 
     def after_schedule(self, out) -> None:
         # Remember the whole tables of every request this step reads or writes.
-        out._all_block_ids = {b for req_id in out.num_scheduled_tokens
-                              for b in self.kv.get_block_ids(req_id)[0]}
+        self.tables_by_step[out.step_seq] = {b for req_id in out.num_scheduled_tokens
+                                             for b in self.kv.get_block_ids(req_id)[0]}
         if self.scheduler.defer_block_free:
             fenced = self.referenced_by_unprocessed_steps(exclude_last=True)
             assert not fenced & set(self.handed_out), "handed out a block an unprocessed step references"

@@ -14,7 +14,7 @@ from functools import partial
 
 from kvserve.config import EngineConfig, SchedulerConfig
 from kvserve.engine.core import EngineCore
-from kvserve.scheduler.output import TokenLogprobs
+from kvserve.messages import TokenLogprobs
 from kvserve.testing import FakeExecutor, FakeModelRunner, fake_engine_config
 
 WORDS = (" the quick brown fox jumps over a lazy dog while seven small birds sing"

@@ -14,7 +14,7 @@ import pytest
 from tp_helpers import greedy, make_engine, random_prompts, save_tiny_model
 from kvserve.engine.core import EngineCoreRequest
 from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler.output import EngineCoreOutput
+from kvserve.messages import EngineCoreOutput
 
 # Per-rank KV budgets giving both engines the same number of blocks: at TP=2
 # each rank holds half of the KV heads, so half the bytes per block.

@@ -4,7 +4,7 @@ import pytest
 
 from kvserve.kv_cache.interface import CircularBufferSpec, FullAttentionSpec, SlidingWindowSpec
 from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from kvserve.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from kvserve.worker.input_batch import InputBatch, InputPreparationError
 
 BS = 4

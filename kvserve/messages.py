@@ -1,7 +1,10 @@
-"""Messages between the scheduler and the model runner (and back to the engine).
+"""Messages that cross layers: scheduler -> model runner -> scheduler -> engine.
 
 SchedulerOutput is a diff: new requests come in full, running ones as deltas.
 The runner keeps per-request state between steps and never sees a Request.
+Torch-free and below both the model and the scheduler, so neither imports the
+other. Every message is a frozen, slotted dataclass: a value, built once by its
+sender (NewRequestData copies the prompt ids rather than sharing the live list).
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from kvserve.kv_cache.utils import KVCacheBlockCopy
 from kvserve.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class NewRequestData:
     """A request the runner has not seen, or one resumed after preemption
     (then `output_token_ids` holds the outputs so far and the runner replaces
@@ -25,7 +28,7 @@ class NewRequestData:
     output_token_ids: list[int] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class CachedRequestData:
     """Running requests scheduled again, as parallel lists.
 
@@ -44,7 +47,7 @@ class CachedRequestData:
         return len(self.req_ids)
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     """One step's plan: which requests run how many tokens, on which blocks.
 
@@ -78,7 +81,7 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class TokenLogprobs:
     """Logprobs at one sampled position: the sampled token's and the top N."""
 
@@ -89,7 +92,7 @@ class TokenLogprobs:
     top_logprobs: list[float] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
     """Tokens sampled in one step. `sampled_token_ids[i]` is empty for a request
     whose prefill chunk did not reach its last prompt token. `logprobs[i]`
@@ -102,14 +105,14 @@ class ModelRunnerOutput:
 
     def __post_init__(self) -> None:
         if not self.req_id_to_index:
-            self.req_id_to_index = {rid: i for i, rid in enumerate(self.req_ids)}
+            object.__setattr__(self, "req_id_to_index", {rid: i for i, rid in enumerate(self.req_ids)})
 
     @classmethod
     def make_empty(cls) -> "ModelRunnerOutput":
         return cls([], [])
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class EngineCoreOutput:
     """What one step did for one request, for the engine front-end.
 
