@@ -28,6 +28,7 @@ import tempfile
 import threading
 from importlib import resources
 
+import numpy as np
 import torch
 
 from kvserve.config import cache_root
@@ -208,10 +209,12 @@ def zeros_on_huge_pages(nbytes: int) -> torch.Tensor:
 
     The paged attention kernel reads KV blocks scattered over a large buffer: on
     4 KiB pages nearly every block costs a TLB miss (about 15% of its time).
-    Elsewhere this is a plain `torch.zeros`."""
+    Elsewhere this is a plain `torch.zeros`. The zeros come from calloc (numpy), so
+    the OS supplies zeroed pages on first touch: blocks never used take no memory
+    (`kvserve generate` stays small however large the pool)."""
     if nbytes < 4 * _HUGE_PAGE or not sys.platform.startswith("linux"):
         return torch.zeros(nbytes, dtype=torch.uint8)
-    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)  # untouched: no pages yet
+    raw = torch.from_numpy(np.zeros(nbytes + _HUGE_PAGE, dtype=np.uint8))  # calloc: no pages touched yet
     start = (-raw.data_ptr()) % _HUGE_PAGE
     buffer = raw[start:start + nbytes]
     try:
@@ -220,7 +223,7 @@ def zeros_on_huge_pages(nbytes: int) -> torch.Tensor:
                      _MADV_HUGEPAGE)  # advice only: a refusal leaves ordinary pages
     except (OSError, AttributeError):
         pass
-    return buffer.zero_()
+    return buffer
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
