@@ -13,10 +13,10 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from kvserve.bench.report import bar_plot, default_output_path, environment_info, write_json
+from kvserve.bench.report import bar_plot, default_output_path, environment_info, run_tag, write_json
 
-SUBCOMMANDS = ("roofline", "throughput", "serve", "prefix", "compare", "profile", "scheduler", "kv", "structured",
-               "route", "spec")
+SUBCOMMANDS = ("roofline", "throughput", "serve", "serve-compare", "prefix", "compare", "profile", "scheduler", "kv",
+               "structured", "route", "spec")
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -49,7 +49,9 @@ def run(args: argparse.Namespace) -> int:
     if busiest > (environment.get("cpu_count") or 1):
         print(f"\nnote: load average {busiest:.1f} on {environment.get('cpu_count')} CPUs while measuring: "
               f"other work competed for the cores, so these figures are low")
-    json_path = write_json(args.output_json or default_output_path(name, ".json"), payload)
+    # Comparisons are the figures BENCHMARKS.md cites: each run keeps its own file.
+    tag = "-".join([*_name_list(getattr(args, "workloads", "")), run_tag()]) if name in _NAMED_RUNS else None
+    json_path = write_json(args.output_json or default_output_path(name, ".json", tag), payload)
     print(f"\nJSON: {json_path}")
     if plotter is not None and not args.no_plot:
         png_path = Path(args.output_png) if args.output_png else json_path.with_suffix(".png")
@@ -95,9 +97,10 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def _add_workload_arguments(parser: argparse.ArgumentParser, default_workloads: str) -> None:
     group = parser.add_argument_group("workload")
     group.add_argument("--workloads", default=default_workloads,
-                       help=f"comma-separated: fixed, mixed, single (default {default_workloads})")
+                       help=f"comma-separated: fixed, mixed, single, ragged, prefill (default {default_workloads})")
     group.add_argument("--num-prompts", type=int, default=None,
-                       help="requests per workload (default: fixed 32, mixed 64, single 1)")
+                       help="requests per workload (default: fixed 32, mixed 64, single 1, ragged 16)")
+    group.add_argument("--prefill-len", type=int, default=512, help="prompt tokens of the prefill workload")
     group.add_argument("--prompt-len", type=int, default=64, help="prompt tokens, fixed/single workloads")
     group.add_argument("--output-len", type=int, default=128, help="new tokens, fixed/single workloads")
     group.add_argument("--max-prompt-len", type=int, default=1024, help="clip of the mixed prompt lengths")
@@ -134,6 +137,17 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
 
 
+def _add_serve_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_serve_arguments(parser)
+    parser.set_defaults(num_prompts=32, endpoint="chat")
+    parser.add_argument("--model", default=None, metavar="PATH", help="GGUF both servers load (default model)")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds, alternating which server goes first")
+    parser.add_argument("--kvserve-args", default="", help="extra `kvserve serve` flags, one quoted string")
+    parser.add_argument("--llama-server", default=None, metavar="PATH",
+                        help="llama-server binary (default: llama-server on PATH, else llama_cpp.server)")
+    parser.add_argument("--context-per-slot", type=int, default=2048, help="llama.cpp context per sequence slot")
+
+
 def _add_roofline_json_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--roofline-json", default=None, metavar="PATH",
                         help="a `kvserve bench roofline` result: adds the ceilings and how close each run comes")
@@ -147,13 +161,17 @@ def _add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     _add_workload_arguments(parser, "fixed,mixed")
-    parser.add_argument("--references", default="transformers,llama.cpp,vllm-scheduler",
-                        help="comma-separated references to run when available")
+    parser.add_argument("--references", default="transformers,transformers-cb,llama.cpp,vllm-scheduler",
+                        help="comma-separated references to run when available (transformers: length-sorted "
+                             "static batches; transformers-cb: its continuous batching)")
     parser.add_argument("--hf-batch-size", type=int, default=32,
-                        help="transformers' static batch size and llama.cpp's number of sequence slots")
-    parser.add_argument("--llama-cpp-weights", choices=("dtype", "stored"), default="dtype",
-                        help="llama.cpp on the GGUF re-stored at --dtype (equal precision, default) "
-                             "or on the file as stored (e.g. Q4_1)")
+                        help="the references' concurrency: transformers' batch (static and continuous) and "
+                             "llama.cpp's number of sequence slots")
+    parser.add_argument("--llama-cpp-weights", choices=("dtype", "stored"), default="stored",
+                        help="llama.cpp on the file as stored (e.g. Q4_1, default) or on the GGUF re-stored "
+                             "at kvserve's dtype (equal precision)")
+    parser.add_argument("--no-generate-rss", action="store_true",
+                        help="skip measuring the peak RSS of `kvserve generate` on the model (defaults)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every engine this many times, alternating their order; report the median")
     _add_roofline_json_argument(parser)
@@ -252,13 +270,29 @@ def _run_roofline(args: argparse.Namespace) -> dict[str, Any]:
 def _run_serve(args: argparse.Namespace) -> dict[str, Any]:
     from kvserve.bench import serve
 
+    return serve.run(_serve_config(args))
+
+
+def _serve_config(args: argparse.Namespace):
+    from kvserve.bench import serve
+
     concurrency = args.concurrency if args.concurrency or args.request_rate else 8
-    config = serve.ServeBenchConfig(
+    return serve.ServeBenchConfig(
         base_url=args.base_url, model=args.served_model, endpoint=args.endpoint, num_prompts=args.num_prompts,
         prompt_words=args.prompt_words, max_tokens=args.max_tokens, concurrency=concurrency,
         request_rate=args.request_rate, ignore_eos=not args.no_ignore_eos, api_key=args.api_key, seed=args.seed,
         timeout_s=args.timeout)
-    return serve.run(config)
+
+
+def _run_serve_compare(args: argparse.Namespace) -> dict[str, Any]:
+    import shlex
+
+    from kvserve.bench import serve_compare
+    from kvserve.bench.model_info import resolve_model_path
+
+    return serve_compare.run(resolve_model_path(args.model), _serve_config(args), rounds=args.rounds,
+                             kvserve_args=shlex.split(args.kvserve_args), llama_server=args.llama_server,
+                             context_per_slot=args.context_per_slot)
 
 
 def _workloads(args: argparse.Namespace, vocab_size: int) -> list:
@@ -266,7 +300,8 @@ def _workloads(args: argparse.Namespace, vocab_size: int) -> list:
 
     return [build_workload(name, vocab_size=vocab_size, num_requests=args.num_prompts, prompt_len=args.prompt_len,
                            output_len=args.output_len, seed=args.workload_seed,
-                           max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len)
+                           max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len,
+                           prefill_len=args.prefill_len)
             for name in _name_list(args.workloads)]
 
 
@@ -292,7 +327,8 @@ def _run_compare(args: argparse.Namespace) -> dict[str, Any]:
     result = compare.run(_workloads(args, _vocab_size(model_path)), model_path,
                          references=_name_list(args.references), hf_batch_size=args.hf_batch_size,
                          warmup=not args.no_warmup, rounds=args.rounds,
-                         llama_cpp_weights=args.llama_cpp_weights, **kwargs)
+                         llama_cpp_weights=args.llama_cpp_weights, generate_rss=not args.no_generate_rss,
+                         **kwargs)
     return _with_ceilings(result, args.roofline_json)
 
 
@@ -442,6 +478,12 @@ def _compare_plot(result):
     return labels, values, f"kvserve vs references ({result['dtype']})", "output tokens/s"
 
 
+def _serve_compare_plot(result):
+    from kvserve.bench import serve_compare
+    labels, values = serve_compare.plot_values(result)
+    return labels, values, "serving: output tokens/s at fixed concurrency", "output tokens/s"
+
+
 def _prefix_plot(result):
     from kvserve.bench import prefix
     labels, values = prefix.plot_values(result)
@@ -474,6 +516,7 @@ _COMMANDS = {
     "roofline": (_add_roofline_arguments, "matmul GFLOP/s and memory bandwidth, and the model's tokens/s ceilings"),
     "throughput": (_add_throughput_arguments, "offline throughput of kvserve.LLM on fixed and mixed workloads"),
     "serve": (_add_serve_arguments, "latency and throughput of an OpenAI-compatible server on loopback"),
+    "serve-compare": (_add_serve_compare_arguments, "kvserve serve against llama.cpp's server, same client"),
     "prefix": (_add_prefix_arguments, "TTFT and prefill tokens with prefix caching off, on, and partial-block"),
     "compare": (_add_compare_arguments, "kvserve against transformers (and llama.cpp, vLLM when importable)"),
     "profile": (_add_profile_arguments, "where the time of one decode step goes"),
@@ -484,8 +527,11 @@ _COMMANDS = {
     "route": (_add_route_arguments, "N replicas behind SGLang's Model Gateway: hit rate, TTFT, spread per policy"),
 }
 
+_NAMED_RUNS = ("compare", "serve-compare")
+
 _RUNNERS = {
-    "roofline": _run_roofline, "throughput": _run_throughput, "serve": _run_serve, "prefix": _run_prefix,
+    "roofline": _run_roofline, "throughput": _run_throughput, "serve": _run_serve,
+    "serve-compare": _run_serve_compare, "prefix": _run_prefix,
     "compare": _run_compare, "profile": _run_profile, "scheduler": _run_scheduler, "kv": _run_kv,
     "structured": _run_structured,
     "spec": _run_spec,
@@ -496,6 +542,7 @@ _FORMATTERS = {
     "roofline": (_lazy_formatter("roofline"), _roofline_plot),
     "throughput": (_lazy_formatter("throughput"), _throughput_plot),
     "serve": (_lazy_formatter("serve"), _serve_plot),
+    "serve-compare": (_lazy_formatter("serve_compare"), _serve_compare_plot),
     "prefix": (_lazy_formatter("prefix"), _prefix_plot),
     "compare": (_lazy_formatter("compare"), _compare_plot),
     "profile": (_lazy_formatter("profile"), _profile_plot),

@@ -1,18 +1,23 @@
 """kvserve against the engines users pick, on the same workloads in the same run.
 
-transformers always runs (same weights dequantized from the GGUF, same dtype,
-same token ids, left padding); llama.cpp runs when `llama_cpp` is importable,
-batched, by default on the GGUF re-stored at kvserve's dtype (same weights,
-same precision; see `gguf_export`), else on the file as stored; vLLM's
-scheduler runs through the scheduler benchmark when `vllm` is importable.
-Engines run one after the other, never at the same time, so they do not
-compete for the cores.
+Every engine runs in its own child process (`engine_process`): measured in
+one process, engines slow each other down. Each child uses the parent's torch
+thread count (llama.cpp included), loads once, warms up, and then runs every
+workload once per round; rounds alternate the order of the engines (kvserve
+first, then last, ...), and only one engine computes at a time.
 
-On a shared machine the speed of the cores drifts over minutes. With
-`rounds` > 1 every engine stays loaded and each round runs them all, in
-alternating order (kvserve first, then last, ...); a workload's figure is the
-run with the median time, and each ratio also lists its per-round values
-(kvserve against the reference of the same round).
+References: transformers on the same weights (dequantized from the GGUF, same
+dtype, same token ids) twice, as a user would pick its best offline path:
+length-sorted static batches ("transformers") and its own continuous batching
+("transformers-cb"), both at kvserve's concurrency; llama.cpp (when
+`llama_cpp` is importable) batched through its low-level API, on the file as
+stored or re-stored at kvserve's dtype, with its default (repacked) buffers
+unless they crash; vLLM's scheduler through the scheduler benchmark when
+`vllm` is importable.
+
+A workload's figure per engine is its run of median time; a ratio is the
+median of the per-round ratios (kvserve against the reference of the same
+round), the quantity that survives a machine whose speed drifts over minutes.
 """
 from __future__ import annotations
 
@@ -21,44 +26,67 @@ import logging
 from collections import defaultdict
 from typing import Any
 
-from kvserve.bench.references import LlamaCppRunner, TransformersRunner, llama_cpp_available
+from kvserve.bench.engine_process import EngineProcess, EngineProcessError, RunnerSpec, generate_peak_rss
+from kvserve.bench.references import llama_cpp_available
 from kvserve.bench.report import format_table
-from kvserve.bench.throughput import KvserveRunner, format_results
+from kvserve.bench.throughput import format_results
 from kvserve.bench.workloads import Workload
 
 logger = logging.getLogger(__name__)
 
-REFERENCES = ("transformers", "llama.cpp", "vllm-scheduler")
+REFERENCES = ("transformers", "transformers-cb", "llama.cpp", "vllm-scheduler")
+# Reference engines whose best per round stands for the library ("transformers at its best").
+_BEST_OF = {"transformers (best)": ("transformers", "transformers-cb")}
 
 
-def _references(references, model_path: str, dtype: str, hf_batch_size: int | None,
-                llama_cpp_weights: str) -> tuple[list, dict[str, str]]:
-    runners, skipped = [], {}
-    if "transformers" in references:
-        runners.append(TransformersRunner(model_path, dtype=dtype, batch_size=hf_batch_size))
+def _torch_threads() -> int:
+    import torch
+    return torch.get_num_threads()
+
+
+def _reference_specs(references, model_path: str, dtype: str, concurrency: int,
+                     llama_cpp_weights: str) -> tuple[list[RunnerSpec], dict[str, str]]:
+    specs, skipped = [], {}
+    for name, strategy in (("transformers", "static"), ("transformers-cb", "continuous")):
+        if name in references:
+            specs.append(RunnerSpec(name, "kvserve.bench.references:TransformersRunner",
+                                    {"model_path": model_path, "dtype": dtype, "batch_size": concurrency,
+                                     "strategy": strategy}))
     if "llama.cpp" in references:
         if llama_cpp_available() and model_path.endswith(".gguf"):
             weights_dtype = dtype if llama_cpp_weights == "dtype" else None
-            runners.append(LlamaCppRunner(model_path, dtype=weights_dtype, max_batch=hf_batch_size or 32))
+            specs.append(RunnerSpec("llama.cpp", "kvserve.bench.references:LlamaCppRunner",
+                                    {"model_path": model_path, "dtype": weights_dtype, "max_batch": concurrency}))
         else:
             skipped["llama.cpp"] = "llama_cpp not importable" if not llama_cpp_available() else "model is not GGUF"
-    return runners, skipped
+    return specs, skipped
 
 
-def _warm_up(runner, workloads: list[Workload]) -> None:
-    if hasattr(runner, "warm_up"):
-        runner.warm_up()
-    else:
-        runner.run(Workload("warm-up", workloads[0].requests[:1], "one request"))
+def _start(spec: RunnerSpec, num_threads: int, workloads: list[Workload], warmup: bool) -> EngineProcess:
+    """The engine loaded (and warmed up) in its own process. llama.cpp's repacked buffers crash on
+    some CPUs: then it starts again on its plain CPU buffers."""
+    try:
+        engine = EngineProcess(spec, num_threads)
+        if warmup:
+            engine.warm_up(Workload("warm-up", workloads[0].requests[:1], "one request"))
+        return engine
+    except EngineProcessError as error:
+        if spec.name != "llama.cpp" or spec.kwargs.get("extra_buffers") is False:
+            raise
+        logger.warning("llama.cpp with its default (repacked) buffers failed; retrying on plain CPU "
+                       "buffers: %s", str(error).splitlines()[0])
+        return _start(RunnerSpec(spec.name, spec.factory, {**spec.kwargs, "extra_buffers": False}),
+                      num_threads, workloads, warmup)
 
 
-def _timed_rounds(runners: list, workloads: list[Workload], rounds: int) -> dict[tuple[str, str], list[dict]]:
+def _timed_rounds(engines: list[EngineProcess], workloads: list[Workload],
+                  rounds: int) -> dict[tuple[str, str], list[dict]]:
     """(engine, workload) -> one result per round; engines alternate their order round by round."""
     runs: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for round_index in range(rounds):
-        for runner in (runners if round_index % 2 == 0 else runners[::-1]):
+        for engine in (engines if round_index % 2 == 0 else engines[::-1]):
             for workload in workloads:
-                runs[runner.name, workload.name].append(runner.run(workload).as_dict())
+                runs[engine.name, workload.name].append(engine.run(workload))
     return runs
 
 
@@ -69,28 +97,53 @@ def _median_run(runs: list[dict]) -> dict[str, Any]:
     return {**median, "rounds_elapsed_s": times}
 
 
+def _facts(engine: EngineProcess, num_threads: int) -> dict[str, Any]:
+    return {"load_s": engine.load_s, "dtype": engine.dtype, "num_threads": num_threads,
+            "runner_kwargs": engine.spec.kwargs, "peak_rss_mib": engine.info.get("peak_rss_mib")}
+
+
+def _run_engines(first: EngineProcess, specs: list[RunnerSpec], workloads: list[Workload], rounds: int,
+                 warmup: bool, num_threads: int) -> tuple[list[dict], dict[str, dict]]:
+    """With `first` started, start every other engine in its own process, run the rounds, stop
+    them all; returns (median runs, facts per engine: load time, threads, peak RSS)."""
+    engines: list[EngineProcess] = [first]
+    try:
+        for spec in specs:
+            engines.append(_start(spec, num_threads, workloads, warmup))
+        runs = _timed_rounds(engines, workloads, rounds)
+    finally:
+        facts = {engine.name: _facts(engine, num_threads) for engine in engines}
+        for engine in engines:
+            facts[engine.name].update(engine.close())
+    return [_median_run(r) for r in runs.values()], facts
+
+
 def run(workloads: list[Workload], model_path: str, *, references=REFERENCES, hf_batch_size: int | None = 32,
-        warmup: bool = True, rounds: int = 1, llama_cpp_weights: str = "dtype", **engine_kwargs: Any) -> dict[str, Any]:
+        warmup: bool = True, rounds: int = 1, llama_cpp_weights: str = "stored",
+        num_threads: int | None = None, generate_rss: bool = True, **engine_kwargs: Any) -> dict[str, Any]:
     """Run kvserve and each available reference over `workloads`, `rounds` times (see the module
-    docstring); ratios are kvserve / reference. `hf_batch_size` is transformers' static batch
-    and llama.cpp's number of sequence slots; `llama_cpp_weights` "dtype" runs llama.cpp on the
-    GGUF re-stored at kvserve's dtype (equal precision), "stored" on the file as it is."""
+    docstring); ratios are kvserve / reference. `hf_batch_size` is the references' concurrency
+    (transformers' batch, llama.cpp's sequence slots); `llama_cpp_weights` "stored" runs llama.cpp
+    on the file as it is, "dtype" on the GGUF re-stored at kvserve's dtype (equal precision).
+    `generate_rss` first measures the peak RSS of `kvserve generate` on the model with its defaults."""
     if llama_cpp_weights not in ("dtype", "stored"):
         raise ValueError(f"llama_cpp_weights must be 'dtype' or 'stored', got {llama_cpp_weights!r}")
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    kvserve = KvserveRunner(model=model_path, **engine_kwargs)
+    num_threads = num_threads or _torch_threads()
+    generate_memory = generate_peak_rss(model_path) if generate_rss else None
+    kvserve_spec = RunnerSpec("kvserve", "kvserve.bench.throughput:KvserveRunner",
+                              {"model": model_path, **engine_kwargs})
+    # kvserve starts first: its dtype (the engine's resolved default) sets the references'.
+    kvserve_engine = _start(kvserve_spec, num_threads, workloads, warmup)
+    dtype = kvserve_engine.dtype
     try:
-        dtype = kvserve.dtype
-        reference_runners, skipped = _references(references, model_path, dtype, hf_batch_size, llama_cpp_weights)
-        runners = [kvserve, *reference_runners]
-        if warmup:
-            for runner in runners:
-                _warm_up(runner, workloads)
-        runs = _timed_rounds(runners, workloads, rounds)
-    finally:
-        kvserve.shutdown()
-    results = [_median_run(r) for r in runs.values()]
+        reference_specs, skipped = _reference_specs(references, model_path, dtype, hf_batch_size or 32,
+                                                    llama_cpp_weights)
+    except BaseException:
+        kvserve_engine.close()
+        raise
+    results, engines = _run_engines(kvserve_engine, reference_specs, workloads, rounds, warmup, num_threads)
     scheduler_comparison = None
     if "vllm-scheduler" in references:
         if importlib.util.find_spec("vllm") is not None:
@@ -103,7 +156,10 @@ def run(workloads: list[Workload], model_path: str, *, references=REFERENCES, hf
         "dtype": dtype,
         "engine_kwargs": engine_kwargs,
         "rounds": rounds,
+        "num_threads": num_threads,
         "workloads": [w.summary() for w in workloads],
+        "engines": engines,
+        "kvserve_generate_peak_rss": generate_memory,
         "results": results,
         "ratios": ratios(results),
         "skipped": skipped,
@@ -111,37 +167,73 @@ def run(workloads: list[Workload], model_path: str, *, references=REFERENCES, hf
     }
 
 
+def _best_of_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per workload, a synthetic reference whose time in each round is the fastest of its members."""
+    by_key = {(r["engine"], r["workload"]): r for r in results}
+    rows = []
+    for best_name, members in _BEST_OF.items():
+        for workload in dict.fromkeys(r["workload"] for r in results):
+            runs = [by_key[m, workload] for m in members if (m, workload) in by_key]
+            if len(runs) < 2:
+                continue
+            times = [min(ts) for ts in zip(*(r["rounds_elapsed_s"] for r in runs))]
+            median_s = sorted(times)[(len(times) - 1) // 2]
+            rows.append({**runs[0], "engine": best_name, "elapsed_s": median_s, "rounds_elapsed_s": times,
+                         "output_tokens_per_s": runs[0]["output_tokens"] / median_s,
+                         "notes": "per round, the faster of " + ", ".join(members)})
+    return rows
+
+
 def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """kvserve output tokens/s divided by each reference's, per workload."""
+    """kvserve against each reference, per workload: the median of the per-round ratios of output
+    tokens/s (`speedup`), each round's ratio, and the ratio of the median runs."""
     ours = {r["workload"]: r for r in results if r["engine"] == "kvserve"}
     out = []
-    for r in results:
+    for r in [*results, *_best_of_rows(results)]:
         mine = ours.get(r["workload"])
         if r["engine"] == "kvserve" or mine is None:
             continue
         # Same work on both sides: the tokens/s ratio of a round is the inverse ratio of its times.
         per_round = [theirs / ours_s for ours_s, theirs in zip(mine.get("rounds_elapsed_s", []),
                                                                 r.get("rounds_elapsed_s", []))]
+        of_medians = mine["output_tokens_per_s"] / r["output_tokens_per_s"]
         out.append({"workload": r["workload"], "reference": r["engine"],
                     "kvserve_output_tokens_per_s": mine["output_tokens_per_s"],
                     "reference_output_tokens_per_s": r["output_tokens_per_s"],
-                    "speedup": mine["output_tokens_per_s"] / r["output_tokens_per_s"],
-                    "round_speedups": per_round})
+                    "kvserve_elapsed_s": mine["elapsed_s"], "reference_elapsed_s": r["elapsed_s"],
+                    "speedup": statistics.median(per_round) if per_round else of_medians,
+                    "ratio_of_medians": of_medians, "round_speedups": per_round})
     return out
 
 
 def format_result(result: dict[str, Any]) -> str:
-    text = format_results(result["results"], title=f"compare: throughput ({result['dtype']})")
+    text = format_results(result["results"], title=f"compare: each engine alone in its own process "
+                                                   f"({result['dtype']}, {result.get('num_threads')} threads)")
+    text += _format_engines(result.get("engines") or {})
     text += "\n\n" + format_table(
         ["workload", "reference", "kvserve tok/s", "reference tok/s", "kvserve speed-up", "per round"],
         [[r["workload"], r["reference"], r["kvserve_output_tokens_per_s"], r["reference_output_tokens_per_s"],
           f"{r['speedup']:.2f}x", " ".join(f"{x:.2f}" for x in r.get("round_speedups", []))]
          for r in result["ratios"]],
-        title=f"compare: ratios (output tokens/s; median of {result.get('rounds', 1)} round(s))")
+        title=f"compare: ratios (kvserve / reference output tokens/s, median of "
+              f"{result.get('rounds', 1)} per-round ratio(s))")
+    memory = result.get("kvserve_generate_peak_rss")
+    if memory:
+        text += f"\n\npeak RSS of `{memory['command']}`: {memory['peak_rss_mib']:.0f} MiB"
     text += _format_scheduler_comparison(result.get("scheduler_comparison"))
     for name, why in result["skipped"].items():
         text += f"\nskipped {name}: {why}"
     return text
+
+
+def _format_engines(engines: dict[str, dict]) -> str:
+    if not engines:
+        return ""
+    return "\n\n" + format_table(
+        ["engine", "load s", "threads", "peak RSS MiB", "runner"],
+        [[name, facts.get("load_s"), facts.get("num_threads"), facts.get("peak_rss_mib"),
+          ", ".join(f"{k}={v}" for k, v in facts.get("runner_kwargs", {}).items() if k not in ("model", "model_path"))]
+         for name, facts in engines.items()], title="compare: engines (one child process each)")
 
 
 def _format_scheduler_comparison(comparison: dict[str, Any] | None) -> str:

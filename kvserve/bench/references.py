@@ -55,23 +55,36 @@ class ThroughputResult:
 
 
 class TransformersRunner:
-    """Hugging Face transformers `generate` on the same weights (GGUF dequantized at load)."""
+    """Hugging Face transformers on the same weights (GGUF dequantized at load), at its best offline.
 
-    name = "transformers"
+    `strategy` "static": `generate` over batches of up to `batch_size` left-padded
+    prompts, sorted by length so each batch pads little; a batch runs until its
+    longest requested output and only the requested tokens count. "continuous":
+    transformers' own continuous batching (the manager behind `generate_batch`),
+    each request with its own `max_new_tokens`, at most `batch_size` requests per
+    step. EOS is ignored either way, so the work equals kvserve's.
+    """
 
-    def __init__(self, model_path: str, dtype: str = "float32", batch_size: int | None = None) -> None:
+    STRATEGIES = ("static", "continuous")
+
+    def __init__(self, model_path: str, dtype: str = "float32", batch_size: int | None = None,
+                 strategy: str = "static") -> None:
         import torch
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
+        if strategy not in self.STRATEGIES:
+            raise ValueError(f"strategy must be one of {self.STRATEGIES}, got {strategy!r}")
         hf_logging.disable_progress_bar()  # the GGUF dequantization bars would flood the bench's table
         started = time.perf_counter()
         directory, gguf_file = split_gguf_path(model_path)
-        kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+        kwargs = _dequantized_gguf_kwargs(gguf_file) if gguf_file else {}
         self.model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype), **kwargs).eval()
         self.load_s = time.perf_counter() - started
         self.dtype = dtype
         self.batch_size = batch_size
+        self.strategy = strategy
+        self.name = "transformers" if strategy == "static" else "transformers-cb"
         config_pad = self.model.generation_config.pad_token_id
         self.pad_token_id = 0 if config_pad is None else int(config_pad)
 
@@ -94,15 +107,79 @@ class TransformersRunner:
             raise RuntimeError(f"transformers generated {output.shape[1] - longest_prompt} tokens, "
                                f"expected {max_new_tokens}")
 
+    def _run_static(self, requests, batch_size: int) -> None:
+        by_length = sorted(requests, key=lambda r: (r.prompt_len, r.output_len))
+        for first in range(0, len(by_length), batch_size):
+            self._generate_batch(by_length[first:first + batch_size])
+
+    def _run_continuous(self, requests, batch_size: int) -> None:
+        import torch
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        generation_config = GenerationConfig(do_sample=False, max_new_tokens=max(r.output_len for r in requests),
+                                             eos_token_id=-1, pad_token_id=self.pad_token_id)
+        longest = max(r.prompt_len + r.output_len for r in requests)
+        cb_config = ContinuousBatchingConfig(max_requests_per_batch=batch_size,
+                                             max_batch_tokens=max(2048, max(r.prompt_len for r in requests)),
+                                             page_size=16,
+                                             num_blocks=batch_size * (-(-longest // 16) + 1))
+        manager = self.model.init_continuous_batching(generation_config=generation_config,
+                                                      continuous_batching_config=cb_config)
+        with torch.inference_mode():
+            manager.start()
+            try:
+                for index, request in enumerate(requests):
+                    manager.add_request(request.prompt_token_ids, request_id=f"r{index}",
+                                        max_new_tokens=request.output_len, eos_token_id=-1)
+                produced = self._collect(manager, len(requests))
+            finally:
+                manager.stop(block=True)
+        for index, request in enumerate(requests):
+            if produced.get(f"r{index}") != request.output_len:
+                raise RuntimeError(f"transformers continuous batching produced {produced.get(f'r{index}')} "
+                                   f"tokens for a request that asked for {request.output_len}")
+
+    @staticmethod
+    def _collect(manager, num_requests: int) -> dict[str, int]:
+        produced: dict[str, int] = {}
+        while len(produced) < num_requests:
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching thread stopped early")
+                continue
+            if result.is_finished():
+                if result.error is not None:
+                    raise RuntimeError(f"transformers continuous batching failed: {result.error}")
+                produced[result.request_id] = len(result.generated_tokens)
+        return produced
+
     def run(self, workload: Workload) -> ThroughputResult:
         batch_size = self.batch_size or len(workload.requests)
         started = time.perf_counter()
-        for first in range(0, len(workload.requests), batch_size):
-            self._generate_batch(workload.requests[first:first + batch_size])
+        if self.strategy == "static":
+            self._run_static(workload.requests, batch_size)
+            notes = f"{self.dtype}, length-sorted static batches of {batch_size}, left padding"
+        else:
+            self._run_continuous(workload.requests, batch_size)
+            notes = f"{self.dtype}, transformers continuous batching, up to {batch_size} requests"
         elapsed_s = time.perf_counter() - started
         return ThroughputResult(self.name, workload.name, len(workload.requests), workload.num_prompt_tokens,
-                               workload.num_output_tokens, elapsed_s, self.load_s,
-                               notes=f"{self.dtype}, static batches of {batch_size}, left padding")
+                               workload.num_output_tokens, elapsed_s, self.load_s, notes=notes)
+
+
+def _dequantized_gguf_kwargs(gguf_file: str) -> dict[str, Any]:
+    """`from_pretrained` arguments that unpack a GGUF file into plain tensors of the asked dtype.
+
+    Recent transformers keep GGUF blocks packed and compute them with float32 kernels (casting a
+    bfloat16 model at every matmul); the reference computes the dequantized weights at kvserve's
+    dtype instead, as older versions always did."""
+    try:
+        from transformers.utils.quantization_config import GgufConfig
+    except ImportError:
+        return {"gguf_file": gguf_file}
+    return {"gguf_file": gguf_file, "quantization_config": GgufConfig(gguf_file=gguf_file, dequantize=True)}
 
 
 def llama_cpp_available() -> bool:
@@ -121,15 +198,18 @@ class LlamaCppRunner:
     (`gguf_export`), so llama.cpp computes with the weights kvserve computes with;
     without it llama.cpp runs the file as stored (e.g. Q4_1).
 
-    The model loads without llama.cpp's "extra" buffer types: its AMX repacking
-    crashes on some Sapphire Rapids virtual machines (llama.cpp issue 20824,
-    reproduced here); the plain CPU kernels run instead.
+    `extra_buffers` keeps llama.cpp's default "extra" buffer types (weights
+    repacked for its fastest CPU kernels). Their AMX repacking crashes on some
+    Sapphire Rapids virtual machines (llama.cpp issue 20824); `kvserve bench
+    compare` runs each engine in its own process and, when the default crashes,
+    retries with `extra_buffers=False` (the plain CPU kernels) and says so.
+    `n_threads` defaults to torch's thread count, the threads kvserve uses.
     """
 
     name = "llama.cpp"
 
     def __init__(self, model_path: str, dtype: str | None = None, max_batch: int = 32, n_batch: int = 2048,
-                 n_threads: int | None = None) -> None:
+                 n_threads: int | None = None, extra_buffers: bool = True) -> None:
         import llama_cpp
 
         if not model_path.endswith(".gguf"):
@@ -143,14 +223,15 @@ class LlamaCppRunner:
         _silence_logs(llama_cpp)
         llama_cpp.llama_backend_init()
         params = llama_cpp.llama_model_default_params()
-        params.use_extra_bufts = False
+        params.use_extra_bufts = extra_buffers
+        self.extra_buffers = extra_buffers
         self.model = llama_cpp.llama_model_load_from_file(model_path.encode(), params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {model_path}")
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
         self.max_batch, self.n_batch = max_batch, n_batch
         # As many threads as torch uses (llama-cpp-python's own default is half the cores).
-        self.n_threads = n_threads or os.cpu_count() or 1
+        self.n_threads = n_threads or _torch_threads()
         self.ctx, self.ctx_cells = None, 0
         self.batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self.last_output_token_ids: list[list[int]] = []  # per request of the last run, in order
@@ -235,7 +316,9 @@ class LlamaCppRunner:
         self.last_output_token_ids = [by_request[id(request)] for request in workload.requests]
         return ThroughputResult(self.name, workload.name, len(workload.requests), workload.num_prompt_tokens,
                                workload.num_output_tokens, elapsed_s, self.load_s,
-                               notes=f"weights {self.precision}, batches of up to {self.max_batch} sequences")
+                               notes=f"weights {self.precision}, batches of up to {self.max_batch} sequences, "
+                                     f"{self.n_threads} threads, "
+                                     f"{'repacked (extra) buffers' if self.extra_buffers else 'plain CPU buffers'}")
 
     def __del__(self) -> None:
         lib = getattr(self, "lib", None)
@@ -247,6 +330,14 @@ class LlamaCppRunner:
             lib.llama_batch_free(self.batch)
         if getattr(self, "model", None):
             lib.llama_model_free(self.model)
+
+
+def _torch_threads() -> int:
+    try:
+        import torch
+        return torch.get_num_threads()
+    except ImportError:
+        return os.cpu_count() or 1
 
 
 _log_sink: list = []  # keeps the ctypes callback alive while llama.cpp holds it

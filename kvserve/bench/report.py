@@ -133,8 +133,14 @@ def _cpu_model_name() -> str | None:
     return None
 
 
-def default_output_path(benchmark: str, suffix: str) -> Path:
-    return Path(DEFAULT_RESULTS_DIR) / f"{benchmark}{suffix}"
+def default_output_path(benchmark: str, suffix: str, tag: str | None = None) -> Path:
+    """bench_results/<benchmark>[-<tag>]<suffix>; a tag (e.g. a run's UTC time) keeps runs apart."""
+    return Path(DEFAULT_RESULTS_DIR) / f"{benchmark}{'-' + tag if tag else ''}{suffix}"
+
+
+def run_tag() -> str:
+    """A name for one run: its UTC start time, to the second."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
 
 def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> Path:

@@ -10,6 +10,10 @@ Workloads:
   clipped to 16..1024), output lengths log-normal (median 96, clipped to 8..512),
   drawn independently with a seeded RNG.
 - single: the fixed workload with one request (single-stream speed).
+- ragged: 16 prompts of uniformly drawn lengths (40..160 tokens), 64 new
+  tokens each: one batch of prompts of different lengths (padding waste).
+- prefill: one 512-token prompt, one new token: the time is the TTFT
+  (prompt processing speed).
 - shared_prefix: one long system prompt shared by every request plus a short
   distinct question each (prefix-caching benchmark).
 """
@@ -125,12 +129,29 @@ def text_prompts(num_prompts: int, num_words: int, *, seed: int = 0) -> list[str
     return [" ".join(rng.choice(_WORDS) for _ in range(num_words)) for _ in range(num_prompts)]
 
 
-WORKLOAD_NAMES = ("fixed", "mixed", "single")
+def ragged_workload(num_requests: int = 16, min_prompt_len: int = 40, max_prompt_len: int = 160,
+                    output_len: int = 64, *, vocab_size: int, seed: int = 0) -> Workload:
+    """Prompts of uniformly drawn lengths, all generating `output_len` tokens."""
+    rng = random.Random(seed)
+    requests = [BenchRequest(random_token_ids(rng, rng.randint(min_prompt_len, max_prompt_len), vocab_size),
+                             output_len) for _ in range(num_requests)]
+    return Workload("ragged", requests, f"{num_requests} prompts of {min_prompt_len}..{max_prompt_len} tokens "
+                                        f"(uniform, seed {seed}), {output_len} new tokens each (ignore_eos)")
+
+
+def prefill_workload(prompt_len: int = 512, *, vocab_size: int, seed: int = 0) -> Workload:
+    """One prompt and one new token: the elapsed time is the time to first token."""
+    workload = fixed_workload(1, prompt_len, 1, vocab_size=vocab_size, seed=seed)
+    return Workload("prefill", workload.requests, f"prompt processing: one {prompt_len}-token prompt, "
+                                                  f"1 new token (elapsed = TTFT)")
+
+
+WORKLOAD_NAMES = ("fixed", "mixed", "single", "ragged", "prefill")
 
 
 def build_workload(name: str, *, vocab_size: int, num_requests: int | None = None, prompt_len: int = 64,
                    output_len: int = 128, seed: int = 0, max_prompt_len: int = 1024,
-                   max_output_len: int = 512) -> Workload:
+                   max_output_len: int = 512, prefill_len: int = 512) -> Workload:
     """A workload by name; `num_requests` None means the workload's default size.
 
     `prompt_len`/`output_len` size the fixed workload; the max lengths clip the
@@ -141,6 +162,10 @@ def build_workload(name: str, *, vocab_size: int, num_requests: int | None = Non
     if name == "single":
         workload = fixed_workload(num_requests or 1, prompt_len, output_len, vocab_size=vocab_size, seed=seed)
         return Workload("single", workload.requests, "single stream: " + workload.description)
+    if name == "ragged":
+        return ragged_workload(num_requests or 16, vocab_size=vocab_size, seed=seed)
+    if name == "prefill":
+        return prefill_workload(prefill_len, vocab_size=vocab_size, seed=seed)
     if name == "mixed":
         return mixed_workload(num_requests or 64, vocab_size=vocab_size, seed=seed,
                               max_prompt_len=max_prompt_len, max_output_len=max_output_len)

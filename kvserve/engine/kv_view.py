@@ -15,6 +15,7 @@ from kvserve.request import Request, RequestStatus
 
 STEP_TIMELINE_LEN = 120
 MAX_LISTED_REQUESTS = 64
+_MAX_UNFINISHED_STEPS = 16
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,8 @@ class StepTimeline:
 
     def start(self, step_seq: int) -> None:
         self._started_s[step_seq] = time.perf_counter()
+        if len(self._started_s) > _MAX_UNFINISHED_STEPS:  # failed steps never finish
+            del self._started_s[min(self._started_s)]
 
     def finish(self, step_seq: int, num_tokens: int, num_requests: int) -> None:
         """Record a step whose output was just applied.

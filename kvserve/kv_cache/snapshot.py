@@ -13,11 +13,9 @@ in its request tables, cached blocks keyed for it). Never holds token ids.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
-
 from kvserve.kv_cache.block_pool import BlockPool
 from kvserve.kv_cache.interface import CircularBufferSpec, KVCacheSpec, SlidingWindowSpec
-from kvserve.kv_cache.utils import KVCacheBlock, get_group_id
+from kvserve.kv_cache.utils import get_group_id
 
 DEFAULT_EVICTION_HEAD_LEN = 16
 
@@ -77,20 +75,11 @@ def kv_cache_kind(spec: KVCacheSpec) -> str:
     return "full"
 
 
-def _free_blocks(pool: BlockPool) -> Iterator[KVCacheBlock]:
-    # Walks the intrusive list in eviction order without copying it.
-    queue = pool.free_block_queue
-    block = queue._head.next_free_block  # noqa: SLF001 - read-only walk of the pool's own list
-    while block is not None and block is not queue._tail:  # noqa: SLF001
-        yield block
-        block = block.next_free_block
-
-
 def count_pool_blocks(pool: BlockPool) -> tuple[PoolBlockCounts, dict[int, int]]:
     """The pool's counts and, per group id, its cached (free, hashed) blocks."""
     cached_by_group: dict[int, int] = {}
     num_cached = 0
-    for block in _free_blocks(pool):
+    for block in pool.free_block_queue.iter_free_blocks():
         key = block.block_hash
         if key is not None:
             num_cached += 1
@@ -106,7 +95,7 @@ def count_pool_blocks(pool: BlockPool) -> tuple[PoolBlockCounts, dict[int, int]]
 def eviction_queue_head(pool: BlockPool, max_len: int = DEFAULT_EVICTION_HEAD_LEN) -> list[EvictionQueueEntry]:
     """The first `max_len` blocks of the free queue, next to be handed out first."""
     head = []
-    for block in _free_blocks(pool):
+    for block in pool.free_block_queue.iter_free_blocks():
         if len(head) >= max_len:
             break
         key = block.block_hash

@@ -15,7 +15,7 @@ import hashlib
 import os
 from array import array
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, NewType, Sequence
+from typing import Any, Callable, Iterable, Iterator, NewType, Sequence
 
 BlockHash = NewType("BlockHash", bytes)
 # Hash bytes followed by the 4-byte big-endian KV-cache group id.
@@ -154,12 +154,15 @@ class FreeKVCacheBlockQueue:
             self.num_free_blocks += len(blocks)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        blocks = []
+        return list(self.iter_free_blocks())
+
+    def iter_free_blocks(self) -> Iterator[KVCacheBlock]:
+        """The free blocks in eviction order (head first), without copying; do not
+        change the queue while iterating."""
         block = self._head.next_free_block
         while block is not None and block is not self._tail:
-            blocks.append(block)
+            yield block
             block = block.next_free_block
-        return blocks
 
 
 # ---------------------------------------------------------------- hashing

@@ -176,8 +176,13 @@ def _build_plan(md: AttentionMetadata, block_size: int, window: int | None, nati
         decode_groups = _length_groups(decode_rows, _blocks_read(context_lens[decode_rows], 1, block_size, window))
     is_fresh = ~short & (query_lens > 1) & (context_lens == 0)
     fresh_prompts = list(zip(md.query_start_loc[:-1][is_fresh].tolist(), query_lens[is_fresh].tolist()))
+    # Prompt chunks over cached context (chunked prefill, prefix hits) differ in length: each
+    # group pads only to its own longest, so a batch of mixed prompts wastes little.
+    prefill_rows = (~short & ~is_fresh & (query_lens > 0)).nonzero().flatten()
+    prefill_groups = _length_groups(prefill_rows, _prefill_cost(query_lens[prefill_rows], context_lens[prefill_rows],
+                                                                block_size, window))
     sub_batches = []
-    for rows in (*decode_groups, (~short & ~is_fresh & (query_lens > 0)).nonzero().flatten()):
+    for rows in (*decode_groups, *prefill_groups):
         if len(rows):
             sub_batches.append(_build_sub_batch(md, rows, query_lens[rows], context_lens[rows],
                                                 block_size, window, ring_blocks))
@@ -233,6 +238,14 @@ def _blocks_read(context_lens: torch.Tensor, query_len: int, block_size: int, wi
     end = context_lens + query_len
     first_key = (context_lens - (window - 1)).clamp(min=0) if window else torch.zeros_like(context_lens)
     return (end + block_size - 1) // block_size - first_key // block_size
+
+
+def _prefill_cost(query_lens: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                  window: int | None) -> torch.Tensor:
+    """A prompt chunk's attention work in (query block, key block) pairs: what padding it to a
+    longer member of its sub-batch wastes, in the units of `_length_groups`."""
+    query_blocks = (query_lens + block_size - 1) // block_size
+    return query_blocks * _blocks_read(context_lens, 0, block_size, window).clamp(min=0) + query_blocks * query_blocks
 
 
 def _length_groups(rows: torch.Tensor, num_blocks: torch.Tensor) -> list[torch.Tensor]:

@@ -80,21 +80,29 @@ def test_throughput_tiny_with_roofline_ceilings(tmp_path, capsys, tiny_model_dir
     assert by_workload["fixed"]["output_tokens"] == 12
 
 
-def test_compare_tiny_against_transformers(tmp_path, capsys, tiny_model_dir):
-    result = run_bench(tmp_path, capsys, "compare", "--model", tiny_model_dir, "--workloads", "fixed",
-                       "--num-prompts", "2", "--prompt-len", "8", "--output-len", "4", "--references",
-                       "transformers,llama.cpp", "--no-warmup", "--rounds", "3", *ENGINE_FLAGS)
-    engines = {r["engine"]: r for r in result["results"]}
-    assert set(engines) >= {"kvserve", "transformers"}
-    (ratio,) = [r for r in result["ratios"] if r["reference"] == "transformers"]
-    assert ratio["speedup"] == pytest.approx(
-        engines["kvserve"]["output_tokens_per_s"] / engines["transformers"]["output_tokens_per_s"])
-    # Three rounds each; the reported run is the one of median time.
-    for engine in ("kvserve", "transformers"):
-        times = engines[engine]["rounds_elapsed_s"]
-        assert len(times) == 3 and engines[engine]["elapsed_s"] == sorted(times)[1]
-    kv_times, hf_times = engines["kvserve"]["rounds_elapsed_s"], engines["transformers"]["rounds_elapsed_s"]
-    assert ratio["round_speedups"] == pytest.approx([hf / kv for kv, hf in zip(kv_times, hf_times)])
+def test_compare_tiny_against_transformers(tmp_path, monkeypatch, capsys, tiny_model_dir):
+    monkeypatch.chdir(tmp_path)  # the run names its own JSON under bench_results/
+    argv = ["bench", "compare", "--model", tiny_model_dir, "--workloads", "ragged,prefill", "--num-prompts", "3",
+            "--prefill-len", "12", "--references", "transformers,llama.cpp", "--hf-batch-size", "2",
+            "--no-warmup", "--rounds", "2", "--no-generate-rss", "--no-plot", *ENGINE_FLAGS]
+    assert main(argv) == 0
+    (written,) = (tmp_path / "bench_results").glob("compare-ragged-prefill-*.json")
+    assert str(written.relative_to(tmp_path)) in capsys.readouterr().out
+    result = json.loads(written.read_text())["result"]
+    runs = {(r["engine"], r["workload"]): r for r in result["results"]}
+    assert {engine for engine, _ in runs} == {"kvserve", "transformers"}
+    # Each engine ran in its own child process, at the parent's torch thread count.
+    for facts in result["engines"].values():
+        assert facts["num_threads"] == torch.get_num_threads() and facts["peak_rss_mib"] > 0
+    for workload in ("ragged", "prefill"):
+        kv, hf = runs["kvserve", workload], runs["transformers", workload]
+        assert len(kv["rounds_elapsed_s"]) == len(hf["rounds_elapsed_s"]) == 2
+        (ratio,) = [r for r in result["ratios"] if r["workload"] == workload]
+        per_round = [h / k for k, h in zip(kv["rounds_elapsed_s"], hf["rounds_elapsed_s"])]
+        assert ratio["round_speedups"] == pytest.approx(per_round)
+        assert ratio["speedup"] == pytest.approx(sum(per_round) / 2)  # median of two rounds
+    assert runs["kvserve", "ragged"]["num_requests"] == 3
+    assert runs["kvserve", "prefill"]["prompt_tokens"] == 12 and runs["kvserve", "prefill"]["output_tokens"] == 1
     if importlib.util.find_spec("llama_cpp") is None:
         assert "llama.cpp" in result["skipped"]
 

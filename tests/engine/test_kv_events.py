@@ -183,3 +183,16 @@ def test_disabled_events_record_nothing():
         run(core, "x", list(range(1, 40)), max_tokens=4)
     finally:
         core.shutdown()
+
+
+def test_the_flag_reaches_the_engine_config():
+    import argparse
+
+    from kvserve.config import EngineConfig
+    from kvserve.engine.arg_utils import add_engine_arguments, engine_kwargs_from_args
+    parser = add_engine_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--kv-events-config", '{"enable_kv_cache_events": true, "topic": "t"}'])
+    config = EngineConfig.create(**engine_kwargs_from_args(args))
+    assert config.kv_events_config == KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", topic="t")
+    with pytest.raises(ConfigError, match="kv-events-config"):
+        EngineConfig.create(kv_events_config='{"enable_kv_cache_events": true, "hwm": -1}')

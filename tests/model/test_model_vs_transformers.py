@@ -178,3 +178,22 @@ def test_packed_bfloat16_weights_match_plain_bfloat16(models, keep_plain):
         for ref, got in list(zip(plain_logits[req_id], packed_logits[req_id]))[:same_history]:
             # Both bf16 with float32 accumulation; only the summation order differs.
             assert (got - ref).abs().max() < 0.02 * ref.abs().max()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_prompt_chunks_of_mixed_length_pack_and_match_transformers(models, family):
+    """Second chunks of 150 and 4 tokens over cached context in one step: they attend in
+    separate sub-batches (neither padded to the other) and greedy output equals transformers'."""
+    from kvserve.kv_cache.interface import FullAttentionSpec
+    from kvserve.model.attention import AttentionMetadata
+
+    spec = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=16, dtype=torch.float32)
+    block_table = torch.arange(1, 2 * 80 + 1).view(2, 80)
+    plan = AttentionMetadata.build(spec, [150, 4], [300, 154], block_table).plan(4, None)
+    assert sorted(sub.token_index.shape[1] for sub in plan.sub_batches) == [4, 150]
+
+    hf, config = models(family)
+    prompts = _prompts([300, 154], seed=11)
+    tokens, logits = run_greedy(PagedRunner(load_model(config), block_size=4, num_blocks=1024), prompts, 3,
+                                chunk=150)
+    _check_against_hf(hf, prompts, tokens, logits)

@@ -142,3 +142,25 @@ def test_kv_cache_stream_sends_snapshots(tiny_pool_server):
     for doc in docs:
         check_counts(doc)
     assert docs[0]["timestamp"] < docs[2]["timestamp"]
+
+
+def test_kv_cache_shows_each_group_of_a_hybrid_model(tokenizer):
+    from kvserve.kv_cache.interface import FullAttentionSpec, SlidingWindowSpec
+    spec = dict(block_size=16, num_kv_heads=1, head_size=8, dtype="float32")
+    specs = {"layer.0": FullAttentionSpec(**spec), "layer.1": SlidingWindowSpec(**spec, sliding_window=32),
+             "layer.2": FullAttentionSpec(**spec)}
+    engine = make_scheduler_async_llm(tokenizer, num_blocks=80, specs=specs)
+    with ThreadedServer(build_app(engine, MODEL)) as server:
+        body = {"model": MODEL, "prompt": "a long enough prompt to fill a few blocks " * 6, "max_tokens": 30}
+        assert httpx.post(server.base_url + "/v1/completions", json=body, timeout=30).status_code == 200
+        with httpx.Client(base_url=server.base_url, timeout=10) as client:
+            idle = wait_idle(client)
+    check_counts(idle)
+    groups = {group["kind"]: group for group in idle["groups"]}
+    assert set(groups) == {"full", "sliding_window"}
+    assert groups["full"]["num_layers"] == 2 and groups["sliding_window"]["num_layers"] == 1
+    assert groups["sliding_window"]["sliding_window"] == 32 and groups["full"]["sliding_window"] is None
+    # One shared pool: every group reports its counts; each group has cached blocks of its own.
+    assert all(group["num_blocks"] == idle["num_blocks"] for group in idle["groups"])
+    assert all(group["blocks_cached_for_group"] > 0 for group in idle["groups"])
+    assert sum(group["blocks_cached_for_group"] for group in idle["groups"]) == idle["blocks_cached"]

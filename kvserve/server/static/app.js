@@ -11,7 +11,7 @@ const state = {
   model: null,
   history: [],            // chat messages sent so far, OpenAI shape
   controller: null,       // AbortController of the answer streaming now
-  hitHistory: [],         // per view update: hit rate of the tokens looked up since the previous one
+  hitHistory: [],         // per view update: {cumulative, interval} prefix-cache hit rates (tokens)
   lastPrefix: null,
   viewGeneration: 0,      // bumped to restart the engine view (e.g. a new key)
 };
@@ -186,32 +186,38 @@ function renderGroups(doc) {
 }
 
 function updateHitHistory(doc) {
-  const { queries, hits } = doc.prefix_cache;
+  const { queries, hits, hit_rate } = doc.prefix_cache;
+  let interval = null;
   if (state.lastPrefix) {
     const dq = queries - state.lastPrefix.queries;
-    const dh = hits - state.lastPrefix.hits;
-    if (dq > 0) state.hitHistory.push(dh / dq);
-    else if (dq < 0) state.hitHistory = [];
+    if (dq > 0) interval = (hits - state.lastPrefix.hits) / dq;
+    else if (dq < 0) state.hitHistory = [];  // the server restarted
   }
   state.lastPrefix = { queries, hits };
+  state.hitHistory.push({ cumulative: queries ? hit_rate : null, interval });
   state.hitHistory = state.hitHistory.slice(-HISTORY_LEN);
 }
 
+// Blue line: hit rate since start; orange dots: hit rate of the prompts looked up in each interval.
 function drawHitRate() {
   const canvas = $("hit-rate-chart");
   const ctx = canvas.getContext("2d");
   ctx.clearRect(0, 0, canvas.width, canvas.height);
-  const points = state.hitHistory;
-  if (!points.length) return;
   const step = canvas.width / Math.max(HISTORY_LEN - 1, 1);
+  const y = (rate) => canvas.height - 4 - rate * (canvas.height - 8);
   ctx.strokeStyle = "#1976d2";
   ctx.beginPath();
-  points.forEach((rate, i) => {
-    const x = i * step;
-    const y = canvas.height - 4 - rate * (canvas.height - 8);
-    if (i === 0) ctx.moveTo(x, y); else ctx.lineTo(x, y);
+  let drawing = false;
+  state.hitHistory.forEach((point, i) => {
+    if (point.cumulative === null) { drawing = false; return; }
+    if (drawing) ctx.lineTo(i * step, y(point.cumulative)); else ctx.moveTo(i * step, y(point.cumulative));
+    drawing = true;
   });
   ctx.stroke();
+  ctx.fillStyle = "#ef6c00";
+  state.hitHistory.forEach((point, i) => {
+    if (point.interval !== null) ctx.fillRect(i * step - 2, y(point.interval) - 2, 4, 4);
+  });
 }
 
 function renderEvictionHead(doc) {

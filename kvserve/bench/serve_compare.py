@@ -1,0 +1,191 @@
+"""kvserve's server against llama.cpp's, both driven by the `kvserve bench serve` client.
+
+Each round starts one server at a time as a child process on a free loopback
+port (so the servers never compete for the cores or memory), waits for
+`/v1/models`, sends one warm-up request, runs the serving benchmark, and stops
+it; rounds alternate which server goes first. Figures per server are the
+medians over rounds; the ratios are medians of per-round ratios.
+
+llama.cpp's server is `llama-server` when one is on PATH (or given), run with
+`--parallel <concurrency>`; otherwise llama-cpp-python's `python -m
+llama_cpp.server`, which serves one request at a time (said in the result).
+Every server gets the same thread count (torch's).
+"""
+from __future__ import annotations
+
+import shlex
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvserve.bench import serve
+from kvserve.bench.report import format_table
+
+_READY_TIMEOUT_S = 900.0
+
+
+@dataclass(frozen=True)
+class ServerCommand:
+    """How to start one server: argv with `{port}` in it, and a note for the reader."""
+
+    name: str
+    argv: list[str]
+    note: str = ""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def kvserve_command(model: str, extra_args: list[str]) -> ServerCommand:
+    return ServerCommand("kvserve", [sys.executable, "-m", "kvserve.cli", "serve", "--model", model,
+                                     "--host", "127.0.0.1", "--port", "{port}", *extra_args], "kvserve serve")
+
+
+def llama_cpp_command(model: str, concurrency: int, threads: int, context_per_slot: int,
+                      llama_server: str | None) -> ServerCommand | None:
+    """llama-server with `--parallel`, else llama-cpp-python's server; None when neither exists."""
+    binary = llama_server or shutil.which("llama-server")
+    if binary:
+        return ServerCommand("llama.cpp", [binary, "-m", model, "--host", "127.0.0.1", "--port", "{port}",
+                                           "--parallel", str(concurrency), "-t", str(threads),
+                                           "-c", str(context_per_slot * concurrency), "--no-webui"],
+                             f"llama-server --parallel {concurrency}")
+    try:
+        import llama_cpp.server  # noqa: F401
+    except ImportError:
+        return None
+    return ServerCommand("llama.cpp", [sys.executable, "-m", "llama_cpp.server", "--model", model,
+                                       "--host", "127.0.0.1", "--port", "{port}", "--n_threads", str(threads),
+                                       "--n_threads_batch", str(threads), "--n_ctx", str(context_per_slot)],
+                         "llama-cpp-python server (one request at a time)")
+
+
+class RunningServer:
+    """A server child process, ready once `/v1/models` answers; stopped on exit."""
+
+    def __init__(self, command: ServerCommand) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.command = command
+        self.log = tempfile.TemporaryFile()
+        argv = [part.replace("{port}", str(self.port)) for part in command.argv]
+        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self) -> None:
+        import httpx
+
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.command.name} server exited ({self.process.returncode}): {self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=2.0, trust_env=False).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.command.name} server not ready after {_READY_TIMEOUT_S:.0f} s: {self.tail()}")
+
+    def tail(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode("utf-8", "replace")[-800:]
+
+    def __enter__(self) -> "RunningServer":
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def _one_round(command: ServerCommand, config: serve.ServeBenchConfig) -> dict[str, Any]:
+    with RunningServer(command) as server:
+        serve.run(replace(config, base_url=server.url, num_prompts=1, max_tokens=4))  # warm-up
+        return serve.run(replace(config, base_url=server.url))
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    def median(key: str, stat: str | None = None) -> float:
+        return statistics.median(r[key][stat] if stat else r[key] for r in runs)
+    return {"output_token_throughput": median("output_token_throughput"), "tpot_mean_ms": median("tpot", "mean_ms"),
+            "tpot_p50_ms": median("tpot", "p50_ms"), "ttft_mean_ms": median("ttft", "mean_ms"),
+            "ttft_p50_ms": median("ttft", "p50_ms"), "failed": sum(r["failed"] for r in runs)}
+
+
+def run(model: str, config: serve.ServeBenchConfig, *, rounds: int = 1, kvserve_args: list[str] | None = None,
+        llama_server: str | None = None, threads: int | None = None, context_per_slot: int = 2048) -> dict[str, Any]:
+    """Serve `model` with kvserve and llama.cpp in turn and benchmark each with `config`."""
+    if threads is None:
+        import torch
+        threads = torch.get_num_threads()
+    commands = [kvserve_command(model, kvserve_args or [])]
+    skipped = {}
+    llama = llama_cpp_command(model, config.concurrency or 8, threads, context_per_slot, llama_server)
+    if llama is None:
+        skipped["llama.cpp"] = "neither llama-server nor llama_cpp.server is installed"
+    else:
+        commands.append(llama)
+    runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in commands}
+    for round_index in range(rounds):
+        for command in (commands if round_index % 2 == 0 else commands[::-1]):
+            runs[command.name].append(_one_round(command, config))
+    servers = {c.name: {"command": " ".join(shlex.quote(a) for a in c.argv), "note": c.note,
+                        "summary": _summary(runs[c.name]), "rounds": runs[c.name]} for c in commands}
+    return {"model": model, "threads": threads, "rounds": rounds, "servers": servers,
+            "ratios": _ratios(runs) if "llama.cpp" in runs else {}, "skipped": skipped,
+            "config": {k: v for k, v in vars(config).items() if k not in ("api_key", "base_url")}}
+
+
+def _ratios(runs: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
+    """kvserve / llama.cpp per round, then the median: throughput (higher is better for kvserve),
+    TPOT and TTFT (lower is better for kvserve)."""
+    pairs = list(zip(runs["kvserve"], runs["llama.cpp"]))
+    return {
+        "output_tok_s": statistics.median(k["output_token_throughput"] / l["output_token_throughput"]
+                                          for k, l in pairs),
+        "tpot_mean": statistics.median(k["tpot"]["mean_ms"] / l["tpot"]["mean_ms"] for k, l in pairs),
+        "ttft_mean": statistics.median(k["ttft"]["mean_ms"] / l["ttft"]["mean_ms"] for k, l in pairs),
+    }
+
+
+def format_result(result: dict[str, Any]) -> str:
+    rows = [[name, s["note"], s["summary"]["output_token_throughput"], s["summary"]["tpot_mean_ms"],
+             s["summary"]["ttft_mean_ms"], s["summary"]["failed"]] for name, s in result["servers"].items()]
+    text = format_table(["server", "how", "output tok/s", "TPOT mean ms", "TTFT mean ms", "failed"], rows,
+                        title=f"serve-compare: median of {result['rounds']} round(s), {result['threads']} threads")
+    if result["ratios"]:
+        r = result["ratios"]
+        text += (f"\n\nkvserve / llama.cpp (median of per-round ratios): output tok/s {r['output_tok_s']:.2f}x, "
+                 f"TPOT {r['tpot_mean']:.2f}x, TTFT {r['ttft_mean']:.2f}x (below 1 is better for TPOT/TTFT)")
+    for name, why in result["skipped"].items():
+        text += f"\nskipped {name}: {why}"
+    return text
+
+
+def plot_values(result: dict[str, Any]) -> tuple[list[str], list[float]]:
+    return (list(result["servers"]),
+            [s["summary"]["output_token_throughput"] for s in result["servers"].values()])
+
