@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import statistics
 from collections import defaultdict
 from typing import Any
 

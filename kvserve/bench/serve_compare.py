@@ -164,10 +164,10 @@ def _ratios(runs: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
     TPOT and TTFT (lower is better for kvserve)."""
     pairs = list(zip(runs["kvserve"], runs["llama.cpp"]))
     return {
-        "output_tok_s": statistics.median(k["output_token_throughput"] / l["output_token_throughput"]
-                                          for k, l in pairs),
-        "tpot_mean": statistics.median(k["tpot"]["mean_ms"] / l["tpot"]["mean_ms"] for k, l in pairs),
-        "ttft_mean": statistics.median(k["ttft"]["mean_ms"] / l["ttft"]["mean_ms"] for k, l in pairs),
+        "output_tok_s": statistics.median(k["output_token_throughput"] / ref["output_token_throughput"]
+                                          for k, ref in pairs),
+        "tpot_mean": statistics.median(k["tpot"]["mean_ms"] / ref["tpot"]["mean_ms"] for k, ref in pairs),
+        "ttft_mean": statistics.median(k["ttft"]["mean_ms"] / ref["ttft"]["mean_ms"] for k, ref in pairs),
     }
 
 
