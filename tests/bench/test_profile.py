@@ -1,16 +1,20 @@
 """The profile's attribution of time: C functions split by caller, matmuls by name."""
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
 
+import kvserve
 from kvserve.bench.profile import categorize
 
-ATTENTION = ("/src/kvserve/model/attention.py", 10, "paged_attention")
-LAYERS = ("/src/kvserve/model/layers.py", 20, "forward")
-RUNNER = ("/src/kvserve/worker/model_runner.py", 30, "execute_model")
-SAMPLER = ("/src/kvserve/model/sampler.py", 40, "sample")
+# Files of the package itself: the profile attributes by the package's own folder.
+PACKAGE_DIR = os.path.dirname(os.path.abspath(kvserve.__file__))
+ATTENTION = (os.path.join(PACKAGE_DIR, "model", "attention.py"), 10, "paged_attention")
+LAYERS = (os.path.join(PACKAGE_DIR, "model", "layers.py"), 20, "forward")
+RUNNER = (os.path.join(PACKAGE_DIR, "worker", "model_runner.py"), 30, "execute_model")
+SAMPLER = (os.path.join(PACKAGE_DIR, "model", "sampler.py"), 40, "sample")
 TORCH_MODULE = ("/site-packages/torch/nn/modules/module.py", 1, "_call_impl")
 TORCH_OPS = ("/site-packages/torch/_ops.py", 2, "__call__")
 
