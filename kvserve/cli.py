@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from kvserve.engine.arg_utils import add_engine_arguments, engine_kwargs_from_args
 
-COMMANDS = ("generate", "chat", "serve", "bench")
+COMMANDS = ("generate", "chat", "serve", "bench", "plan")
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -47,6 +47,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _add_chat_parser(subparsers)
     _add_serve_parser(subparsers, load=command == "serve")
     _add_bench_parser(subparsers, load=command == "bench")
+    _add_plan_parser(subparsers, load=command == "plan")
     return parser
 
 
@@ -113,6 +114,17 @@ def _add_bench_parser(subparsers: Any, load: bool) -> None:
                               add_help=False)
 
 
+def _add_plan_parser(subparsers: Any, load: bool) -> None:
+    parser = subparsers.add_parser("plan", help="capacity plan: replicas, TP size, KV memory for a load and SLO",
+                                   description="Replay a synthetic load through the real scheduler with a "
+                                               "step-cost model; print replicas, TP size, KV memory, "
+                                               "predicted hit rate and latencies.", add_help=load)
+    if load:
+        from kvserve.bench.plan import add_plan_arguments
+        add_plan_arguments(parser)
+        _add_common(parser)
+
+
 def _version() -> str:
     from kvserve import __version__
     return f"kvserve {__version__}"
@@ -155,6 +167,9 @@ def _run_command(args: argparse.Namespace) -> int:
     if args.command == "serve":
         from kvserve.server.launch import run
         return int(run(args) or 0)
+    if args.command == "plan":
+        from kvserve.bench.plan import run_plan
+        return run_plan(args)
     from kvserve.bench.cli import run as run_bench
     return int(run_bench(args) or 0)
 

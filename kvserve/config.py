@@ -249,7 +249,8 @@ class EngineConfig:
     def create(
         cls,
         model: str | None = None,
-        dtype: str = "float32",
+        dtype: str | None = None,
+        quantization: str = "auto",
         kv_cache_memory: int | str | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int = SchedulerConfig.max_num_seqs,
@@ -273,11 +274,18 @@ class EngineConfig:
         kv_events_config: "KVEventsConfig | dict | str | None" = None,
     ) -> "EngineConfig":
         """Build and validate the whole configuration from user-facing knobs."""
-        from kvserve.model.config import ModelConfig
+        from kvserve.model.config import QUANTIZATION_MODES, ModelConfig
 
         spec_config = _speculative_config(speculative_config)  # checked before the model loads
-        model_config = ModelConfig.from_path(resolve_model_path(model), dtype=dtype,
-                                             max_model_len=max_model_len)
+        if quantization not in QUANTIZATION_MODES:
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {quantization!r}")
+        path = resolve_model_path(model)
+        device = device or default_device()
+        if dtype is None:  # the fastest path that passes the accuracy checks here
+            from kvserve.model.quantized import default_dtype
+            dtype = default_dtype(path, quantization, device)
+        model_config = ModelConfig.from_path(path, dtype=dtype, max_model_len=max_model_len,
+                                             quantization=quantization)
         context_len = model_config.max_model_len
         cache_config = CacheConfig(
             block_size=block_size,
@@ -299,8 +307,7 @@ class EngineConfig:
         )
         parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size, nnodes=nnodes,
                                          node_rank=node_rank, master_addr=master_addr, master_port=master_port)
-        return cls(model_config, cache_config, scheduler_config, parallel_config,
-                   device=device or default_device(), seed=seed,
+        return cls(model_config, cache_config, scheduler_config, parallel_config, device=device, seed=seed,
                    kv_events_config=_kv_events_config(kv_events_config))
 
 

@@ -163,12 +163,12 @@ def _ratios(runs: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
     """kvserve / llama.cpp per round, then the median: throughput (higher is better for kvserve),
     TPOT and TTFT (lower is better for kvserve)."""
     pairs = list(zip(runs["kvserve"], runs["llama.cpp"]))
-    return {
-        "output_tok_s": statistics.median(k["output_token_throughput"] / ref["output_token_throughput"]
-                                          for k, ref in pairs),
-        "tpot_mean": statistics.median(k["tpot"]["mean_ms"] / ref["tpot"]["mean_ms"] for k, ref in pairs),
-        "ttft_mean": statistics.median(k["ttft"]["mean_ms"] / ref["ttft"]["mean_ms"] for k, ref in pairs),
-    }
+
+    def median_ratio(value) -> float:
+        return statistics.median(value(ours) / value(theirs) for ours, theirs in pairs)
+    return {"output_tok_s": median_ratio(lambda r: r["output_token_throughput"]),
+            "tpot_mean": median_ratio(lambda r: r["tpot"]["mean_ms"]),
+            "ttft_mean": median_ratio(lambda r: r["ttft"]["mean_ms"])}
 
 
 def format_result(result: dict[str, Any]) -> str:

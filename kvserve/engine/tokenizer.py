@@ -14,13 +14,14 @@ def apply_chat_template(
     messages: Sequence[dict[str, Any]],
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of a conversation rendered with the model's chat template.
 
     The template writes the special tokens itself (BOS, role markers), so the
     rendered text is encoded without adding any.
     """
-    text = render_chat_template(tokenizer, messages, add_generation_prompt, chat_template)
+    text = render_chat_template(tokenizer, messages, add_generation_prompt, chat_template, tools)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -29,6 +30,7 @@ def render_chat_template(
     messages: Sequence[dict[str, Any]],
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """The conversation as the prompt text the model was trained on."""
     _check_messages(messages)
@@ -37,7 +39,7 @@ def render_chat_template(
         raise TokenizerError("this model has no chat template: use generate() with a plain prompt")
     return tokenizer.apply_chat_template(
         list(messages), chat_template=template, add_generation_prompt=add_generation_prompt,
-        tokenize=False)
+        tokenize=False, tools=tools)
 
 
 def _check_messages(messages: Sequence[dict[str, Any]]) -> None:

@@ -14,6 +14,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+# "auto": GGUF weights of a type the native kernels take stay quantized (CPU); "none": dequantized.
+QUANTIZATION_MODES = ("auto", "none")
 
 # HF architecture name -> family switch set ("llama" covers Llama 2/3, SmolLM2).
 ARCHITECTURE_FAMILIES = {
@@ -96,6 +98,7 @@ class ModelConfig:
     max_position_embeddings: int
     max_model_len: int
     dtype: str = "float32"
+    quantization: str = "auto"
     layer_types: list[str] = field(default_factory=list)
     sliding_window: int | None = None
     rope: RopeConfig = field(default_factory=RopeConfig)
@@ -116,6 +119,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
             raise ModelConfigError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ModelConfigError(
+                f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {self.quantization!r}")
         if not self.layer_types:
             self.layer_types = ["full"] * self.num_layers
         if len(self.layer_types) != self.num_layers:
@@ -166,7 +172,8 @@ class ModelConfig:
 
     # -- construction ----------------------------------------------------------------
     @classmethod
-    def from_path(cls, path: str, dtype: str = "float32", max_model_len: int | None = None) -> "ModelConfig":
+    def from_path(cls, path: str, dtype: str = "float32", max_model_len: int | None = None,
+                  quantization: str = "auto") -> "ModelConfig":
         """Read a HF model directory (config.json) or a `.gguf` file."""
         path = os.fspath(path)
         if not os.path.exists(path):
@@ -177,7 +184,7 @@ class ModelConfig:
             from kvserve.model.gguf_loader import read_gguf_hf_config
             hf, extra = read_gguf_hf_config(path)
             return cls.from_hf_dict(hf, path=path, is_gguf=True, dtype=dtype,
-                                    max_model_len=max_model_len, **extra)
+                                    max_model_len=max_model_len, quantization=quantization, **extra)
         config_file = os.path.join(path, "config.json")
         if not os.path.isfile(config_file):
             raise ModelFilesNotFoundError(f"{path!r} has no config.json (is it a Hugging Face model directory?)")

@@ -1,8 +1,9 @@
 """Native CPU kernels, compiled at first use with the system C compiler and
 loaded with ctypes (no torch headers, so a build takes about a second):
 paged attention (csrc/paged_attention.c), the decoder's fused element-wise
-ops (csrc/fused_ops.c: residual add + RMSNorm, SiLU-gated product, RoPE) and
-the small-batch matmul (csrc/small_linear.c).
+ops (csrc/fused_ops.c: residual add + RMSNorm, SiLU-gated product, RoPE),
+the small-batch matmul (csrc/small_linear.c) and the matmul over block-quantized
+weights (csrc/quant_linear.c, driven by kvserve/model/quantized.py).
 
 The shared object is cached under `<cache root>/kernels/<key>/`, keyed by the
 source, the compiler flags, the compiler's version and the CPU's feature flags
@@ -27,6 +28,7 @@ import tempfile
 import threading
 from importlib import resources
 
+import numpy as np
 import torch
 
 from kvserve.config import cache_root
@@ -36,7 +38,7 @@ logger = logging.getLogger(__name__)
 KERNELS_ENV = "KVSERVE_CPU_KERNELS"
 # "0": no plain weight copies for the small-batch matmul (less memory, slower single stream).
 SMALL_LINEAR_ENV = "KVSERVE_SMALL_BATCH_MATMUL"
-_SOURCES = ("bf16.h", "paged_attention.c", "fused_ops.c", "small_linear.c")
+_SOURCES = ("bf16.h", "paged_attention.c", "fused_ops.c", "small_linear.c", "quant_linear.c")
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -116,6 +118,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvserve_rotary": ([ptr, i64, i64, ptr, ptr, i64, i64, i64, c_int, c_int], None),
         "kvserve_small_linear_supported": ([c_int], c_int),
         "kvserve_small_linear": ([ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, c_int, c_int], c_int),
+        "kvserve_quant_isa_available": ([c_int], c_int),
+        "kvserve_quant_linear": ([ptr, i64, i64, ptr, ptr, ptr, c_int, i64, i64, ptr, ptr, i64, c_int, c_int,
+                                  c_int, c_int], c_int),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)
@@ -204,10 +209,12 @@ def zeros_on_huge_pages(nbytes: int) -> torch.Tensor:
 
     The paged attention kernel reads KV blocks scattered over a large buffer: on
     4 KiB pages nearly every block costs a TLB miss (about 15% of its time).
-    Elsewhere this is a plain `torch.zeros`."""
+    Elsewhere this is a plain `torch.zeros`. The zeros come from calloc (numpy), so
+    the OS supplies zeroed pages on first touch: blocks never used take no memory
+    (`kvserve generate` stays small however large the pool)."""
     if nbytes < 4 * _HUGE_PAGE or not sys.platform.startswith("linux"):
         return torch.zeros(nbytes, dtype=torch.uint8)
-    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)  # untouched: no pages yet
+    raw = torch.from_numpy(np.zeros(nbytes + _HUGE_PAGE, dtype=np.uint8))  # calloc: no pages touched yet
     start = (-raw.data_ptr()) % _HUGE_PAGE
     buffer = raw[start:start + nbytes]
     try:
@@ -216,7 +223,7 @@ def zeros_on_huge_pages(nbytes: int) -> torch.Tensor:
                      _MADV_HUGEPAGE)  # advice only: a refusal leaves ordinary pages
     except (OSError, AttributeError):
         pass
-    return buffer.zero_()
+    return buffer
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,

@@ -176,13 +176,14 @@ class DecoderModel(nn.Module):
         dtype oneDNN cannot pack here. Call after loading. The plain weights are dropped
         unless `keep_plain` (default: where the small-batch kernel is built for this dtype
         and not switched off, see `cpu_kernels.small_linear_wanted`)."""
-        weight = self.embed_tokens.weight
+        weight = self.norm.weight
         if weight.device.type != "cpu" or not cpu_weight_packing_supported(weight.dtype):
             return False
         if keep_plain is None:
             keep_plain = cpu_kernels.small_linear_wanted(weight.dtype)
         for module in self.modules():
-            if isinstance(module, PackableLinearMixin) and module.packed_weight is None:
+            if isinstance(module, PackableLinearMixin) and module.packed_weight is None \
+                    and module.quant_weight is None:
                 module.pack_weight(keep_plain=keep_plain)
         return True
 
@@ -190,7 +191,7 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata_by_group: list[AttentionMetadata], kv_caches: dict[str, torch.Tensor]) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens."""
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids).to(self.norm.weight.dtype)
         if self.config.scales_embeddings:
             hidden = hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype)
         global_cos_sin = self.rotary_global.cos_sin(positions, hidden.dtype)

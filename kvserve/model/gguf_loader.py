@@ -169,12 +169,16 @@ def dequantize_tensor(tensor: Any, rows: tuple[int, int] | None = None) -> np.nd
 
 def iter_gguf_tensors(path: str, num_heads: int, num_kv_heads: int,
                       select: Callable[[str], tuple[int, int, int] | None] | None = None,
-                      ) -> Iterator[tuple[str, np.ndarray]]:
+                      keep_quantized: Callable[[str], bool] | None = None,
+                      ) -> Iterator[tuple[str, Any]]:
     """Yield (HF name, float32 array) for every model tensor of the file.
 
     `select(hf_name)` may return (dim, first, count): then only that slice of
     the tensor is yielded (a tensor-parallel rank's shard). Row slices are
-    cut before dequantizing; column slices after.
+    cut before dequantizing; column slices after. Where `keep_quantized(hf_name)`
+    and the native kernels take the tensor's type (and a column slice falls on
+    block boundaries) the tensor comes as a `QuantizedWeight` instead, not
+    dequantized.
     """
     reader = open_gguf(path)
     arch = _field_value(reader, "general.architecture")
@@ -189,18 +193,50 @@ def iter_gguf_tensors(path: str, num_heads: int, num_kv_heads: int,
             continue
         full_rows = int(tensor.shape[-1])
         part = select(name) if select is not None else None
-        if part is not None and part[0] == 0:
+        array = None
+        if keep_quantized is not None and keep_quantized(name):
+            array = _quantized_part(tensor, part)
+        if array is None and part is not None and part[0] == 0:
             array = dequantize_tensor(tensor, rows=(part[1], part[2]))
-        else:
+        elif array is None:
             array = dequantize_tensor(tensor)
             if part is not None:
                 array = array[:, part[1]:part[1] + part[2]]
         # A row shard holds whole heads, so the per-head un-permutation applies to it alone.
         if arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "q_proj.bias")):
-            array = _unpermute_rows(array, num_heads * array.shape[0] // full_rows)
+            array = _unpermute(array, num_heads, full_rows)
         elif arch in _PERMUTED_ARCHS and name.endswith(("k_proj.weight", "k_proj.bias")):
-            array = _unpermute_rows(array, num_kv_heads * array.shape[0] // full_rows)
+            array = _unpermute(array, num_kv_heads, full_rows)
         if norm_minus_one and "norm" in name:
             # llama.cpp stores Gemma norms as (1 + w); our RMSNorm adds the 1 itself.
             array = array - 1.0
         yield name, array
+
+
+def _quantized_part(tensor: Any, part: tuple[int, int, int] | None) -> Any:
+    """The tensor (or its `part`) repacked for the quantized kernel, or None where the
+    kernel does not take its type or the slice cuts through blocks."""
+    from kvserve.model import quantized
+    type_name = tensor.tensor_type.name
+    if type_name not in quantized.SUPPORTED_GGUF_TYPES or len(tensor.shape) != 2:
+        return None
+    raw = np.asarray(tensor.data)
+    in_features = int(tensor.shape[0])
+    if part is not None and part[0] == 0:
+        raw = raw[part[1]:part[1] + part[2]]
+    elif part is not None:
+        raw = quantized.slice_gguf_columns(type_name, raw, part[1], part[2])
+        if raw is None:
+            return None
+        in_features = part[2]
+    return quantized.from_gguf_blocks(type_name, raw, in_features)
+
+
+def _unpermute(array: Any, heads: int, full_rows: int) -> Any:
+    """`_unpermute_rows` for a float array or a `QuantizedWeight` (whose rows move whole)."""
+    rows = array.shape[0]
+    if isinstance(array, np.ndarray):
+        return _unpermute_rows(array, heads * rows // full_rows)
+    import torch
+    order = _unpermute_rows(np.arange(rows, dtype=np.int64), heads * rows // full_rows)
+    return array.rows(torch.from_numpy(np.ascontiguousarray(order)))

@@ -18,7 +18,9 @@ import torch
 
 from kvserve.model.config import ModelConfig, ModelFilesNotFoundError
 from kvserve.model.decoder import DecoderModel
-from kvserve.model.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from kvserve.model.parallel import (ColumnParallelLinear, QuantizedWeightMixin, RowParallelLinear,
+                                    VocabParallelEmbedding)
+from kvserve.model.quantized import QuantizedWeight, keeps_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +36,15 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", tp
     select = shard_selector(model) if tp_size > 1 else None
     if model_config.is_gguf:
         from kvserve.model.gguf_loader import iter_gguf_tensors
-        tensors = ((name, torch.from_numpy(np.ascontiguousarray(array)))
+        quantize = keeps_quantized(model_config, device)
+        tensors = ((name, array if isinstance(array, QuantizedWeight) else torch.from_numpy(np.ascontiguousarray(array)))
                    for name, array in iter_gguf_tensors(model_config.path, model_config.num_heads,
-                                                        model_config.num_kv_heads, select=select))
+                                                        model_config.num_kv_heads, select=select,
+                                                        keep_quantized=_is_matrix_weight if quantize else None))
     else:
         tensors = iter_safetensors(model_config.path, select)
     load_weights(model, tensors)
+    _finish_quantized(model, log=tp_rank == 0)
     rotaries = [r for r in (model.rotary_global, model.rotary_local) if r is not None]
     inv_freqs = [r.inv_freq for r in rotaries]
     model.to(device=device, dtype=model_config.torch_dtype)
@@ -47,6 +52,29 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", tp
     for rotary, inv_freq in zip(rotaries, inv_freqs):
         rotary.inv_freq = inv_freq.to(device)
     return model.eval()
+
+
+def _is_matrix_weight(name: str) -> bool:
+    """Checkpoint tensors that may stay quantized: the projections, embeddings and LM head."""
+    return name.endswith(("_proj.weight", "embed_tokens.weight", "lm_head.weight"))
+
+
+def _finish_quantized(model: DecoderModel, log: bool) -> None:
+    """Stack the quantized parts each module received; the tied LM head shares the
+    embedding's quantized table. Logs what is held quantized."""
+    held: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, QuantizedWeightMixin):
+            module.finish_quantized()
+            if module.quant_weight is not None:
+                held[module.quant_weight.source_type] = held.get(module.quant_weight.source_type, 0) + 1
+    if model.config.tie_word_embeddings and model.embed_tokens.quant_weight is not None:
+        model.lm_head.quant_weight = model.embed_tokens.quant_weight
+        model.lm_head.register_parameter("weight", None)
+    if held and log:
+        from kvserve.model.quantized import kernel_isa
+        logger.info("weights held quantized as stored (%s) on the %s kernel path",
+                    ", ".join(f"{count} x {name}" for name, count in sorted(held.items())), kernel_isa())
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -126,7 +154,10 @@ def load_weights(model: DecoderModel, tensors: Iterator[tuple[str, torch.Tensor]
             continue
         if module_name == "lm_head" and model.config.tie_word_embeddings:
             continue
-        _load_into(module, param_kind, tensor.float(), shard)
+        if isinstance(tensor, QuantizedWeight):
+            module.load_quantized(tensor, shard)
+        else:
+            _load_into(module, param_kind, tensor.float(), shard)
         loaded.add(f"{module_name}.{param_kind}" + (f":{shard}" if shard else ""))
     _check_complete(model, loaded)
 

@@ -7,6 +7,7 @@ the default torch.distributed process group unless one is given.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model import cpu_kernels
+from kvserve.model import cpu_kernels, quantized
+from kvserve.model.quantized import QuantizationError, QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,51 @@ def cpu_weight_packing_supported(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-class PackableLinearMixin:
+class QuantizedWeightMixin:
+    """Modules whose weight may be held block-quantized (`quant_weight`, see
+    kvserve/model/quantized.py) instead of as a float parameter.
+
+    The loader hands over each checkpoint part with `load_quantized`; once all are
+    in, `finish_quantized` stacks them into `quant_weight` and drops the float
+    parameter (the weight is held once). Parts that cannot be stacked (types of
+    different bit widths in one fused projection) are dequantized into the float
+    weight instead.
+    """
+
+    quant_weight: QuantizedWeight | None = None
+    _quant_parts: dict[str | None, QuantizedWeight] | None = None
+
+    def load_quantized(self, weight: QuantizedWeight, shard: str | None = None) -> None:
+        """Keep this rank's part of a quantized checkpoint tensor (one fused part)."""
+        if self._quant_parts is None:
+            self._quant_parts = {}
+        key = shard if shard is not None else self._part_names()[0]
+        self._quant_parts[key] = self._rank_rows(weight, key)
+
+    def _rank_rows(self, weight: QuantizedWeight, shard: str | None) -> QuantizedWeight:
+        return weight
+
+    def _part_names(self) -> list[str | None]:
+        return [None]
+
+    def finish_quantized(self) -> None:
+        """Stack the loaded parts into `quant_weight` (or dequantize them, see the class)."""
+        parts, self._quant_parts = self._quant_parts, None
+        if not parts:
+            return
+        names = self._part_names()
+        if set(parts) == set(names):
+            try:
+                self.quant_weight = quantized.cat_rows([parts[name] for name in names])
+                self.register_parameter("weight", None)
+                return
+            except QuantizationError:
+                pass
+        for shard, part in parts.items():
+            self.load_weight("weight", part.dequantize(), shard)
+
+
+class PackableLinearMixin(QuantizedWeightMixin):
     """Linear layers whose weight can be re-laid out once for oneDNN's CPU matmul.
 
     `F.linear` on CPU goes through MKL, which re-reads the weight in its plain
@@ -95,6 +141,8 @@ class PackableLinearMixin:
             self.register_parameter("weight", None)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.quant_weight is not None:
+            return quantized.linear(x, self.quant_weight, bias)
         if self.packed_weight is not None:
             if self.small_batch_kernel and x.dim() == 2 and x.shape[0] <= cpu_kernels.SMALL_LINEAR_MAX_ROWS \
                     and x.stride(-1) == 1:
@@ -175,6 +223,14 @@ class ColumnParallelLinear(PackableLinearMixin, nn.Module):
         target = self.weight if param_kind == "weight" else self.bias
         target.data[start:start + size].copy_(rows)
 
+    def _rank_rows(self, weight: QuantizedWeight, shard: str | None) -> QuantizedWeight:
+        shard = shard if shard is not None else self.shard_names[0]
+        _, size, full_size, source_row = self._offset(shard)
+        return weight.rows(slice(source_row, source_row + size)) if weight.out_features == full_size else weight
+
+    def _part_names(self) -> list[str | None]:
+        return list(self.shard_names)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
 
@@ -204,12 +260,17 @@ class RowParallelLinear(PackableLinearMixin, nn.Module):
             full = full[:, start:start + self.shard_input]
         self.weight.data.copy_(full)
 
+    def _rank_rows(self, weight: QuantizedWeight, shard: str | None) -> QuantizedWeight:
+        if weight.in_features != self.shard_input:  # the loader cuts the columns before repacking
+            raise QuantizationError(f"quantized weight of width {weight.in_features}, rank holds {self.shard_input}")
+        return weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.tp.all_reduce(self._matmul(x))
         return out + self.bias if self.bias is not None else out
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(QuantizedWeightMixin, nn.Module):
     """Embedding whose vocabulary rows are split across ranks (padded to divide evenly)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPContext) -> None:
@@ -233,12 +294,29 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"embedding: expected {self.vocab_size} rows, got {tuple(full.shape)}")
         self.weight.data[:count].copy_(rows)
 
+    def _rank_rows(self, weight: QuantizedWeight, shard: str | None) -> QuantizedWeight:
+        start, count = self.shard_rows()
+        rows = weight.rows(slice(start, start + count)) if weight.out_features == self.vocab_size else weight
+        if rows.out_features != count:
+            raise QuantizationError(f"embedding: expected {self.vocab_size} rows, got {weight.out_features}")
+        padding = self.shard_vocab - count  # zero rows (d = m = 0) for the padded vocabulary
+        if padding:
+            rows = dataclasses.replace(rows, qs=F.pad(rows.qs, (0, 0, 0, padding)),
+                                       d=F.pad(rows.d, (0, 0, 0, padding)), m=F.pad(rows.m, (0, 0, 0, padding)))
+        return rows
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_weight is not None:
+            return self.quant_weight.dequantize(ids.reshape(-1)).view(*ids.shape, -1)
+        return F.embedding(ids, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings of `input_ids` (float32 when the table is held quantized)."""
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.shard_vocab)
-        embedded = F.embedding(local.masked_fill(outside, 0), self.weight)
+        embedded = self._lookup(local.masked_fill(outside, 0))
         embedded = embedded.masked_fill(outside.unsqueeze(-1), 0.0)
         return self.tp.all_reduce(embedded)
 

@@ -23,6 +23,7 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.serving import ServingContext
 from kvserve.server.serving_chat import create_chat_completion
 from kvserve.server.serving_completions import create_completion
+from kvserve.server.serving_tokenize import add_tokenize_routes
 from kvserve.server.web_page import add_page_routes
 
 logger = logging.getLogger(__name__)
@@ -89,10 +90,11 @@ class _BodyLimitMiddleware:
 
 def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, model_root: str | None = None,
-              shutdown_engine: bool = True) -> FastAPI:
+              shutdown_engine: bool = True, tool_call_parser: str | None = None) -> FastAPI:
     """An app serving `engine` (an AsyncLLM) under `served_model_name`."""
     metrics = ServerMetrics(engine.get_stats, served_model_name)
-    ctx = ServingContext(engine=engine, served_model_name=served_model_name, metrics=metrics)
+    ctx = ServingContext(engine=engine, served_model_name=served_model_name, metrics=metrics,
+                         tool_call_parser=tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -109,6 +111,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
     add_kv_cache_routes(app, engine)
     add_page_routes(app)
     add_gateway_routes(app, engine, served_model_name)
+    add_tokenize_routes(app, ctx)
     app.add_middleware(_BodyLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)

@@ -44,6 +44,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="largest request body accepted, e.g. 4MiB (default 4MiB)")
     group.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="seconds open requests may run after SIGINT/SIGTERM (default 10)")
+    group.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                       help="format of tool calls in the model's output (default: from the chat template)")
     group.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
     group.add_argument("--headless", action="store_true",
@@ -68,7 +70,8 @@ def build_from_args(args: Any):
                       max_waiting_requests=args.max_waiting_requests)
     model_path = engine_config.model_config.path
     app = build_app(engine, served_name(args, model_path), api_key=args.api_key,
-                    max_body_bytes=args.max_body_size, model_root=str(model_path))
+                    max_body_bytes=args.max_body_size, model_root=str(model_path),
+                    tool_call_parser=getattr(args, "tool_call_parser", None))
     return app, engine
 
 

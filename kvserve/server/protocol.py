@@ -12,7 +12,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Each choice is its own engine request: cap the fan-out one call can cause.
 MAX_N = 64
@@ -64,17 +64,22 @@ class _SamplingFields(_StrictModel):
     user: StrictStr | None = None
     best_of: int | None = None
     logit_bias: dict[str, float] | None = None
+    # Output constraints (kvserve/server/structured.py): vLLM's field and its older names.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
     def _check_common_unsupported(self) -> None:
         if self.best_of is not None and self.best_of != self.n:
             raise UnsupportedFeatureError("best_of", "best_of is not supported by kvserve")
-        if self.logit_bias:
-            raise UnsupportedFeatureError("logit_bias", "logit_bias is not supported by kvserve")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedFeatureError(
                 "stream_options", "stream_options is only allowed when stream is true")
 
-    def build_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def build_sampling_params(self, max_tokens: int, logprobs: int | None,
+                              structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """SamplingParams with OpenAI defaults for the fields left unset."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
@@ -95,6 +100,8 @@ class _SamplingFields(_StrictModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self.logit_bias,
+            structured_outputs=structured_outputs,
         )
 
     @property
@@ -147,6 +154,7 @@ class ChatMessage(_StrictModel):
     content: StrictStr | list[dict[str, Any]] | None = None
     name: StrictStr | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: StrictStr | None = None
 
     def text(self) -> str:
         """The content as plain text; non-text parts are unsupported."""
@@ -165,9 +173,10 @@ class ChatMessage(_StrictModel):
 
 
 class ResponseFormat(_StrictModel):
-    """`response_format`; kvserve only produces plain text."""
+    """`response_format`: `text`, `json_object`, or `json_schema` with {name, schema, strict}."""
 
     type: StrictStr
+    json_schema: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -188,15 +197,9 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         self._check_common_unsupported()
-        if self.tools or self.functions:
-            raise UnsupportedFeatureError("tools", "tools / function calling is not supported by kvserve")
-        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
-            raise UnsupportedFeatureError("tool_choice", "tool_choice is not supported by kvserve")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise UnsupportedFeatureError(
-                "response_format",
-                f"response_format {self.response_format.type!r} is not supported by kvserve "
-                "(only 'text')")
+        if self.functions or self.function_call not in (None, "none"):
+            raise UnsupportedFeatureError("functions", "the deprecated functions / function_call fields are not "
+                                          "supported by kvserve: use tools / tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedFeatureError("top_logprobs", "top_logprobs requires logprobs to be true")
 

@@ -37,6 +37,8 @@ class ServingContext:
     served_model_name: str
     metrics: ServerMetrics
     created_s: int = field(default_factory=lambda: int(time.time()))
+    # Tool-call format (kvserve/server/tools.py); None: picked from the chat template.
+    tool_call_parser: str | None = None
 
 
 async def parse_body(raw_request: Request, model_cls: type[ModelT]) -> ModelT:

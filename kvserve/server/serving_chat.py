@@ -15,15 +15,26 @@ from kvserve.server.serving import (ChoiceStreamState, ChunkFormatter, ServingCo
                                     new_id, next_delta, parse_request, resolve_max_tokens, respond,
                                     run_tokenizer, submit_all, to_api_error, token_logprob_entries,
                                     token_text, usage_dict)
+from kvserve.server.structured import checked_constraint
+from kvserve.server.tools import (FALLBACK_TOOL_TEMPLATE, ToolCall, ToolRequest, extract_tool_calls,
+                                  parse_tool_request, parser_for_template, template_messages,
+                                  template_supports_tools)
 
 
-async def _render_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
+async def _render_prompt(ctx: ServingContext, body: ChatCompletionRequest,
+                         tool_request: ToolRequest | None) -> list[int]:
     from kvserve.engine.tokenizer import apply_chat_template
-    conversation = body.conversation()  # raises UnsupportedFeatureError for non-text parts
+    conversation = template_messages(body.messages)  # raises UnsupportedFeatureError for non-text parts
     text_len = sum(len(message["content"]) for message in conversation)
+    tools = tool_request.rendered_tools if tool_request is not None else None
+    template = None
+    uses_tools = tools or any(m.role == "tool" or m.tool_calls for m in body.messages)
+    if uses_tools and not template_supports_tools(ctx.engine.tokenizer.chat_template):
+        template = FALLBACK_TOOL_TEMPLATE
     try:
         token_ids = await run_tokenizer(text_len, apply_chat_template, ctx.engine.tokenizer,
-                                        conversation, add_generation_prompt=body.add_generation_prompt)
+                                        conversation, add_generation_prompt=body.add_generation_prompt,
+                                        chat_template=template, tools=tools)
     except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
         raise bad_request(f"the chat template rejected the messages: {exc}",
                           param="messages") from None
@@ -34,21 +45,29 @@ async def create_chat_completion(raw_request: Request, ctx: ServingContext):
     """Handle one /v1/chat/completions call (streaming or not)."""
     body = await parse_request(raw_request, ctx, ChatCompletionRequest)
     try:
-        prompt_token_ids = await _render_prompt(ctx, body)
+        tool_request = parse_tool_request(
+            body, ctx.tool_call_parser or parser_for_template(ctx.engine.tokenizer.chat_template))
+        prompt_token_ids = await _render_prompt(ctx, body, tool_request)
         max_tokens = resolve_max_tokens(ctx.engine, len(prompt_token_ids),
                                         body.requested_max_tokens())
-        params = body.build_sampling_params(max_tokens, body.num_logprobs())
+        tool_grammar = tool_request.forcing_grammar() if tool_request is not None else None
+        params = body.build_sampling_params(max_tokens, body.num_logprobs(),
+                                            await checked_constraint(ctx, body, tool_grammar))
+        if tool_request is not None and tool_request.parses_calls and tool_request.parser == "mistral":
+            params.skip_special_tokens = False  # [TOOL_CALLS] is a special token
         ctx.engine.validator.check_prompt_fits(len(prompt_token_ids), max_tokens)
+        ctx.engine.validator.check_sampling_params(params)
     except Exception as exc:  # noqa: BLE001
         raise to_api_error(exc) from None
     response_id = new_id("chatcmpl")
     outputs = merged_outputs(ctx, submit_all(ctx, [(prompt_token_ids, params)], response_id))
-    return await respond(raw_request, outputs, body.stream, partial(_stream_events, ctx, body, response_id),
-                         partial(_full_response, ctx, body, response_id))
+    return await respond(raw_request, outputs, body.stream,
+                         partial(_stream_events, ctx, body, response_id, tool_request),
+                         partial(_full_response, ctx, body, response_id, tool_request))
 
 
 def _full_response(ctx: ServingContext, body: ChatCompletionRequest, response_id: str,
-                   final_by_index: dict[int, RequestOutput]) -> dict:
+                   tool_request: ToolRequest | None, final_by_index: dict[int, RequestOutput]) -> dict:
     request_output = final_by_index[0]
     choices = []
     for completion in request_output.outputs:
@@ -56,14 +75,31 @@ def _full_response(ctx: ServingContext, body: ChatCompletionRequest, response_id
         if body.logprobs:
             logprobs = {"content": _chat_logprobs(ctx, completion, 0, len(completion.token_ids),
                                                    body.top_logprobs or 0)}
-        choices.append({"index": completion.index,
-                        "message": {"role": "assistant", "content": completion.text},
-                        "logprobs": logprobs, "finish_reason": completion.finish_reason,
+        message, finish_reason = _message(completion, tool_request)
+        choices.append({"index": completion.index, "message": message,
+                        "logprobs": logprobs, "finish_reason": finish_reason,
                         "stop_reason": completion.stop_reason})
     choices.sort(key=lambda c: c["index"])
     return {"id": response_id, "object": "chat.completion", "created": int(time.time()),
             "model": ctx.served_model_name, "choices": choices,
             "usage": usage_dict([request_output])}
+
+
+def _parsed_calls(completion: CompletionOutput, tool_request: ToolRequest | None) -> tuple[str, list[ToolCall]]:
+    if tool_request is None or not tool_request.parses_calls:
+        return completion.text, []
+    content, calls = extract_tool_calls(tool_request.parser, completion.text)
+    return content, calls if tool_request.parallel else calls[:1]
+
+
+def _message(completion: CompletionOutput, tool_request: ToolRequest | None) -> tuple[dict, str | None]:
+    """The assistant message and finish reason of a finished choice ("tool_calls" when it called)."""
+    content, calls = _parsed_calls(completion, tool_request)
+    if not calls:
+        return {"role": "assistant", "content": completion.text}, completion.finish_reason
+    finish_reason = "tool_calls" if completion.finish_reason == "stop" else completion.finish_reason
+    return ({"role": "assistant", "content": content or None,
+             "tool_calls": [call.to_openai() for call in calls]}, finish_reason)
 
 
 def _logprob_value(value: float) -> float:
@@ -90,6 +126,7 @@ def _chat_logprobs(ctx: ServingContext, completion: CompletionOutput, start: int
 
 
 async def _stream_events(ctx: ServingContext, body: ChatCompletionRequest, response_id: str,
+                         tool_request: ToolRequest | None,
                          outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
     chunk = ChunkFormatter(response_id, "chat.completion.chunk", ctx.served_model_name, body.include_usage)
     states: dict[int, ChoiceStreamState] = {}
@@ -98,6 +135,10 @@ async def _stream_events(ctx: ServingContext, body: ChatCompletionRequest, respo
                   "logprobs": None, "finish_reason": None} for i in range(body.n)])
     async for _, request_output in outputs:
         last_output = request_output
+        if tool_request is not None and tool_request.parses_calls:
+            for choices in _tool_stream_chunks(request_output, tool_request, states):
+                yield chunk(choices)
+            continue
         choices = _delta_choices(ctx, body, request_output, states)
         if choices:
             yield chunk(choices)
@@ -122,3 +163,37 @@ def _delta_choices(ctx: ServingContext, body: ChatCompletionRequest, request_out
                         "finish_reason": completion.finish_reason if finished_now else None,
                         "stop_reason": completion.stop_reason if finished_now else None})
     return choices
+
+
+# Characters of arguments per streamed fragment.
+ARGUMENT_FRAGMENT_CHARS = 24
+
+
+def _tool_stream_chunks(request_output: RequestOutput, tool_request: ToolRequest,
+                        states: dict[int, ChoiceStreamState]) -> list[list[dict]]:
+    """With tools, a choice's text is held back until it finishes (it may be a call); then
+    it is sent as content, or as OpenAI tool-call deltas: id, type and name first, then
+    the arguments in fragments, then the finish reason."""
+    chunks = []
+    for completion in request_output.outputs:
+        state = states.setdefault(completion.index, ChoiceStreamState())
+        if completion.finish_reason is None or state.finish_sent:
+            continue
+        state.finish_sent = True
+        message, finish_reason = _message(completion, tool_request)
+
+        def choice(delta: dict, finish: str | None = None) -> list[dict]:
+            return [{"index": completion.index, "delta": delta, "logprobs": None, "finish_reason": finish}]
+
+        if message.get("content"):
+            chunks.append(choice({"content": message["content"]}))
+        for index, call in enumerate(message.get("tool_calls") or []):
+            function = call["function"]
+            chunks.append(choice({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
+                                                  "function": {"name": function["name"], "arguments": ""}}]}))
+            arguments = function["arguments"]
+            for start in range(0, len(arguments), ARGUMENT_FRAGMENT_CHARS):
+                fragment = arguments[start:start + ARGUMENT_FRAGMENT_CHARS]
+                chunks.append(choice({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}))
+        chunks.append(choice({}, finish_reason))
+    return chunks

@@ -17,6 +17,7 @@ from kvserve.server.serving import (ChoiceStreamState, ChunkFormatter, ServingCo
                                     merged_outputs, new_id, next_delta, parse_request, resolve_max_tokens,
                                     respond, run_tokenizer, submit_all, to_api_error, token_logprob_entries,
                                     token_text, usage_dict)
+from kvserve.server.structured import checked_constraint
 
 # Engine requests (prompts x n) one call may cause.
 MAX_CHOICES_PER_CALL = 256
@@ -39,6 +40,7 @@ async def _prepare(ctx: ServingContext, body: CompletionRequest) -> list[_Prepar
     if len(prompts) * body.n > MAX_CHOICES_PER_CALL:
         raise bad_request(f"prompts x n must be at most {MAX_CHOICES_PER_CALL} per call, "
                           f"got {len(prompts)} x {body.n}", param="prompt")
+    constraint = await checked_constraint(ctx, body)
     prepared = []
     for prompt in prompts:
         if isinstance(prompt, str):
@@ -48,8 +50,9 @@ async def _prepare(ctx: ServingContext, body: CompletionRequest) -> list[_Prepar
         if not token_ids:
             raise bad_request("prompt must not be empty", param="prompt")
         max_tokens = resolve_max_tokens(engine, len(token_ids), body.max_tokens)
-        params = body.build_sampling_params(max_tokens, body.logprobs)
+        params = body.build_sampling_params(max_tokens, body.logprobs, constraint)
         engine.validator.check_prompt_fits(len(token_ids), max_tokens)
+        engine.validator.check_sampling_params(params)
         prepared.append(_PreparedPrompt(text, token_ids, params))
     return prepared
 

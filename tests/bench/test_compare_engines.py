@@ -38,3 +38,18 @@ def test_generate_peak_rss_is_the_childs_own(tiny_model_dir):  # noqa: F811
     assert measured["command"].startswith("kvserve generate") and 50 < measured["peak_rss_mib"] < 4096
     with pytest.raises(RuntimeError, match="kvserve generate failed"):
         generate_peak_rss(tiny_model_dir, ["--max-model-len", "not-a-number"], max_tokens=2)
+
+
+def test_serve_compare_ratios_are_medians_of_rounds():
+    from kvserve.bench import serve_compare
+
+    def served(tok_s, tpot, ttft):
+        return {"output_token_throughput": tok_s, "tpot": {"mean_ms": tpot, "p50_ms": tpot},
+                "ttft": {"mean_ms": ttft, "p50_ms": ttft}, "failed": 0}
+    runs = {"kvserve": [served(100, 10, 50), served(90, 12, 40), served(120, 8, 60)],
+            "llama.cpp": [served(50, 20, 100), served(60, 12, 80), served(40, 16, 30)]}
+    ratios = serve_compare._ratios(runs)
+    assert ratios == {"output_tok_s": 2.0, "tpot_mean": 0.5, "ttft_mean": 0.5}
+    assert serve_compare._summary(runs["kvserve"])["output_token_throughput"] == 100
+    command = serve_compare.llama_cpp_command("m.gguf", 8, 2, 1024, llama_server="/opt/llama-server")
+    assert command.argv[command.argv.index("--parallel") + 1] == "8" and "-t" in command.argv

@@ -26,7 +26,7 @@ def q4_gguf(tmp_path_factory):
 
 
 def _weights(path: str, dtype: str) -> dict[str, torch.Tensor]:
-    return load_model(ModelConfig.from_path(path, dtype=dtype)).state_dict()
+    return load_model(ModelConfig.from_path(path, dtype=dtype, quantization="none")).state_dict()
 
 
 @pytest.mark.parametrize("dtype, matrix_type", [("float32", QType.F32), ("bfloat16", QType.BF16)])

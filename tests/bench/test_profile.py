@@ -9,7 +9,7 @@ import pytest
 import kvserve
 from kvserve.bench.profile import categorize
 
-# Files of the package itself: the profile attributes by the package's own folder.
+# Frames are attributed by the installed package's own folder, so the fake frames live there.
 PACKAGE_DIR = os.path.dirname(os.path.abspath(kvserve.__file__))
 ATTENTION = (os.path.join(PACKAGE_DIR, "model", "attention.py"), 10, "paged_attention")
 LAYERS = (os.path.join(PACKAGE_DIR, "model", "layers.py"), 20, "forward")

@@ -149,8 +149,9 @@ class PagedRunner:
     def _still_used(self, block: int) -> bool:
         return any(block in table for req in self.requests.values() for table in req.block_ids)
 
-    def step(self, schedule: dict[str, int]) -> dict[str, torch.Tensor]:
-        """Run `schedule[req_id]` tokens of each request; return logits of each request's last token."""
+    def step(self, schedule: dict[str, int], every_token: bool = False) -> dict[str, torch.Tensor]:
+        """Run `schedule[req_id]` tokens of each request; return logits of each request's last token
+        (with `every_token`: of all its scheduled tokens, [n, vocab])."""
         input_ids, positions, query_lens, seq_lens = [], [], [], []
         for req_id, n in schedule.items():
             req = self.requests[req_id]
@@ -171,8 +172,11 @@ class PagedRunner:
         with torch.inference_mode():
             hidden = self.model(torch.tensor(input_ids, device=self.device),
                                 torch.tensor(positions, device=self.device), metadata, self.kv_caches)
-            last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
-            logits = self.model.compute_logits(hidden[last]).cpu()
+            if every_token:
+                logits = self.model.compute_logits(hidden).cpu().split(query_lens)
+            else:
+                last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
+                logits = self.model.compute_logits(hidden[last]).cpu()
         for req_id, n in schedule.items():
             self.requests[req_id].num_computed += n
         return {req_id: logits[i] for i, req_id in enumerate(schedule)}

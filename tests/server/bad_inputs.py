@@ -73,9 +73,9 @@ def bad_cases(model: str, max_model_len: int) -> list[BadCase]:
         BadCase("content is a number", CHAT, {**chat, "messages": _user(7)}, 400, "content"),
         BadCase("image content", CHAT, {**chat, "messages": _user(
             [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])}, 400, "image_url"),
-        BadCase("tools", CHAT, {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]},
-                400, "tools"),
-        BadCase("response_format json", CHAT, {**chat, "response_format": {"type": "json_object"}},
+        BadCase("tools without a function", CHAT, {**chat, "tools": [{"type": "function"}]}, 400, "tools"),
+        BadCase("tool_choice without tools", CHAT, {**chat, "tool_choice": "required"}, 400, "tool_choice"),
+        BadCase("response_format xml", CHAT, {**chat, "response_format": {"type": "xml"}},
                 400, "response_format"),
         BadCase("chat max_completion_tokens huge", CHAT, {**chat, "max_completion_tokens": 10**9}, 400,
                 str(max_model_len)),

@@ -212,8 +212,9 @@ def test_openai_client_raises_typed_errors(client):
         client.completions.create(model="nope", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
-    assert "tools" in str(info.value)
+                                       tools=[{"type": "function", "function": {"name": "f"}}],
+                                       tool_choice={"type": "function", "function": {"name": "g"}})
+    assert "tool_choice" in str(info.value)
 
 
 def test_streaming_disconnect_aborts(fake_server):

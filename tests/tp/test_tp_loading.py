@@ -49,7 +49,7 @@ def _full_read_shard(config: ModelConfig, rank: int, tp_size: int) -> DecoderMod
 @pytest.mark.parametrize("tp_size", [2, 4])
 @pytest.mark.parametrize("source", ["safetensors", "gguf"])
 def test_each_rank_reads_only_its_shard(checkpoints, source, tp_size):
-    config = ModelConfig.from_path(checkpoints[source])
+    config = ModelConfig.from_path(checkpoints[source], quantization="none")
     for rank in range(tp_size):
         sharded = load_model(config, tp_rank=rank, tp_size=tp_size).state_dict()
         expected = _full_read_shard(config, rank, tp_size).state_dict()
@@ -59,6 +59,33 @@ def test_each_rank_reads_only_its_shard(checkpoints, source, tp_size):
     # KV heads: 2 over 4 ranks means one head per rank, each head on two ranks.
     model = DecoderModel(config, 0, tp_size)
     assert model.layers[0].self_attn.num_kv_heads == max(1, config.num_kv_heads // tp_size)
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_each_rank_holds_its_shard_quantized(checkpoints, tp_size):
+    """With quantization auto each rank repacks only its rows / its block-aligned columns of
+    the Q8_0 matrices: they dequantize to exactly the float shard the rank would keep
+    (column shards narrower than a block are dequantized instead)."""
+    from kvserve.model import quantized
+    if quantized.kernel_isa() is None:
+        pytest.skip("no native kernels")
+    plain_config = ModelConfig.from_path(checkpoints["gguf"], quantization="none")
+    config = ModelConfig.from_path(checkpoints["gguf"])
+    for rank in range(tp_size):
+        held = load_model(config, tp_rank=rank, tp_size=tp_size)
+        expected = dict(_full_read_shard(plain_config, rank, tp_size).named_modules())
+        count = 0
+        for name, module in held.named_modules():
+            if name == "lm_head" or not hasattr(module, "quant_weight"):
+                continue
+            if module.quant_weight is None:  # a column shard that cuts blocks: dequantized instead
+                torch.testing.assert_close(module.weight, expected[name].weight, rtol=0, atol=0, msg=name)
+                continue
+            count += 1
+            assert module.weight is None
+            torch.testing.assert_close(module.quant_weight.dequantize(), expected[name].weight,
+                                       rtol=0, atol=0, msg=name)
+        assert count >= (4 if tp_size == 2 else 3) * config.num_layers
 
 
 def test_sharded_safetensors_reads_a_fraction_of_the_bytes(checkpoints):

@@ -17,7 +17,8 @@ from tiny_models import random_prompts, save_tiny_model
 from kvserve.sampling_params import SamplingParams
 
 # Never back off: every step with a match verifies a draft.
-SPEC = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "min_acceptance_rate": 0.0, "max_misses": 1000}
+SPEC = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "min_acceptance_rate": 0.0, "max_misses": 1000,
+        "disable_by_batch_size": 64}
 SETTINGS = dict(max_num_batched_tokens=40, hash_block_size=2)
 # About two requests' worth of KV (gemma2 has twice the layers): preemption.
 KV_MEMORY = {"llama": "96KiB", "gemma2": "192KiB"}

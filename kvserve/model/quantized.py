@@ -1,0 +1,294 @@
+"""Block-quantized linear weights, computed as stored (GGUF Q4_0, Q4_1, Q8_0, Q4_K).
+
+At load the GGUF blocks are repacked into the one layout the native kernel
+(csrc/quant_linear.c) reads: per row, blocks of 32 columns, each holding 32
+small integers q and float32 `d`, `m` that stand for d * q + m. Q4_0 (m = -8d),
+Q4_1 and Q4_K (whose 6-bit sub-block scales are folded into d and m) become
+4-bit weights, Q8_0 8-bit ones; all of them exactly (the repacked blocks
+dequantize to the same floats as the file's). The weight is then held only in
+this form: `QuantizedWeight.dequantize` rebuilds floats where needed (embedding
+rows, tests).
+
+The kernel path is picked once from the CPU's features: AVX512-VNNI, AVX2 or
+portable C; KVSERVE_QUANT_ISA=avx2|portable forces a narrower one (for tests
+and comparisons). The kernel rounds the activations per block of 32 to int16
+(KVSERVE_QUANT_ACT_BITS=8: to int8, as llama.cpp does, faster but enough to flip
+near-tied greedy tokens of the default model).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvserve.model import cpu_kernels
+
+logger = logging.getLogger(__name__)
+
+ISA_ENV = "KVSERVE_QUANT_ISA"
+ACT_BITS_ENV = "KVSERVE_QUANT_ACT_BITS"
+ISA_CODES = {"portable": 0, "avx2": 1, "avx512": 2}
+BLOCK = 32
+GROUP_COLS = 128  # columns of one 64-byte group of 4-bit blocks
+
+# GGUF type name -> (bytes per super-block, columns per super-block)
+_GGUF_LAYOUTS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q8_0": (34, 32), "Q4_K": (144, 256)}
+SUPPORTED_GGUF_TYPES = tuple(_GGUF_LAYOUTS)
+
+
+class QuantizationError(ValueError):
+    """A tensor cannot be held quantized (type or shape the kernel does not take)."""
+
+
+@dataclass
+class QuantizedWeight:
+    """One [out, in] weight in the kernel's layout: `qs` uint8 [out, in/2 or in],
+    `d` and `m` float32 [out, in/32], `bits` 4 or 8; `source_type` names the GGUF type.
+    `act_bits` (8 or 16): how finely the kernel rounds the activations it multiplies
+    (see `activation_bits`)."""
+
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+    bits: int
+    in_features: int
+    source_type: str
+    act_bits: int = 16
+
+    @property
+    def out_features(self) -> int:
+        return self.qs.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m))
+
+    def rows(self, index: torch.Tensor | slice) -> "QuantizedWeight":
+        """The weight restricted to some rows (a tensor-parallel slice, a permutation)."""
+        return QuantizedWeight(self.qs[index].contiguous(), self.d[index].contiguous(), self.m[index].contiguous(),
+                               self.bits, self.in_features, self.source_type, self.act_bits)
+
+    def dequantize(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 values of all rows, or of the rows `index` (a 1-D int64 tensor)."""
+        qs, d, m = (self.qs, self.d, self.m) if index is None else (self.qs[index], self.d[index], self.m[index])
+        q = unpack_quants(qs, self.bits, self.in_features).float()
+        blocks = q.view(q.shape[0], -1, BLOCK) * d.unsqueeze(-1) + m.unsqueeze(-1)
+        return blocks.view(q.shape[0], self.in_features)
+
+
+def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Stack weights of one width and bit count by rows (the parts of a fused projection)."""
+    first = parts[0]
+    if any(p.bits != first.bits or p.in_features != first.in_features for p in parts):
+        raise QuantizationError("fused parts differ in bits or width")
+    names = "+".join(dict.fromkeys(p.source_type for p in parts))
+    return QuantizedWeight(torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]),
+                           torch.cat([p.m for p in parts]), first.bits, first.in_features, names, first.act_bits)
+
+
+# ---- layout -------------------------------------------------------------------------
+
+def pack_quants(q: np.ndarray, bits: int) -> np.ndarray:
+    """q [rows, in] (uint8 0..15 for 4 bits, int8 for 8) -> the kernel's byte layout."""
+    rows, cols = q.shape
+    if bits == 8:
+        return np.ascontiguousarray(q.astype(np.int8).view(np.uint8))
+    q = q.astype(np.uint8)
+    groups = cols // GROUP_COLS
+    head = q[:, :groups * GROUP_COLS].reshape(rows, groups, 2, 64)
+    head = head[:, :, 0] | (head[:, :, 1] << 4)
+    tail = q[:, groups * GROUP_COLS:].reshape(rows, -1, 2, 16)
+    tail = tail[:, :, 0] | (tail[:, :, 1] << 4)
+    return np.ascontiguousarray(np.concatenate([head.reshape(rows, -1), tail.reshape(rows, -1)], axis=1))
+
+
+def unpack_quants(qs: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
+    """Inverse of `pack_quants` (in torch): int16 [rows, cols]."""
+    rows = qs.shape[0]
+    if bits == 8:
+        return qs.view(torch.int8).to(torch.int16)
+    groups = cols // GROUP_COLS
+    head = qs[:, :groups * 64].reshape(rows, groups, 1, 64)
+    head = torch.cat([head & 15, head >> 4], dim=2).reshape(rows, -1)
+    tail = qs[:, groups * 64:].reshape(rows, -1, 1, 16)
+    tail = torch.cat([tail & 15, tail >> 4], dim=2).reshape(rows, -1)
+    return torch.cat([head, tail], dim=1).to(torch.int16)
+
+
+# ---- GGUF blocks -> (q, d, m) --------------------------------------------------------
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes of GGUF order -> [..., 32] quants (low nibbles first)."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _decode_q4_0(blocks: np.ndarray):
+    d = _f16(blocks[..., 0:2])[..., 0]
+    return _nibbles(blocks[..., 2:18]), d, -8.0 * d, 4
+
+
+def _decode_q4_1(blocks: np.ndarray):
+    d, m = _f16(blocks[..., 0:2])[..., 0], _f16(blocks[..., 2:4])[..., 0]
+    return _nibbles(blocks[..., 4:20]), d, m, 4
+
+
+def _decode_q8_0(blocks: np.ndarray):
+    d = _f16(blocks[..., 0:2])[..., 0]
+    return blocks[..., 2:34].view(np.int8), d, np.zeros_like(d), 8
+
+
+def _decode_q4_k(blocks: np.ndarray):
+    """Super-blocks of 256: d, dmin (f16), 12 bytes of 6-bit scales/mins for the 8
+    sub-blocks of 32, then 128 bytes of nibbles (per 64 columns: 32 bytes, low
+    nibbles the first 32 columns, high nibbles the next 32)."""
+    rows, supers = blocks.shape[:2]
+    d, dmin = _f16(blocks[..., 0:2])[..., 0], _f16(blocks[..., 2:4])[..., 0]
+    s = blocks[..., 4:16].astype(np.uint8)
+    scales = np.empty((rows, supers, 8), np.float32)
+    mins = np.empty((rows, supers, 8), np.float32)
+    scales[..., :4], mins[..., :4] = s[..., 0:4] & 63, s[..., 4:8] & 63
+    scales[..., 4:] = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
+    mins[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    qs = blocks[..., 16:144].reshape(rows, supers, 4, 32)
+    q = np.concatenate([qs[..., None, :] & 15, qs[..., None, :] >> 4], axis=-2).reshape(rows, supers, 8, 32)
+    return (q.reshape(rows, -1, 32), (d[..., None] * scales).reshape(rows, -1),
+            (-dmin[..., None] * mins).reshape(rows, -1), 4)
+
+
+_DECODERS = {"Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1, "Q8_0": _decode_q8_0, "Q4_K": _decode_q4_k}
+
+
+def from_gguf_blocks(type_name: str, raw: np.ndarray, in_features: int) -> QuantizedWeight:
+    """Repack a GGUF tensor's raw bytes [rows, bytes per row] (type `type_name`) for the kernel."""
+    if type_name not in _DECODERS:
+        raise QuantizationError(f"no kernel for GGUF type {type_name}")
+    block_bytes, block_cols = _GGUF_LAYOUTS[type_name]
+    if in_features % block_cols or raw.shape[1] != in_features // block_cols * block_bytes:
+        raise QuantizationError(f"{type_name}: {raw.shape[1]} bytes per row do not hold {in_features} columns")
+    rows = raw.shape[0]
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, -1, block_bytes)
+    q, d, m, bits = _DECODERS[type_name](blocks)
+    packed = pack_quants(q.reshape(rows, in_features), bits)
+    return QuantizedWeight(torch.from_numpy(packed), torch.from_numpy(np.ascontiguousarray(d, np.float32)),
+                           torch.from_numpy(np.ascontiguousarray(m, np.float32)), bits, in_features, type_name,
+                           activation_bits())
+
+
+def activation_bits() -> int:
+    """How finely the kernel rounds activations: 16 (default) or 8 (KVSERVE_QUANT_ACT_BITS)."""
+    value = os.environ.get(ACT_BITS_ENV, "16").strip()
+    if value not in ("8", "16"):
+        raise ValueError(f"{ACT_BITS_ENV} must be 8 or 16, got {value!r}")
+    return int(value)
+
+
+def slice_gguf_columns(type_name: str, raw: np.ndarray, first: int, count: int) -> np.ndarray | None:
+    """The raw bytes of columns first..first+count of every row, or None when the cut
+    is not on block boundaries."""
+    block_bytes, block_cols = _GGUF_LAYOUTS[type_name]
+    if first % block_cols or count % block_cols:
+        return None
+    return raw[:, first // block_cols * block_bytes:(first + count) // block_cols * block_bytes]
+
+
+# ---- the kernel ----------------------------------------------------------------------
+
+_isa_choice: dict[str, int] = {}
+
+
+def kernel_isa() -> str | None:
+    """The kernel path this process uses ("avx512", "avx2", "portable"), or None without
+    native kernels. The widest the CPU runs, unless KVSERVE_QUANT_ISA names a narrower one."""
+    lib = cpu_kernels.load_library()
+    if lib is None:
+        return None
+    if "isa" not in _isa_choice:
+        wanted = os.environ.get(ISA_ENV, "").strip().lower()
+        if wanted and wanted not in ISA_CODES:
+            raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISA_CODES)}, got {wanted!r}")
+        ceiling = ISA_CODES.get(wanted, max(ISA_CODES.values()))
+        _isa_choice["isa"] = max(code for name, code in ISA_CODES.items()
+                                 if code <= ceiling and lib.kvserve_quant_isa_available(code))
+    return next(name for name, code in ISA_CODES.items() if code == _isa_choice["isa"])
+
+
+def isa_available(isa: str) -> bool:
+    """Whether this build and CPU run the kernel path `isa`."""
+    lib = cpu_kernels.load_library()
+    return lib is not None and bool(lib.kvserve_quant_isa_available(ISA_CODES[isa]))
+
+
+def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+           isa: str | None = None) -> torch.Tensor:
+    """x [..., in] @ W^T (+ bias) with W quantized; x float32 or bfloat16 on the CPU
+    (rows may be strided), the result of x's dtype. `isa` overrides the process's path."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    if x2.shape[-1] != weight.in_features:
+        raise cpu_kernels.KernelArgumentError(f"input width {x2.shape[-1]}, weight takes {weight.in_features}")
+    if x2.stride(-1) != 1 or x2.dtype not in (torch.float32, torch.bfloat16):
+        x2 = x2.float().contiguous() if x2.dtype not in (torch.float32, torch.bfloat16) else x2.contiguous()
+    if bias is not None:
+        bias = bias.to(x2.dtype).contiguous()
+    y = x2.new_empty(x2.shape[0], weight.out_features)
+    code = cpu_kernels.load_library().kvserve_quant_linear(
+        x2.data_ptr(), x2.stride(0), x2.shape[0], weight.qs.data_ptr(), weight.d.data_ptr(), weight.m.data_ptr(),
+        weight.bits, weight.out_features, weight.in_features, bias.data_ptr() if bias is not None else None,
+        y.data_ptr(), y.stride(0), 0 if x2.dtype == torch.float32 else 1, weight.act_bits,
+        ISA_CODES[isa or kernel_isa()], torch.get_num_threads())
+    if code:
+        raise cpu_kernels.KernelArgumentError(f"quantized matmul rejected its arguments (code {code})")
+    return y.view(*lead, weight.out_features)
+
+
+# ---- choosing the path ----------------------------------------------------------------
+
+def keeps_quantized(model_config, device: str | torch.device) -> bool:
+    """Whether the loader keeps `model_config`'s GGUF tensors quantized: quantization
+    "auto", on the CPU, with the native kernels built."""
+    return (model_config.is_gguf and model_config.quantization == "auto"
+            and torch.device(device).type == "cpu" and kernel_isa() is not None)
+
+
+def _file_matrix_types(path: str) -> dict[str, int]:
+    """GGUF type name -> count of 2-D tensors of that type in the file."""
+    from kvserve.model.gguf_loader import open_gguf
+    counts: dict[str, int] = {}
+    for tensor in open_gguf(path).tensors:
+        if len(tensor.shape) == 2:
+            counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+    return counts
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 natively on this CPU (AVX512-BF16 / AMX)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def default_dtype(path: str, quantization: str, device: str) -> str:
+    """The activation dtype when none is given, logged once: float32 where the file's
+    weights stay quantized (the kernels take float32 activations and quantize them per
+    block themselves) or off the CPU; for dequantized GGUF weights bfloat16 on CPUs
+    with native bfloat16; float32 otherwise (and for Hugging Face checkpoints)."""
+    if str(device).split(":")[0] != "cpu" or not path.endswith(".gguf"):  # validated later
+        return "float32"
+    types = _file_matrix_types(path)
+    kept = {name: n for name, n in types.items() if name in SUPPORTED_GGUF_TYPES}
+    if quantization == "auto" and kept and kernel_isa() is not None:
+        logger.info("GGUF weights %s kept quantized (%s kernels), activations float32",
+                    "/".join(sorted(kept)), kernel_isa())
+        return "float32"
+    dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
+    logger.info("GGUF weights dequantized to %s (%s)", dtype,
+                "quantization none" if quantization == "none" else "no kernel for " + "/".join(sorted(types)))
+    return dtype

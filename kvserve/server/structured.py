@@ -1,0 +1,108 @@
+"""Request fields that constrain the output, turned into one `StructuredOutputsParams`.
+
+Accepted (at most one of them per request): OpenAI's `response_format`
+(`text`, `json_object`, `json_schema`), vLLM's `structured_outputs` extra
+field (`json`, `regex`, `choice`, `grammar`, `json_object`) and the older
+`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`.
+Errors are 400s naming the field the client used.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from kvserve.errors import InvalidRequestError
+from kvserve.sampling_params import SamplingParamsError, StructuredOutputsParams
+
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
+class ConstraintSource:
+    """A constraint and the request field it came from (named in errors)."""
+
+    def __init__(self, params: StructuredOutputsParams, field_name: str) -> None:
+        self.params = params
+        self.field_name = field_name
+
+
+def constraint_from_request(body: Any) -> ConstraintSource | None:
+    """The request's output constraint, or None; raises InvalidRequestError when it is malformed
+    or given twice."""
+    found: list[ConstraintSource] = []
+    response_format = getattr(body, "response_format", None)
+    if response_format is not None:
+        source = _from_response_format(response_format)
+        if source is not None:
+            found.append(source)
+    given = getattr(body, "structured_outputs", None)
+    if given is not None:
+        found.append(ConstraintSource(_build(given, "structured_outputs"), "structured_outputs"))
+    for field_name, kind in GUIDED_FIELDS.items():
+        value = getattr(body, field_name, None)
+        if value is not None:
+            found.append(ConstraintSource(_build({kind: value}, field_name), field_name))
+    if len(found) > 1:
+        raise InvalidRequestError(
+            f"give at most one output constraint, got {', '.join(s.field_name for s in found)}",
+            found[1].field_name)
+    return found[0] if found else None
+
+
+def _from_response_format(response_format: Any) -> ConstraintSource | None:
+    kind = response_format.type
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ConstraintSource(StructuredOutputsParams(json_object=True), "response_format")
+    if kind == "json_schema":
+        spec = response_format.json_schema
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise InvalidRequestError("response_format.json_schema must be an object with a 'schema' object",
+                                      "response_format.json_schema")
+        schema = spec.get("schema") or {"type": "object"}
+        return ConstraintSource(StructuredOutputsParams(json=schema), "response_format.json_schema")
+    raise InvalidRequestError(f"response_format type {kind!r} is not one of 'text', 'json_object', "
+                              "'json_schema'", "response_format.type")
+
+
+def _build(fields: Any, field_name: str) -> StructuredOutputsParams:
+    if not isinstance(fields, dict):
+        raise InvalidRequestError(f"{field_name} must be an object", field_name)
+    known = {"json", "regex", "choice", "grammar", "json_object"}
+    try:
+        return StructuredOutputsParams(**{k: v for k, v in fields.items() if k in known})
+    except (SamplingParamsError, TypeError) as exc:
+        raise InvalidRequestError(f"{field_name}: {exc}", field_name) from None
+
+
+async def compile_constraint(model_config: Any, source: ConstraintSource) -> None:
+    """Compile on the grammar thread pool, without blocking the event loop or the engine loop;
+    a failure or a compile past the timeout raises InvalidRequestError naming the field."""
+    from kvserve.model.grammar import StructuredOutputError, compile_timeout_s, compiler_for_model
+
+    compiler = await asyncio.to_thread(compiler_for_model, model_config)
+    timeout_s = compile_timeout_s()
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(compiler.compile_async(source.params)), timeout_s)
+    except asyncio.TimeoutError:
+        raise InvalidRequestError(f"{source.field_name}: the grammar did not compile within {timeout_s:g} s",
+                                  source.field_name) from None
+    except StructuredOutputError as exc:
+        raise InvalidRequestError(f"{source.field_name}: {exc}", source.field_name) from None
+
+
+async def checked_constraint(ctx: Any, body: Any, tool_grammar: str | None = None
+                             ) -> StructuredOutputsParams | None:
+    """The request's constraint (or the grammar forcing its tool calls), compiled so that it
+    is known good, or None."""
+    source = constraint_from_request(body)
+    if tool_grammar is not None:
+        if source is not None:
+            raise InvalidRequestError(f"tool_choice 'required' or a named function cannot be combined with "
+                                      f"{source.field_name}", source.field_name)
+        source = ConstraintSource(StructuredOutputsParams(grammar=tool_grammar), "tool_choice")
+    if source is None:
+        return None
+    await compile_constraint(ctx.engine.model_config, source)
+    return source.params

