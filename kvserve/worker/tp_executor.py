@@ -36,8 +36,9 @@ from kvserve.kv_cache.interface import KVCacheConfig, KVCacheSpec
 from kvserve.messages import ModelRunnerOutput, SchedulerOutput
 from kvserve.worker.executor import Executor, ExecutorDeadError
 from kvserve.worker.multinode import NodeLayout, RemoteRankListener, cluster_identity, join_timeout_s
-from kvserve.worker.tp_worker import (DRIVER_RANK, WorkerCall, WorkerInit, WorkerReply, distributed_backend,
-                                      rank_device, worker_main)
+from kvserve.worker.tp_worker import (DRIVER_RANK, AvailableKVMemory, ExecuteModel, GetKVCacheSpecs,
+                                      InitializeKVCache, Shutdown, Startup, WorkerCall, WorkerInit, WorkerReply,
+                                      distributed_backend, rank_device, worker_main)
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
@@ -112,8 +113,8 @@ def worker_init(engine_config, rank: int, local_rank: int, init_method: str, num
 class _PendingCall:
     """A call sent to every rank, waiting for their replies."""
 
-    def __init__(self, method: str) -> None:
-        self.method = method
+    def __init__(self, call: WorkerCall) -> None:
+        self.call = call
         self.future: Future = Future()
         self.replies: dict[int, WorkerReply] = {}
 
@@ -158,7 +159,7 @@ class TPExecutor(Executor):
             if listener is not None:
                 self._join_remote_ranks(listener)
             self._receiver.start()
-            self._call_all("startup", send=False)
+            self._call_all(Startup(), send=False)
         except BaseException:
             if listener is not None:
                 listener.close()
@@ -203,20 +204,20 @@ class TPExecutor(Executor):
     # ---- the Executor interface ---------------------------------------------------
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
-        specs_by_rank = self._call_all("get_kv_cache_specs")
+        specs_by_rank = self._call_all(GetKVCacheSpecs())
         if any(specs != specs_by_rank[DRIVER_RANK] for specs in specs_by_rank):
             raise RuntimeError("tensor-parallel ranks disagree on the KV-cache layout")
         return specs_by_rank[DRIVER_RANK]
 
     def determine_available_memory(self) -> int:
         # Every rank gets the same number of blocks, so the smallest budget decides.
-        return min(self._call_all("available_kv_memory_bytes"))
+        return min(self._call_all(AvailableKVMemory()))
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        self._call_all("initialize_kv_cache", (kv_cache_config,))
+        self._call_all(InitializeKVCache(kv_cache_config))
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> "Future[ModelRunnerOutput]":
-        return self._submit("execute_model", (scheduler_output,))
+        return self._submit(ExecuteModel(scheduler_output))
 
     def check_health(self) -> None:
         with self._lock:
@@ -230,7 +231,7 @@ class TPExecutor(Executor):
             self._pending_changed.notify_all()  # the receiver sees the flag and returns
         for conn in self._conns:
             try:
-                conn.send(WorkerCall("shutdown"))
+                conn.send(Shutdown())
             except (BrokenPipeError, OSError):
                 pass
         self._stop_workers()
@@ -243,20 +244,20 @@ class TPExecutor(Executor):
 
     # ---- calls and replies ----------------------------------------------------------
 
-    def _call_all(self, method: str, args: tuple = (), send: bool = True) -> list[Any]:
-        """Run `method` on every rank and return their values, by rank."""
-        return self._submit(method, args, send=send).result()
+    def _call_all(self, worker_call: WorkerCall, send: bool = True) -> list[Any]:
+        """Run `worker_call` on every rank and return their values, by rank."""
+        return self._submit(worker_call, send=send).result()
 
-    def _submit(self, method: str, args: tuple = (), send: bool = True) -> Future:
+    def _submit(self, worker_call: WorkerCall, send: bool = True) -> Future:
         with self._lock:
             self.check_health()
-            call = _PendingCall(method)
+            call = _PendingCall(worker_call)
             self._pending.append(call)
             self._pending_changed.notify_all()
             # Sent under the lock so that every rank sees the calls in one order.
             if send:
                 # Pickled once for all ranks (Connection.recv unpickles what send_bytes sent).
-                message = ForkingPickler.dumps(WorkerCall(method, args))
+                message = ForkingPickler.dumps(worker_call)
                 for rank, conn in enumerate(self._conns):
                     try:
                         conn.send_bytes(message)
@@ -310,12 +311,12 @@ class TPExecutor(Executor):
         errors = {rank: reply.error for rank, reply in call.replies.items() if reply.error is not None}
         if not errors:
             values = [call.replies[rank].value for rank in range(self.world_size)]
-            call.future.set_result(values[DRIVER_RANK] if call.method == "execute_model" else values)
+            call.future.set_result(values[DRIVER_RANK] if isinstance(call.call, ExecuteModel) else values)
             return
         first_rank = min(errors)
-        message = f"{call.method} failed on tensor-parallel rank {first_rank}: {errors[first_rank]}"
+        message = f"{call.call.name} failed on tensor-parallel rank {first_rank}: {errors[first_rank]}"
         logger.error("%s\n%s", message, call.replies[first_rank].error_traceback)
-        if call.method in ("startup", "execute_model") and len(errors) < self.world_size:
+        if isinstance(call.call, (Startup, ExecuteModel)) and len(errors) < self.world_size:
             # Some ranks went on without the others: their collectives no longer line up.
             with self._lock:
                 self._mark_dead(message)
@@ -374,7 +375,7 @@ class TPExecutor(Executor):
             if process is None:
                 # Another node's rank: ask it to exit (it may be waiting for the next call).
                 try:
-                    conn.send(WorkerCall("shutdown"))
+                    conn.send(Shutdown())
                 except (BrokenPipeError, OSError):
                     pass
             elif process.is_alive():

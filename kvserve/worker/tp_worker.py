@@ -18,10 +18,12 @@ import signal
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Union
 
 import torch
 
+from kvserve.kv_cache.interface import KVCacheConfig
+from kvserve.messages import SchedulerOutput
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.input_batch import PreparedBatch
 
@@ -30,12 +32,52 @@ logger = logging.getLogger(__name__)
 DRIVER_RANK = 0
 
 
-@dataclass
-class WorkerCall:
-    """One request from the executor: a `TPWorker` method and its arguments."""
+@dataclass(frozen=True, slots=True)
+class Startup:
+    """Not sent: the executor's pending call that the workers' "ready" replies answer."""
 
-    method: str
-    args: tuple = ()
+    name = "startup"
+
+
+@dataclass(frozen=True, slots=True)
+class GetKVCacheSpecs:
+    """Each rank's per-layer KV-cache specs (they must agree)."""
+
+    name = "get_kv_cache_specs"
+
+
+@dataclass(frozen=True, slots=True)
+class AvailableKVMemory:
+    """Bytes each rank's KV cache may use."""
+
+    name = "available_kv_memory_bytes"
+
+
+@dataclass(frozen=True, slots=True)
+class InitializeKVCache:
+    """Allocate the KV tensors of this layout."""
+
+    kv_cache_config: KVCacheConfig
+    name = "initialize_kv_cache"
+
+
+@dataclass(frozen=True, slots=True)
+class ExecuteModel:
+    """Run one step; only the driver rank's reply carries the output."""
+
+    scheduler_output: SchedulerOutput
+    name = "execute_model"
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """Leave the serving loop (no reply)."""
+
+    name = "shutdown"
+
+
+# One request from the executor to every rank; `name` says which in messages.
+WorkerCall = Union[Startup, GetKVCacheSpecs, AvailableKVMemory, InitializeKVCache, ExecuteModel, Shutdown]
 
 
 @dataclass
@@ -122,7 +164,7 @@ class TPModelRunner(ModelRunner):
 
 
 class TPWorker:
-    """One rank's state in its process; its public methods are what `WorkerCall`s name."""
+    """One rank's state in its process; `handle` answers each `WorkerCall`."""
 
     def __init__(self, engine_config, init: WorkerInit) -> None:
         self.rank = init.rank
@@ -145,6 +187,18 @@ class TPWorker:
         output = self.runner.execute_model(scheduler_output)
         # Only the driver's output is used; the others only say "done".
         return output if self.rank == DRIVER_RANK else None
+
+    def handle(self, call: WorkerCall) -> Any:
+        """The value of one call from the executor."""
+        if isinstance(call, ExecuteModel):
+            return self.execute_model(call.scheduler_output)
+        if isinstance(call, GetKVCacheSpecs):
+            return self.get_kv_cache_specs()
+        if isinstance(call, AvailableKVMemory):
+            return self.available_kv_memory_bytes()
+        if isinstance(call, InitializeKVCache):
+            return self.initialize_kv_cache(call.kv_cache_config)
+        raise TypeError(f"a worker cannot handle {type(call).__name__}")
 
 
 def _init_process(init: WorkerInit) -> None:
@@ -182,10 +236,10 @@ def _serve(worker: TPWorker, conn) -> None:
             call = conn.recv()
         except (EOFError, OSError):
             return  # the engine went away
-        if call.method == "shutdown":
+        if isinstance(call, Shutdown):
             return
         try:
-            reply = WorkerReply(worker.rank, value=getattr(worker, call.method)(*call.args))
+            reply = WorkerReply(worker.rank, value=worker.handle(call))
         except Exception as exc:
             reply = WorkerReply.from_exception(worker.rank, exc)
         try:

@@ -69,14 +69,14 @@ def decode_batch(frames: list[bytes]) -> tuple[int, list]:
     return int.from_bytes(seq, "big"), events
 
 
-@pytest.fixture
-def published_engine():
+@pytest.fixture(params=[None], ids=["hash=block"])
+def published_engine(request):
     pub_port, replay_port = free_ports(2)
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub_port}",
               "replay_endpoint": f"tcp://*:{replay_port}", "topic": TOPIC.decode(), "buffer_steps": 1000}
     # 13 usable blocks of 16 tokens: the second prompt must evict the first one's blocks.
     core = make_scheduler_engine_core(num_blocks=14, step_delay_s=0.0, async_scheduling=False,
-                                      kv_events_config=config)
+                                      kv_events_config=config, hash_block_size=request.param)
     context = zmq.Context.instance()
     sub = context.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
@@ -196,3 +196,22 @@ def test_the_flag_reaches_the_engine_config():
     assert config.kv_events_config == KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", topic="t")
     with pytest.raises(ConfigError, match="kv-events-config"):
         EngineConfig.create(kv_events_config='{"enable_kv_cache_events": true, "hwm": -1}')
+
+
+@pytest.mark.parametrize("published_engine", [4], ids=["hash=4"], indirect=True)
+def test_sub_block_hash_units_are_events_of_their_own(published_engine):
+    """With --hash-block-size 4 a 16-token block carries 4 keys: each is announced as a unit of 4."""
+    core, sub, _ = published_engine
+    pool = core.scheduler.kv_cache_manager.block_pool
+    run(core, "a", list(range(1, 38)), max_tokens=6)
+    run(core, "b", list(range(1, 30)) + [999] * 8, max_tokens=6)   # shares 29 tokens with "a"
+    router: set[int] = set()
+    for frames in receive_all(sub, 2):
+        for event in decode_batch(frames)[1]:
+            if event["type"] == "BlockStored":
+                assert event["block_size"] == 4 and len(event["token_ids"]) == 4 * len(event["block_hashes"])
+                router |= set(event["block_hashes"])
+            elif event["type"] == "BlockRemoved":
+                router -= set(event["block_hashes"])
+    assert router == {low64(get_block_hash(key)) for key in pool.cached_block_hash_to_block}
+    assert len(router) >= 37 // 4

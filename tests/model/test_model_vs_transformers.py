@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from kvserve.kv_cache.utils import KVCacheBlockCopy
 from kvserve.model import cpu_kernels
@@ -197,3 +198,29 @@ def test_prompt_chunks_of_mixed_length_pack_and_match_transformers(models, famil
     tokens, logits = run_greedy(PagedRunner(load_model(config), block_size=4, num_blocks=1024), prompts, 3,
                                 chunk=150)
     _check_against_hf(hf, prompts, tokens, logits)
+
+
+# Ours in bfloat16 against transformers in bfloat16 (the outside oracle): both round
+# weights and activations to 8 significant bits, in different orders, so their
+# prefill logits differ by a few bfloat16 steps of the logit scale. The bound: at most
+# 3% of the largest float32 logit apart, and no further from float32 than twice
+# transformers' own bfloat16 distance from it (plus one bfloat16 step of the scale).
+BF16_MAX_DIFF_OF_SCALE = 0.03
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+def test_bfloat16_matches_transformers_in_bfloat16(models, family):
+    hf32, config = models(family)
+    hf16 = transformers.AutoModelForCausalLM.from_pretrained(
+        config.path, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    ours = load_model(ModelConfig.from_path(config.path, dtype="bfloat16"))
+    prompts = _prompts([13, 21, 6], seed=9)
+    _, logits = run_greedy(PagedRunner(ours, block_size=4), prompts, 1, chunk=64)
+    for req_id, prompt in prompts.items():
+        _, (ref16,) = hf_greedy(hf16, prompt, 1)
+        _, (ref32,) = hf_greedy(hf32, prompt, 1)
+        scale = ref32.abs().max().item()
+        ours16 = logits[req_id][0].float()
+        assert (ours16 - ref16).abs().max().item() <= BF16_MAX_DIFF_OF_SCALE * scale, req_id
+        hf_error = (ref16 - ref32).abs().max().item()
+        assert (ours16 - ref32).abs().max().item() <= 2 * hf_error + scale / 128, req_id

@@ -6,12 +6,15 @@ test is written from its description (issue 3, reference §7.6)."""
 from collections import deque
 from types import SimpleNamespace
 
+import pytest
 from helpers.kv_blocks import eviction_order, make_pool_with_cached_blocks, make_two_group_kv_cache_manager
 
+from kvserve.kv_cache.coordinator import KVCacheCoordinator
+from kvserve.kv_cache.interface import FullAttentionSpec, SlidingWindowSpec
 from kvserve.kv_cache.utils import KVCacheBlock
 from kvserve.request import RequestStatus
 from kvserve.scheduler.scheduler import Scheduler
-from kvserve.testing import FakeModelRunner, StepDriver, create_requests, create_scheduler
+from kvserve.testing import FakeModelRunner, StepDriver, assert_pool_whole, create_requests, create_scheduler
 
 NUM_PROMPT_TOKENS = 40
 BLOCK_SIZE = 16
@@ -256,3 +259,50 @@ def test_cow_copy_rides_with_its_step_and_its_endpoints_wait_for_the_fence():
     assert pool.blocks[copy.dst_block_id].ref_cnt == 1
     assert len(driver.run()[consumer.request_id].token_ids) == 3
     assert pool.get_num_free_blocks() == 49
+
+
+# ---- two KV-cache groups: reversing per group and reversing the whole list differ ----
+
+TWO_GROUP_SPECS = [
+    FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype="float32"),
+    SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype="float32", sliding_window=64),
+]
+
+
+def _check_deferred_frees_match_immediate_on_two_groups() -> None:
+    """A request aborted while its step is in flight parks its blocks behind the
+    step's fence in exactly the order an immediate free would give them to the
+    pool: each group's blocks reversed, groups in order."""
+    scheduler = _create_deferring_scheduler(kv_cache_specs=TWO_GROUP_SPECS)
+    driver = StepDriver(scheduler, FakeModelRunner(), async_steps=True)
+    request = create_requests(1, num_tokens=NUM_PROMPT_TOKENS, max_tokens=5)[0]
+    driver.add_requests([request])
+    out = driver.schedule_step()
+    coordinator = scheduler.kv_cache_manager.coordinator
+    allocated = [list(m.req_to_blocks[request.request_id]) for m in coordinator.single_type_managers]
+    assert all(len(group) == 3 for group in allocated)
+    per_group_reversed = [block for group in allocated for block in reversed(group)]
+    assert per_group_reversed != list(reversed([b for group in allocated for b in group]))
+
+    scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+    ((fence, parked),) = scheduler.deferred_frees
+    assert fence == out.step_seq
+    assert parked == per_group_reversed, "parked blocks are not in per-group eviction order"
+    driver.run()
+    assert_pool_whole(scheduler)
+
+
+def test_two_group_deferred_frees_keep_the_per_group_eviction_order():
+    _check_deferred_frees_match_immediate_on_two_groups()
+
+
+def test_a_whole_list_reversal_fails_the_two_group_check(monkeypatch):
+    """The check above can fail for the right reason: with one KV-cache group a
+    whole-list reversal equals the per-group one, with two it does not."""
+    def reverse_whole_list(self, request_id):
+        blocks = [b for manager in self.single_type_managers for b in manager.pop_blocks_for_free(request_id)]
+        return blocks[::-1]
+
+    monkeypatch.setattr(KVCacheCoordinator, "pop_blocks_for_free", reverse_whole_list)
+    with pytest.raises(AssertionError, match="not in per-group eviction order"):
+        _check_deferred_frees_match_immediate_on_two_groups()

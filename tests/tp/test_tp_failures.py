@@ -10,7 +10,7 @@ import pytest
 
 from tp_helpers import greedy, is_running, make_engine, random_prompts, run_requests, save_tiny_model
 from kvserve.config import ConfigError
-from kvserve.engine.core import EngineCoreRequest
+from kvserve.engine.core import MAX_STEPS_IN_FLIGHT, EngineCoreRequest
 from kvserve.errors import EngineDeadError
 
 
@@ -30,10 +30,16 @@ def test_killed_worker_makes_the_engine_fail_fast_and_shut_down(tmp_path):
             core.step()
         os.kill(worker_pids[1], signal.SIGKILL)
         killed_at = time.monotonic()
+        num_steps_after_kill = 0
         with pytest.raises(EngineDeadError, match=r"rank 1 .*exited unexpectedly") as failure:
             while time.monotonic() - killed_at < 60:
+                num_steps_after_kill += 1
                 core.step()
-        assert time.monotonic() - killed_at < 5, "the dead worker should be noticed within seconds"
+        # Noticed by the steps already in flight or the next one, not by a timeout
+        # (a step count, which a loaded machine cannot upset; the time bound only
+        # catches a hang).
+        assert num_steps_after_kill <= MAX_STEPS_IN_FLIGHT + 1, num_steps_after_kill
+        assert time.monotonic() - killed_at < 30, "the dead worker should be noticed, not waited out"
         assert "-9" in str(failure.value)  # the exit code says it was killed
         with pytest.raises(EngineDeadError):
             core.add_request(EngineCoreRequest("after", prompts[0], greedy(2)))
@@ -41,7 +47,7 @@ def test_killed_worker_makes_the_engine_fail_fast_and_shut_down(tmp_path):
         shutdown_at = time.monotonic()
         core.shutdown()
         shutdown_s = time.monotonic() - shutdown_at
-    assert shutdown_s < 5
+    assert shutdown_s < 30  # no wait on the dead rank's timeout
     assert not any(is_running(pid) for pid in worker_pids), "surviving workers must be stopped"
 
 
