@@ -34,6 +34,7 @@ class ThroughputResult:
     elapsed_s: float
     load_s: float
     notes: str = ""
+    cached_prompt_tokens: int = 0  # prompt tokens served from a prefix cache (kvserve only)
 
     @property
     def requests_per_s(self) -> float:

@@ -53,12 +53,17 @@ class KvserveRunner:
         self.generate(fixed_workload(1, 8, 4, vocab_size=self.vocab_size, seed=12345))
 
     def run(self, workload: Workload) -> ThroughputResult:
+        # Rounds repeat the same prompts: without this, every round after the first would be
+        # served from the prefix cache while the references compute their prompts again.
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("kvserve's prefix cache could not be reset before a timed run")
         started = time.perf_counter()
-        self.generate(workload)
+        outputs = self.generate(workload)
         elapsed_s = time.perf_counter() - started
         return ThroughputResult(self.name, workload.name, len(workload.requests), workload.num_prompt_tokens,
                                 workload.num_output_tokens, elapsed_s, self.load_s,
-                                notes=f"{self.dtype}, continuous batching")
+                                notes=f"{self.dtype}, continuous batching",
+                                cached_prompt_tokens=sum(output.num_cached_tokens for output in outputs))
 
     def shutdown(self) -> None:
         self.llm.shutdown()

@@ -143,6 +143,10 @@ class LLM:
                 logger.debug("abort after an interrupted step failed", exc_info=True)
             raise
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix (as vLLM's `LLM.reset_prefix_cache`); False while blocks are in use."""
+        return self.engine_core.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Stop the engine (worker threads / processes)."""
         self.engine_core.shutdown()

@@ -141,3 +141,21 @@ def test_kv_tiny(tmp_path, capsys):
     result = run_bench(tmp_path, capsys, "kv", "--num-requests", "100", "--no-plot")
     assert result["trace"]["num_requests"] == 100
     assert result["allocate_free"]["requests_per_s"] > 0 and result["prefix_hit"]["hit_rate"] > 0
+
+
+
+def test_kvserve_runner_rounds_compute_their_prompts_again(tiny_model_dir):
+    """A repeated workload must not be served from the prefix cache of the previous round."""
+    from kvserve.bench.throughput import KvserveRunner
+    from kvserve.bench.workloads import fixed_workload
+
+    runner = KvserveRunner(model=tiny_model_dir, block_size=4, dtype="float32", kv_cache_memory="32MiB",
+                           max_model_len=256)
+    try:
+        workload = fixed_workload(2, 12, 2, vocab_size=runner.vocab_size, seed=3)
+        assert runner.run(workload).cached_prompt_tokens == 0
+        # The control: without the reset, the same prompts hit the cache (whole blocks of 4).
+        assert [output.num_cached_tokens for output in runner.generate(workload)] == [8, 8]
+        assert runner.run(workload).cached_prompt_tokens == 0
+    finally:
+        runner.shutdown()
