@@ -13,6 +13,7 @@ from kvserve.model import cpu_kernels
 from kvserve.model.attention import AttentionMetadata, is_windowed, native_kernel_usable, paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import RMSNorm, RotaryEmbedding, activation, apply_rotary
+from kvserve.model.native_decoder import NativeDecoder
 from kvserve.model.parallel import (ColumnParallelLinear, PackableLinearMixin, ParallelLMHead, RowParallelLinear,
                                     TPContext, VocabParallelEmbedding, cpu_weight_packing_supported,
                                     kv_heads_per_rank)
@@ -132,6 +133,7 @@ class DecoderModel(nn.Module):
                              if config.rope_local is not None else None)
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(config.num_layers)]
         self.layer_group_ids: list[int] | None = None
+        self._native: NativeDecoder | None | bool = False  # False: not looked at yet
 
     # -- KV cache -------------------------------------------------------------------
     def kv_cache_specs(self, block_size: int, kv_dtype=None, sliding_window_kv: str = "sliding") -> dict[str, KVCacheSpec]:
@@ -190,15 +192,25 @@ class DecoderModel(nn.Module):
     # -- forward --------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata_by_group: list[AttentionMetadata], kv_caches: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens."""
+        """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens.
+
+        Small steps on the CPU run every layer in one native call where the model and
+        the step qualify (`NativeDecoder`); the others take the per-op path below."""
         hidden = self.embed_tokens(input_ids).to(self.norm.weight.dtype)
         if self.config.scales_embeddings:
             hidden = hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype)
+        group_ids = self._group_ids(attn_metadata_by_group)
+        if self._native is False:
+            self._native = NativeDecoder.for_model(self)
+        if self._native is not None:
+            out = self._native.forward(hidden, positions, attn_metadata_by_group, kv_caches, group_ids)
+            if out is not None:
+                return out
         global_cos_sin = self.rotary_global.cos_sin(positions, hidden.dtype)
         local_cos_sin = (self.rotary_local.cos_sin(positions, hidden.dtype)
                          if self.rotary_local is not None else global_cos_sin)
         residual = None
-        for layer, name, group_id in zip(self.layers, self.layer_names, self._group_ids(attn_metadata_by_group)):
+        for layer, name, group_id in zip(self.layers, self.layer_names, group_ids):
             cos_sin = local_cos_sin if layer.self_attn.sliding_window is not None else global_cos_sin
             hidden, residual = layer(hidden, residual, cos_sin, attn_metadata_by_group[group_id], kv_caches[name])
         return self.norm.add_and_norm(hidden, residual)[0]
