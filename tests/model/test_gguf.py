@@ -109,7 +109,7 @@ def test_default_gguf_model_matches_transformers_gguf_loading():
     assert "Paris" in tokenizer.decode(tokens["capital"])
 
 
-@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q4_1])
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1])
 def test_quantized_gguf_weights_held_as_stored_match_dequantized_model(tiny_llama, tmp_path, qtype):
     from kvserve.model import quantized
     if quantized.kernel_isa() is None:
@@ -139,3 +139,28 @@ def test_quantized_gguf_weights_held_as_stored_match_dequantized_model(tiny_llam
             assert (ours - ref).abs().max() <= 0.03 * (ref.max() - ref.min())
             if tokens[req_id][step] != ref_tokens[req_id][step]:
                 break
+
+
+@pytest.mark.parametrize("gemm_dtype", [torch.float32, torch.bfloat16])
+def test_many_token_steps_on_quantized_weights_run_a_dense_gemm(tiny_llama, tmp_path, monkeypatch, gemm_dtype):
+    from kvserve.model import quantized
+    if quantized.kernel_isa() is None:
+        pytest.skip("no native kernels")
+    path = str(tmp_path / "tiny-Q4_1.gguf")
+    write_gguf(tiny_llama, path, QType.Q4_1)
+    held = load_model(ModelConfig.from_path(path))
+    plain = load_model(ModelConfig.from_path(path, quantization="none"))
+    generator = torch.Generator().manual_seed(2)
+    prompts = {f"r{i}": torch.randint(3, VOCAB, (n,), generator=generator).tolist() for i, n in enumerate([9, 30])}
+    # Every step of 16 or more rows (the prefills here) dequantizes the weights and runs a GEMM.
+    monkeypatch.setattr(quantized, "_gemm_choice", {"rows": 16, "dtype": gemm_dtype})
+    tokens, logits = run_greedy(PagedRunner(held), prompts, 4, chunk=32)
+    ref_tokens, ref_logits = run_greedy(PagedRunner(plain), prompts, 4, chunk=32)
+    # float32: the dequantizing loader's model to float32 rounding; bfloat16: inputs and outputs of
+    # each prefill matmul rounded to bfloat16.
+    bound = 1e-4 if gemm_dtype == torch.float32 else 0.03
+    for req_id in prompts:
+        first, ref_first = logits[req_id][0], ref_logits[req_id][0]  # from the prefill step
+        assert (first - ref_first).abs().max() <= bound * (ref_first.max() - ref_first.min())
+        if gemm_dtype == torch.float32:
+            assert tokens[req_id] == ref_tokens[req_id]
