@@ -5,14 +5,14 @@ strided and bfloat16 inputs."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
+from kvserve.config import (QUANT_ACT_BITS_ENV, QUANT_GEMM_DTYPE_ENV, QUANT_GEMM_ROWS_ENV, QUANT_ISA_ENV,
+                            KernelConfig)
+from kvserve.errors import ConfigError
 from kvserve.model import cpu_kernels, quantized
 
 gguf = pytest.importorskip("gguf")
@@ -146,16 +146,14 @@ def test_bad_shapes_are_rejected():
 
 
 def test_isa_switch_forces_a_narrower_path():
-    code = "from kvserve.model import quantized; print(quantized.kernel_isa())"
     for wanted in ("portable", "avx2"):
-        env = {**os.environ, quantized.ISA_ENV: wanted}
-        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0, result.stderr
         expected = wanted if quantized.isa_available(wanted) else "portable"
-        assert result.stdout.strip() == expected
-    env = {**os.environ, quantized.ISA_ENV: "sse9"}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0 and quantized.ISA_ENV in result.stderr
+        assert quantized.kernel_isa(KernelConfig.from_env({QUANT_ISA_ENV: wanted})) == expected
+    assert quantized.kernel_isa(KernelConfig(cpu_kernels=False)) is None
+    with pytest.raises(ConfigError, match=QUANT_ISA_ENV):
+        KernelConfig.from_env({QUANT_ISA_ENV: "sse9"})
+    with pytest.raises(ConfigError, match=QUANT_ACT_BITS_ENV):
+        KernelConfig.from_env({QUANT_ACT_BITS_ENV: "4"})
 
 
 @pytest.mark.parametrize("type_name,width", list(cases()))
@@ -171,12 +169,11 @@ def test_dense_dequantization_matches_gguf(type_name, width):
 
 @pytest.mark.parametrize("gemm_dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 0.02)])
 @pytest.mark.parametrize("type_name", TYPES)
-def test_many_row_steps_run_a_dense_gemm(monkeypatch, type_name, gemm_dtype, tolerance):
+def test_many_row_steps_run_a_dense_gemm(type_name, gemm_dtype, tolerance):
     width, out = (512, 37) if type_name in K_TYPES else (160, 37)
     raw = gguf_blocks(type_name, out, width, seed=11)
-    weight = quantized.from_gguf_blocks(type_name, raw, width)
+    weight = dataclasses.replace(quantized.from_gguf_blocks(type_name, raw, width), gemm_rows=8, gemm_dtype=gemm_dtype)
     w64 = reference_weight(type_name, raw, width)
-    monkeypatch.setattr(quantized, "_gemm_choice", {"rows": 8, "dtype": gemm_dtype})
     wide = torch.randn(21, width + 16, generator=torch.Generator().manual_seed(6))
     bias = torch.randn(out, generator=torch.Generator().manual_seed(7))
     for x in (wide[:, 8:8 + width], wide[:, :width].to(torch.bfloat16)):  # strided float32, bfloat16
@@ -192,14 +189,12 @@ def test_many_row_steps_run_a_dense_gemm(monkeypatch, type_name, gemm_dtype, tol
                                rtol=0, atol=0)
 
 
-def test_gemm_switches_are_read_and_checked(monkeypatch):
-    monkeypatch.setattr(quantized, "_gemm_choice", {})
-    monkeypatch.setenv(quantized.GEMM_ROWS_ENV, "0")
-    monkeypatch.setenv(quantized.GEMM_DTYPE_ENV, "float32")
-    assert quantized.gemm_plan() == (None, torch.float32)
-    for env, bad in ((quantized.GEMM_ROWS_ENV, "many"), (quantized.GEMM_DTYPE_ENV, "fp8")):
-        monkeypatch.setattr(quantized, "_gemm_choice", {})
-        monkeypatch.setenv(env, bad)
-        with pytest.raises(ValueError, match=env):
-            quantized.gemm_plan()
-        monkeypatch.setenv(env, "0" if env == quantized.GEMM_ROWS_ENV else "float32")
+def test_gemm_switches_are_read_and_checked():
+    config = KernelConfig.from_env({QUANT_GEMM_ROWS_ENV: "0", QUANT_GEMM_DTYPE_ENV: "Float32"})
+    assert (config.quant_gemm_rows, quantized.gemm_dtype(config)) == (0, torch.float32)
+    default = KernelConfig.from_env({})
+    assert default.quant_gemm_rows == 64
+    assert quantized.gemm_dtype(default) == (torch.bfloat16 if quantized.cpu_has_native_bf16() else torch.float32)
+    for env, bad in ((QUANT_GEMM_ROWS_ENV, "many"), (QUANT_GEMM_ROWS_ENV, "-1"), (QUANT_GEMM_DTYPE_ENV, "fp8")):
+        with pytest.raises(ConfigError, match=env):
+            KernelConfig.from_env({env: bad})
