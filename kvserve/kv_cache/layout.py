@@ -2,8 +2,9 @@
 
 Layout (vLLM-like): layers of one model with equal specs form one group (one
 block table per request); a second model's layers (a speculative draft, whose
-layer names carry a prefix such as `draft.`) get groups of their own. All groups draw block ids from one pool and a block id belongs
-to one group at a time, so layer j of every group can share one backing
+layer names carry a prefix such as `draft.`) get groups of their own.
+All groups draw block ids from one pool and a block id belongs to one group
+at a time, so layer j of every group can share one backing
 tensor: `KVCacheTensor` j is `shared_by` the j-th layer of each group and
 holds `num_blocks` pages of the largest page size among them. Block id b is
 page b of every layer tensor of the group that holds it. The cost of one

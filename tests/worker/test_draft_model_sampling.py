@@ -33,7 +33,8 @@ def _next_probs(model, tokens: list[int]) -> torch.Tensor:
 
 def _find_prompt(target, draft) -> tuple[list[int], int, torch.Tensor, torch.Tensor]:
     """A prompt with a likely first token t1 after which target and draft disagree
-    by a total variation of 0.1 to 0.5 and the target's next token is uncertain: (prompt, t1, p(. | prompt + t1), q(. | prompt + t1))."""
+    by a total variation of 0.1 to 0.5 and the target's next token is uncertain:
+    (prompt, t1, p(. | prompt + t1), q(. | prompt + t1))."""
     rng = random.Random(1)
     for _ in range(200):
         prompt = [rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randint(8, 20))]
