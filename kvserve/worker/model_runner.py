@@ -24,7 +24,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.messages import ModelRunnerOutput, SchedulerOutput
 from kvserve.worker.draft_model import DraftModelProposer
 from kvserve.worker.input_batch import InputBatch, PreparedBatch
-from kvserve.worker.logits_constraints import LogitsConstraints
+from kvserve.worker.logits_constraints import LogitsConstraints, PendingMasks
 
 logger = logging.getLogger(__name__)
 
@@ -170,20 +170,32 @@ class ModelRunner:
     def _forward_and_sample(self, prepared: PreparedBatch) -> tuple[dict[str, list[int]], dict]:
         """Run the model; for each request that reached its last token, sample one
         token or verify its drafts (then 1 to 1 + drafts tokens)."""
+        pending_masks = self._start_masks(prepared)
         sampled_hidden = self._forward_sampled_rows(prepared)
         if sampled_hidden is None:
             return {}, {}
-        sampled_token_ids, logprobs_by_req = self._sample(self.model.compute_logits(sampled_hidden), prepared)
+        sampled_token_ids, logprobs_by_req = self._sample(self.model.compute_logits(sampled_hidden), prepared,
+                                                          pending_masks)
         self._record_sampled(sampled_token_ids)
         return sampled_token_ids, logprobs_by_req
 
-    def _sample(self, logits: torch.Tensor, prepared: PreparedBatch) -> tuple[dict[str, list[int]], dict]:
+    def _start_masks(self, prepared: PreparedBatch) -> PendingMasks | None:
+        """Start filling the step's grammar masks, to overlap them with its forward."""
+        sampled_req_ids = prepared.sampled_req_ids
+        if not sampled_req_ids:
+            return None
+        drafts = ([prepared.draft_token_ids.get(rid, []) for rid in sampled_req_ids]
+                  if prepared.draft_token_ids else None)
+        return self.logits_constraints.start_masks([self.input_batch.states[rid] for rid in sampled_req_ids], drafts)
+
+    def _sample(self, logits: torch.Tensor, prepared: PreparedBatch,
+                pending_masks: PendingMasks | None = None) -> tuple[dict[str, list[int]], dict]:
         """Tokens and logprobs (one list per request) from the sampled rows' logits."""
         sampled_req_ids = prepared.sampled_req_ids
         states = [self.input_batch.states[rid] for rid in sampled_req_ids]
         if prepared.draft_token_ids:
             drafts = [prepared.draft_token_ids.get(rid, []) for rid in sampled_req_ids]
-            logits = self.logits_constraints.apply(logits, states, drafts)
+            logits = self.logits_constraints.apply(logits, states, drafts, pending_masks)
             draft_probs = None
             if self.drafter is not None:
                 draft_probs = [self.drafter.draft_probs_for(rid, draft) for rid, draft in zip(sampled_req_ids, drafts)]
@@ -192,7 +204,7 @@ class ModelRunner:
             self.logits_constraints.advance(states, verified.token_ids)
             return (dict(zip(sampled_req_ids, verified.token_ids)),
                     {rid: lp for rid, lp in zip(sampled_req_ids, verified.logprobs) if lp is not None})
-        logits = self.logits_constraints.apply(logits, states)
+        logits = self.logits_constraints.apply(logits, states, pending=pending_masks)
         sampler_output = self.sampler.sample(logits, self._sampling_tensors(sampled_req_ids))
         sampled_token_ids = {rid: [int(t)] for rid, t in zip(sampled_req_ids, sampler_output.token_ids)}
         self.logits_constraints.advance(states, list(sampled_token_ids.values()))
