@@ -10,27 +10,26 @@ this form: `QuantizedWeight.dequantize` rebuilds floats where needed (embedding
 rows, tests).
 
 The kernel path is picked once from the CPU's features: AVX512-VNNI, AVX2 or
-portable C; KVSERVE_QUANT_ISA=avx2|portable forces a narrower one (for tests
-and comparisons). The kernel rounds the activations per block of 32 to int16
-(KVSERVE_QUANT_ACT_BITS=8: to int8, as llama.cpp does, faster but enough to flip
-near-tied greedy tokens of the default model).
+portable C; `KernelConfig.quant_isa` (KVSERVE_QUANT_ISA=avx2|portable) caps it
+at a narrower one (for tests and comparisons). The kernel rounds the activations
+per block of 32 to int16 (`KernelConfig.quant_act_bits`, KVSERVE_QUANT_ACT_BITS=8:
+to int8, as llama.cpp does, faster but enough to flip near-tied greedy tokens of
+the default model). The loader stamps both choices on every weight it holds.
 """
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from kvserve.config import QUANT_ISAS, KernelConfig
 from kvserve.model import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
-ISA_ENV = "KVSERVE_QUANT_ISA"
-ACT_BITS_ENV = "KVSERVE_QUANT_ACT_BITS"
-ISA_CODES = {"portable": 0, "avx2": 1, "avx512": 2}
+ISA_CODES = {name: code for code, name in enumerate(QUANT_ISAS)}  # the kernel's codes, narrowest first
 BLOCK = 32
 GROUP_COLS = 128  # columns of one 64-byte group of 4-bit blocks
 
@@ -47,8 +46,8 @@ class QuantizationError(ValueError):
 class QuantizedWeight:
     """One [out, in] weight in the kernel's layout: `qs` uint8 [out, in/2 or in],
     `d` and `m` float32 [out, in/32], `bits` 4 or 8; `source_type` names the GGUF type.
-    `act_bits` (8 or 16): how finely the kernel rounds the activations it multiplies
-    (see `activation_bits`)."""
+    `act_bits` (8 or 16): how finely the kernel rounds the activations it multiplies;
+    `isa`: the kernel path it runs on (None: the widest this CPU has)."""
 
     qs: torch.Tensor
     d: torch.Tensor
@@ -57,6 +56,7 @@ class QuantizedWeight:
     in_features: int
     source_type: str
     act_bits: int = 16
+    isa: str | None = None
 
     @property
     def out_features(self) -> int:
@@ -72,7 +72,7 @@ class QuantizedWeight:
     def rows(self, index: torch.Tensor | slice) -> "QuantizedWeight":
         """The weight restricted to some rows (a tensor-parallel slice, a permutation)."""
         return QuantizedWeight(self.qs[index].contiguous(), self.d[index].contiguous(), self.m[index].contiguous(),
-                               self.bits, self.in_features, self.source_type, self.act_bits)
+                               self.bits, self.in_features, self.source_type, self.act_bits, self.isa)
 
     def dequantize(self, index: torch.Tensor | None = None) -> torch.Tensor:
         """float32 values of all rows, or of the rows `index` (a 1-D int64 tensor)."""
@@ -89,7 +89,8 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
         raise QuantizationError("fused parts differ in bits or width")
     names = "+".join(dict.fromkeys(p.source_type for p in parts))
     return QuantizedWeight(torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]),
-                           torch.cat([p.m for p in parts]), first.bits, first.in_features, names, first.act_bits)
+                           torch.cat([p.m for p in parts]), first.bits, first.in_features, names, first.act_bits,
+                           first.isa)
 
 
 # ---- layout -------------------------------------------------------------------------
@@ -180,16 +181,7 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, in_features: int) -> Quant
     q, d, m, bits = _DECODERS[type_name](blocks)
     packed = pack_quants(q.reshape(rows, in_features), bits)
     return QuantizedWeight(torch.from_numpy(packed), torch.from_numpy(np.ascontiguousarray(d, np.float32)),
-                           torch.from_numpy(np.ascontiguousarray(m, np.float32)), bits, in_features, type_name,
-                           activation_bits())
-
-
-def activation_bits() -> int:
-    """How finely the kernel rounds activations: 16 (default) or 8 (KVSERVE_QUANT_ACT_BITS)."""
-    value = os.environ.get(ACT_BITS_ENV, "16").strip()
-    if value not in ("8", "16"):
-        raise ValueError(f"{ACT_BITS_ENV} must be 8 or 16, got {value!r}")
-    return int(value)
+                           torch.from_numpy(np.ascontiguousarray(m, np.float32)), bits, in_features, type_name)
 
 
 def slice_gguf_columns(type_name: str, raw: np.ndarray, first: int, count: int) -> np.ndarray | None:
@@ -203,23 +195,24 @@ def slice_gguf_columns(type_name: str, raw: np.ndarray, first: int, count: int) 
 
 # ---- the kernel ----------------------------------------------------------------------
 
-_isa_choice: dict[str, int] = {}
+_isa_choice: dict[int, str] = {}  # ceiling code -> chosen path
 
 
-def kernel_isa() -> str | None:
-    """The kernel path this process uses ("avx512", "avx2", "portable"), or None without
-    native kernels. The widest the CPU runs, unless KVSERVE_QUANT_ISA names a narrower one."""
+def kernel_isa(kernel_config: KernelConfig | None = None) -> str | None:
+    """The kernel path a model with `kernel_config` (default: all switches on) uses ("avx512",
+    "avx2", "portable"), or None without native kernels: the widest the CPU runs, capped at
+    `kernel_config.quant_isa`."""
+    config = kernel_config or KernelConfig()
+    if not config.cpu_kernels:
+        return None
     lib = cpu_kernels.load_library()
     if lib is None:
         return None
-    if "isa" not in _isa_choice:
-        wanted = os.environ.get(ISA_ENV, "").strip().lower()
-        if wanted and wanted not in ISA_CODES:
-            raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISA_CODES)}, got {wanted!r}")
-        ceiling = ISA_CODES.get(wanted, max(ISA_CODES.values()))
-        _isa_choice["isa"] = max(code for name, code in ISA_CODES.items()
-                                 if code <= ceiling and lib.kvserve_quant_isa_available(code))
-    return next(name for name, code in ISA_CODES.items() if code == _isa_choice["isa"])
+    ceiling = ISA_CODES[config.quant_isa] if config.quant_isa else max(ISA_CODES.values())
+    if ceiling not in _isa_choice:
+        best = max(code for code in ISA_CODES.values() if code <= ceiling and lib.kvserve_quant_isa_available(code))
+        _isa_choice[ceiling] = QUANT_ISAS[best]
+    return _isa_choice[ceiling]
 
 
 def isa_available(isa: str) -> bool:
@@ -231,7 +224,7 @@ def isa_available(isa: str) -> bool:
 def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
            isa: str | None = None) -> torch.Tensor:
     """x [..., in] @ W^T (+ bias) with W quantized; x float32 or bfloat16 on the CPU
-    (rows may be strided), the result of x's dtype. `isa` overrides the process's path."""
+    (rows may be strided), the result of x's dtype. `isa` overrides the weight's path."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     if x2.shape[-1] != weight.in_features:
@@ -245,7 +238,7 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
         x2.data_ptr(), x2.stride(0), x2.shape[0], weight.qs.data_ptr(), weight.d.data_ptr(), weight.m.data_ptr(),
         weight.bits, weight.out_features, weight.in_features, bias.data_ptr() if bias is not None else None,
         y.data_ptr(), y.stride(0), 0 if x2.dtype == torch.float32 else 1, weight.act_bits,
-        ISA_CODES[isa or kernel_isa()], torch.get_num_threads())
+        ISA_CODES[isa or weight.isa or kernel_isa()], torch.get_num_threads())
     if code:
         raise cpu_kernels.KernelArgumentError(f"quantized matmul rejected its arguments (code {code})")
     return y.view(*lead, weight.out_features)
@@ -253,11 +246,11 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
 
 # ---- choosing the path ----------------------------------------------------------------
 
-def keeps_quantized(model_config, device: str | torch.device) -> bool:
+def keeps_quantized(model_config, device: str | torch.device, kernel_config: KernelConfig | None = None) -> bool:
     """Whether the loader keeps `model_config`'s GGUF tensors quantized: quantization
-    "auto", on the CPU, with the native kernels built."""
+    "auto", on the CPU, with the native kernels allowed and built."""
     return (model_config.is_gguf and model_config.quantization == "auto"
-            and torch.device(device).type == "cpu" and kernel_isa() is not None)
+            and torch.device(device).type == "cpu" and kernel_isa(kernel_config) is not None)
 
 
 def _file_matrix_types(path: str) -> dict[str, int]:
@@ -275,7 +268,7 @@ def cpu_has_native_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def default_dtype(path: str, quantization: str, device: str) -> str:
+def default_dtype(path: str, quantization: str, device: str, kernel_config: KernelConfig | None = None) -> str:
     """The activation dtype when none is given, logged once: float32 where the file's
     weights stay quantized (the kernels take float32 activations and quantize them per
     block themselves) or off the CPU; for dequantized GGUF weights bfloat16 on CPUs
@@ -284,9 +277,9 @@ def default_dtype(path: str, quantization: str, device: str) -> str:
         return "float32"
     types = _file_matrix_types(path)
     kept = {name: n for name, n in types.items() if name in SUPPORTED_GGUF_TYPES}
-    if quantization == "auto" and kept and kernel_isa() is not None:
-        logger.info("GGUF weights %s kept quantized (%s kernels), activations float32",
-                    "/".join(sorted(kept)), kernel_isa())
+    isa = kernel_isa(kernel_config)
+    if quantization == "auto" and kept and isa is not None:
+        logger.info("GGUF weights %s kept quantized (%s kernels), activations float32", "/".join(sorted(kept)), isa)
         return "float32"
     dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
     logger.info("GGUF weights dequantized to %s (%s)", dtype,

@@ -43,10 +43,11 @@ class DraftModelProposer:
         # Request id -> (the drafts proposed, their distributions [k, vocab]) for sampled requests.
         self._draft_probs: dict[str, tuple[list[int], torch.Tensor]] = {}
 
-    def load_model(self, pack_weights: bool) -> None:
-        self.model = load_model(self.model_config, device=str(self.device))
+    def load_model(self, kernel_config) -> None:
+        """Load the draft's weights, with the same kernel choices as the target."""
+        self.model = load_model(self.model_config, device=str(self.device), kernel_config=kernel_config)
         self.model.prefix_kv_layer_names(DRAFT_LAYER_PREFIX)
-        if pack_weights:
+        if self.model.kernels.packed_weights:
             self.model.pack_linear_weights()
 
     def kv_cache_specs(self, block_size: int, sliding_window_kv: str) -> dict[str, KVCacheSpec]:

@@ -14,9 +14,9 @@ import os
 
 import torch
 
-from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.config import CacheConfig, KernelConfig, SchedulerConfig
 from kvserve.kv_cache.interface import KVCacheConfig, KVCacheSpec
-from kvserve.model.attention import AttentionMetadata, allocate_kv_caches, copy_kv_blocks
+from kvserve.model.attention import AttentionMetadata
 from kvserve.model.loader import load_model
 from kvserve.model.rejection_sampler import verify_drafts
 from kvserve.model.sampler import Sampler, SamplingTensors, make_generator
@@ -24,6 +24,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.messages import ModelRunnerOutput, SchedulerOutput
 from kvserve.worker.draft_model import DraftModelProposer
 from kvserve.worker.input_batch import InputBatch, PreparedBatch
+from kvserve.worker.kv_tensors import allocate_kv_caches, copy_kv_blocks
 from kvserve.worker.logits_constraints import LogitsConstraints, PendingMasks
 
 logger = logging.getLogger(__name__)
@@ -32,16 +33,18 @@ logger = logging.getLogger(__name__)
 # at full length, but never more than this nor a quarter of free RAM.
 CPU_DEFAULT_KV_CAP_BYTES = 2 << 30
 CUDA_ACTIVATION_RESERVE_FRACTION = 0.1
-# "0" keeps the plain F.linear weights on CPU (for A/B measurements).
-PACKED_WEIGHTS_ENV = "KVSERVE_CPU_PACKED_WEIGHTS"
 
 
 class ModelRunner:
-    """Owns the model, its KV tensors and the per-request state of one rank."""
+    """Owns the model, its KV tensors and the per-request state of one rank.
+
+    The model's kernels (attention backend, fused ops, weight packing) are chosen
+    once, at `load_model`, from `kernel_config` (default: all allowed)."""
 
     def __init__(self, model_config, cache_config: CacheConfig, device: str = "cpu",
                  scheduler_config: SchedulerConfig | None = None, seed: int = 0,
-                 tp_rank: int = 0, tp_size: int = 1, draft_model_config=None) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, kernel_config: KernelConfig | None = None,
+                 draft_model_config=None) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config or SchedulerConfig(max_model_len=model_config.max_model_len)
@@ -49,6 +52,7 @@ class ModelRunner:
         self.seed = seed
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.kernel_config = kernel_config or KernelConfig()
         self.model = None
         self.kv_cache_config: KVCacheConfig | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
@@ -75,13 +79,12 @@ class ModelRunner:
 
     def load_model(self) -> None:
         torch.manual_seed(self.seed)
-        self.model = load_model(self.model_config, device=str(self.device),
-                                tp_rank=self.tp_rank, tp_size=self.tp_size)
-        pack_weights = os.environ.get(PACKED_WEIGHTS_ENV, "1") != "0"
-        if pack_weights and self.model.pack_linear_weights():
+        self.model = load_model(self.model_config, device=str(self.device), tp_rank=self.tp_rank,
+                                tp_size=self.tp_size, kernel_config=self.kernel_config)
+        if self.model.kernels.packed_weights and self.model.pack_linear_weights():
             logger.debug("linear weights packed for oneDNN")
         if self.drafter is not None:
-            self.drafter.load_model(pack_weights)
+            self.drafter.load_model(self.kernel_config)
         self.sampler = Sampler()
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:

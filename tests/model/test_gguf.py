@@ -139,3 +139,20 @@ def test_quantized_gguf_weights_held_as_stored_match_dequantized_model(tiny_llam
             assert (ours - ref).abs().max() <= 0.03 * (ref.max() - ref.min())
             if tokens[req_id][step] != ref_tokens[req_id][step]:
                 break
+
+
+def test_kernel_config_reaches_every_quantized_weight(tiny_llama, tmp_path):
+    """The loader stamps the config's kernel path and activation rounding on every weight it
+    holds quantized; with the native kernels switched off it dequantizes instead."""
+    from kvserve.config import KernelConfig
+    from kvserve.model import quantized
+    if quantized.kernel_isa() is None:
+        pytest.skip("no native kernels")
+    path = str(tmp_path / "tiny-Q8_0.gguf")
+    write_gguf(tiny_llama, path, QType.Q8_0)
+    model = load_model(ModelConfig.from_path(path), kernel_config=KernelConfig(quant_isa="portable", quant_act_bits=8))
+    weights = [m.quant_weight for m in model.modules() if getattr(m, "quant_weight", None) is not None]
+    assert weights and all(w.isa == "portable" and w.act_bits == 8 for w in weights)
+    plain = load_model(ModelConfig.from_path(path), kernel_config=KernelConfig(cpu_kernels=False))
+    assert not any(getattr(m, "quant_weight", None) is not None for m in plain.modules())
+    assert plain.kernels.attention.name == "torch"
