@@ -295,6 +295,8 @@ class EngineConfig:
     # vLLM's --kv-events-config (`kvserve.engine.kv_events.KVEventsConfig`); None: no events.
     kv_events_config: "KVEventsConfig | None" = None
     kernel_config: KernelConfig = field(default_factory=KernelConfig.from_env)
+    # The draft of speculative_config method "draft_model"; None otherwise.
+    draft_model_config: "ModelConfig | None" = None
 
     def __post_init__(self) -> None:
         model_max_len = getattr(self.model_config, "max_model_len", None)
@@ -379,7 +381,8 @@ class EngineConfig:
         parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size, nnodes=nnodes,
                                          node_rank=node_rank, master_addr=master_addr, master_port=master_port)
         return cls(model_config, cache_config, scheduler_config, parallel_config, device=device, seed=seed,
-                   kv_events_config=_kv_events_config(kv_events_config), kernel_config=kernel_config)
+                   kv_events_config=_kv_events_config(kv_events_config), kernel_config=kernel_config,
+                   draft_model_config=_draft_model_config(spec_config, model_config, tensor_parallel_size))
 
 
 def _kv_events_config(value) -> "KVEventsConfig | None":
@@ -388,6 +391,20 @@ def _kv_events_config(value) -> "KVEventsConfig | None":
     if value is None or isinstance(value, KVEventsConfig):
         return value
     return KVEventsConfig.from_json(value if isinstance(value, str) else json.dumps(value))
+
+
+def _draft_model_config(spec_config, model_config, tensor_parallel_size: int):
+    """The draft's ModelConfig for method "draft_model" (None otherwise); ConfigError
+    when the draft cannot serve this target."""
+    if spec_config is None or not spec_config.uses_draft_model:
+        return None
+    from kvserve.spec_decode.config import SpeculativeConfigError
+    from kvserve.model.draft_config import load_draft_model_config
+    try:
+        return load_draft_model_config(spec_config, model_config, resolve_model_path(spec_config.model),
+                                       tensor_parallel_size)
+    except (SpeculativeConfigError, ModelNotFoundError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _speculative_config(value) -> "SpeculativeConfig | None":
