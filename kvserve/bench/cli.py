@@ -16,7 +16,7 @@ from typing import Any, Callable
 from kvserve.bench.report import bar_plot, default_output_path, environment_info, run_tag, write_json
 
 SUBCOMMANDS = ("roofline", "throughput", "serve", "serve-compare", "prefix", "compare", "profile", "scheduler", "kv",
-               "structured", "route", "spec")
+               "structured", "route", "spec", "plan-check")
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -144,7 +144,8 @@ def _add_serve_compare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=1, help="rounds, alternating which server goes first")
     parser.add_argument("--kvserve-args", default="", help="extra `kvserve serve` flags, one quoted string")
     parser.add_argument("--llama-server", default=None, metavar="PATH",
-                        help="llama-server binary (default: llama-server on PATH, else llama_cpp.server)")
+                        help="llama-server binary (default: llama-server on PATH, else the one "
+                             "scripts/build_llama_server.sh cached, else llama_cpp.server)")
     parser.add_argument("--context-per-slot", type=int, default=2048, help="llama.cpp context per sequence slot")
 
 
@@ -243,6 +244,30 @@ def _add_route_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kill-replica-after", type=int, default=None, metavar="N",
                         help="add a cache_aware run that SIGKILLs the last replica after N requests finished")
     parser.add_argument("--seed", type=int, default=0)
+
+
+def _add_plan_check_arguments(parser: argparse.ArgumentParser) -> None:
+    server = parser.add_argument_group("the server (one `kvserve serve` on loopback)")
+    server.add_argument("--model", default=None, metavar="PATH", help="model to serve (default: the default model)")
+    server.add_argument("--kv-cache-memory", default="64MiB", help="KV pool of the server (default 64MiB)")
+    server.add_argument("--max-model-len", type=int, default=1024)
+    server.add_argument("--block-size", type=int, default=16)
+    server.add_argument("--max-num-seqs", type=int, default=64)
+    server.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    server.add_argument("--server-args", default="", help="more `kvserve serve` flags (one quoted string)")
+    server.add_argument("--server-threads", type=int, default=0, help="torch threads of the server (0: torch's)")
+    load = parser.add_argument_group("the trace")
+    load.add_argument("--trace", default=None, metavar="JSONL", help="replay this recorded trace")
+    load.add_argument("--trace-out", default=None, metavar="JSONL",
+                      help="write the replayed trace here (default: next to the JSON, .trace.jsonl)")
+    load.add_argument("--arrival-rate", type=float, default=1.0, help="requests per second (Poisson)")
+    load.add_argument("--num-requests", type=int, default=40)
+    load.add_argument("--prompt-len", type=int, default=192, help="median prompt tokens (log-normal)")
+    load.add_argument("--output-len", type=int, default=24, help="median output tokens (log-normal)")
+    load.add_argument("--len-sigma", type=float, default=0.5)
+    load.add_argument("--shared-prefix-ratio", type=float, default=0.5)
+    load.add_argument("--num-shared-prefixes", type=int, default=4)
+    load.add_argument("--seed", type=int, default=0)
 
 
 def _int_list(text: str) -> list[int]:
@@ -427,6 +452,23 @@ def _run_route(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _run_plan_check(args: argparse.Namespace) -> dict[str, Any]:
+    import shlex
+
+    from kvserve.bench import plan_check
+    from kvserve.bench.plan import Load, SchedulerShape
+    load = Load(args.arrival_rate, args.prompt_len, args.len_sigma, args.output_len, args.len_sigma,
+                args.shared_prefix_ratio, args.num_shared_prefixes, args.max_model_len)
+    json_path = args.output_json or default_output_path("plan-check", ".json")
+    config = plan_check.PlanCheckConfig(
+        model=args.model, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+        shape=SchedulerShape(args.block_size, args.max_num_seqs, args.max_num_batched_tokens), load=load,
+        num_requests=args.num_requests, trace_path=args.trace,
+        trace_out=args.trace_out or plan_check.trace_path_next_to(json_path), seed=args.seed,
+        threads=args.server_threads or None, extra_flags=tuple(shlex.split(args.server_args)))
+    return plan_check.run(config)
+
+
 # ---------------------------------------------------------------- formatting and plots
 
 def _format_json(result: dict[str, Any]) -> str:
@@ -525,6 +567,7 @@ _COMMANDS = {
     "structured": (_add_structured_arguments, "grammar back-ends (compile, mask per token) and constrained throughput"),
     "spec": (_add_spec_arguments, "speculative decoding on vs off: input-grounded and unrelated chats"),
     "route": (_add_route_arguments, "N replicas behind SGLang's Model Gateway: hit rate, TTFT, spread per policy"),
+    "plan-check": (_add_plan_check_arguments, "`kvserve plan`'s calibrated prediction against a measured run"),
 }
 
 _NAMED_RUNS = ("compare", "serve-compare")
@@ -536,6 +579,7 @@ _RUNNERS = {
     "structured": _run_structured,
     "spec": _run_spec,
     "route": _run_route,
+    "plan-check": _run_plan_check,
 }
 
 _FORMATTERS = {
@@ -551,4 +595,5 @@ _FORMATTERS = {
     "structured": (_lazy_formatter("structured"), None),
     "spec": (_lazy_formatter("spec"), None),
     "route": (_lazy_formatter("route"), None),
+    "plan-check": (_lazy_formatter("plan_check"), None),
 }

@@ -24,13 +24,15 @@ devices in all wins. `--roofline-json` calibrates FLOP/s and bandwidth from
 """
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import random
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 from kvserve.bench.report import LatencyStats, format_table
+from kvserve.bench.trace import TraceRequest, prompt_token_ids
 
 GIB = 1024 ** 3
 
@@ -99,25 +101,31 @@ class SLO:
     tpot_p99_ms: float
 
 
+def allreduce_seconds(model: ModelSpec, machine: Machine, tp: int, num_tokens: int) -> float:
+    """Two ring all-reduces of the step's activations per layer over the interconnect (0 at TP 1)."""
+    if tp <= 1:
+        return 0.0
+    message_bytes = num_tokens * model.hidden_size * model.dtype_bytes
+    ring_s = 2 * (tp - 1) / tp * message_bytes / (machine.interconnect_gbs * 1e9)
+    return 2 * model.num_layers * (machine.interconnect_latency_us * 1e-6 + ring_s)
+
+
 @dataclass(frozen=True)
 class StepCost:
-    """Seconds of one step of one replica at tensor-parallel size `tp`."""
+    """Seconds of one step of one replica at tensor-parallel size `tp`, from the roofline."""
 
     model: ModelSpec
     machine: Machine
     tp: int
 
-    def seconds(self, num_tokens: int, num_context_tokens: int) -> float:
+    def seconds(self, num_tokens: int, num_context_tokens: int, num_decode_tokens: int = 0) -> float:
+        """`num_decode_tokens` (of `num_tokens`) does not change a roofline step: weights are read once."""
         machine, model, tp = self.machine, self.model, self.tp
         bytes_read = (model.weight_bytes + num_context_tokens * model.kv_bytes_per_token) / tp
         memory_s = bytes_read / (machine.bandwidth_gbs * 1e9)
         compute_s = num_tokens * 2 * model.matmul_params / tp / (machine.tflops * 1e12)
-        comm_s = 0.0
-        if tp > 1:
-            message_bytes = num_tokens * model.hidden_size * model.dtype_bytes
-            ring_s = 2 * (tp - 1) / tp * message_bytes / (machine.interconnect_gbs * 1e9)
-            comm_s = 2 * model.num_layers * (machine.interconnect_latency_us * 1e-6 + ring_s)
-        return machine.step_overhead_ms / 1000 + max(memory_s, compute_s) + comm_s
+        return (machine.step_overhead_ms / 1000 + max(memory_s, compute_s)
+                + allreduce_seconds(model, machine, tp, num_tokens))
 
 
 def kv_tokens_per_replica(model: ModelSpec, machine: Machine, tp: int) -> int:
@@ -129,62 +137,76 @@ def kv_tokens_per_replica(model: ModelSpec, machine: Machine, tp: int) -> int:
     return max(0, int(per_rank_bytes / per_rank_bytes_per_token))
 
 
-@dataclass
-class _Trace:
-    arrivals_s: list[float]
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-
-def synthetic_trace(load: Load, rate: float, num_requests: int, seed: int) -> _Trace:
+def synthetic_trace(load: Load, rate: float, num_requests: int, seed: int) -> list[TraceRequest]:
     """Poisson arrivals; log-normal lengths; a shared prefix of `shared_prefix_ratio` of each prompt."""
     rng = random.Random(seed)
-    prefixes = [[1000 + 997 * p + i for i in range(load.max_model_len)] for p in range(load.num_shared_prefixes)]
-    clock, arrivals, prompts, outputs = 0.0, [], [], []
-    for index in range(num_requests):
+    clock, trace = 0.0, []
+    for _ in range(num_requests):
         clock += rng.expovariate(rate)
         output_len = max(1, min(int(rng.lognormvariate(math.log(load.output_len_median), load.output_len_sigma)),
                                 load.max_model_len // 4))
         prompt_len = max(2, min(int(rng.lognormvariate(math.log(load.prompt_len_median), load.prompt_len_sigma)),
                                 load.max_model_len - output_len))
         shared = int(prompt_len * load.shared_prefix_ratio) if load.num_shared_prefixes else 0
-        prefix = prefixes[rng.randrange(load.num_shared_prefixes)][:shared] if shared else []
-        unique = [100_000 + 7919 * index + i for i in range(prompt_len - len(prefix))]
-        arrivals.append(clock)
-        prompts.append(prefix + unique)
-        outputs.append(output_len)
-    return _Trace(arrivals, prompts, outputs)
+        prefix_id = str(rng.randrange(load.num_shared_prefixes)) if shared else None
+        trace.append(TraceRequest(clock, prompt_len, output_len, prefix_id, shared))
+    return trace
 
 
-def simulate_replica(cost: StepCost, num_kv_tokens: int, trace: _Trace, *, block_size: int = 16,
-                     max_num_seqs: int = 256, max_num_batched_tokens: int = 8192) -> dict[str, Any]:
-    """Replay `trace` through the real scheduler on a simulated clock; latencies and hit rate."""
+@dataclass(frozen=True)
+class SchedulerShape:
+    """The replica's scheduler limits and KV block size (as `kvserve serve` flags set them)."""
+
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+
+
+@dataclass
+class _ReplicaRun:
+    """Raw figures of one simulated replica, pooled across a fleet before summarising."""
+
+    ttft_s: list[float]
+    tpot_s: list[float]
+    prefix_hits: int
+    prefix_queries: int
+    num_preemptions: int
+    duration_s: float
+
+
+def _replay(cost, num_kv_tokens: int, trace: list[TraceRequest], prompts: list[list[int]],
+            shape: SchedulerShape) -> _ReplicaRun | str:
+    """Replay through the real scheduler on a simulated clock; a string says why it cannot run."""
     from kvserve.testing import FakeModelRunner, create_requests, create_scheduler
 
-    num_blocks = num_kv_tokens // block_size + 1
-    max_len = max(len(p) + o for p, o in zip(trace.prompts, trace.output_lens))
-    if num_blocks - 1 < -(-max_len // block_size):
-        return {"feasible": False, "reason": f"a {max_len}-token request does not fit in {num_kv_tokens} KV tokens"}
-    scheduler = create_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_len)
-    requests = create_requests(len(trace.prompts), max_tokens=trace.output_lens, prompt_token_ids=trace.prompts)
+    num_blocks = num_kv_tokens // shape.block_size + 1
+    max_len = max(len(p) + r.output_len for p, r in zip(prompts, trace))
+    if num_blocks - 1 < -(-max_len // shape.block_size):
+        return f"a {max_len}-token request does not fit in {num_kv_tokens} KV tokens"
+    scheduler = create_scheduler(num_blocks=num_blocks, block_size=shape.block_size,
+                                 max_num_seqs=shape.max_num_seqs,
+                                 max_num_batched_tokens=shape.max_num_batched_tokens,
+                                 max_model_len=max(max_len, shape.max_num_batched_tokens))
+    requests = create_requests(len(prompts), max_tokens=[r.output_len for r in trace], prompt_token_ids=prompts)
     runner = FakeModelRunner()
-    clock, next_index = 0.0, 0
+    clock, next_index, hits, queries = 0.0, 0, 0, 0
     first_token_s: dict[str, float] = {}
     last_token_s: dict[str, float] = {}
     num_tokens_out: dict[str, int] = {}
-    hits = queries = 0
     while next_index < len(requests) or scheduler.get_num_unfinished_requests():
-        while next_index < len(requests) and trace.arrivals_s[next_index] <= clock:
+        while next_index < len(requests) and trace[next_index].arrival_s <= clock:
             scheduler.add_request(requests[next_index])
             next_index += 1
         if not scheduler.get_num_unfinished_requests():
-            clock = trace.arrivals_s[next_index]
+            clock = trace[next_index].arrival_s
             continue
         output = scheduler.schedule()
-        context = sum(scheduler.requests[rid].num_computed_tokens + n
-                      for rid, n in output.num_scheduled_tokens.items() if rid in scheduler.requests)
-        clock += cost.seconds(output.total_num_scheduled_tokens, context)
+        scheduled = [(scheduler.requests[rid], n) for rid, n in output.num_scheduled_tokens.items()
+                     if rid in scheduler.requests]
+        # schedule() has already advanced num_computed_tokens past this step's tokens.
+        context = sum(request.num_computed_tokens for request, _ in scheduled)
+        decode = sum(n for request, n in scheduled if request.num_computed_tokens - n >= request.num_prompt_tokens)
+        clock += cost.seconds(output.total_num_scheduled_tokens, context, decode)
         runner_output = runner.execute(output)
         scheduler.update_from_output(output, runner_output)
         stats = scheduler.make_stats()
@@ -195,13 +217,134 @@ def simulate_replica(cost: StepCost, num_kv_tokens: int, trace: _Trace, *, block
                 first_token_s.setdefault(rid, clock)
                 last_token_s[rid] = clock
                 num_tokens_out[rid] = num_tokens_out.get(rid, 0) + len(tokens)
-    ttft = [first_token_s[r.request_id] - trace.arrivals_s[i] for i, r in enumerate(requests)]
+    ttft = [first_token_s[r.request_id] - trace[i].arrival_s for i, r in enumerate(requests)]
     tpot = [(last_token_s[r.request_id] - first_token_s[r.request_id]) / (num_tokens_out[r.request_id] - 1)
             for r in requests if num_tokens_out[r.request_id] > 1]
-    return {"feasible": True, "num_requests": len(requests), "duration_s": clock,
+    return _ReplicaRun(ttft, tpot, hits, queries, scheduler.make_stats().num_preemptions, clock)
+
+
+def _summarize(runs: list[_ReplicaRun], num_requests: int) -> dict[str, Any]:
+    hits = sum(r.prefix_hits for r in runs)
+    queries = sum(r.prefix_queries for r in runs)
+    return {"feasible": True, "num_requests": num_requests, "duration_s": max(r.duration_s for r in runs),
             "prefix_hit_rate": hits / queries if queries else 0.0,
-            "ttft": LatencyStats.from_seconds(ttft).as_dict(), "tpot": LatencyStats.from_seconds(tpot).as_dict(),
-            "num_preemptions": scheduler.make_stats().num_preemptions}
+            "ttft": LatencyStats.from_seconds([t for r in runs for t in r.ttft_s]).as_dict(),
+            "tpot": LatencyStats.from_seconds([t for r in runs for t in r.tpot_s]).as_dict(),
+            "num_preemptions": sum(r.num_preemptions for r in runs)}
+
+
+def simulate_replica(cost, num_kv_tokens: int, trace: list[TraceRequest], *,
+                     shape: SchedulerShape = SchedulerShape(), seed: int = 0) -> dict[str, Any]:
+    """Replay `trace` through the real scheduler on a simulated clock; latencies and hit rate.
+
+    `cost` is anything with `seconds(num_tokens, num_context_tokens, num_decode_tokens)`: the roofline
+    `StepCost`, or a measured `CalibratedStepCost`."""
+    prompts = prompt_token_ids(trace, _SIMULATED_VOCAB, seed)
+    run = _replay(cost, num_kv_tokens, trace, prompts, shape)
+    if isinstance(run, str):
+        return {"feasible": False, "reason": run}
+    return _summarize([run], len(trace))
+
+
+# ---------------------------------------------------------------- routing over replicas
+
+ROUTING_POLICIES = ("round_robin", "random", "cache_aware")
+# Simulating every replica of a large fleet costs too much: a slice of this many
+# replicas, with the fleet's per-replica load and prefixes per replica, stands for it.
+MAX_SIMULATED_REPLICAS = 8
+_SIMULATED_VOCAB = 1 << 20
+
+
+# sglang-router 0.3.2's defaults for its cache_aware policy.
+CACHE_THRESHOLD = 0.3
+BALANCE_ABS_THRESHOLD = 64
+BALANCE_REL_THRESHOLD = 1.5
+
+
+def route(trace: list[TraceRequest], num_replicas: int, policy: str, seed: int = 0,
+          duration_s: Callable[[TraceRequest], float] | None = None) -> list[list[int]]:
+    """Indices of the requests each replica receives under the gateway's `policy`.
+
+    cache_aware follows SGLang's Model Gateway: when the replicas' in-flight request
+    counts differ by more than 64 and 1.5x, the least loaded replica takes the request;
+    otherwise a replica that has seen the request's shared prefix takes it when that
+    prefix is over 30% of the prompt; otherwise the replica with the smallest cache tree
+    (fewest prompt tokens received). In-flight counts come from `duration_s(request)`,
+    an estimate of each request's time in the engine (none given: nothing stays in flight)."""
+    if policy not in ROUTING_POLICIES:
+        raise ValueError(f"unknown routing policy {policy!r}; choose from {', '.join(ROUTING_POLICIES)}")
+    assigned: list[list[int]] = [[] for _ in range(num_replicas)]
+    rng = random.Random(seed)
+    holders: dict[str, set[int]] = {}
+    tree_tokens = [0] * num_replicas
+    in_flight: list[list[float]] = [[] for _ in range(num_replicas)]  # heaps of finish times
+    for index, request in enumerate(trace):
+        if policy == "round_robin":
+            target = index % num_replicas
+        elif policy == "random":
+            target = rng.randrange(num_replicas)
+        else:
+            for finishing in in_flight:
+                while finishing and finishing[0] <= request.arrival_s:
+                    heapq.heappop(finishing)
+            loads = [len(finishing) for finishing in in_flight]
+            known = holders.get(request.prefix_id, set()) if request.prefix_len else set()
+            if max(loads) - min(loads) > BALANCE_ABS_THRESHOLD and max(loads) > min(loads) * BALANCE_REL_THRESHOLD:
+                target = loads.index(min(loads))
+            elif known and request.prefix_len / request.prompt_len > CACHE_THRESHOLD:
+                target = min(known, key=lambda r: loads[r])
+            else:
+                target = tree_tokens.index(min(tree_tokens))
+            if request.prefix_id is not None and request.prefix_len:
+                holders.setdefault(request.prefix_id, set()).add(target)
+            tree_tokens[target] += request.prompt_len
+            if duration_s is not None:
+                heapq.heappush(in_flight[target], request.arrival_s + duration_s(request))
+        assigned[target].append(index)
+    return assigned
+
+
+def unloaded_duration(cost) -> Callable[[TraceRequest], float]:
+    """A request's time in an idle engine: its prefill, then its decode steps alone."""
+    def duration_s(request: TraceRequest) -> float:
+        decode_step = cost.seconds(1, request.prompt_len + request.output_len // 2, 1)
+        return cost.seconds(request.prompt_len, request.prompt_len) + (request.output_len - 1) * decode_step
+    return duration_s
+
+
+def _fleet_slice(trace: list[TraceRequest], num_replicas: int) -> tuple[list[TraceRequest], int]:
+    """A fleet of at most MAX_SIMULATED_REPLICAS with the same requests and prefixes per replica."""
+    if num_replicas <= MAX_SIMULATED_REPLICAS:
+        return trace, num_replicas
+    share = MAX_SIMULATED_REPLICAS / num_replicas
+    prefix_ids = sorted({r.prefix_id for r in trace if r.prefix_id is not None})
+    kept = set(prefix_ids[:max(1, round(len(prefix_ids) * share))])
+    # With fewer prefixes than simulated replicas need, the kept ones are thinned to the share.
+    keep_prefixed = min(1.0, share * len(prefix_ids) / len(kept)) if kept else 0.0
+    rng = random.Random(len(trace))
+    sliced = [r for r in trace
+              if (r.prefix_id is None and rng.random() < share)
+              or (r.prefix_id in kept and rng.random() < keep_prefixed)]
+    return sliced, MAX_SIMULATED_REPLICAS
+
+
+def simulate_fleet(cost, num_kv_tokens: int, trace: list[TraceRequest], num_replicas: int, policy: str, *,
+                   shape: SchedulerShape = SchedulerShape(), seed: int = 0) -> dict[str, Any]:
+    """Route the fleet-wide `trace` over `num_replicas` replicas and simulate each one;
+    latencies pooled over all requests, the hit rate aggregated over all replicas."""
+    trace, simulated = _fleet_slice(trace, num_replicas)
+    prompts = prompt_token_ids(trace, _SIMULATED_VOCAB, seed)
+    runs, spread = [], []
+    for indices in route(trace, simulated, policy, seed, unloaded_duration(cost)):
+        spread.append(len(indices))
+        if not indices:
+            continue
+        run = _replay(cost, num_kv_tokens, [trace[i] for i in indices], [prompts[i] for i in indices], shape)
+        if isinstance(run, str):
+            return {"feasible": False, "reason": run}
+        runs.append(run)
+    return {**_summarize(runs, len(trace)), "policy": policy, "simulated_replicas": simulated,
+            "requests_per_simulated_replica": spread}
 
 
 def _meets(result: dict[str, Any], slo: SLO) -> bool:
@@ -209,23 +352,59 @@ def _meets(result: dict[str, Any], slo: SLO) -> bool:
         result["tpot"]["p99_ms"] <= slo.tpot_p99_ms
 
 
-def plan_for_tp(model: ModelSpec, machine: Machine, load: Load, slo: SLO, tp: int, *,
-                num_requests: int, seed: int, max_replicas: int = 4096) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Workload:
+    """The traffic a plan simulates: a synthetic `load`, or a recorded fleet-wide `trace`
+    (then `policy` says how the gateway spreads it while searching the replica count)."""
+
+    load: Load
+    trace: tuple[TraceRequest, ...] | None = None
+    policy: str = "round_robin"
+    num_requests: int = 400
+    seed: int = 0
+
+    def predict(self, cost, kv_tokens: int, replicas: int, shape: SchedulerShape) -> dict[str, Any]:
+        """The predicted figures of a fleet of `replicas` replicas of `cost` and `kv_tokens`."""
+        if self.trace is not None:
+            return simulate_fleet(cost, kv_tokens, list(self.trace), replicas, self.policy, shape=shape,
+                                  seed=self.seed)
+        # Replicas behind round-robin or random routing see the same traffic: one stands for all.
+        trace = synthetic_trace(self.load, self.load.arrival_rate / replicas, self.num_requests, self.seed)
+        return simulate_replica(cost, kv_tokens, trace, shape=shape, seed=self.seed)
+
+    def compare_routing(self, cost, kv_tokens: int, replicas: int, shape: SchedulerShape,
+                        policies: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+        """Per gateway policy, the whole fleet's predicted hit rate and latencies."""
+        if self.trace is not None:
+            trace = list(self.trace)
+        else:
+            simulated = min(replicas, MAX_SIMULATED_REPLICAS)
+            share = simulated / replicas
+            load = Load(**{**asdict(self.load), "arrival_rate": self.load.arrival_rate * share,
+                           "num_shared_prefixes": max(1, round(self.load.num_shared_prefixes * share))
+                           if self.load.num_shared_prefixes else 0})
+            trace = synthetic_trace(load, load.arrival_rate, self.num_requests * simulated, self.seed)
+        return {policy: simulate_fleet(cost, kv_tokens, trace, replicas, policy, shape=shape, seed=self.seed)
+                for policy in policies}
+
+
+def _fleet_entry(tp: int, replicas: int, kv_tokens: int, model: ModelSpec, machine: Machine) -> dict[str, Any]:
+    return {"tp": tp, "replicas": replicas, "devices": replicas * tp,
+            "nodes": math.ceil(replicas * tp / machine.devices_per_node), "kv_tokens_per_replica": kv_tokens,
+            "kv_memory_gib_per_replica": kv_tokens * model.kv_bytes_per_token / GIB}
+
+
+def plan_for_tp(model: ModelSpec, machine: Machine, workload: Workload, slo: SLO, tp: int, cost, *,
+                shape: SchedulerShape = SchedulerShape(), max_replicas: int = 4096) -> dict[str, Any]:
     """Fewest replicas at this TP size that meet the SLO (doubling, then bisection)."""
-    cost = StepCost(model, machine, tp)
     kv_tokens = kv_tokens_per_replica(model, machine, tp)
     entry: dict[str, Any] = {"tp": tp, "kv_tokens_per_replica": kv_tokens,
                              "kv_memory_gib_per_replica": kv_tokens * model.kv_bytes_per_token / GIB}
     if kv_tokens <= 0:
         return {**entry, "feasible": False, "reason": "the weights do not fit"}
-
-    def run(replicas: int) -> dict[str, Any]:
-        trace = synthetic_trace(load, load.arrival_rate / replicas, num_requests, seed)
-        return simulate_replica(cost, kv_tokens, trace)
-
     low, high, best = 0, 1, None
     while high <= max_replicas:
-        result = run(high)
+        result = workload.predict(cost, kv_tokens, high, shape)
         if not result["feasible"]:
             return {**entry, "feasible": False, "reason": result["reason"]}
         if _meets(result, slo):
@@ -236,42 +415,48 @@ def plan_for_tp(model: ModelSpec, machine: Machine, load: Load, slo: SLO, tp: in
         return {**entry, "feasible": False, "reason": f"SLO not met with {max_replicas} replicas"}
     while high - low > 1:
         middle = (low + high) // 2
-        result = run(middle)
+        result = workload.predict(cost, kv_tokens, middle, shape)
         if _meets(result, slo):
             high, best = middle, (middle, result)
         else:
             low = middle
     replicas, result = best
-    return {**entry, "feasible": True, "replicas": replicas, "devices": replicas * tp,
-            "nodes": math.ceil(replicas * tp / machine.devices_per_node), "prediction": result}
+    return {**_fleet_entry(tp, replicas, kv_tokens, model, machine), "feasible": True, "prediction": result}
 
 
-def evaluate(model: ModelSpec, machine: Machine, load: Load, tp: int, replicas: int, *,
-             num_requests: int, seed: int) -> dict[str, Any]:
+def evaluate(model: ModelSpec, machine: Machine, workload: Workload, tp: int, replicas: int, cost, *,
+             shape: SchedulerShape = SchedulerShape()) -> dict[str, Any]:
     """The prediction for one given fleet: `replicas` replicas at TP `tp`."""
     kv_tokens = kv_tokens_per_replica(model, machine, tp)
-    trace = synthetic_trace(load, load.arrival_rate / replicas, num_requests, seed)
-    prediction = simulate_replica(StepCost(model, machine, tp), kv_tokens, trace)
-    return {"tp": tp, "replicas": replicas, "devices": replicas * tp,
-            "nodes": math.ceil(replicas * tp / machine.devices_per_node), "kv_tokens_per_replica": kv_tokens,
-            "kv_memory_gib_per_replica": kv_tokens * model.kv_bytes_per_token / GIB,
-            "feasible": prediction["feasible"], "reason": prediction.get("reason"), "prediction": prediction}
+    prediction = workload.predict(cost, kv_tokens, replicas, shape)
+    return {**_fleet_entry(tp, replicas, kv_tokens, model, machine), "feasible": prediction["feasible"],
+            "reason": prediction.get("reason"), "prediction": prediction}
 
 
-def plan(model: ModelSpec, machine: Machine, load: Load, slo: SLO, *, num_requests: int = 400,
-         seed: int = 0, fixed: tuple[int, int] | None = None) -> dict[str, Any]:
+def plan(model: ModelSpec, machine: Machine, workload: Workload | Load, slo: SLO, *,
+         fixed: tuple[int, int] | None = None, cost_for_tp=None, shape: SchedulerShape = SchedulerShape(),
+         routing_policies: tuple[str, ...] = ("round_robin", "cache_aware"), **workload_fields: Any) -> dict[str, Any]:
     """Every feasible TP size's plan, and the one with the fewest devices; with `fixed`
-    (tp, replicas), only that fleet's prediction."""
+    (tp, replicas), only that fleet's prediction. The chosen fleet is also simulated under
+    each of `routing_policies`. `cost_for_tp(tp)` gives the step-cost model (default: the roofline)."""
+    if isinstance(workload, Load):
+        workload = Workload(workload, **workload_fields)
+    cost_for_tp = cost_for_tp or (lambda tp: StepCost(model, machine, tp))
     candidates = [tp for tp in (1, 2, 4, 8, 16) if tp <= machine.devices_per_node and model.supports_tp(tp)]
     if fixed is not None:
-        options = [evaluate(model, machine, load, *fixed, num_requests=num_requests, seed=seed)]
+        options = [evaluate(model, machine, workload, *fixed, cost_for_tp(fixed[0]), shape=shape)]
     else:
-        options = [plan_for_tp(model, machine, load, slo, tp, num_requests=num_requests, seed=seed)
+        options = [plan_for_tp(model, machine, workload, slo, tp, cost_for_tp(tp), shape=shape)
                    for tp in candidates]
     feasible = [o for o in options if o["feasible"]]
     best = min(feasible, key=lambda o: (o["devices"], o["tp"])) if feasible else None
-    return {"model": asdict(model), "machine": asdict(machine), "load": asdict(load), "slo": asdict(slo),
-            "num_simulated_requests": num_requests, "options": options, "best": best}
+    if best is not None and routing_policies:
+        best["routing"] = workload.compare_routing(cost_for_tp(best["tp"]), best["kv_tokens_per_replica"],
+                                                   best["replicas"], shape, routing_policies)
+    return {"model": asdict(model), "machine": asdict(machine), "load": asdict(workload.load),
+            "trace_requests": len(workload.trace) if workload.trace is not None else None,
+            "scheduler": asdict(shape), "slo": asdict(slo), "num_simulated_requests": workload.num_requests,
+            "options": options, "best": best}
 
 
 def machine_from_roofline(path: str, dtype: str, **overrides: Any) -> Machine:
@@ -303,84 +488,16 @@ def format_result(result: dict[str, Any]) -> str:
     best = result["best"]
     if best is None:
         return text + "\n\nno TP size meets the SLO"
+    routing = best.get("routing") or {}
+    if routing:
+        text += "\n\n" + format_table(
+            ["policy", "hit rate", "TTFT p50 ms", "TTFT p99 ms", "TPOT p99 ms", "requests per simulated replica"],
+            [[policy, f"{100 * r['prefix_hit_rate']:.1f}%", r["ttft"]["p50_ms"], r["ttft"]["p99_ms"],
+              r["tpot"]["p99_ms"], " / ".join(map(str, r["requests_per_simulated_replica"]))]
+             if r["feasible"] else [policy, "-", "-", "-", "-", r["reason"]] for policy, r in routing.items()],
+            title=f"the chosen fleet behind the gateway ({best['replicas']} replicas)")
     return text + (f"\n\nbest: {best['replicas']} replicas x TP {best['tp']} = {best['devices']} devices "
                    f"({best['nodes']} nodes), {best['kv_memory_gib_per_replica']:.1f} GiB KV per replica, "
                    f"predicted hit rate {100 * best['prediction']['prefix_hit_rate']:.1f}%, "
                    f"TTFT p99 {best['prediction']['ttft']['p99_ms']:.0f} ms, "
                    f"TPOT p99 {best['prediction']['tpot']['p99_ms']:.1f} ms")
-
-
-# ---------------------------------------------------------------- command line
-
-def add_plan_arguments(parser) -> None:
-    """Flags of `kvserve plan`."""
-    model = parser.add_argument_group("model")
-    model.add_argument("--model", default=None, metavar="PATH",
-                       help="HF model directory, .gguf file, or a config.json (default: the default model)")
-    model.add_argument("--dtype-bytes", type=int, default=2, help="bytes per weight and KV value (default 2)")
-    machine = parser.add_argument_group("machine (one device)")
-    machine.add_argument("--roofline-json", default=None, metavar="PATH",
-                         help="calibrate FLOP/s and bandwidth from `kvserve bench roofline` output")
-    machine.add_argument("--roofline-dtype", default="float32", help="dtype row of the roofline JSON")
-    machine.add_argument("--memory-gib", type=float, default=80.0, help="device memory (default 80)")
-    machine.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth GB/s (default 3350)")
-    machine.add_argument("--tflops", type=float, default=None, help="dense matmul TFLOP/s (default 990)")
-    machine.add_argument("--interconnect-gbs", type=float, default=None, help="per-device link GB/s (default 100)")
-    machine.add_argument("--interconnect-latency-us", type=float, default=None, help="per all-reduce (default 10)")
-    machine.add_argument("--devices-per-node", type=int, default=None, help="largest TP size (default 8)")
-    machine.add_argument("--memory-utilization", type=float, default=None, help="share of memory used (0.9)")
-    machine.add_argument("--step-overhead-ms", type=float, default=None, help="fixed cost per step (default 2)")
-    load = parser.add_argument_group("load and SLO")
-    load.add_argument("--arrival-rate", type=float, required=True, help="requests per second, fleet-wide")
-    load.add_argument("--prompt-len", type=int, default=512, help="median prompt tokens (log-normal)")
-    load.add_argument("--output-len", type=int, default=128, help="median output tokens (log-normal)")
-    load.add_argument("--len-sigma", type=float, default=0.6, help="log-normal sigma of both lengths")
-    load.add_argument("--shared-prefix-ratio", type=float, default=0.5, help="share of a prompt that is shared")
-    load.add_argument("--num-shared-prefixes", type=int, default=4, help="distinct shared prefixes")
-    load.add_argument("--max-model-len", type=int, default=4096)
-    load.add_argument("--ttft-p99-ms", type=float, required=True)
-    load.add_argument("--tpot-p99-ms", type=float, required=True)
-    parser.add_argument("--num-requests", type=int, default=400, help="simulated requests per trial")
-    parser.add_argument("--tp", type=int, default=None, help="with --replicas: predict only this fleet")
-    parser.add_argument("--replicas", type=int, default=None, help="with --tp: predict only this fleet")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output-json", default=None, metavar="PATH", help="also write the plan as JSON")
-
-
-def model_spec_from_path(path: str | None, dtype_bytes: int) -> ModelSpec:
-    from kvserve.bench.model_info import ModelShapes, model_shapes, resolve_model_path
-
-    if path and path.endswith(".json"):
-        config = json.loads(open(path).read())
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        shapes = ModelShapes(config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"],
-                             config["num_attention_heads"],
-                             config.get("num_key_value_heads") or config["num_attention_heads"],
-                             head_dim, config["vocab_size"])
-    else:
-        shapes = model_shapes(resolve_model_path(path))
-    return ModelSpec.from_shapes(shapes, dtype_bytes)
-
-
-def run_plan(args) -> int:
-    """`kvserve plan`: print the plan (and write it as JSON)."""
-    overrides = {"memory_gib": args.memory_gib, "interconnect_gbs": args.interconnect_gbs,
-                 "interconnect_latency_us": args.interconnect_latency_us,
-                 "devices_per_node": args.devices_per_node, "memory_utilization": args.memory_utilization,
-                 "step_overhead_ms": args.step_overhead_ms}
-    if args.roofline_json:
-        overrides.update({"bandwidth_gbs": args.bandwidth_gbs, "tflops": args.tflops})
-        machine = machine_from_roofline(args.roofline_json, args.roofline_dtype, **overrides)
-    else:
-        overrides.update({"bandwidth_gbs": args.bandwidth_gbs or 3350.0, "tflops": args.tflops or 990.0})
-        machine = Machine(**{k: v for k, v in overrides.items() if v is not None})
-    load = Load(args.arrival_rate, args.prompt_len, args.len_sigma, args.output_len, args.len_sigma,
-                args.shared_prefix_ratio, args.num_shared_prefixes, args.max_model_len)
-    result = plan(model_spec_from_path(args.model, args.dtype_bytes), machine, load,
-                  SLO(args.ttft_p99_ms, args.tpot_p99_ms), num_requests=args.num_requests, seed=args.seed,
-                  fixed=(args.tp, args.replicas) if args.tp and args.replicas else None)
-    print(format_result(result))
-    if args.output_json:
-        from kvserve.bench.report import write_json
-        print(f"\nJSON: {write_json(args.output_json, result)}")
-    return 0

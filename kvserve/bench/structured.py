@@ -5,12 +5,15 @@ model's vocabulary: tokenizer set-up time, compile time of a JSON schema, a
 regex and an EBNF grammar, and the time to fill one token mask while walking
 a fixed valid output, for 1 and for `batch` matchers at once.
 
-Part 2 (`engine`): `kvserve.LLM` throughput on `batch` chat prompts with and
-without a JSON-schema constraint (same prompts, greedy, `max_tokens` new
-tokens each), as output tokens per second and their ratio.
+Part 2 (`engine_single`, `engine`): `kvserve.LLM` throughput on 1 and on
+`batch` chat prompts with and without a JSON-schema constraint (same prompts,
+greedy, `max_tokens` new tokens each), as output tokens per second and their
+ratio, and the runner's mask cost per constrained token: filled on the mask
+thread while the forward runs, and what still waited on the critical path.
 """
 from __future__ import annotations
 
+import copy
 import json
 import statistics
 import time
@@ -152,8 +155,28 @@ def run_backends(model: str | None = None, batch: int = 32, rounds: int = 5) -> 
     return results
 
 
+def _mask_stats(llm: Any) -> Any:
+    """The in-process runner's MaskStats (None when the runner is in other processes)."""
+    runner = getattr(llm.engine_core.executor, "model_runner", None)
+    return None if runner is None else runner.logits_constraints.stats
+
+
+def _mask_figures(before: Any, after: Any) -> dict[str, Any] | None:
+    """Per constrained token: fill cost (mask thread, alongside the forward) and what stayed
+    on the critical path (waiting for the fill after the forward, then masking the logits)."""
+    if before is None or after.rows == before.rows:
+        return None
+    rows = after.rows - before.rows
+    fill, wait, apply = (after.fill_s - before.fill_s, after.wait_s - before.wait_s,
+                         after.apply_s - before.apply_s)
+    return {"tokens": rows, "fill_us_per_token": 1e6 * fill / rows, "wait_us_per_token": 1e6 * wait / rows,
+            "apply_us_per_token": 1e6 * apply / rows,
+            "hidden_fraction_of_fill": max(0.0, 1.0 - wait / fill) if fill > 0 else 1.0}
+
+
 def run_engine(batch: int = 32, max_tokens: int = 64, rounds: int = 3, **engine_kwargs: Any) -> dict[str, Any]:
-    """Output tokens/s of `batch` greedy chat requests, unconstrained and under LONG_SCHEMA, alternating."""
+    """Output tokens/s of `batch` greedy chat requests, unconstrained and under LONG_SCHEMA,
+    alternating, and the grammar-mask cost per constrained token inside the engine."""
     from kvserve import LLM, SamplingParams
     from kvserve.sampling_params import StructuredOutputsParams
 
@@ -167,6 +190,8 @@ def run_engine(batch: int = 32, max_tokens: int = 64, rounds: int = 3, **engine_
         llm.chat(conversations[:2], modes["json_schema"], use_tqdm=False)  # warm-up, compiles the schema
         per_mode: dict[str, list[float]] = {name: [] for name in modes}
         ratios = []
+        stats = _mask_stats(llm)
+        mask_before = copy.copy(stats)
         for _ in range(rounds):
             for name, params in modes.items():
                 seconds, outputs = _time_s(lambda: llm.chat(conversations, params, use_tqdm=False))
@@ -178,14 +203,16 @@ def run_engine(batch: int = 32, max_tokens: int = 64, rounds: int = 3, **engine_
     return {"batch": batch, "max_tokens": max_tokens, "rounds": rounds,
             "output_tokens_per_s": {name: statistics.median(v) for name, v in per_mode.items()},
             "per_round_tokens_per_s": per_mode, "ratio_per_round": ratios,
-            "ratio_constrained_over_unconstrained_median": statistics.median(ratios)}
+            "ratio_constrained_over_unconstrained_median": statistics.median(ratios),
+            "mask_in_engine": _mask_figures(mask_before, stats)}
 
 
 def run(model: str | None = None, batch: int = 32, rounds: int = 5, max_tokens: int = 64,
         skip_engine: bool = False, **engine_kwargs: Any) -> dict[str, Any]:
-    """Both parts (see the module docstring)."""
+    """Both parts (see the module docstring); the engine part at batch 1 and at `batch`."""
     result: dict[str, Any] = {"backends": run_backends(model, batch, rounds)}
     if not skip_engine:
+        result["engine_single"] = run_engine(1, max_tokens, min(rounds, 3), model=model, **engine_kwargs)
         result["engine"] = run_engine(batch, max_tokens, min(rounds, 3), model=model, **engine_kwargs)
     return result
 
@@ -203,10 +230,16 @@ def format_result(result: dict[str, Any]) -> str:
     batch = next((b["batch"] for b in result["backends"] if "batch" in b), "")
     text = format_table(["backend", "constraint", "compile ms", "mask us (batch 1)", f"mask us/step (batch {batch})",
                          "us/token in batch", "tokenizer setup s"], rows, title="grammar back-ends (median)")
-    engine = result.get("engine")
-    if engine:
+    for engine in (result.get("engine_single"), result.get("engine")):
+        if not engine:
+            continue
         tps = engine["output_tokens_per_s"]
         text += (f"\n\nengine, batch {engine['batch']}: unconstrained {tps['unconstrained']:.1f} tok/s, "
                  f"json_schema {tps['json_schema']:.1f} tok/s, ratio "
                  f"{engine['ratio_constrained_over_unconstrained_median']:.2f} (median of per-round ratios)")
+        mask = engine.get("mask_in_engine")
+        if mask:
+            text += (f"\n  mask per token: fill {mask['fill_us_per_token']:.1f} us on the mask thread "
+                     f"({100 * mask['hidden_fraction_of_fill']:.0f}% hidden behind the forward); critical path: "
+                     f"wait {mask['wait_us_per_token']:.1f} us + apply {mask['apply_us_per_token']:.1f} us")
     return text

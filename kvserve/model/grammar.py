@@ -182,18 +182,40 @@ class GrammarCompiler:
         return torch.stack(rows)
 
 
-def apply_bitmask(logits: "torch.Tensor", bitmask: "torch.Tensor", rows: list[int]) -> "torch.Tensor":
-    """`logits` with every token whose bit is 0 set to -inf, in the given rows."""
+def disallowed_tokens(bitmask: "torch.Tensor", width: int) -> "torch.Tensor":
+    """[rows, width] bool: True where token t's bit in its row of `bitmask` is 0 (tokens
+    past the bitmask's vocabulary are disallowed)."""
+    import numpy as np
     import torch
 
-    bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
-    allowed = bits.reshape(bitmask.shape[0], -1)[:, :logits.shape[-1]].to(torch.bool)
-    if allowed.shape[1] < logits.shape[1]:
-        allowed = torch.nn.functional.pad(allowed, (0, logits.shape[1] - allowed.shape[1]), value=False)
+    # Little-endian int32 words: bit k of word w is bit k % 8 of byte 4 * w + k // 8.
+    # Inverting the words first leaves one numpy pass over the vocabulary.
+    banned_bits = np.invert(bitmask.numpy()).view(np.uint8)
+    disallowed = torch.from_numpy(np.unpackbits(banned_bits, axis=1, bitorder="little")[:, :width].view(np.bool_))
+    if disallowed.shape[1] < width:
+        disallowed = torch.nn.functional.pad(disallowed, (0, width - disallowed.shape[1]), value=True)
+    return disallowed
+
+
+def mask_logits_(logits: "torch.Tensor", disallowed: "torch.Tensor", rows: list[int]) -> "torch.Tensor":
+    """Set the `disallowed` tokens (one bool row per entry of `rows`) of `logits` to -inf, in place."""
+    import torch
+
+    width = logits.shape[-1]
+    if disallowed.shape[1] != width:
+        disallowed = torch.nn.functional.pad(disallowed[:, :width], (0, max(0, width - disallowed.shape[1])),
+                                             value=True)
+    disallowed = disallowed.to(logits.device, non_blocking=True)
+    if rows == list(range(logits.shape[0])):
+        return logits.masked_fill_(disallowed, float("-inf"))
     index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    logits = logits.clone()
-    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+    logits[index] = logits[index].masked_fill(disallowed, float("-inf"))
     return logits
+
+
+def apply_bitmask(logits: "torch.Tensor", bitmask: "torch.Tensor", rows: list[int]) -> "torch.Tensor":
+    """A copy of `logits` with every token whose bit is 0 set to -inf, in the given rows."""
+    return mask_logits_(logits.clone(), disallowed_tokens(bitmask, logits.shape[-1]), rows)
 
 
 def _bit(position: int) -> int:

@@ -15,7 +15,7 @@ torch path for any step it declines (None):
 - step: at most `MAX_TOKENS` tokens, every KV-cache group a block table (not a
   circular ring, whose read-before-write order the kernel does not follow),
   caches float32 or bfloat16 and contiguous.
-KVSERVE_NATIVE_DECODER=0 switches it off (read once per model).
+`ModelKernels.native_decoder` (KVSERVE_NATIVE_DECODER=0 in `KernelConfig`) switches it off.
 """
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ from kvserve.model.attention import AttentionMetadata, token_positions
 
 logger = logging.getLogger(__name__)
 
-NATIVE_DECODER_ENV = "KVSERVE_NATIVE_DECODER"
 MAX_TOKENS = 8  # steps up to this many tokens (decode, short drafts); longer ones are prefills
 _MAX_GROUPS = 8  # MAX_GROUPS in fused_decoder.c
 _PARALLEL_MIN_LAYER_BYTES = 256 * 1024
@@ -40,7 +39,7 @@ _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.
 
 class _Linear(ctypes.Structure):
     _fields_ = [("qs", _ptr), ("d", _ptr), ("m", _ptr), ("w", _ptr), ("bias", _ptr), ("out", _i64), ("in_", _i64),
-                ("bits", _i32), ("act_bits", _i32)]
+                ("bits", _i32), ("act_bits", _i32), ("isa", _i32), ("unused", _i32)]
 
 
 class _Layer(ctypes.Structure):
@@ -54,7 +53,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
                 ("head_dim", _i64), ("intermediate", _i64), ("final_norm", _ptr), ("eps", _f32), ("scale", _f32),
-                ("softcap", _f32), ("adds_one", _i32), ("sandwich", _i32), ("gelu", _i32), ("isa", _i32)]
+                ("softcap", _f32), ("adds_one", _i32), ("sandwich", _i32), ("gelu", _i32)]
 
 
 class _Step(ctypes.Structure):
@@ -95,8 +94,9 @@ class NativeDecoder:
     # -- description (once) ------------------------------------------------------------------
     @classmethod
     def for_model(cls, model) -> "NativeDecoder | None":
-        """The native decoder for `model`, or None where it is off or does not cover the model."""
-        if not cpu_kernels._switched_on(NATIVE_DECODER_ENV) or cpu_kernels.load_library() is None:
+        """The native decoder for `model`, or None where the library is missing or it does not
+        cover the model (whether the model wants one is `ModelKernels.native_decoder`)."""
+        if cpu_kernels.load_library() is None:
             return None
         try:
             decoder = cls(model)
@@ -121,13 +121,12 @@ class NativeDecoder:
             raise NativeDeclined(f"hidden size {config.hidden_size} / activation {config.hidden_act}")
         if model.rotary_global.inv_freq.numel() * 2 != attn.head_dim:
             raise NativeDeclined("partial rotary embedding")
-        isa = quantized.kernel_isa()
         return _Model(num_layers=len(model.layers), hidden=config.hidden_size, num_heads=attn.num_heads,
                       num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
                       intermediate=model.layers[0].mlp.down_proj.shard_input, final_norm=self._norm(model.norm),
-                      eps=config.rms_norm_eps, scale=attn.scale, softcap=attn.softcap or 0.0,
+                      eps=config.rms_norm_eps, scale=attn.params.scale, softcap=attn.params.softcap or 0.0,
                       adds_one=int(config.norm_adds_one), sandwich=int(config.sandwich_norms),
-                      gelu=int(config.hidden_act.startswith("gelu")), isa=quantized.ISA_CODES[isa or "portable"])
+                      gelu=int(config.hidden_act.startswith("gelu")))
 
     def _describe_layer(self, desc: _Layer, layer) -> None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -155,6 +154,7 @@ class NativeDecoder:
                 raise NativeDeclined(f"quantized weight of {qw.bits} bits")
             desc.qs, desc.d, desc.m = (self._hold(t).data_ptr() for t in (qw.qs, qw.d, qw.m))
             desc.bits, desc.act_bits = qw.bits, qw.act_bits
+            desc.isa = quantized.ISA_CODES[qw.isa or quantized.kernel_isa() or "portable"]
             desc.out, desc.in_ = qw.out_features, qw.in_features
             self._layer_bytes += qw.nbytes() // len(self.model.layers)
             return

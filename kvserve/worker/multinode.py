@@ -14,7 +14,9 @@ Two channels join the nodes, both to node 0's `--master-addr`:
 
 Node 0 refuses a rank whose node rank, rank, TP size, node count or model
 differs from its own, so a misconfigured node fails at start with the reason
-on both sides. A node that has not joined within the join timeout
+on both sides; it keeps listening once the group is complete, so a node
+started twice with the same `--node-rank` is refused at once rather than
+left waiting for a rendezvous that never comes. A node that has not joined within the join timeout
 (`KVSERVE_NODE_JOIN_TIMEOUT_S`, default 120 s) stops the start-up with an
 error naming it. A remote rank that dies closes its connection: the engine
 sees the end of the stream and stops with an error naming node and rank.
@@ -26,6 +28,7 @@ import os
 import select
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
@@ -157,8 +160,13 @@ class RemoteRankListener:
                               f"{exc.strerror or exc} (choose another --master-port)") from None
         self._socket.listen(layout.tp_size)
         self.expected_ranks = [r for node in range(1, layout.nnodes) for r in layout.ranks_on(node)]
+        self._closed = threading.Event()
+        self._refuser: threading.Thread | None = None
 
     def close(self) -> None:
+        self._closed.set()
+        if self._refuser is not None and self._refuser is not threading.current_thread():
+            self._refuser.join(timeout=2.0)
         self._socket.close()
 
     def accept_all(self, timeout_s: float, check_local: Callable[[], None]) -> dict[int, Connection]:
@@ -180,10 +188,29 @@ class RemoteRankListener:
         except BaseException:
             for conn in joined.values():
                 conn.close()
-            raise
-        finally:
             self._socket.close()
+            raise
+        self._start_refusing_late_joiners(joined)
         return joined
+
+    def _start_refusing_late_joiners(self, joined: dict[int, Connection]) -> None:
+        """Keep listening once the group is complete, so that a node started twice with the same
+        --node-rank is told why at once instead of waiting out its join timeout."""
+        complete = dict(joined)
+
+        def refuse() -> None:
+            while not self._closed.is_set():
+                try:
+                    readable, _, _ = select.select([self._socket], [], [], 0.5)
+                    if readable and not self._closed.is_set():
+                        self._accept_one(complete)
+                except NodeJoinError as exc:
+                    logger.error("%s", exc)
+                except (OSError, ValueError):  # the socket was closed under us
+                    return
+
+        self._refuser = threading.Thread(target=refuse, name="kvserve-late-join-refuser", daemon=True)
+        self._refuser.start()
 
     def _accept_one(self, joined: dict[int, Connection]) -> None:
         sock, peer = self._socket.accept()

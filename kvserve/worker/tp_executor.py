@@ -145,10 +145,10 @@ class TPExecutor(Executor):
         self._processes: list = []
         self._conns: list = []
         self._receiver = threading.Thread(target=self._receive_loop, name="kvserve-tp-receiver", daemon=True)
-        listener = None
+        listener = self._listener = None
         if self.layout.nnodes > 1:
             # Bound before any rank starts, so a port in use fails at once.
-            listener = RemoteRankListener(self.layout, cluster_identity(engine_config))
+            listener = self._listener = RemoteRankListener(self.layout, cluster_identity(engine_config))
             init_method = self.layout.torch_init_method
         else:
             init_method = "file://" + os.path.join(self._rendezvous_dir, "rendezvous")
@@ -161,8 +161,6 @@ class TPExecutor(Executor):
             self._receiver.start()
             self._call_all(Startup(), send=False)
         except BaseException:
-            if listener is not None:
-                listener.close()
             self.shutdown()
             raise
         logger.info("tensor parallel: %d ranks up (%s, %s)", self.world_size, self.backend, engine_config.device)
@@ -227,6 +225,8 @@ class TPExecutor(Executor):
         self._raise_if_shut_down()
 
     def _stop_runners(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
         with self._lock:
             self._pending_changed.notify_all()  # the receiver sees the flag and returns
         for conn in self._conns:

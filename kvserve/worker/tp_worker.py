@@ -130,6 +130,7 @@ class TPModelRunner(ModelRunner):
     """A ModelRunner for one rank: the driver samples and broadcasts the tokens."""
 
     def _forward_and_sample(self, prepared: PreparedBatch) -> tuple[dict[str, list[int]], dict]:
+        pending_masks = self._start_masks(prepared) if self.tp_rank == DRIVER_RANK else None
         sampled_hidden = self._forward_sampled_rows(prepared)
         # Every rank derives the same batch from the same SchedulerOutput, so all
         # take this branch together and the collectives below line up.
@@ -146,7 +147,7 @@ class TPModelRunner(ModelRunner):
         logprobs_by_req, sampling_error = {}, None
         if logits is not None:
             try:
-                sampled, logprobs_by_req = self._sample(logits, prepared)
+                sampled, logprobs_by_req = self._sample(logits, prepared, pending_masks)
                 for row, req_id in enumerate(sampled_req_ids):
                     token_ids[row, :len(sampled[req_id])] = torch.as_tensor(sampled[req_id], dtype=torch.int64)
             except Exception as exc:
@@ -171,7 +172,7 @@ class TPWorker:
         self.runner = TPModelRunner(
             engine_config.model_config, engine_config.cache_config, init.device,
             scheduler_config=engine_config.scheduler_config, seed=engine_config.seed,
-            tp_rank=init.rank, tp_size=init.world_size)
+            tp_rank=init.rank, tp_size=init.world_size, kernel_config=engine_config.kernel_config)
         self.runner.load_model()
 
     def get_kv_cache_specs(self):

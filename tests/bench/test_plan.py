@@ -63,8 +63,9 @@ def test_plan_picks_the_fewest_devices_that_meet_the_slo():
     assert best["prediction"]["ttft"]["p99_ms"] <= 1500 and best["prediction"]["tpot"]["p99_ms"] <= 60
     # One replica fewer than chosen misses the SLO at that TP size.
     if best["replicas"] > 1:
-        from kvserve.bench.plan import evaluate
-        fewer = evaluate(MODEL, GPU, load, best["tp"], best["replicas"] - 1, num_requests=80, seed=0)
+        from kvserve.bench.plan import Workload, evaluate
+        fewer = evaluate(MODEL, GPU, Workload(load, num_requests=80), best["tp"], best["replicas"] - 1,
+                         StepCost(MODEL, GPU, best["tp"]))
         prediction = fewer["prediction"]
         assert prediction["ttft"]["p99_ms"] > 1500 or prediction["tpot"]["p99_ms"] > 60
 

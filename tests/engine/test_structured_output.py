@@ -1,6 +1,7 @@
 """Structured output through `kvserve.LLM` with the default model (SmolLM2-135M)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -106,3 +107,38 @@ def test_speculative_drafts_are_masked_and_greedy_output_is_unchanged(llm):
         (drafted,) = spec.chat([conversation], params, use_tqdm=False)
     assert drafted.outputs[0].token_ids == plain.outputs[0].token_ids
     jsonschema.validate(json.loads(drafted.outputs[0].text), PERSON)
+
+
+def test_masks_are_filled_on_the_mask_thread_while_the_forward_runs(llm, monkeypatch):
+    """A forward slowed to 30 ms covers the mask fill: the step barely waits for its masks,
+    one mask row per sampled token, and the output is what an unhidden mask gives."""
+    import threading
+    import time
+
+    runner = llm.engine_core.executor.model_runner
+    constraints = runner.logits_constraints
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=Constraint(json=PERSON))
+    (reference,) = llm.chat([ASK], params, use_tqdm=False)
+    fill_threads = set()
+    fill, forward = constraints.compiler.fill_bitmasks, runner.model.forward
+
+    def recording_fill(matchers):
+        fill_threads.add(threading.current_thread().name)
+        return fill(matchers)
+
+    def slow_forward(*args):
+        time.sleep(0.03)
+        return forward(*args)
+
+    monkeypatch.setattr(constraints.compiler, "fill_bitmasks", recording_fill)
+    monkeypatch.setattr(runner.model, "forward", slow_forward)
+    before = dataclasses.replace(constraints.stats)
+    (output,) = llm.chat([ASK], params, use_tqdm=False)
+    rows = constraints.stats.rows - before.rows
+    waited = constraints.stats.wait_s - before.wait_s
+    filled = constraints.stats.fill_s - before.fill_s
+    assert output.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert fill_threads == {"kvserve-mask_0"}
+    # Async scheduling runs one step past the EOS (its token is dropped).
+    assert rows - len(output.outputs[0].token_ids) in (0, 1)
+    assert waited < 0.5 * filled, (waited, filled)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve.config import KernelConfig
 from kvserve.kv_cache.utils import KVCacheBlockCopy
 from kvserve.model import cpu_kernels, native_decoder, quantized
 from kvserve.model.config import ModelConfig
@@ -120,15 +121,16 @@ def test_circular_buffer_steps_are_declined_and_still_match(configs, native_step
     _assert_same(ours, ref)
 
 
-def test_switch_bfloat16_and_packed_weights_are_declined(configs, monkeypatch):
+def test_switch_bfloat16_and_packed_weights_are_declined(configs, native_steps):
     config = configs("llama")
-    model = load_model(config)
-    assert native_decoder.NativeDecoder.for_model(model) is not None
-    monkeypatch.setenv(native_decoder.NATIVE_DECODER_ENV, "0")
-    assert native_decoder.NativeDecoder.for_model(model) is None
-    monkeypatch.delenv(native_decoder.NATIVE_DECODER_ENV)
-    assert native_decoder.NativeDecoder.for_model(load_model(ModelConfig.from_path(config.path,
-                                                                                   dtype="bfloat16"))) is None
+    assert load_model(config).kernels.native_decoder
+    assert native_decoder.NativeDecoder.for_model(load_model(config)) is not None
+    switched_off = load_model(config, kernel_config=KernelConfig.from_env({"KVSERVE_NATIVE_DECODER": "0"}))
+    assert not switched_off.kernels.native_decoder
+    run_greedy(PagedRunner(switched_off), _prompts([4]), 3, chunk=8)
+    assert native_steps[0] == 0
+    bf16 = load_model(ModelConfig.from_path(config.path, dtype="bfloat16"))
+    assert not bf16.kernels.native_decoder and native_decoder.NativeDecoder.for_model(bf16) is None
     if torch.backends.mkldnn.is_available():
         packed = load_model(config)
         packed.pack_linear_weights(keep_plain=False)
@@ -142,18 +144,18 @@ from helpers.gguf_writer import write_gguf  # noqa: E402
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
 @pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q8_0])
-def test_quantized_weights_on_every_kernel_path(tmp_path_factory, native_steps, monkeypatch, qtype, isa):
+def test_quantized_weights_on_every_kernel_path(tmp_path_factory, native_steps, qtype, isa):
     if quantized.kernel_isa() is None or not quantized.isa_available(isa):
         pytest.skip(f"the {isa} kernel path does not run here")
     from paged_kv_helper import load_hf
     path = str(tmp_path_factory.mktemp("gguf") / f"tiny-{qtype.name}.gguf")
     write_gguf(load_hf(save_tiny_model("llama", tmp_path_factory.mktemp("llama"))), path, qtype)
-    monkeypatch.setitem(quantized._isa_choice, "isa", quantized.ISA_CODES[isa])  # both paths use this one
-    config = ModelConfig.from_path(path)
-    model = load_model(config)
-    assert model.layers[0].self_attn.qkv_proj.quant_weight is not None
+    config, kernel_config = ModelConfig.from_path(path), KernelConfig(quant_isa=isa)  # both paths take this one
+    model = load_model(config, kernel_config=kernel_config)
+    assert model.layers[0].self_attn.qkv_proj.quant_weight.isa == isa
     prompts = _prompts([5, 23], seed=4)
     ours = run_greedy(PagedRunner(model), prompts, NUM_NEW, chunk=3)
     assert native_steps[0] >= NUM_NEW - 2  # the step that ends a prompt samples the first token
-    ref = run_greedy(PagedRunner(_torch_path(load_model(config))), prompts, NUM_NEW, chunk=3)
+    ref = run_greedy(PagedRunner(_torch_path(load_model(config, kernel_config=kernel_config))), prompts, NUM_NEW,
+                     chunk=3)
     _assert_same(ours, ref, max_diff=1e-5)  # the same kernel on the same rows: equal sums

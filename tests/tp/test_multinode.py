@@ -142,17 +142,55 @@ def test_a_killed_remote_rank_stops_the_engine_naming_node_and_rank(model_path, 
     assert "rank 1 on node 1" in output
 
 
-def test_mismatched_nodes_fail_at_start_with_the_reason(model_path, monkeypatch):
+@pytest.mark.parametrize("difference, reason", [
+    ("model", "num_kv_heads 1 here vs 2 on node 0"),
+    ("tp_size", "tensor_parallel_size 4 here vs 2 on node 0"),
+])
+def test_mismatched_nodes_fail_at_start_with_the_reason(model_path, tmp_path, monkeypatch, difference, reason):
     monkeypatch.setenv("KVSERVE_NODE_JOIN_TIMEOUT_S", "60")
     port = _two_free_ports()
-    node1 = HeadlessNode(model_path, port, extra=("--max-model-len", "64"))
+    if difference == "model":
+        node1 = HeadlessNode(save_tiny_model("llama_mqa", tmp_path / "other-model"), port)
+    else:
+        node1 = HeadlessNode(model_path, port, tp=4)
     try:
-        with pytest.raises(NodeJoinError, match="max_model_len 64 here"):
+        started = time.monotonic()
+        with pytest.raises(NodeJoinError, match=reason):
             _node0_engine(model_path, port)
+        assert time.monotonic() - started < 60
         code, output = node1.wait()
     finally:
         node1.kill()
-    assert code != 0 and "max_model_len 64 here" in output
+    assert code != 0 and reason in output
+
+
+def test_a_second_node_with_the_same_rank_is_refused_and_the_first_keeps_serving(model_path, monkeypatch):
+    monkeypatch.setenv("KVSERVE_NODE_JOIN_TIMEOUT_S", "120")
+    port = _two_free_ports()
+    node1 = HeadlessNode(model_path, port)
+    duplicate = None
+    try:
+        with _node0_engine(model_path, port) as core:
+            duplicate = HeadlessNode(model_path, port)
+            code, output = duplicate.wait(timeout_s=60)
+            assert code != 0 and "rank 1 of node 1 has already joined" in output
+            assert "two nodes started with the same --node-rank" in output
+            assert len(run_requests(core, _workload()[:2], greedy(4))["0"]) == 4
+        code, output = node1.wait()
+        assert code == 0, output[-3000:]
+    finally:
+        node1.kill()
+        if duplicate is not None:
+            duplicate.kill()
+
+
+def test_headless_node_rank_out_of_range_is_a_one_line_error(model_path):
+    completed = subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", "--model", model_path,
+                                "--device", "cpu", "-tp", "2", "--nnodes", "2", "--node-rank", "2", "--headless"],
+                               capture_output=True, text=True, timeout=120)
+    assert completed.returncode != 0
+    assert "node_rank must be in [0, 1] for nnodes 2, got 2" in completed.stderr
+    assert "Traceback" not in completed.stderr
 
 
 def test_bad_layouts_and_ports_are_refused_before_any_rank_starts(model_path):

@@ -61,7 +61,7 @@ typedef struct {
     const uint8_t *qs;
     const float *d, *m, *w, *bias;
     int64_t out, in;
-    int32_t bits, act_bits;
+    int32_t bits, act_bits, isa, unused; /* isa: the quantized kernel's path (quant_linear.c) */
 } NativeLinear;
 
 typedef struct {
@@ -77,7 +77,7 @@ typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
     const float *final_norm;
     float eps, scale, softcap;
-    int32_t adds_one, sandwich, gelu, isa;
+    int32_t adds_one, sandwich, gelu;
 } NativeModel;
 
 /* One step: T tokens; token t sits at positions[t] of the request whose blocks are
@@ -113,14 +113,14 @@ static void split_rows(int64_t out, int tid, int nthreads, int64_t *begin, int64
 }
 
 /* This thread's rows of y [T, out] = x [T, in] W^T (+ bias); x is this thread's own copy. */
-static void linear_rows(const NativeLinear *l, const float *x, int64_t T, Private *p, float *y, int isa, int tid,
+static void linear_rows(const NativeLinear *l, const float *x, int64_t T, Private *p, float *y, int tid,
                         int nthreads) {
     int64_t begin, end;
     split_rows(l->out, tid, nthreads, &begin, &end);
     if (l->qs) {
         kvserve_quant_activations(x, l->in, T, l->in, l->act_bits, p->qx, p->scales);
         kvserve_quant_rows(p->qx, p->scales, T, l->qs, l->d, l->m, l->bits, l->in, l->bias, y, l->out, l->act_bits,
-                           isa, begin, end);
+                           l->isa, begin, end);
         return;
     }
     if (kvserve_small_linear_rows(x, l->in, l->w, l->bias, l->in, y, l->out, T, F32, begin, end)) return;
@@ -188,11 +188,11 @@ static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *
     } else {
         norm(m, first ? p->residual : s->out, first ? NULL : p->residual, l->input_norm, p->x, T);
     }
-    linear_rows(&l->qkv, p->x, T, p, s->qkv, m->isa, tid, nthreads);
+    linear_rows(&l->qkv, p->x, T, p, s->qkv, tid, nthreads);
 #pragma omp barrier
     attention_heads(m, l, st, s, tid, nthreads);
 #pragma omp barrier
-    linear_rows(&l->o, s->attn, T, p, s->out, m->isa, tid, nthreads);
+    linear_rows(&l->o, s->attn, T, p, s->out, tid, nthreads);
 #pragma omp barrier
     if (m->sandwich) {
         norm(m, s->out, NULL, l->post_attention_norm, p->x, T);
@@ -201,13 +201,13 @@ static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *
     } else {
         norm(m, s->out, p->residual, l->post_attention_norm, p->x, T);
     }
-    linear_rows(&l->gate_up, p->x, T, p, s->gate_up, m->isa, tid, nthreads);
+    linear_rows(&l->gate_up, p->x, T, p, s->gate_up, tid, nthreads);
 #pragma omp barrier
     if (m->gelu)
         gelu_tanh_mul(s->gate_up, p->act, T, I);
     else
         kvserve_silu_mul(s->gate_up, p->act, T, I, F32, 1);
-    linear_rows(&l->down, p->act, T, p, s->out, m->isa, tid, nthreads);
+    linear_rows(&l->down, p->act, T, p, s->out, tid, nthreads);
 #pragma omp barrier
     if (m->sandwich) {
         norm(m, s->out, NULL, l->post_feedforward_norm, p->x, T);

@@ -1,0 +1,118 @@
+"""`kvserve plan` on the command line: flags, the model's shapes, the cost model, the output."""
+from __future__ import annotations
+
+import json
+
+from kvserve.bench.plan import (ROUTING_POLICIES, SLO, Load, Machine, ModelSpec, SchedulerShape, Workload,
+                                format_result, machine_from_roofline, plan)
+
+
+def add_plan_arguments(parser) -> None:
+    """Flags of `kvserve plan`."""
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=None, metavar="PATH",
+                       help="HF model directory, .gguf file, or a config.json (default: the default model)")
+    model.add_argument("--dtype-bytes", type=int, default=2, help="bytes per weight and KV value (default 2)")
+    machine = parser.add_argument_group("machine (one device) and its step cost")
+    machine.add_argument("--roofline-json", default=None, metavar="PATH",
+                         help="calibrate FLOP/s and bandwidth from `kvserve bench roofline` output")
+    machine.add_argument("--roofline-dtype", default="float32", help="dtype row of the roofline JSON")
+    machine.add_argument("--calibration-json", default=None, metavar="PATH",
+                         help="step cost measured by `kvserve bench plan-check` on this machine and model "
+                              "(replaces the roofline's step cost; memory still sizes the KV pool)")
+    machine.add_argument("--memory-gib", type=float, default=80.0, help="device memory (default 80)")
+    machine.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth GB/s (default 3350)")
+    machine.add_argument("--tflops", type=float, default=None, help="dense matmul TFLOP/s (default 990)")
+    machine.add_argument("--interconnect-gbs", type=float, default=None, help="per-device link GB/s (default 100)")
+    machine.add_argument("--interconnect-latency-us", type=float, default=None, help="per all-reduce (default 10)")
+    machine.add_argument("--devices-per-node", type=int, default=None, help="largest TP size (default 8)")
+    machine.add_argument("--memory-utilization", type=float, default=None, help="share of memory used (0.9)")
+    machine.add_argument("--step-overhead-ms", type=float, default=None, help="fixed cost per step (default 2)")
+    replica = parser.add_argument_group("replica scheduler (as `kvserve serve` flags set them)")
+    replica.add_argument("--block-size", type=int, default=16)
+    replica.add_argument("--max-num-seqs", type=int, default=256)
+    replica.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    load = parser.add_argument_group("load and SLO")
+    load.add_argument("--trace", default=None, metavar="JSONL",
+                      help="a recorded fleet-wide trace instead of the synthetic load (format in README)")
+    load.add_argument("--policy", default="round_robin", choices=ROUTING_POLICIES,
+                      help="with --trace: how the gateway spreads it while sizing the fleet")
+    load.add_argument("--routing-policies", default="round_robin,cache_aware",
+                      help="gateway policies to compare on the chosen fleet ('' to skip)")
+    load.add_argument("--arrival-rate", type=float, default=None, help="requests per second, fleet-wide")
+    load.add_argument("--prompt-len", type=int, default=512, help="median prompt tokens (log-normal)")
+    load.add_argument("--output-len", type=int, default=128, help="median output tokens (log-normal)")
+    load.add_argument("--len-sigma", type=float, default=0.6, help="log-normal sigma of both lengths")
+    load.add_argument("--shared-prefix-ratio", type=float, default=0.5, help="share of a prompt that is shared")
+    load.add_argument("--num-shared-prefixes", type=int, default=4, help="distinct shared prefixes")
+    load.add_argument("--max-model-len", type=int, default=4096)
+    load.add_argument("--ttft-p99-ms", type=float, required=True)
+    load.add_argument("--tpot-p99-ms", type=float, required=True)
+    parser.add_argument("--num-requests", type=int, default=400, help="simulated requests per replica and trial")
+    parser.add_argument("--tp", type=int, default=None, help="with --replicas: predict only this fleet")
+    parser.add_argument("--replicas", type=int, default=None, help="with --tp: predict only this fleet")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-json", default=None, metavar="PATH", help="also write the plan as JSON")
+
+
+def model_spec_from_path(path: str | None, dtype_bytes: int) -> ModelSpec:
+    from kvserve.bench.model_info import ModelShapes, model_shapes, resolve_model_path
+
+    if path and path.endswith(".json"):
+        config = json.loads(open(path).read())
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        shapes = ModelShapes(config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"],
+                             config["num_attention_heads"],
+                             config.get("num_key_value_heads") or config["num_attention_heads"],
+                             head_dim, config["vocab_size"])
+    else:
+        shapes = model_shapes(resolve_model_path(path))
+    return ModelSpec.from_shapes(shapes, dtype_bytes)
+
+
+def _machine(args) -> Machine:
+    overrides = {"memory_gib": args.memory_gib, "interconnect_gbs": args.interconnect_gbs,
+                 "interconnect_latency_us": args.interconnect_latency_us,
+                 "devices_per_node": args.devices_per_node, "memory_utilization": args.memory_utilization,
+                 "step_overhead_ms": args.step_overhead_ms}
+    if args.roofline_json:
+        overrides.update({"bandwidth_gbs": args.bandwidth_gbs, "tflops": args.tflops})
+        return machine_from_roofline(args.roofline_json, args.roofline_dtype, **overrides)
+    overrides.update({"bandwidth_gbs": args.bandwidth_gbs or 3350.0, "tflops": args.tflops or 990.0})
+    return Machine(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def run_plan(args) -> int:
+    """`kvserve plan`: print the plan (and write it as JSON)."""
+    from kvserve.bench.trace import TraceError, read_trace
+
+    if args.trace is None and args.arrival_rate is None:
+        raise SystemExit("kvserve plan: error: give --arrival-rate (a synthetic load) or --trace (a recorded one)")
+    machine = _machine(args)
+    model = model_spec_from_path(args.model, args.dtype_bytes)
+    load = Load(args.arrival_rate or 0.0, args.prompt_len, args.len_sigma, args.output_len, args.len_sigma,
+                args.shared_prefix_ratio, args.num_shared_prefixes, args.max_model_len)
+    try:
+        trace = tuple(read_trace(args.trace)) if args.trace else None
+    except (OSError, TraceError) as exc:
+        raise SystemExit(f"kvserve plan: error: {exc}") from None
+    cost_for_tp = None
+    if args.calibration_json:
+        from kvserve.bench.calibrate import CalibratedStepCost, load_calibration
+        calibration = load_calibration(args.calibration_json)
+        cost_for_tp = lambda tp: CalibratedStepCost(calibration, tp, model, machine)  # noqa: E731
+    policies = tuple(p.strip() for p in args.routing_policies.split(",") if p.strip())
+    unknown = sorted(set(policies) - set(ROUTING_POLICIES))
+    if unknown:
+        raise SystemExit(f"kvserve plan: error: unknown routing policies {unknown}; known: {list(ROUTING_POLICIES)}")
+    workload = Workload(load, trace, args.policy, args.num_requests, args.seed)
+    result = plan(model, machine, workload, SLO(args.ttft_p99_ms, args.tpot_p99_ms),
+                  fixed=(args.tp, args.replicas) if args.tp and args.replicas else None, cost_for_tp=cost_for_tp,
+                  shape=SchedulerShape(args.block_size, args.max_num_seqs, args.max_num_batched_tokens),
+                  routing_policies=policies)
+    result["step_cost"] = "calibrated: " + args.calibration_json if args.calibration_json else "roofline"
+    print(format_result(result))
+    if args.output_json:
+        from kvserve.bench.report import write_json
+        print(f"\nJSON: {write_json(args.output_json, result)}")
+    return 0
