@@ -255,6 +255,9 @@ def _add_plan_check_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--max-num-batched-tokens", type=int, default=2048)
     server.add_argument("--server-args", default="", help="more `kvserve serve` flags (one quoted string)")
     server.add_argument("--server-threads", type=int, default=0, help="torch threads of the server (0: torch's)")
+    server.add_argument("--roofline-json", default=None, metavar="PATH",
+                        help="also predict with the roofline step cost of this `kvserve bench roofline` JSON")
+    server.add_argument("--roofline-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     load = parser.add_argument_group("the trace")
     load.add_argument("--trace", default=None, metavar="JSONL", help="replay this recorded trace")
     load.add_argument("--trace-out", default=None, metavar="JSONL",
@@ -464,7 +467,8 @@ def _run_plan_check(args: argparse.Namespace) -> dict[str, Any]:
         shape=SchedulerShape(args.block_size, args.max_num_seqs, args.max_num_batched_tokens), load=load,
         num_requests=args.num_requests, trace_path=args.trace,
         trace_out=args.trace_out or plan_check.trace_path_next_to(json_path), seed=args.seed,
-        threads=args.server_threads or None, extra_flags=tuple(shlex.split(args.server_args)))
+        threads=args.server_threads or None, extra_flags=tuple(shlex.split(args.server_args)),
+        roofline_json=args.roofline_json, roofline_dtype=args.roofline_dtype)
     return plan_check.run(config)
 
 
