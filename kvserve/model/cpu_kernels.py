@@ -7,9 +7,11 @@ weights (csrc/quant_linear.c, driven by kvserve/model/quantized.py).
 
 The shared object is cached under `<cache root>/kernels/<key>/`, keyed by the
 source, the compiler flags, the compiler's version and the CPU's feature flags
-(`-march=native` code must not run on another CPU). Without a compiler, or
-with KVSERVE_CPU_KERNELS=0, `load_library()` returns None and callers keep
-the portable torch path.
+(`-march=native` code must not run on another CPU). Without a compiler
+`load_library()` returns None and callers keep the portable torch path.
+Whether a model uses these kernels at all is decided once per runner
+(`kvserve.model.kernels`, from `KernelConfig`: KVSERVE_CPU_KERNELS=0 turns
+them off and nothing is built); this module reads no environment switch.
 
 The kernel is linked with `-fopenmp`: the library it needs (libgomp.so.1) is
 the one torch already loaded, so both share one thread pool.
@@ -35,9 +37,6 @@ from kvserve.config import cache_root
 
 logger = logging.getLogger(__name__)
 
-KERNELS_ENV = "KVSERVE_CPU_KERNELS"
-# "0": no plain weight copies for the small-batch matmul (less memory, slower single stream).
-SMALL_LINEAR_ENV = "KVSERVE_SMALL_BATCH_MATMUL"
 _SOURCES = ("bf16.h", "paged_attention.c", "fused_ops.c", "small_linear.c", "quant_linear.c")
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -48,15 +47,6 @@ _loaded: dict[str, object] = {}
 
 class KernelArgumentError(ValueError):
     """The native kernel rejected its arguments (a shape it does not handle)."""
-
-
-def _switched_on(env: str) -> bool:
-    """An on-by-default switch: off when `env` is 0, false, no or off."""
-    return os.environ.get(env, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def kernels_enabled() -> bool:
-    return _switched_on(KERNELS_ENV)
 
 
 def supports_dtype(dtype: torch.dtype) -> bool:
@@ -121,6 +111,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvserve_quant_isa_available": ([c_int], c_int),
         "kvserve_quant_linear": ([ptr, i64, i64, ptr, ptr, ptr, c_int, i64, i64, ptr, ptr, i64, c_int, c_int,
                                   c_int, c_int], c_int),
+        "kvserve_quant_dequantize": ([ptr, ptr, ptr, c_int, i64, i64, ptr, c_int, c_int], c_int),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)
@@ -147,22 +138,19 @@ def _load() -> ctypes.CDLL | None:
 
 
 def load_library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (disabled, no compiler, build failed). Built, and
-    KVSERVE_CPU_KERNELS read, once per process."""
-    if "lib" in _loaded:  # the per-op fast path: no lock, no environment lookup
+    """The compiled kernels, or None (no compiler, build failed); built once per process."""
+    if "lib" in _loaded:  # the per-op fast path: no lock
         return _loaded["lib"]
     with _lock:
         if "lib" not in _loaded:
-            _loaded["lib"] = _load() if kernels_enabled() else None
+            _loaded["lib"] = _load()
         return _loaded["lib"]
 
 
-def usable_for(*tensors: torch.Tensor) -> bool:
-    """The kernels can take these tensors: on the CPU, float32 or bfloat16, rows contiguous, library built."""
-    for t in tensors:
-        if t.device.type != "cpu" or t.dtype not in _DTYPE_CODES or t.stride(-1) != 1:
-            return False
-    return load_library() is not None
+def takes(*tensors: torch.Tensor) -> bool:
+    """The element-wise kernels can read these tensors as they are: float32 or bfloat16 with
+    contiguous rows. (Device and library are settled once per runner, see `kvserve.model.kernels`.)"""
+    return all(t.dtype in _DTYPE_CODES and t.stride(-1) == 1 for t in tensors)
 
 
 def _threads() -> int:
@@ -243,7 +231,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: to
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, adds_one: bool,
              residual: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm of x [..., dim] (or of x + residual, stored into residual in place); `weight`
-    is float32. Callers check `usable_for` and that the rows are contiguous."""
+    is float32. Callers check `takes` and that the rows are contiguous."""
     dim = x.shape[-1]
     if dim > _MAX_NORM_DIM:
         raise KernelArgumentError(f"RMSNorm over {dim} > {_MAX_NORM_DIM} elements")
@@ -283,12 +271,6 @@ def small_linear_supported(dtype: torch.dtype) -> bool:
     float32, AVX512-BF16 for bfloat16)."""
     lib = load_library()
     return lib is not None and dtype in _DTYPE_CODES and bool(lib.kvserve_small_linear_supported(_DTYPE_CODES[dtype]))
-
-
-def small_linear_wanted(dtype: torch.dtype) -> bool:
-    """Keep plain weight copies for the small-batch kernel: built for `dtype` and not
-    switched off by KVSERVE_SMALL_BATCH_MATMUL=0."""
-    return _switched_on(SMALL_LINEAR_ENV) and small_linear_supported(dtype)
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

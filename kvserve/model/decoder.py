@@ -10,8 +10,9 @@ from torch import nn
 from kvserve.kv_cache.interface import (CircularBufferSpec, FullAttentionSpec, KVCacheConfig, KVCacheSpec,
                                         SlidingWindowSpec)
 from kvserve.model import cpu_kernels
-from kvserve.model.attention import AttentionMetadata, is_windowed, native_kernel_usable, paged_attention
+from kvserve.model.attention import AttentionBackend, AttentionMetadata, AttentionParams, is_windowed
 from kvserve.model.config import ModelConfig
+from kvserve.model.kernels import AttentionShape, ModelKernels
 from kvserve.model.layers import RMSNorm, RotaryEmbedding, activation, apply_rotary
 from kvserve.model.parallel import (ColumnParallelLinear, PackableLinearMixin, ParallelLMHead, RowParallelLinear,
                                     TPContext, VocabParallelEmbedding, cpu_weight_packing_supported,
@@ -35,9 +36,12 @@ class SelfAttention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_adds_one)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_adds_one)
-        self.scale = config.attention_scale
-        self.softcap = config.attn_logit_softcapping
         self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == "sliding" else None
+        self.params = AttentionParams(scale=config.attention_scale, softcap=config.attn_logit_softcapping,
+                                      sliding_window=self.sliding_window)
+        # Set by `DecoderModel.use_kernels` (the runner's choice).
+        self.backend: AttentionBackend = ModelKernels.torch_only().attention
+        self.native_rotary = False
 
     def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 metadata: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -48,9 +52,9 @@ class SelfAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
-        plan = metadata.plan(kv_cache.shape[-2], self.sliding_window, native_kernel_usable(kv_cache, q))
-        out = paged_attention(q, k, v, kv_cache, plan, self.scale, self.softcap)
+        q, k = apply_rotary(q, *cos_sin, native=self.native_rotary), apply_rotary(k, *cos_sin,
+                                                                                 native=self.native_rotary)
+        out = self.backend.forward(q, k, v, kv_cache, metadata, self.params)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
@@ -65,10 +69,12 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, False, tp)
         self.act = activation(config.hidden_act)
         self.is_silu = config.hidden_act in ("silu", "swish")
+        self.native = False  # the fused SiLU-gated product kernel (`DecoderModel.use_kernels`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.is_silu and gate_up.dim() == 2 and gate_up.is_contiguous() and cpu_kernels.usable_for(gate_up):
+        if self.native and self.is_silu and gate_up.dim() == 2 and gate_up.is_contiguous() \
+                and cpu_kernels.takes(gate_up):
             return self.down_proj(cpu_kernels.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
@@ -132,6 +138,7 @@ class DecoderModel(nn.Module):
                              if config.rope_local is not None else None)
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(config.num_layers)]
         self.layer_group_ids: list[int] | None = None
+        self.kernels = ModelKernels.torch_only()
 
     # -- KV cache -------------------------------------------------------------------
     def kv_cache_specs(self, block_size: int, kv_dtype=None, sliding_window_kv: str = "sliding") -> dict[str, KVCacheSpec]:
@@ -153,6 +160,10 @@ class DecoderModel(nn.Module):
                 specs[name] = SlidingWindowSpec(**common, sliding_window=window)
         return specs
 
+    def prefix_kv_layer_names(self, prefix: str) -> None:
+        """Rename the KV-cache layers `prefix + name` (a draft model next to its target)."""
+        self.layer_names = [prefix + name for name in self.layer_names]
+
     def bind_kv_cache_config(self, kv_cache_config: KVCacheConfig) -> None:
         """Record which KV-cache group each layer belongs to."""
         group_of = {name: g for g, group in enumerate(kv_cache_config.kv_cache_groups) for name in group.layer_names}
@@ -170,17 +181,31 @@ class DecoderModel(nn.Module):
         kinds = [md.spec is not None and is_windowed(md.spec) for md in metadata_by_group]
         return [kinds.index(layer.self_attn.sliding_window is not None) for layer in self.layers]
 
+    @property
+    def attention_shape(self) -> AttentionShape:
+        """This rank's attention heads and head size."""
+        attn = self.layers[0].self_attn
+        return AttentionShape(attn.num_heads, attn.num_kv_heads, attn.head_dim)
+
+    def use_kernels(self, kernels: ModelKernels) -> None:
+        """Run with `kernels` (chosen once per runner, `kvserve.model.kernels.choose_model_kernels`)."""
+        self.kernels = kernels
+        for module in self.modules():
+            if isinstance(module, SelfAttention):
+                module.backend, module.native_rotary = kernels.attention, kernels.native_ops
+            elif isinstance(module, (RMSNorm, GatedMLP)):
+                module.native = kernels.native_ops
+
     def pack_linear_weights(self, keep_plain: bool | None = None) -> bool:
         """Hold every linear weight (and the LM head) pre-packed for oneDNN's CPU matmul
         (see `PackableLinearMixin`). Returns False, changing nothing, off CPU or for a
         dtype oneDNN cannot pack here. Call after loading. The plain weights are dropped
-        unless `keep_plain` (default: where the small-batch kernel is built for this dtype
-        and not switched off, see `cpu_kernels.small_linear_wanted`)."""
+        unless `keep_plain` (default: the model's kernel choice, `ModelKernels.small_batch_matmul`)."""
         weight = self.norm.weight
         if weight.device.type != "cpu" or not cpu_weight_packing_supported(weight.dtype):
             return False
         if keep_plain is None:
-            keep_plain = cpu_kernels.small_linear_wanted(weight.dtype)
+            keep_plain = self.kernels.small_batch_matmul
         for module in self.modules():
             if isinstance(module, PackableLinearMixin) and module.packed_weight is None \
                     and module.quant_weight is None:

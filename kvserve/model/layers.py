@@ -18,8 +18,11 @@ logger = logging.getLogger(__name__)
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32; Gemma's variant scales by (1 + w).
 
-    On the CPU the native kernel does it in one pass (`cpu_kernels.rms_norm`);
-    `add_and_norm` also folds in the residual add before it."""
+    With `native` set (the runner's kernel choice, see `kvserve.model.kernels`)
+    the CPU kernel does it in one pass (`cpu_kernels.rms_norm`); `add_and_norm`
+    also folds in the residual add before it."""
+
+    native: bool = False
 
     def __init__(self, size: int, eps: float, adds_one: bool = False) -> None:
         super().__init__()
@@ -29,7 +32,7 @@ class RMSNorm(nn.Module):
         self._weight32: tuple[tuple, torch.Tensor] | None = None  # (weight's identity, float32 copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_kernels.usable_for(x) and x.dtype == self.weight.dtype:
+        if self.native and cpu_kernels.takes(x) and x.dtype == self.weight.dtype:
             return cpu_kernels.rms_norm(x, self._float_weight(), self.eps, self.adds_one)
         return self._torch_norm(x)
 
@@ -38,7 +41,7 @@ class RMSNorm(nn.Module):
         With no residual yet: (norm(x), x)."""
         if residual is None:
             return self(x), x
-        if (cpu_kernels.usable_for(x, residual) and x.dtype == residual.dtype == self.weight.dtype
+        if (self.native and cpu_kernels.takes(x, residual) and x.dtype == residual.dtype == self.weight.dtype
                 and residual.is_contiguous() and x.shape == residual.shape):
             return cpu_kernels.rms_norm(x, self._float_weight(), self.eps, self.adds_one, residual), residual
         residual = residual + x
@@ -145,9 +148,10 @@ class RotaryEmbedding(nn.Module):
                 (emb.sin() * self.attention_factor).to(dtype).unsqueeze(1))
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim]. On the CPU kernel path x is rotated in place."""
-    if cpu_kernels.usable_for(x, cos, sin) and x.dtype == cos.dtype == sin.dtype and cos.is_contiguous() \
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native: bool = False) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim]. With `native` (the runner's kernel
+    choice) the CPU kernel rotates x in place."""
+    if native and cpu_kernels.takes(x, cos, sin) and x.dtype == cos.dtype == sin.dtype and cos.is_contiguous() \
             and sin.is_contiguous():
         return cpu_kernels.rotary_(x, cos, sin)
     half = x.shape[-1] // 2

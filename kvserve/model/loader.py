@@ -6,6 +6,7 @@ that module keeps its tensor-parallel shard.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import logging
@@ -16,11 +17,13 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
+from kvserve.config import KernelConfig
 from kvserve.model.config import ModelConfig, ModelFilesNotFoundError
 from kvserve.model.decoder import DecoderModel
+from kvserve.model.kernels import choose_model_kernels
 from kvserve.model.parallel import (ColumnParallelLinear, QuantizedWeightMixin, RowParallelLinear,
                                     VocabParallelEmbedding)
-from kvserve.model.quantized import QuantizedWeight, keeps_quantized
+from kvserve.model.quantized import QuantizedWeight, gemm_dtype, kernel_isa, keeps_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -29,14 +32,17 @@ _FUSED_PARTS = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_pro
 
 
 def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", tp_rank: int = 0, tp_size: int = 1,
-               tp_group=None) -> DecoderModel:
-    """Build the model for `model_config`, load its weights (this rank's shard), cast to its dtype."""
+               tp_group=None, kernel_config: KernelConfig | None = None) -> DecoderModel:
+    """Build the model for `model_config`, load its weights (this rank's shard), cast to its dtype,
+    and set the kernels it runs with from `kernel_config` (default: every kernel allowed; the
+    engine passes the one `EngineConfig` read from the environment)."""
+    kernel_config = kernel_config or KernelConfig()
     model = DecoderModel(model_config, tp_rank, tp_size, tp_group)
     # With tensor parallelism each rank reads only its slice of the sharded tensors.
     select = shard_selector(model) if tp_size > 1 else None
     if model_config.is_gguf:
         from kvserve.model.gguf_loader import iter_gguf_tensors
-        quantize = keeps_quantized(model_config, device)
+        quantize = keeps_quantized(model_config, device, kernel_config)
         tensors = ((name, array if isinstance(array, QuantizedWeight) else torch.from_numpy(np.ascontiguousarray(array)))
                    for name, array in iter_gguf_tensors(model_config.path, model_config.num_heads,
                                                         model_config.num_kv_heads, select=select,
@@ -44,13 +50,14 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", tp
     else:
         tensors = iter_safetensors(model_config.path, select)
     load_weights(model, tensors)
-    _finish_quantized(model, log=tp_rank == 0)
+    _finish_quantized(model, kernel_config, log=tp_rank == 0)
     rotaries = [r for r in (model.rotary_global, model.rotary_local) if r is not None]
     inv_freqs = [r.inv_freq for r in rotaries]
     model.to(device=device, dtype=model_config.torch_dtype)
     # RoPE frequencies stay float32 whatever the weight dtype.
     for rotary, inv_freq in zip(rotaries, inv_freqs):
         rotary.inv_freq = inv_freq.to(device)
+    model.use_kernels(choose_model_kernels(kernel_config, device, model_config.torch_dtype, model.attention_shape))
     return model.eval()
 
 
@@ -59,22 +66,26 @@ def _is_matrix_weight(name: str) -> bool:
     return name.endswith(("_proj.weight", "embed_tokens.weight", "lm_head.weight"))
 
 
-def _finish_quantized(model: DecoderModel, log: bool) -> None:
-    """Stack the quantized parts each module received; the tied LM head shares the
-    embedding's quantized table. Logs what is held quantized."""
+def _finish_quantized(model: DecoderModel, kernel_config: KernelConfig, log: bool) -> None:
+    """Stack the quantized parts each module received and stamp the kernel path, activation
+    rounding and dense-GEMM choice on them; the tied LM head shares the embedding's quantized table. Logs what is held."""
     held: dict[str, int] = {}
+    isa = kernel_isa(kernel_config)
+    dense = gemm_dtype(kernel_config)
     for module in model.modules():
         if isinstance(module, QuantizedWeightMixin):
             module.finish_quantized()
             if module.quant_weight is not None:
+                module.quant_weight = dataclasses.replace(module.quant_weight, isa=isa,
+                                                          act_bits=kernel_config.quant_act_bits,
+                                                          gemm_rows=kernel_config.quant_gemm_rows, gemm_dtype=dense)
                 held[module.quant_weight.source_type] = held.get(module.quant_weight.source_type, 0) + 1
     if model.config.tie_word_embeddings and model.embed_tokens.quant_weight is not None:
         model.lm_head.quant_weight = model.embed_tokens.quant_weight
         model.lm_head.register_parameter("weight", None)
     if held and log:
-        from kvserve.model.quantized import kernel_isa
         logger.info("weights held quantized as stored (%s) on the %s kernel path",
-                    ", ".join(f"{count} x {name}" for name, count in sorted(held.items())), kernel_isa())
+                    ", ".join(f"{count} x {name}" for name, count in sorted(held.items())), isa)
 
 
 def safetensors_files(path: str) -> list[str]:

@@ -1,41 +1,46 @@
-"""Block-quantized linear weights, computed as stored (GGUF Q4_0, Q4_1, Q8_0, Q4_K).
+"""Block-quantized linear weights, computed as stored (GGUF Q4_0, Q4_1, Q8_0, Q4_K,
+Q5_0, Q5_1, Q5_K).
 
 At load the GGUF blocks are repacked into the one layout the native kernel
 (csrc/quant_linear.c) reads: per row, blocks of 32 columns, each holding 32
 small integers q and float32 `d`, `m` that stand for d * q + m. Q4_0 (m = -8d),
 Q4_1 and Q4_K (whose 6-bit sub-block scales are folded into d and m) become
-4-bit weights, Q8_0 8-bit ones; all of them exactly (the repacked blocks
+4-bit weights, Q8_0 and the five-bit types (Q5_0, Q5_1, Q5_K) 8-bit ones; all of them exactly (the repacked blocks
 dequantize to the same floats as the file's). The weight is then held only in
 this form: `QuantizedWeight.dequantize` rebuilds floats where needed (embedding
 rows, tests).
 
 The kernel path is picked once from the CPU's features: AVX512-VNNI, AVX2 or
-portable C; KVSERVE_QUANT_ISA=avx2|portable forces a narrower one (for tests
-and comparisons). The kernel rounds the activations per block of 32 to int16
-(KVSERVE_QUANT_ACT_BITS=8: to int8, as llama.cpp does, faster but enough to flip
-near-tied greedy tokens of the default model).
+portable C; `KernelConfig.quant_isa` (KVSERVE_QUANT_ISA=avx2|portable) caps it
+at a narrower one (for tests and comparisons). The kernel rounds the activations
+per block of 32 to int16 (`KernelConfig.quant_act_bits`, KVSERVE_QUANT_ACT_BITS=8:
+to int8, as llama.cpp does, faster but enough to flip near-tied greedy tokens of
+the default model). Steps of many rows (prefill; `KernelConfig.quant_gemm_rows`,
+64 by default) rebuild the weight densely instead (`dequantize_dense`, bfloat16 on
+CPUs with native bfloat16) and run oneDNN's GEMM, several times faster there. The
+loader stamps these choices on every weight it holds.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from kvserve.config import QUANT_ISAS, KernelConfig
 from kvserve.model import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
-ISA_ENV = "KVSERVE_QUANT_ISA"
-ACT_BITS_ENV = "KVSERVE_QUANT_ACT_BITS"
-ISA_CODES = {"portable": 0, "avx2": 1, "avx512": 2}
+ISA_CODES = {name: code for code, name in enumerate(QUANT_ISAS)}  # the kernel's codes, narrowest first
 BLOCK = 32
 GROUP_COLS = 128  # columns of one 64-byte group of 4-bit blocks
 
 # GGUF type name -> (bytes per super-block, columns per super-block)
-_GGUF_LAYOUTS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q8_0": (34, 32), "Q4_K": (144, 256)}
+_GGUF_LAYOUTS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q8_0": (34, 32), "Q4_K": (144, 256),
+                 "Q5_0": (22, 32), "Q5_1": (24, 32), "Q5_K": (176, 256)}
 SUPPORTED_GGUF_TYPES = tuple(_GGUF_LAYOUTS)
 
 
@@ -47,8 +52,9 @@ class QuantizationError(ValueError):
 class QuantizedWeight:
     """One [out, in] weight in the kernel's layout: `qs` uint8 [out, in/2 or in],
     `d` and `m` float32 [out, in/32], `bits` 4 or 8; `source_type` names the GGUF type.
-    `act_bits` (8 or 16): how finely the kernel rounds the activations it multiplies
-    (see `activation_bits`)."""
+    `act_bits` (8 or 16): how finely the kernel rounds the activations it multiplies;
+    `isa`: the kernel path it runs on (None: the widest this CPU has). Steps of at least
+    `gemm_rows` rows (0: never) dequantize it to `gemm_dtype` and run a dense GEMM."""
 
     qs: torch.Tensor
     d: torch.Tensor
@@ -57,6 +63,9 @@ class QuantizedWeight:
     in_features: int
     source_type: str
     act_bits: int = 16
+    isa: str | None = None
+    gemm_rows: int = 0
+    gemm_dtype: torch.dtype = torch.float32
 
     @property
     def out_features(self) -> int:
@@ -71,8 +80,8 @@ class QuantizedWeight:
 
     def rows(self, index: torch.Tensor | slice) -> "QuantizedWeight":
         """The weight restricted to some rows (a tensor-parallel slice, a permutation)."""
-        return QuantizedWeight(self.qs[index].contiguous(), self.d[index].contiguous(), self.m[index].contiguous(),
-                               self.bits, self.in_features, self.source_type, self.act_bits)
+        return dataclasses.replace(self, qs=self.qs[index].contiguous(), d=self.d[index].contiguous(),
+                                   m=self.m[index].contiguous())
 
     def dequantize(self, index: torch.Tensor | None = None) -> torch.Tensor:
         """float32 values of all rows, or of the rows `index` (a 1-D int64 tensor)."""
@@ -88,8 +97,8 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     if any(p.bits != first.bits or p.in_features != first.in_features for p in parts):
         raise QuantizationError("fused parts differ in bits or width")
     names = "+".join(dict.fromkeys(p.source_type for p in parts))
-    return QuantizedWeight(torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]),
-                           torch.cat([p.m for p in parts]), first.bits, first.in_features, names, first.act_bits)
+    return dataclasses.replace(first, qs=torch.cat([p.qs for p in parts]), d=torch.cat([p.d for p in parts]),
+                               m=torch.cat([p.m for p in parts]), source_type=names)
 
 
 # ---- layout -------------------------------------------------------------------------
@@ -147,10 +156,26 @@ def _decode_q8_0(blocks: np.ndarray):
     return blocks[..., 2:34].view(np.int8), d, np.zeros_like(d), 8
 
 
-def _decode_q4_k(blocks: np.ndarray):
-    """Super-blocks of 256: d, dmin (f16), 12 bytes of 6-bit scales/mins for the 8
-    sub-blocks of 32, then 128 bytes of nibbles (per 64 columns: 32 bytes, low
-    nibbles the first 32 columns, high nibbles the next 32)."""
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """[..., 4] bytes (a little-endian uint32, bit j for column j) -> [..., 32] values 0 or 16."""
+    return (np.unpackbits(qh, axis=-1, bitorder="little") << 4).astype(np.uint8)
+
+
+def _decode_q5_0(blocks: np.ndarray):
+    """Five-bit quants held as 8-bit weights (q - 16, signed), exactly."""
+    d = _f16(blocks[..., 0:2])[..., 0]
+    q = (_nibbles(blocks[..., 6:22]) | _fifth_bits(blocks[..., 2:6])).astype(np.int16) - 16
+    return q.astype(np.int8), d, np.zeros_like(d), 8
+
+
+def _decode_q5_1(blocks: np.ndarray):
+    d, m = _f16(blocks[..., 0:2])[..., 0], _f16(blocks[..., 2:4])[..., 0]
+    return (_nibbles(blocks[..., 8:24]) | _fifth_bits(blocks[..., 4:8])).view(np.int8), d, m, 8
+
+
+def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 sub-blocks' d and m of Q4_K / Q5_K super-blocks: f16 d, dmin, then 12 bytes
+    of 6-bit scales and mins."""
     rows, supers = blocks.shape[:2]
     d, dmin = _f16(blocks[..., 0:2])[..., 0], _f16(blocks[..., 2:4])[..., 0]
     s = blocks[..., 4:16].astype(np.uint8)
@@ -159,13 +184,36 @@ def _decode_q4_k(blocks: np.ndarray):
     scales[..., :4], mins[..., :4] = s[..., 0:4] & 63, s[..., 4:8] & 63
     scales[..., 4:] = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
     mins[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
-    qs = blocks[..., 16:144].reshape(rows, supers, 4, 32)
-    q = np.concatenate([qs[..., None, :] & 15, qs[..., None, :] >> 4], axis=-2).reshape(rows, supers, 8, 32)
-    return (q.reshape(rows, -1, 32), (d[..., None] * scales).reshape(rows, -1),
-            (-dmin[..., None] * mins).reshape(rows, -1), 4)
+    return (d[..., None] * scales).reshape(rows, -1), (-dmin[..., None] * mins).reshape(rows, -1)
 
 
-_DECODERS = {"Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1, "Q8_0": _decode_q8_0, "Q4_K": _decode_q4_k}
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """[rows, supers, 128] bytes -> [rows, supers, 8, 32] quants: per 64 columns 32 bytes,
+    low nibbles the first 32 columns, high nibbles the next 32."""
+    rows, supers = qs.shape[:2]
+    qs = qs.reshape(rows, supers, 4, 32)
+    return np.concatenate([qs[..., None, :] & 15, qs[..., None, :] >> 4], axis=-2).reshape(rows, supers, 8, 32)
+
+
+def _decode_q4_k(blocks: np.ndarray):
+    """Super-blocks of 256: scales (see `_k_scales`), then 128 bytes of nibbles."""
+    d, m = _k_scales(blocks)
+    return _k_nibbles(blocks[..., 16:144]).reshape(blocks.shape[0], -1, 32), d, m, 4
+
+
+def _decode_q5_k(blocks: np.ndarray):
+    """As Q4_K, with 32 bytes of fifth bits before the nibbles (bit 2j / 2j + 1 of byte l:
+    column l of sub-block 2j / 2j + 1); held as 8-bit weights, exactly."""
+    rows, supers = blocks.shape[:2]
+    d, m = _k_scales(blocks)
+    bits = np.unpackbits(blocks[..., 16:48], axis=-1, bitorder="little").reshape(rows, supers, 32, 8)
+    high = (np.moveaxis(bits, -1, -2) << 4).astype(np.uint8)  # [rows, supers, 8 sub-blocks, 32]
+    q = _k_nibbles(blocks[..., 48:176]) | high
+    return q.reshape(rows, -1, 32).view(np.int8), d, m, 8
+
+
+_DECODERS = {"Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1, "Q8_0": _decode_q8_0, "Q4_K": _decode_q4_k,
+             "Q5_0": _decode_q5_0, "Q5_1": _decode_q5_1, "Q5_K": _decode_q5_k}
 
 
 def from_gguf_blocks(type_name: str, raw: np.ndarray, in_features: int) -> QuantizedWeight:
@@ -180,16 +228,7 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, in_features: int) -> Quant
     q, d, m, bits = _DECODERS[type_name](blocks)
     packed = pack_quants(q.reshape(rows, in_features), bits)
     return QuantizedWeight(torch.from_numpy(packed), torch.from_numpy(np.ascontiguousarray(d, np.float32)),
-                           torch.from_numpy(np.ascontiguousarray(m, np.float32)), bits, in_features, type_name,
-                           activation_bits())
-
-
-def activation_bits() -> int:
-    """How finely the kernel rounds activations: 16 (default) or 8 (KVSERVE_QUANT_ACT_BITS)."""
-    value = os.environ.get(ACT_BITS_ENV, "16").strip()
-    if value not in ("8", "16"):
-        raise ValueError(f"{ACT_BITS_ENV} must be 8 or 16, got {value!r}")
-    return int(value)
+                           torch.from_numpy(np.ascontiguousarray(m, np.float32)), bits, in_features, type_name)
 
 
 def slice_gguf_columns(type_name: str, raw: np.ndarray, first: int, count: int) -> np.ndarray | None:
@@ -203,23 +242,24 @@ def slice_gguf_columns(type_name: str, raw: np.ndarray, first: int, count: int) 
 
 # ---- the kernel ----------------------------------------------------------------------
 
-_isa_choice: dict[str, int] = {}
+_isa_choice: dict[int, str] = {}  # ceiling code -> chosen path
 
 
-def kernel_isa() -> str | None:
-    """The kernel path this process uses ("avx512", "avx2", "portable"), or None without
-    native kernels. The widest the CPU runs, unless KVSERVE_QUANT_ISA names a narrower one."""
+def kernel_isa(kernel_config: KernelConfig | None = None) -> str | None:
+    """The kernel path a model with `kernel_config` (default: all switches on) uses ("avx512",
+    "avx2", "portable"), or None without native kernels: the widest the CPU runs, capped at
+    `kernel_config.quant_isa`."""
+    config = kernel_config or KernelConfig()
+    if not config.cpu_kernels:
+        return None
     lib = cpu_kernels.load_library()
     if lib is None:
         return None
-    if "isa" not in _isa_choice:
-        wanted = os.environ.get(ISA_ENV, "").strip().lower()
-        if wanted and wanted not in ISA_CODES:
-            raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISA_CODES)}, got {wanted!r}")
-        ceiling = ISA_CODES.get(wanted, max(ISA_CODES.values()))
-        _isa_choice["isa"] = max(code for name, code in ISA_CODES.items()
-                                 if code <= ceiling and lib.kvserve_quant_isa_available(code))
-    return next(name for name, code in ISA_CODES.items() if code == _isa_choice["isa"])
+    ceiling = ISA_CODES[config.quant_isa] if config.quant_isa else max(ISA_CODES.values())
+    if ceiling not in _isa_choice:
+        best = max(code for code in ISA_CODES.values() if code <= ceiling and lib.kvserve_quant_isa_available(code))
+        _isa_choice[ceiling] = QUANT_ISAS[best]
+    return _isa_choice[ceiling]
 
 
 def isa_available(isa: str) -> bool:
@@ -228,14 +268,45 @@ def isa_available(isa: str) -> bool:
     return lib is not None and bool(lib.kvserve_quant_isa_available(ISA_CODES[isa]))
 
 
+def dequantize_dense(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The whole weight as a dense [out, in] tensor of `dtype` (float32 or bfloat16), by
+    the native kernel: the values d * q + m, rounded to bfloat16 if asked."""
+    w = torch.empty(weight.out_features, weight.in_features, dtype=dtype)
+    code = cpu_kernels.load_library().kvserve_quant_dequantize(
+        weight.qs.data_ptr(), weight.d.data_ptr(), weight.m.data_ptr(), weight.bits, weight.out_features,
+        weight.in_features, w.data_ptr(), 0 if dtype == torch.float32 else 1, torch.get_num_threads())
+    if code:
+        raise cpu_kernels.KernelArgumentError(f"dequantization rejected its arguments (code {code})")
+    return w
+
+
+def gemm_dtype(kernel_config: KernelConfig | None = None) -> torch.dtype:
+    """The dtype of the dense GEMM of many-row steps: `kernel_config.quant_gemm_dtype`, else
+    bfloat16 on CPUs with native bfloat16 and float32 elsewhere."""
+    name = (kernel_config or KernelConfig()).quant_gemm_dtype
+    if name is None:
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    return torch.bfloat16 if name == "bfloat16" else torch.float32
+
+
+def _dense_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
+                  dtype: torch.dtype) -> torch.Tensor:
+    w = dequantize_dense(weight, dtype)
+    y = torch.nn.functional.linear(x.to(dtype), w, None if bias is None else bias.to(dtype))
+    return y.to(x.dtype)
+
+
 def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
            isa: str | None = None) -> torch.Tensor:
     """x [..., in] @ W^T (+ bias) with W quantized; x float32 or bfloat16 on the CPU
-    (rows may be strided), the result of x's dtype. `isa` overrides the process's path."""
+    (rows may be strided), the result of x's dtype. `isa` overrides the weight's path.
+    Steps of `weight.gemm_rows` rows or more dequantize W and run a dense GEMM instead."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     if x2.shape[-1] != weight.in_features:
         raise cpu_kernels.KernelArgumentError(f"input width {x2.shape[-1]}, weight takes {weight.in_features}")
+    if isa is None and weight.gemm_rows and x2.shape[0] >= weight.gemm_rows:
+        return _dense_linear(x2, weight, bias, weight.gemm_dtype).view(*lead, weight.out_features)
     if x2.stride(-1) != 1 or x2.dtype not in (torch.float32, torch.bfloat16):
         x2 = x2.float().contiguous() if x2.dtype not in (torch.float32, torch.bfloat16) else x2.contiguous()
     if bias is not None:
@@ -245,7 +316,7 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
         x2.data_ptr(), x2.stride(0), x2.shape[0], weight.qs.data_ptr(), weight.d.data_ptr(), weight.m.data_ptr(),
         weight.bits, weight.out_features, weight.in_features, bias.data_ptr() if bias is not None else None,
         y.data_ptr(), y.stride(0), 0 if x2.dtype == torch.float32 else 1, weight.act_bits,
-        ISA_CODES[isa or kernel_isa()], torch.get_num_threads())
+        ISA_CODES[isa or weight.isa or kernel_isa()], torch.get_num_threads())
     if code:
         raise cpu_kernels.KernelArgumentError(f"quantized matmul rejected its arguments (code {code})")
     return y.view(*lead, weight.out_features)
@@ -253,11 +324,11 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
 
 # ---- choosing the path ----------------------------------------------------------------
 
-def keeps_quantized(model_config, device: str | torch.device) -> bool:
+def keeps_quantized(model_config, device: str | torch.device, kernel_config: KernelConfig | None = None) -> bool:
     """Whether the loader keeps `model_config`'s GGUF tensors quantized: quantization
-    "auto", on the CPU, with the native kernels built."""
+    "auto", on the CPU, with the native kernels allowed and built."""
     return (model_config.is_gguf and model_config.quantization == "auto"
-            and torch.device(device).type == "cpu" and kernel_isa() is not None)
+            and torch.device(device).type == "cpu" and kernel_isa(kernel_config) is not None)
 
 
 def _file_matrix_types(path: str) -> dict[str, int]:
@@ -275,7 +346,7 @@ def cpu_has_native_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def default_dtype(path: str, quantization: str, device: str) -> str:
+def default_dtype(path: str, quantization: str, device: str, kernel_config: KernelConfig | None = None) -> str:
     """The activation dtype when none is given, logged once: float32 where the file's
     weights stay quantized (the kernels take float32 activations and quantize them per
     block themselves) or off the CPU; for dequantized GGUF weights bfloat16 on CPUs
@@ -284,9 +355,9 @@ def default_dtype(path: str, quantization: str, device: str) -> str:
         return "float32"
     types = _file_matrix_types(path)
     kept = {name: n for name, n in types.items() if name in SUPPORTED_GGUF_TYPES}
-    if quantization == "auto" and kept and kernel_isa() is not None:
-        logger.info("GGUF weights %s kept quantized (%s kernels), activations float32",
-                    "/".join(sorted(kept)), kernel_isa())
+    isa = kernel_isa(kernel_config)
+    if quantization == "auto" and kept and isa is not None:
+        logger.info("GGUF weights %s kept quantized (%s kernels), activations float32", "/".join(sorted(kept)), isa)
         return "float32"
     dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
     logger.info("GGUF weights dequantized to %s (%s)", dtype,

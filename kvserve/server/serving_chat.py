@@ -16,6 +16,7 @@ from kvserve.server.serving import (ChoiceStreamState, ChunkFormatter, ServingCo
                                     run_tokenizer, submit_all, to_api_error, token_logprob_entries,
                                     token_text, usage_dict)
 from kvserve.server.structured import checked_constraint
+from kvserve.server.tool_stream import ToolCallStreamer
 from kvserve.server.tools import (FALLBACK_TOOL_TEMPLATE, ToolCall, ToolRequest, extract_tool_calls,
                                   parse_tool_request, parser_for_template, template_messages,
                                   template_supports_tools)
@@ -130,13 +131,14 @@ async def _stream_events(ctx: ServingContext, body: ChatCompletionRequest, respo
                          outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
     chunk = ChunkFormatter(response_id, "chat.completion.chunk", ctx.served_model_name, body.include_usage)
     states: dict[int, ChoiceStreamState] = {}
+    streamers: dict[int, ToolCallStreamer] = {}
     last_output = None
     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                   "logprobs": None, "finish_reason": None} for i in range(body.n)])
     async for _, request_output in outputs:
         last_output = request_output
         if tool_request is not None and tool_request.parses_calls:
-            for choices in _tool_stream_chunks(request_output, tool_request, states):
+            for choices in _tool_stream_chunks(request_output, tool_request, streamers):
                 yield chunk(choices)
             continue
         choices = _delta_choices(ctx, body, request_output, states)
@@ -165,35 +167,28 @@ def _delta_choices(ctx: ServingContext, body: ChatCompletionRequest, request_out
     return choices
 
 
-# Characters of arguments per streamed fragment.
-ARGUMENT_FRAGMENT_CHARS = 24
-
-
 def _tool_stream_chunks(request_output: RequestOutput, tool_request: ToolRequest,
-                        states: dict[int, ChoiceStreamState]) -> list[list[dict]]:
-    """With tools, a choice's text is held back until it finishes (it may be a call); then
-    it is sent as content, or as OpenAI tool-call deltas: id, type and name first, then
-    the arguments in fragments, then the finish reason."""
+                        streamers: dict[int, ToolCallStreamer]) -> list[list[dict]]:
+    """With tools, each choice's text goes through its `ToolCallStreamer`: content that
+    cannot become a call, then each call's id, type and name, then its arguments as they
+    are generated; the finish reason last ("tool_calls" when it called)."""
     chunks = []
     for completion in request_output.outputs:
-        state = states.setdefault(completion.index, ChoiceStreamState())
-        if completion.finish_reason is None or state.finish_sent:
+        streamer = streamers.setdefault(completion.index,
+                                        ToolCallStreamer(tool_request.parser, tool_request.parallel))
+        if streamer.finished:
             continue
-        state.finish_sent = True
-        message, finish_reason = _message(completion, tool_request)
-
-        def choice(delta: dict, finish: str | None = None) -> list[dict]:
-            return [{"index": completion.index, "delta": delta, "logprobs": None, "finish_reason": finish}]
-
-        if message.get("content"):
-            chunks.append(choice({"content": message["content"]}))
-        for index, call in enumerate(message.get("tool_calls") or []):
-            function = call["function"]
-            chunks.append(choice({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
-                                                  "function": {"name": function["name"], "arguments": ""}}]}))
-            arguments = function["arguments"]
-            for start in range(0, len(arguments), ARGUMENT_FRAGMENT_CHARS):
-                fragment = arguments[start:start + ARGUMENT_FRAGMENT_CHARS]
-                chunks.append(choice({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}))
-        chunks.append(choice({}, finish_reason))
+        finished = completion.finish_reason is not None
+        text = completion.text or ""
+        deltas = streamer.finish(text) if finished else streamer.update(text)
+        chunks.extend([_delta_choice(completion.index, delta)] for delta in deltas)
+        if finished:
+            _, finish_reason = _message(completion, tool_request)
+            if streamer.sent_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+            chunks.append([_delta_choice(completion.index, {}, finish_reason)])
     return chunks
+
+
+def _delta_choice(index: int, delta: dict, finish_reason: str | None = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}

@@ -172,7 +172,7 @@ class TPWorker:
         self.runner = TPModelRunner(
             engine_config.model_config, engine_config.cache_config, init.device,
             scheduler_config=engine_config.scheduler_config, seed=engine_config.seed,
-            tp_rank=init.rank, tp_size=init.world_size)
+            tp_rank=init.rank, tp_size=init.world_size, kernel_config=engine_config.kernel_config)
         self.runner.load_model()
 
     def get_kv_cache_specs(self):

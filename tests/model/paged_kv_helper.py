@@ -10,7 +10,8 @@ import transformers
 from kvserve.kv_cache.interface import (CircularBufferSpec, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
                                         KVCacheTensor, SlidingWindowSpec)
 from kvserve.kv_cache.utils import KVCacheBlockCopy
-from kvserve.model.attention import AttentionMetadata, allocate_kv_caches, copy_kv_blocks
+from kvserve.model.attention import AttentionMetadata
+from kvserve.worker.kv_tensors import allocate_kv_caches, copy_kv_blocks
 
 VOCAB = 256
 WINDOW = 12

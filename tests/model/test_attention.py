@@ -9,8 +9,10 @@ from kvserve.kv_cache.interface import (CircularBufferSpec, FullAttentionSpec, K
                                         KVCacheTensor, SlidingWindowSpec)
 from kvserve.kv_cache.utils import KVCacheBlockCopy
 from kvserve.model import cpu_kernels
-from kvserve.model.attention import (AttentionMetadata, allocate_kv_caches, copy_kv_blocks, kv_cache_shape,
-                                     native_kernel_usable, paged_attention)
+from kvserve.model.attention import (AttentionMetadata, AttentionParams, CpuNativeAttentionBackend,
+                                     TorchAttentionBackend, select_attention_backend)
+from kvserve.model.attention import metadata as attention
+from kvserve.worker.kv_tensors import allocate_kv_caches, copy_kv_blocks, kv_cache_shape
 
 HQ, HKV, D, BS = 4, 2, 8, 4
 
@@ -32,6 +34,12 @@ def dense_attention(q, k, v, first_pos, scale, softcap, window):
         allowed &= q_pos - k_pos < window
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def paged_attention(q, k, v, cache, md, window, scale, softcap, native=False):
+    """One layer's attention through the torch or the native CPU backend."""
+    backend = CpuNativeAttentionBackend() if native else TorchAttentionBackend()
+    return backend.forward(q, k, v, cache, md, AttentionParams(scale, softcap, window))
 
 
 def _spec(kind: str, window: int):
@@ -78,7 +86,7 @@ def test_paged_attention_matches_dense(kind, softcap, native):
         v = torch.cat([vs[i][done[i]:done[i] + step[i]] for i in rows])
         plan = md.plan(BS, window, native)
         assert (plan.native is not None) == (native and kind != "circular")
-        out = paged_attention(q, k, v, cache, plan, 0.3, softcap)
+        out = paged_attention(q, k, v, cache, md, window, 0.3, softcap, native)
         offset = 0
         for i in rows:
             end = done[i] + step[i]
@@ -110,7 +118,6 @@ def test_allocate_shares_buffers_and_copies_only_the_groups_layers():
 @pytest.mark.parametrize("kind", ["full", "sliding"])
 def test_decode_batch_of_mixed_lengths_split_into_sub_batches_matches_dense(kind, monkeypatch):
     """Decode rows of very different lengths go to several padded sub-batches."""
-    import kvserve.model.attention as attention
     monkeypatch.setattr(attention, "_MIN_SAVED_BLOCK_READS", 1)
     window = 9 if kind == "sliding" else None
     spec = _spec(kind, window or 1)
@@ -127,13 +134,13 @@ def test_decode_batch_of_mixed_lengths_split_into_sub_batches_matches_dense(kind
                                       _padded_table(tables))
     q_prefill = torch.randn(sum(lengths) - len(lengths), HQ, D, generator=generator)
     paged_attention(q_prefill, torch.cat([k[:-1] for k in ks]), torch.cat([v[:-1] for v in vs]), cache,
-                    prefill.plan(BS, window), 0.3, None)
+                    prefill, window, 0.3, None)
     md = AttentionMetadata.build(spec, [1] * len(lengths), lengths, _padded_table(tables))
     plan = md.plan(BS, window)
     assert 1 < len(plan.sub_batches) <= attention._MAX_DECODE_SUB_BATCHES
     q = torch.randn(len(lengths), HQ, D, generator=generator)
-    out = paged_attention(q, torch.cat([k[-1:] for k in ks]), torch.cat([v[-1:] for v in vs]), cache, plan,
-                          0.3, None)
+    out = paged_attention(q, torch.cat([k[-1:] for k in ks]), torch.cat([v[-1:] for v in vs]), cache, md,
+                          window, 0.3, None)
     for i, n in enumerate(lengths):
         expected = dense_attention(q[i:i + 1], ks[i], vs[i], n - 1, 0.3, None, window)
         torch.testing.assert_close(out[i:i + 1], expected, atol=1e-5, rtol=1e-5)
@@ -145,7 +152,7 @@ def _padded_table(tables: list[list[int]]) -> torch.Tensor:
 
 
 def test_length_groups_cover_each_row_once_longest_first():
-    from kvserve.model.attention import _MAX_DECODE_SUB_BATCHES, _length_groups
+    from kvserve.model.attention.metadata import _MAX_DECODE_SUB_BATCHES, _length_groups
     blocks = torch.tensor([2, 70, 3, 65, 30, 1, 2, 33] * 8)
     rows = torch.arange(len(blocks)) + 100
     groups = _length_groups(rows, blocks)
@@ -170,7 +177,8 @@ def test_native_kernel_matches_torch_path_at_model_shapes(dtype, window):
         spec = SlidingWindowSpec(block_size=bs, num_kv_heads=hkv, head_size=d, dtype=dtype, sliding_window=window)
     generator = torch.Generator().manual_seed(3)
     cache = torch.randn(kv_cache_shape(spec, 96), generator=generator).to(dtype)
-    assert native_kernel_usable(cache, torch.empty(1, hq, d, dtype=dtype))
+    assert isinstance(select_attention_backend("cpu", dtype, hq, hkv, d, native_kernels=True),
+                      CpuNativeAttentionBackend)
     lengths = [1, 16, 17, 100, 250, 33]
     free = torch.randperm(95, generator=generator).add(1).tolist()
     tables = [[free.pop() for _ in range(-(-n // bs))] for n in lengths]
@@ -180,10 +188,10 @@ def test_native_kernel_matches_torch_path_at_model_shapes(dtype, window):
     last = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lengths)])
     rows = cache.view(2, hkv, -1, d)
     k, v = rows[0][:, last].transpose(0, 1), rows[1][:, last].transpose(0, 1)
-    expected = paged_attention(q, k, v, cache, md.plan(bs, window, False), 0.125, None)
+    expected = paged_attention(q, k, v, cache, md, window, 0.125, None)
     native_plan = md.plan(bs, window, True)
     assert native_plan.native is not None and not native_plan.sub_batches
-    out = paged_attention(q, k, v, cache, native_plan, 0.125, None)
+    out = paged_attention(q, k, v, cache, md, window, 0.125, None, native=True)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
@@ -193,7 +201,9 @@ def test_native_kernel_rejects_shapes_it_cannot_take():
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=512, dtype=torch.float32)
     cache = torch.zeros(kv_cache_shape(spec, 4))
     q = torch.zeros(1, HQ, 512)
-    assert not native_kernel_usable(cache, q)
+    assert select_attention_backend("cpu", torch.float32, HQ, HKV, 512, native_kernels=True).name == "torch"
+    assert select_attention_backend("cpu", torch.float32, HQ, HKV, D, native_kernels=False).name == "torch"
+    assert select_attention_backend("cpu", torch.float16, HQ, HKV, D, native_kernels=True).name == "torch"
     index = torch.zeros(1, dtype=torch.int64)
     with pytest.raises(cpu_kernels.KernelArgumentError, match="head size 512"):
         cpu_kernels.paged_attention_cpu(q, cache, torch.empty_like(q), index, index, torch.ones(1, 1, dtype=torch.int64),

@@ -2,16 +2,16 @@
 replace, and the decoder with the kernels off against the decoder with them on."""
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve.config import CPU_KERNELS_ENV, SMALL_BATCH_MATMUL_ENV, KernelConfig
 from kvserve.model import cpu_kernels
 from kvserve.model.config import ModelConfig
+from kvserve.model.kernels import AttentionShape, choose_model_kernels
 from kvserve.model.layers import RMSNorm
 from kvserve.model.loader import load_model
 from kvserve.model.parallel import ColumnParallelLinear, TPContext, cpu_weight_packing_supported
@@ -38,6 +38,7 @@ def test_rms_norm_and_fused_residual_add_match_torch(dtype, adds_one):
     norm = RMSNorm(96, 1e-6, adds_one)
     norm.weight.data = _rand(96, dtype=torch.float32, seed=1).to(dtype)
     norm = norm.to(dtype)
+    norm.native = True
     x, residual = _rand(7, 96, dtype=dtype, seed=2), _rand(7, 96, dtype=dtype, seed=3)
     _close(norm(x), norm._torch_norm(x))
     expected_sum = residual + x
@@ -75,9 +76,12 @@ def test_decoder_without_kernels_matches_decoder_with_them(tmp_path, monkeypatch
     """The torch path (CUDA, KVSERVE_CPU_KERNELS=0) and the kernel path agree on greedy tokens."""
     config = ModelConfig.from_path(save_tiny_model("llama", tmp_path), dtype=dtype)
     prompts = {"a": list(range(3, 40)), "b": list(range(50, 61)), "c": [7, 8]}
-    with_kernels = run_greedy(PagedRunner(load_model(config), block_size=4), prompts, 5, chunk=64)
-    monkeypatch.setitem(cpu_kernels._loaded, "lib", None)
-    without = run_greedy(PagedRunner(load_model(config), block_size=4), prompts, 5, chunk=64)
+    native = load_model(config)
+    assert native.kernels.attention.name == "cpu_native" and native.kernels.native_ops
+    with_kernels = run_greedy(PagedRunner(native, block_size=4), prompts, 5, chunk=64)
+    portable = load_model(config, kernel_config=KernelConfig(cpu_kernels=False))
+    assert portable.kernels.attention.name == "torch" and not portable.kernels.native_ops
+    without = run_greedy(PagedRunner(portable, block_size=4), prompts, 5, chunk=64)
     assert with_kernels[0] == without[0]
     for req_id in prompts:
         for ours, ref in zip(with_kernels[1][req_id], without[1][req_id]):
@@ -86,11 +90,19 @@ def test_decoder_without_kernels_matches_decoder_with_them(tmp_path, monkeypatch
             torch.testing.assert_close(ours, ref, atol=atol, rtol=0)
 
 
-def test_kernels_switched_off_by_environment():
-    code = "from kvserve.model import cpu_kernels; print(cpu_kernels.load_library())"
-    env = {**os.environ, "KVSERVE_CPU_KERNELS": "0"}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "None"
+SHAPE = AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+@pytest.mark.parametrize("value", ["0", "off", "false"])
+def test_kernels_switched_off_by_environment(value):
+    config = KernelConfig.from_env({CPU_KERNELS_ENV: value})
+    assert not config.cpu_kernels
+    kernels = choose_model_kernels(config, "cpu", torch.float32, SHAPE)
+    assert kernels.attention.name == "torch" and not kernels.native_ops and not kernels.small_batch_matmul
+    on = choose_model_kernels(KernelConfig.from_env({}), "cpu", torch.float32, SHAPE)
+    assert on.attention.name == "cpu_native" and on.native_ops
+    # float16 has no kernels; the choice falls back as a whole.
+    assert choose_model_kernels(KernelConfig(), "cpu", torch.float16, SHAPE).attention.name == "torch"
 
 
 def test_store_kv_writes_the_listed_tokens_where_index_copy_would():
@@ -159,8 +171,9 @@ def test_packed_linear_runs_small_batches_through_the_kernel(monkeypatch, dtype)
     assert calls == [1, cpu_kernels.SMALL_LINEAR_MAX_ROWS]
 
 
-def test_small_batch_matmul_switched_off_by_environment(monkeypatch):
-    monkeypatch.setenv(cpu_kernels.SMALL_LINEAR_ENV, "0")
-    assert not cpu_kernels.small_linear_wanted(torch.float32)
-    monkeypatch.setenv(cpu_kernels.SMALL_LINEAR_ENV, "1")
-    assert cpu_kernels.small_linear_wanted(torch.float32) == cpu_kernels.small_linear_supported(torch.float32)
+def test_small_batch_matmul_switched_off_by_environment():
+    off = KernelConfig.from_env({SMALL_BATCH_MATMUL_ENV: "0"})
+    assert not choose_model_kernels(off, "cpu", torch.float32, SHAPE).small_batch_matmul
+    on = KernelConfig.from_env({SMALL_BATCH_MATMUL_ENV: "1"})
+    assert (choose_model_kernels(on, "cpu", torch.float32, SHAPE).small_batch_matmul
+            == cpu_kernels.small_linear_supported(torch.float32))

@@ -1,5 +1,4 @@
-"""Attention over a paged KV cache: the per-step metadata, the KV tensors and
-the portable torch backend (CPU, and CUDA as a fallback).
+"""Attention metadata: one KV-cache group's view of a step and the plan its layers share.
 
 KV layout, per layer: one tensor `[2, num_kv_heads, num_blocks, block_size,
 head_size]` (K at index 0, V at 1). Token slot s of block b is row
@@ -25,12 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from kvserve.kv_cache.interface import (AttentionSpec, CircularBufferSpec, KVCacheConfig, KVCacheSpec,
-                                        SlidingWindowSpec)
-from kvserve.kv_cache.utils import KVCacheBlockCopy
-from kvserve.model import cpu_kernels
+from kvserve.kv_cache.interface import CircularBufferSpec, KVCacheSpec, SlidingWindowSpec
 
 
 @dataclass
@@ -112,21 +107,12 @@ class AttentionMetadata:
         return metadata
 
     def plan(self, block_size: int, sliding_window: int | None, native: bool = False) -> AttentionPlan:
-        """The step's plan for layers of this block size and window; `native` lets the CPU kernel
-        take the short queries (see `native_kernel_usable`)."""
+        """The step's plan for layers of this block size and window; `native` gives the short
+        queries to the native CPU kernel (`NativeTokens`), which reads their keys in place."""
         key = (block_size, sliding_window, native)
         if key not in self._plans:
             self._plans[key] = _build_plan(self, block_size, sliding_window, native)
         return self._plans[key]
-
-
-def native_kernel_usable(kv_cache: torch.Tensor, q: torch.Tensor) -> bool:
-    """The native CPU kernel can serve attention of queries `q` [T, Hq, D] over this cache
-    (CPU, float32/bfloat16, a shape it takes, built)."""
-    return (kv_cache.device.type == "cpu" and cpu_kernels.supports_dtype(kv_cache.dtype)
-            and cpu_kernels.supports_dtype(q.dtype) and kv_cache.is_contiguous()
-            and cpu_kernels.supports_shape(q.shape[1], kv_cache.shape[1], q.shape[2])
-            and cpu_kernels.load_library() is not None)
 
 
 def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -323,160 +309,6 @@ def _build_sub_batch(md: AttentionMetadata, rows: torch.Tensor, query_lens: torc
                              out_index=token_index.flatten()[valid_rows], new_keys=new_keys)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    plan: AttentionPlan, scale: float, softcap: float | None) -> torch.Tensor:
-    """q: [T, Hq, D], k/v: [T, Hkv, D] of this step's tokens (already rotated).
-
-    Returns [T, Hq, D]; stores this step's K/V in the cache (see the module docstring for the order)."""
-    num_kv_heads, block_size, head_dim = kv_cache.shape[1], kv_cache.shape[3], kv_cache.shape[4]
-    if plan.write_before_read:
-        _store(kv_cache, k, v, plan)
-    out = None
-    if plan.native is not None:
-        out = q.new_empty(q.shape)
-        tokens = plan.native
-        cpu_kernels.paged_attention_cpu(q, kv_cache, out, tokens.token_index, tokens.positions, tokens.block_table,
-                                        tokens.table_row, tokens.window, scale, softcap)
-    for start, length in plan.fresh_prompts:
-        out = q.new_empty(q.shape) if out is None else out
-        end = start + length
-        out[start:end] = _causal_prompt(q[start:end], k[start:end], v[start:end], scale, softcap, plan.window)
-    for sub in plan.sub_batches:
-        n, num_blocks = sub.key_blocks.shape
-        # One gather for K and V of every request of the sub-batch: [2, Hkv, n, keys, D].
-        keys, values = kv_cache.index_select(2, sub.key_blocks.flatten()).view(
-            2, num_kv_heads, n, num_blocks * block_size, head_dim)
-        if sub.new_keys:
-            keys = torch.cat([keys, _rows(k, sub).permute(2, 0, 1, 3)], dim=2)
-            values = torch.cat([values, _rows(v, sub).permute(2, 0, 1, 3)], dim=2)
-        attended = _attend(_rows(q, sub), keys, values, sub.mask, scale, softcap)
-        if sub.is_whole_batch:
-            out = attended.reshape(q.shape)
-        else:
-            out = q.new_empty(q.shape) if out is None else out
-            out[sub.out_index] = attended.flatten(0, 1)[sub.valid_rows]
-    if not plan.write_before_read:
-        _store(kv_cache, k, v, plan)
-    return out
-
-
-def _causal_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float | None,
-                   window: int | None) -> torch.Tensor:
-    """One prompt attending to itself: q [L, Hq, D], k/v [L, Hkv, D] -> [L, Hq, D]."""
-    length = q.shape[0]
-    if not softcap and (window is None or window >= length):
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                             is_causal=True, scale=scale, enable_gqa=True)
-        return out[0].transpose(0, 1)
-    pos = torch.arange(length, device=q.device)
-    mask = pos[None, :] <= pos[:, None]
-    if window:
-        mask &= pos[:, None] - pos[None, :] < window
-    return _attend(q[None], k.permute(1, 0, 2)[:, None], v.permute(1, 0, 2)[:, None], mask[None], scale, softcap)[0]
-
-
-def _rows(x: torch.Tensor, sub: AttentionSubBatch) -> torch.Tensor:
-    """This step's per-token tensor [T, H, D] as the sub-batch's padded [n, max_q, H, D]."""
-    if sub.is_whole_batch:
-        return x.view(sub.token_index.shape + x.shape[1:])
-    return x[sub.token_index]
-
-
-def _store(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> None:
-    if (cpu_kernels.usable_for(k, v, kv_cache) and k.stride() == v.stride() and kv_cache.is_contiguous()
-            and plan.write_slots.dtype == torch.int64 and plan.write_slots.is_contiguous()):
-        cpu_kernels.store_kv(k, v, kv_cache, plan.write_slots, plan.write_token_index)
-        return
-    kv_rows = kv_cache.view(2, kv_cache.shape[1], -1, kv_cache.shape[4])
-    if plan.write_token_index is not None:
-        k, v = k[plan.write_token_index], v[plan.write_token_index]
-    kv_rows[0].index_copy_(1, plan.write_slots, k.transpose(0, 1).to(kv_rows.dtype))
-    kv_rows[1].index_copy_(1, plan.write_slots, v.transpose(0, 1).to(kv_rows.dtype))
-
-
-# torch's CPU SDPA kernel is slow for short queries (decode); the explicit path wins there.
-_SDPA_MIN_QUERY_LEN = 32
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-            softcap: float | None) -> torch.Tensor:
-    """q: [n, Lq, Hq, D]; k/v: [Hkv, n, Lk, D]; mask: [n, Lq, Lk] -> [n, Lq, Hq, D].
-
-    GQA without repeating K/V: the query heads of one KV head form the rows of one matmul."""
-    n, lq, hq, d = q.shape
-    hkv = k.shape[0]
-    group = hq // hkv
-    if not softcap and lq >= _SDPA_MIN_QUERY_LEN:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(0, 1), v.transpose(0, 1),
-                                             attn_mask=mask[:, None], scale=scale, enable_gqa=True)
-        return out.transpose(1, 2)
-    # [Hkv, n, group*Lq, D]
-    qg = q.view(n, lq, hkv, group, d).permute(2, 0, 3, 1, 4).reshape(hkv, n, group * lq, d)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.view(hkv, n, group, lq, -1).masked_fill(~mask[None, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(hkv, n, group * lq, -1)
-    out = torch.matmul(probs, v)  # [Hkv, n, group*Lq, D]
-    return out.view(hkv, n, group, lq, d).permute(1, 3, 0, 2, 4).reshape(n, lq, hq, d)
-
-
-# -- KV tensors ---------------------------------------------------------------------------
-
-def kv_cache_shape(spec: AttentionSpec, num_blocks: int) -> tuple[int, ...]:
-    """[K/V, kv heads, blocks, slots per block, head size] (see the module docstring)."""
-    return (2, spec.num_kv_heads, num_blocks, spec.block_size, spec.head_size)
-
-
-def _torch_dtype(dtype) -> torch.dtype:
-    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).removeprefix("torch."))
-
-
-def allocate_kv_caches(kv_cache_config: KVCacheConfig, layer_specs: dict[str, KVCacheSpec],
-                       device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """One zeroed KV tensor per layer; layers named together in a `KVCacheTensor` share its buffer."""
-    num_blocks = kv_cache_config.num_blocks
-    caches: dict[str, torch.Tensor] = {}
-    for tensor in kv_cache_config.kv_cache_tensors:
-        if torch.device(device).type == "cpu":
-            buffer = cpu_kernels.zeros_on_huge_pages(tensor.size).view(torch.int8)
-        else:
-            buffer = torch.zeros(tensor.size, dtype=torch.int8, device=device)
-        for name in tensor.shared_by:
-            spec = layer_specs[name]
-            dtype = _torch_dtype(spec.dtype)
-            needed = spec.page_size_bytes * num_blocks
-            if needed > tensor.size:
-                raise ValueError(f"KV tensor of {tensor.size} bytes is too small for {name} ({needed} bytes)")
-            caches[name] = buffer[:needed].view(dtype).view(kv_cache_shape(spec, num_blocks))
-    for group in kv_cache_config.kv_cache_groups:
-        for name in group.layer_names:
-            if name not in caches:
-                spec = layer_specs[name]
-                caches[name] = torch.zeros(kv_cache_shape(spec, num_blocks), dtype=_torch_dtype(spec.dtype),
-                                           device=device)
-    return caches
-
-
-def copy_kv_blocks(kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConfig,
-                   copies: list[KVCacheBlockCopy]) -> None:
-    """Apply copy-on-write block copies to every layer of each copy's group.
-
-    Whole blocks are copied: slots past `num_tokens` belong to the destination's
-    owner, which overwrites them before reading them."""
-    if not copies:
-        return
-    by_group: dict[int, list[KVCacheBlockCopy]] = {}
-    for copy in copies:
-        by_group.setdefault(copy.group_id, []).append(copy)
-    for group_id, group_copies in by_group.items():
-        layer_names = kv_cache_config.kv_cache_groups[group_id].layer_names
-        device = kv_caches[layer_names[0]].device
-        src = torch.tensor([c.src_block_id for c in group_copies], device=device)
-        dst = torch.tensor([c.dst_block_id for c in group_copies], device=device)
-        for name in layer_names:
-            kv_caches[name][:, :, dst] = kv_caches[name][:, :, src]
-
-
 def is_windowed(spec: KVCacheSpec) -> bool:
+    """Whether layers of `spec` attend to a sliding window (paged or ring-buffered)."""
     return isinstance(spec, (SlidingWindowSpec, CircularBufferSpec))

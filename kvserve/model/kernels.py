@@ -1,0 +1,65 @@
+"""The kernels one model uses, chosen once per runner from the `KernelConfig`
+(the environment switches read at start-up), the device and the dtype.
+
+Every layer reads its choice from here instead of asking, op by op, whether a
+native kernel could take its tensors: the attention backend, whether the fused
+element-wise kernels (RMSNorm, RoPE, SiLU-gated product) run, whether packed
+linear weights keep a plain copy for the small-batch matmul, and the path of
+the quantized matmul. Per-call checks that remain are on tensor layout only.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.config import KernelConfig
+from kvserve.model import cpu_kernels
+from kvserve.model.attention import AttentionBackend, TorchAttentionBackend, select_attention_backend
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One rank's attention layout: query heads, KV heads, head size."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class ModelKernels:
+    """What a model runs with (see the module docstring); `torch_only()` is the portable choice."""
+
+    attention: AttentionBackend
+    native_ops: bool = False  # fused RMSNorm / RoPE / SiLU-mul kernels
+    small_batch_matmul: bool = False  # packed weights keep a plain copy for the small-batch kernel
+    packed_weights: bool = False  # linear weights packed for oneDNN's CPU matmul
+
+    @classmethod
+    def torch_only(cls) -> "ModelKernels":
+        return cls(attention=TorchAttentionBackend())
+
+    def describe(self) -> str:
+        return (f"attention {self.attention.name}, fused ops {'native' if self.native_ops else 'torch'}, "
+                f"packed weights {'on' if self.packed_weights else 'off'}, "
+                f"small-batch matmul {'on' if self.small_batch_matmul else 'off'}")
+
+
+def choose_model_kernels(kernel_config: KernelConfig, device: torch.device | str, dtype: torch.dtype,
+                         shape: AttentionShape) -> ModelKernels:
+    """The kernels for a model of `dtype` on `device` (the KV cache holds the same dtype)."""
+    on_cpu = torch.device(device).type == "cpu"
+    native = (kernel_config.cpu_kernels and on_cpu and cpu_kernels.supports_dtype(dtype)
+              and cpu_kernels.load_library() is not None)
+    attention = select_attention_backend(device, dtype, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                                         native_kernels=native)
+    kernels = ModelKernels(
+        attention=attention, native_ops=native,
+        small_batch_matmul=native and kernel_config.small_batch_matmul and cpu_kernels.small_linear_supported(dtype),
+        packed_weights=on_cpu and kernel_config.packed_weights)
+    logger.debug("model kernels: %s", kernels.describe())
+    return kernels

@@ -1,0 +1,44 @@
+"""Every KVSERVE_* environment variable the package reads is documented in README.md, and
+the kernel switches are read in one place only (`KernelConfig.from_env`)."""
+from __future__ import annotations
+
+import pathlib
+import re
+
+import kvserve
+from kvserve.config import (CPU_KERNELS_ENV, CPU_PACKED_WEIGHTS_ENV, QUANT_ACT_BITS_ENV, QUANT_GEMM_DTYPE_ENV,
+                            QUANT_GEMM_ROWS_ENV, QUANT_ISA_ENV, SMALL_BATCH_MATMUL_ENV, EngineConfig, KernelConfig)
+
+PACKAGE = pathlib.Path(kvserve.__file__).parent
+README = PACKAGE.parent / "README.md"
+KERNEL_SWITCHES = (CPU_KERNELS_ENV, SMALL_BATCH_MATMUL_ENV, CPU_PACKED_WEIGHTS_ENV, QUANT_ISA_ENV, QUANT_ACT_BITS_ENV,
+                   QUANT_GEMM_ROWS_ENV, QUANT_GEMM_DTYPE_ENV)
+
+
+def _python_sources() -> dict[pathlib.Path, str]:
+    return {path: path.read_text() for path in PACKAGE.rglob("*.py")}
+
+
+def test_every_environment_variable_is_documented_in_the_readme():
+    names = {name for text in _python_sources().values() for name in re.findall(r"KVSERVE_[A-Z0-9_]+", text)}
+    assert set(KERNEL_SWITCHES) <= names  # the scan sees what it should
+    readme = README.read_text()
+    missing = sorted(name for name in names if not re.search(rf"\b{name}\b", readme))
+    assert not missing, f"undocumented in README.md: {missing}"
+
+
+def test_kernel_switches_are_read_only_by_kernel_config():
+    """Only config.py names them as string literals (docstrings elsewhere may mention them)."""
+    readers = sorted(str(path.relative_to(PACKAGE)) for path, text in _python_sources().items()
+                     if any(f'"{name}"' in text or f"'{name}'" in text for name in KERNEL_SWITCHES))
+    assert readers == ["config.py"]
+
+
+def test_kernel_config_from_the_environment(monkeypatch):
+    assert KernelConfig.from_env({}) == KernelConfig()
+    monkeypatch.setenv(CPU_PACKED_WEIGHTS_ENV, "0")
+    monkeypatch.setenv(QUANT_ACT_BITS_ENV, "8")
+    monkeypatch.setenv(QUANT_ISA_ENV, "AVX2")
+    expected = KernelConfig(packed_weights=False, quant_act_bits=8, quant_isa="avx2")
+    assert KernelConfig.from_env() == expected
+    assert EngineConfig.__dataclass_fields__["kernel_config"].default_factory() == expected
