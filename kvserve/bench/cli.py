@@ -135,6 +135,8 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    parser.add_argument("--trace-out", default=None, metavar="JSONL",
+                        help="write the run as a trace for `kvserve plan --trace` (send times, token counts)")
 
 
 def _add_serve_compare_arguments(parser: argparse.ArgumentParser) -> None:
@@ -309,7 +311,7 @@ def _serve_config(args: argparse.Namespace):
         base_url=args.base_url, model=args.served_model, endpoint=args.endpoint, num_prompts=args.num_prompts,
         prompt_words=args.prompt_words, max_tokens=args.max_tokens, concurrency=concurrency,
         request_rate=args.request_rate, ignore_eos=not args.no_ignore_eos, api_key=args.api_key, seed=args.seed,
-        timeout_s=args.timeout)
+        timeout_s=args.timeout, trace_out=args.trace_out)
 
 
 def _run_serve_compare(args: argparse.Namespace) -> dict[str, Any]:
