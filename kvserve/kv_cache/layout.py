@@ -1,8 +1,10 @@
 """Turn a model's per-layer KV specs and a memory budget into a `KVCacheConfig`.
 
-Layout (vLLM-like): layers with equal specs form one group (one block table
-per request). All groups draw block ids from one pool and a block id belongs
-to one group at a time, so layer j of every group can share one backing
+Layout (vLLM-like): layers of one model with equal specs form one group (one
+block table per request); a second model's layers (a speculative draft, whose
+layer names carry a prefix such as `draft.`) get groups of their own.
+All groups draw block ids from one pool and a block id belongs to one group
+at a time, so layer j of every group can share one backing
 tensor: `KVCacheTensor` j is `shared_by` the j-th layer of each group and
 holds `num_blocks` pages of the largest page size among them. Block id b is
 page b of every layer tensor of the group that holds it. The cost of one
@@ -17,11 +19,17 @@ from kvserve.kv_cache.interface import KVCacheConfig, KVCacheGroupSpec, KVCacheS
 
 
 def group_layers_by_spec(layer_specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
-    """One group per distinct spec, in order of first appearance."""
-    layers_by_spec: dict[KVCacheSpec, list[str]] = {}
+    """One group per distinct (model, spec), in order of first appearance."""
+    layers_by_key: dict[tuple[str, KVCacheSpec], list[str]] = {}
     for layer_name, spec in layer_specs.items():
-        layers_by_spec.setdefault(spec, []).append(layer_name)
-    return [KVCacheGroupSpec(layer_names, spec) for spec, layer_names in layers_by_spec.items()]
+        layers_by_key.setdefault((_model_prefix(layer_name), spec), []).append(layer_name)
+    return [KVCacheGroupSpec(layer_names, spec) for (_, spec), layer_names in layers_by_key.items()]
+
+
+def _model_prefix(layer_name: str) -> str:
+    """What names the model a layer belongs to: the text before `layers.`."""
+    prefix, found, _ = layer_name.partition("layers.")
+    return prefix if found else ""
 
 
 def _tensor_slot_page_sizes(groups: list[KVCacheGroupSpec]) -> list[int]:

@@ -160,6 +160,10 @@ class DecoderModel(nn.Module):
                 specs[name] = SlidingWindowSpec(**common, sliding_window=window)
         return specs
 
+    def prefix_kv_layer_names(self, prefix: str) -> None:
+        """Rename the KV-cache layers `prefix + name` (a draft model next to its target)."""
+        self.layer_names = [prefix + name for name in self.layer_names]
+
     def bind_kv_cache_config(self, kv_cache_config: KVCacheConfig) -> None:
         """Record which KV-cache group each layer belongs to."""
         group_of = {name: g for g, group in enumerate(kv_cache_config.kv_cache_groups) for name in group.layer_names}

@@ -14,6 +14,10 @@ min(1, p_j(d_j) / q_j(d_j)) = p_j(d_j); on rejection the token is drawn from
 the residual max(p_j - q_j, 0), i.e. p_j without d_j, renormalised. Each
 emitted token is then distributed exactly as p_j, so the output keeps the
 target distribution.
+
+Drafts sampled from a draft model's distribution q_j (given as `draft_probs`)
+follow the same rule with that q_j: accept with probability
+min(1, p_j(d_j) / q_j(d_j)), else draw from max(p_j - q_j, 0) renormalised.
 """
 from __future__ import annotations
 
@@ -34,11 +38,14 @@ class VerifiedTokens:
 
 
 def verify_drafts(sampler: Sampler, logits: torch.Tensor, st: SamplingTensors,
-                  drafts: list[list[int]]) -> VerifiedTokens:
+                  drafts: list[list[int]],
+                  draft_probs: list[torch.Tensor | None] | None = None) -> VerifiedTokens:
     """Accept or reject each request's drafts.
 
     `logits` has 1 + len(drafts[i]) rows per request i, in order, and `st` one
     row per logits row (row j of request i sees drafts[i][:j] as outputs).
+    `draft_probs[i]` ([len(drafts[i]), vocab]) is the distribution request i's
+    drafts were sampled from; None means a deterministic proposer.
     """
     logits = logits.float()
     want_logprobs = any(n is not None for n in st.num_logprobs)
@@ -49,12 +56,12 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, st: SamplingTensors,
     temperatures = st.temperature.tolist()
     token_ids, rows_used = [], []
     first_row = 0
-    for draft in drafts:
+    for i, draft in enumerate(drafts):
         if temperatures[first_row] == 0:
             emitted = _accept_greedy(draft, greedy_tokens[first_row:first_row + len(draft) + 1])
         else:
             emitted = _accept_random(draft, probs[first_row:first_row + len(draft) + 1],
-                                     st.generators[first_row])
+                                     st.generators[first_row], draft_probs[i] if draft_probs else None)
         token_ids.append(emitted)
         rows_used.append(list(range(first_row, first_row + len(emitted))))
         first_row += len(draft) + 1
@@ -74,16 +81,21 @@ def _accept_greedy(draft: list[int], targets: list[int]) -> list[int]:
     return emitted
 
 
-def _accept_random(draft: list[int], probs: torch.Tensor, generator: torch.Generator | None) -> list[int]:
+def _accept_random(draft: list[int], probs: torch.Tensor, generator: torch.Generator | None,
+                   draft_probs: torch.Tensor | None = None) -> list[int]:
     emitted = []
     for j, draft_token in enumerate(draft):
         p = probs[j]
-        if float(torch.rand((), generator=generator)) < float(p[draft_token]):
+        q_token = 1.0 if draft_probs is None else float(draft_probs[j, draft_token])
+        if float(torch.rand((), generator=generator)) * q_token < float(p[draft_token]):
             emitted.append(draft_token)
             continue
-        residual = p.clone()
-        residual[draft_token] = 0.0
-        if float(residual.sum()) <= 0.0:  # p is (numerically) the point mass: accept after all
+        if draft_probs is None:
+            residual = p.clone()
+            residual[draft_token] = 0.0
+        else:
+            residual = torch.clamp(p - draft_probs[j].to(p.dtype), min=0.0)
+        if float(residual.sum()) <= 0.0:  # p equals q (numerically): accept after all
             emitted.append(draft_token)
             continue
         emitted.append(int(torch.multinomial(residual, 1, generator=generator)))

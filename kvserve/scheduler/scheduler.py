@@ -202,13 +202,16 @@ class Scheduler:
                 req_index += 1
                 continue
             drafts = self._propose_drafts(request, num_new_tokens, plan.token_budget)
-            new_blocks = self._allocate_drafts(request, drafts)
+            lookahead = self._runner_lookahead(request, request.num_computed_tokens + num_new_tokens)
+            new_blocks = self._allocate_ahead(request, num_new_tokens, drafts, lookahead)
             if new_blocks is None:
-                drafts = []
+                drafts, lookahead = [], 0
                 new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
             if new_blocks is None:
                 return
             plan.add_running(request, num_new_tokens + len(drafts), block_ids_or_none(new_blocks), drafts)
+            if lookahead:
+                plan.draft_proposal_req_ids.add(request.request_id)
             # A priority victim may have sat before this request in `running`.
             req_index = self.running.index(request) + 1 if plan.preempted_req_ids else req_index + 1
 
@@ -241,12 +244,22 @@ class Scheduler:
             room = min(room, request.max_tokens - request.num_output_tokens - 1)
         return self.speculator.propose(request, room)
 
-    def _allocate_drafts(self, request: Request, drafts: list[int]) -> KVCacheBlocks | None:
-        """Slots for the last token plus the drafts as lookahead (never hashed into the
-        prefix cache); None when there are no drafts or the pool is short."""
-        if not drafts:
+    def _runner_lookahead(self, request: Request, chunk_end: int) -> int:
+        """Slots the draft model needs after a chunk ending at token `chunk_end`: its
+        proposal, when the chunk samples and the request speculates; else 0."""
+        if self.speculator is None or chunk_end < request.num_tokens or not self._speculates(request):
+            return 0
+        return self.speculator.runner_lookahead
+
+    def _allocate_ahead(self, request: Request, num_new_tokens: int, drafts: list[int],
+                        runner_lookahead: int) -> KVCacheBlocks | None:
+        """Slots for the new tokens plus, as lookahead (never hashed into the prefix
+        cache), the drafts to verify and the draft model's proposal; None when
+        there is nothing to look ahead for or the pool is short (no preemption)."""
+        if not drafts and not runner_lookahead:
             return None
-        return self.kv_cache_manager.allocate_slots(request, 1, num_lookahead_tokens=len(drafts))
+        return self.kv_cache_manager.allocate_slots(request, num_new_tokens,
+                                                    num_lookahead_tokens=len(drafts) + runner_lookahead)
 
     def _cap_long_prefill(self, num_new_tokens: int) -> int:
         threshold = self.long_prefill_token_threshold
@@ -310,13 +323,19 @@ class Scheduler:
         if not self.enable_chunked_prefill and num_new_tokens > plan.token_budget:
             return False
         num_new_tokens = min(num_new_tokens, plan.token_budget)
+        lookahead = self._runner_lookahead(request, num_hit_tokens + num_new_tokens)
         new_blocks = self.kv_cache_manager.allocate_slots(
             request, num_new_tokens, num_new_computed_tokens=num_hit_tokens,
-            new_computed_blocks=hit_blocks)
+            new_computed_blocks=hit_blocks, num_lookahead_tokens=lookahead)
+        if new_blocks is None and lookahead:
+            lookahead = 0  # the proposal must not keep a prompt that fits out of the pool
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, num_new_computed_tokens=num_hit_tokens,
+                new_computed_blocks=hit_blocks)
         if new_blocks is None and num_hit_tokens and self._pool_is_idle():
             # A partial-block hit costs a copy block on top of the source it
             # keeps; in a tiny pool that can be the difference. Cold, it fits.
-            num_hit_tokens = 0
+            num_hit_tokens, lookahead = 0, 0
             num_new_tokens = min(self._cap_long_prefill(request.num_tokens), plan.token_budget)
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
         if new_blocks is None:
@@ -329,6 +348,8 @@ class Scheduler:
             request.num_cached_tokens = num_hit_tokens
         self.running.append(request)
         plan.add_admitted(request, num_new_tokens, resumed)
+        if lookahead:
+            plan.draft_proposal_req_ids.add(request.request_id)
         return True
 
     def _pool_is_idle(self) -> bool:

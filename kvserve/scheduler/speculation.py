@@ -1,7 +1,9 @@
 """The scheduler's side of speculative decoding: when to propose drafts, and their counts.
 
-Drafts are proposed while scheduling, from the request's known tokens, for
-a request whose previous step is processed (its last token is known). A
+Drafts are proposed while scheduling, for a request whose previous step is
+processed (its last token is known): prompt lookup (`ngram`) searches the
+request's known tokens; with a draft model the runner proposed them after
+sampling that step, and they wait here until the request is scheduled. A
 request that speculates is therefore not scheduled ahead under async
 scheduling: its step in flight may emit 1 to 1 + k tokens, so the position
 of its next token is unknown until that step is applied.
@@ -69,6 +71,14 @@ class Speculator:
         self._states: dict[str, _RequestState] = {}
         self._num_schedules = 0
         self._stats = SpecDecodingStats()
+        # Draft-model proposals by request: (the request's token count they follow, drafts).
+        self._proposals: dict[str, tuple[int, list[int]]] = {}
+
+    @property
+    def runner_lookahead(self) -> int:
+        """Slots a step must hold after a sampling request's tokens for the runner to
+        propose there (the draft model writes its KV for the draft's positions)."""
+        return self.config.num_speculative_tokens if self.config.uses_draft_model else 0
 
     def begin_step(self) -> None:
         """Count one `schedule()` call (the clock of the back-off)."""
@@ -86,14 +96,22 @@ class Speculator:
         num_tokens = min(self.config.num_speculative_tokens, max_num_tokens)
         if num_tokens <= 0:
             return []
-        draft = propose_ngram(request.all_token_ids, self.config.prompt_lookup_min,
-                              self.config.prompt_lookup_max, num_tokens)
+        if self.config.uses_draft_model:
+            position, proposal = self._proposals.pop(request.request_id, (-1, []))
+            draft = proposal[:num_tokens] if position == request.num_tokens else []
+        else:
+            draft = propose_ngram(request.all_token_ids, self.config.prompt_lookup_min,
+                                  self.config.prompt_lookup_max, num_tokens)
         if not draft:
             state = self._state(request.request_id)
             state.num_misses += 1
             if state.num_misses >= self.config.max_misses:
                 self._back_off(state)
         return draft
+
+    def receive_proposal(self, request: Request, draft_token_ids: list[int]) -> None:
+        """Keep the runner's drafts for `request`, to follow its current tokens."""
+        self._proposals[request.request_id] = (request.num_tokens, list(draft_token_ids))
 
     def record(self, request_id: str, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         """Account a verified draft; a request whose drafts keep failing backs off."""
@@ -109,6 +127,7 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
+        self._proposals.pop(request_id, None)
 
     def take_stats(self) -> SpecDecodingStats:
         """Counts since the previous call."""

@@ -52,9 +52,13 @@ def apply_sampled_tokens(
             stopped[req_id] = request
             if was_preempted:
                 scheduler.waiting.remove(request)
-        elif request.num_in_flight_tokens and not was_preempted:
-            # Scheduled ahead: the next allocation would cache these one step late.
-            scheduler.cache_processed_blocks(request)
+        else:
+            if request.num_in_flight_tokens and not was_preempted:
+                # Scheduled ahead: the next allocation would cache these one step late.
+                scheduler.cache_processed_blocks(request)
+            proposal = model_runner_output.draft_token_ids.get(req_id)
+            if proposal:
+                scheduler.speculator.receive_proposal(request, proposal)
         new_logprobs = None
         if all_logprobs is not None and all_logprobs[index]:
             new_logprobs = all_logprobs[index][:len(new_token_ids)]

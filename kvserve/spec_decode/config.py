@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "draft_model")
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 # Batches this large run without drafts: on a CPU a step of a few requests is
 # already compute-bound, so verifying k more tokens per request costs about as
@@ -34,6 +34,11 @@ class SpeculativeConfig:
     over its recent drafts, or no match `max_misses` times in a row) stops
     proposing for `backoff_steps` steps and runs like a request without
     speculation (scheduled ahead under async scheduling).
+
+    `draft_model`: a smaller model at `model` (same vocabulary as the target)
+    proposes `num_speculative_tokens` tokens autoregressively after each
+    verified step; its KV lives in its own groups of the target's KV-cache
+    manager. Given `model` without `method`, the method is `draft_model` (vLLM).
     """
 
     method: str = "ngram"
@@ -56,6 +61,10 @@ class SpeculativeConfig:
         _check_positive("disable_by_batch_size", self.disable_by_batch_size)
         _check_positive("backoff_steps", self.backoff_steps)
         _check_positive("max_misses", self.max_misses)
+        if self.method == "draft_model" and not self.model:
+            raise SpeculativeConfigError('speculative_config: method "draft_model" needs "model" (the draft\'s path)')
+        if self.method == "ngram" and self.model:
+            raise SpeculativeConfigError('speculative_config: "model" is only used with method "draft_model"')
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise SpeculativeConfigError(
                 f"speculative_config: prompt_lookup_min {self.prompt_lookup_min} exceeds "
@@ -63,6 +72,11 @@ class SpeculativeConfig:
         if not 0.0 <= self.min_acceptance_rate <= 1.0:
             raise SpeculativeConfigError(
                 f"speculative_config: min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate}")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """Drafts come from a draft model in the worker (not from the scheduler)."""
+        return self.method == "draft_model"
 
     @classmethod
     def from_value(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
@@ -93,8 +107,11 @@ class SpeculativeConfig:
 
 
 def _with_vllm_defaults(value: dict[str, Any]) -> dict[str, Any]:
-    """vLLM: only `prompt_lookup_max` given means min = max and the reverse."""
+    """vLLM's implied values: `model` alone means a draft model; only one of the
+    prompt-lookup bounds given sets the other."""
     value = dict(value)
+    if value.get("model") and "method" not in value:
+        value["method"] = "draft_model"
     if "prompt_lookup_max" in value and "prompt_lookup_min" not in value:
         value["prompt_lookup_min"] = min(2, value["prompt_lookup_max"])
     if "prompt_lookup_min" in value and "prompt_lookup_max" not in value:

@@ -103,7 +103,7 @@ class UniProcExecutor(Executor):
         self.model_runner = ModelRunner(
             engine_config.model_config, engine_config.cache_config, engine_config.device,
             scheduler_config=engine_config.scheduler_config, seed=engine_config.seed,
-            kernel_config=engine_config.kernel_config)
+            kernel_config=engine_config.kernel_config, draft_model_config=engine_config.draft_model_config)
         self.model_runner.load_model()
         # One thread: steps must run in submission order on the runner's state.
         self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")

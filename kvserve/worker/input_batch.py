@@ -257,6 +257,27 @@ class InputBatch:
             num_draft_tokens=num_drafts, draft_token_ids=drafts,
         )
 
+    def prepare_tokens(self, req_ids: list[str], starts: np.ndarray, token_ids: list[np.ndarray]) -> PreparedBatch:
+        """A batch of given tokens: request i's `token_ids[i]` at positions from `starts[i]`,
+        on its block tables (a draft model's pass over tokens the scheduler did not
+        schedule as such). Each request's last token is a logits row."""
+        rows = np.array([self._row_of(rid) for rid in req_ids], dtype=np.int64)
+        num_tokens = np.array([len(tokens) for tokens in token_ids], dtype=np.int64)
+        starts = np.asarray(starts, dtype=np.int64)
+        cu_num_tokens = np.cumsum(num_tokens)
+        query_start_loc = np.concatenate(([0], cu_num_tokens))
+        rows_per_token = np.repeat(rows, num_tokens)
+        positions = np.repeat(starts, num_tokens) + (np.arange(int(cu_num_tokens[-1]))
+                                                     - np.repeat(query_start_loc[:-1], num_tokens))
+        return PreparedBatch(
+            req_ids=list(req_ids), rows=rows, num_scheduled_tokens=num_tokens, num_computed_tokens=starts,
+            input_ids=np.concatenate(token_ids).astype(np.int64), positions=positions,
+            query_start_loc=query_start_loc, seq_lens=starts + num_tokens,
+            slot_mappings=[t.slot_mapping(rows_per_token, positions) for t in self.block_tables],
+            block_tables=[t.rows(rows) for t in self.block_tables],
+            sample_mask=np.ones(len(req_ids), dtype=bool), logits_indices=cu_num_tokens - 1,
+        )
+
     def _write_drafts(self, drafts: dict[str, list[int]]) -> None:
         """Put draft tokens after each request's known tokens (without counting them as
         known): the forward pass reads them there, accepted ones are appended later."""

@@ -23,6 +23,7 @@ from kvserve.model.rejection_sampler import verify_drafts
 from kvserve.model.sampler import Sampler, SamplingTensors, make_generator
 from kvserve.sampling_params import SamplingParams
 from kvserve.messages import ModelRunnerOutput, SchedulerOutput
+from kvserve.worker.draft_model import DraftModelProposer
 from kvserve.worker.input_batch import InputBatch, PreparedBatch
 from kvserve.worker.kv_tensors import allocate_kv_caches, copy_kv_blocks
 from kvserve.worker.logits_constraints import LogitsConstraints, PendingMasks
@@ -43,7 +44,8 @@ class ModelRunner:
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str = "cpu",
                  scheduler_config: SchedulerConfig | None = None, seed: int = 0,
-                 tp_rank: int = 0, tp_size: int = 1, kernel_config: KernelConfig | None = None) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, kernel_config: KernelConfig | None = None,
+                 draft_model_config=None) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config or SchedulerConfig(max_model_len=model_config.max_model_len)
@@ -64,6 +66,11 @@ class ModelRunner:
         self._eos_token_id = eos_token_ids[0] if eos_token_ids else None
         # Requests of a failed step: skipped until the engine reports them finished.
         self._failed_req_ids: set[str] = set()
+        self.drafter: DraftModelProposer | None = None
+        if draft_model_config is not None:
+            self.drafter = DraftModelProposer(
+                draft_model_config, self.scheduler_config.speculative_config.num_speculative_tokens,
+                self.device, self.max_model_len)
 
     @property
     def max_model_len(self) -> int:
@@ -77,11 +84,18 @@ class ModelRunner:
                                 tp_size=self.tp_size, kernel_config=self.kernel_config)
         if self.model.kernels.packed_weights and self.model.pack_linear_weights():
             logger.debug("linear weights packed for oneDNN")
+        if self.drafter is not None:
+            self.drafter.load_model(self.kernel_config)
         self.sampler = Sampler()
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
-        return self.model.kv_cache_specs(self.cache_config.block_size, self.model_config.dtype,
-                                         sliding_window_kv=self.cache_config.sliding_window_kv)
+        """The target's KV layers, then the draft model's (if any)."""
+        specs = self.model.kv_cache_specs(self.cache_config.block_size, self.model_config.dtype,
+                                          sliding_window_kv=self.cache_config.sliding_window_kv)
+        if self.drafter is not None:
+            specs.update(self.drafter.kv_cache_specs(self.cache_config.block_size,
+                                                     self.cache_config.sliding_window_kv))
+        return specs
 
     def available_kv_memory_bytes(self) -> int:
         """Bytes for the KV pool: the configured size, else a device-dependent default.
@@ -106,6 +120,8 @@ class ModelRunner:
         self.kv_cache_config = kv_cache_config
         self.kv_caches = allocate_kv_caches(kv_cache_config, self.get_kv_cache_specs(), self.device)
         self.model.bind_kv_cache_config(kv_cache_config)
+        if self.drafter is not None:
+            self.drafter.bind_kv_cache_config(kv_cache_config)
         group_specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
         self.input_batch = InputBatch(group_specs, self.max_model_len,
                                       max_num_rows=min(self.scheduler_config.max_num_seqs, 256))
@@ -126,14 +142,21 @@ class ModelRunner:
         batch = self.input_batch
         batch.apply_scheduler_output(scheduler_output, self._make_generator)
         self._failed_req_ids.difference_update(scheduler_output.finished_req_ids)
+        if self.drafter is not None:
+            self.drafter.forget(scheduler_output.finished_req_ids)
         if scheduler_output.kv_cache_block_copies:
             self._apply_block_copies(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput.make_empty()
         prepared = batch.prepare(scheduler_output, self._failed_req_ids)
         sampled_token_ids, logprobs_by_req = self._forward_and_sample(prepared) if prepared.num_reqs else ({}, {})
+        draft_token_ids = {}
+        if self.drafter is not None and prepared.num_reqs:
+            draft_token_ids = self.drafter.propose(batch, prepared, sampled_token_ids,
+                                                   scheduler_output.draft_proposal_req_ids, self.kv_caches,
+                                                   self._build_attention_metadata)
         skipped = [rid for rid in scheduler_output.num_scheduled_tokens if rid in self._failed_req_ids]
-        return self._make_output(prepared.req_ids + skipped, sampled_token_ids, logprobs_by_req)
+        return self._make_output(prepared.req_ids + skipped, sampled_token_ids, logprobs_by_req, draft_token_ids)
 
     def _forward_sampled_rows(self, prepared: PreparedBatch) -> torch.Tensor | None:
         """Run the model over the step; the hidden rows of the requests to sample
@@ -177,8 +200,11 @@ class ModelRunner:
         if prepared.draft_token_ids:
             drafts = [prepared.draft_token_ids.get(rid, []) for rid in sampled_req_ids]
             logits = self.logits_constraints.apply(logits, states, drafts, pending_masks)
+            draft_probs = None
+            if self.drafter is not None:
+                draft_probs = [self.drafter.draft_probs_for(rid, draft) for rid, draft in zip(sampled_req_ids, drafts)]
             verified = verify_drafts(self.sampler, logits, self._sampling_tensors(sampled_req_ids, drafts),
-                                     drafts)
+                                     drafts, draft_probs)
             self.logits_constraints.advance(states, verified.token_ids)
             return (dict(zip(sampled_req_ids, verified.token_ids)),
                     {rid: lp for rid, lp in zip(sampled_req_ids, verified.logprobs) if lp is not None})
@@ -243,12 +269,13 @@ class ModelRunner:
 
     @staticmethod
     def _make_output(req_ids: list[str], sampled_token_ids: dict[str, list[int]],
-                     logprobs_by_req: dict) -> ModelRunnerOutput:
+                     logprobs_by_req: dict, draft_token_ids: dict[str, list[int]] | None = None) -> ModelRunnerOutput:
         tokens = [list(sampled_token_ids.get(rid, [])) for rid in req_ids]
         logprobs = None
         if logprobs_by_req:
             logprobs = [list(logprobs_by_req.get(rid, [])) for rid in req_ids]
-        return ModelRunnerOutput(req_ids=list(req_ids), sampled_token_ids=tokens, logprobs=logprobs)
+        return ModelRunnerOutput(req_ids=list(req_ids), sampled_token_ids=tokens, logprobs=logprobs,
+                                 draft_token_ids=draft_token_ids or {})
 
 
 def _free_ram_bytes() -> int:

@@ -65,3 +65,18 @@ def run_to_completion(core: EngineCore, prompts: list[list[int]], params, first_
 def assert_pool_whole(core: EngineCore) -> None:
     """Every block is back in the free queue and no request holds KV."""
     assert_scheduler_pool_whole(core.scheduler)
+
+
+def sample_many(model_path: str, speculative_config, prompt: list[int], num_samples: int, temperature: float,
+                max_tokens: int = 3):
+    """`num_samples` seeded samples of `max_tokens` tokens after `prompt`, in large batches:
+    (tokens by request id, the run's speculative decoding stats)."""
+    core = make_engine(model_path, speculative_config=speculative_config, max_num_seqs=256,
+                       max_num_batched_tokens=4096, kv_cache_memory="64MiB")
+    try:
+        params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=i)
+                  for i in range(num_samples)]
+        outputs = run_to_completion(core, [prompt] * num_samples, params)
+        return outputs, core.get_stats().spec_decoding_stats
+    finally:
+        core.shutdown()

@@ -14,11 +14,9 @@ import random
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
-from engine_helpers import make_engine, run_to_completion
-from tiny_models import VOCAB_SIZE, load_reference, save_tiny_model
-from kvserve.sampling_params import SamplingParams
+from engine_helpers import sample_many
+from tiny_models import VOCAB_SIZE, chi_square_pvalue, load_reference, save_tiny_model
 
 NUM_SAMPLES = 2000
 TEMPERATURE = 0.25  # sharpens the tiny random model's flat distributions
@@ -51,21 +49,9 @@ def _find_prompt(model) -> tuple[list[int], int, int, torch.Tensor]:
 def test_second_token_follows_the_target_distribution(tmp_path):
     path = save_tiny_model("llama", tmp_path / "llama")
     prompt, t1, draft, target = _find_prompt(load_reference(path))
-    core = make_engine(path, speculative_config=SPEC, max_num_seqs=256, max_num_batched_tokens=4096,
-                       kv_cache_memory="64MiB")
-    try:
-        params = [SamplingParams(temperature=TEMPERATURE, max_tokens=3, ignore_eos=True, seed=i) for i in range(NUM_SAMPLES)]
-        outputs = run_to_completion(core, [prompt] * NUM_SAMPLES, params)
-        stats = core.get_stats().spec_decoding_stats
-    finally:
-        core.shutdown()
+    outputs, stats = sample_many(path, SPEC, prompt, NUM_SAMPLES, TEMPERATURE)
     second = [tokens[1] for tokens in outputs.values() if tokens[0] == t1]
     assert len(second) > NUM_SAMPLES * 0.25
     assert stats.num_drafts >= len(second) and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    counts = torch.bincount(torch.tensor(second), minlength=VOCAB_SIZE).double()
-    expected = target.double() * len(second)
-    keep = expected >= 5
-    observed = torch.cat([counts[keep], counts[~keep].sum(0, keepdim=True)])
-    expected = torch.cat([expected[keep], expected[~keep].sum(0, keepdim=True)])
-    assert chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3, (counts[keep].tolist(), expected.tolist())
-    assert abs(counts[draft] / len(second) - float(target[draft])) < 0.06
+    assert chi_square_pvalue(second, target) > 1e-3
+    assert abs(second.count(draft) / len(second) - float(target[draft])) < 0.06

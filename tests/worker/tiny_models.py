@@ -50,3 +50,16 @@ def reference_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> li
 
 
 random_prompts = partial(random_token_prompts, VOCAB_SIZE)
+
+
+def chi_square_pvalue(samples: list[int], probs: torch.Tensor) -> float:
+    """Chi-square p-value of token samples against the distribution `probs` (tokens
+    expected fewer than 5 times pooled into one cell)."""
+    from scipy.stats import chisquare
+
+    counts = torch.bincount(torch.tensor(samples), minlength=VOCAB_SIZE).double()
+    expected = probs.double() / probs.double().sum() * len(samples)
+    keep = expected >= 5
+    observed = torch.cat([counts[keep], counts[~keep].sum(0, keepdim=True)])
+    expected = torch.cat([expected[keep], expected[~keep].sum(0, keepdim=True)])
+    return float(chisquare(observed.numpy(), expected.numpy()).pvalue)
