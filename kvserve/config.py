@@ -131,6 +131,8 @@ SMALL_BATCH_MATMUL_ENV = "KVSERVE_SMALL_BATCH_MATMUL"
 CPU_PACKED_WEIGHTS_ENV = "KVSERVE_CPU_PACKED_WEIGHTS"
 QUANT_ISA_ENV = "KVSERVE_QUANT_ISA"
 QUANT_ACT_BITS_ENV = "KVSERVE_QUANT_ACT_BITS"
+QUANT_GEMM_ROWS_ENV = "KVSERVE_QUANT_GEMM_ROWS"
+QUANT_GEMM_DTYPE_ENV = "KVSERVE_QUANT_GEMM_DTYPE"
 # The quantized matmul's kernel paths, narrowest first.
 QUANT_ISAS = ("portable", "avx2", "avx512")
 
@@ -146,6 +148,9 @@ class KernelConfig:
     the small-batch kernel. `packed_weights`: pack linear weights for oneDNN.
     `quant_isa`: cap the quantized matmul's path (None: the widest the CPU runs).
     `quant_act_bits`: 16 or 8, how finely that kernel rounds activations.
+    `quant_gemm_rows`: steps of at least this many rows (0: never) dequantize quantized
+    weights and run a dense GEMM in `quant_gemm_dtype` ("bfloat16", "float32"; None:
+    bfloat16 on CPUs with native bfloat16, else float32).
     """
 
     cpu_kernels: bool = True
@@ -153,12 +158,18 @@ class KernelConfig:
     packed_weights: bool = True
     quant_isa: str | None = None
     quant_act_bits: int = 16
+    quant_gemm_rows: int = 64
+    quant_gemm_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.quant_isa is not None and self.quant_isa not in QUANT_ISAS:
             raise ConfigError(f"{QUANT_ISA_ENV} must be one of {', '.join(QUANT_ISAS)}, got {self.quant_isa!r}")
         if self.quant_act_bits not in (8, 16):
             raise ConfigError(f"{QUANT_ACT_BITS_ENV} must be 8 or 16, got {self.quant_act_bits!r}")
+        if not isinstance(self.quant_gemm_rows, int) or self.quant_gemm_rows < 0:
+            raise ConfigError(f"{QUANT_GEMM_ROWS_ENV} must be a non-negative integer, got {self.quant_gemm_rows!r}")
+        if self.quant_gemm_dtype not in (None, "bfloat16", "float32"):
+            raise ConfigError(f"{QUANT_GEMM_DTYPE_ENV} must be bfloat16 or float32, got {self.quant_gemm_dtype!r}")
 
     @classmethod
     def from_env(cls, environ: "os._Environ[str] | dict[str, str] | None" = None) -> "KernelConfig":
@@ -167,11 +178,15 @@ class KernelConfig:
         bits = env.get(QUANT_ACT_BITS_ENV, "16").strip()
         if bits not in ("8", "16"):
             raise ConfigError(f"{QUANT_ACT_BITS_ENV} must be 8 or 16, got {bits!r}")
+        gemm_rows = env.get(QUANT_GEMM_ROWS_ENV, "64").strip()
+        if not gemm_rows.isdigit():
+            raise ConfigError(f"{QUANT_GEMM_ROWS_ENV} must be a non-negative integer, got {gemm_rows!r}")
         return cls(cpu_kernels=_switched_on(env, CPU_KERNELS_ENV),
                    small_batch_matmul=_switched_on(env, SMALL_BATCH_MATMUL_ENV),
                    packed_weights=_switched_on(env, CPU_PACKED_WEIGHTS_ENV),
                    quant_isa=env.get(QUANT_ISA_ENV, "").strip().lower() or None,
-                   quant_act_bits=int(bits))
+                   quant_act_bits=int(bits), quant_gemm_rows=int(gemm_rows),
+                   quant_gemm_dtype=env.get(QUANT_GEMM_DTYPE_ENV, "").strip().lower() or None)
 
 
 def _switched_on(env, name: str) -> bool:

@@ -144,7 +144,8 @@ def _add_serve_compare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=1, help="rounds, alternating which server goes first")
     parser.add_argument("--kvserve-args", default="", help="extra `kvserve serve` flags, one quoted string")
     parser.add_argument("--llama-server", default=None, metavar="PATH",
-                        help="llama-server binary (default: llama-server on PATH, else llama_cpp.server)")
+                        help="llama-server binary (default: llama-server on PATH, else the one "
+                             "scripts/build_llama_server.sh cached, else llama_cpp.server)")
     parser.add_argument("--context-per-slot", type=int, default=2048, help="llama.cpp context per sequence slot")
 
 

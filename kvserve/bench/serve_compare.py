@@ -6,13 +6,15 @@ port (so the servers never compete for the cores or memory), waits for
 it; rounds alternate which server goes first. Figures per server are the
 medians over rounds; the ratios are medians of per-round ratios.
 
-llama.cpp's server is `llama-server` when one is on PATH (or given), run with
+llama.cpp's server is `llama-server` when one is given, on PATH, or built by
+scripts/build_llama_server.sh (cached as <cache root>/llama-server), run with
 `--parallel <concurrency>`; otherwise llama-cpp-python's `python -m
 llama_cpp.server`, which serves one request at a time (said in the result).
 Every server gets the same thread count (torch's).
 """
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import socket
@@ -50,10 +52,23 @@ def kvserve_command(model: str, extra_args: list[str]) -> ServerCommand:
                                      "--host", "127.0.0.1", "--port", "{port}", *extra_args], "kvserve serve")
 
 
+def find_llama_server(explicit: str | None = None) -> str | None:
+    """The llama-server binary to run: `explicit` (which must be an executable file), else
+    llama-server on PATH, else the one scripts/build_llama_server.sh caches; None if none."""
+    if explicit:
+        if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
+            raise ValueError(f"--llama-server {explicit}: not an executable file")
+        return explicit
+    from kvserve.config import cache_root
+    cached = os.path.join(cache_root(), "llama-server")
+    return shutil.which("llama-server") or (cached if os.path.isfile(cached) and os.access(cached, os.X_OK) else None)
+
+
 def llama_cpp_command(model: str, concurrency: int, threads: int, context_per_slot: int,
                       llama_server: str | None) -> ServerCommand | None:
-    """llama-server with `--parallel`, else llama-cpp-python's server; None when neither exists."""
-    binary = llama_server or shutil.which("llama-server")
+    """llama-server (the binary `llama_server`, else `find_llama_server`'s) with `--parallel`,
+    else llama-cpp-python's server; None when neither exists."""
+    binary = llama_server or find_llama_server()
     if binary:
         return ServerCommand("llama.cpp", [binary, "-m", model, "--host", "127.0.0.1", "--port", "{port}",
                                            "--parallel", str(concurrency), "-t", str(threads),
@@ -143,7 +158,8 @@ def run(model: str, config: serve.ServeBenchConfig, *, rounds: int = 1, kvserve_
         threads = torch.get_num_threads()
     commands = [kvserve_command(model, kvserve_args or [])]
     skipped = {}
-    llama = llama_cpp_command(model, config.concurrency or 8, threads, context_per_slot, llama_server)
+    llama = llama_cpp_command(model, config.concurrency or 8, threads, context_per_slot,
+                              find_llama_server(llama_server))
     if llama is None:
         skipped["llama.cpp"] = "neither llama-server nor llama_cpp.server is installed"
     else:

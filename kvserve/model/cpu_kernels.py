@@ -111,6 +111,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvserve_quant_isa_available": ([c_int], c_int),
         "kvserve_quant_linear": ([ptr, i64, i64, ptr, ptr, ptr, c_int, i64, i64, ptr, ptr, i64, c_int, c_int,
                                   c_int, c_int], c_int),
+        "kvserve_quant_dequantize": ([ptr, ptr, ptr, c_int, i64, i64, ptr, c_int, c_int], c_int),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)

@@ -23,7 +23,7 @@ from kvserve.model.decoder import DecoderModel
 from kvserve.model.kernels import choose_model_kernels
 from kvserve.model.parallel import (ColumnParallelLinear, QuantizedWeightMixin, RowParallelLinear,
                                     VocabParallelEmbedding)
-from kvserve.model.quantized import QuantizedWeight, kernel_isa, keeps_quantized
+from kvserve.model.quantized import QuantizedWeight, gemm_dtype, kernel_isa, keeps_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -67,16 +67,18 @@ def _is_matrix_weight(name: str) -> bool:
 
 
 def _finish_quantized(model: DecoderModel, kernel_config: KernelConfig, log: bool) -> None:
-    """Stack the quantized parts each module received and stamp the kernel path and activation
-    rounding on them; the tied LM head shares the embedding's quantized table. Logs what is held."""
+    """Stack the quantized parts each module received and stamp the kernel path, activation
+    rounding and dense-GEMM choice on them; the tied LM head shares the embedding's quantized table. Logs what is held."""
     held: dict[str, int] = {}
     isa = kernel_isa(kernel_config)
+    dense = gemm_dtype(kernel_config)
     for module in model.modules():
         if isinstance(module, QuantizedWeightMixin):
             module.finish_quantized()
             if module.quant_weight is not None:
                 module.quant_weight = dataclasses.replace(module.quant_weight, isa=isa,
-                                                          act_bits=kernel_config.quant_act_bits)
+                                                          act_bits=kernel_config.quant_act_bits,
+                                                          gemm_rows=kernel_config.quant_gemm_rows, gemm_dtype=dense)
                 held[module.quant_weight.source_type] = held.get(module.quant_weight.source_type, 0) + 1
     if model.config.tie_word_embeddings and model.embed_tokens.quant_weight is not None:
         model.lm_head.quant_weight = model.embed_tokens.quant_weight

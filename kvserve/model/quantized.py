@@ -1,10 +1,11 @@
-"""Block-quantized linear weights, computed as stored (GGUF Q4_0, Q4_1, Q8_0, Q4_K).
+"""Block-quantized linear weights, computed as stored (GGUF Q4_0, Q4_1, Q8_0, Q4_K,
+Q5_0, Q5_1, Q5_K).
 
 At load the GGUF blocks are repacked into the one layout the native kernel
 (csrc/quant_linear.c) reads: per row, blocks of 32 columns, each holding 32
 small integers q and float32 `d`, `m` that stand for d * q + m. Q4_0 (m = -8d),
 Q4_1 and Q4_K (whose 6-bit sub-block scales are folded into d and m) become
-4-bit weights, Q8_0 8-bit ones; all of them exactly (the repacked blocks
+4-bit weights, Q8_0 and the five-bit types (Q5_0, Q5_1, Q5_K) 8-bit ones; all of them exactly (the repacked blocks
 dequantize to the same floats as the file's). The weight is then held only in
 this form: `QuantizedWeight.dequantize` rebuilds floats where needed (embedding
 rows, tests).
@@ -14,10 +15,14 @@ portable C; `KernelConfig.quant_isa` (KVSERVE_QUANT_ISA=avx2|portable) caps it
 at a narrower one (for tests and comparisons). The kernel rounds the activations
 per block of 32 to int16 (`KernelConfig.quant_act_bits`, KVSERVE_QUANT_ACT_BITS=8:
 to int8, as llama.cpp does, faster but enough to flip near-tied greedy tokens of
-the default model). The loader stamps both choices on every weight it holds.
+the default model). Steps of many rows (prefill; `KernelConfig.quant_gemm_rows`,
+64 by default) rebuild the weight densely instead (`dequantize_dense`, bfloat16 on
+CPUs with native bfloat16) and run oneDNN's GEMM, several times faster there. The
+loader stamps these choices on every weight it holds.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -34,7 +39,8 @@ BLOCK = 32
 GROUP_COLS = 128  # columns of one 64-byte group of 4-bit blocks
 
 # GGUF type name -> (bytes per super-block, columns per super-block)
-_GGUF_LAYOUTS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q8_0": (34, 32), "Q4_K": (144, 256)}
+_GGUF_LAYOUTS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q8_0": (34, 32), "Q4_K": (144, 256),
+                 "Q5_0": (22, 32), "Q5_1": (24, 32), "Q5_K": (176, 256)}
 SUPPORTED_GGUF_TYPES = tuple(_GGUF_LAYOUTS)
 
 
@@ -47,7 +53,8 @@ class QuantizedWeight:
     """One [out, in] weight in the kernel's layout: `qs` uint8 [out, in/2 or in],
     `d` and `m` float32 [out, in/32], `bits` 4 or 8; `source_type` names the GGUF type.
     `act_bits` (8 or 16): how finely the kernel rounds the activations it multiplies;
-    `isa`: the kernel path it runs on (None: the widest this CPU has)."""
+    `isa`: the kernel path it runs on (None: the widest this CPU has). Steps of at least
+    `gemm_rows` rows (0: never) dequantize it to `gemm_dtype` and run a dense GEMM."""
 
     qs: torch.Tensor
     d: torch.Tensor
@@ -57,6 +64,8 @@ class QuantizedWeight:
     source_type: str
     act_bits: int = 16
     isa: str | None = None
+    gemm_rows: int = 0
+    gemm_dtype: torch.dtype = torch.float32
 
     @property
     def out_features(self) -> int:
@@ -71,8 +80,8 @@ class QuantizedWeight:
 
     def rows(self, index: torch.Tensor | slice) -> "QuantizedWeight":
         """The weight restricted to some rows (a tensor-parallel slice, a permutation)."""
-        return QuantizedWeight(self.qs[index].contiguous(), self.d[index].contiguous(), self.m[index].contiguous(),
-                               self.bits, self.in_features, self.source_type, self.act_bits, self.isa)
+        return dataclasses.replace(self, qs=self.qs[index].contiguous(), d=self.d[index].contiguous(),
+                                   m=self.m[index].contiguous())
 
     def dequantize(self, index: torch.Tensor | None = None) -> torch.Tensor:
         """float32 values of all rows, or of the rows `index` (a 1-D int64 tensor)."""
@@ -88,9 +97,8 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     if any(p.bits != first.bits or p.in_features != first.in_features for p in parts):
         raise QuantizationError("fused parts differ in bits or width")
     names = "+".join(dict.fromkeys(p.source_type for p in parts))
-    return QuantizedWeight(torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]),
-                           torch.cat([p.m for p in parts]), first.bits, first.in_features, names, first.act_bits,
-                           first.isa)
+    return dataclasses.replace(first, qs=torch.cat([p.qs for p in parts]), d=torch.cat([p.d for p in parts]),
+                               m=torch.cat([p.m for p in parts]), source_type=names)
 
 
 # ---- layout -------------------------------------------------------------------------
@@ -148,10 +156,26 @@ def _decode_q8_0(blocks: np.ndarray):
     return blocks[..., 2:34].view(np.int8), d, np.zeros_like(d), 8
 
 
-def _decode_q4_k(blocks: np.ndarray):
-    """Super-blocks of 256: d, dmin (f16), 12 bytes of 6-bit scales/mins for the 8
-    sub-blocks of 32, then 128 bytes of nibbles (per 64 columns: 32 bytes, low
-    nibbles the first 32 columns, high nibbles the next 32)."""
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """[..., 4] bytes (a little-endian uint32, bit j for column j) -> [..., 32] values 0 or 16."""
+    return (np.unpackbits(qh, axis=-1, bitorder="little") << 4).astype(np.uint8)
+
+
+def _decode_q5_0(blocks: np.ndarray):
+    """Five-bit quants held as 8-bit weights (q - 16, signed), exactly."""
+    d = _f16(blocks[..., 0:2])[..., 0]
+    q = (_nibbles(blocks[..., 6:22]) | _fifth_bits(blocks[..., 2:6])).astype(np.int16) - 16
+    return q.astype(np.int8), d, np.zeros_like(d), 8
+
+
+def _decode_q5_1(blocks: np.ndarray):
+    d, m = _f16(blocks[..., 0:2])[..., 0], _f16(blocks[..., 2:4])[..., 0]
+    return (_nibbles(blocks[..., 8:24]) | _fifth_bits(blocks[..., 4:8])).view(np.int8), d, m, 8
+
+
+def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 sub-blocks' d and m of Q4_K / Q5_K super-blocks: f16 d, dmin, then 12 bytes
+    of 6-bit scales and mins."""
     rows, supers = blocks.shape[:2]
     d, dmin = _f16(blocks[..., 0:2])[..., 0], _f16(blocks[..., 2:4])[..., 0]
     s = blocks[..., 4:16].astype(np.uint8)
@@ -160,13 +184,36 @@ def _decode_q4_k(blocks: np.ndarray):
     scales[..., :4], mins[..., :4] = s[..., 0:4] & 63, s[..., 4:8] & 63
     scales[..., 4:] = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
     mins[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
-    qs = blocks[..., 16:144].reshape(rows, supers, 4, 32)
-    q = np.concatenate([qs[..., None, :] & 15, qs[..., None, :] >> 4], axis=-2).reshape(rows, supers, 8, 32)
-    return (q.reshape(rows, -1, 32), (d[..., None] * scales).reshape(rows, -1),
-            (-dmin[..., None] * mins).reshape(rows, -1), 4)
+    return (d[..., None] * scales).reshape(rows, -1), (-dmin[..., None] * mins).reshape(rows, -1)
 
 
-_DECODERS = {"Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1, "Q8_0": _decode_q8_0, "Q4_K": _decode_q4_k}
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """[rows, supers, 128] bytes -> [rows, supers, 8, 32] quants: per 64 columns 32 bytes,
+    low nibbles the first 32 columns, high nibbles the next 32."""
+    rows, supers = qs.shape[:2]
+    qs = qs.reshape(rows, supers, 4, 32)
+    return np.concatenate([qs[..., None, :] & 15, qs[..., None, :] >> 4], axis=-2).reshape(rows, supers, 8, 32)
+
+
+def _decode_q4_k(blocks: np.ndarray):
+    """Super-blocks of 256: scales (see `_k_scales`), then 128 bytes of nibbles."""
+    d, m = _k_scales(blocks)
+    return _k_nibbles(blocks[..., 16:144]).reshape(blocks.shape[0], -1, 32), d, m, 4
+
+
+def _decode_q5_k(blocks: np.ndarray):
+    """As Q4_K, with 32 bytes of fifth bits before the nibbles (bit 2j / 2j + 1 of byte l:
+    column l of sub-block 2j / 2j + 1); held as 8-bit weights, exactly."""
+    rows, supers = blocks.shape[:2]
+    d, m = _k_scales(blocks)
+    bits = np.unpackbits(blocks[..., 16:48], axis=-1, bitorder="little").reshape(rows, supers, 32, 8)
+    high = (np.moveaxis(bits, -1, -2) << 4).astype(np.uint8)  # [rows, supers, 8 sub-blocks, 32]
+    q = _k_nibbles(blocks[..., 48:176]) | high
+    return q.reshape(rows, -1, 32).view(np.int8), d, m, 8
+
+
+_DECODERS = {"Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1, "Q8_0": _decode_q8_0, "Q4_K": _decode_q4_k,
+             "Q5_0": _decode_q5_0, "Q5_1": _decode_q5_1, "Q5_K": _decode_q5_k}
 
 
 def from_gguf_blocks(type_name: str, raw: np.ndarray, in_features: int) -> QuantizedWeight:
@@ -221,14 +268,45 @@ def isa_available(isa: str) -> bool:
     return lib is not None and bool(lib.kvserve_quant_isa_available(ISA_CODES[isa]))
 
 
+def dequantize_dense(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The whole weight as a dense [out, in] tensor of `dtype` (float32 or bfloat16), by
+    the native kernel: the values d * q + m, rounded to bfloat16 if asked."""
+    w = torch.empty(weight.out_features, weight.in_features, dtype=dtype)
+    code = cpu_kernels.load_library().kvserve_quant_dequantize(
+        weight.qs.data_ptr(), weight.d.data_ptr(), weight.m.data_ptr(), weight.bits, weight.out_features,
+        weight.in_features, w.data_ptr(), 0 if dtype == torch.float32 else 1, torch.get_num_threads())
+    if code:
+        raise cpu_kernels.KernelArgumentError(f"dequantization rejected its arguments (code {code})")
+    return w
+
+
+def gemm_dtype(kernel_config: KernelConfig | None = None) -> torch.dtype:
+    """The dtype of the dense GEMM of many-row steps: `kernel_config.quant_gemm_dtype`, else
+    bfloat16 on CPUs with native bfloat16 and float32 elsewhere."""
+    name = (kernel_config or KernelConfig()).quant_gemm_dtype
+    if name is None:
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    return torch.bfloat16 if name == "bfloat16" else torch.float32
+
+
+def _dense_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
+                  dtype: torch.dtype) -> torch.Tensor:
+    w = dequantize_dense(weight, dtype)
+    y = torch.nn.functional.linear(x.to(dtype), w, None if bias is None else bias.to(dtype))
+    return y.to(x.dtype)
+
+
 def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
            isa: str | None = None) -> torch.Tensor:
     """x [..., in] @ W^T (+ bias) with W quantized; x float32 or bfloat16 on the CPU
-    (rows may be strided), the result of x's dtype. `isa` overrides the weight's path."""
+    (rows may be strided), the result of x's dtype. `isa` overrides the weight's path.
+    Steps of `weight.gemm_rows` rows or more dequantize W and run a dense GEMM instead."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     if x2.shape[-1] != weight.in_features:
         raise cpu_kernels.KernelArgumentError(f"input width {x2.shape[-1]}, weight takes {weight.in_features}")
+    if isa is None and weight.gemm_rows and x2.shape[0] >= weight.gemm_rows:
+        return _dense_linear(x2, weight, bias, weight.gemm_dtype).view(*lead, weight.out_features)
     if x2.stride(-1) != 1 or x2.dtype not in (torch.float32, torch.bfloat16):
         x2 = x2.float().contiguous() if x2.dtype not in (torch.float32, torch.bfloat16) else x2.contiguous()
     if bias is not None:

@@ -109,7 +109,7 @@ def test_default_gguf_model_matches_transformers_gguf_loading():
     assert "Paris" in tokenizer.decode(tokens["capital"])
 
 
-@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q4_1])
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1])
 def test_quantized_gguf_weights_held_as_stored_match_dequantized_model(tiny_llama, tmp_path, qtype):
     from kvserve.model import quantized
     if quantized.kernel_isa() is None:
@@ -156,3 +156,31 @@ def test_kernel_config_reaches_every_quantized_weight(tiny_llama, tmp_path):
     plain = load_model(ModelConfig.from_path(path), kernel_config=KernelConfig(cpu_kernels=False))
     assert not any(getattr(m, "quant_weight", None) is not None for m in plain.modules())
     assert plain.kernels.attention.name == "torch"
+
+
+@pytest.mark.parametrize("gemm_dtype", [torch.float32, torch.bfloat16])
+def test_many_token_steps_on_quantized_weights_run_a_dense_gemm(tiny_llama, tmp_path, gemm_dtype):
+    from kvserve.config import KernelConfig
+    from kvserve.model import quantized
+    if quantized.kernel_isa() is None:
+        pytest.skip("no native kernels")
+    path = str(tmp_path / "tiny-Q4_1.gguf")
+    write_gguf(tiny_llama, path, QType.Q4_1)
+    # Every step of 16 or more rows (the prefills here) dequantizes the weights and runs a GEMM.
+    dense = KernelConfig(quant_gemm_rows=16, quant_gemm_dtype="bfloat16" if gemm_dtype == torch.bfloat16 else "float32")
+    held = load_model(ModelConfig.from_path(path), kernel_config=dense)
+    assert all(w.gemm_rows == 16 and w.gemm_dtype == gemm_dtype for w in
+               (m.quant_weight for m in held.modules() if getattr(m, "quant_weight", None) is not None))
+    plain = load_model(ModelConfig.from_path(path, quantization="none"))
+    generator = torch.Generator().manual_seed(2)
+    prompts = {f"r{i}": torch.randint(3, VOCAB, (n,), generator=generator).tolist() for i, n in enumerate([9, 30])}
+    tokens, logits = run_greedy(PagedRunner(held), prompts, 4, chunk=32)
+    ref_tokens, ref_logits = run_greedy(PagedRunner(plain), prompts, 4, chunk=32)
+    # float32: the dequantizing loader's model to float32 rounding; bfloat16: inputs and outputs of
+    # each prefill matmul rounded to bfloat16.
+    bound = 1e-4 if gemm_dtype == torch.float32 else 0.03
+    for req_id in prompts:
+        first, ref_first = logits[req_id][0], ref_logits[req_id][0]  # from the prefill step
+        assert (first - ref_first).abs().max() <= bound * (ref_first.max() - ref_first.min())
+        if gemm_dtype == torch.float32:
+            assert tokens[req_id] == ref_tokens[req_id]

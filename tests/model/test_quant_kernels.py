@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve.config import QUANT_ACT_BITS_ENV, QUANT_ISA_ENV, KernelConfig
+from kvserve.config import (QUANT_ACT_BITS_ENV, QUANT_GEMM_DTYPE_ENV, QUANT_GEMM_ROWS_ENV, QUANT_ISA_ENV,
+                            KernelConfig)
 from kvserve.errors import ConfigError
 from kvserve.model import cpu_kernels, quantized
 
@@ -21,20 +22,21 @@ from gguf import quants  # noqa: E402
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None,
                                 reason="the native CPU kernels could not be built (no C compiler?)")
 ISAS = [isa for isa in quantized.ISA_CODES if cpu_kernels.load_library() and quantized.isa_available(isa)]
-TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K"]
+TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K"]
+K_TYPES = {"Q4_K": 144, "Q5_K": 176}  # bytes per super-block of 256 columns
 # in_features: one block, a group plus tail blocks, odd block counts, the default model's widths.
-WIDTHS = {"Q4_K": [256, 768, 1536], "other": [32, 96, 160, 288, 576, 1536]}
+WIDTHS = {"K": [256, 768, 1536], "other": [32, 96, 160, 288, 576, 1536]}
 
 
 def gguf_blocks(type_name: str, out: int, width: int, seed: int) -> np.ndarray:
     """Raw GGUF bytes [out, bytes per row] of a random weight of `type_name`."""
     rng = np.random.default_rng(seed)
-    if type_name != "Q4_K":
+    if type_name not in K_TYPES:
         weight = rng.standard_normal((out, width)).astype(np.float32)
         weight[0, :32] = 0.0  # an all-zero block (d = 0)
         return quants.quantize(weight, getattr(QType, type_name))
-    # gguf has no Q4_K quantizer: random super-blocks with sane f16 scales.
-    supers = rng.integers(0, 256, (out, width // 256, 144), dtype=np.uint8)
+    # gguf has no K-quant quantizers: random super-blocks with sane f16 scales.
+    supers = rng.integers(0, 256, (out, width // 256, K_TYPES[type_name]), dtype=np.uint8)
     supers[..., 0:2] = np.frombuffer(np.float16(0.011).tobytes(), np.uint8)
     supers[..., 2:4] = np.frombuffer(np.float16(0.007).tobytes(), np.uint8)
     return supers.reshape(out, -1)
@@ -56,7 +58,7 @@ def rounded_activations(x: np.ndarray, bits: int) -> np.ndarray:
 
 def cases():
     for type_name in TYPES:
-        for width in WIDTHS["Q4_K" if type_name == "Q4_K" else "other"]:
+        for width in WIDTHS["K" if type_name in K_TYPES else "other"]:
             yield type_name, width
 
 
@@ -64,7 +66,7 @@ def cases():
 def test_repacked_blocks_dequantize_exactly_like_gguf(type_name, width):
     raw = gguf_blocks(type_name, 7, width, seed=width)
     weight = quantized.from_gguf_blocks(type_name, raw, width)
-    assert weight.bits == (8 if type_name == "Q8_0" else 4)
+    assert weight.bits == (4 if type_name in ("Q4_0", "Q4_1", "Q4_K") else 8)
     np.testing.assert_allclose(weight.dequantize().double().numpy(), reference_weight(type_name, raw, width),
                                rtol=1e-6, atol=1e-7)
     rows = torch.tensor([6, 0, 3])
@@ -87,15 +89,16 @@ def test_kernel_matches_float64_reference(type_name, width, isa, act_bits):
         # Against the weights and the kernel's int8 activations: only float32 sum order differs.
         exact = rounded_activations(x, act_bits) @ w64.T + bias
         np.testing.assert_allclose(y, exact, rtol=1e-4, atol=1e-4 * np.abs(exact).max())
-        # Against the unrounded activations: rounding x costs well under 1% (int8), 0.01% (int16).
+        # Against the unrounded activations: each x moves by at most half a rounding step.
         full = x.astype(np.float64) @ w64.T + bias
-        assert np.abs(y - full).max() <= (0.01 if act_bits == 8 else 1e-4) * np.abs(full).max()
+        half_step = np.repeat(np.abs(x).reshape(batch, -1, 32).max(-1) / (254.0 if act_bits == 8 else 65534.0), 32, 1)
+        assert (np.abs(y - full) <= half_step @ np.abs(w64).T + 1e-4 * np.abs(full).max()).all()
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("type_name", TYPES)
 def test_kernel_takes_strided_and_bfloat16_inputs(type_name, isa):
-    width = 512 if type_name == "Q4_K" else 160
+    width = 512 if type_name in K_TYPES else 160
     weight = quantized.from_gguf_blocks(type_name, gguf_blocks(type_name, 5, width, seed=3), width)
     wide = torch.randn(4, width + 48, generator=torch.Generator().manual_seed(1))
     strided = wide[:, 16:16 + width]  # rows 48 elements apart
@@ -126,8 +129,9 @@ def test_large_batch_runs_threaded_and_matches_small_batches():
     width = 576
     weight = quantized.from_gguf_blocks("Q4_1", gguf_blocks("Q4_1", 300, width, seed=9), width)
     x = torch.randn(40, width, generator=torch.Generator().manual_seed(4))
-    whole = quantized.linear(x, weight)
-    parts = torch.cat([quantized.linear(x[i:i + 1], weight) for i in range(40)])
+    isa = quantized.kernel_isa()  # the integer kernel, not the dense path of many-row steps
+    whole = quantized.linear(x, weight, isa=isa)
+    parts = torch.cat([quantized.linear(x[i:i + 1], weight, isa=isa) for i in range(40)])
     torch.testing.assert_close(whole, parts, rtol=1e-5, atol=1e-5)
 
 
@@ -150,3 +154,47 @@ def test_isa_switch_forces_a_narrower_path():
         KernelConfig.from_env({QUANT_ISA_ENV: "sse9"})
     with pytest.raises(ConfigError, match=QUANT_ACT_BITS_ENV):
         KernelConfig.from_env({QUANT_ACT_BITS_ENV: "4"})
+
+
+@pytest.mark.parametrize("type_name,width", list(cases()))
+def test_dense_dequantization_matches_gguf(type_name, width):
+    raw = gguf_blocks(type_name, 9, width, seed=width + 1)
+    weight = quantized.from_gguf_blocks(type_name, raw, width)
+    dense = quantized.dequantize_dense(weight, torch.float32)
+    np.testing.assert_allclose(dense.double().numpy(), reference_weight(type_name, raw, width), rtol=1e-6, atol=1e-7)
+    # bfloat16: the same values, rounded as torch rounds them.
+    torch.testing.assert_close(quantized.dequantize_dense(weight, torch.bfloat16), dense.to(torch.bfloat16),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("gemm_dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 0.02)])
+@pytest.mark.parametrize("type_name", TYPES)
+def test_many_row_steps_run_a_dense_gemm(type_name, gemm_dtype, tolerance):
+    width, out = (512, 37) if type_name in K_TYPES else (160, 37)
+    raw = gguf_blocks(type_name, out, width, seed=11)
+    weight = dataclasses.replace(quantized.from_gguf_blocks(type_name, raw, width), gemm_rows=8, gemm_dtype=gemm_dtype)
+    w64 = reference_weight(type_name, raw, width)
+    wide = torch.randn(21, width + 16, generator=torch.Generator().manual_seed(6))
+    bias = torch.randn(out, generator=torch.Generator().manual_seed(7))
+    for x in (wide[:, 8:8 + width], wide[:, :width].to(torch.bfloat16)):  # strided float32, bfloat16
+        for rows in (8, 21):
+            y = quantized.linear(x[:rows], weight, bias)
+            assert y.dtype == x.dtype and y.shape == (rows, out)
+            reference = x[:rows].double().numpy() @ w64.T + bias.double().numpy()
+            allowed = max(tolerance, 0.02 if x.dtype == torch.bfloat16 else 0.0) * np.abs(reference).max()
+            assert np.abs(y.double().numpy() - reference).max() <= allowed
+    # Fewer rows than the threshold stay on the integer kernel.
+    few = wide[:7, :width].contiguous()
+    torch.testing.assert_close(quantized.linear(few, weight), quantized.linear(few, weight, isa=quantized.kernel_isa()),
+                               rtol=0, atol=0)
+
+
+def test_gemm_switches_are_read_and_checked():
+    config = KernelConfig.from_env({QUANT_GEMM_ROWS_ENV: "0", QUANT_GEMM_DTYPE_ENV: "Float32"})
+    assert (config.quant_gemm_rows, quantized.gemm_dtype(config)) == (0, torch.float32)
+    default = KernelConfig.from_env({})
+    assert default.quant_gemm_rows == 64
+    assert quantized.gemm_dtype(default) == (torch.bfloat16 if quantized.cpu_has_native_bf16() else torch.float32)
+    for env, bad in ((QUANT_GEMM_ROWS_ENV, "many"), (QUANT_GEMM_ROWS_ENV, "-1"), (QUANT_GEMM_DTYPE_ENV, "fp8")):
+        with pytest.raises(ConfigError, match=env):
+            KernelConfig.from_env({env: bad})

@@ -465,3 +465,56 @@ int kvserve_quant_linear(const void *x, int64_t x_stride, int64_t batch, const u
     free(scales);
     return 0;
 }
+
+/* ---- dequantization, for the many-token steps ------------------------------------------ */
+
+/* Rows of W as floats: w [out, in] of `dtype` (float32 or bfloat16), the values d * q + m
+ * (exactly the file's, before any bfloat16 rounding). Prefill-sized steps dequantize a
+ * weight this way and multiply with a dense GEMM: at hundreds of tokens the matmul is
+ * compute-bound and a tuned float GEMM beats the integer kernel above, while the cost
+ * of rebuilding the weight is spread over all the tokens. Returns 0 or -1. */
+static void store_values(const float *v, int n, void *w, int64_t at, int dtype) {
+    if (dtype == F32)
+        memcpy((float *)w + at, v, sizeof(float) * (size_t)n);
+    else
+        for (int i = 0; i < n; i++) ((uint16_t *)w)[at + i] = bf16_bits(v[i]);
+}
+
+static void dequantize_row(const QWeight *q, int64_t r, int64_t in, void *w, int dtype) {
+    const uint8_t *row = q->qs + r * q->row_bytes;
+    const float *dr = q->d + r * q->nb, *mr = q->m + r * q->nb;
+    const int64_t groups = q->bits == 4 ? q->nb / 4 : 0;
+    float v[GROUP_COLS];
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *bytes = row + g * 64;
+        const float *dg = dr + g * 4, *mg = mr + g * 4;
+        for (int k = 0; k < 64; k++) {
+            v[k] = dg[k / QBLOCK] * (float)(bytes[k] & 15) + mg[k / QBLOCK];
+            v[64 + k] = dg[2 + k / QBLOCK] * (float)(bytes[k] >> 4) + mg[2 + k / QBLOCK];
+        }
+        store_values(v, GROUP_COLS, w, r * in + g * GROUP_COLS, dtype);
+    }
+    for (int64_t blk = groups * 4; blk < q->nb; blk++) {
+        if (q->bits == 8) {
+            const int8_t *bytes = (const int8_t *)row + blk * QBLOCK;
+            for (int i = 0; i < QBLOCK; i++) v[i] = dr[blk] * (float)bytes[i] + mr[blk];
+        } else {
+            const uint8_t *bytes = row + groups * 64 + (blk - groups * 4) * 16;
+            for (int i = 0; i < 16; i++) {
+                v[i] = dr[blk] * (float)(bytes[i] & 15) + mr[blk];
+                v[16 + i] = dr[blk] * (float)(bytes[i] >> 4) + mr[blk];
+            }
+        }
+        store_values(v, QBLOCK, w, r * in + blk * QBLOCK, dtype);
+    }
+}
+
+int kvserve_quant_dequantize(const uint8_t *qs, const float *d, const float *m, int bits, int64_t out, int64_t in,
+                             void *w, int dtype, int num_threads) {
+    if (in % QBLOCK || (bits != 4 && bits != 8) || out < 0) return -1;
+    QWeight q = {qs, d, m, bits == 4 ? in / 2 : in, in / QBLOCK, bits};
+    if (out * q.row_bytes < PARALLEL_MIN_BYTES) num_threads = 1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int64_t r = 0; r < out; r++) dequantize_row(&q, r, in, w, dtype);
+    return 0;
+}
