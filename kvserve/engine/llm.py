@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence, Union
 
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestOutput
-from kvserve.engine.tokenizer import apply_chat_template, load_tokenizer, render_chat_template
+from kvserve.engine.tokenizer import chat_prompt, load_tokenizer
 from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -107,8 +107,7 @@ class LLM:
         params_list = _as_params_list(sampling_params, len(conversations))
         requests = []
         for conversation, params in zip(conversations, params_list):
-            text = render_chat_template(self.tokenizer, conversation, add_generation_prompt, chat_template)
-            token_ids = apply_chat_template(self.tokenizer, conversation, add_generation_prompt, chat_template)
+            text, token_ids = chat_prompt(self.tokenizer, conversation, add_generation_prompt, chat_template)
             requests.append((text, token_ids, params))
         return self._run_batch(requests, use_tqdm)
 
