@@ -303,8 +303,8 @@ class EngineConfig:
     draft_model_config: "ModelConfig | None" = None
 
     def __post_init__(self) -> None:
-        model_max_len = getattr(self.model_config, "max_model_len", None)
-        if model_max_len is not None and self.scheduler_config.max_model_len > model_max_len:
+        model_max_len = self.model_config.max_model_len
+        if self.scheduler_config.max_model_len > model_max_len:
             raise ConfigError(
                 f"max_model_len {self.scheduler_config.max_model_len} exceeds the model's "
                 f"context length {model_max_len}")

@@ -422,7 +422,7 @@ class Scheduler:
     def _free_finished(self, request: Request) -> None:
         self._free_request_blocks(request)
         if self.speculator is not None:
-            self.speculator.forget(request.request_id)
+            self.speculator.forget(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from kvserve.request import Request
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.ngram import propose_ngram
+from kvserve.spec_decode.suffix import SuffixProposer
 
 # Weight of the older drafts in a request's running acceptance rate.
 _ACCEPTANCE_DECAY = 0.5
@@ -73,6 +74,12 @@ class Speculator:
         self._stats = SpecDecodingStats()
         # Draft-model proposals by request: (the request's token count they follow, drafts).
         self._proposals: dict[str, tuple[int, list[int]]] = {}
+        self._suffix = None
+        if config.method == "suffix":
+            self._suffix = SuffixProposer(config.suffix_decoding_max_tree_depth,
+                                          config.suffix_decoding_max_cached_requests,
+                                          config.suffix_decoding_max_spec_factor,
+                                          config.suffix_decoding_min_token_prob)
 
     @property
     def runner_lookahead(self) -> int:
@@ -99,6 +106,8 @@ class Speculator:
         if self.config.uses_draft_model:
             position, proposal = self._proposals.pop(request.request_id, (-1, []))
             draft = proposal[:num_tokens] if position == request.num_tokens else []
+        elif self._suffix is not None:
+            draft = self._suffix.propose(request.request_id, request.all_token_ids, num_tokens)
         else:
             draft = propose_ngram(request.all_token_ids, self.config.prompt_lookup_min,
                                   self.config.prompt_lookup_max, num_tokens)
@@ -125,9 +134,12 @@ class Speculator:
                 and state.weighted_accepted < self.config.min_acceptance_rate * state.weighted_drafted):
             self._back_off(state)
 
-    def forget(self, request_id: str) -> None:
-        self._states.pop(request_id, None)
-        self._proposals.pop(request_id, None)
+    def forget(self, request: Request) -> None:
+        """Drop a finished request's state (suffix decoding caches its outputs)."""
+        self._states.pop(request.request_id, None)
+        self._proposals.pop(request.request_id, None)
+        if self._suffix is not None:
+            self._suffix.finish(request.request_id, request.output_token_ids)
 
     def take_stats(self) -> SpecDecodingStats:
         """Counts since the previous call."""

@@ -142,3 +142,22 @@ def test_masks_are_filled_on_the_mask_thread_while_the_forward_runs(llm, monkeyp
     # Async scheduling runs one step past the EOS (its token is dropped).
     assert rows - len(output.outputs[0].token_ids) in (0, 1)
     assert waited < 0.5 * filled, (waited, filled)
+
+
+def test_prefix_cache_hits_leave_the_constrained_output_unchanged(llm):
+    """The grammar depends on output tokens only: a request whose prompt is served from the
+    prefix cache (whole, then with a different tail) samples under the same masks."""
+    llm.reset_prefix_cache()
+    params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=Constraint(json=PERSON))
+    (first,) = llm.chat([ASK], params, use_tqdm=False)
+    (again,) = llm.chat([ASK], params, use_tqdm=False)
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    seeded = SamplingParams(temperature=1.0, seed=9, n=2, max_tokens=60, structured_outputs=Constraint(json=PERSON))
+    outputs = llm.chat([ASK + [{"role": "assistant", "content": "Sure."}, {"role": "user", "content": "Another."}]] * 2,
+                       seeded, use_tqdm=False)
+    assert outputs[1].num_cached_tokens > 0
+    assert [c.token_ids for c in outputs[0].outputs] == [c.token_ids for c in outputs[1].outputs]
+    for completion in outputs[0].outputs + outputs[1].outputs:
+        assert completion.finish_reason == "stop"
+        jsonschema.validate(json.loads(completion.text), PERSON)

@@ -47,7 +47,8 @@ def client(server):
 def chat(client, **kwargs):
     kwargs.setdefault("messages", [{"role": "user", "content": "Describe a person as JSON."}])
     kwargs.setdefault("max_tokens", 80)
-    return client.chat.completions.create(model=MODEL, temperature=0, **kwargs)
+    kwargs.setdefault("temperature", 0)
+    return client.chat.completions.create(model=MODEL, **kwargs)
 
 
 def test_parse_with_a_pydantic_model(client):
@@ -163,3 +164,38 @@ def test_python_dash_m_kvserve_is_the_cli():
     result = subprocess.run([sys.executable, "-m", "kvserve", "--version"], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0 and result.stdout.strip()
+
+
+def test_a_schema_feature_the_engine_cannot_enforce_is_a_400_naming_it(server, client):
+    unique = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    for fields, param in [
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "u", "schema": unique}}},
+             "response_format.json_schema"),
+            ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+                "type": "object", "properties": {"ids": unique}}}}], "tool_choice": "required"}, "tool_choice")]:
+        reply = httpx.post(server.base_url + "/v1/chat/completions", timeout=60,
+                           json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields})
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == param and "uniqueItems" in error["message"], error
+    assert chat(client, max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_streamed_tool_calls_with_n_2_are_each_complete(client):
+    chunks = list(chat(client, messages=ASK_WEATHER, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required",
+                       parallel_tool_calls=False, stream=True, n=2, temperature=1.0, seed=3))
+    arguments, names, finishes = {0: "", 1: ""}, {}, {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                assert call.index == 0
+                if call.id:
+                    assert choice.index not in names
+                    names[choice.index] = call.function.name
+                arguments[choice.index] += call.function.arguments or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert finishes == {0: "tool_calls", 1: "tool_calls"}
+    tools = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER_TOOL, TIME_TOOL)}
+    for index in (0, 1):
+        jsonschema.validate(json.loads(arguments[index]), tools[names[index]])
