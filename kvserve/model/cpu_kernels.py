@@ -115,6 +115,9 @@ def _declare(lib: ctypes.CDLL) -> None:
                                   c_int, c_int], c_int),
         "kvserve_quant_dequantize": ([ptr, ptr, ptr, c_int, i64, i64, ptr, c_int, c_int], c_int),
         "kvserve_decoder_forward": ([ptr, ptr, ptr, ptr, c_int], c_int),
+        "kvserve_quant_activations": ([ptr, i64, i64, i64, c_int, ptr, ptr], None),
+        "kvserve_quant_rows": ([ptr, ptr, i64, ptr, ptr, ptr, c_int, i64, ptr, ptr, i64, c_int, c_int, i64, i64],
+                               None),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)

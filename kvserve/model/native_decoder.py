@@ -150,7 +150,7 @@ class NativeDecoder:
             bias = self._hold(bias.detach().float().contiguous())
         desc.bias = _ptr_of(bias)
         if qw is not None:
-            if qw.bits not in (4, 8) or qw.in_features % quantized.BLOCK:
+            if qw.bits not in (4, 8, 16) or qw.in_features % quantized.BLOCK:
                 raise NativeDeclined(f"quantized weight of {qw.bits} bits")
             desc.qs, desc.d, desc.m = (self._hold(t).data_ptr() for t in (qw.qs, qw.d, qw.m))
             desc.bits, desc.act_bits = qw.bits, qw.act_bits

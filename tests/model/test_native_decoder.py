@@ -159,3 +159,29 @@ def test_quantized_weights_on_every_kernel_path(tmp_path_factory, native_steps, 
     ref = run_greedy(PagedRunner(_torch_path(load_model(config, kernel_config=kernel_config))), prompts, NUM_NEW,
                      chunk=3)
     _assert_same(ours, ref, max_diff=1e-5)  # the same kernel on the same rows: equal sums
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+def test_quantized_row_ranges_equal_the_per_op_kernel(isa):
+    """`kvserve_quant_rows` (what each thread of the native call runs) gives, row range by
+    row range, exactly the sums of the per-op kernel, for every GGUF type, a few batch sizes."""
+    if quantized.kernel_isa() is None or not quantized.isa_available(isa):
+        pytest.skip(f"the {isa} kernel path does not run here")
+    from test_quant_kernels import TYPES, gguf_blocks
+    lib = cpu_kernels.load_library()
+    for type_name in TYPES:
+        width = 256 if type_name.endswith("K") else 96
+        weight = quantized.from_gguf_blocks(type_name, gguf_blocks(type_name, 22, width, seed=3), width)
+        for batch in (1, 3, 6):
+            x = torch.randn(batch, width)
+            ref = quantized.linear(x, weight, isa=isa)
+            qx = torch.empty(batch * width * 2 + 64, dtype=torch.uint8)
+            scales = torch.empty(2 * batch * (width // 32))
+            lib.kvserve_quant_activations(x.data_ptr(), width, batch, width, weight.act_bits, qx.data_ptr(),
+                                          scales.data_ptr())
+            y = torch.full((batch, 22), float("nan"))
+            for begin, end in ((0, 8), (8, 20), (20, 22)):
+                lib.kvserve_quant_rows(qx.data_ptr(), scales.data_ptr(), batch, weight.qs.data_ptr(),
+                                       weight.d.data_ptr(), weight.m.data_ptr(), weight.bits, width, None,
+                                       y.data_ptr(), 22, weight.act_bits, quantized.ISA_CODES[isa], begin, end)
+            assert torch.equal(y, ref), (type_name, batch)

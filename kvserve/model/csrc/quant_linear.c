@@ -525,7 +525,7 @@ void kvserve_quant_rows(const void *qx, const float *scales, int64_t batch, cons
                         const float *m, int bits, int64_t in, const float *bias, float *y, int64_t y_stride,
                         int act_bits, int isa, int64_t row_begin, int64_t row_end) {
     const int64_t nb = in / QBLOCK;
-    QWeight w = {qs, d, m, bits == 4 ? in / 2 : in, nb, bits};
+    QWeight w = {qs, d, m, row_bytes_of(bits, in), nb, bits};
     QAct a = {act_bits == 8 ? (const int8_t *)qx : NULL, act_bits == 16 ? (const int16_t *)qx : NULL, scales,
               scales + batch * nb, in, nb};
     const float offset = (isa == ISA_AVX512 && bits == 8 && act_bits == 8) ? 128.0f : 0.0f;
