@@ -11,7 +11,8 @@ from engine_helpers import assert_pool_whole, make_engine, run_to_completion  # 
 from test_core import random_workload  # noqa: E402
 from tiny_models import save_tiny_model  # noqa: E402
 
-from kvserve.model import cpu_kernels, native_decoder  # noqa: E402
+from helpers.native_steps import count_native_steps  # noqa: E402
+from kvserve.model import cpu_kernels  # noqa: E402
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no native kernels")
 
@@ -19,14 +20,7 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no n
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_engine_native_decoder_equals_torch_path(tmp_path, monkeypatch, family):
     path = save_tiny_model(family, tmp_path / family)
-    native_steps = [0]
-    forward = native_decoder.NativeDecoder.forward
-
-    def counting(self, *args, **kwargs):
-        out = forward(self, *args, **kwargs)
-        native_steps[0] += out is not None
-        return out
-    monkeypatch.setattr(native_decoder.NativeDecoder, "forward", counting)
+    native_steps = count_native_steps(monkeypatch)
     prompts, params = random_workload(24, seed=5)
     prompts += [prompts[0][:40] + [5, 6, 7]] * 2  # prefix hits on a finished request's blocks
     params += params[:2]

@@ -17,6 +17,8 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from paged_kv_helper import VOCAB, PagedRunner, run_greedy, save_tiny_model
 
+from helpers.native_steps import count_native_steps
+
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no native kernels")
 
 FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"]
@@ -40,15 +42,7 @@ def configs(tmp_path_factory):
 @pytest.fixture
 def native_steps(monkeypatch):
     """Counts the steps the native decoder ran (not declined)."""
-    count = [0]
-    forward = native_decoder.NativeDecoder.forward
-
-    def counting(self, *args, **kwargs):
-        out = forward(self, *args, **kwargs)
-        count[0] += out is not None
-        return out
-    monkeypatch.setattr(native_decoder.NativeDecoder, "forward", counting)
-    return count
+    return count_native_steps(monkeypatch)
 
 
 def _prompts(lengths: list[int], seed: int = 0) -> dict[str, list[int]]:
