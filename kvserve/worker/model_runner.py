@@ -17,6 +17,7 @@ import torch
 from kvserve.config import CacheConfig, KernelConfig, SchedulerConfig
 from kvserve.kv_cache.interface import KVCacheConfig, KVCacheSpec
 from kvserve.model.attention import AttentionMetadata
+from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from kvserve.model.rejection_sampler import verify_drafts
 from kvserve.model.sampler import Sampler, SamplingTensors, make_generator
@@ -41,7 +42,7 @@ class ModelRunner:
     The model's kernels (attention backend, fused ops, weight packing) are chosen
     once, at `load_model`, from `kernel_config` (default: all allowed)."""
 
-    def __init__(self, model_config, cache_config: CacheConfig, device: str = "cpu",
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str = "cpu",
                  scheduler_config: SchedulerConfig | None = None, seed: int = 0,
                  tp_rank: int = 0, tp_size: int = 1, kernel_config: KernelConfig | None = None,
                  draft_model_config=None) -> None:
@@ -61,7 +62,7 @@ class ModelRunner:
         self.logits_constraints = LogitsConstraints(model_config)
         # SchedulerOutput does not carry a request's EOS id; min_tokens blocks the
         # model's (the engine's default EOS for every request).
-        eos_token_ids = list(getattr(model_config, "eos_token_ids", None) or [])
+        eos_token_ids = model_config.eos_token_ids
         self._eos_token_id = eos_token_ids[0] if eos_token_ids else None
         # Requests of a failed step: skipped until the engine reports them finished.
         self._failed_req_ids: set[str] = set()
