@@ -135,6 +135,8 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    parser.add_argument("--trace-out", default=None, metavar="JSONL",
+                        help="write the run as a trace for `kvserve plan --trace` (send times, token counts)")
 
 
 def _add_serve_compare_arguments(parser: argparse.ArgumentParser) -> None:
@@ -256,6 +258,9 @@ def _add_plan_check_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--max-num-batched-tokens", type=int, default=2048)
     server.add_argument("--server-args", default="", help="more `kvserve serve` flags (one quoted string)")
     server.add_argument("--server-threads", type=int, default=0, help="torch threads of the server (0: torch's)")
+    server.add_argument("--roofline-json", default=None, metavar="PATH",
+                        help="also predict with the roofline step cost of this `kvserve bench roofline` JSON")
+    server.add_argument("--roofline-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     load = parser.add_argument_group("the trace")
     load.add_argument("--trace", default=None, metavar="JSONL", help="replay this recorded trace")
     load.add_argument("--trace-out", default=None, metavar="JSONL",
@@ -306,7 +311,7 @@ def _serve_config(args: argparse.Namespace):
         base_url=args.base_url, model=args.served_model, endpoint=args.endpoint, num_prompts=args.num_prompts,
         prompt_words=args.prompt_words, max_tokens=args.max_tokens, concurrency=concurrency,
         request_rate=args.request_rate, ignore_eos=not args.no_ignore_eos, api_key=args.api_key, seed=args.seed,
-        timeout_s=args.timeout)
+        timeout_s=args.timeout, trace_out=args.trace_out)
 
 
 def _run_serve_compare(args: argparse.Namespace) -> dict[str, Any]:
@@ -465,7 +470,8 @@ def _run_plan_check(args: argparse.Namespace) -> dict[str, Any]:
         shape=SchedulerShape(args.block_size, args.max_num_seqs, args.max_num_batched_tokens), load=load,
         num_requests=args.num_requests, trace_path=args.trace,
         trace_out=args.trace_out or plan_check.trace_path_next_to(json_path), seed=args.seed,
-        threads=args.server_threads or None, extra_flags=tuple(shlex.split(args.server_args)))
+        threads=args.server_threads or None, extra_flags=tuple(shlex.split(args.server_args)),
+        roofline_json=args.roofline_json, roofline_dtype=args.roofline_dtype)
     return plan_check.run(config)
 
 

@@ -186,7 +186,7 @@ def _replay(cost, num_kv_tokens: int, trace: list[TraceRequest], prompts: list[l
     scheduler = create_scheduler(num_blocks=num_blocks, block_size=shape.block_size,
                                  max_num_seqs=shape.max_num_seqs,
                                  max_num_batched_tokens=shape.max_num_batched_tokens,
-                                 max_model_len=max(max_len, shape.max_num_batched_tokens))
+                                 max_model_len=max_len)
     requests = create_requests(len(prompts), max_tokens=[r.output_len for r in trace], prompt_token_ids=prompts)
     runner = FakeModelRunner()
     clock, next_index, hits, queries = 0.0, 0, 0, 0

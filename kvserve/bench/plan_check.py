@@ -44,6 +44,8 @@ class PlanCheckConfig:
     seed: int = 0
     threads: int | None = None
     extra_flags: tuple[str, ...] = ()
+    roofline_json: str | None = None
+    roofline_dtype: str = "float32"
 
     def engine_flags(self) -> list[str]:
         flags = ["--max-model-len", str(self.max_model_len), "--kv-cache-memory", self.kv_cache_memory,
@@ -107,7 +109,8 @@ def run(config: PlanCheckConfig) -> dict[str, Any]:
     from kvserve.bench.replicas import _get_json, start_replica
 
     trace = _trace(config)
-    vocab_size = model_shapes(resolve_model_path(config.model)).vocab_size
+    shapes = model_shapes(resolve_model_path(config.model))
+    vocab_size = shapes.vocab_size
     prompts = prompt_token_ids(trace, vocab_size, config.seed)
     if config.trace_out:
         Path(config.trace_out).parent.mkdir(parents=True, exist_ok=True)
@@ -126,11 +129,33 @@ def run(config: PlanCheckConfig) -> dict[str, Any]:
     kv_tokens = int(info["max_total_num_tokens"])
     predicted = simulate_replica(CalibratedStepCost(calibration), kv_tokens, trace, shape=config.shape,
                                  seed=config.seed)
-    return {"config": {**asdict(config), "engine_flags": config.engine_flags()},
-            "kv_capacity_tokens": kv_tokens, "trace_requests": len(trace), "trace_path": config.trace_out,
-            "calibration": calibration.as_json(), "calibration_s": calibration_s,
-            "predicted": predicted, "measured": measured,
-            "predicted_over_measured": compare(predicted, measured) if predicted["feasible"] else None}
+    result = {"config": {**asdict(config), "engine_flags": config.engine_flags()},
+              "kv_capacity_tokens": kv_tokens, "trace_requests": len(trace), "trace_path": config.trace_out,
+              "calibration": {**calibration.as_json(), "model_shapes": asdict(shapes)},
+              "calibration_s": calibration_s,
+              "predicted": predicted, "measured": measured,
+              "predicted_over_measured": compare(predicted, measured) if predicted["feasible"] else None}
+    if config.roofline_json:
+        result["roofline"] = _roofline_prediction(config, calibration, kv_tokens, trace, measured)
+    return result
+
+
+def _roofline_prediction(config: PlanCheckConfig, calibration, kv_tokens: int, trace: list[TraceRequest],
+                         measured: dict[str, Any]) -> dict[str, Any]:
+    """The same trace with the roofline's step cost (`kvserve bench roofline` of this machine),
+    and each calibration sample's measured time over the roofline's."""
+    from kvserve.bench.calibrate import roofline_gap
+    from kvserve.bench.plan import StepCost, machine_from_roofline
+    from kvserve.bench.plan_cli import model_spec_from_path
+
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[config.roofline_dtype]
+    # Memory does not matter here: the KV pool is the server's.
+    machine = machine_from_roofline(config.roofline_json, config.roofline_dtype, memory_gib=1.0)
+    model = model_spec_from_path(config.model, dtype_bytes)
+    predicted = simulate_replica(StepCost(model, machine, 1), kv_tokens, trace, shape=config.shape, seed=config.seed)
+    return {"machine": asdict(machine), "dtype": config.roofline_dtype, "predicted": predicted,
+            "predicted_over_measured": compare(predicted, measured) if predicted["feasible"] else None,
+            "samples": roofline_gap(calibration, model, machine)}
 
 
 def format_result(result: dict[str, Any]) -> str:
@@ -144,14 +169,22 @@ def format_result(result: dict[str, Any]) -> str:
     if not predicted["feasible"]:
         return header + f"\nno prediction: {predicted['reason']}"
     ratios = result["predicted_over_measured"]
+    roofline = result.get("roofline") or {}
+    roofline_ratios = roofline.get("predicted_over_measured") or {}
     rows = []
     for key, label in (("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
                        ("tpot_p50_ms", "TPOT p50 ms"), ("tpot_p99_ms", "TPOT p99 ms")):
         metric, pct = key.split("_", 1)
         rows.append([label, predicted[metric][pct], measured[metric][pct], _ratio(ratios[key])])
+        if roofline:
+            rows[-1].append(_ratio(roofline_ratios.get(key)))
     rows.append(["prefix-hit rate", f"{100 * predicted['prefix_hit_rate']:.1f}%",
                  f"{100 * measured['prefix_hit_rate']:.1f}%", _ratio(ratios["prefix_hit_rate"])])
-    table = format_table(["figure", "predicted", "measured", "predicted/measured"], rows,
+    headers = ["figure", "predicted", "measured", "predicted/measured"]
+    if roofline:
+        rows[-1].append(_ratio(roofline_ratios.get("prefix_hit_rate")))
+        headers.append("roofline's predicted/measured")
+    table = format_table(headers, rows,
                          title=f"plan-check: {result['trace_requests']} requests, "
                                f"{measured['completed']} completed, {measured['failed']} failed")
     return header + "\n\n" + table

@@ -55,7 +55,8 @@ def add_plan_arguments(parser) -> None:
     parser.add_argument("--output-json", default=None, metavar="PATH", help="also write the plan as JSON")
 
 
-def model_spec_from_path(path: str | None, dtype_bytes: int) -> ModelSpec:
+def model_shapes_from_path(path: str | None):
+    """The decoder's shapes from an HF directory, a .gguf file or a bare config.json."""
     from kvserve.bench.model_info import ModelShapes, model_shapes, resolve_model_path
 
     if path and path.endswith(".json"):
@@ -67,7 +68,30 @@ def model_spec_from_path(path: str | None, dtype_bytes: int) -> ModelSpec:
                              head_dim, config["vocab_size"])
     else:
         shapes = model_shapes(resolve_model_path(path))
-    return ModelSpec.from_shapes(shapes, dtype_bytes)
+    return shapes
+
+
+def model_spec_from_path(path: str | None, dtype_bytes: int) -> ModelSpec:
+    return ModelSpec.from_shapes(model_shapes_from_path(path), dtype_bytes)
+
+
+def _calibrated_cost(path: str, shapes, model: ModelSpec, machine: Machine):
+    """`cost_for_tp` from a plan-check calibration, refused when it was measured on another model."""
+    from dataclasses import asdict
+
+    from kvserve.bench.calibrate import CalibratedStepCost, load_calibration
+
+    try:
+        calibration = load_calibration(path)
+        payload = json.loads(open(path).read())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"kvserve plan: error: {exc}") from None
+    measured_on = payload.get("result", payload).get("calibration", {}).get("model_shapes")
+    if measured_on is not None and measured_on != asdict(shapes):
+        raise SystemExit(f"kvserve plan: error: {path} was measured on a model of shapes {measured_on}, not "
+                         f"{asdict(shapes)}; calibrate this model (kvserve bench plan-check --model ...) "
+                         "or plan it with the roofline (--roofline-json)")
+    return lambda tp: CalibratedStepCost(calibration, tp, model, machine)
 
 
 def _machine(args) -> Machine:
@@ -89,18 +113,15 @@ def run_plan(args) -> int:
     if args.trace is None and args.arrival_rate is None:
         raise SystemExit("kvserve plan: error: give --arrival-rate (a synthetic load) or --trace (a recorded one)")
     machine = _machine(args)
-    model = model_spec_from_path(args.model, args.dtype_bytes)
+    shapes = model_shapes_from_path(args.model)
+    model = ModelSpec.from_shapes(shapes, args.dtype_bytes)
     load = Load(args.arrival_rate or 0.0, args.prompt_len, args.len_sigma, args.output_len, args.len_sigma,
                 args.shared_prefix_ratio, args.num_shared_prefixes, args.max_model_len)
     try:
         trace = tuple(read_trace(args.trace)) if args.trace else None
     except (OSError, TraceError) as exc:
         raise SystemExit(f"kvserve plan: error: {exc}") from None
-    cost_for_tp = None
-    if args.calibration_json:
-        from kvserve.bench.calibrate import CalibratedStepCost, load_calibration
-        calibration = load_calibration(args.calibration_json)
-        cost_for_tp = lambda tp: CalibratedStepCost(calibration, tp, model, machine)  # noqa: E731
+    cost_for_tp = _calibrated_cost(args.calibration_json, shapes, model, machine) if args.calibration_json else None
     policies = tuple(p.strip() for p in args.routing_policies.split(",") if p.strip())
     unknown = sorted(set(policies) - set(ROUTING_POLICIES))
     if unknown:

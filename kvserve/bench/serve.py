@@ -51,6 +51,7 @@ class ServeBenchConfig:
     api_key: str | None = None
     seed: int = 0
     timeout_s: float = 600.0
+    trace_out: str | None = None  # write the run as a `kvserve plan --trace` JSONL
 
     def __post_init__(self) -> None:
         if self.endpoint not in ("completions", "chat"):
@@ -79,6 +80,7 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     error: str | None = None
     text: str = ""
+    sent_s: float = 0.0  # when it was sent, seconds from the start of the run
 
     @property
     def tpot_s(self) -> float | None:
@@ -205,9 +207,15 @@ async def run_async(config: ServeBenchConfig) -> dict[str, Any]:
         async def one(prompt: str) -> RequestResult:
             body = _request_body(config, model, prompt)
             if gate is None:
-                return await stream_one(client, url, body, headers)
+                return await _timed(stream_one(client, url, body, headers))
             async with gate:
-                return await stream_one(client, url, body, headers)
+                return await _timed(stream_one(client, url, body, headers))
+
+        async def _timed(request) -> RequestResult:
+            sent_s = time.perf_counter() - started
+            result = await request
+            result.sent_s = sent_s
+            return result
 
         started = time.perf_counter()
         tasks = []
@@ -218,9 +226,20 @@ async def run_async(config: ServeBenchConfig) -> dict[str, Any]:
         results = await asyncio.gather(*tasks)
         duration_s = time.perf_counter() - started
     summary = summarize(results, duration_s)
+    if config.trace_out:
+        summary["trace_path"] = write_run_trace(config.trace_out, results)
     summary["config"] = {k: v for k, v in asdict(config).items() if k != "api_key"}
     summary["config"]["model"] = model
     return summary
+
+
+def write_run_trace(path: str, results: list[RequestResult]) -> str:
+    """The completed requests as a trace: send time, prompt and output tokens (no shared prefix:
+    the prompts are independent)."""
+    from kvserve.bench.trace import TraceRequest, write_trace
+
+    done = sorted((r for r in results if r.ok and r.prompt_tokens and r.output_tokens), key=lambda r: r.sent_s)
+    return write_trace(path, [TraceRequest(r.sent_s, r.prompt_tokens, r.output_tokens) for r in done])
 
 
 def run(config: ServeBenchConfig) -> dict[str, Any]:

@@ -114,5 +114,6 @@ def format_result(result: dict[str, Any]) -> str:
         [[r["scenario"], statistics.median(r["off_tokens_per_s"]), statistics.median(r["on_tokens_per_s"]),
           f"{r['median_ratio']:.2f}x", "yes" if r["greedy_outputs_identical"] else "NO",
           r["acceptance_rate"], r["mean_accepted_length"]] for r in result["scenarios"]],
-        title=(f"spec: ngram k={result['speculative_config']['num_speculative_tokens']}, "
+        title=(f"spec: {result['speculative_config']['method']} "
+               f"k={result['speculative_config']['num_speculative_tokens']}, "
                f"{result['rounds']} rounds, max_tokens {result['max_tokens']}"))

@@ -76,9 +76,9 @@ class QuantizedWeightMixin:
 
     The loader hands over each checkpoint part with `load_quantized`; once all are
     in, `finish_quantized` stacks them into `quant_weight` and drops the float
-    parameter (the weight is held once). Parts that cannot be stacked (types of
-    different bit widths in one fused projection) are dequantized into the float
-    weight instead.
+    parameter (the weight is held once); parts of fewer bits are widened to the
+    widest part's. Parts that cannot be stacked (different widths) are dequantized
+    into the float weight instead.
     """
 
     quant_weight: QuantizedWeight | None = None

@@ -1,11 +1,12 @@
 """Block-quantized linear weights, computed as stored (GGUF Q4_0, Q4_1, Q8_0, Q4_K,
-Q5_0, Q5_1, Q5_K).
+Q5_0, Q5_1, Q5_K, Q6_K).
 
 At load the GGUF blocks are repacked into the one layout the native kernel
 (csrc/quant_linear.c) reads: per row, blocks of 32 columns, each holding 32
 small integers q and float32 `d`, `m` that stand for d * q + m. Q4_0 (m = -8d),
 Q4_1 and Q4_K (whose 6-bit sub-block scales are folded into d and m) become
-4-bit weights, Q8_0 and the five-bit types (Q5_0, Q5_1, Q5_K) 8-bit ones; all of them exactly (the repacked blocks
+4-bit weights, Q8_0 and the five-bit types (Q5_0, Q5_1, Q5_K) 8-bit ones, Q6_K
+16-bit ones (quant times sub-block scale); all of them exactly (the repacked blocks
 dequantize to the same floats as the file's). The weight is then held only in
 this form: `QuantizedWeight.dequantize` rebuilds floats where needed (embedding
 rows, tests).
@@ -40,7 +41,7 @@ GROUP_COLS = 128  # columns of one 64-byte group of 4-bit blocks
 
 # GGUF type name -> (bytes per super-block, columns per super-block)
 _GGUF_LAYOUTS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q8_0": (34, 32), "Q4_K": (144, 256),
-                 "Q5_0": (22, 32), "Q5_1": (24, 32), "Q5_K": (176, 256)}
+                 "Q5_0": (22, 32), "Q5_1": (24, 32), "Q5_K": (176, 256), "Q6_K": (210, 256)}
 SUPPORTED_GGUF_TYPES = tuple(_GGUF_LAYOUTS)
 
 
@@ -50,8 +51,8 @@ class QuantizationError(ValueError):
 
 @dataclass
 class QuantizedWeight:
-    """One [out, in] weight in the kernel's layout: `qs` uint8 [out, in/2 or in],
-    `d` and `m` float32 [out, in/32], `bits` 4 or 8; `source_type` names the GGUF type.
+    """One [out, in] weight in the kernel's layout: `qs` uint8 [out, in/2, in or 2 in],
+    `d` and `m` float32 [out, in/32], `bits` 4, 8 or 16; `source_type` names the GGUF type.
     `act_bits` (8 or 16): how finely the kernel rounds the activations it multiplies;
     `isa`: the kernel path it runs on (None: the widest this CPU has). Steps of at least
     `gemm_rows` rows (0: never) dequantize it to `gemm_dtype` and run a dense GEMM."""
@@ -92,20 +93,34 @@ class QuantizedWeight:
 
 
 def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
-    """Stack weights of one width and bit count by rows (the parts of a fused projection)."""
+    """Stack weights of one width by rows (the parts of a fused projection); parts of
+    fewer bits are widened, exactly, to the widest part's (a Q4_K query next to a Q6_K
+    value projection)."""
     first = parts[0]
-    if any(p.bits != first.bits or p.in_features != first.in_features for p in parts):
-        raise QuantizationError("fused parts differ in bits or width")
+    if any(p.in_features != first.in_features for p in parts):
+        raise QuantizationError("fused parts differ in width")
+    bits = max(p.bits for p in parts)
+    parts = [widen(p, bits) for p in parts]
     names = "+".join(dict.fromkeys(p.source_type for p in parts))
-    return dataclasses.replace(first, qs=torch.cat([p.qs for p in parts]), d=torch.cat([p.d for p in parts]),
+    return dataclasses.replace(parts[0], qs=torch.cat([p.qs for p in parts]), d=torch.cat([p.d for p in parts]),
                                m=torch.cat([p.m for p in parts]), source_type=names)
+
+
+def widen(weight: QuantizedWeight, bits: int) -> QuantizedWeight:
+    """The same values with quants of `bits` (at least the weight's own) bits."""
+    if weight.bits == bits:
+        return weight
+    q = unpack_quants(weight.qs, weight.bits, weight.in_features).numpy()
+    return dataclasses.replace(weight, qs=torch.from_numpy(pack_quants(q, bits)), bits=bits)
 
 
 # ---- layout -------------------------------------------------------------------------
 
 def pack_quants(q: np.ndarray, bits: int) -> np.ndarray:
-    """q [rows, in] (uint8 0..15 for 4 bits, int8 for 8) -> the kernel's byte layout."""
+    """q [rows, in] (uint8 0..15 for 4 bits, int8 for 8, int16 for 16) -> the kernel's byte layout."""
     rows, cols = q.shape
+    if bits == 16:
+        return np.ascontiguousarray(q.astype(np.int16)).view(np.uint8)
     if bits == 8:
         return np.ascontiguousarray(q.astype(np.int8).view(np.uint8))
     q = q.astype(np.uint8)
@@ -120,6 +135,8 @@ def pack_quants(q: np.ndarray, bits: int) -> np.ndarray:
 def unpack_quants(qs: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
     """Inverse of `pack_quants` (in torch): int16 [rows, cols]."""
     rows = qs.shape[0]
+    if bits == 16:
+        return qs.contiguous().view(torch.int16)
     if bits == 8:
         return qs.view(torch.int8).to(torch.int16)
     groups = cols // GROUP_COLS
@@ -212,8 +229,26 @@ def _decode_q5_k(blocks: np.ndarray):
     return q.reshape(rows, -1, 32).view(np.int8), d, m, 8
 
 
+def _decode_q6_k(blocks: np.ndarray):
+    """Super-blocks of 256: 128 bytes of low nibbles, 64 bytes of high bit pairs, 16 int8
+    scales (one per 16 columns), f16 d. Per 128 columns (64 + 32 bytes): columns l and
+    32 + l take the low nibbles of bytes l and 32 + l, columns 64 + l and 96 + l their high
+    nibbles; the high pairs are bits 0-1, 2-3, 4-5, 6-7 of byte l for those four columns.
+    Held as 16-bit weights, exactly: q = (6-bit quant - 32) * scale, one d per super-block."""
+    rows, supers = blocks.shape[:2]
+    ql = blocks[..., 0:128].reshape(rows, supers, 2, 2, 32)  # [half, first/second 32 bytes, l]
+    qh = blocks[..., 128:192].reshape(rows, supers, 2, 1, 32)
+    low = np.concatenate([ql & 15, ql >> 4], axis=-2)  # columns 0-31, 32-63, 64-95, 96-127 of a half
+    high = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+    q = (low | (high << 4)).astype(np.int16) - 32  # [rows, supers, 2, 4, 32]
+    scales = blocks[..., 192:208].view(np.int8).astype(np.int16).reshape(rows, supers, 2, 4, 2, 1)
+    q = (q.reshape(rows, supers, 2, 4, 2, 16) * scales).reshape(rows, -1, 32)
+    d = np.repeat(_f16(blocks[..., 208:210])[..., 0], 8, axis=-1)
+    return q, d, np.zeros_like(d), 16
+
+
 _DECODERS = {"Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1, "Q8_0": _decode_q8_0, "Q4_K": _decode_q4_k,
-             "Q5_0": _decode_q5_0, "Q5_1": _decode_q5_1, "Q5_K": _decode_q5_k}
+             "Q5_0": _decode_q5_0, "Q5_1": _decode_q5_1, "Q5_K": _decode_q5_k, "Q6_K": _decode_q6_k}
 
 
 def from_gguf_blocks(type_name: str, raw: np.ndarray, in_features: int) -> QuantizedWeight:
@@ -315,7 +350,7 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
     code = cpu_kernels.load_library().kvserve_quant_linear(
         x2.data_ptr(), x2.stride(0), x2.shape[0], weight.qs.data_ptr(), weight.d.data_ptr(), weight.m.data_ptr(),
         weight.bits, weight.out_features, weight.in_features, bias.data_ptr() if bias is not None else None,
-        y.data_ptr(), y.stride(0), 0 if x2.dtype == torch.float32 else 1, weight.act_bits,
+        y.data_ptr(), y.stride(0), 0 if x2.dtype == torch.float32 else 1, 16 if weight.bits == 16 else weight.act_bits,
         ISA_CODES[isa or weight.isa or kernel_isa()], torch.get_num_threads())
     if code:
         raise cpu_kernels.KernelArgumentError(f"quantized matmul rejected its arguments (code {code})")

@@ -8,7 +8,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "suffix")
+_FLOAT_KEYS = ("min_acceptance_rate", "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 # Batches this large run without drafts: on a CPU a step of a few requests is
 # already compute-bound, so verifying k more tokens per request costs about as
@@ -39,6 +40,13 @@ class SpeculativeConfig:
     proposes `num_speculative_tokens` tokens autoregressively after each
     verified step; its KV lives in its own groups of the target's KV-cache
     manager. Given `model` without `method`, the method is `draft_model` (vLLM).
+
+    `suffix` (vLLM's suffix decoding, `spec_decode/suffix.py`): suffix trees of
+    the request's tokens and of the outputs of the last
+    `suffix_decoding_max_cached_requests` finished requests, cut at
+    `suffix_decoding_max_tree_depth`; a draft follows the most frequent
+    continuation while each token's share is >= `suffix_decoding_min_token_prob`,
+    at most `suffix_decoding_max_spec_factor` x the matched length.
     """
 
     method: str = "ngram"
@@ -50,6 +58,10 @@ class SpeculativeConfig:
     max_misses: int = 6
     backoff_steps: int = 8
     model: str | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10_000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -65,6 +77,13 @@ class SpeculativeConfig:
             raise SpeculativeConfigError('speculative_config: method "draft_model" needs "model" (the draft\'s path)')
         if self.method == "ngram" and self.model:
             raise SpeculativeConfigError('speculative_config: "model" is only used with method "draft_model"')
+        _check_positive("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth)
+        if self.suffix_decoding_max_cached_requests < 0:
+            raise SpeculativeConfigError("speculative_config: suffix_decoding_max_cached_requests must be >= 0")
+        if self.suffix_decoding_max_spec_factor <= 0:
+            raise SpeculativeConfigError("speculative_config: suffix_decoding_max_spec_factor must be > 0")
+        if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
+            raise SpeculativeConfigError("speculative_config: suffix_decoding_min_token_prob must be in [0, 1]")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise SpeculativeConfigError(
                 f"speculative_config: prompt_lookup_min {self.prompt_lookup_min} exceeds "
@@ -99,7 +118,10 @@ class SpeculativeConfig:
         for key, expected in (("method", str), ("model", str)):
             if key in value and value[key] is not None and not isinstance(value[key], expected):
                 raise SpeculativeConfigError(f"speculative_config: {key} must be a string")
-        for key in known - {"method", "model", "min_acceptance_rate"}:
+        for key in _FLOAT_KEYS:
+            if key in value and (not isinstance(value[key], (int, float)) or isinstance(value[key], bool)):
+                raise SpeculativeConfigError(f"speculative_config: {key} must be a number, got {value[key]!r}")
+        for key in known - {"method", "model", *_FLOAT_KEYS}:
             if key in value and (not isinstance(value[key], int) or isinstance(value[key], bool)):
                 raise SpeculativeConfigError(
                     f"speculative_config: {key} must be an integer, got {value[key]!r}")

@@ -134,6 +134,37 @@ def test_plan_command_with_a_trace_and_a_calibration(tmp_path):
     assert "behind the gateway" in completed.stdout
     neither = subprocess.run(base, capture_output=True, text=True, timeout=120)
     assert neither.returncode != 0 and "--arrival-rate" in neither.stderr and "--trace" in neither.stderr
+    other_model = {**fit(_samples(CALIBRATION)).as_json(), "model_shapes": {"hidden_size": 64}}
+    (tmp_path / "other.json").write_text(json.dumps({"result": {"calibration": other_model}}))
+    refused = subprocess.run([*base, "--arrival-rate", "1", "--calibration-json", str(tmp_path / "other.json")],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "measured on a model of shapes" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
+def test_plan_check_also_scores_the_roofline_on_the_same_trace(tmp_path):
+    from kvserve.bench.plan_check import PlanCheckConfig, _roofline_prediction, format_result
+
+    config_json = tmp_path / "config.json"
+    config_json.write_text(json.dumps({"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4,
+                                       "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1000}))
+    roofline = tmp_path / "roofline.json"
+    roofline.write_text(json.dumps({"result": {"by_dtype": {"float32": {"matmul": [
+        {"m": 1, "weight_read_gb_per_s": 20.0, "gflops": 10.0},
+        {"m": 256, "weight_read_gb_per_s": 50.0, "gflops": 200.0}]}}}}))
+    config = PlanCheckConfig(model=str(config_json), roofline_json=str(roofline))
+    trace = synthetic_trace(Load(arrival_rate=1.0, prompt_len_median=64, output_len_median=8), 1.0, 20, seed=0)
+    calibration = fit(_samples(CALIBRATION))
+    measured = simulate_replica(CalibratedStepCost(calibration), 5000, trace)
+    scored = _roofline_prediction(config, calibration, 5000, trace, measured)
+    assert scored["machine"]["tflops"] == pytest.approx(0.2) and scored["machine"]["bandwidth_gbs"] == 20.0
+    assert scored["predicted"]["feasible"] and set(scored["predicted_over_measured"]) >= {"ttft_p99_ms"}
+    assert len(scored["samples"]) == 7 and all(s["measured_over_roofline"] > 0 for s in scored["samples"])
+    result = {"calibration": calibration.as_json(), "kv_capacity_tokens": 5000, "trace_requests": 20,
+              "predicted": measured, "measured": {**measured, "completed": 20, "failed": 0},
+              "predicted_over_measured": compare(measured, measured), "roofline": scored}
+    text = format_result(result)
+    assert "roofline's predicted/measured" in text and "1.00x" in text
 
 
 def test_a_simulated_replica_takes_decode_heavy_steps_at_the_decode_rate():

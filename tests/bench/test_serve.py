@@ -63,6 +63,21 @@ def test_poisson_rate_spreads_arrivals_and_chat_endpoint_without_usage_counts_ch
     assert log.arrival_times[-1] - log.arrival_times[0] > 0.1
 
 
+def test_the_run_is_written_as_a_trace_that_plan_reads(tmp_path):
+    from kvserve.bench.trace import read_trace
+
+    path = tmp_path / "serve.trace.jsonl"
+    with fake_server(fail_request_numbers=frozenset({2})) as server:
+        result = run(ServeBenchConfig(base_url=server.url, num_prompts=6, prompt_words=4, max_tokens=NUM_TOKENS,
+                                      concurrency=None, request_rate=30.0, seed=1, trace_out=str(path)))
+    trace = read_trace(result["trace_path"])
+    assert len(trace) == 5  # the failed request is left out
+    assert all(r.output_len == NUM_TOKENS and r.prompt_len > 0 and r.prefix_id is None for r in trace)
+    sent = sorted(server.log.arrival_times)
+    # Send times are offsets from the start of the run, as the server saw the requests arrive.
+    assert trace[-1].arrival_s - trace[0].arrival_s == pytest.approx(sent[-1] - sent[0], abs=0.05)
+
+
 def test_non_loopback_urls_are_refused():
     with pytest.raises(NotLoopbackError):
         ServeBenchConfig(base_url="http://example.com:8000")

@@ -22,8 +22,9 @@ from gguf import quants  # noqa: E402
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None,
                                 reason="the native CPU kernels could not be built (no C compiler?)")
 ISAS = [isa for isa in quantized.ISA_CODES if cpu_kernels.load_library() and quantized.isa_available(isa)]
-TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K"]
-K_TYPES = {"Q4_K": 144, "Q5_K": 176}  # bytes per super-block of 256 columns
+TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K"]
+K_TYPES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes per super-block of 256 columns
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q6_K": 16}  # the others: 8
 # in_features: one block, a group plus tail blocks, odd block counts, the default model's widths.
 WIDTHS = {"K": [256, 768, 1536], "other": [32, 96, 160, 288, 576, 1536]}
 
@@ -37,6 +38,9 @@ def gguf_blocks(type_name: str, out: int, width: int, seed: int) -> np.ndarray:
         return quants.quantize(weight, getattr(QType, type_name))
     # gguf has no K-quant quantizers: random super-blocks with sane f16 scales.
     supers = rng.integers(0, 256, (out, width // 256, K_TYPES[type_name]), dtype=np.uint8)
+    if type_name == "Q6_K":  # d last; the int8 scales stay random, negative ones included
+        supers[..., 208:210] = np.frombuffer(np.float16(0.0011).tobytes(), np.uint8)
+        return supers.reshape(out, -1)
     supers[..., 0:2] = np.frombuffer(np.float16(0.011).tobytes(), np.uint8)
     supers[..., 2:4] = np.frombuffer(np.float16(0.007).tobytes(), np.uint8)
     return supers.reshape(out, -1)
@@ -66,7 +70,7 @@ def cases():
 def test_repacked_blocks_dequantize_exactly_like_gguf(type_name, width):
     raw = gguf_blocks(type_name, 7, width, seed=width)
     weight = quantized.from_gguf_blocks(type_name, raw, width)
-    assert weight.bits == (4 if type_name in ("Q4_0", "Q4_1", "Q4_K") else 8)
+    assert weight.bits == BITS.get(type_name, 8)
     np.testing.assert_allclose(weight.dequantize().double().numpy(), reference_weight(type_name, raw, width),
                                rtol=1e-6, atol=1e-7)
     rows = torch.tensor([6, 0, 3])
@@ -80,6 +84,8 @@ def test_kernel_matches_float64_reference(type_name, width, isa, act_bits):
     out = 13  # three tiles of four rows and a one-row tail
     raw = gguf_blocks(type_name, out, width, seed=out + width)
     weight = dataclasses.replace(quantized.from_gguf_blocks(type_name, raw, width), act_bits=act_bits)
+    if weight.bits == 16:  # sixteen-bit weights always take int16 activations
+        act_bits = 16
     w64 = reference_weight(type_name, raw, width)
     rng = np.random.default_rng(width)
     for batch in (1, 3, 6):  # a batch tail after a tile of four rows of x
@@ -140,7 +146,7 @@ def test_bad_shapes_are_rejected():
     with pytest.raises(cpu_kernels.KernelArgumentError):
         quantized.linear(torch.randn(2, 96), weight)
     with pytest.raises(quantized.QuantizationError):
-        quantized.from_gguf_blocks("Q6_K", np.zeros((2, 210), np.uint8), 256)
+        quantized.from_gguf_blocks("Q2_K", np.zeros((2, 84), np.uint8), 256)
     with pytest.raises(quantized.QuantizationError):
         quantized.from_gguf_blocks("Q4_0", np.zeros((2, 17), np.uint8), 32)
 
@@ -198,3 +204,14 @@ def test_gemm_switches_are_read_and_checked():
     for env, bad in ((QUANT_GEMM_ROWS_ENV, "many"), (QUANT_GEMM_ROWS_ENV, "-1"), (QUANT_GEMM_DTYPE_ENV, "fp8")):
         with pytest.raises(ConfigError, match=env):
             KernelConfig.from_env({env: bad})
+
+
+def test_fused_parts_of_different_bits_are_widened_exactly():
+    parts = [quantized.from_gguf_blocks(name, gguf_blocks(name, rows, 512, seed=rows), 512)
+             for name, rows in (("Q4_K", 5), ("Q8_0", 3), ("Q6_K", 2))]
+    fused = quantized.cat_rows(parts)
+    assert fused.bits == 16 and fused.source_type == "Q4_K+Q8_0+Q6_K" and fused.shape == (10, 512)
+    torch.testing.assert_close(fused.dequantize(), torch.cat([p.dequantize() for p in parts]), rtol=0, atol=0)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(8))
+    torch.testing.assert_close(quantized.linear(x, fused), torch.cat([quantized.linear(x, p) for p in parts], dim=1),
+                               rtol=1e-4, atol=1e-4)

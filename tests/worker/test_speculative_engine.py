@@ -86,3 +86,32 @@ def test_speculative_steps_carry_logprobs_per_token(model_paths):
         assert [lp.sampled_token_id for lp in logprobs] == tokens
     finally:
         core.shutdown()
+
+
+SUFFIX_SPEC = {"method": "suffix", "num_speculative_tokens": 3, "suffix_decoding_max_spec_factor": 3.0,
+               "min_acceptance_rate": 0.0, "max_misses": 1000, "disable_by_batch_size": 64}
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_greedy_suffix_decoding_is_lossless_across_requests(model_paths, async_scheduling):
+    """The same prompts twice through one engine: the second round also drafts from the
+    first round's outputs (the global suffix tree), which the tiny model repeats."""
+    def two_rounds(speculative_config):
+        core = make_engine(model_paths["llama"], speculative_config=speculative_config,
+                           async_scheduling=async_scheduling, kv_cache_memory=KV_MEMORY["llama"], **SETTINGS)
+        try:
+            first = run_to_completion(core, _prompts(), _params())
+            first_stats = core.get_stats().spec_decoding_stats
+            second = run_to_completion(core, _prompts(), _params(), first_id=100)
+            assert_pool_whole(core)
+            return first, second, first_stats, core.get_stats().spec_decoding_stats
+        finally:
+            core.shutdown()
+
+    expected = two_rounds(None)[:2]
+    *got, first_stats, second_stats = two_rounds(SUFFIX_SPEC)
+    assert got == list(expected)
+    assert first_stats.num_drafts > 10 and 0 < first_stats.num_accepted_tokens < first_stats.num_draft_tokens
+    # Greedy outputs repeat the first round's: drafts from them are accepted more often.
+    assert (second_stats.num_accepted_tokens / second_stats.num_draft_tokens
+            > first_stats.num_accepted_tokens / first_stats.num_draft_tokens)

@@ -8,7 +8,9 @@
  * holding column k in its low nibble and column 64 + k in its high nibble (so
  * one 64-byte load yields two whole blocks per nibble half); the remaining
  * blocks take 16 bytes each in GGUF's own order (byte k: columns k and 16 + k).
- * Eight-bit weights keep q signed, one per byte, in column order.
+ * Eight-bit weights keep q signed, one per byte, in column order; sixteen-bit
+ * weights (Q6_K, whose 6-bit quants times their int8 sub-block scales need up to
+ * 13 bits) keep q as int16 in column order and take int16 activations only.
  *
  * The activations are quantized per block of 32 to int8 with one float scale
  * (as llama.cpp's Q8 activations), so each block's dot product is an integer
@@ -72,6 +74,8 @@ typedef struct {
     int64_t in, nb;
 } QAct;
 
+static int64_t row_bytes_of(int bits, int64_t in) { return bits == 4 ? in / 2 : bits == 8 ? in : 2 * in; }
+
 /* Whether this build and this CPU run the given path. */
 int kvserve_quant_isa_available(int isa) {
     if (isa == ISA_PORTABLE) return 1;
@@ -119,6 +123,10 @@ static void quantize_row(const void *x, int dtype, int64_t in, int act_bits, voi
 
 /* The 32 quants of block `blk` of one row, in column order. */
 static void unpack_block(const QWeight *w, const uint8_t *row, int64_t blk, int q[QBLOCK]) {
+    if (w->bits == 16) {
+        for (int i = 0; i < QBLOCK; i++) q[i] = ((const int16_t *)row)[blk * QBLOCK + i];
+        return;
+    }
     if (w->bits == 8) {
         for (int i = 0; i < QBLOCK; i++) q[i] = ((const int8_t *)row)[blk * QBLOCK + i];
         return;
@@ -149,7 +157,7 @@ static float dot_portable(const QWeight *w, int64_t row, const QAct *a, int64_t 
     int q[QBLOCK];
     for (int64_t blk = 0; blk < w->nb; blk++) {
         unpack_block(w, qrow, blk, q);
-        int32_t sum = 0;
+        int64_t sum = 0; /* 16-bit weights: 32 products can pass 2^31 */
         for (int i = 0; i < QBLOCK; i++) sum += q[i] * (qx ? qx[blk * QBLOCK + i] : qx16[blk * QBLOCK + i]);
         acc += d[blk] * dx[blk] * (float)sum;
     }
@@ -194,12 +202,37 @@ INLINE __m256 block_dot16_avx2(__m256i q, const int16_t *x, int bits) {
     return _mm256_cvtepi32_ps(sum);
 }
 
+/* One block of sixteen-bit weights (int16 activations only): vpmaddwd on the stored quants. */
+INLINE void block16w_avx2(const QWeight *w, int64_t row, int rows, const QAct *a, int64_t b0, int batch, int64_t blk,
+                          __m256 acc[TILE_ROWS][TILE_BATCH]) {
+    __m256i q0[TILE_ROWS], q1[TILE_ROWS];
+    for (int r = 0; r < rows; r++) {
+        const int16_t *src = (const int16_t *)(w->qs + (row + r) * w->row_bytes) + blk * QBLOCK;
+        q0[r] = _mm256_loadu_si256((const __m256i *)src);
+        q1[r] = _mm256_loadu_si256((const __m256i *)(src + 16));
+    }
+    for (int b = 0; b < batch; b++) {
+        const int16_t *x16 = a->qx16 + (b0 + b) * a->in + blk * QBLOCK;
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)x16), x1 = _mm256_loadu_si256((const __m256i *)(x16 + 16));
+        float dx = a->dx[(b0 + b) * a->nb + blk];
+        for (int r = 0; r < rows; r++) {
+            __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(q0[r], x0), _mm256_madd_epi16(q1[r], x1));
+            acc[r][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(w->d[(row + r) * w->nb + blk] * dx),
+                                        acc[r][b]);
+        }
+    }
+}
+
 static void tile_avx2(const QWeight *w, int64_t row, int rows, const QAct *a, int64_t b0, int batch,
                       float sums[TILE_ROWS][TILE_BATCH]) {
     __m256 acc[TILE_ROWS][TILE_BATCH];
     for (int r = 0; r < rows; r++)
         for (int b = 0; b < batch; b++) acc[r][b] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < w->nb; blk++) {
+        if (w->bits == 16) {
+            block16w_avx2(w, row, rows, a, b0, batch, blk, acc);
+            continue;
+        }
         __m256i q[TILE_ROWS];
         for (int r = 0; r < rows; r++) q[r] = load_block_avx2(w, w->qs + (row + r) * w->row_bytes, blk);
         for (int b = 0; b < batch; b++) {
@@ -346,7 +379,11 @@ INLINE void tile16_avx512(const QWeight *w, int64_t row, int rows, const QAct *a
         __m512i q[TILE_ROWS];
         for (int r = 0; r < rows; r++) {
             const uint8_t *src = w->qs + (row + r) * w->row_bytes;
-            _mm_prefetch((const char *)src + blk * (w->bits == 8 ? 32 : 16) + 1024, _MM_HINT_T0);
+            _mm_prefetch((const char *)src + blk * (w->bits * 4) + 1024, _MM_HINT_T0);
+            if (w->bits == 16) {
+                q[r] = _mm512_loadu_si512(src + blk * QBLOCK * 2);
+                continue;
+            }
             __m256i bytes = load_block_avx2(w, src, blk);
             q[r] = w->bits == 8 ? _mm512_cvtepi8_epi16(bytes) : _mm512_cvtepu8_epi16(bytes);
         }
@@ -416,7 +453,8 @@ static float min_term(const QWeight *w, int64_t row, const QAct *a, int64_t b, f
 int kvserve_quant_linear(const void *x, int64_t x_stride, int64_t batch, const uint8_t *qs, const float *d,
                          const float *m, int bits, int64_t out, int64_t in, const void *bias, void *y,
                          int64_t y_stride, int dtype, int act_bits, int isa, int num_threads) {
-    if (in % QBLOCK || (bits != 4 && bits != 8) || (act_bits != 8 && act_bits != 16) || batch < 0 || out < 0)
+    if (in % QBLOCK || (bits != 4 && bits != 8 && bits != 16) || (act_bits != 8 && act_bits != 16) ||
+        (bits == 16 && act_bits != 16) || batch < 0 || out < 0)
         return -1;
     if (!kvserve_quant_isa_available(isa)) return -2;
     const int64_t nb = in / QBLOCK;
@@ -428,7 +466,7 @@ int kvserve_quant_linear(const void *x, int64_t x_stride, int64_t batch, const u
         free(scales);
         return -3;
     }
-    QWeight w = {qs, d, m, bits == 4 ? in / 2 : in, nb, bits};
+    QWeight w = {qs, d, m, row_bytes_of(bits, in), nb, bits};
     QAct a = {act_bits == 8 ? qx : NULL, act_bits == 16 ? qx : NULL, scales, scales + batch * nb, in, nb};
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && batch >= 16)
     for (int64_t b = 0; b < batch; b++)
@@ -466,6 +504,46 @@ int kvserve_quant_linear(const void *x, int64_t x_stride, int64_t batch, const u
     return 0;
 }
 
+/* ---- row ranges, for callers that run their own parallel region ------------------- */
+
+/* Quantizes x [batch, in] (float32 rows x_stride apart) as kvserve_quant_linear does:
+ * qx [batch, in] (int8, or int16 with act_bits 16), scales [2 * batch * in / 32]
+ * (dx of every block, then dx * sum qx). */
+void kvserve_quant_activations(const float *x, int64_t x_stride, int64_t batch, int64_t in, int act_bits, void *qx,
+                               float *scales) {
+    const int64_t nb = in / QBLOCK;
+    for (int64_t b = 0; b < batch; b++)
+        quantize_row(x + b * x_stride, F32, in, act_bits, (char *)qx + b * in * (act_bits / 8), scales + b * nb,
+                     scales + batch * nb + b * nb);
+}
+
+/* Rows row_begin..row_end of y = x W^T (+ bias), float32, from activations quantized by
+ * kvserve_quant_activations. Runs on the calling thread only: the fused decoder
+ * (csrc/fused_decoder.c) splits a matrix's rows over the threads of its one region.
+ * The sums are the ones kvserve_quant_linear computes for these rows. */
+void kvserve_quant_rows(const void *qx, const float *scales, int64_t batch, const uint8_t *qs, const float *d,
+                        const float *m, int bits, int64_t in, const float *bias, float *y, int64_t y_stride,
+                        int act_bits, int isa, int64_t row_begin, int64_t row_end) {
+    const int64_t nb = in / QBLOCK;
+    QWeight w = {qs, d, m, row_bytes_of(bits, in), nb, bits};
+    QAct a = {act_bits == 8 ? (const int8_t *)qx : NULL, act_bits == 16 ? (const int16_t *)qx : NULL, scales,
+              scales + batch * nb, in, nb};
+    const float offset = (isa == ISA_AVX512 && bits == 8 && act_bits == 8) ? 128.0f : 0.0f;
+    float sums[TILE_ROWS][TILE_BATCH];
+    for (int64_t row = row_begin; row < row_end;) {
+        int rows = row_end - row >= TILE_ROWS ? TILE_ROWS : 1;
+        for (int64_t b0 = 0; b0 < batch; b0 += TILE_BATCH) {
+            int chunk = batch - b0 < TILE_BATCH ? (int)(batch - b0) : TILE_BATCH;
+            tile_sums(&w, row, rows, &a, b0, chunk, isa, sums);
+            for (int r = 0; r < rows; r++)
+                for (int b = 0; b < chunk; b++)
+                    y[(b0 + b) * y_stride + row + r] = sums[r][b] + min_term(&w, row + r, &a, b0 + b, offset) +
+                                                       (bias ? bias[row + r] : 0.0f);
+        }
+        row += rows;
+    }
+}
+
 /* ---- dequantization, for the many-token steps ------------------------------------------ */
 
 /* Rows of W as floats: w [out, in] of `dtype` (float32 or bfloat16), the values d * q + m
@@ -495,7 +573,10 @@ static void dequantize_row(const QWeight *q, int64_t r, int64_t in, void *w, int
         store_values(v, GROUP_COLS, w, r * in + g * GROUP_COLS, dtype);
     }
     for (int64_t blk = groups * 4; blk < q->nb; blk++) {
-        if (q->bits == 8) {
+        if (q->bits == 16) {
+            const int16_t *values = (const int16_t *)row + blk * QBLOCK;
+            for (int i = 0; i < QBLOCK; i++) v[i] = dr[blk] * (float)values[i] + mr[blk];
+        } else if (q->bits == 8) {
             const int8_t *bytes = (const int8_t *)row + blk * QBLOCK;
             for (int i = 0; i < QBLOCK; i++) v[i] = dr[blk] * (float)bytes[i] + mr[blk];
         } else {
@@ -511,8 +592,8 @@ static void dequantize_row(const QWeight *q, int64_t r, int64_t in, void *w, int
 
 int kvserve_quant_dequantize(const uint8_t *qs, const float *d, const float *m, int bits, int64_t out, int64_t in,
                              void *w, int dtype, int num_threads) {
-    if (in % QBLOCK || (bits != 4 && bits != 8) || out < 0) return -1;
-    QWeight q = {qs, d, m, bits == 4 ? in / 2 : in, in / QBLOCK, bits};
+    if (in % QBLOCK || (bits != 4 && bits != 8 && bits != 16) || out < 0) return -1;
+    QWeight q = {qs, d, m, row_bytes_of(bits, in), in / QBLOCK, bits};
     if (out * q.row_bytes < PARALLEL_MIN_BYTES) num_threads = 1;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
     for (int64_t r = 0; r < out; r++) dequantize_row(&q, r, in, w, dtype);
