@@ -352,9 +352,9 @@ def _build_request(llm: Any, args: argparse.Namespace, messages: list[dict]) -> 
         return {"prompt": text, "prompt_token_ids": list(tokenizer.encode(text))}
     if args.system and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": args.system}, *messages]
-    from kvserve.engine.tokenizer import apply_chat_template, render_chat_template
-    return {"prompt": render_chat_template(tokenizer, messages),
-            "prompt_token_ids": apply_chat_template(tokenizer, messages)}
+    from kvserve.engine.tokenizer import chat_prompt
+    text, token_ids = chat_prompt(tokenizer, messages)
+    return {"prompt": text, "prompt_token_ids": token_ids}
 
 
 def _output_as_dict(output: Any) -> dict:

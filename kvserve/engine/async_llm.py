@@ -311,8 +311,10 @@ class AsyncLLM:
         """Yield RequestOutputs of one request until it finishes.
 
         Leaving the iteration early (a disconnect cancels it) aborts the request;
-        an `abort(request_id)` from elsewhere ends the iteration quietly.
+        an `abort(request_id)` from elsewhere ends the iteration quietly. A constraint
+        that does not compile raises StructuredOutputError before the request is queued.
         """
+        await self.validator.check_constraint_async(sampling_params.structured_outputs)
         handle = self.add_request(prompt, sampling_params, request_id, priority)
         try:
             async for output in handle:

@@ -25,6 +25,7 @@ from kvserve.errors import EngineDeadError, InvalidRequestError
 from kvserve.kv_cache.events import KVEventRecorder
 from kvserve.kv_cache.interface import KVCacheConfig
 from kvserve.kv_cache.utils import get_kv_cache_config
+from kvserve.model.config import ModelConfig
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
@@ -70,7 +71,8 @@ class EngineCore:
             executor.shutdown()
             raise
         model_config = engine_config.model_config
-        self._start(scheduler, executor, model_config.vocab_size, model_config.eos_token_ids, kv_event_publisher)
+        self._start(scheduler, executor, model_config.vocab_size, model_config.eos_token_ids, kv_event_publisher,
+                    model_config=model_config)
 
     @classmethod
     def from_parts(cls, scheduler: Scheduler, executor: Executor, vocab_size: int,
@@ -83,7 +85,8 @@ class EngineCore:
         return core
 
     def _start(self, scheduler: Scheduler, executor: Executor, vocab_size: int,
-               eos_token_ids: Sequence[int], kv_event_publisher: ZmqEventPublisher | None = None) -> None:
+               eos_token_ids: Sequence[int], kv_event_publisher: ZmqEventPublisher | None = None,
+               model_config: ModelConfig | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.kv_event_publisher = kv_event_publisher
@@ -93,7 +96,7 @@ class EngineCore:
         # partial-block hits); requests hash their tokens with its hasher.
         self.request_block_hasher = scheduler.block_hasher
         self.validator = RequestValidator(scheduler.scheduler_config.max_model_len, vocab_size,
-                                          scheduler.max_tokens_in_pool)
+                                          scheduler.max_tokens_in_pool, model_config)
         self.async_scheduling = scheduler.scheduler_config.async_scheduling
         # Steps submitted to the executor and not yet applied, oldest first.
         self.steps_in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()

@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence, Union
 
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestOutput
-from kvserve.engine.tokenizer import apply_chat_template, load_tokenizer, render_chat_template
-from kvserve.model.grammar import check_constraints
+from kvserve.engine.tokenizer import chat_prompt, load_tokenizer
 from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -108,8 +107,7 @@ class LLM:
         params_list = _as_params_list(sampling_params, len(conversations))
         requests = []
         for conversation, params in zip(conversations, params_list):
-            text = render_chat_template(self.tokenizer, conversation, add_generation_prompt, chat_template)
-            token_ids = apply_chat_template(self.tokenizer, conversation, add_generation_prompt, chat_template)
+            text, token_ids = chat_prompt(self.tokenizer, conversation, add_generation_prompt, chat_template)
             requests.append((text, token_ids, params))
         return self._run_batch(requests, use_tqdm)
 
@@ -120,7 +118,7 @@ class LLM:
         iterator early aborts the request."""
         text, token_ids = self._tokenize(prompt)
         sampling_params = sampling_params or SamplingParams()
-        check_constraints(self.model_config, [sampling_params])
+        self.engine_core.validator.check_constraints([sampling_params])
         request_id = self._add_request(text, token_ids, sampling_params, final_only=False)
         finished = False
         try:
@@ -192,7 +190,7 @@ class LLM:
                    use_tqdm: bool) -> list[RequestOutput]:
         for _, token_ids, params in requests:  # the whole batch, before any of it runs
             self.engine_core.validator.validate(token_ids, params)
-        check_constraints(self.model_config, [params for _, _, params in requests])
+        self.engine_core.validator.check_constraints([params for _, _, params in requests])
         request_ids: list[str] = []
         try:
             for text, token_ids, params in requests:

@@ -6,7 +6,7 @@ from typing import Any, Sequence
 from kvserve.model.tokenizer_files import TokenizerError, load_tokenizer, tokenizer_cache_dir
 
 __all__ = ["TokenizerError", "load_tokenizer", "tokenizer_cache_dir", "apply_chat_template",
-           "render_chat_template"]
+           "chat_prompt", "render_chat_template"]
 
 
 def apply_chat_template(
@@ -16,13 +16,24 @@ def apply_chat_template(
     chat_template: str | None = None,
     tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of a conversation rendered with the model's chat template.
+    """Token ids of a conversation rendered with the model's chat template."""
+    return chat_prompt(tokenizer, messages, add_generation_prompt, chat_template, tools)[1]
+
+
+def chat_prompt(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> tuple[str, list[int]]:
+    """(text, token ids) of a conversation, rendered once with the model's chat template.
 
     The template writes the special tokens itself (BOS, role markers), so the
     rendered text is encoded without adding any.
     """
     text = render_chat_template(tokenizer, messages, add_generation_prompt, chat_template, tools)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return text, list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def render_chat_template(

@@ -4,14 +4,28 @@ The rule for the context: a prompt must leave room for at least one output
 token (`len(prompt) < max_model_len`) and fit the KV-cache pool on its own.
 Front-ends that know `max_tokens` up front (the OpenAI server) also require
 `len(prompt) + max_tokens <= max_model_len`.
+
+Output constraints (JSON schema, regex, choice, grammar) are compiled before a
+request is queued, so a bad one is the caller's error and never reaches a step:
+`check_constraints` (blocking: `LLM`) and `check_constraint_async` (on the
+grammar pool, without blocking the event loop: `AsyncLLM.generate`, the
+server). `EngineCore.add_request` does not compile (seconds in the engine
+loop); a constraint that slips past every front-end fails only its request, in
+the runner.
 """
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvserve.errors import InvalidRequestError, PromptTooLongError, SamplingParamsError
-from kvserve.sampling_params import SamplingParams
+from kvserve.model import grammar
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from kvserve.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -22,6 +36,9 @@ class RequestValidator:
     vocab_size: int
     # Tokens one request's blocks can hold in the pool (None: not limited by the pool).
     max_tokens_in_pool: int | None = None
+    # The model whose vocabulary constraints compile for (None, model-free test engines:
+    # constraints are not compiled up front).
+    model_config: "ModelConfig | None" = None
 
     def check_token_ids(self, token_ids: Any, param: str = "prompt") -> list[int]:
         """The ids as a list of ints; raises InvalidRequestError unless each is in [0, vocab_size)."""
@@ -75,3 +92,28 @@ class RequestValidator:
         self.check_prompt_fits(len(token_ids), params.max_tokens if max_tokens_must_fit else None)
         self.check_sampling_params(params)
         return token_ids
+
+    def check_constraints(self, params_list: Sequence[SamplingParams], timeout_s: float | None = None) -> None:
+        """Compile every distinct output constraint of `params_list`, waiting at most `timeout_s`
+        each (default $KVSERVE_GRAMMAR_COMPILE_TIMEOUT_S); raises StructuredOutputError."""
+        constraints = {id(p.structured_outputs): p.structured_outputs for p in params_list
+                       if p.structured_outputs is not None}
+        if not constraints or self.model_config is None:
+            return
+        compiler = grammar.compiler_for_model(self.model_config)
+        for constraint in constraints.values():
+            compiler.check(constraint, timeout_s)
+
+    async def check_constraint_async(self, constraint: StructuredOutputsParams | None,
+                                     timeout_s: float | None = None) -> None:
+        """`check_constraints` for one constraint, compiled on the grammar thread pool while the
+        event loop keeps running; raises StructuredOutputError (a compile past the timeout too)."""
+        if constraint is None or self.model_config is None:
+            return
+        compiler = await asyncio.to_thread(grammar.compiler_for_model, self.model_config)
+        timeout_s = grammar.compile_timeout_s() if timeout_s is None else timeout_s
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(compiler.compile_async(constraint)), timeout_s)
+        except asyncio.TimeoutError:
+            raise grammar.StructuredOutputError(
+                constraint.kind, f"the grammar did not compile within {timeout_s:g} s") from None

@@ -245,18 +245,6 @@ class FailedGrammar:
         return False
 
 
-def check_constraints(model_config: Any, params_list: list[Any], timeout_s: float | None = None) -> None:
-    """Compile every distinct constraint of `params_list` (SamplingParams) before any is queued,
-    so a bad one raises StructuredOutputError to the caller instead of reaching a step."""
-    constraints = {id(p.structured_outputs): p.structured_outputs for p in params_list
-                   if p.structured_outputs is not None}
-    if not constraints:
-        return
-    compiler = compiler_for_model(model_config)
-    for constraint in constraints.values():
-        compiler.check(constraint, timeout_s)
-
-
 _compilers: dict[str, GrammarCompiler] = {}
 _compilers_lock = threading.Lock()
 

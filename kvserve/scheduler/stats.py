@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvserve.scheduler.speculation import SpecDecodingStats
 
 
 @dataclass
@@ -23,7 +26,7 @@ class SchedulerStats:
     sched_step_seq: int
     processed_step_seq: int
     # Draft counts since the previous snapshot (None without speculative decoding).
-    spec_decoding_stats: Any = None
+    spec_decoding_stats: "SpecDecodingStats | None" = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:

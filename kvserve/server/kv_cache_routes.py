@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.engine.kv_view import EngineKVView
+from kvserve.kv_cache.snapshot import KVGroupSnapshot, PoolBlockCounts
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.serving import sse
 
@@ -26,19 +27,19 @@ MAX_STREAM_INTERVAL_MS = 60_000
 DEFAULT_STREAM_INTERVAL_MS = 500
 
 
-def _pool_counts(counts: Any) -> dict[str, int]:
+def _pool_counts(counts: PoolBlockCounts) -> dict[str, int]:
     return {"num_blocks": counts.num_blocks, "blocks_in_use": counts.blocks_in_use,
             "blocks_cached": counts.blocks_cached, "blocks_free": counts.blocks_free}
 
 
-def _group_json(group: Any) -> dict[str, Any]:
+def _group_json(group: KVGroupSnapshot) -> dict[str, Any]:
     return {"group_id": group.group_id, "kind": group.kind, "block_size": group.block_size,
             "sliding_window": group.sliding_window, "num_layers": group.num_layers,
             **_pool_counts(group.pool), "blocks_in_tables": group.blocks_in_tables,
             "blocks_cached_for_group": group.blocks_cached_for_group}
 
 
-def kv_view_to_json(view: Any) -> dict[str, Any]:
+def kv_view_to_json(view: EngineKVView) -> dict[str, Any]:
     """The README's `/kv-cache` document for an `EngineKVView`."""
     cache = view.kv_cache
     pool = cache.pool

@@ -11,10 +11,16 @@ observed by `RequestTimer` as outputs stream out.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from kvserve.engine.async_llm import EngineLoopStats
+    from kvserve.engine.kv_view import EngineKVView
+    from kvserve.engine.outputs import RequestOutput
+    from kvserve.scheduler.speculation import SpecDecodingStats
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -23,11 +29,11 @@ _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 
 class _EngineStatsCollector:
     """Reads the engine's stats snapshot (and the latest KV view) on every scrape."""
 
-    def __init__(self, get_stats: Callable[[], Any], labels: dict[str, str]) -> None:
+    def __init__(self, get_stats: Callable[[], "EngineLoopStats"], labels: dict[str, str]) -> None:
         self._get_stats = get_stats
         self._label_names = list(labels)
         self._label_values = list(labels.values())
-        self.kv_view: Any = None  # set by the /metrics route just before rendering
+        self.kv_view: EngineKVView | None = None  # set by the /metrics route just before rendering
 
     def _family(self, kind: type, name: str, doc: str, value: float):
         family = kind(name, doc, labels=self._label_names)
@@ -58,12 +64,12 @@ class _EngineStatsCollector:
         }
         for name, (doc, value) in counters.items():
             yield self._family(CounterMetricFamily, name, doc, value)
-        if getattr(stats, "spec_decoding", None) is not None:
+        if stats.spec_decoding is not None:
             yield from self._spec_decode_families(stats.spec_decoding)
         if self.kv_view is not None:
             yield from self._kv_view_families(self.kv_view)
 
-    def _spec_decode_families(self, spec: Any):
+    def _spec_decode_families(self, spec: "SpecDecodingStats"):
         """Speculative decoding under vLLM's names (the exposition adds `_total`)."""
         counters = {
             "vllm:spec_decode_num_drafts": ("Verification steps that carried a draft", spec.num_drafts),
@@ -79,7 +85,7 @@ class _EngineStatsCollector:
             per_pos.add_metric(self._label_values + [str(position)], float(count))
         yield per_pos
 
-    def _kv_view_families(self, view: Any):
+    def _kv_view_families(self, view: "EngineKVView"):
         blocks = GaugeMetricFamily("kvserve_kv_cache_blocks",
                                    "KV-cache blocks of the pool by state (in_use, cached = free but holding "
                                    "a prefix, free = empty), seen from each group",
@@ -103,7 +109,7 @@ class _EngineStatsCollector:
 class ServerMetrics:
     """All metrics of one app; `render()` gives the Prometheus text format."""
 
-    def __init__(self, get_engine_stats: Callable[[], Any], model_name: str) -> None:
+    def __init__(self, get_engine_stats: Callable[[], "EngineLoopStats"], model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._label_values = {"model_name": model_name, "engine": "0"}
         self._engine_collector = _EngineStatsCollector(get_engine_stats, self._label_values)
@@ -123,7 +129,7 @@ class ServerMetrics:
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish",
                              labels, buckets=_LATENCY_BUCKETS_S, registry=self.registry).labels(*values)
 
-    def render(self, kv_view: Any = None) -> bytes:
+    def render(self, kv_view: "EngineKVView | None" = None) -> bytes:
         """The exposition text; `kv_view` (an EngineKVView) adds the per-group block gauges."""
         self._engine_collector.kv_view = kv_view
         try:
@@ -148,7 +154,7 @@ class RequestTimer:
         self._num_tokens = 0
         self._finished = False
 
-    def observe(self, request_output: Any) -> None:
+    def observe(self, request_output: "RequestOutput") -> None:
         now = time.perf_counter()
         num_tokens = sum(len(c.token_ids) for c in request_output.outputs)
         new_tokens = num_tokens - self._num_tokens

@@ -8,11 +8,16 @@ Errors are 400s naming the field the client used.
 """
 from __future__ import annotations
 
-import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvserve.engine.validation import RequestValidator
 from kvserve.errors import InvalidRequestError
+from kvserve.model.grammar import StructuredOutputError
 from kvserve.sampling_params import SamplingParamsError, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+    from kvserve.server.serving import ServingContext
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
@@ -26,7 +31,7 @@ class ConstraintSource:
         self.field_name = field_name
 
 
-def constraint_from_request(body: Any) -> ConstraintSource | None:
+def constraint_from_request(body: "CompletionRequest | ChatCompletionRequest") -> ConstraintSource | None:
     """The request's output constraint, or None; raises InvalidRequestError when it is malformed
     or given twice."""
     found: list[ConstraintSource] = []
@@ -76,23 +81,18 @@ def _build(fields: Any, field_name: str) -> StructuredOutputsParams:
         raise InvalidRequestError(f"{field_name}: {exc}", field_name) from None
 
 
-async def compile_constraint(model_config: Any, source: ConstraintSource) -> None:
-    """Compile on the grammar thread pool, without blocking the event loop or the engine loop;
-    a failure or a compile past the timeout raises InvalidRequestError naming the field."""
-    from kvserve.model.grammar import StructuredOutputError, compile_timeout_s, compiler_for_model
-
-    compiler = await asyncio.to_thread(compiler_for_model, model_config)
-    timeout_s = compile_timeout_s()
+async def compile_constraint(validator: RequestValidator, source: ConstraintSource) -> None:
+    """Compile through the engine's validator (on the grammar pool, without blocking the event
+    loop or the engine loop); a failure or a compile past the timeout raises InvalidRequestError
+    naming the field."""
     try:
-        await asyncio.wait_for(asyncio.wrap_future(compiler.compile_async(source.params)), timeout_s)
-    except asyncio.TimeoutError:
-        raise InvalidRequestError(f"{source.field_name}: the grammar did not compile within {timeout_s:g} s",
-                                  source.field_name) from None
+        await validator.check_constraint_async(source.params)
     except StructuredOutputError as exc:
         raise InvalidRequestError(f"{source.field_name}: {exc}", source.field_name) from None
 
 
-async def checked_constraint(ctx: Any, body: Any, tool_grammar: str | None = None
+async def checked_constraint(ctx: "ServingContext", body: "CompletionRequest | ChatCompletionRequest",
+                             tool_grammar: str | None = None
                              ) -> StructuredOutputsParams | None:
     """The request's constraint (or the grammar forcing its tool calls), compiled so that it
     is known good, or None."""
@@ -104,5 +104,5 @@ async def checked_constraint(ctx: Any, body: Any, tool_grammar: str | None = Non
         source = ConstraintSource(StructuredOutputsParams(grammar=tool_grammar), "tool_choice")
     if source is None:
         return None
-    await compile_constraint(ctx.engine.model_config, source)
+    await compile_constraint(ctx.engine.validator, source)
     return source.params

@@ -17,6 +17,7 @@ import torch
 from kvserve.config import CacheConfig, KernelConfig, SchedulerConfig
 from kvserve.kv_cache.interface import KVCacheConfig, KVCacheSpec
 from kvserve.model.attention import AttentionMetadata
+from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from kvserve.model.rejection_sampler import verify_drafts
 from kvserve.model.sampler import Sampler, SamplingTensors, make_generator
@@ -41,7 +42,7 @@ class ModelRunner:
     The model's kernels (attention backend, fused ops, weight packing) are chosen
     once, at `load_model`, from `kernel_config` (default: all allowed)."""
 
-    def __init__(self, model_config, cache_config: CacheConfig, device: str = "cpu",
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str = "cpu",
                  scheduler_config: SchedulerConfig | None = None, seed: int = 0,
                  tp_rank: int = 0, tp_size: int = 1, kernel_config: KernelConfig | None = None,
                  draft_model_config=None) -> None:
@@ -61,7 +62,7 @@ class ModelRunner:
         self.logits_constraints = LogitsConstraints(model_config)
         # SchedulerOutput does not carry a request's EOS id; min_tokens blocks the
         # model's (the engine's default EOS for every request).
-        eos_token_ids = list(getattr(model_config, "eos_token_ids", None) or [])
+        eos_token_ids = model_config.eos_token_ids
         self._eos_token_id = eos_token_ids[0] if eos_token_ids else None
         # Requests of a failed step: skipped until the engine reports them finished.
         self._failed_req_ids: set[str] = set()
@@ -147,15 +148,16 @@ class ModelRunner:
             self._apply_block_copies(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput.make_empty()
-        prepared = batch.prepare(scheduler_output, self._failed_req_ids)
+        draft_token_ids = None
+        if self.drafter is not None:
+            draft_token_ids = self.drafter.fill_placeholders(scheduler_output.scheduled_spec_decode_tokens)
+        prepared = batch.prepare(scheduler_output, self._failed_req_ids, draft_token_ids)
         sampled_token_ids, logprobs_by_req = self._forward_and_sample(prepared) if prepared.num_reqs else ({}, {})
-        draft_token_ids = {}
         if self.drafter is not None and prepared.num_reqs:
-            draft_token_ids = self.drafter.propose(batch, prepared, sampled_token_ids,
-                                                   scheduler_output.draft_proposal_req_ids, self.kv_caches,
-                                                   self._build_attention_metadata)
+            self.drafter.propose(batch, prepared, sampled_token_ids, scheduler_output.draft_proposal_req_ids,
+                                 self.kv_caches, self._build_attention_metadata)
         skipped = [rid for rid in scheduler_output.num_scheduled_tokens if rid in self._failed_req_ids]
-        return self._make_output(prepared.req_ids + skipped, sampled_token_ids, logprobs_by_req, draft_token_ids)
+        return self._make_output(prepared.req_ids + skipped, sampled_token_ids, logprobs_by_req)
 
     def _forward_sampled_rows(self, prepared: PreparedBatch) -> torch.Tensor | None:
         """Run the model over the step; the hidden rows of the requests to sample
@@ -268,13 +270,12 @@ class ModelRunner:
 
     @staticmethod
     def _make_output(req_ids: list[str], sampled_token_ids: dict[str, list[int]],
-                     logprobs_by_req: dict, draft_token_ids: dict[str, list[int]] | None = None) -> ModelRunnerOutput:
+                     logprobs_by_req: dict) -> ModelRunnerOutput:
         tokens = [list(sampled_token_ids.get(rid, [])) for rid in req_ids]
         logprobs = None
         if logprobs_by_req:
             logprobs = [list(logprobs_by_req.get(rid, [])) for rid in req_ids]
-        return ModelRunnerOutput(req_ids=list(req_ids), sampled_token_ids=tokens, logprobs=logprobs,
-                                 draft_token_ids=draft_token_ids or {})
+        return ModelRunnerOutput(req_ids=list(req_ids), sampled_token_ids=tokens, logprobs=logprobs)
 
 
 def _free_ram_bytes() -> int:

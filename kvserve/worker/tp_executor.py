@@ -42,6 +42,7 @@ from kvserve.worker.tp_worker import (DRIVER_RANK, AvailableKVMemory, ExecuteMod
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
+    from kvserve.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def threads_per_rank(world_size: int) -> int:
     return max(1, num_cores // world_size)
 
 
-def check_model_splits(model_config, tp_size: int) -> None:
+def check_model_splits(model_config: ModelConfig, tp_size: int) -> None:
     """Raise ConfigError, before any process starts, when the model cannot be split tp_size ways."""
     from kvserve.config import ConfigError
 
@@ -77,8 +78,8 @@ def check_model_splits(model_config, tp_size: int) -> None:
     num_kv_heads = model_config.num_kv_heads
     if (num_kv_heads >= tp_size and num_kv_heads % tp_size) or (num_kv_heads < tp_size and tp_size % num_kv_heads):
         problems.append(f"{num_kv_heads} KV heads")
-    intermediate_size = getattr(model_config, "intermediate_size", None)
-    if intermediate_size and intermediate_size % tp_size:
+    intermediate_size = model_config.intermediate_size
+    if intermediate_size % tp_size:
         problems.append(f"an MLP width of {intermediate_size}")
     if problems:
         raise ConfigError(f"tensor_parallel_size {tp_size} does not divide the model's {' and '.join(problems)}; "

@@ -41,7 +41,8 @@ def test_a_missing_llama_server_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(serve_compare.find_llama_server() is None, reason="no llama-server binary (scripts/build_llama_server.sh builds one; not part of CI)")
+@pytest.mark.skipif(serve_compare.find_llama_server() is None,
+                    reason="no llama-server binary (scripts/build_llama_server.sh builds one; not part of CI)")
 def test_serve_compare_runs_both_servers_on_the_default_model():
     from kvserve.config import default_model_path
 

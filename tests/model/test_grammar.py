@@ -1,6 +1,7 @@
 """Grammar compilation and token masks (llguidance) on the default model's vocabulary."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from kvserve.config import default_model_path
-from kvserve.model.grammar import (GrammarCompiler, StructuredOutputError, apply_bitmask, check_constraints,
+from kvserve.model.grammar import (GrammarCompiler, StructuredOutputError, apply_bitmask,
                                    grammar_source)
 from kvserve.model.tokenizer_files import load_tokenizer
 from kvserve.sampling_params import SamplingParams, SamplingParamsError
@@ -111,13 +112,22 @@ def test_check_times_out(compiler, monkeypatch):
         compiler.check(Constraint(regex="slow"), timeout_s=0.05)
 
 
-def test_check_constraints_rejects_before_queueing(monkeypatch, compiler):
+def test_validator_compiles_constraints_before_queueing(monkeypatch, compiler):
     import kvserve.model.grammar as grammar
+    from kvserve.engine.validation import RequestValidator
 
-    monkeypatch.setattr(grammar, "compiler_for_model", lambda model_config: compiler)
-    check_constraints(None, [SamplingParams(), SamplingParams(structured_outputs=Constraint(regex="ok"))])
+    model_config = object()  # only handed to compiler_for_model
+    monkeypatch.setattr(grammar, "compiler_for_model", lambda config: config is model_config and compiler)
+    validator = RequestValidator(max_model_len=64, vocab_size=compiler.vocab_size, model_config=model_config)
+    validator.check_constraints([SamplingParams(), SamplingParams(structured_outputs=Constraint(regex="ok"))])
+    bad = Constraint(regex="(unclosed")
     with pytest.raises(StructuredOutputError):
-        check_constraints(None, [SamplingParams(structured_outputs=Constraint(regex="(unclosed"))])
+        validator.check_constraints([SamplingParams(structured_outputs=bad)])
+    asyncio.run(validator.check_constraint_async(Constraint(regex="fine")))
+    with pytest.raises(StructuredOutputError):
+        asyncio.run(validator.check_constraint_async(bad))
+    # A model-free engine (no vocabulary) leaves constraints to the runner.
+    RequestValidator(max_model_len=64, vocab_size=10).check_constraints([SamplingParams(structured_outputs=bad)])
 
 
 def test_apply_bitmask_matches_a_dense_mask():

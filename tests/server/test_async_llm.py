@@ -169,3 +169,28 @@ def test_dropped_handle_aborts_its_request(engine):
     asyncio.run(scenario())
     _wait_idle(engine)
     assert engine.engine_core.aborted_ids == ["r3"]
+
+
+def test_bad_constraint_raises_before_the_request_is_queued(engine, monkeypatch):
+    """AsyncLLM.generate compiles through the engine's RequestValidator first (as LLM and the server do)."""
+    from concurrent.futures import Future
+
+    from kvserve.model import grammar
+    from kvserve.sampling_params import StructuredOutputsParams
+
+    class RefusingCompiler:
+        def compile_async(self, params):
+            future = Future()
+            future.set_exception(grammar.StructuredOutputError(params.kind, "unbalanced parenthesis"))
+            return future
+
+    monkeypatch.setattr(grammar, "compiler_for_model", lambda model_config: RefusingCompiler())
+    bad = SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="(a"))
+
+    async def scenario():
+        async for _ in engine.generate("a prompt", bad):
+            pass
+
+    with pytest.raises(grammar.StructuredOutputError, match="unbalanced"):
+        asyncio.run(scenario())
+    assert not engine.engine_core.scheduler.requests and engine.num_in_flight_requests() == 0

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from kvserve.engine.validation import RequestValidator
 from kvserve.errors import InvalidRequestError
 from kvserve.model import grammar
 from kvserve.sampling_params import StructuredOutputsParams as Constraint
@@ -58,8 +59,9 @@ def test_compile_timeout_is_a_400_naming_the_field(monkeypatch):
     monkeypatch.setattr(grammar, "compiler_for_model", lambda model_config: SlowCompiler())
     monkeypatch.setenv(grammar.COMPILE_TIMEOUT_ENV, "0.05")
     source = ConstraintSource(Constraint(regex="a"), "guided_regex")
+    validator = RequestValidator(max_model_len=64, vocab_size=10, model_config=object())
     with pytest.raises(InvalidRequestError, match="did not compile within") as info:
-        asyncio.run(compile_constraint(None, source))
+        asyncio.run(compile_constraint(validator, source))
     assert info.value.param == "guided_regex"
 
 
