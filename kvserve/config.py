@@ -133,6 +133,7 @@ QUANT_ISA_ENV = "KVSERVE_QUANT_ISA"
 QUANT_ACT_BITS_ENV = "KVSERVE_QUANT_ACT_BITS"
 QUANT_GEMM_ROWS_ENV = "KVSERVE_QUANT_GEMM_ROWS"
 QUANT_GEMM_DTYPE_ENV = "KVSERVE_QUANT_GEMM_DTYPE"
+NATIVE_DECODER_ENV = "KVSERVE_NATIVE_DECODER"
 # The quantized matmul's kernel paths, narrowest first.
 QUANT_ISAS = ("portable", "avx2", "avx512")
 
@@ -151,6 +152,7 @@ class KernelConfig:
     `quant_gemm_rows`: steps of at least this many rows (0: never) dequantize quantized
     weights and run a dense GEMM in `quant_gemm_dtype` ("bfloat16", "float32"; None:
     bfloat16 on CPUs with native bfloat16, else float32).
+    `native_decoder`: steps of a few tokens run the whole decoder stack in one native call.
     """
 
     cpu_kernels: bool = True
@@ -160,6 +162,7 @@ class KernelConfig:
     quant_act_bits: int = 16
     quant_gemm_rows: int = 64
     quant_gemm_dtype: str | None = None
+    native_decoder: bool = True
 
     def __post_init__(self) -> None:
         if self.quant_isa is not None and self.quant_isa not in QUANT_ISAS:
@@ -186,7 +189,8 @@ class KernelConfig:
                    packed_weights=_switched_on(env, CPU_PACKED_WEIGHTS_ENV),
                    quant_isa=env.get(QUANT_ISA_ENV, "").strip().lower() or None,
                    quant_act_bits=int(bits), quant_gemm_rows=int(gemm_rows),
-                   quant_gemm_dtype=env.get(QUANT_GEMM_DTYPE_ENV, "").strip().lower() or None)
+                   quant_gemm_dtype=env.get(QUANT_GEMM_DTYPE_ENV, "").strip().lower() or None,
+                   native_decoder=_switched_on(env, NATIVE_DECODER_ENV))
 
 
 def _switched_on(env, name: str) -> bool:

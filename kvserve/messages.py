@@ -62,7 +62,12 @@ class SchedulerOutput:
     the runner returns 1 to 1 + len(drafts) tokens for it.
     `draft_proposal_req_ids` (speculation with a draft model): requests whose
     step samples and whose slots have room for the draft model to propose
-    `num_speculative_tokens` tokens after it; the runner returns the drafts.
+    `num_speculative_tokens` tokens after it. Their next step's drafts arrive as
+    placeholders (-1) that the runner replaces with that proposal. Requests in
+    `after_unverified_drafts_req_ids` were scheduled while their previous step,
+    which verifies drafts, was in flight: their `num_computed_tokens` counts
+    none of those drafts, and the runner starts them after their last sampled
+    token instead.
     """
 
     step_seq: int
@@ -75,6 +80,7 @@ class SchedulerOutput:
     kv_cache_block_copies: list[KVCacheBlockCopy] = field(default_factory=list)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     draft_proposal_req_ids: set[str] = field(default_factory=set)
+    after_unverified_drafts_req_ids: set[str] = field(default_factory=set)
 
     @classmethod
     def make_empty(cls, step_seq: int = 0) -> "SchedulerOutput":
@@ -100,15 +106,12 @@ class TokenLogprobs:
 class ModelRunnerOutput:
     """Tokens sampled in one step. `sampled_token_ids[i]` is empty for a request
     whose prefill chunk did not reach its last prompt token. `logprobs[i]`
-    (when requested) has one entry per sampled token of request i.
-    `draft_token_ids[r]`: the draft model's proposal to verify after request
-    r's last sampled token (requests of `draft_proposal_req_ids` only)."""
+    (when requested) has one entry per sampled token of request i."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     req_id_to_index: dict[str, int] = field(default_factory=dict)
     logprobs: list[list[TokenLogprobs]] | None = None
-    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.req_id_to_index:

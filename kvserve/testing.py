@@ -155,11 +155,15 @@ class FakeModelRunner:
     breaks the pattern), so prompt-lookup drafts are partly accepted; drafts
     (`scheduled_spec_decode_tokens`) are verified greedily against these tokens.
     With `block_size`, every scheduled token must have a slot in group 0's table.
+    With `draft_lookahead=k` it also plays a draft model: placeholder drafts (-1)
+    are filled with a proposal that is right at two positions in three, requests
+    of `draft_proposal_req_ids` must hold k slots after their sampled token, and
+    those of `after_unverified_drafts_req_ids` start after their last sampled token.
     """
 
     def __init__(self, eos_token_id: int | None = None, eos_after: int | None = None,
                  vocab_size: int = 1000, period: int | None = None,
-                 block_size: int | None = None) -> None:
+                 block_size: int | None = None, draft_lookahead: int = 0) -> None:
         if eos_after is not None and eos_token_id is None:
             raise ValueError("eos_after needs an eos_token_id")
         self.eos_token_id = eos_token_id
@@ -168,6 +172,7 @@ class FakeModelRunner:
         self.period = period
         # Given: each scheduled token must have a KV slot in group 0's table.
         self.block_size = block_size
+        self.draft_lookahead = draft_lookahead
         self.states: dict[str, _FakeRequestState] = {}
         self.block_copies_seen: list = []
 
@@ -189,6 +194,8 @@ class FakeModelRunner:
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             state = self.states[req_id]
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
+            if drafts and drafts[0] < 0:
+                drafts = self._draft_model_proposal(req_id, state, len(drafts))
             if state.num_computed_tokens + num_tokens > len(state.token_ids) + len(drafts):
                 raise AssertionError(f"request {req_id} scheduled past its known tokens")
             num_slots = len(state.block_ids[0]) * self.block_size if self.block_size else None
@@ -200,6 +207,9 @@ class FakeModelRunner:
                 tokens = self._verify(req_id, state, drafts)
                 state.token_ids.extend(tokens)
                 state.num_computed_tokens = len(state.token_ids) - 1
+                if (num_slots is not None and req_id in scheduler_output.draft_proposal_req_ids
+                        and state.num_computed_tokens + self.draft_lookahead > num_slots):
+                    raise AssertionError(f"request {req_id}: no room for the draft model's proposal")
             req_ids.append(req_id)
             sampled.append(tokens)
             logprobs.append([self.logprobs_for(req_id, t) for t in tokens] if state.wants_logprobs else [])
@@ -221,6 +231,14 @@ class FakeModelRunner:
                 break
         return tokens
 
+    def _draft_model_proposal(self, req_id: str, state: "_FakeRequestState", num_tokens: int) -> list[int]:
+        proposal = []
+        for position in range(len(state.token_ids), len(state.token_ids) + num_tokens):
+            token_id = self.token_for(req_id, position, state.prompt_len)
+            wrong = zlib.crc32(f"draft:{req_id}:{position}".encode()) % 3 == 0
+            proposal.append((token_id + 1) % self.vocab_size if wrong else token_id)
+        return proposal
+
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
             self.states.pop(req_id, None)
@@ -237,7 +255,12 @@ class FakeModelRunner:
         for req_id, new_block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                                        cached.num_computed_tokens):
             state = self.states[req_id]
-            if num_computed != state.num_computed_tokens:
+            if req_id in scheduler_output.after_unverified_drafts_req_ids:
+                # Counted before the previous step's drafts were settled: never ahead.
+                if num_computed > state.num_computed_tokens:
+                    raise AssertionError(f"request {req_id}: scheduler counts {num_computed} computed "
+                                         f"tokens past the runner's {state.num_computed_tokens}")
+            elif num_computed != state.num_computed_tokens:
                 raise AssertionError(f"request {req_id}: scheduler says {num_computed} computed "
                                      f"tokens, runner has {state.num_computed_tokens}")
             if new_block_ids is not None:

@@ -14,6 +14,7 @@ from kvserve.model.attention import AttentionBackend, AttentionMetadata, Attenti
 from kvserve.model.config import ModelConfig
 from kvserve.model.kernels import AttentionShape, ModelKernels
 from kvserve.model.layers import RMSNorm, RotaryEmbedding, activation, apply_rotary
+from kvserve.model.native_decoder import NativeDecoder
 from kvserve.model.parallel import (ColumnParallelLinear, PackableLinearMixin, ParallelLMHead, RowParallelLinear,
                                     TPContext, VocabParallelEmbedding, cpu_weight_packing_supported,
                                     kv_heads_per_rank)
@@ -139,6 +140,9 @@ class DecoderModel(nn.Module):
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(config.num_layers)]
         self.layer_group_ids: list[int] | None = None
         self.kernels = ModelKernels.torch_only()
+        # The one-call path for small steps: False until the first forward builds it
+        # (`kernels.native_decoder`), None where it is off or does not cover the model.
+        self._native: NativeDecoder | None | bool = None
 
     # -- KV cache -------------------------------------------------------------------
     def kv_cache_specs(self, block_size: int, kv_dtype=None, sliding_window_kv: str = "sliding") -> dict[str, KVCacheSpec]:
@@ -190,6 +194,7 @@ class DecoderModel(nn.Module):
     def use_kernels(self, kernels: ModelKernels) -> None:
         """Run with `kernels` (chosen once per runner, `kvserve.model.kernels.choose_model_kernels`)."""
         self.kernels = kernels
+        self._native = False if kernels.native_decoder else None
         for module in self.modules():
             if isinstance(module, SelfAttention):
                 module.backend, module.native_rotary = kernels.attention, kernels.native_ops
@@ -215,15 +220,25 @@ class DecoderModel(nn.Module):
     # -- forward --------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata_by_group: list[AttentionMetadata], kv_caches: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens."""
+        """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens.
+
+        Small steps on the CPU run every layer in one native call where the model and
+        the step qualify (`NativeDecoder`); the others take the per-op path below."""
         hidden = self.embed_tokens(input_ids).to(self.norm.weight.dtype)
         if self.config.scales_embeddings:
             hidden = hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype)
+        group_ids = self._group_ids(attn_metadata_by_group)
+        if self._native is False:
+            self._native = NativeDecoder.for_model(self)
+        if self._native is not None:
+            out = self._native.forward(hidden, positions, attn_metadata_by_group, kv_caches, group_ids)
+            if out is not None:
+                return out
         global_cos_sin = self.rotary_global.cos_sin(positions, hidden.dtype)
         local_cos_sin = (self.rotary_local.cos_sin(positions, hidden.dtype)
                          if self.rotary_local is not None else global_cos_sin)
         residual = None
-        for layer, name, group_id in zip(self.layers, self.layer_names, self._group_ids(attn_metadata_by_group)):
+        for layer, name, group_id in zip(self.layers, self.layer_names, group_ids):
             cos_sin = local_cos_sin if layer.self_attn.sliding_window is not None else global_cos_sin
             hidden, residual = layer(hidden, residual, cos_sin, attn_metadata_by_group[group_id], kv_caches[name])
         return self.norm.add_and_norm(hidden, residual)[0]

@@ -38,6 +38,7 @@ class ModelKernels:
     native_ops: bool = False  # fused RMSNorm / RoPE / SiLU-mul kernels
     small_batch_matmul: bool = False  # packed weights keep a plain copy for the small-batch kernel
     packed_weights: bool = False  # linear weights packed for oneDNN's CPU matmul
+    native_decoder: bool = False  # small steps run the whole stack in one call (model/native_decoder.py)
 
     @classmethod
     def torch_only(cls) -> "ModelKernels":
@@ -46,7 +47,8 @@ class ModelKernels:
     def describe(self) -> str:
         return (f"attention {self.attention.name}, fused ops {'native' if self.native_ops else 'torch'}, "
                 f"packed weights {'on' if self.packed_weights else 'off'}, "
-                f"small-batch matmul {'on' if self.small_batch_matmul else 'off'}")
+                f"small-batch matmul {'on' if self.small_batch_matmul else 'off'}, "
+                f"native decoder {'on' if self.native_decoder else 'off'}")
 
 
 def choose_model_kernels(kernel_config: KernelConfig, device: torch.device | str, dtype: torch.dtype,
@@ -60,6 +62,7 @@ def choose_model_kernels(kernel_config: KernelConfig, device: torch.device | str
     kernels = ModelKernels(
         attention=attention, native_ops=native,
         small_batch_matmul=native and kernel_config.small_batch_matmul and cpu_kernels.small_linear_supported(dtype),
-        packed_weights=on_cpu and kernel_config.packed_weights)
+        packed_weights=on_cpu and kernel_config.packed_weights,
+        native_decoder=native and kernel_config.native_decoder and dtype == torch.float32)
     logger.debug("model kernels: %s", kernels.describe())
     return kernels

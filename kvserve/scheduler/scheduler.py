@@ -203,15 +203,18 @@ class Scheduler:
                 continue
             drafts = self._propose_drafts(request, num_new_tokens, plan.token_budget)
             lookahead = self._runner_lookahead(request, request.num_computed_tokens + num_new_tokens)
-            new_blocks = self._allocate_ahead(request, num_new_tokens, drafts, lookahead)
+            # The step in flight may accept all its drafts: this one's tokens come after.
+            num_unverified = len(request.spec_token_ids)
+            new_blocks = self._allocate_ahead(request, num_new_tokens, drafts, lookahead + num_unverified)
             if new_blocks is None:
                 drafts, lookahead = [], 0
-                new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
+                new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan, num_unverified)
             if new_blocks is None:
                 return
             plan.add_running(request, num_new_tokens + len(drafts), block_ids_or_none(new_blocks), drafts)
-            if lookahead:
-                plan.draft_proposal_req_ids.add(request.request_id)
+            self._note_runner_proposal(request, plan, lookahead)
+            if num_unverified:
+                plan.after_unverified_drafts_req_ids.add(request.request_id)
             # A priority victim may have sat before this request in `running`.
             req_index = self.running.index(request) + 1 if plan.preempted_req_ids else req_index + 1
 
@@ -219,9 +222,10 @@ class Scheduler:
         num_pending = request.num_output_placeholders
         if num_pending and reached_length_cap(request, self.max_model_len, num_pending):
             return 0  # the in-flight outputs already finish it
-        if request.spec_token_ids:
+        drafts_in_runner = self.speculator is not None and self.speculator.runner_lookahead > 0
+        if request.spec_token_ids and not drafts_in_runner:
             return 0  # its step in flight emits an unknown number of tokens
-        if num_pending and self._speculates(request):
+        if num_pending and self._speculates(request) and not drafts_in_runner:
             return 0  # wait for the last token, then propose after it
         num_computed = request.num_computed_tokens
         num_new_tokens = request.num_tokens + num_pending - num_computed
@@ -235,13 +239,21 @@ class Scheduler:
     def _propose_drafts(self, request: Request, num_new_tokens: int, token_budget: int) -> list[int]:
         """Draft tokens to verify after a decoding request's last token: none while
         it prefills, has an output in flight, or when speculation does not pay."""
-        if (num_new_tokens != 1 or request.num_output_placeholders
-                or request.num_computed_tokens != request.num_tokens - 1 or not self._speculates(request)):
+        # With a draft model the runner fills the drafts in, so a request may draft
+        # while its previous step is in flight (positions counted pessimistically).
+        if self.speculator is None:
             return []
-        # Room: the drafts plus the token sampled after them stay within the caps.
-        room = min(token_budget - 1, self.max_model_len - request.num_tokens - 1)
+        num_pending = request.num_output_placeholders
+        if (num_new_tokens != 1 or (num_pending and not self.speculator.runner_lookahead)
+                or request.num_computed_tokens != request.num_tokens + num_pending - 1
+                or not self._speculates(request)):
+            return []
+        # Room: the drafts plus the token sampled after them stay within the caps, even
+        # if the step in flight accepts all of its drafts.
+        num_unknown = num_pending + len(request.spec_token_ids)
+        room = min(token_budget - 1, self.max_model_len - request.num_tokens - num_unknown - 1)
         if request.max_tokens is not None:
-            room = min(room, request.max_tokens - request.num_output_tokens - 1)
+            room = min(room, request.max_tokens - request.num_output_tokens - num_unknown - 1)
         return self.speculator.propose(request, room)
 
     def _runner_lookahead(self, request: Request, chunk_end: int) -> int:
@@ -250,6 +262,14 @@ class Scheduler:
         if self.speculator is None or chunk_end < request.num_tokens or not self._speculates(request):
             return 0
         return self.speculator.runner_lookahead
+
+    def _note_runner_proposal(self, request: Request, plan: StepPlan, runner_lookahead: int) -> None:
+        """Record whether the runner proposes drafts after this step of `request`."""
+        if self.speculator is None or not self.speculator.runner_lookahead:
+            return
+        if runner_lookahead:
+            plan.draft_proposal_req_ids.add(request.request_id)
+        self.speculator.note_runner_proposal(request.request_id, bool(runner_lookahead))
 
     def _allocate_ahead(self, request: Request, num_new_tokens: int, drafts: list[int],
                         runner_lookahead: int) -> KVCacheBlocks | None:
@@ -268,8 +288,8 @@ class Scheduler:
             return min(num_new_tokens, threshold)
         return num_new_tokens
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int,
-                             plan: StepPlan) -> KVCacheBlocks | None:
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: StepPlan,
+                             num_lookahead_tokens: int = 0) -> KVCacheBlocks | None:
         """Allocate slots for `request`, preempting victims until they fit.
 
         Returns None when the request cannot run in this step: it was the
@@ -278,7 +298,8 @@ class Scheduler:
         victim stays RUNNING).
         """
         while True:
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens,
+                                                              num_lookahead_tokens=num_lookahead_tokens)
             if new_blocks is not None:
                 return new_blocks
             victim = pick_victim(self.running, self.policy)
@@ -348,8 +369,7 @@ class Scheduler:
             request.num_cached_tokens = num_hit_tokens
         self.running.append(request)
         plan.add_admitted(request, num_new_tokens, resumed)
-        if lookahead:
-            plan.draft_proposal_req_ids.add(request.request_id)
+        self._note_runner_proposal(request, plan, lookahead)
         return True
 
     def _pool_is_idle(self) -> bool:
@@ -359,10 +379,11 @@ class Scheduler:
     def _advance_scheduled(self, plan: StepPlan, step_seq: int) -> None:
         for request in plan.scheduled_requests():
             num_tokens = plan.num_scheduled_tokens[request.request_id]
-            request.num_computed_tokens += num_tokens
+            request.spec_token_ids = plan.spec_token_ids.get(request.request_id, [])
+            # Drafts count as computed once accepted (update_from_output).
+            request.num_computed_tokens += num_tokens - len(request.spec_token_ids)
             request.num_in_flight_tokens += num_tokens
             request.last_sched_seq = step_seq
-            request.spec_token_ids = plan.spec_token_ids.get(request.request_id, [])
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1
 

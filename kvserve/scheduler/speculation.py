@@ -1,12 +1,13 @@
 """The scheduler's side of speculative decoding: when to propose drafts, and their counts.
 
-Drafts are proposed while scheduling, for a request whose previous step is
-processed (its last token is known): prompt lookup (`ngram`) searches the
-request's known tokens; with a draft model the runner proposed them after
-sampling that step, and they wait here until the request is scheduled. A
-request that speculates is therefore not scheduled ahead under async
-scheduling: its step in flight may emit 1 to 1 + k tokens, so the position
-of its next token is unknown until that step is applied.
+Prompt lookup (`ngram`) and `suffix` drafts are proposed while scheduling,
+from the request's known tokens, so such a request is not scheduled ahead
+under async scheduling: its step in flight may emit 1 to 1 + k tokens, and
+its next draft needs them. With a draft model the runner proposes after
+sampling each step and fills in placeholder drafts scheduled here, so the
+request is scheduled ahead like any other: its computed tokens count no
+draft until accepted, its slots cover the in-flight drafts as lookahead, and
+the runner places the step after the tokens it actually sampled.
 """
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.ngram import propose_ngram
 from kvserve.spec_decode.suffix import SuffixProposer
 
+# A draft token the runner fills in (draft model): its proposal is made after the
+# previous step, possibly while this one is being scheduled.
+DRAFT_PLACEHOLDER = -1
 # Weight of the older drafts in a request's running acceptance rate.
 _ACCEPTANCE_DECAY = 0.5
 
@@ -72,8 +76,8 @@ class Speculator:
         self._states: dict[str, _RequestState] = {}
         self._num_schedules = 0
         self._stats = SpecDecodingStats()
-        # Draft-model proposals by request: (the request's token count they follow, drafts).
-        self._proposals: dict[str, tuple[int, list[int]]] = {}
+        # Requests whose latest scheduled step has the runner propose drafts after it.
+        self._runner_proposes: set[str] = set()
         self._suffix = None
         if config.method == "suffix":
             self._suffix = SuffixProposer(config.suffix_decoding_max_tree_depth,
@@ -104,8 +108,10 @@ class Speculator:
         if num_tokens <= 0:
             return []
         if self.config.uses_draft_model:
-            position, proposal = self._proposals.pop(request.request_id, (-1, []))
-            draft = proposal[:num_tokens] if position == request.num_tokens else []
+            # Placeholders: the runner puts its proposal there (the tokens are unknown
+            # here while the step that proposes them is in flight).
+            proposes = request.request_id in self._runner_proposes
+            return [DRAFT_PLACEHOLDER] * num_tokens if proposes else []
         elif self._suffix is not None:
             draft = self._suffix.propose(request.request_id, request.all_token_ids, num_tokens)
         else:
@@ -118,9 +124,12 @@ class Speculator:
                 self._back_off(state)
         return draft
 
-    def receive_proposal(self, request: Request, draft_token_ids: list[int]) -> None:
-        """Keep the runner's drafts for `request`, to follow its current tokens."""
-        self._proposals[request.request_id] = (request.num_tokens, list(draft_token_ids))
+    def note_runner_proposal(self, request_id: str, proposes: bool) -> None:
+        """Whether the runner proposes drafts after the step just scheduled for the request."""
+        if proposes:
+            self._runner_proposes.add(request_id)
+        else:
+            self._runner_proposes.discard(request_id)
 
     def record(self, request_id: str, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         """Account a verified draft; a request whose drafts keep failing backs off."""
@@ -137,7 +146,7 @@ class Speculator:
     def forget(self, request: Request) -> None:
         """Drop a finished request's state (suffix decoding caches its outputs)."""
         self._states.pop(request.request_id, None)
-        self._proposals.pop(request.request_id, None)
+        self._runner_proposes.discard(request.request_id)
         if self._suffix is not None:
             self._suffix.finish(request.request_id, request.output_token_ids)
 

@@ -29,6 +29,7 @@ class StepPlan:
     preempted_req_ids: set[str] = field(default_factory=set)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     draft_proposal_req_ids: set[str] = field(default_factory=set)
+    after_unverified_drafts_req_ids: set[str] = field(default_factory=set)
 
     def add_running(self, request: Request, num_tokens: int, new_block_ids: BlockIdsByGroup | None,
                     draft_token_ids: list[int] | None = None) -> None:
@@ -52,6 +53,7 @@ class StepPlan:
         self.new_block_ids.pop(request.request_id, None)
         self.spec_token_ids.pop(request.request_id, None)
         self.draft_proposal_req_ids.discard(request.request_id)
+        self.after_unverified_drafts_req_ids.discard(request.request_id)
         for reqs in (self.running_reqs, self.new_reqs, self.resumed_reqs):
             if request in reqs:
                 reqs.remove(request)
@@ -100,6 +102,7 @@ def build_scheduler_output(
         kv_cache_block_copies=block_copies,
         scheduled_spec_decode_tokens={req_id: list(drafts) for req_id, drafts in plan.spec_token_ids.items()},
         draft_proposal_req_ids=set(plan.draft_proposal_req_ids),
+        after_unverified_drafts_req_ids=set(plan.after_unverified_drafts_req_ids),
     )
 
 

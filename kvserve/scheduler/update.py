@@ -35,8 +35,8 @@ def apply_sampled_tokens(
             continue
         request.num_in_flight_tokens -= num_scheduled
         drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
-        if drafts:
-            request.spec_token_ids = []
+        if drafts and request.last_sched_seq == scheduler_output.step_seq:
+            request.spec_token_ids = []  # else they are a later step's, still in flight
         index = index_by_req_id.get(req_id)
         sampled = sampled_token_ids[index] if index is not None else None
         if not sampled:
@@ -52,13 +52,9 @@ def apply_sampled_tokens(
             stopped[req_id] = request
             if was_preempted:
                 scheduler.waiting.remove(request)
-        else:
-            if request.num_in_flight_tokens and not was_preempted:
-                # Scheduled ahead: the next allocation would cache these one step late.
-                scheduler.cache_processed_blocks(request)
-            proposal = model_runner_output.draft_token_ids.get(req_id)
-            if proposal:
-                scheduler.speculator.receive_proposal(request, proposal)
+        elif request.num_in_flight_tokens and not was_preempted:
+            # Scheduled ahead: the next allocation would cache these one step late.
+            scheduler.cache_processed_blocks(request)
         new_logprobs = None
         if all_logprobs is not None and all_logprobs[index]:
             new_logprobs = all_logprobs[index][:len(new_token_ids)]
@@ -70,14 +66,14 @@ def apply_sampled_tokens(
 
 def _roll_back_rejected(scheduler: "Scheduler", request: Request, drafts: list[int] | None,
                         sampled: list[int]) -> tuple[int, int]:
-    """Settle the drafts the step verified for `request`: its computed tokens counted
-    every draft, so step back over the rejected ones (their slots are rewritten by
-    the next step). Returns (drafts, accepted)."""
+    """Settle the drafts the step verified for `request`: its computed tokens count
+    the accepted ones now (the rejected ones' slots are rewritten by a later step).
+    Returns (drafts, accepted)."""
     if not drafts:
         return 0, 0
     num_accepted = len(sampled) - 1
     if request.status == RequestStatus.RUNNING:  # a preempted one restarts from 0 anyway
-        request.num_computed_tokens -= len(drafts) - num_accepted
+        request.num_computed_tokens += num_accepted
     scheduler.speculator.record(request.request_id, len(drafts), num_accepted)
     return len(drafts), num_accepted
 

@@ -40,8 +40,9 @@ class DraftModelProposer:
         self.device = device
         self.max_model_len = max_model_len
         self.model = None
-        # Request id -> (the drafts proposed, their distributions [k, vocab]) for sampled requests.
-        self._draft_probs: dict[str, tuple[list[int], torch.Tensor]] = {}
+        # Request id -> its latest proposal and, for sampled (not greedy) requests,
+        # the distributions [k, vocab] its tokens were drawn from.
+        self._proposals: dict[str, tuple[list[int], torch.Tensor | None]] = {}
 
     def load_model(self, kernel_config) -> None:
         """Load the draft's weights, with the same kernel choices as the target."""
@@ -56,16 +57,34 @@ class DraftModelProposer:
     def bind_kv_cache_config(self, kv_cache_config: KVCacheConfig) -> None:
         self.model.bind_kv_cache_config(kv_cache_config)
 
+    def fill_placeholders(self, scheduled_drafts: dict[str, list[int]]) -> dict[str, list[int]]:
+        """The scheduled drafts with placeholders (-1) replaced by the latest proposal,
+        cut to the scheduled count (padded with its last token when shorter: any
+        token is a valid draft, it is only less likely accepted)."""
+        filled = {}
+        for req_id, draft in scheduled_drafts.items():
+            if draft and draft[0] < 0:
+                proposal = self._proposals.get(req_id, ([], None))[0] or [0]
+                draft = (proposal + proposal[-1:] * len(draft))[:len(draft)]
+            filled[req_id] = draft
+        return filled
+
     def draft_probs_for(self, req_id: str, draft: list[int]) -> torch.Tensor | None:
-        """The distributions `draft` was sampled from (None for greedy proposals)."""
-        entry = self._draft_probs.pop(req_id, None)
-        if entry is None or entry[0][:len(draft)] != draft:
+        """The distributions `draft` was sampled from (None for greedy proposals); padded
+        tokens beyond the proposal get a point mass."""
+        proposal, probs = self._proposals.pop(req_id, ([], None))
+        if probs is None or proposal[:len(draft)] != draft[:len(proposal)]:
             return None
-        return entry[1][:len(draft)]
+        probs = probs[:len(draft)]
+        if len(draft) > len(probs):
+            padding = torch.zeros(len(draft) - len(probs), probs.shape[1], dtype=probs.dtype, device=probs.device)
+            padding[torch.arange(len(padding)), torch.tensor(draft[len(probs):])] = 1.0
+            probs = torch.cat([probs, padding])
+        return probs
 
     def forget(self, req_ids) -> None:
         for req_id in req_ids:
-            self._draft_probs.pop(req_id, None)
+            self._proposals.pop(req_id, None)
 
     def propose(self, batch: InputBatch, prepared: PreparedBatch, sampled: dict[str, list[int]],
                 proposal_req_ids: set[str], kv_caches: dict[str, torch.Tensor],
@@ -73,6 +92,7 @@ class DraftModelProposer:
         """Catch the draft's KV up with the step, then propose for `proposal_req_ids`
         (those that sampled). Returns the drafts by request id."""
         req_ids, starts, tokens, proposing = self._catch_up_inputs(prepared, sampled, proposal_req_ids)
+        self.forget(proposal_req_ids)
         if not req_ids:
             return {}
         step = batch.prepare_tokens(req_ids, np.array(starts), tokens)
@@ -91,9 +111,8 @@ class DraftModelProposer:
             step = batch.prepare_tokens(active, np.array(positions), [np.array([next_tokens[i]]) for i in keep])
             logits = self._forward_logits(step, step.logits_indices, kv_caches, build_metadata)
             next_tokens = self._pick(batch, logits, active, drafts, probs)
-        for rid, rows in probs.items():
-            if rows:
-                self._draft_probs[rid] = (drafts[rid], torch.stack(rows))
+        for rid, draft in drafts.items():
+            self._proposals[rid] = (draft, torch.stack(probs[rid]) if probs[rid] else None)
         return drafts
 
     def _catch_up_inputs(self, prepared: PreparedBatch, sampled: dict[str, list[int]],

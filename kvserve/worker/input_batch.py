@@ -219,8 +219,10 @@ class InputBatch:
     # ---- building one step's inputs ------------------------------------
 
     def prepare(self, scheduler_output: SchedulerOutput,
-                skip_req_ids: set[str] | frozenset = frozenset()) -> PreparedBatch:
-        """Flatten the scheduled tokens of every request (but `skip_req_ids`) into one batch."""
+                skip_req_ids: set[str] | frozenset = frozenset(),
+                draft_token_ids: dict[str, list[int]] | None = None) -> PreparedBatch:
+        """Flatten the scheduled tokens of every request (but `skip_req_ids`) into one batch;
+        `draft_token_ids` replaces the scheduler's drafts (placeholders filled in)."""
         req_ids, num_computed = self._scheduled_requests(scheduler_output)
         if skip_req_ids:
             kept = [i for i, rid in enumerate(req_ids) if rid not in skip_req_ids]
@@ -229,9 +231,15 @@ class InputBatch:
         num_sched = np.array([scheduler_output.num_scheduled_tokens[rid] for rid in req_ids],
                              dtype=np.int64)
         starts = np.array(num_computed, dtype=np.int64)
+        after_drafts = scheduler_output.after_unverified_drafts_req_ids
+        if after_drafts:
+            # Scheduled before the previous step's accepted drafts were known: start
+            # after the last sampled token (its input).
+            moved = np.array([rid in after_drafts for rid in req_ids], dtype=bool)
+            starts[moved] = self.num_tokens[rows[moved]] - 1
         ends = starts + num_sched
-        drafts = {rid: scheduler_output.scheduled_spec_decode_tokens[rid] for rid in req_ids
-                  if rid in scheduler_output.scheduled_spec_decode_tokens}
+        all_drafts = scheduler_output.scheduled_spec_decode_tokens if draft_token_ids is None else draft_token_ids
+        drafts = {rid: all_drafts[rid] for rid in req_ids if rid in all_drafts}
         num_drafts = np.array([len(drafts.get(rid, ())) for rid in req_ids], dtype=np.int64)
         self._write_drafts(drafts)
         known = self.num_tokens[rows] + num_drafts

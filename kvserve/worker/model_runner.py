@@ -148,15 +148,16 @@ class ModelRunner:
             self._apply_block_copies(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput.make_empty()
-        prepared = batch.prepare(scheduler_output, self._failed_req_ids)
+        draft_token_ids = None
+        if self.drafter is not None:
+            draft_token_ids = self.drafter.fill_placeholders(scheduler_output.scheduled_spec_decode_tokens)
+        prepared = batch.prepare(scheduler_output, self._failed_req_ids, draft_token_ids)
         sampled_token_ids, logprobs_by_req = self._forward_and_sample(prepared) if prepared.num_reqs else ({}, {})
-        draft_token_ids = {}
         if self.drafter is not None and prepared.num_reqs:
-            draft_token_ids = self.drafter.propose(batch, prepared, sampled_token_ids,
-                                                   scheduler_output.draft_proposal_req_ids, self.kv_caches,
-                                                   self._build_attention_metadata)
+            self.drafter.propose(batch, prepared, sampled_token_ids, scheduler_output.draft_proposal_req_ids,
+                                 self.kv_caches, self._build_attention_metadata)
         skipped = [rid for rid in scheduler_output.num_scheduled_tokens if rid in self._failed_req_ids]
-        return self._make_output(prepared.req_ids + skipped, sampled_token_ids, logprobs_by_req, draft_token_ids)
+        return self._make_output(prepared.req_ids + skipped, sampled_token_ids, logprobs_by_req)
 
     def _forward_sampled_rows(self, prepared: PreparedBatch) -> torch.Tensor | None:
         """Run the model over the step; the hidden rows of the requests to sample
@@ -269,13 +270,12 @@ class ModelRunner:
 
     @staticmethod
     def _make_output(req_ids: list[str], sampled_token_ids: dict[str, list[int]],
-                     logprobs_by_req: dict, draft_token_ids: dict[str, list[int]] | None = None) -> ModelRunnerOutput:
+                     logprobs_by_req: dict) -> ModelRunnerOutput:
         tokens = [list(sampled_token_ids.get(rid, [])) for rid in req_ids]
         logprobs = None
         if logprobs_by_req:
             logprobs = [list(logprobs_by_req.get(rid, [])) for rid in req_ids]
-        return ModelRunnerOutput(req_ids=list(req_ids), sampled_token_ids=tokens, logprobs=logprobs,
-                                 draft_token_ids=draft_token_ids or {})
+        return ModelRunnerOutput(req_ids=list(req_ids), sampled_token_ids=tokens, logprobs=logprobs)
 
 
 def _free_ram_bytes() -> int:

@@ -55,6 +55,8 @@ class Trace:
     # Prompt-lookup drafts of up to this many tokens (0: no speculation), over
     # outputs that mostly repeat, so drafts are partly accepted and rolled back.
     num_spec_tokens: int = 0
+    # Drafts from a (fake) draft model in the runner, scheduled ahead under async.
+    draft_model: bool = False
 
 
 @st.composite
@@ -72,6 +74,7 @@ def traces(draw) -> Trace:
         ops=draw(st.lists(_ADD, min_size=2, max_size=8)) + draw(st.lists(_OPS, min_size=10, max_size=80)),
         hybrid=draw(st.booleans()),
         num_spec_tokens=draw(st.sampled_from([0, 0, 1, 3, 5])),
+        draft_model=draw(st.booleans()),
     )
 
 
@@ -197,6 +200,9 @@ def _specs(trace: Trace):
 def _spec_config(trace: Trace) -> SpeculativeConfig | None:
     if not trace.num_spec_tokens:
         return None
+    if trace.draft_model:
+        return SpeculativeConfig(method="draft_model", model="fake", num_speculative_tokens=trace.num_spec_tokens,
+                                 disable_by_batch_size=4, backoff_steps=3)
     return SpeculativeConfig(num_speculative_tokens=trace.num_spec_tokens, prompt_lookup_min=1,
                              prompt_lookup_max=3, disable_by_batch_size=4, backoff_steps=3)
 
@@ -209,7 +215,8 @@ def _run_trace(trace: Trace) -> StepDriver:
         async_scheduling=trace.async_steps, policy=trace.policy, kv_cache_specs=_specs(trace),
         speculative_config=_spec_config(trace))
     runner = FakeModelRunner(eos_token_id=EOS, eos_after=5 if not trace.num_spec_tokens else 9,
-                             period=3 if trace.num_spec_tokens else None, block_size=trace.block_size)
+                             period=3 if trace.num_spec_tokens else None, block_size=trace.block_size,
+                             draft_lookahead=trace.num_spec_tokens if trace.draft_model else 0)
     driver = StepDriver(scheduler, runner, async_steps=trace.async_steps)
     checker = FenceChecker(scheduler, driver)
     added, aborted = [], set()
@@ -304,6 +311,24 @@ def test_a_speculative_trace_accepts_and_rolls_back(async_steps):
     assert stats.num_drafts == len(drafts)
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert driver.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_a_draft_model_trace_schedules_drafting_requests_ahead(async_steps):
+    """Placeholder drafts the (fake) draft model fills in; under async scheduling a
+    drafting request's next step is scheduled while its verifying step is in flight."""
+    ops = [("add", 20, 40, 0, 0, False), ("add", 14, 40, 1, 1, False), ("add", 9, 30, 2, 2, True),
+           ("add", 25, 40, 3, 0, False)] + [("step",)] * 40 + [("abort", 2)] + [("step",)] * 20
+    driver = _run_trace(Trace(num_blocks=20, block_size=4, hash_block_size=2, budget=32, max_num_seqs=4,
+                              async_steps=async_steps, policy="fcfs", ops=ops, num_spec_tokens=3,
+                              draft_model=True))
+    drafts = [d for out in driver.scheduler_outputs for d in out.scheduled_spec_decode_tokens.values()]
+    assert drafts and all(token == -1 for draft in drafts for token in draft)
+    stats = driver.scheduler.make_stats().spec_decoding_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    ahead = [out for out in driver.scheduler_outputs
+             if set(out.after_unverified_drafts_req_ids) & set(out.scheduled_spec_decode_tokens)]
+    assert bool(ahead) == async_steps
 
 
 @pytest.mark.slow

@@ -9,7 +9,9 @@ The drafts are tiny random models sharing the target's 256-token vocabulary:
   * `noisy`: the target's weights plus noise, accepted about a third of the
     time, so steps mix accepted prefixes, rollbacks and bonus tokens.
 Greedy outputs must equal the engine without speculation (itself checked
-against transformers in test_runner_vs_transformers).
+against transformers in test_runner_vs_transformers). Under async scheduling
+a request's next step, with placeholder drafts, is scheduled while the step
+verifying its previous drafts is in flight.
 """
 from __future__ import annotations
 
@@ -114,6 +116,11 @@ def test_greedy_draft_model_is_lossless_and_keeps_its_kv(paths, kind, overrides)
         if kind == "llama":  # the hybrid model's prefix hits end on whole blocks
             assert core.executor.num_block_copies > 0
         assert stats.num_drafts > 10
+        if overrides.get("async_scheduling", True):
+            # Steps scheduled while the previous one, verifying drafts, was in flight,
+            # themselves with drafts the runner filled in.
+            assert any(set(out.after_unverified_drafts_req_ids) & set(out.scheduled_spec_decode_tokens)
+                       for out in core.executor.scheduler_outputs)
         if kind == "llama" and draft == "exact":
             assert stats.num_accepted_tokens == stats.num_draft_tokens
         elif kind == "llama":

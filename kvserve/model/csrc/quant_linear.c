@@ -504,6 +504,46 @@ int kvserve_quant_linear(const void *x, int64_t x_stride, int64_t batch, const u
     return 0;
 }
 
+/* ---- row ranges, for callers that run their own parallel region ------------------- */
+
+/* Quantizes x [batch, in] (float32 rows x_stride apart) as kvserve_quant_linear does:
+ * qx [batch, in] (int8, or int16 with act_bits 16), scales [2 * batch * in / 32]
+ * (dx of every block, then dx * sum qx). */
+void kvserve_quant_activations(const float *x, int64_t x_stride, int64_t batch, int64_t in, int act_bits, void *qx,
+                               float *scales) {
+    const int64_t nb = in / QBLOCK;
+    for (int64_t b = 0; b < batch; b++)
+        quantize_row(x + b * x_stride, F32, in, act_bits, (char *)qx + b * in * (act_bits / 8), scales + b * nb,
+                     scales + batch * nb + b * nb);
+}
+
+/* Rows row_begin..row_end of y = x W^T (+ bias), float32, from activations quantized by
+ * kvserve_quant_activations. Runs on the calling thread only: the fused decoder
+ * (csrc/fused_decoder.c) splits a matrix's rows over the threads of its one region.
+ * The sums are the ones kvserve_quant_linear computes for these rows. */
+void kvserve_quant_rows(const void *qx, const float *scales, int64_t batch, const uint8_t *qs, const float *d,
+                        const float *m, int bits, int64_t in, const float *bias, float *y, int64_t y_stride,
+                        int act_bits, int isa, int64_t row_begin, int64_t row_end) {
+    const int64_t nb = in / QBLOCK;
+    QWeight w = {qs, d, m, row_bytes_of(bits, in), nb, bits};
+    QAct a = {act_bits == 8 ? (const int8_t *)qx : NULL, act_bits == 16 ? (const int16_t *)qx : NULL, scales,
+              scales + batch * nb, in, nb};
+    const float offset = (isa == ISA_AVX512 && bits == 8 && act_bits == 8) ? 128.0f : 0.0f;
+    float sums[TILE_ROWS][TILE_BATCH];
+    for (int64_t row = row_begin; row < row_end;) {
+        int rows = row_end - row >= TILE_ROWS ? TILE_ROWS : 1;
+        for (int64_t b0 = 0; b0 < batch; b0 += TILE_BATCH) {
+            int chunk = batch - b0 < TILE_BATCH ? (int)(batch - b0) : TILE_BATCH;
+            tile_sums(&w, row, rows, &a, b0, chunk, isa, sums);
+            for (int r = 0; r < rows; r++)
+                for (int b = 0; b < chunk; b++)
+                    y[(b0 + b) * y_stride + row + r] = sums[r][b] + min_term(&w, row + r, &a, b0 + b, offset) +
+                                                       (bias ? bias[row + r] : 0.0f);
+        }
+        row += rows;
+    }
+}
+
 /* ---- dequantization, for the many-token steps ------------------------------------------ */
 
 /* Rows of W as floats: w [out, in] of `dtype` (float32 or bfloat16), the values d * q + m

@@ -161,3 +161,29 @@ int kvserve_small_linear(const void *x, int64_t x_stride, const void *w, const v
     return 0;
 #endif
 }
+
+/* Rows row_begin..row_end of y = x W^T (+ bias), as kvserve_small_linear computes them,
+ * on the calling thread only (the fused decoder splits rows over its own threads).
+ * Returns 0 when unsupported in this build (nothing written). */
+int kvserve_small_linear_rows(const void *x, int64_t x_stride, const void *w, const void *bias, int64_t in, void *y,
+                              int64_t y_stride, int64_t batch, int dtype, int64_t row_begin, int64_t row_end) {
+    if (!kvserve_small_linear_supported(dtype)) return 0;
+#if defined(__AVX512F__)
+    const int element = dtype == F32 ? 4 : 2;
+    float sums[TILE_ROWS][TILE_BATCH];
+    for (int64_t row = row_begin; row < row_end;) {
+        int rows = row_end - row >= TILE_ROWS ? TILE_ROWS : 1;
+        for (int64_t b0 = 0; b0 < batch; b0 += TILE_BATCH) {
+            int chunk = batch - b0 < TILE_BATCH ? (int)(batch - b0) : TILE_BATCH;
+            tile(w, row, in, (const char *)x + b0 * x_stride * element, x_stride, rows, chunk, dtype, sums);
+            store_tile(sums, row, rows, b0, chunk, bias, y, y_stride, dtype);
+        }
+        row += rows;
+    }
+    return 1;
+#else
+    (void)x; (void)x_stride; (void)w; (void)bias; (void)in; (void)y; (void)y_stride; (void)batch;
+    (void)row_begin; (void)row_end;
+    return 0;
+#endif
+}

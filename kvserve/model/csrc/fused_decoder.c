@@ -1,0 +1,259 @@
+/* The whole decoder stack for a small step (a few tokens) in one native call.
+ *
+ * For every layer: RMSNorm -> QKV projection -> Q/K norms -> RoPE -> K/V write
+ * into the block-paged cache -> paged attention in place -> O projection ->
+ * residual -> norm -> gate/up projection -> SiLU or GELU(tanh) gate -> down
+ * projection -> residual (Gemma's sandwich norms where the model has them),
+ * then the final norm. Python calls it once per step (kvserve/model/
+ * native_decoder.py) instead of ~10 op calls per layer.
+ *
+ * One OpenMP parallel region covers the whole call: starting a region costs
+ * tens of microseconds on a virtual machine, more than a layer's work at batch
+ * one. Inside it the threads split each matrix's output rows and the
+ * attention's KV heads, and meet at a barrier after each (four per layer).
+ * The element-wise steps between them (norms, residual adds, the gate
+ * activation, quantizing the activations) are cheap at these sizes, so every
+ * thread computes them itself into its own buffers rather than wait for one.
+ *
+ * Every step reuses the kernels of the per-op path (quant_linear.c,
+ * small_linear.c, fused_ops.c, paged_attention.c) on the same inputs, so the
+ * result equals the torch path's up to the order of float32 sums where that
+ * path would pick oneDNN instead. Activations are float32; the KV cache may be
+ * float32 or bfloat16.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define MAX_GROUPS 8
+
+/* The other kernels of this library. */
+void kvserve_quant_activations(const float *x, int64_t x_stride, int64_t batch, int64_t in, int act_bits, void *qx,
+                               float *scales);
+void kvserve_quant_rows(const void *qx, const float *scales, int64_t batch, const uint8_t *qs, const float *d,
+                        const float *m, int bits, int64_t in, const float *bias, float *y, int64_t y_stride,
+                        int act_bits, int isa, int64_t row_begin, int64_t row_end);
+int kvserve_small_linear_rows(const void *x, int64_t x_stride, const void *w, const void *bias, int64_t in, void *y,
+                              int64_t y_stride, int64_t batch, int dtype, int64_t row_begin, int64_t row_end);
+void kvserve_rms_norm(const void *x, void *residual, const float *weight, void *out, int64_t rows, int64_t dim,
+                      int64_t row_stride, float eps, int adds_one, int dtype, int num_threads);
+void kvserve_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int dtype, int num_threads);
+void kvserve_rotary(void *x, int64_t token_stride, int64_t head_stride, const void *cos, const void *sin,
+                    int64_t tokens, int64_t heads, int64_t dim, int dtype, int num_threads);
+void kvserve_store_kv(const void *k, const void *v, int64_t token_stride, int64_t head_stride, void *k_cache,
+                      void *v_cache, int64_t cache_head_stride, const int64_t *slots, const int64_t *tokens,
+                      int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int in_dtype, int cache_dtype);
+int kvserve_paged_attention(const void *q, int64_t q_token_stride, int64_t q_head_stride, const void *k_cache,
+                            const void *v_cache, int64_t cache_head_stride, void *out, int64_t out_token_stride,
+                            int64_t out_head_stride, const int64_t *token_index, const int64_t *positions,
+                            const int64_t *block_table, int64_t block_table_stride, const int64_t *table_row,
+                            int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t block_size, int64_t window, float scale, float softcap, int q_dtype, int kv_dtype,
+                            int num_threads);
+
+/* One weight matrix [out, in]: block-quantized (qs != NULL, layout of quant_linear.c)
+ * or plain float32 (w). bias is float32 or NULL. */
+typedef struct {
+    const uint8_t *qs;
+    const float *d, *m, *w, *bias;
+    int64_t out, in;
+    int32_t bits, act_bits, isa, unused; /* isa: the quantized kernel's path (quant_linear.c) */
+} NativeLinear;
+
+typedef struct {
+    NativeLinear qkv, o, gate_up, down;
+    /* float32 norm weights; the last four NULL where the model has no such norm */
+    const float *input_norm, *post_attention_norm, *pre_feedforward_norm, *post_feedforward_norm, *q_norm, *k_norm;
+    void *k_cache, *v_cache; /* [kv_heads, blocks * block_size, head_dim] each */
+    int64_t cache_head_stride, block_size, window; /* window 0: full attention */
+    int32_t group, local_rope, kv_dtype, unused;
+} NativeLayer;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    const float *final_norm;
+    float eps, scale, softcap;
+    int32_t adds_one, sandwich, gelu;
+} NativeModel;
+
+/* One step: T tokens; token t sits at positions[t] of the request whose blocks are
+ * row table_row[t] of each group's block table, and its K/V go to slots[g][t]. */
+typedef struct {
+    int64_t num_tokens;
+    const int64_t *positions, *table_row, *token_index;
+    const int64_t *block_table[MAX_GROUPS];
+    int64_t block_table_stride[MAX_GROUPS];
+    const int64_t *slots[MAX_GROUPS];
+    const float *cos, *sin, *cos_local, *sin_local; /* [T, head_dim] */
+} NativeStep;
+
+/* Buffers each thread keeps for itself. */
+typedef struct {
+    float *residual, *x, *act; /* [T, hidden], [T, max(hidden, intermediate)], [T, intermediate] */
+    void *qx;                  /* quantized activations */
+    float *scales;
+} Private;
+
+/* Buffers all threads write (disjoint parts) and then read. */
+typedef struct {
+    float *qkv, *attn, *out, *gate_up; /* [T, qkv width], [T, q size], [T, hidden], [T, 2 * intermediate] */
+} Shared;
+
+static void split_rows(int64_t out, int tid, int nthreads, int64_t *begin, int64_t *end) {
+    /* Whole tiles of four rows per thread, so each row's sum is the per-op path's. */
+    const int64_t tiles = (out + 3) / 4;
+    *begin = tiles * tid / nthreads * 4;
+    *end = tiles * (tid + 1) / nthreads * 4;
+    if (*begin > out) *begin = out;
+    if (*end > out) *end = out;
+}
+
+/* This thread's rows of y [T, out] = x [T, in] W^T (+ bias); x is this thread's own copy. */
+static void linear_rows(const NativeLinear *l, const float *x, int64_t T, Private *p, float *y, int tid,
+                        int nthreads) {
+    int64_t begin, end;
+    split_rows(l->out, tid, nthreads, &begin, &end);
+    if (l->qs) {
+        kvserve_quant_activations(x, l->in, T, l->in, l->act_bits, p->qx, p->scales);
+        kvserve_quant_rows(p->qx, p->scales, T, l->qs, l->d, l->m, l->bits, l->in, l->bias, y, l->out, l->act_bits,
+                           l->isa, begin, end);
+        return;
+    }
+    if (kvserve_small_linear_rows(x, l->in, l->w, l->bias, l->in, y, l->out, T, F32, begin, end)) return;
+    for (int64_t t = 0; t < T; t++) /* portable fallback */
+        for (int64_t r = begin; r < end; r++) {
+            const float *wr = l->w + r * l->in, *xt = x + t * l->in;
+            float s = 0.0f;
+            for (int64_t i = 0; i < l->in; i++) s += wr[i] * xt[i];
+            y[t * l->out + r] = s + (l->bias ? l->bias[r] : 0.0f);
+        }
+}
+
+static void norm(const NativeModel *m, const float *x, float *residual, const float *w, float *out, int64_t T) {
+    kvserve_rms_norm(x, residual, w, out, T, m->hidden, m->hidden, m->eps, m->adds_one, F32, 1);
+}
+
+/* act [T, I] = gelu_tanh(gate) * up, in float32 as torch computes it. */
+static void gelu_tanh_mul(const float *gate_up, float *act, int64_t T, int64_t width) {
+    const float k = 0.7978845608028654f; /* sqrt(2 / pi) */
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < width; i++) {
+            float g = gate_up[t * 2 * width + i];
+            float inner = k * (g + 0.044715f * g * g * g);
+            act[t * width + i] = 0.5f * g * (1.0f + tanhf(inner)) * gate_up[t * 2 * width + width + i];
+        }
+}
+
+/* Q/K norms, RoPE, K/V write and attention of the KV heads this thread owns; writes
+ * those heads' query rows of s->attn. */
+static void attention_heads(const NativeModel *m, const NativeLayer *l, const NativeStep *st, const Shared *s,
+                            int tid, int nthreads) {
+    const int64_t T = st->num_tokens, D = m->head_dim, group = m->num_heads / m->num_kv_heads;
+    const int64_t q_size = m->num_heads * D, kv_size = m->num_kv_heads * D, width = q_size + 2 * kv_size;
+    const float *cos = l->local_rope ? st->cos_local : st->cos, *sin = l->local_rope ? st->sin_local : st->sin;
+    const int64_t elem = l->kv_dtype == F32 ? 4 : 2;
+    for (int64_t h = tid; h < m->num_kv_heads; h += nthreads) {
+        float *q = s->qkv + h * group * D, *k = s->qkv + q_size + h * D, *v = s->qkv + q_size + kv_size + h * D;
+        for (int64_t t = 0; t < T; t++) {
+            if (l->q_norm) kvserve_rms_norm(q + t * width, NULL, l->q_norm, q + t * width, group, D, D, m->eps,
+                                            m->adds_one, F32, 1);
+            if (l->k_norm) kvserve_rms_norm(k + t * width, NULL, l->k_norm, k + t * width, 1, D, D, m->eps,
+                                            m->adds_one, F32, 1);
+        }
+        kvserve_rotary(q, width, D, cos, sin, T, group, D, F32, 1);
+        kvserve_rotary(k, width, D, cos, sin, T, 1, D, F32, 1);
+        char *k_cache = (char *)l->k_cache + h * l->cache_head_stride * elem;
+        char *v_cache = (char *)l->v_cache + h * l->cache_head_stride * elem;
+        kvserve_store_kv(k, v, width, D, k_cache, v_cache, l->cache_head_stride, st->slots[l->group], NULL, T, 1, D,
+                         F32, l->kv_dtype);
+        kvserve_paged_attention(q, width, D, k_cache, v_cache, l->cache_head_stride, s->attn + h * group * D, q_size,
+                                D, st->token_index, st->positions, st->block_table[l->group],
+                                st->block_table_stride[l->group], st->table_row, T, group, 1, D, l->block_size,
+                                l->window, m->scale, m->softcap, F32, l->kv_dtype, 1);
+    }
+}
+
+/* One decoder layer. The stream is p->residual (sandwich norms), or p->residual + s->out
+ * (pre-norm: s->out holds the previous layer's MLP output, added in by the first norm;
+ * the first layer's stream is p->residual alone). */
+static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *st, Private *p, const Shared *s,
+                  int first, int tid, int nthreads) {
+    const int64_t T = st->num_tokens, H = m->hidden, I = m->intermediate;
+    if (m->sandwich) {
+        norm(m, p->residual, NULL, l->input_norm, p->x, T);
+    } else {
+        norm(m, first ? p->residual : s->out, first ? NULL : p->residual, l->input_norm, p->x, T);
+    }
+    linear_rows(&l->qkv, p->x, T, p, s->qkv, tid, nthreads);
+#pragma omp barrier
+    attention_heads(m, l, st, s, tid, nthreads);
+#pragma omp barrier
+    linear_rows(&l->o, s->attn, T, p, s->out, tid, nthreads);
+#pragma omp barrier
+    if (m->sandwich) {
+        norm(m, s->out, NULL, l->post_attention_norm, p->x, T);
+        for (int64_t i = 0; i < T * H; i++) p->residual[i] += p->x[i];
+        norm(m, p->residual, NULL, l->pre_feedforward_norm, p->x, T);
+    } else {
+        norm(m, s->out, p->residual, l->post_attention_norm, p->x, T);
+    }
+    linear_rows(&l->gate_up, p->x, T, p, s->gate_up, tid, nthreads);
+#pragma omp barrier
+    if (m->gelu)
+        gelu_tanh_mul(s->gate_up, p->act, T, I);
+    else
+        kvserve_silu_mul(s->gate_up, p->act, T, I, F32, 1);
+    linear_rows(&l->down, p->act, T, p, s->out, tid, nthreads);
+#pragma omp barrier
+    if (m->sandwich) {
+        norm(m, s->out, NULL, l->post_feedforward_norm, p->x, T);
+        for (int64_t i = 0; i < T * H; i++) p->residual[i] += p->x[i];
+    }
+}
+
+static int64_t max_width(const NativeModel *m) {
+    int64_t widest = m->hidden > m->intermediate ? m->hidden : m->intermediate;
+    return widest > m->num_heads * m->head_dim ? widest : m->num_heads * m->head_dim;
+}
+
+/* hidden [T, hidden]: the scaled embeddings in, the final norm's output out. Returns 0,
+ * or 1 when out of memory (hidden unchanged then). */
+int kvserve_decoder_forward(const NativeModel *m, const NativeLayer *layers, const NativeStep *st, float *hidden,
+                            int num_threads) {
+    const int64_t T = st->num_tokens, H = m->hidden, I = m->intermediate, W = max_width(m);
+    const int64_t qkv_width = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
+    Shared s = {malloc(sizeof(float) * (size_t)(T * qkv_width)),
+                malloc(sizeof(float) * (size_t)(T * m->num_heads * m->head_dim)),
+                malloc(sizeof(float) * (size_t)(T * H)), malloc(sizeof(float) * (size_t)(T * 2 * I))};
+    int failed = !s.qkv || !s.attn || !s.out || !s.gate_up;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && !failed)
+    {
+        const int tid = omp_get_thread_num(), nthreads = omp_get_num_threads();
+        Private p = {malloc(sizeof(float) * (size_t)(T * H)), malloc(sizeof(float) * (size_t)(T * W)),
+                     malloc(sizeof(float) * (size_t)(T * I)), malloc((size_t)(T * W * 2) + 64),
+                     malloc(sizeof(float) * (size_t)(2 * T * (W / 32 + 1)))};
+        int ok = p.residual && p.x && p.act && p.qx && p.scales;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            memcpy(p.residual, hidden, sizeof(float) * (size_t)(T * H));
+            for (int64_t i = 0; i < m->num_layers; i++) layer(m, &layers[i], st, &p, &s, i == 0, tid, nthreads);
+            if (tid == 0) {
+                if (m->sandwich)
+                    norm(m, p.residual, NULL, m->final_norm, hidden, T);
+                else
+                    norm(m, s.out, p.residual, m->final_norm, hidden, T);
+            }
+        }
+        free(p.residual), free(p.x), free(p.act), free(p.qx), free(p.scales);
+    }
+    free(s.qkv), free(s.attn), free(s.out), free(s.gate_up);
+    return failed;
+}

@@ -1,0 +1,230 @@
+"""The decoder stack of a small step in one native call (csrc/fused_decoder.c).
+
+At batch one a decode step through the torch path makes about ten Python op
+calls per layer, each a dispatch and, for the native kernels, a parallel region
+of its own: for a 135M model that overhead outweighs the matmuls. For steps of
+up to `MAX_TOKENS` tokens `NativeDecoder` hands the whole stack (every layer and
+the final norm) to one C call that reuses the per-op kernels inside one
+parallel region.
+
+It takes what it covers and nothing else; `DecoderModel.forward` keeps the
+torch path for any step it declines (None):
+- model: CPU, float32 activations, one tensor-parallel rank, every projection
+  block-quantized or a plain float32 matrix, SiLU or GELU(tanh) gates, head
+  size <= 256, at most 32 query heads per KV head;
+- step: at most `MAX_TOKENS` tokens, every KV-cache group a block table (not a
+  circular ring, whose read-before-write order the kernel does not follow),
+  caches float32 or bfloat16 and contiguous.
+`ModelKernels.native_decoder` (KVSERVE_NATIVE_DECODER=0 in `KernelConfig`) switches it off.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from kvserve.kv_cache.interface import CircularBufferSpec
+from kvserve.model import cpu_kernels, quantized
+from kvserve.model.attention import AttentionMetadata, token_positions
+
+logger = logging.getLogger(__name__)
+
+MAX_TOKENS = 8  # steps up to this many tokens (decode, short drafts); longer ones are prefills
+_MAX_GROUPS = 8  # MAX_GROUPS in fused_decoder.c
+_PARALLEL_MIN_LAYER_BYTES = 256 * 1024
+
+_i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("qs", _ptr), ("d", _ptr), ("m", _ptr), ("w", _ptr), ("bias", _ptr), ("out", _i64), ("in_", _i64),
+                ("bits", _i32), ("act_bits", _i32), ("isa", _i32), ("unused", _i32)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("input_norm", _ptr), ("post_attention_norm", _ptr), ("pre_feedforward_norm", _ptr),
+                ("post_feedforward_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
+                ("k_cache", _ptr), ("v_cache", _ptr), ("cache_head_stride", _i64), ("block_size", _i64),
+                ("window", _i64), ("group", _i32), ("local_rope", _i32), ("kv_dtype", _i32), ("unused", _i32)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
+                ("head_dim", _i64), ("intermediate", _i64), ("final_norm", _ptr), ("eps", _f32), ("scale", _f32),
+                ("softcap", _f32), ("adds_one", _i32), ("sandwich", _i32), ("gelu", _i32)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("num_tokens", _i64), ("positions", _ptr), ("table_row", _ptr), ("token_index", _ptr),
+                ("block_table", _ptr * _MAX_GROUPS), ("block_table_stride", _i64 * _MAX_GROUPS),
+                ("slots", _ptr * _MAX_GROUPS), ("cos", _ptr), ("sin", _ptr), ("cos_local", _ptr),
+                ("sin_local", _ptr)]
+
+
+class NativeDeclined(Exception):
+    """The model has a feature the native decoder does not cover (the message says which)."""
+
+
+def _ptr_of(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class NativeDecoder:
+    """One model's layers, described once for the native call; `forward` runs a step.
+
+    Holds references to every tensor it points at (float32 norm weights, the
+    quantized or plain projection weights) so none is freed under it."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self._keep: list[torch.Tensor] = []
+        self._layer_bytes = 0  # weight bytes of one layer's projections
+        self._layers = (_Layer * len(model.layers))()
+        for i, layer in enumerate(model.layers):
+            self._describe_layer(self._layers[i], layer)
+        self._desc = self._describe_model(model)
+        # Layers this small are not worth a second thread: the barriers between the
+        # matmuls would cost more than the rows they share out.
+        self.num_threads = torch.get_num_threads() if self._layer_bytes >= _PARALLEL_MIN_LAYER_BYTES else 1
+        self._cache_ptrs: tuple | None = None
+        self._token_index = torch.arange(MAX_TOKENS, dtype=torch.int64)
+
+    # -- description (once) ------------------------------------------------------------------
+    @classmethod
+    def for_model(cls, model) -> "NativeDecoder | None":
+        """The native decoder for `model`, or None where the library is missing or it does not
+        cover the model (whether the model wants one is `ModelKernels.native_decoder`)."""
+        if cpu_kernels.load_library() is None:
+            return None
+        try:
+            decoder = cls(model)
+        except NativeDeclined as reason:
+            logger.info("native decoder not used: %s", reason)
+            return None
+        logger.info("native decoder: steps of up to %d tokens run the %d layers in one call", MAX_TOKENS,
+                    len(model.layers))
+        return decoder
+
+    def _describe_model(self, model) -> _Model:
+        config = model.config
+        attn = model.layers[0].self_attn
+        if model.tp.size != 1:
+            raise NativeDeclined("tensor parallelism")
+        if model.norm.weight.device.type != "cpu" or model.norm.weight.dtype != torch.float32:
+            raise NativeDeclined(f"{model.norm.weight.dtype} on {model.norm.weight.device}")
+        if not cpu_kernels.supports_shape(attn.num_heads, attn.num_kv_heads, attn.head_dim):
+            raise NativeDeclined(f"attention shape {attn.num_heads}/{attn.num_kv_heads}x{attn.head_dim}")
+        if config.hidden_size > cpu_kernels._MAX_NORM_DIM or config.hidden_act not in (
+                "silu", "swish", "gelu_pytorch_tanh", "gelu_tanh"):
+            raise NativeDeclined(f"hidden size {config.hidden_size} / activation {config.hidden_act}")
+        if model.rotary_global.inv_freq.numel() * 2 != attn.head_dim:
+            raise NativeDeclined("partial rotary embedding")
+        return _Model(num_layers=len(model.layers), hidden=config.hidden_size, num_heads=attn.num_heads,
+                      num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+                      intermediate=model.layers[0].mlp.down_proj.shard_input, final_norm=self._norm(model.norm),
+                      eps=config.rms_norm_eps, scale=attn.params.scale, softcap=attn.params.softcap or 0.0,
+                      adds_one=int(config.norm_adds_one), sandwich=int(config.sandwich_norms),
+                      gelu=int(config.hidden_act.startswith("gelu")))
+
+    def _describe_layer(self, desc: _Layer, layer) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        for field, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                              ("down", mlp.down_proj)):
+            self._describe_linear(getattr(desc, field), module)
+        desc.input_norm = self._norm(layer.input_layernorm)
+        desc.post_attention_norm = self._norm(layer.post_attention_layernorm)
+        if layer.sandwich:
+            desc.pre_feedforward_norm = self._norm(layer.pre_feedforward_layernorm)
+            desc.post_feedforward_norm = self._norm(layer.post_feedforward_layernorm)
+        if attn.q_norm is not None:
+            desc.q_norm, desc.k_norm = self._norm(attn.q_norm), self._norm(attn.k_norm)
+        desc.window = attn.sliding_window or 0
+        desc.local_rope = int(attn.sliding_window is not None and self.model.rotary_local is not None)
+
+    def _describe_linear(self, desc: _Linear, module) -> None:
+        qw = module.quant_weight
+        bias = module.bias
+        if bias is not None:
+            bias = self._hold(bias.detach().float().contiguous())
+        desc.bias = _ptr_of(bias)
+        if qw is not None:
+            if qw.bits not in (4, 8, 16) or qw.in_features % quantized.BLOCK:
+                raise NativeDeclined(f"quantized weight of {qw.bits} bits")
+            desc.qs, desc.d, desc.m = (self._hold(t).data_ptr() for t in (qw.qs, qw.d, qw.m))
+            desc.bits, desc.act_bits = qw.bits, qw.act_bits
+            desc.isa = quantized.ISA_CODES[qw.isa or quantized.kernel_isa() or "portable"]
+            desc.out, desc.in_ = qw.out_features, qw.in_features
+            self._layer_bytes += qw.nbytes() // len(self.model.layers)
+            return
+        weight = module.weight
+        if weight is None or weight.dtype != torch.float32 or not weight.is_contiguous():
+            raise NativeDeclined("a projection held only in oneDNN's packed layout or not in float32")
+        desc.w = self._hold(weight).data_ptr()
+        self._layer_bytes += weight.numel() * weight.element_size() // len(self.model.layers)
+        desc.out, desc.in_ = weight.shape
+
+    def _norm(self, norm) -> int:
+        if norm.weight.device.type != "cpu":
+            raise NativeDeclined("weights off the CPU")
+        return self._hold(norm.weight.detach().float().contiguous()).data_ptr()
+
+    def _hold(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._keep.append(tensor)
+        return tensor
+
+    def _bind_caches(self, kv_caches: dict[str, torch.Tensor], group_ids: list[int]) -> bool:
+        """Point each layer at its KV cache (again only when the caches moved); False when a
+        cache is not one the kernel reads."""
+        caches = [kv_caches[name] for name in self.model.layer_names]
+        ptrs = tuple(c.data_ptr() for c in caches)
+        if ptrs == self._cache_ptrs:
+            return True
+        for desc, cache, group in zip(self._layers, caches, group_ids):
+            if cache.device.type != "cpu" or not cache.is_contiguous() or not cpu_kernels.supports_dtype(cache.dtype):
+                return False
+            _, _, num_blocks, block_size, head_dim = cache.shape
+            desc.k_cache, desc.v_cache = cache[0].data_ptr(), cache[1].data_ptr()
+            desc.cache_head_stride = num_blocks * block_size * head_dim
+            desc.block_size = block_size
+            desc.kv_dtype = cpu_kernels._DTYPE_CODES[cache.dtype]
+            desc.group = group
+        self._cache_ptrs = ptrs
+        return True
+
+    # -- a step -----------------------------------------------------------------------------
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, metadata_by_group: list[AttentionMetadata],
+                kv_caches: dict[str, torch.Tensor], group_ids: list[int]) -> torch.Tensor | None:
+        """The final norm's output [T, hidden] for the embeddings `hidden` [T, hidden]
+        (already scaled), or None when this step is not one the native call takes."""
+        num_tokens = hidden.shape[0]
+        if not 0 < num_tokens <= MAX_TOKENS or len(metadata_by_group) > _MAX_GROUPS:
+            return None
+        if any(isinstance(md.spec, CircularBufferSpec) or md.slot_mapping is None for md in metadata_by_group):
+            return None
+        if not self._bind_caches(kv_caches, group_ids):
+            return None
+        md0 = metadata_by_group[0]
+        table_row, _ = token_positions(md0.query_start_loc.long(), md0.seq_lens.long())
+        positions = positions.long().contiguous()
+        step = _Step(num_tokens=num_tokens, positions=positions.data_ptr(), table_row=table_row.data_ptr(),
+                     token_index=self._token_index.data_ptr())
+        keep = [positions, table_row]
+        for g, md in enumerate(metadata_by_group):
+            table, slots = md.block_table.long().contiguous(), md.slot_mapping.long().contiguous()
+            keep += [table, slots]
+            step.block_table[g], step.block_table_stride[g], step.slots[g] = (table.data_ptr(), table.stride(0),
+                                                                              slots.data_ptr())
+        cos, sin = self.model.rotary_global.cos_sin(positions, torch.float32)
+        local = self.model.rotary_local
+        cos_local, sin_local = local.cos_sin(positions, torch.float32) if local is not None else (cos, sin)
+        keep += [cos, sin, cos_local, sin_local]
+        step.cos, step.sin, step.cos_local, step.sin_local = (t.data_ptr() for t in (cos, sin, cos_local, sin_local))
+        out = hidden.float().contiguous().clone() if hidden.dtype != torch.float32 else hidden.contiguous()
+        failed = cpu_kernels.load_library().kvserve_decoder_forward(
+            ctypes.byref(self._desc), self._layers, ctypes.byref(step), out.data_ptr(), self.num_threads)
+        if failed:
+            raise MemoryError("the native decoder could not allocate its buffers")
+        del keep
+        return out

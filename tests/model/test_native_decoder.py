@@ -1,0 +1,187 @@
+"""The native decoder (one C call for the whole stack on small steps) against the
+per-op torch path of the same model: greedy tokens identical for 64 steps and
+logits within rounding, on the tiny models of every family (sliding windows,
+soft-capping, GQA, Q/K norms, sandwich norms), with prompt chunks short enough
+to run natively over cached context, prefix hits with a copy-on-write block,
+quantized GGUF weights on every kernel path, and the steps it must decline
+(circular-buffer KV, bfloat16, oneDNN-packed weights, the switch off)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.config import KernelConfig
+from kvserve.kv_cache.utils import KVCacheBlockCopy
+from kvserve.model import cpu_kernels, native_decoder, quantized
+from kvserve.model.config import ModelConfig
+from kvserve.model.loader import load_model
+from paged_kv_helper import VOCAB, PagedRunner, run_greedy, save_tiny_model
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no native kernels")
+
+FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"]
+NUM_NEW = 64
+# Same float32 kernels on the same inputs; only the plain-weight matmul sums in
+# another order (the native small-batch kernel against MKL): rounding only.
+MAX_LOGIT_DIFF = 1e-4
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    cache = {}
+
+    def get(family: str) -> ModelConfig:
+        if family not in cache:
+            cache[family] = ModelConfig.from_path(save_tiny_model(family, tmp_path_factory.mktemp(family)))
+        return cache[family]
+    return get
+
+
+@pytest.fixture
+def native_steps(monkeypatch):
+    """Counts the steps the native decoder ran (not declined)."""
+    count = [0]
+    forward = native_decoder.NativeDecoder.forward
+
+    def counting(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        count[0] += out is not None
+        return out
+    monkeypatch.setattr(native_decoder.NativeDecoder, "forward", counting)
+    return count
+
+
+def _prompts(lengths: list[int], seed: int = 0) -> dict[str, list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return {f"r{i}": torch.randint(3, VOCAB, (n,), generator=generator).tolist() for i, n in enumerate(lengths)}
+
+
+def _torch_path(model):
+    model._native = None  # decided: no native decoder for this model
+    return model
+
+
+def _assert_same(ours, ref, max_diff=MAX_LOGIT_DIFF) -> None:
+    (tokens, logits), (ref_tokens, ref_logits) = ours, ref
+    assert tokens == ref_tokens
+    for req_id in ref_logits:
+        for a, b in zip(logits[req_id], ref_logits[req_id]):
+            assert (a - b).abs().max().item() <= max_diff * max(1.0, b.abs().max().item())
+
+
+@pytest.mark.parametrize("family,chunk,threads", [
+    *[(family, 2, None) for family in FAMILIES],
+    ("llama", 16, None), ("gemma2", 16, None), ("gemma2", 2, 2), ("qwen3", 2, 3)])
+def test_native_matches_torch_path_for_64_greedy_steps(configs, native_steps, family, chunk, threads):
+    """Chunk 2: prompt chunks over cached context run natively too (3 requests x 2 <= 8
+    tokens); chunk 16: prefills take the torch path, decode steps the native one.
+    `threads`: the tiny layers would run on one thread; force the rows and KV heads to
+    be shared out (3 threads: more than the 2 KV heads, so one thread has none)."""
+    config = configs(family)
+    prompts = _prompts([5, 19, 30], seed=1)  # 30 + 64 tokens exceed the window (12) many times
+    model = load_model(config)
+    if threads:
+        model._native = native_decoder.NativeDecoder.for_model(model)
+        model._native.num_threads = threads
+    ours = run_greedy(PagedRunner(model, block_size=4), prompts, NUM_NEW, chunk=chunk)
+    assert native_steps[0] >= NUM_NEW - 2  # the step that ends a prompt samples the first token
+    ref = run_greedy(PagedRunner(_torch_path(load_model(config)), block_size=4), prompts, NUM_NEW, chunk=chunk)
+    _assert_same(ours, ref)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_prefix_hit_with_copy_on_write_block(configs, native_steps, family):
+    def run(model):
+        runner = PagedRunner(model, block_size=4)
+        base, tail = _prompts([22], seed=1)["r0"], _prompts([9], seed=2)["r0"]
+        run_greedy(runner, {"a": base}, 1, chunk=64)
+        shared = runner.requests["a"].block_ids
+        own = [runner.new_block() for _ in shared]
+        runner.copy_blocks([KVCacheBlockCopy(g, shared[g][4], own[g], 2) for g in range(len(shared))])
+        runner.add("c", base[:18] + tail, shared_blocks=[t[:4] + [own[g]] for g, t in enumerate(shared)],
+                   num_computed=18)
+        runner.add("b", base[:16] + tail, shared_blocks=[t[:4] for t in shared], num_computed=16)
+        return run_greedy(runner, {"b": base[:16] + tail, "c": base[:18] + tail}, 16, chunk=3)
+
+    config = configs(family)
+    ours = run(load_model(config))
+    assert native_steps[0] > 16
+    _assert_same(ours, run(_torch_path(load_model(config))))
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_circular_buffer_steps_are_declined_and_still_match(configs, native_steps, family):
+    config = configs(family)
+    prompts = _prompts([25, 7], seed=3)
+    ours = run_greedy(PagedRunner(load_model(config), sliding_window_kv="circular"), prompts, 24, chunk=2)
+    if family == "mistral":  # every layer windowed: every group a ring
+        assert native_steps[0] == 0
+    ref = run_greedy(PagedRunner(_torch_path(load_model(config)), sliding_window_kv="circular"), prompts, 24,
+                     chunk=2)
+    _assert_same(ours, ref)
+
+
+def test_switch_bfloat16_and_packed_weights_are_declined(configs, native_steps):
+    config = configs("llama")
+    assert load_model(config).kernels.native_decoder
+    assert native_decoder.NativeDecoder.for_model(load_model(config)) is not None
+    switched_off = load_model(config, kernel_config=KernelConfig.from_env({"KVSERVE_NATIVE_DECODER": "0"}))
+    assert not switched_off.kernels.native_decoder
+    run_greedy(PagedRunner(switched_off), _prompts([4]), 3, chunk=8)
+    assert native_steps[0] == 0
+    bf16 = load_model(ModelConfig.from_path(config.path, dtype="bfloat16"))
+    assert not bf16.kernels.native_decoder and native_decoder.NativeDecoder.for_model(bf16) is None
+    if torch.backends.mkldnn.is_available():
+        packed = load_model(config)
+        packed.pack_linear_weights(keep_plain=False)
+        assert native_decoder.NativeDecoder.for_model(packed) is None
+
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as QType  # noqa: E402
+from helpers.gguf_writer import write_gguf  # noqa: E402
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q8_0])
+def test_quantized_weights_on_every_kernel_path(tmp_path_factory, native_steps, qtype, isa):
+    if quantized.kernel_isa() is None or not quantized.isa_available(isa):
+        pytest.skip(f"the {isa} kernel path does not run here")
+    from paged_kv_helper import load_hf
+    path = str(tmp_path_factory.mktemp("gguf") / f"tiny-{qtype.name}.gguf")
+    write_gguf(load_hf(save_tiny_model("llama", tmp_path_factory.mktemp("llama"))), path, qtype)
+    config, kernel_config = ModelConfig.from_path(path), KernelConfig(quant_isa=isa)  # both paths take this one
+    model = load_model(config, kernel_config=kernel_config)
+    assert model.layers[0].self_attn.qkv_proj.quant_weight.isa == isa
+    prompts = _prompts([5, 23], seed=4)
+    ours = run_greedy(PagedRunner(model), prompts, NUM_NEW, chunk=3)
+    assert native_steps[0] >= NUM_NEW - 2  # the step that ends a prompt samples the first token
+    ref = run_greedy(PagedRunner(_torch_path(load_model(config, kernel_config=kernel_config))), prompts, NUM_NEW,
+                     chunk=3)
+    _assert_same(ours, ref, max_diff=1e-5)  # the same kernel on the same rows: equal sums
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+def test_quantized_row_ranges_equal_the_per_op_kernel(isa):
+    """`kvserve_quant_rows` (what each thread of the native call runs) gives, row range by
+    row range, exactly the sums of the per-op kernel, for every GGUF type, a few batch sizes."""
+    if quantized.kernel_isa() is None or not quantized.isa_available(isa):
+        pytest.skip(f"the {isa} kernel path does not run here")
+    from test_quant_kernels import TYPES, gguf_blocks
+    lib = cpu_kernels.load_library()
+    for type_name in TYPES:
+        width = 256 if type_name.endswith("K") else 96
+        weight = quantized.from_gguf_blocks(type_name, gguf_blocks(type_name, 22, width, seed=3), width)
+        for batch in (1, 3, 6):
+            x = torch.randn(batch, width)
+            ref = quantized.linear(x, weight, isa=isa)
+            qx = torch.empty(batch * width * 2 + 64, dtype=torch.uint8)
+            scales = torch.empty(2 * batch * (width // 32))
+            lib.kvserve_quant_activations(x.data_ptr(), width, batch, width, weight.act_bits, qx.data_ptr(),
+                                          scales.data_ptr())
+            y = torch.full((batch, 22), float("nan"))
+            for begin, end in ((0, 8), (8, 20), (20, 22)):
+                lib.kvserve_quant_rows(qx.data_ptr(), scales.data_ptr(), batch, weight.qs.data_ptr(),
+                                       weight.d.data_ptr(), weight.m.data_ptr(), weight.bits, width, None,
+                                       y.data_ptr(), 22, weight.act_bits, quantized.ISA_CODES[isa], begin, end)
+            assert torch.equal(y, ref), (type_name, batch)
