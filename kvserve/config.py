@@ -407,8 +407,10 @@ def _draft_model_config(spec_config, model_config, tensor_parallel_size: int):
     try:
         return load_draft_model_config(spec_config, model_config, resolve_model_path(spec_config.model),
                                        tensor_parallel_size)
-    except (SpeculativeConfigError, ModelNotFoundError) as exc:
+    except SpeculativeConfigError as exc:
         raise ConfigError(str(exc)) from None
+    except ModelNotFoundError as exc:
+        raise ConfigError(f"speculative_config: draft {exc}") from None
 
 
 def _speculative_config(value) -> "SpeculativeConfig | None":

@@ -84,8 +84,10 @@ def _finish_quantized(model: DecoderModel, kernel_config: KernelConfig, log: boo
         model.lm_head.quant_weight = model.embed_tokens.quant_weight
         model.lm_head.register_parameter("weight", None)
     if held and log:
-        logger.info("weights held quantized as stored (%s) on the %s kernel path",
-                    ", ".join(f"{count} x {name}" for name, count in sorted(held.items())), isa)
+        dense_steps = (f"steps of {kernel_config.quant_gemm_rows}+ rows: dense {str(dense).removeprefix('torch.')} GEMM"
+                       if kernel_config.quant_gemm_rows else "no dense GEMM")
+        logger.info("weights held quantized as stored (%s) on the %s kernel path; %s",
+                    ", ".join(f"{count} x {name}" for name, count in sorted(held.items())), isa, dense_steps)
 
 
 def safetensors_files(path: str) -> list[str]:

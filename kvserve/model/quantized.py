@@ -68,6 +68,10 @@ class QuantizedWeight:
     gemm_rows: int = 0
     gemm_dtype: torch.dtype = torch.float32
 
+    def __post_init__(self) -> None:
+        if self.bits == 16:  # the kernel pairs sixteen-bit weights with int16 activations only
+            self.act_bits = 16
+
     @property
     def out_features(self) -> int:
         return self.qs.shape[0]
@@ -350,7 +354,7 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
     code = cpu_kernels.load_library().kvserve_quant_linear(
         x2.data_ptr(), x2.stride(0), x2.shape[0], weight.qs.data_ptr(), weight.d.data_ptr(), weight.m.data_ptr(),
         weight.bits, weight.out_features, weight.in_features, bias.data_ptr() if bias is not None else None,
-        y.data_ptr(), y.stride(0), 0 if x2.dtype == torch.float32 else 1, 16 if weight.bits == 16 else weight.act_bits,
+        y.data_ptr(), y.stride(0), 0 if x2.dtype == torch.float32 else 1, weight.act_bits,
         ISA_CODES[isa or weight.isa or kernel_isa()], torch.get_num_threads())
     if code:
         raise cpu_kernels.KernelArgumentError(f"quantized matmul rejected its arguments (code {code})")

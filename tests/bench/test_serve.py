@@ -73,9 +73,11 @@ def test_the_run_is_written_as_a_trace_that_plan_reads(tmp_path):
     trace = read_trace(result["trace_path"])
     assert len(trace) == 5  # the failed request is left out
     assert all(r.output_len == NUM_TOKENS and r.prompt_len > 0 and r.prefix_id is None for r in trace)
-    sent = sorted(server.log.arrival_times)
-    # Send times are offsets from the start of the run, as the server saw the requests arrive.
-    assert trace[-1].arrival_s - trace[0].arrival_s == pytest.approx(sent[-1] - sent[0], abs=0.05)
+    received = sorted(server.log.arrival_times)
+    # Send times are offsets from the start of the run, spread as the server saw the requests
+    # arrive (give or take the loopback latency of a loaded machine).
+    assert trace[0].arrival_s < 0.5
+    assert trace[-1].arrival_s - trace[0].arrival_s == pytest.approx(received[-1] - received[0], abs=0.5)
 
 
 def test_non_loopback_urls_are_refused():

@@ -85,6 +85,7 @@ def test_kernel_matches_float64_reference(type_name, width, isa, act_bits):
     raw = gguf_blocks(type_name, out, width, seed=out + width)
     weight = dataclasses.replace(quantized.from_gguf_blocks(type_name, raw, width), act_bits=act_bits)
     if weight.bits == 16:  # sixteen-bit weights always take int16 activations
+        assert weight.act_bits == 16
         act_bits = 16
     w64 = reference_weight(type_name, raw, width)
     rng = np.random.default_rng(width)
