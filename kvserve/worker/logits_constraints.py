@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.model.grammar import (FailedGrammar, GrammarCompiler, StructuredOutputError, add_mask_penalty_,
-                                   compiler_for_model, mask_penalty)
+from kvserve.model.grammar import (FailedGrammar, GrammarCompiler, StructuredOutputError, compiler_for_model,
+                                   disallowed_tokens, mask_logits_)
 from kvserve.worker.input_batch import RequestState
 
 logger = logging.getLogger(__name__)
@@ -46,10 +46,9 @@ class MaskStats:
 
 @dataclass
 class PendingMasks:
-    """The masks of one step being filled: `penalty` resolves to [len(rows), vocab] float32
-    (-inf for a disallowed token, 0 otherwise), added to those rows of the logits."""
+    """The masks of one step being filled: `disallowed` resolves to [len(rows), vocab] bools."""
 
-    penalty: "Future[torch.Tensor]"
+    disallowed: "Future[torch.Tensor]"
     rows: list[int]
 
 
@@ -105,26 +104,26 @@ class LogitsConstraints:
             if pending is None:
                 return logits
         waited_from = time.perf_counter()
-        penalty = pending.penalty.result()
+        disallowed = pending.disallowed.result()
         applied_from = time.perf_counter()
-        logits = add_mask_penalty_(logits, penalty, pending.rows)
+        logits = mask_logits_(logits, disallowed, pending.rows)
         self.stats.wait_s += applied_from - waited_from
         self.stats.apply_s += time.perf_counter() - applied_from
         return logits
 
     def _fill(self, states: list[RequestState], drafts: list[list[int]]) -> torch.Tensor:
-        """On the mask thread: the additive masks of the constrained requests' rows (-inf: banned)."""
+        """On the mask thread: the unpacked masks of the constrained requests' rows (True: banned)."""
         started = time.perf_counter()
         matchers = [self._matcher(state) for state in states]
         if not any(drafts):
             bitmask = self.compiler.fill_bitmasks(matchers)
         else:
             bitmask = torch.cat([self.compiler.fill_bitmasks_along(m, d) for m, d in zip(matchers, drafts)])
-        penalty = mask_penalty(bitmask, self.compiler.vocab_size)
+        disallowed = disallowed_tokens(bitmask, self.compiler.vocab_size)
         self.stats.steps += 1
-        self.stats.rows += penalty.shape[0]
+        self.stats.rows += disallowed.shape[0]
         self.stats.fill_s += time.perf_counter() - started
-        return penalty
+        return disallowed
 
     def advance(self, states: list[RequestState], token_ids: list[list[int]]) -> None:
         """Feed each constrained request the tokens this step really produced for it."""
