@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from kvserve.bench.cli_output import FORMATTERS
 from kvserve.bench.report import bar_plot, default_output_path, environment_info, run_tag, write_json
 
 SUBCOMMANDS = ("roofline", "throughput", "serve", "serve-compare", "prefix", "compare", "profile", "scheduler", "kv",
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     # torch is imported by the benchmark itself; its version and threads are known only now.
     environment.update({k: v for k, v in environment_info().items() if k.startswith(("torch", "cuda"))})
     payload = {"benchmark": name, "environment": environment, "result": result}
-    formatter, plotter = _FORMATTERS[name]
+    formatter, plotter = FORMATTERS[name]
     print(formatter(result))
     busiest = max(environment.get("load_average_1m", 0.0), environment["load_average_1m_end"])
     if busiest > (environment.get("cpu_count") or 1):
@@ -477,89 +478,6 @@ def _run_plan_check(args: argparse.Namespace) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- formatting and plots
 
-def _format_json(result: dict[str, Any]) -> str:
-    return json.dumps(result, indent=2, default=str)
-
-
-def _format_scheduler(result: dict[str, Any]) -> str:
-    from kvserve.bench.report import format_table
-
-    ratios = result.get("ratio_kvserve_over_vllm") or {}
-    vllm = result.get("vllm") or {}
-    rows = []
-    for key, entry in result["kvserve"].items():
-        vllm_us = (vllm.get(key) or {}).get("us_per_step") if isinstance(vllm, dict) else None
-        ratio = ratios.get(key) if isinstance(ratios, dict) else None
-        rows.append([entry["num_running"], entry["us_per_step"], entry["us_per_request_step"],
-                     "-" if vllm_us is None else vllm_us, "-" if ratio is None else f"{ratio:.2f}"])
-    return format_table(["running requests", "kvserve us/step", "us/request/step", "vLLM us/step",
-                         "kvserve / vLLM"], rows,
-                        title="scheduler: schedule() + update_from_output() in steady decode")
-
-
-def _format_kv(result: dict[str, Any]) -> str:
-    from kvserve.bench.report import format_table
-
-    rows = [[phase, result[phase]["requests_per_s"], result[phase]["ops_per_s"], result[phase]["hit_rate"]]
-            for phase in ("allocate_free", "prefix_hit") if phase in result]
-    text = format_table(["phase", "requests/s", "ops/s", "hit rate"], rows,
-                        title=f"kv: {result['trace']['num_requests']:,} requests, synthetic trace")
-    if result.get("vllm"):
-        text += "\nvLLM: " + json.dumps(result["vllm"], default=str)
-    return text
-
-
-def _roofline_plot(result):
-    from kvserve.bench import roofline
-    labels, values = roofline.plot_values(result)
-    return labels, values, "tokens/s ceilings of this machine for the model", "tokens/s"
-
-
-def _throughput_plot(result):
-    labels = [f"{r['engine']}\n{r['workload']}" for r in result["results"]]
-    return labels, [r["output_tokens_per_s"] for r in result["results"]], "offline throughput", "output tokens/s"
-
-
-def _compare_plot(result):
-    from kvserve.bench import compare
-    labels, values = compare.plot_values(result)
-    return labels, values, f"kvserve vs references ({result['dtype']})", "output tokens/s"
-
-
-def _serve_compare_plot(result):
-    from kvserve.bench import serve_compare
-    labels, values = serve_compare.plot_values(result)
-    return labels, values, "serving: output tokens/s at fixed concurrency", "output tokens/s"
-
-
-def _prefix_plot(result):
-    from kvserve.bench import prefix
-    labels, values = prefix.plot_values(result)
-    return labels, values, "TTFT with a shared prefix", "mean TTFT ms"
-
-
-def _profile_plot(result):
-    from kvserve.bench import profile
-    labels, values = profile.plot_values(result)
-    return labels, values, "one decode step (profiled)", "ms per step"
-
-
-def _serve_plot(result):
-    labels, values = [], []
-    for metric in ("ttft", "tpot", "itl"):
-        for pct in ("p50", "p90", "p99"):
-            labels.append(f"{metric.upper()} {pct}")
-            values.append(result[metric][f"{pct}_ms"])
-    return labels, values, "serving latency", "ms"
-
-
-def _lazy_formatter(module: str) -> Callable[[dict], str]:
-    def format_result(result: dict[str, Any]) -> str:
-        import importlib
-        return importlib.import_module(f"kvserve.bench.{module}").format_result(result)
-    return format_result
-
-
 _COMMANDS = {
     "roofline": (_add_roofline_arguments, "matmul GFLOP/s and memory bandwidth, and the model's tokens/s ceilings"),
     "throughput": (_add_throughput_arguments, "offline throughput of kvserve.LLM on fixed and mixed workloads"),
@@ -586,20 +504,4 @@ _RUNNERS = {
     "spec": _run_spec,
     "route": _run_route,
     "plan-check": _run_plan_check,
-}
-
-_FORMATTERS = {
-    "roofline": (_lazy_formatter("roofline"), _roofline_plot),
-    "throughput": (_lazy_formatter("throughput"), _throughput_plot),
-    "serve": (_lazy_formatter("serve"), _serve_plot),
-    "serve-compare": (_lazy_formatter("serve_compare"), _serve_compare_plot),
-    "prefix": (_lazy_formatter("prefix"), _prefix_plot),
-    "compare": (_lazy_formatter("compare"), _compare_plot),
-    "profile": (_lazy_formatter("profile"), _profile_plot),
-    "scheduler": (_format_scheduler, None),
-    "kv": (_format_kv, None),
-    "structured": (_lazy_formatter("structured"), None),
-    "spec": (_lazy_formatter("spec"), None),
-    "route": (_lazy_formatter("route"), None),
-    "plan-check": (_lazy_formatter("plan_check"), None),
 }
