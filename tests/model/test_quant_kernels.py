@@ -139,7 +139,9 @@ def test_large_batch_runs_threaded_and_matches_small_batches():
     isa = quantized.kernel_isa()  # the integer kernel, not the dense path of many-row steps
     whole = quantized.linear(x, weight, isa=isa)
     parts = torch.cat([quantized.linear(x[i:i + 1], weight, isa=isa) for i in range(40)])
-    torch.testing.assert_close(whole, parts, rtol=1e-5, atol=1e-5)
+    # Rows of one take the single-row kernel (quant_gemv.c) on AVX512-VNNI: same integer
+    # sums, float32 sums in another order.
+    torch.testing.assert_close(whole, parts, rtol=1e-4, atol=1e-4)
 
 
 def test_bad_shapes_are_rejected():
@@ -214,5 +216,7 @@ def test_fused_parts_of_different_bits_are_widened_exactly():
     assert fused.bits == 16 and fused.source_type == "Q4_K+Q8_0+Q6_K" and fused.shape == (10, 512)
     torch.testing.assert_close(fused.dequantize(), torch.cat([p.dequantize() for p in parts]), rtol=0, atol=0)
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(8))
-    torch.testing.assert_close(quantized.linear(x, fused), torch.cat([quantized.linear(x, p) for p in parts], dim=1),
+    # Sixteen-bit weights take int16 activations: so must the parts they are compared with.
+    parts16 = [dataclasses.replace(p, act_bits=16) for p in parts]
+    torch.testing.assert_close(quantized.linear(x, fused), torch.cat([quantized.linear(x, p) for p in parts16], dim=1),
                                rtol=1e-4, atol=1e-4)
