@@ -159,6 +159,9 @@ class NativeDecoder:
             return None
         finally:
             self._layer_bytes = layer_bytes
+        qw = lm_head.quant_weight
+        if qw is not None and not qw.m.any():  # Q8_0: no minimums; the kernel skips reading them
+            desc.m = None
         return desc
 
     def _describe_linear(self, desc: _Linear, module) -> None:

@@ -217,3 +217,24 @@ def test_lm_head_stays_outside_when_the_native_call_cannot_take_it(configs):
     prompts = _prompts([6], seed=6)
     _assert_same(run_greedy(PagedRunner(model), prompts, 8, chunk=8),
                  run_greedy(PagedRunner(ref_model), prompts, 8, chunk=8))
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+def test_q8_0_lm_head_in_the_call_skips_its_zero_minimums(tmp_path_factory, isa):
+    """A Q8_0 LM head (every minimum zero) runs in the call without reading them, for one
+    sequence (the single-row kernel) and for two (the tiled one): logits as the torch LM head's."""
+    if quantized.kernel_isa() is None or not quantized.isa_available(isa):
+        pytest.skip(f"the {isa} kernel path does not run here")
+    from paged_kv_helper import load_hf
+    path = str(tmp_path_factory.mktemp("gguf") / "tiny-Q8_0.gguf")
+    write_gguf(load_hf(save_tiny_model("llama", tmp_path_factory.mktemp("llama"))), path, QType.Q8_0)
+    config, kernel_config = ModelConfig.from_path(path), KernelConfig(quant_isa=isa)
+    model = load_model(config, kernel_config=kernel_config)
+    model._native = native_decoder.NativeDecoder.for_model(model)
+    assert model._native._head is not None and not model._native._head.m
+    for lengths in ([7], [7, 12]):
+        prompts = _prompts(lengths, seed=7)
+        ours = run_greedy(PagedRunner(model), prompts, 16, chunk=3)
+        ref = run_greedy(PagedRunner(_torch_path(load_model(config, kernel_config=kernel_config))), prompts, 16,
+                         chunk=3)
+        _assert_same(ours, ref, max_diff=1e-5)

@@ -166,6 +166,25 @@ INLINE __m128 rows4_q8(const Rows *w, const Act *a, const int64_t row[ROWS]) {
     return _mm_add_ps(_mm_add_ps(dots, reduce4_128(mt[0], mt[1], mt[2], mt[3])), _mm_loadu_ps(extra));
 }
 
+/* x [in] float32 rounded per block of 32 to int8 exactly as quant_linear.c's quantize_row
+ * does (same amax, same scale and reciprocal, round to nearest even), 16 lanes at a time:
+ * qx [in], dx and sx = dx * sum(q) per block. Returns 1 (0 in a build without AVX-512). */
+int kvserve_quantize_row8(const float *x, int64_t in, int8_t *qx, float *dx, float *sx) {
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int64_t b = 0; b < in / QBLOCK; b++) {
+        __m512 v0 = _mm512_loadu_ps(x + b * QBLOCK), v1 = _mm512_loadu_ps(x + b * QBLOCK + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
+        __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+        _mm_storeu_si128((__m128i *)(qx + b * QBLOCK), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(qx + b * QBLOCK + 16), _mm512_cvtsepi32_epi8(q1));
+        dx[b] = amax / 127.0f;
+        sx[b] = dx[b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+    return 1;
+}
+
 /* y[row] = x . W[row] (+ bias[row]) for rows row_begin..row_end, on the calling thread.
  * qx: int8 activations of one row (in columns); scales: dx of each block, then sx
  * (kvserve_quant_activations' layout for batch one). bits 4 or 8; m may be NULL when
@@ -205,6 +224,11 @@ int kvserve_gemv_rows(const int8_t *qx, const float *scales, const uint8_t *qs, 
                       int bits, int64_t in, const float *bias, float *y, int64_t row_begin, int64_t row_end) {
     (void)qx, (void)scales, (void)qs, (void)d, (void)m, (void)bits, (void)in, (void)bias, (void)y, (void)row_begin,
         (void)row_end;
+    return 0;
+}
+
+int kvserve_quantize_row8(const float *x, int64_t in, int8_t *qx, float *dx, float *sx) {
+    (void)x, (void)in, (void)qx, (void)dx, (void)sx;
     return 0;
 }
 

@@ -50,6 +50,7 @@ int kvserve_gemv_rows(const int8_t *qx, const float *scales, const uint8_t *qs, 
                       int bits, int64_t in, const float *bias, float *y, int64_t row_begin, int64_t row_end);
 int kvserve_gemv(const int8_t *qx, const float *scales, const uint8_t *qs, const float *d, const float *m, int bits,
                  int64_t in, const float *bias, float *y, int64_t out, int num_threads);
+int kvserve_quantize_row8(const float *x, int64_t in, int8_t *qx, float *dx, float *sx);
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define HAVE_AVX512 1
@@ -101,6 +102,7 @@ int kvserve_quant_isa_available(int isa) {
 /* ---- activations ------------------------------------------------------------------ */
 
 static void quantize_row(const void *x, int dtype, int64_t in, int act_bits, void *qx, float *dx, float *sx) {
+    if (dtype == F32 && act_bits == 8 && kvserve_quantize_row8(x, in, qx, dx, sx)) return;
     const float top = act_bits == 16 ? 32767.0f : 127.0f;
     float v[QBLOCK];
     for (int64_t b = 0; b < in / QBLOCK; b++) {
@@ -446,10 +448,16 @@ static void tile_sums(const QWeight *w, int64_t row, int rows, const QAct *a, in
 }
 
 /* sum_j (m_j - offset d_j) sx_j over the blocks of one row: the part of the dot product
- * that the blocks' minimums (and, for the VNNI 8-bit path, the +128 offset) contribute. */
+ * that the blocks' minimums (and, for the VNNI 8-bit path, the +128 offset) contribute.
+ * m may be NULL: every minimum zero (Q8_0), not read. */
 static float min_term(const QWeight *w, int64_t row, const QAct *a, int64_t b, float offset) {
-    const float *m = w->m + row * w->nb, *d = w->d + row * w->nb, *sx = a->sx + b * a->nb;
+    const float *d = w->d + row * w->nb, *sx = a->sx + b * a->nb;
     float acc = 0.0f;
+    if (!w->m) {
+        for (int64_t j = 0; j < w->nb; j++) acc -= offset * d[j] * sx[j];
+        return acc;
+    }
+    const float *m = w->m + row * w->nb;
     for (int64_t j = 0; j < w->nb; j++) acc += (m[j] - offset * d[j]) * sx[j];
     return acc;
 }
