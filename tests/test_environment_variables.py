@@ -37,8 +37,8 @@ def test_kernel_switches_are_read_only_by_kernel_config():
 def test_kernel_config_from_the_environment(monkeypatch):
     assert KernelConfig.from_env({}) == KernelConfig()
     monkeypatch.setenv(CPU_PACKED_WEIGHTS_ENV, "0")
-    monkeypatch.setenv(QUANT_ACT_BITS_ENV, "16")
+    monkeypatch.setenv(QUANT_ACT_BITS_ENV, "8")
     monkeypatch.setenv(QUANT_ISA_ENV, "AVX2")
-    expected = KernelConfig(packed_weights=False, quant_act_bits=16, quant_isa="avx2")
+    expected = KernelConfig(packed_weights=False, quant_act_bits=8, quant_isa="avx2")
     assert KernelConfig.from_env() == expected
     assert EngineConfig.__dataclass_fields__["kernel_config"].default_factory() == expected

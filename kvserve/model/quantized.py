@@ -14,9 +14,10 @@ rows, tests).
 The kernel path is picked once from the CPU's features: AVX512-VNNI, AVX2 or
 portable C; `KernelConfig.quant_isa` (KVSERVE_QUANT_ISA=avx2|portable) caps it
 at a narrower one (for tests and comparisons). The kernel rounds the activations
-per block of 32 to int8, as llama.cpp does (`KernelConfig.quant_act_bits`; the
-default model's perplexity moves by +0.5% against float32 weights;
-KVSERVE_QUANT_ACT_BITS=16: int16, about as exact as float32 inputs, slower). Steps of many rows (prefill; `KernelConfig.quant_gemm_rows`,
+per block of 32 to int16 (`KernelConfig.quant_act_bits`), about as exact as float32
+inputs; KVSERVE_QUANT_ACT_BITS=8 rounds to int8 as llama.cpp does: faster (batch-one
+steps take the single-row kernel), the default model's perplexity +0.5% from float32
+weights', but near-tied greedy tokens flip (so do llama.cpp's on the same file). Steps of many rows (prefill; `KernelConfig.quant_gemm_rows`,
 64 by default) rebuild the weight densely instead (`dequantize_dense`, bfloat16 on
 CPUs with native bfloat16) and run oneDNN's GEMM, several times faster there. The
 loader stamps these choices on every weight it holds.
@@ -63,7 +64,7 @@ class QuantizedWeight:
     bits: int
     in_features: int
     source_type: str
-    act_bits: int = 8
+    act_bits: int = 16
     isa: str | None = None
     gemm_rows: int = 0
     gemm_dtype: torch.dtype = torch.float32

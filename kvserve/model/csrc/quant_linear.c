@@ -22,11 +22,11 @@
  *
  * With act_bits = 16 the activations are rounded to int16 per block instead
  * (vpdpwssd / vpmaddwd): about as exact as float32 inputs, at twice the integer
- * work. int8 is the default (quantized.py): SmolLM2's hidden states carry a few
- * large outliers, and int8 rounding of the rest of their blocks can flip near-tied
- * greedy choices (llama.cpp's Q8 activations do the same), but moves the default
- * model's perplexity by only +0.5%. Batch-one steps on AVX512-VNNI with int8
- * activations take the single-row kernel of quant_gemv.c.
+ * work. That is the default (quantized.py): SmolLM2's hidden states carry a few
+ * large outliers, and int8 rounding of the rest of their blocks flips near-tied
+ * greedy choices (llama.cpp's Q8 activations do the same), though it moves the
+ * default model's perplexity by only +0.5%. Batch-one steps on AVX512-VNNI with
+ * int8 activations take the single-row kernel of quant_gemv.c.
  */
 #include <math.h>
 #include <stdint.h>
