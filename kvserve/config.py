@@ -134,8 +134,11 @@ QUANT_ACT_BITS_ENV = "KVSERVE_QUANT_ACT_BITS"
 QUANT_GEMM_ROWS_ENV = "KVSERVE_QUANT_GEMM_ROWS"
 QUANT_GEMM_DTYPE_ENV = "KVSERVE_QUANT_GEMM_DTYPE"
 NATIVE_DECODER_ENV = "KVSERVE_NATIVE_DECODER"
+GRAMMAR_MASK_ISA_ENV = "KVSERVE_GRAMMAR_MASK_ISA"
 # The quantized matmul's kernel paths, narrowest first.
 QUANT_ISAS = ("portable", "avx2", "avx512")
+# KVSERVE_GRAMMAR_MASK_ISA: one of QUANT_ISAS (the grammar-mask kernel's paths), or this.
+GRAMMAR_MASK_TORCH = "torch"
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,8 @@ class KernelConfig:
     weights and run a dense GEMM in `quant_gemm_dtype` ("bfloat16", "float32"; None:
     bfloat16 on CPUs with native bfloat16, else float32).
     `native_decoder`: steps of a few tokens run the whole decoder stack in one native call.
+    `grammar_mask_isa`: cap the grammar-mask kernel's path (None: the widest the CPU
+    runs; "torch": no kernel, torch's masked_fill_).
     """
 
     cpu_kernels: bool = True
@@ -163,6 +168,7 @@ class KernelConfig:
     quant_gemm_rows: int = 64
     quant_gemm_dtype: str | None = None
     native_decoder: bool = True
+    grammar_mask_isa: str | None = None
 
     def __post_init__(self) -> None:
         if self.quant_isa is not None and self.quant_isa not in QUANT_ISAS:
@@ -173,6 +179,9 @@ class KernelConfig:
             raise ConfigError(f"{QUANT_GEMM_ROWS_ENV} must be a non-negative integer, got {self.quant_gemm_rows!r}")
         if self.quant_gemm_dtype not in (None, "bfloat16", "float32"):
             raise ConfigError(f"{QUANT_GEMM_DTYPE_ENV} must be bfloat16 or float32, got {self.quant_gemm_dtype!r}")
+        if self.grammar_mask_isa not in (None, GRAMMAR_MASK_TORCH, *QUANT_ISAS):
+            raise ConfigError(f"{GRAMMAR_MASK_ISA_ENV} must be one of {GRAMMAR_MASK_TORCH}, {', '.join(QUANT_ISAS)}, "
+                              f"got {self.grammar_mask_isa!r}")
 
     @classmethod
     def from_env(cls, environ: "os._Environ[str] | dict[str, str] | None" = None) -> "KernelConfig":
@@ -190,7 +199,8 @@ class KernelConfig:
                    quant_isa=env.get(QUANT_ISA_ENV, "").strip().lower() or None,
                    quant_act_bits=int(bits), quant_gemm_rows=int(gemm_rows),
                    quant_gemm_dtype=env.get(QUANT_GEMM_DTYPE_ENV, "").strip().lower() or None,
-                   native_decoder=_switched_on(env, NATIVE_DECODER_ENV))
+                   native_decoder=_switched_on(env, NATIVE_DECODER_ENV),
+                   grammar_mask_isa=env.get(GRAMMAR_MASK_ISA_ENV, "").strip().lower() or None)
 
 
 def _switched_on(env, name: str) -> bool:
