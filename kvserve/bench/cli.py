@@ -17,7 +17,7 @@ from kvserve.bench.cli_output import FORMATTERS
 from kvserve.bench.report import bar_plot, default_output_path, environment_info, run_tag, write_json
 
 SUBCOMMANDS = ("roofline", "throughput", "serve", "serve-compare", "prefix", "compare", "profile", "scheduler", "kv",
-               "structured", "route", "spec", "plan-check")
+               "structured", "route", "spec", "plan-check", "allreduce")
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -262,6 +262,11 @@ def _add_plan_check_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--roofline-json", default=None, metavar="PATH",
                         help="also predict with the roofline step cost of this `kvserve bench roofline` JSON")
     server.add_argument("--roofline-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    server.add_argument("--tp", type=int, default=1,
+                        help="check the plan's TP > 1 step cost: calibrate one rank, time all-reduces, then "
+                             "calibrate and measure a -tp N server (default 1)")
+    server.add_argument("--activation-bytes", type=int, default=4,
+                        help="bytes per activation on the TP wire (4: float32 on CPU)")
     load = parser.add_argument_group("the trace")
     load.add_argument("--trace", default=None, metavar="JSONL", help="replay this recorded trace")
     load.add_argument("--trace-out", default=None, metavar="JSONL",
@@ -274,6 +279,11 @@ def _add_plan_check_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--shared-prefix-ratio", type=float, default=0.5)
     load.add_argument("--num-shared-prefixes", type=int, default=4)
     load.add_argument("--seed", type=int, default=0)
+
+
+def _add_allreduce_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world-size", type=int, default=2, help="processes in the gloo group (default 2)")
+    parser.add_argument("--repeats", type=int, default=30, help="all-reduces timed per message size")
 
 
 def _int_list(text: str) -> list[int]:
@@ -472,8 +482,15 @@ def _run_plan_check(args: argparse.Namespace) -> dict[str, Any]:
         num_requests=args.num_requests, trace_path=args.trace,
         trace_out=args.trace_out or plan_check.trace_path_next_to(json_path), seed=args.seed,
         threads=args.server_threads or None, extra_flags=tuple(shlex.split(args.server_args)),
-        roofline_json=args.roofline_json, roofline_dtype=args.roofline_dtype)
+        roofline_json=args.roofline_json, roofline_dtype=args.roofline_dtype, tp=args.tp,
+        activation_bytes=args.activation_bytes)
     return plan_check.run(config)
+
+
+def _run_allreduce(args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.bench.interconnect import measure_interconnect
+
+    return {"interconnect": measure_interconnect(args.world_size, repeats=args.repeats).as_json()}
 
 
 # ---------------------------------------------------------------- formatting and plots
@@ -492,6 +509,7 @@ _COMMANDS = {
     "spec": (_add_spec_arguments, "speculative decoding on vs off: input-grounded and unrelated chats"),
     "route": (_add_route_arguments, "N replicas behind SGLang's Model Gateway: hit rate, TTFT, spread per policy"),
     "plan-check": (_add_plan_check_arguments, "`kvserve plan`'s calibrated prediction against a measured run"),
+    "allreduce": (_add_allreduce_arguments, "gloo all-reduce latency and bandwidth between local processes"),
 }
 
 _NAMED_RUNS = ("compare", "serve-compare")
@@ -504,4 +522,5 @@ _RUNNERS = {
     "spec": _run_spec,
     "route": _run_route,
     "plan-check": _run_plan_check,
+    "allreduce": _run_allreduce,
 }

@@ -13,7 +13,7 @@ and KVCacheManager (the FakeModelRunner stands in for the model) on a
 simulated clock. Each step advances the clock by a step-cost model:
 
     t = overhead + max(weights/TP + KV read/TP) / bandwidth  vs  tokens*FLOPs/TP / FLOP/s
-        + 2 all-reduces per layer over the interconnect (TP > 1)
+        + the step's collectives over the interconnect (TP > 1, `tp_comm_seconds`)
 
 Requests are spread evenly over the replicas (the gateway's random or
 round-robin policies; cache_aware does at least as well on hit rate), so one
@@ -48,11 +48,12 @@ class ModelSpec:
     head_dim: int
     matmul_params: int
     dtype_bytes: int = 2
+    vocab_size: int = 0
 
     @classmethod
     def from_shapes(cls, shapes: Any, dtype_bytes: int) -> "ModelSpec":
         return cls(shapes.num_layers, shapes.hidden_size, shapes.num_heads, shapes.num_kv_heads,
-                   shapes.head_dim, shapes.matmul_params, dtype_bytes)
+                   shapes.head_dim, shapes.matmul_params, dtype_bytes, shapes.vocab_size)
 
     @property
     def weight_bytes(self) -> int:
@@ -101,13 +102,19 @@ class SLO:
     tpot_p99_ms: float
 
 
-def allreduce_seconds(model: ModelSpec, machine: Machine, tp: int, num_tokens: int) -> float:
-    """Two ring all-reduces of the step's activations per layer over the interconnect (0 at TP 1)."""
+def tp_comm_seconds(model: ModelSpec, machine: Machine, tp: int, num_tokens: int, num_sampled: int = 1) -> float:
+    """The collectives of one TP step, as kvserve's TP runs them (0 at TP 1): the embedding's and
+    two per layer (attention and MLP outputs) ring all-reduces of the step's activations, the
+    gather of the vocabulary-sharded logits of the `num_sampled` sampled rows on rank 0, and the
+    broadcast of the sampled tokens. Each costs the link latency plus its bytes over the bandwidth."""
     if tp <= 1:
         return 0.0
-    message_bytes = num_tokens * model.hidden_size * model.dtype_bytes
-    ring_s = 2 * (tp - 1) / tp * message_bytes / (machine.interconnect_gbs * 1e9)
-    return 2 * model.num_layers * (machine.interconnect_latency_us * 1e-6 + ring_s)
+    latency_s = machine.interconnect_latency_us * 1e-6
+    bytes_per_s = machine.interconnect_gbs * 1e9
+    activation_bytes = num_tokens * model.hidden_size * model.dtype_bytes
+    all_reduce_s = latency_s + 2 * (tp - 1) / tp * activation_bytes / bytes_per_s
+    gather_s = latency_s + (tp - 1) / tp * num_sampled * model.vocab_size * model.dtype_bytes / bytes_per_s
+    return (2 * model.num_layers + 1) * all_reduce_s + gather_s + latency_s
 
 
 @dataclass(frozen=True)
@@ -118,14 +125,16 @@ class StepCost:
     machine: Machine
     tp: int
 
-    def seconds(self, num_tokens: int, num_context_tokens: int, num_decode_tokens: int = 0) -> float:
-        """`num_decode_tokens` (of `num_tokens`) does not change a roofline step: weights are read once."""
+    def seconds(self, num_tokens: int, num_context_tokens: int, num_decode_tokens: int = 0,
+                num_sampled: int = 1) -> float:
+        """`num_decode_tokens` (of `num_tokens`) does not change a roofline step: weights are read once;
+        `num_sampled` rows of logits are gathered at TP > 1."""
         machine, model, tp = self.machine, self.model, self.tp
         bytes_read = (model.weight_bytes + num_context_tokens * model.kv_bytes_per_token) / tp
         memory_s = bytes_read / (machine.bandwidth_gbs * 1e9)
         compute_s = num_tokens * 2 * model.matmul_params / tp / (machine.tflops * 1e12)
         return (machine.step_overhead_ms / 1000 + max(memory_s, compute_s)
-                + allreduce_seconds(model, machine, tp, num_tokens))
+                + tp_comm_seconds(model, machine, tp, num_tokens, num_sampled))
 
 
 def kv_tokens_per_replica(model: ModelSpec, machine: Machine, tp: int) -> int:
@@ -206,7 +215,8 @@ def _replay(cost, num_kv_tokens: int, trace: list[TraceRequest], prompts: list[l
         # schedule() has already advanced num_computed_tokens past this step's tokens.
         context = sum(request.num_computed_tokens for request, _ in scheduled)
         decode = sum(n for request, n in scheduled if request.num_computed_tokens - n >= request.num_prompt_tokens)
-        clock += cost.seconds(output.total_num_scheduled_tokens, context, decode)
+        sampled = sum(1 for request, _ in scheduled if request.num_computed_tokens >= request.num_prompt_tokens)
+        clock += cost.seconds(output.total_num_scheduled_tokens, context, decode, num_sampled=max(1, sampled))
         runner_output = runner.execute(output)
         scheduler.update_from_output(output, runner_output)
         stats = scheduler.make_stats()
@@ -237,8 +247,8 @@ def simulate_replica(cost, num_kv_tokens: int, trace: list[TraceRequest], *,
                      shape: SchedulerShape = SchedulerShape(), seed: int = 0) -> dict[str, Any]:
     """Replay `trace` through the real scheduler on a simulated clock; latencies and hit rate.
 
-    `cost` is anything with `seconds(num_tokens, num_context_tokens, num_decode_tokens)`: the roofline
-    `StepCost`, or a measured `CalibratedStepCost`."""
+    `cost` is anything with `seconds(num_tokens, num_context_tokens, num_decode_tokens, num_sampled=)`:
+    the roofline `StepCost`, or a measured `CalibratedStepCost`."""
     prompts = prompt_token_ids(trace, _SIMULATED_VOCAB, seed)
     run = _replay(cost, num_kv_tokens, trace, prompts, shape)
     if isinstance(run, str):
@@ -307,7 +317,7 @@ def route(trace: list[TraceRequest], num_replicas: int, policy: str, seed: int =
 def unloaded_duration(cost) -> Callable[[TraceRequest], float]:
     """A request's time in an idle engine: its prefill, then its decode steps alone."""
     def duration_s(request: TraceRequest) -> float:
-        decode_step = cost.seconds(1, request.prompt_len + request.output_len // 2, 1)
+        decode_step = cost.seconds(1, request.prompt_len + request.output_len // 2, 1, num_sampled=1)
         return cost.seconds(request.prompt_len, request.prompt_len) + (request.output_len - 1) * decode_step
     return duration_s
 

@@ -25,6 +25,9 @@ def add_plan_arguments(parser) -> None:
     machine.add_argument("--tflops", type=float, default=None, help="dense matmul TFLOP/s (default 990)")
     machine.add_argument("--interconnect-gbs", type=float, default=None, help="per-device link GB/s (default 100)")
     machine.add_argument("--interconnect-latency-us", type=float, default=None, help="per all-reduce (default 10)")
+    machine.add_argument("--interconnect-json", default=None, metavar="PATH",
+                         help="link latency and bandwidth measured by `kvserve bench allreduce` or "
+                              "`kvserve bench plan-check --tp N` (the flags above override it)")
     machine.add_argument("--devices-per-node", type=int, default=None, help="largest TP size (default 8)")
     machine.add_argument("--memory-utilization", type=float, default=None, help="share of memory used (0.9)")
     machine.add_argument("--step-overhead-ms", type=float, default=None, help="fixed cost per step (default 2)")
@@ -75,35 +78,67 @@ def model_spec_from_path(path: str | None, dtype_bytes: int) -> ModelSpec:
     return ModelSpec.from_shapes(model_shapes_from_path(path), dtype_bytes)
 
 
-def _calibrated_cost(path: str, shapes, model: ModelSpec, machine: Machine):
-    """`cost_for_tp` from a plan-check calibration, refused when it was measured on another model."""
-    from dataclasses import asdict
-
-    from kvserve.bench.calibrate import CalibratedStepCost, load_calibration
-
+def _load_json(path: str, loader):
     try:
-        calibration = load_calibration(path)
-        payload = json.loads(open(path).read())
+        return loader(path), json.loads(open(path).read())
     except (OSError, ValueError) as exc:
         raise SystemExit(f"kvserve plan: error: {exc}") from None
-    measured_on = payload.get("result", payload).get("calibration", {}).get("model_shapes")
+
+
+def _calibrated_cost(path: str, shapes, model: ModelSpec, machine: Machine):
+    """`cost_for_tp` from a plan-check calibration, refused when it was measured on another model.
+    A `plan-check --tp N` JSON also carries the measured TP cost, used for every TP > 1."""
+    from dataclasses import asdict
+
+    from kvserve.bench.calibrate import load_calibration
+    from kvserve.bench.tp_cost import TPCost, tp_step_cost
+
+    calibration, payload = _load_json(path, load_calibration)
+    result = payload.get("result", payload)
+    measured_on = result.get("calibration", {}).get("model_shapes")
     if measured_on is not None and measured_on != asdict(shapes):
         raise SystemExit(f"kvserve plan: error: {path} was measured on a model of shapes {measured_on}, not "
                          f"{asdict(shapes)}; calibrate this model (kvserve bench plan-check --model ...) "
                          "or plan it with the roofline (--roofline-json)")
-    return lambda tp: CalibratedStepCost(calibration, tp, model, machine)
+    tp_cost = TPCost.from_json(result["tp_cost"]) if "tp_cost" in result else None
+    return lambda tp: tp_step_cost(calibration, tp, model, machine, tp_cost)
+
+
+def _measured_link(args) -> dict[str, float]:
+    """Interconnect fields from --interconnect-json, or from a --calibration-json of `plan-check --tp`."""
+    from kvserve.bench.interconnect import load_interconnect
+
+    path = args.interconnect_json
+    if path is None and args.calibration_json:
+        payload = _load_json(args.calibration_json, lambda p: None)[1]
+        if "interconnect" in payload.get("result", payload):
+            path = args.calibration_json
+    if path is None:
+        return {}
+    link = _load_json(path, load_interconnect)[0]
+    return {"interconnect_gbs": link.bandwidth_gbs, "interconnect_latency_us": link.latency_us}
 
 
 def _machine(args) -> Machine:
-    overrides = {"memory_gib": args.memory_gib, "interconnect_gbs": args.interconnect_gbs,
-                 "interconnect_latency_us": args.interconnect_latency_us,
+    overrides = {"memory_gib": args.memory_gib, **_measured_link(args),
                  "devices_per_node": args.devices_per_node, "memory_utilization": args.memory_utilization,
                  "step_overhead_ms": args.step_overhead_ms}
+    for name in ("interconnect_gbs", "interconnect_latency_us"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
     if args.roofline_json:
         overrides.update({"bandwidth_gbs": args.bandwidth_gbs, "tflops": args.tflops})
         return machine_from_roofline(args.roofline_json, args.roofline_dtype, **overrides)
     overrides.update({"bandwidth_gbs": args.bandwidth_gbs or 3350.0, "tflops": args.tflops or 990.0})
     return Machine(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def _step_cost_label(args) -> str:
+    if not args.calibration_json:
+        return "roofline"
+    payload = _load_json(args.calibration_json, lambda p: None)[1]
+    measured_tp = "tp_cost" in payload.get("result", payload)
+    return "calibrated: " + args.calibration_json + (" (TP cost measured)" if measured_tp else "")
 
 
 def run_plan(args) -> int:
@@ -131,7 +166,7 @@ def run_plan(args) -> int:
                   fixed=(args.tp, args.replicas) if args.tp and args.replicas else None, cost_for_tp=cost_for_tp,
                   shape=SchedulerShape(args.block_size, args.max_num_seqs, args.max_num_batched_tokens),
                   routing_policies=policies)
-    result["step_cost"] = "calibrated: " + args.calibration_json if args.calibration_json else "roofline"
+    result["step_cost"] = _step_cost_label(args)
     print(format_result(result))
     if args.output_json:
         from kvserve.bench.report import write_json

@@ -19,7 +19,7 @@ import pytest
 import torch
 import transformers
 
-from engine_helpers import RecordingExecutor, assert_pool_whole, greedy_params, run_to_completion
+from engine_helpers import RecordingExecutor, assert_pool_whole, greedy_params, run_checked, run_to_completion
 from tiny_models import random_prompts, save_tiny_model
 from kvserve.config import ConfigError, EngineConfig
 from kvserve.engine.core import EngineCore
@@ -89,12 +89,8 @@ def _params() -> list[SamplingParams]:
 
 
 def _run(core: EngineCore):
-    try:
-        outputs = run_to_completion(core, _prompts(), _params())
-        assert_pool_whole(core)
-        return outputs, core.get_stats().spec_decoding_stats
-    finally:
-        core.shutdown()
+    outputs, stats = run_checked(core, _prompts(), _params())
+    return outputs, stats.spec_decoding_stats
 
 
 @pytest.mark.parametrize("kind,overrides", [

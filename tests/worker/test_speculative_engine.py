@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_helpers import assert_pool_whole, greedy_params, make_engine, run_to_completion
+from engine_helpers import assert_pool_whole, greedy_params, make_engine, run_checked, run_to_completion
 from tiny_models import random_prompts, save_tiny_model
 from kvserve.sampling_params import SamplingParams
 
@@ -44,13 +44,7 @@ def _run(model_paths, kind: str, speculative_config, **overrides):
     path = model_paths[kind]
     overrides.setdefault("kv_cache_memory", KV_MEMORY[kind])
     core = make_engine(path, speculative_config=speculative_config, **{**SETTINGS, **overrides})
-    try:
-        outputs = run_to_completion(core, _prompts(), _params())
-        stats = core.get_stats()
-        assert_pool_whole(core)
-        return outputs, stats, core
-    finally:
-        core.shutdown()
+    return *run_checked(core, _prompts(), _params()), core
 
 
 @pytest.mark.parametrize("kind,overrides", [
