@@ -477,6 +477,8 @@ def _run_plan_check(args: argparse.Namespace) -> dict[str, Any]:
 
     from kvserve.bench import plan_check
     from kvserve.bench.plan import Load, SchedulerShape
+    from kvserve.bench.plan_cli import check_bounds
+    check_bounds(args, plan_check.FLAG_BOUNDS, "kvserve bench plan-check")
     load = Load(args.arrival_rate, args.prompt_len, args.len_sigma, args.output_len, args.len_sigma,
                 args.shared_prefix_ratio, args.num_shared_prefixes, args.max_model_len)
     json_path = args.output_json or default_output_path("plan-check", ".json")
