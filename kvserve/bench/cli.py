@@ -229,6 +229,9 @@ def _add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-tokens", type=int, default=128, help="new tokens per chat (default 128)")
     group.add_argument("--scenarios", default="grounded,unrelated,unrelated batch",
                        help="comma-separated: grounded, unrelated, unrelated batch")
+    group.add_argument("--draft-layers", type=int, default=None, metavar="N",
+                       help="speculate with method draft_model, the draft being the target GGUF cut to N "
+                            "layers (the first N-2 and the last two), written to a temporary directory")
 
 
 def _add_route_arguments(parser: argparse.ArgumentParser) -> None:
@@ -449,7 +452,8 @@ def _run_spec(args: argparse.Namespace) -> dict[str, Any]:
     unknown = sorted(set(scenarios) - set(spec.SCENARIOS))
     if unknown:
         raise SystemExit(f"kvserve: error: unknown scenario(s) {unknown}; known: {list(spec.SCENARIOS)}")
-    return spec.run(rounds=args.rounds, max_tokens=args.max_tokens, scenarios=scenarios, **_engine_kwargs(args))
+    return spec.run(rounds=args.rounds, max_tokens=args.max_tokens, scenarios=scenarios,
+                    draft_layers=args.draft_layers, **_engine_kwargs(args))
 
 
 def _run_route(args: argparse.Namespace) -> dict[str, Any]:
