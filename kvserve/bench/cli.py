@@ -229,6 +229,9 @@ def _add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-tokens", type=int, default=128, help="new tokens per chat (default 128)")
     group.add_argument("--scenarios", default="grounded,unrelated,unrelated batch",
                        help="comma-separated: grounded, unrelated, unrelated batch")
+    group.add_argument("--draft-layers", type=int, default=None, metavar="N",
+                       help="speculate with method draft_model, the draft being the target GGUF cut to N "
+                            "layers (the first N-2 and the last two), written to a temporary directory")
 
 
 def _add_route_arguments(parser: argparse.ArgumentParser) -> None:
@@ -246,6 +249,9 @@ def _add_route_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replica-threads", type=int, default=1, help="torch threads per replica (0: torch's)")
     parser.add_argument("--kill-replica-after", type=int, default=None, metavar="N",
                         help="add a cache_aware run that SIGKILLs the last replica after N requests finished")
+    parser.add_argument("--trace-out", default=None, metavar="JSONL",
+                        help="each policy's run as a `kvserve plan --trace` trace, <stem>.<policy>.jsonl "
+                             "(default: next to the JSON, <json stem>.trace.<policy>.jsonl)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -446,22 +452,24 @@ def _run_spec(args: argparse.Namespace) -> dict[str, Any]:
     unknown = sorted(set(scenarios) - set(spec.SCENARIOS))
     if unknown:
         raise SystemExit(f"kvserve: error: unknown scenario(s) {unknown}; known: {list(spec.SCENARIOS)}")
-    return spec.run(rounds=args.rounds, max_tokens=args.max_tokens, scenarios=scenarios, **_engine_kwargs(args))
+    return spec.run(rounds=args.rounds, max_tokens=args.max_tokens, scenarios=scenarios,
+                    draft_layers=args.draft_layers, **_engine_kwargs(args))
 
 
 def _run_route(args: argparse.Namespace) -> dict[str, Any]:
     import shlex
 
     from kvserve.bench import route
+    json_path = Path(args.output_json or default_output_path("route", ".json"))
     config = route.RouteBenchConfig(
         num_replicas=args.replicas, policies=tuple(_name_list(args.policies)), num_users=args.num_users,
         num_system_prompts=args.num_system_prompts, system_prompt_words=args.system_prompt_words,
         turns=args.turns, max_tokens=args.max_tokens, concurrency=args.concurrency, seed=args.seed,
         replica_flags=tuple(shlex.split(args.replica_args)), replica_threads=args.replica_threads or None,
-        kill_replica_after=args.kill_replica_after)
+        kill_replica_after=args.kill_replica_after,
+        trace_out=args.trace_out or str(json_path.with_suffix(".trace.jsonl")))
     result = route.run(config)
     if not args.no_plot:
-        json_path = Path(args.output_json or default_output_path("route", ".json"))
         png_path = Path(args.output_png) if args.output_png else json_path.with_suffix(".png")
         png_path.parent.mkdir(parents=True, exist_ok=True)
         result["plot"] = route.plot(result, png_path)
@@ -473,6 +481,8 @@ def _run_plan_check(args: argparse.Namespace) -> dict[str, Any]:
 
     from kvserve.bench import plan_check
     from kvserve.bench.plan import Load, SchedulerShape
+    from kvserve.bench.plan_cli import check_bounds
+    check_bounds(args, plan_check.FLAG_BOUNDS, "kvserve bench plan-check")
     load = Load(args.arrival_rate, args.prompt_len, args.len_sigma, args.output_len, args.len_sigma,
                 args.shared_prefix_ratio, args.num_shared_prefixes, args.max_model_len)
     json_path = args.output_json or default_output_path("plan-check", ".json")

@@ -128,8 +128,8 @@ static void row_bf16(const GemmWeight *w, int64_t r, uint16_t *dst) {
 #endif
 
 /* Weight rows row..row+PANEL_ROWS into panel [PANEL_ROWS, in] of the path's type; rows at
- * or past `out` become zeros. `scratch` holds one float32 row. */
-static void expand_panel(const GemmWeight *w, int64_t row, int64_t out, int isa, void *panel, float *scratch) {
+ * or past `out` become zeros. */
+static void expand_panel(const GemmWeight *w, int64_t row, int64_t out, int isa, void *panel) {
     const int64_t in = w->in;
     for (int r = 0; r < PANEL_ROWS; r++) {
         if (row + r >= out) {
@@ -142,8 +142,6 @@ static void expand_panel(const GemmWeight *w, int64_t row, int64_t out, int isa,
         }
 #if HAVE_BF16
         row_bf16(w, row + r, (uint16_t *)panel + r * in);
-#else
-        (void)scratch; /* unreachable: the AVX-512 path is not available in this build */
 #endif
     }
 }
@@ -246,8 +244,8 @@ static void store(const GemmOut *o, int64_t b, int64_t row, float v) {
 }
 
 static void gemm_panel(const GemmWeight *w, int64_t row, int64_t out, const void *xa, int64_t batch, int isa,
-                       void *panel, float *scratch, const GemmOut *o) {
-    expand_panel(w, row, out, isa, panel, scratch);
+                       void *panel, const GemmOut *o) {
+    expand_panel(w, row, out, isa, panel);
     const int64_t in = w->in, element = element_of(isa);
     const int tile = isa == ISA_AVX512 ? NB : NB_NARROW;
     float sums[MR][NB];
@@ -265,7 +263,7 @@ static void gemm_panel(const GemmWeight *w, int64_t row, int64_t out, const void
 /* ---- entry points ------------------------------------------------------------------------ */
 
 /* Bytes of the per-thread buffer kvserve_quant_gemm_rows needs for a weight of width `in`. */
-int64_t kvserve_quant_gemm_panel_bytes(int64_t in) { return PANEL_ROWS * in * 4 + in * 4 + 64; }
+int64_t kvserve_quant_gemm_panel_bytes(int64_t in) { return PANEL_ROWS * in * 4 + 64; }
 
 /* The activations as the path multiplies them: x [batch, in] (float32 or bfloat16 rows
  * x_stride elements apart) -> xa [batch, in] contiguous, bfloat16 on the AVX-512 path,
@@ -299,9 +297,8 @@ void kvserve_quant_gemm_rows(const void *xa, int64_t batch, const uint8_t *qs, c
                              int64_t row_begin, int64_t row_end, void *buffer) {
     GemmWeight w = {qs, d, m, in, bits};
     GemmOut o = {y, y_stride, F32, bias};
-    float *scratch = (float *)((char *)buffer + PANEL_ROWS * in * 4);
     for (int64_t row = row_begin; row < row_end; row += PANEL_ROWS)
-        gemm_panel(&w, row, row_end, xa, batch, isa, buffer, scratch, &o);
+        gemm_panel(&w, row, row_end, xa, batch, isa, buffer, &o);
 }
 
 /* y[b, o] = sum_i x[b, i] W[o, i] (+ bias[o]) for b < batch, o < out; x and y rows
@@ -333,10 +330,8 @@ int kvserve_quant_gemm(const void *x, int64_t x_stride, int64_t batch, const uin
         if (!failed) {
             GemmWeight w = {qs, d, m, in, bits};
             GemmOut o = {y, y_stride, dtype, bias};
-            float *scratch = buffer ? (float *)((char *)buffer + PANEL_ROWS * in * 4) : NULL;
 #pragma omp for schedule(static)
-            for (int64_t p = 0; p < panels; p++)
-                gemm_panel(&w, p * PANEL_ROWS, out, xa, batch, isa, buffer, scratch, &o);
+            for (int64_t p = 0; p < panels; p++) gemm_panel(&w, p * PANEL_ROWS, out, xa, batch, isa, buffer, &o);
         }
         free(buffer);
     }
