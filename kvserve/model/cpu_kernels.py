@@ -39,7 +39,8 @@ from kvserve.config import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("bf16.h", "paged_attention.c", "fused_ops.c", "small_linear.c", "quant_linear.c", "fused_decoder.c")
+_SOURCES = ("bf16.h", "paged_attention.c", "fused_ops.c", "small_linear.c", "quant_linear.c", "bf16_rows.c",
+            "fused_decoder.c")
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -116,6 +117,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvserve_quant_dequantize": ([ptr, ptr, ptr, c_int, i64, i64, ptr, c_int, c_int], c_int),
         "kvserve_decoder_forward": ([ptr, ptr, ptr, ptr, c_int], c_int),
         "kvserve_quant_activations": ([ptr, i64, i64, i64, c_int, ptr, ptr], None),
+        "kvserve_bf16_isa_available": ([c_int], c_int),
+        "kvserve_bf16_round_rows": ([ptr, i64, i64, i64, ptr], None),
+        "kvserve_bf16_linear_rows": ([ptr, i64, ptr, ptr, i64, ptr, i64, c_int, i64, i64], None),
         "kvserve_quant_rows": ([ptr, ptr, i64, ptr, ptr, ptr, c_int, i64, ptr, ptr, i64, c_int, c_int, i64, i64],
                                None),
     }

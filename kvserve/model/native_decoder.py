@@ -9,13 +9,17 @@ parallel region.
 
 It takes what it covers and nothing else; `DecoderModel.forward` keeps the
 torch path for any step it declines (None):
-- model: CPU, float32 activations, one tensor-parallel rank, every projection
-  block-quantized or a plain float32 matrix, SiLU or GELU(tanh) gates, head
-  size <= 256, at most 32 query heads per KV head;
+- model: CPU, float32 or bfloat16, one tensor-parallel rank, every projection
+  block-quantized or a plain float32 or bfloat16 matrix, SiLU or GELU(tanh)
+  gates, head size <= 256, at most 32 query heads per KV head;
 - step: at most `MAX_TOKENS` tokens, every KV-cache group a block table (not a
   circular ring, whose read-before-write order the kernel does not follow),
   caches float32 or bfloat16 and contiguous.
 `ModelKernels.native_decoder` (KVSERVE_NATIVE_DECODER=0 in `KernelConfig`) switches it off.
+
+The call keeps its activations in float32 whatever the model's dtype; a bfloat16
+model's matmuls round their input rows to bfloat16 (csrc/bf16_rows.c, on the
+path `ModelKernels.bf16_isa`), and the output is cast back to bfloat16.
 """
 from __future__ import annotations
 
@@ -25,8 +29,10 @@ import logging
 import torch
 
 from kvserve.kv_cache.interface import CircularBufferSpec
+from kvserve.config import QUANT_ISAS, KernelConfig
 from kvserve.model import cpu_kernels, quantized
 from kvserve.model.attention import AttentionMetadata, token_positions
+from kvserve.model.quantized import ISA_CODES
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +45,7 @@ _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.
 
 class _Linear(ctypes.Structure):
     _fields_ = [("qs", _ptr), ("d", _ptr), ("m", _ptr), ("w", _ptr), ("bias", _ptr), ("out", _i64), ("in_", _i64),
-                ("bits", _i32), ("act_bits", _i32), ("isa", _i32), ("unused", _i32)]
+                ("bits", _i32), ("act_bits", _i32), ("isa", _i32), ("w_dtype", _i32)]
 
 
 class _Layer(ctypes.Structure):
@@ -61,6 +67,19 @@ class _Step(ctypes.Structure):
                 ("block_table", _ptr * _MAX_GROUPS), ("block_table_stride", _i64 * _MAX_GROUPS),
                 ("slots", _ptr * _MAX_GROUPS), ("cos", _ptr), ("sin", _ptr), ("cos_local", _ptr),
                 ("sin_local", _ptr)]
+
+
+def bf16_isa(kernel_config: KernelConfig | None = None) -> str | None:
+    """The path of the native decoder's bfloat16-weight matmul ("avx512": AVX512-BF16, "avx2",
+    "portable"): the widest this build and CPU run, capped at `kernel_config.quant_isa`
+    (KVSERVE_QUANT_ISA caps it as it caps the quantized kernel); None without the library."""
+    config = kernel_config or KernelConfig()
+    lib = cpu_kernels.load_library() if config.cpu_kernels else None
+    if lib is None:
+        return None
+    ceiling = ISA_CODES[config.quant_isa] if config.quant_isa else max(ISA_CODES.values())
+    return QUANT_ISAS[max(code for code in ISA_CODES.values()
+                          if code <= ceiling and lib.kvserve_bf16_isa_available(code))]
 
 
 class NativeDeclined(Exception):
@@ -112,8 +131,10 @@ class NativeDecoder:
         attn = model.layers[0].self_attn
         if model.tp.size != 1:
             raise NativeDeclined("tensor parallelism")
-        if model.norm.weight.device.type != "cpu" or model.norm.weight.dtype != torch.float32:
-            raise NativeDeclined(f"{model.norm.weight.dtype} on {model.norm.weight.device}")
+        weight = model.norm.weight
+        if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or (
+                weight.dtype == torch.bfloat16 and model.kernels.bf16_isa is None):
+            raise NativeDeclined(f"{weight.dtype} on {weight.device}")
         if not cpu_kernels.supports_shape(attn.num_heads, attn.num_kv_heads, attn.head_dim):
             raise NativeDeclined(f"attention shape {attn.num_heads}/{attn.num_kv_heads}x{attn.head_dim}")
         if config.hidden_size > cpu_kernels._MAX_NORM_DIM or config.hidden_act not in (
@@ -159,8 +180,12 @@ class NativeDecoder:
             self._layer_bytes += qw.nbytes() // len(self.model.layers)
             return
         weight = module.weight
-        if weight is None or weight.dtype != torch.float32 or not weight.is_contiguous():
-            raise NativeDeclined("a projection held only in oneDNN's packed layout or not in float32")
+        if weight is None or not weight.is_contiguous():
+            raise NativeDeclined("a projection held only in oneDNN's packed layout")
+        if weight.dtype == torch.bfloat16 and self.model.kernels.bf16_isa is not None:
+            desc.w_dtype, desc.isa = cpu_kernels._DTYPE_CODES[weight.dtype], ISA_CODES[self.model.kernels.bf16_isa]
+        elif weight.dtype != torch.float32:
+            raise NativeDeclined(f"a projection in {weight.dtype}")
         desc.w = self._hold(weight).data_ptr()
         self._layer_bytes += weight.numel() * weight.element_size() // len(self.model.layers)
         desc.out, desc.in_ = weight.shape
@@ -227,4 +252,4 @@ class NativeDecoder:
         if failed:
             raise MemoryError("the native decoder could not allocate its buffers")
         del keep
-        return out
+        return out.to(hidden.dtype)

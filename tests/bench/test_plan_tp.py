@@ -197,3 +197,44 @@ def test_random_model_has_the_default_size_and_splits_two_ways(tmp_path):
     check_model_splits(shapes, 2)
     assert (tmp_path / "m" / "tokenizer.json").exists()
     assert main(["--output-dir", str(tmp_path / "bad"), "--num-heads", "8", "--num-kv-heads", "3"]) == 2
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--arrival-rate", "1", "--tp", "2"], "--tp and --replicas go together"),
+    (["--arrival-rate", "1", "--tp", "3", "--replicas", "1"], "--tp 3 does not split"),
+    (["--arrival-rate", "0"], "--arrival-rate must be > 0"),
+    (["--arrival-rate", "1", "--num-requests", "0"], "--num-requests must be >= 1"),
+    (["--arrival-rate", "1", "--tpot-p99-ms", "-1"], "--tpot-p99-ms must be > 0"),
+    (["--arrival-rate", "1", "--memory-gib", "0"], "--memory-gib must be > 0"),
+    (["--arrival-rate", "1", "--shared-prefix-ratio", "1.5"], "are shares"),
+    (["--arrival-rate", "1", "--block-size", "0"], "--block-size must be >= 1"),
+    (["--arrival-rate", "1", "--prompt-len", "0"], "--prompt-len must be >= 1"),
+    (["--arrival-rate", "1", "--interconnect-gbs", "0"], "--interconnect-gbs must be > 0"),
+])
+def test_plan_refuses_bad_flags_in_one_line(extra, message, capsys):
+    from kvserve.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", "--model", "docs/examples/llama-70b-config.json", "--ttft-p99-ms", "2000",
+              "--tpot-p99-ms", "60", *extra])
+    assert message in str(exited.value.code) and "\n" not in str(exited.value.code)
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_plan_refuses_an_unreadable_model_config(tmp_path):
+    from kvserve.cli import main
+
+    (tmp_path / "config.json").write_text('{"hidden_size": 64}')
+    for path in (str(tmp_path / "config.json"), str(tmp_path / "missing.json")):
+        with pytest.raises(SystemExit, match="not a readable model config.json"):
+            main(["plan", "--model", path, "--arrival-rate", "1", "--ttft-p99-ms", "1", "--tpot-p99-ms", "1"])
+
+
+@pytest.mark.parametrize("extra, message", [(["--tp", "0"], "--tp must be >= 1"),
+                                            (["--num-requests", "0"], "--num-requests must be >= 1"),
+                                            (["--arrival-rate", "-2"], "--arrival-rate must be > 0")])
+def test_plan_check_refuses_bad_flags_before_starting_a_server(extra, message):
+    from kvserve.cli import main
+
+    with pytest.raises(SystemExit, match=message):
+        main(["bench", "plan-check", *extra])

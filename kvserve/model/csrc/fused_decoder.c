@@ -19,7 +19,9 @@
  * small_linear.c, fused_ops.c, paged_attention.c) on the same inputs, so the
  * result equals the torch path's up to the order of float32 sums where that
  * path would pick oneDNN instead. Activations are float32; the KV cache may be
- * float32 or bfloat16.
+ * float32 or bfloat16. Bfloat16 weights go through bf16_rows.c, which rounds
+ * each matmul's input to bfloat16 but nothing else: closer to float32 than the
+ * per-op bfloat16 path, which rounds every intermediate.
  */
 #include <math.h>
 #include <omp.h>
@@ -37,6 +39,9 @@ void kvserve_quant_activations(const float *x, int64_t x_stride, int64_t batch, 
 void kvserve_quant_rows(const void *qx, const float *scales, int64_t batch, const uint8_t *qs, const float *d,
                         const float *m, int bits, int64_t in, const float *bias, float *y, int64_t y_stride,
                         int act_bits, int isa, int64_t row_begin, int64_t row_end);
+void kvserve_bf16_round_rows(const float *x, int64_t x_stride, int64_t batch, int64_t in, uint16_t *xb);
+void kvserve_bf16_linear_rows(const uint16_t *xb, int64_t batch, const uint16_t *w, const float *bias, int64_t in,
+                              float *y, int64_t y_stride, int isa, int64_t row_begin, int64_t row_end);
 int kvserve_small_linear_rows(const void *x, int64_t x_stride, const void *w, const void *bias, int64_t in, void *y,
                               int64_t y_stride, int64_t batch, int dtype, int64_t row_begin, int64_t row_end);
 void kvserve_rms_norm(const void *x, void *residual, const float *weight, void *out, int64_t rows, int64_t dim,
@@ -56,12 +61,14 @@ int kvserve_paged_attention(const void *q, int64_t q_token_stride, int64_t q_hea
                             int num_threads);
 
 /* One weight matrix [out, in]: block-quantized (qs != NULL, layout of quant_linear.c)
- * or plain float32 (w). bias is float32 or NULL. */
+ * or plain (w) float32 or bfloat16 (w_dtype). bias is float32 or NULL. */
 typedef struct {
     const uint8_t *qs;
-    const float *d, *m, *w, *bias;
+    const float *d, *m;
+    const void *w;
+    const float *bias;
     int64_t out, in;
-    int32_t bits, act_bits, isa, unused; /* isa: the quantized kernel's path (quant_linear.c) */
+    int32_t bits, act_bits, isa, w_dtype; /* isa: the quantized or bf16_rows.c kernel's path */
 } NativeLinear;
 
 typedef struct {
@@ -123,10 +130,16 @@ static void linear_rows(const NativeLinear *l, const float *x, int64_t T, Privat
                            l->isa, begin, end);
         return;
     }
+    if (l->w_dtype == BF16) { /* bf16_rows.c: x rounded to bfloat16 into this thread's buffer */
+        kvserve_bf16_round_rows(x, l->in, T, l->in, (uint16_t *)p->qx);
+        kvserve_bf16_linear_rows((const uint16_t *)p->qx, T, (const uint16_t *)l->w, l->bias, l->in, y, l->out,
+                                 l->isa, begin, end);
+        return;
+    }
     if (kvserve_small_linear_rows(x, l->in, l->w, l->bias, l->in, y, l->out, T, F32, begin, end)) return;
     for (int64_t t = 0; t < T; t++) /* portable fallback */
         for (int64_t r = begin; r < end; r++) {
-            const float *wr = l->w + r * l->in, *xt = x + t * l->in;
+            const float *wr = (const float *)l->w + r * l->in, *xt = x + t * l->in;
             float s = 0.0f;
             for (int64_t i = 0; i < l->in; i++) s += wr[i] * xt[i];
             y[t * l->out + r] = s + (l->bias ? l->bias[r] : 0.0f);
