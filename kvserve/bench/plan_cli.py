@@ -28,7 +28,13 @@ def add_plan_arguments(parser) -> None:
     machine.add_argument("--interconnect-json", default=None, metavar="PATH",
                          help="link latency and bandwidth measured by `kvserve bench allreduce` or "
                               "`kvserve bench plan-check --tp N` (the flags above override it)")
-    machine.add_argument("--devices-per-node", type=int, default=None, help="largest TP size (default 8)")
+    machine.add_argument("--devices-per-node", type=int, default=None, help="devices per node (default 8)")
+    machine.add_argument("--max-nodes-per-replica", type=int, default=None,
+                         help="nodes one replica's TP may span (kvserve serve --nnodes; default 1)")
+    machine.add_argument("--inter-node-gbs", type=float, default=None,
+                         help="per-device network GB/s between nodes, for TP across nodes (default 50)")
+    machine.add_argument("--inter-node-latency-us", type=float, default=None,
+                         help="per collective between nodes (default 20)")
     machine.add_argument("--memory-utilization", type=float, default=None, help="share of memory used (0.9)")
     machine.add_argument("--step-overhead-ms", type=float, default=None, help="fixed cost per step (default 2)")
     replica = parser.add_argument_group("replica scheduler (as `kvserve serve` flags set them)")
@@ -126,7 +132,8 @@ def _measured_link(args) -> dict[str, float]:
 def _machine(args) -> Machine:
     overrides = {"memory_gib": args.memory_gib, **_measured_link(args),
                  "devices_per_node": args.devices_per_node, "memory_utilization": args.memory_utilization,
-                 "step_overhead_ms": args.step_overhead_ms}
+                 "step_overhead_ms": args.step_overhead_ms, "max_nodes_per_replica": args.max_nodes_per_replica,
+                 "inter_node_gbs": args.inter_node_gbs, "inter_node_latency_us": args.inter_node_latency_us}
     for name in ("interconnect_gbs", "interconnect_latency_us"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
@@ -153,7 +160,8 @@ _PLAN_BOUNDS = (("arrival_rate", 0, False), ("num_requests", 1, True), ("ttft_p9
                 ("block_size", 1, True), ("max_num_seqs", 1, True), ("max_num_batched_tokens", 1, True),
                 ("prompt_len", 1, True), ("output_len", 1, True), ("len_sigma", 0, True),
                 ("shared_prefix_ratio", 0, True), ("num_shared_prefixes", 0, True), ("max_model_len", 2, True),
-                ("dtype_bytes", 1, True), ("tp", 1, True), ("replicas", 1, True))
+                ("dtype_bytes", 1, True), ("tp", 1, True), ("replicas", 1, True),
+                ("max_nodes_per_replica", 1, True), ("inter_node_gbs", 0, False), ("inter_node_latency_us", 0, True))
 
 
 def check_bounds(args, bounds, prog: str) -> None:

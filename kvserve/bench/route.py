@@ -81,6 +81,11 @@ class RouteBenchConfig:
             raise ValueError("the power_of_two policy needs at least 2 replicas")
         if self.kill_replica_after is not None and self.num_replicas < 2:
             raise ValueError("killing a replica needs at least 2 replicas")
+        if self.kill_replica_after is not None and not 1 <= self.kill_replica_after < self.num_requests:
+            raise ValueError(f"kill_replica_after must be between 1 and {self.num_requests - 1} "
+                             f"(the run has {self.num_requests} requests)")
+        if self.max_tokens < 1 or self.system_prompt_words < 1:
+            raise ValueError("max_tokens and system_prompt_words must be >= 1")
 
     @property
     def num_requests(self) -> int:

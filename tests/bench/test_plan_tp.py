@@ -109,7 +109,8 @@ def test_plan_uses_the_measured_tp_cost_and_link(tmp_path):
     args = argparse.Namespace(memory_gib=1.0, interconnect_gbs=None, interconnect_latency_us=None,
                               interconnect_json=None, calibration_json=calibration_json, devices_per_node=None,
                               memory_utilization=None, step_overhead_ms=None, roofline_json=None,
-                              bandwidth_gbs=None, tflops=None)
+                              bandwidth_gbs=None, tflops=None, max_nodes_per_replica=None, inter_node_gbs=None,
+                              inter_node_latency_us=None)
     machine = _machine(args)
     assert machine.interconnect_latency_us == pytest.approx(400) and machine.interconnect_gbs == pytest.approx(2)
     # An explicit flag still wins over the measured link.
@@ -238,3 +239,27 @@ def test_plan_check_refuses_bad_flags_before_starting_a_server(extra, message):
 
     with pytest.raises(SystemExit, match=message):
         main(["bench", "plan-check", *extra])
+
+
+def test_a_model_too_big_for_a_node_is_planned_with_tp_across_nodes():
+    from kvserve.bench.plan import SLO, Load, format_result, plan
+
+    # A 405B-like decoder in 16-bit: 810 GB of weights, more than 8 x 80 GiB at 90%.
+    big = ModelSpec(num_layers=126, hidden_size=16384, num_heads=128, num_kv_heads=8, head_dim=128,
+                    matmul_params=405_000_000_000, dtype_bytes=2, vocab_size=128256)
+    one_node = Machine(memory_gib=80, bandwidth_gbs=3350, tflops=990)
+    load = Load(arrival_rate=0.5, prompt_len_median=256, output_len_median=32, max_model_len=2048)
+    slo = SLO(ttft_p99_ms=5000, tpot_p99_ms=200)
+    alone = plan(big, one_node, load, slo, num_requests=20, routing_policies=())
+    assert alone["best"] is None and [o["tp"] for o in alone["options"]] == [1, 2, 4, 8]
+    assert "--max-nodes-per-replica 2" in format_result(alone)
+    two_nodes = Machine(memory_gib=80, bandwidth_gbs=3350, tflops=990, max_nodes_per_replica=2,
+                        inter_node_gbs=25, inter_node_latency_us=30)
+    assert two_nodes.tp_sizes() == [1, 2, 4, 8, 16]
+    spanning = plan(big, two_nodes, load, slo, num_requests=20, routing_policies=())
+    best = spanning["best"]
+    assert best["tp"] == 16 and best["nodes_per_replica"] == 2 and best["replicas"] == 1
+    assert "kvserve serve --nnodes 2" in format_result(spanning)
+    # Its collectives run at the network's speed, not the intra-node link's.
+    assert tp_comm_seconds(big, two_nodes, 16, 64) > tp_comm_seconds(big, two_nodes, 8, 64) * 2
+    assert Machine(1, 1, 1, devices_per_node=6, max_nodes_per_replica=3).tp_sizes() == [1, 2, 4, 6, 12, 18]

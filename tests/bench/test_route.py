@@ -43,6 +43,9 @@ def test_conversations_share_system_prompts_and_salt_separates_runs():
     ({"num_system_prompts": 0}, "num_system_prompts"),
     ({"num_replicas": 1}, "power_of_two"),
     ({"num_replicas": 1, "policies": ("random",), "kill_replica_after": 2}, "killing a replica"),
+    ({"kill_replica_after": 0}, "kill_replica_after must be between 1 and 23"),
+    ({"num_users": 2, "num_system_prompts": 1, "turns": 1, "kill_replica_after": 2}, "between 1 and 1"),
+    ({"max_tokens": 0}, "max_tokens"),
 ])
 def test_config_rejects_bad_input(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -168,3 +171,33 @@ def test_route_bench_end_to_end_with_a_killed_replica(tmp_path):
                            "--ttft-p99-ms", "1000", "--tpot-p99-ms", "100"], capture_output=True, text=True,
                           timeout=300)
     assert plan.returncode == 0, plan.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not gateway_available(), reason="sglang-router is not installed")
+def test_gateway_forwards_the_clients_api_key_to_a_keyed_replica(tmp_path):
+    """README's N-hosts recipe with --api-key: health checks pass on the open /health, and the
+    client's bearer key reaches the replica through the gateway."""
+    import httpx
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "tp"))
+    from tp_helpers import save_tiny_chat_model
+
+    from kvserve.bench.replicas import start_gateway, start_replica
+
+    model = save_tiny_chat_model(tmp_path / "model")
+    replica = start_replica(0, "m", ["--model", model, "--api-key", "sekret", "--max-model-len", "256"], threads=1)
+    try:
+        gateway = start_gateway([replica.url], "cache_aware", timeout_s=240)
+        try:
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            url = gateway.url + "/v1/chat/completions"
+            keyed = httpx.post(url, json=body, headers={"Authorization": "Bearer sekret"}, timeout=120,
+                               trust_env=False)
+            assert keyed.status_code == 200 and keyed.json()["usage"]["completion_tokens"] == 2
+            bare = httpx.post(url, json=body, timeout=120, trust_env=False)
+            assert bare.status_code == 401
+        finally:
+            gateway.stop()
+    finally:
+        replica.stop()
