@@ -31,7 +31,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvserve.bench.plan import Machine, ModelSpec, StepCost, allreduce_seconds
+from kvserve.bench.plan import Machine, ModelSpec, StepCost, tp_comm_seconds
 
 PREFILL_LENGTHS = (32, 128, 384)
 DECODE_POINTS = ((1, 32), (4, 32), (8, 32), (4, 384))
@@ -59,7 +59,9 @@ class Calibration:
     per_context_token_s: float
     samples: tuple[StepSample, ...] = field(default=())
 
-    def seconds(self, num_tokens: int, num_context_tokens: int, num_decode_tokens: int = 0) -> float:
+    def seconds(self, num_tokens: int, num_context_tokens: int, num_decode_tokens: int = 0,
+                num_sampled: int = 1) -> float:
+        """One rank's step (`num_sampled` matters only to the collectives of TP > 1)."""
         return (self.overhead_s + self.per_prefill_token_s * (num_tokens - num_decode_tokens)
                 + self.per_decode_token_s * num_decode_tokens + self.per_context_token_s * num_context_tokens)
 
@@ -80,55 +82,77 @@ class Calibration:
                    entry["per_context_token_s"], samples)
 
 
-def load_calibration(path: str) -> Calibration:
-    """The calibration in a `kvserve bench plan-check` JSON (or a bare calibration object)."""
+def load_result_entry(path: str, key: str, parse, what: str):
+    """`parse` of the `key` object in a bench JSON's result (or of the whole file, when bare);
+    ValueError naming `what` when it is missing."""
     payload = json.loads(open(path).read())
     entry = payload.get("result", payload)
-    entry = entry.get("calibration", entry)
+    entry = entry.get(key, entry)
     try:
-        return Calibration.from_json(entry)
-    except KeyError as exc:
-        raise ValueError(f"{path} holds no step-cost calibration (missing {exc})") from None
+        return parse(entry)
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{path} holds no {what} (missing {exc})") from None
 
 
-def fit(samples: list[StepSample]) -> Calibration:
-    """Non-negative least squares on relative error, over every subset of the four terms."""
+def load_calibration(path: str) -> Calibration:
+    """The calibration in a `kvserve bench plan-check` JSON (or a bare calibration object)."""
+    return load_result_entry(path, "calibration", Calibration.from_json, "step-cost calibration")
+
+
+def fit_nonnegative(features, times):
+    """Coefficients minimising the relative error of `features @ c` against `times`, every one
+    >= 0: the best least-squares fit over the subsets of columns whose fit has no negative term."""
     import numpy as np
 
-    if len(samples) < 4:
-        raise ValueError("a calibration needs at least 4 samples")
-    features = np.array([[1.0, 0 if s.kind == "decode" else s.num_tokens, s.num_tokens if s.kind == "decode" else 0,
-                          s.num_context_tokens] for s in samples])
-    times = np.array([s.seconds for s in samples])
-    weighted = features / times[:, None]
-    best, best_error = None, float("inf")
-    for size in (4, 3, 2, 1):
-        for columns in itertools.combinations(range(4), size):
-            coefficients, *_ = np.linalg.lstsq(weighted[:, columns], np.ones(len(samples)), rcond=None)
+    weighted = np.asarray(features, dtype=float) / np.asarray(times, dtype=float)[:, None]
+    num_columns = weighted.shape[1]
+    best, best_error = np.zeros(num_columns), float("inf")
+    for size in range(num_columns, 0, -1):
+        for columns in itertools.combinations(range(num_columns), size):
+            coefficients, *_ = np.linalg.lstsq(weighted[:, columns], np.ones(len(weighted)), rcond=None)
             if (coefficients < 0).any():
                 continue
-            full = np.zeros(4)
+            full = np.zeros(num_columns)
             full[list(columns)] = coefficients
             error = float(np.sum((weighted @ full - 1.0) ** 2))
             if error < best_error:
                 best, best_error = full, error
-    return Calibration(*(float(value) for value in best), tuple(samples))
+    return [float(value) for value in best]
+
+
+def fit(samples: list[StepSample]) -> Calibration:
+    """Non-negative least squares on relative error, over every subset of the four terms."""
+    if len(samples) < 4:
+        raise ValueError("a calibration needs at least 4 samples")
+    features = [[1.0, 0 if s.kind == "decode" else s.num_tokens, s.num_tokens if s.kind == "decode" else 0,
+                 s.num_context_tokens] for s in samples]
+    return Calibration(*fit_nonnegative(features, [s.seconds for s in samples]), tuple(samples))
 
 
 @dataclass(frozen=True)
 class CalibratedStepCost:
-    """Step seconds from a measured `Calibration`, scaled to TP `tp` (see the module docstring)."""
+    """Step seconds from a measured one-rank `Calibration`, scaled to TP `tp`:
+
+        overhead + [TP > 1: dispatch_overhead_s + collectives] + work_scale * token terms / tp
+
+    `dispatch_overhead_s` and `work_scale` come from a calibration of a TP server
+    (`tp_cost.fit_tp_cost`); without one they are 0 and 1 (the ideal split)."""
 
     calibration: Calibration
     tp: int = 1
     model: ModelSpec | None = None
     machine: Machine | None = None
+    dispatch_overhead_s: float = 0.0
+    work_scale: float = 1.0
 
-    def seconds(self, num_tokens: int, num_context_tokens: int, num_decode_tokens: int = 0) -> float:
+    def seconds(self, num_tokens: int, num_context_tokens: int, num_decode_tokens: int = 0,
+                num_sampled: int = 1) -> float:
         c = self.calibration
-        work_s = (c.seconds(num_tokens, num_context_tokens, num_decode_tokens) - c.overhead_s) / self.tp
-        comm_s = allreduce_seconds(self.model, self.machine, self.tp, num_tokens) if self.tp > 1 else 0.0
-        return c.overhead_s + work_s + comm_s
+        work_s = c.seconds(num_tokens, num_context_tokens, num_decode_tokens) - c.overhead_s
+        if self.tp <= 1:
+            return c.overhead_s + work_s
+        comm_s = tp_comm_seconds(self.model, self.machine, self.tp, num_tokens, num_sampled)
+        return c.overhead_s + self.dispatch_overhead_s + self.work_scale * work_s / self.tp + comm_s
 
 
 def roofline_gap(calibration: Calibration, model: ModelSpec, machine: Machine) -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ from kvserve.bench.cli_output import FORMATTERS
 from kvserve.bench.report import bar_plot, default_output_path, environment_info, run_tag, write_json
 
 SUBCOMMANDS = ("roofline", "throughput", "serve", "serve-compare", "prefix", "compare", "profile", "scheduler", "kv",
-               "structured", "route", "spec", "plan-check")
+               "structured", "route", "spec", "plan-check", "allreduce")
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -229,6 +229,9 @@ def _add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-tokens", type=int, default=128, help="new tokens per chat (default 128)")
     group.add_argument("--scenarios", default="grounded,unrelated,unrelated batch",
                        help="comma-separated: grounded, unrelated, unrelated batch")
+    group.add_argument("--draft-layers", type=int, default=None, metavar="N",
+                       help="speculate with method draft_model, the draft being the target GGUF cut to N "
+                            "layers (the first N-2 and the last two), written to a temporary directory")
 
 
 def _add_route_arguments(parser: argparse.ArgumentParser) -> None:
@@ -246,6 +249,9 @@ def _add_route_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replica-threads", type=int, default=1, help="torch threads per replica (0: torch's)")
     parser.add_argument("--kill-replica-after", type=int, default=None, metavar="N",
                         help="add a cache_aware run that SIGKILLs the last replica after N requests finished")
+    parser.add_argument("--trace-out", default=None, metavar="JSONL",
+                        help="each policy's run as a `kvserve plan --trace` trace, <stem>.<policy>.jsonl "
+                             "(default: next to the JSON, <json stem>.trace.<policy>.jsonl)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -262,6 +268,11 @@ def _add_plan_check_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--roofline-json", default=None, metavar="PATH",
                         help="also predict with the roofline step cost of this `kvserve bench roofline` JSON")
     server.add_argument("--roofline-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    server.add_argument("--tp", type=int, default=1,
+                        help="check the plan's TP > 1 step cost: calibrate one rank, time all-reduces, then "
+                             "calibrate and measure a -tp N server (default 1)")
+    server.add_argument("--activation-bytes", type=int, default=4,
+                        help="bytes per activation on the TP wire (4: float32 on CPU)")
     load = parser.add_argument_group("the trace")
     load.add_argument("--trace", default=None, metavar="JSONL", help="replay this recorded trace")
     load.add_argument("--trace-out", default=None, metavar="JSONL",
@@ -274,6 +285,11 @@ def _add_plan_check_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--shared-prefix-ratio", type=float, default=0.5)
     load.add_argument("--num-shared-prefixes", type=int, default=4)
     load.add_argument("--seed", type=int, default=0)
+
+
+def _add_allreduce_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world-size", type=int, default=2, help="processes in the gloo group (default 2)")
+    parser.add_argument("--repeats", type=int, default=30, help="all-reduces timed per message size")
 
 
 def _int_list(text: str) -> list[int]:
@@ -436,22 +452,24 @@ def _run_spec(args: argparse.Namespace) -> dict[str, Any]:
     unknown = sorted(set(scenarios) - set(spec.SCENARIOS))
     if unknown:
         raise SystemExit(f"kvserve: error: unknown scenario(s) {unknown}; known: {list(spec.SCENARIOS)}")
-    return spec.run(rounds=args.rounds, max_tokens=args.max_tokens, scenarios=scenarios, **_engine_kwargs(args))
+    return spec.run(rounds=args.rounds, max_tokens=args.max_tokens, scenarios=scenarios,
+                    draft_layers=args.draft_layers, **_engine_kwargs(args))
 
 
 def _run_route(args: argparse.Namespace) -> dict[str, Any]:
     import shlex
 
     from kvserve.bench import route
+    json_path = Path(args.output_json or default_output_path("route", ".json"))
     config = route.RouteBenchConfig(
         num_replicas=args.replicas, policies=tuple(_name_list(args.policies)), num_users=args.num_users,
         num_system_prompts=args.num_system_prompts, system_prompt_words=args.system_prompt_words,
         turns=args.turns, max_tokens=args.max_tokens, concurrency=args.concurrency, seed=args.seed,
         replica_flags=tuple(shlex.split(args.replica_args)), replica_threads=args.replica_threads or None,
-        kill_replica_after=args.kill_replica_after)
+        kill_replica_after=args.kill_replica_after,
+        trace_out=args.trace_out or str(json_path.with_suffix(".trace.jsonl")))
     result = route.run(config)
     if not args.no_plot:
-        json_path = Path(args.output_json or default_output_path("route", ".json"))
         png_path = Path(args.output_png) if args.output_png else json_path.with_suffix(".png")
         png_path.parent.mkdir(parents=True, exist_ok=True)
         result["plot"] = route.plot(result, png_path)
@@ -463,6 +481,8 @@ def _run_plan_check(args: argparse.Namespace) -> dict[str, Any]:
 
     from kvserve.bench import plan_check
     from kvserve.bench.plan import Load, SchedulerShape
+    from kvserve.bench.plan_cli import check_bounds
+    check_bounds(args, plan_check.FLAG_BOUNDS, "kvserve bench plan-check")
     load = Load(args.arrival_rate, args.prompt_len, args.len_sigma, args.output_len, args.len_sigma,
                 args.shared_prefix_ratio, args.num_shared_prefixes, args.max_model_len)
     json_path = args.output_json or default_output_path("plan-check", ".json")
@@ -472,8 +492,15 @@ def _run_plan_check(args: argparse.Namespace) -> dict[str, Any]:
         num_requests=args.num_requests, trace_path=args.trace,
         trace_out=args.trace_out or plan_check.trace_path_next_to(json_path), seed=args.seed,
         threads=args.server_threads or None, extra_flags=tuple(shlex.split(args.server_args)),
-        roofline_json=args.roofline_json, roofline_dtype=args.roofline_dtype)
+        roofline_json=args.roofline_json, roofline_dtype=args.roofline_dtype, tp=args.tp,
+        activation_bytes=args.activation_bytes)
     return plan_check.run(config)
+
+
+def _run_allreduce(args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.bench.interconnect import measure_interconnect
+
+    return {"interconnect": measure_interconnect(args.world_size, repeats=args.repeats).as_json()}
 
 
 # ---------------------------------------------------------------- formatting and plots
@@ -492,6 +519,7 @@ _COMMANDS = {
     "spec": (_add_spec_arguments, "speculative decoding on vs off: input-grounded and unrelated chats"),
     "route": (_add_route_arguments, "N replicas behind SGLang's Model Gateway: hit rate, TTFT, spread per policy"),
     "plan-check": (_add_plan_check_arguments, "`kvserve plan`'s calibrated prediction against a measured run"),
+    "allreduce": (_add_allreduce_arguments, "gloo all-reduce latency and bandwidth between local processes"),
 }
 
 _NAMED_RUNS = ("compare", "serve-compare")
@@ -504,4 +532,5 @@ _RUNNERS = {
     "spec": _run_spec,
     "route": _run_route,
     "plan-check": _run_plan_check,
+    "allreduce": _run_allreduce,
 }

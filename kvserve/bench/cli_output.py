@@ -101,4 +101,5 @@ FORMATTERS = {
     "spec": (_lazy_formatter("spec"), None),
     "route": (_lazy_formatter("route"), None),
     "plan-check": (_lazy_formatter("plan_check"), None),
+    "allreduce": (_lazy_formatter("interconnect"), None),
 }

@@ -65,14 +65,21 @@ def export_gguf(source: str, dtype: str, target: str | None = None) -> str:
     return target
 
 
-def _copy_metadata(reader, writer, file_type: int) -> None:
+def _copy_metadata(reader, writer, file_type: int | None, replaced: dict | None = None) -> None:
+    """Copy every field, with `general.file_type` set to `file_type` (kept when None) and
+    the fields named in `replaced` given those values instead (their type kept)."""
     import gguf
 
-    writer.add_file_type(file_type)
+    replaced = replaced or {}
+    if file_type is not None:
+        writer.add_file_type(file_type)
     for field in reader.fields.values():
         # The writer adds the GGUF.* header fields and the architecture itself.
-        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.file_type"):
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        if field.name == "general.file_type" and file_type is not None:
             continue
         value_type = field.types[0]
         sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+        value = replaced.get(field.name, field.contents())
+        writer.add_key_value(field.name, value, value_type, sub_type=sub_type)

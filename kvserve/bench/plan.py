@@ -13,7 +13,7 @@ and KVCacheManager (the FakeModelRunner stands in for the model) on a
 simulated clock. Each step advances the clock by a step-cost model:
 
     t = overhead + max(weights/TP + KV read/TP) / bandwidth  vs  tokens*FLOPs/TP / FLOP/s
-        + 2 all-reduces per layer over the interconnect (TP > 1)
+        + the step's collectives over the interconnect (TP > 1, `tp_comm_seconds`)
 
 Requests are spread evenly over the replicas (the gateway's random or
 round-robin policies; cache_aware does at least as well on hit rate), so one
@@ -48,11 +48,12 @@ class ModelSpec:
     head_dim: int
     matmul_params: int
     dtype_bytes: int = 2
+    vocab_size: int = 0
 
     @classmethod
     def from_shapes(cls, shapes: Any, dtype_bytes: int) -> "ModelSpec":
         return cls(shapes.num_layers, shapes.hidden_size, shapes.num_heads, shapes.num_kv_heads,
-                   shapes.head_dim, shapes.matmul_params, dtype_bytes)
+                   shapes.head_dim, shapes.matmul_params, dtype_bytes, shapes.vocab_size)
 
     @property
     def weight_bytes(self) -> int:
@@ -79,6 +80,22 @@ class Machine:
     devices_per_node: int = 8
     memory_utilization: float = 0.9
     step_overhead_ms: float = 2.0
+    # TP across nodes (`kvserve serve --nnodes`): the network between nodes, and how many
+    # nodes one replica may span (1: TP stays inside a node).
+    inter_node_gbs: float = 50.0
+    inter_node_latency_us: float = 20.0
+    max_nodes_per_replica: int = 1
+
+    def link(self, tp: int) -> tuple[float, float]:
+        """(latency s, bytes/s) of the slowest link a TP-`tp` ring crosses."""
+        if tp > self.devices_per_node:
+            return self.inter_node_latency_us * 1e-6, self.inter_node_gbs * 1e9
+        return self.interconnect_latency_us * 1e-6, self.interconnect_gbs * 1e9
+
+    def tp_sizes(self) -> list[int]:
+        """TP sizes a replica may use: powers of two inside a node, then whole nodes (`--nnodes` k)."""
+        within = [2 ** k for k in range(11) if 2 ** k < self.devices_per_node]
+        return within + [self.devices_per_node * k for k in range(1, self.max_nodes_per_replica + 1)]
 
 
 @dataclass(frozen=True)
@@ -101,13 +118,19 @@ class SLO:
     tpot_p99_ms: float
 
 
-def allreduce_seconds(model: ModelSpec, machine: Machine, tp: int, num_tokens: int) -> float:
-    """Two ring all-reduces of the step's activations per layer over the interconnect (0 at TP 1)."""
+def tp_comm_seconds(model: ModelSpec, machine: Machine, tp: int, num_tokens: int, num_sampled: int = 1) -> float:
+    """The collectives of one TP step, as kvserve's TP runs them (0 at TP 1): the embedding's and
+    two per layer (attention and MLP outputs) ring all-reduces of the step's activations, the
+    gather of the vocabulary-sharded logits of the `num_sampled` sampled rows on rank 0, and the
+    broadcast of the sampled tokens. Each costs the link latency plus its bytes over the bandwidth
+    (the network between nodes when the ranks span more than one)."""
     if tp <= 1:
         return 0.0
-    message_bytes = num_tokens * model.hidden_size * model.dtype_bytes
-    ring_s = 2 * (tp - 1) / tp * message_bytes / (machine.interconnect_gbs * 1e9)
-    return 2 * model.num_layers * (machine.interconnect_latency_us * 1e-6 + ring_s)
+    latency_s, bytes_per_s = machine.link(tp)
+    activation_bytes = num_tokens * model.hidden_size * model.dtype_bytes
+    all_reduce_s = latency_s + 2 * (tp - 1) / tp * activation_bytes / bytes_per_s
+    gather_s = latency_s + (tp - 1) / tp * num_sampled * model.vocab_size * model.dtype_bytes / bytes_per_s
+    return (2 * model.num_layers + 1) * all_reduce_s + gather_s + latency_s
 
 
 @dataclass(frozen=True)
@@ -118,14 +141,16 @@ class StepCost:
     machine: Machine
     tp: int
 
-    def seconds(self, num_tokens: int, num_context_tokens: int, num_decode_tokens: int = 0) -> float:
-        """`num_decode_tokens` (of `num_tokens`) does not change a roofline step: weights are read once."""
+    def seconds(self, num_tokens: int, num_context_tokens: int, num_decode_tokens: int = 0,
+                num_sampled: int = 1) -> float:
+        """`num_decode_tokens` (of `num_tokens`) does not change a roofline step: weights are read once;
+        `num_sampled` rows of logits are gathered at TP > 1."""
         machine, model, tp = self.machine, self.model, self.tp
         bytes_read = (model.weight_bytes + num_context_tokens * model.kv_bytes_per_token) / tp
         memory_s = bytes_read / (machine.bandwidth_gbs * 1e9)
         compute_s = num_tokens * 2 * model.matmul_params / tp / (machine.tflops * 1e12)
         return (machine.step_overhead_ms / 1000 + max(memory_s, compute_s)
-                + allreduce_seconds(model, machine, tp, num_tokens))
+                + tp_comm_seconds(model, machine, tp, num_tokens, num_sampled))
 
 
 def kv_tokens_per_replica(model: ModelSpec, machine: Machine, tp: int) -> int:
@@ -206,7 +231,8 @@ def _replay(cost, num_kv_tokens: int, trace: list[TraceRequest], prompts: list[l
         # schedule() has already advanced num_computed_tokens past this step's tokens.
         context = sum(request.num_computed_tokens for request, _ in scheduled)
         decode = sum(n for request, n in scheduled if request.num_computed_tokens - n >= request.num_prompt_tokens)
-        clock += cost.seconds(output.total_num_scheduled_tokens, context, decode)
+        sampled = sum(1 for request, _ in scheduled if request.num_computed_tokens >= request.num_prompt_tokens)
+        clock += cost.seconds(output.total_num_scheduled_tokens, context, decode, num_sampled=max(1, sampled))
         runner_output = runner.execute(output)
         scheduler.update_from_output(output, runner_output)
         stats = scheduler.make_stats()
@@ -237,8 +263,8 @@ def simulate_replica(cost, num_kv_tokens: int, trace: list[TraceRequest], *,
                      shape: SchedulerShape = SchedulerShape(), seed: int = 0) -> dict[str, Any]:
     """Replay `trace` through the real scheduler on a simulated clock; latencies and hit rate.
 
-    `cost` is anything with `seconds(num_tokens, num_context_tokens, num_decode_tokens)`: the roofline
-    `StepCost`, or a measured `CalibratedStepCost`."""
+    `cost` is anything with `seconds(num_tokens, num_context_tokens, num_decode_tokens, num_sampled=)`:
+    the roofline `StepCost`, or a measured `CalibratedStepCost`."""
     prompts = prompt_token_ids(trace, _SIMULATED_VOCAB, seed)
     run = _replay(cost, num_kv_tokens, trace, prompts, shape)
     if isinstance(run, str):
@@ -307,7 +333,7 @@ def route(trace: list[TraceRequest], num_replicas: int, policy: str, seed: int =
 def unloaded_duration(cost) -> Callable[[TraceRequest], float]:
     """A request's time in an idle engine: its prefill, then its decode steps alone."""
     def duration_s(request: TraceRequest) -> float:
-        decode_step = cost.seconds(1, request.prompt_len + request.output_len // 2, 1)
+        decode_step = cost.seconds(1, request.prompt_len + request.output_len // 2, 1, num_sampled=1)
         return cost.seconds(request.prompt_len, request.prompt_len) + (request.output_len - 1) * decode_step
     return duration_s
 
@@ -390,7 +416,8 @@ class Workload:
 
 def _fleet_entry(tp: int, replicas: int, kv_tokens: int, model: ModelSpec, machine: Machine) -> dict[str, Any]:
     return {"tp": tp, "replicas": replicas, "devices": replicas * tp,
-            "nodes": math.ceil(replicas * tp / machine.devices_per_node), "kv_tokens_per_replica": kv_tokens,
+            "nodes": math.ceil(replicas * tp / machine.devices_per_node),
+            "nodes_per_replica": math.ceil(tp / machine.devices_per_node), "kv_tokens_per_replica": kv_tokens,
             "kv_memory_gib_per_replica": kv_tokens * model.kv_bytes_per_token / GIB}
 
 
@@ -442,7 +469,7 @@ def plan(model: ModelSpec, machine: Machine, workload: Workload | Load, slo: SLO
     if isinstance(workload, Load):
         workload = Workload(workload, **workload_fields)
     cost_for_tp = cost_for_tp or (lambda tp: StepCost(model, machine, tp))
-    candidates = [tp for tp in (1, 2, 4, 8, 16) if tp <= machine.devices_per_node and model.supports_tp(tp)]
+    candidates = [tp for tp in machine.tp_sizes() if model.supports_tp(tp)]
     if fixed is not None:
         options = [evaluate(model, machine, workload, *fixed, cost_for_tp(fixed[0]), shape=shape)]
     else:
@@ -487,7 +514,11 @@ def format_result(result: dict[str, Any]) -> str:
                          "TPOT p50 ms", "TPOT p99 ms", "note"], rows, title="plan: one row per TP size")
     best = result["best"]
     if best is None:
-        return text + "\n\nno TP size meets the SLO"
+        hint = ""
+        if result["machine"]["max_nodes_per_replica"] == 1 and all(
+                o.get("reason") == "the weights do not fit" for o in result["options"]):
+            hint = " (the weights fit no single node: --max-nodes-per-replica 2 plans TP across nodes)"
+        return text + "\n\nno TP size meets the SLO" + hint
     routing = best.get("routing") or {}
     if routing:
         text += "\n\n" + format_table(
@@ -497,7 +528,12 @@ def format_result(result: dict[str, Any]) -> str:
              if r["feasible"] else [policy, "-", "-", "-", "-", r["reason"]] for policy, r in routing.items()],
             title=f"the chosen fleet behind the gateway ({best['replicas']} replicas)")
     return text + (f"\n\nbest: {best['replicas']} replicas x TP {best['tp']} = {best['devices']} devices "
-                   f"({best['nodes']} nodes), {best['kv_memory_gib_per_replica']:.1f} GiB KV per replica, "
+                   f"({best['nodes']} nodes{_spans(best)}), {best['kv_memory_gib_per_replica']:.1f} GiB KV per replica, "
                    f"predicted hit rate {100 * best['prediction']['prefix_hit_rate']:.1f}%, "
                    f"TTFT p99 {best['prediction']['ttft']['p99_ms']:.0f} ms, "
                    f"TPOT p99 {best['prediction']['tpot']['p99_ms']:.1f} ms")
+
+
+def _spans(option: dict[str, Any]) -> str:
+    nodes = option.get("nodes_per_replica", 1)
+    return f"; each replica spans {nodes} nodes: kvserve serve --nnodes {nodes}" if nodes > 1 else ""

@@ -11,7 +11,9 @@ outputs of the two engines must be token-identical (reported, per chat).
 """
 from __future__ import annotations
 
+import json
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -54,12 +56,43 @@ def _run_scenario(llm, scenario: str, params) -> dict[str, Any]:
 
 
 def run(*, rounds: int = 3, max_tokens: int = 128, scenarios: tuple[str, ...] = SCENARIOS,
-        speculative_config: dict | str | None = None, **engine_kwargs: Any) -> dict[str, Any]:
-    """Tokens/s with speculation on and off per scenario, per-round ratios and their medians."""
+        speculative_config: dict | str | None = None, draft_layers: int | None = None,
+        **engine_kwargs: Any) -> dict[str, Any]:
+    """Tokens/s with speculation on and off per scenario, per-round ratios and their medians.
+
+    With `draft_layers` the method is draft_model, the draft the target cut to that many
+    layers (`draft_export`); `speculative_config` may then set its other keys."""
+    if draft_layers is None:
+        return _run_engines(rounds, max_tokens, scenarios, speculative_config or DEFAULT_SPECULATIVE_CONFIG,
+                            engine_kwargs)
+    with tempfile.TemporaryDirectory(prefix="kvserve-draft-") as draft_dir:
+        config = _draft_config(speculative_config, engine_kwargs.get("model"), draft_layers, draft_dir)
+        result = _run_engines(rounds, max_tokens, scenarios, config, engine_kwargs)
+    result["draft_layers"] = draft_layers
+    return result
+
+
+def _draft_config(speculative_config: dict | str | None, model: str | None, draft_layers: int,
+                  draft_dir: str) -> dict[str, Any]:
+    """`speculative_config` (JSON text or dict) with method draft_model and the cut draft's path."""
+    from kvserve.bench.draft_export import write_truncated_gguf
+    from kvserve.config import resolve_model_path
+
+    config = json.loads(speculative_config) if isinstance(speculative_config, str) else dict(speculative_config or {})
+    config.setdefault("num_speculative_tokens", DEFAULT_SPECULATIVE_CONFIG["num_speculative_tokens"])
+    config["method"] = "draft_model"
+    config["model"] = write_truncated_gguf(resolve_model_path(model), draft_layers, draft_dir)
+    for key in ("prompt_lookup_min", "prompt_lookup_max"):
+        config.pop(key, None)
+    return config
+
+
+def _run_engines(rounds: int, max_tokens: int, scenarios: tuple[str, ...], speculative_config,
+                 engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     from kvserve import LLM, SamplingParams
     from kvserve.spec_decode.config import SpeculativeConfig
 
-    spec_config = SpeculativeConfig.from_value(speculative_config or DEFAULT_SPECULATIVE_CONFIG)
+    spec_config = SpeculativeConfig.from_value(speculative_config)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     engines = {"off": LLM(**engine_kwargs), "on": LLM(speculative_config=spec_config, **engine_kwargs)}
     try:
@@ -114,6 +147,7 @@ def format_result(result: dict[str, Any]) -> str:
         [[r["scenario"], statistics.median(r["off_tokens_per_s"]), statistics.median(r["on_tokens_per_s"]),
           f"{r['median_ratio']:.2f}x", "yes" if r["greedy_outputs_identical"] else "NO",
           r["acceptance_rate"], r["mean_accepted_length"]] for r in result["scenarios"]],
-        title=(f"spec: {result['speculative_config']['method']} "
+        title=(f"spec: {result['speculative_config']['method']}"
+               f"{' (target cut to %d layers)' % result['draft_layers'] if result.get('draft_layers') else ''} "
                f"k={result['speculative_config']['num_speculative_tokens']}, "
                f"{result['rounds']} rounds, max_tokens {result['max_tokens']}"))

@@ -4,7 +4,7 @@ logits within rounding, on the tiny models of every family (sliding windows,
 soft-capping, GQA, Q/K norms, sandwich norms), with prompt chunks short enough
 to run natively over cached context, prefix hits with a copy-on-write block,
 quantized GGUF weights on every kernel path, and the steps it must decline
-(circular-buffer KV, bfloat16, oneDNN-packed weights, the switch off)."""
+(circular-buffer KV, oneDNN-packed weights, the switch off)."""
 from __future__ import annotations
 
 import pytest
@@ -115,7 +115,7 @@ def test_circular_buffer_steps_are_declined_and_still_match(configs, native_step
     _assert_same(ours, ref)
 
 
-def test_switch_bfloat16_and_packed_weights_are_declined(configs, native_steps):
+def test_switch_and_packed_weights_are_declined(configs, native_steps):
     config = configs("llama")
     assert load_model(config).kernels.native_decoder
     assert native_decoder.NativeDecoder.for_model(load_model(config)) is not None
@@ -123,7 +123,8 @@ def test_switch_bfloat16_and_packed_weights_are_declined(configs, native_steps):
     assert not switched_off.kernels.native_decoder
     run_greedy(PagedRunner(switched_off), _prompts([4]), 3, chunk=8)
     assert native_steps[0] == 0
-    bf16 = load_model(ModelConfig.from_path(config.path, dtype="bfloat16"))
+    bf16 = load_model(ModelConfig.from_path(config.path, dtype="bfloat16"),
+                      kernel_config=KernelConfig(cpu_kernels=False))  # bfloat16: test_native_decoder_bf16.py
     assert not bf16.kernels.native_decoder and native_decoder.NativeDecoder.for_model(bf16) is None
     if torch.backends.mkldnn.is_available():
         packed = load_model(config)

@@ -67,6 +67,18 @@ def assert_pool_whole(core: EngineCore) -> None:
     assert_scheduler_pool_whole(core.scheduler)
 
 
+def run_checked(core: EngineCore, prompts: list[list[int]], params):
+    """Run the prompts to completion, check that every block came back, and shut the
+    engine down: (tokens by request id, the engine's stats after the run)."""
+    try:
+        outputs = run_to_completion(core, prompts, params)
+        stats = core.get_stats()
+        assert_pool_whole(core)
+        return outputs, stats
+    finally:
+        core.shutdown()
+
+
 def sample_many(model_path: str, speculative_config, prompt: list[int], num_samples: int, temperature: float,
                 max_tokens: int = 3):
     """`num_samples` seeded samples of `max_tokens` tokens after `prompt`, in large batches:

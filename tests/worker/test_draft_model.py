@@ -19,7 +19,7 @@ import pytest
 import torch
 import transformers
 
-from engine_helpers import RecordingExecutor, assert_pool_whole, greedy_params, run_to_completion
+from engine_helpers import RecordingExecutor, assert_pool_whole, greedy_params, run_checked, run_to_completion
 from tiny_models import random_prompts, save_tiny_model
 from kvserve.config import ConfigError, EngineConfig
 from kvserve.engine.core import EngineCore
@@ -70,6 +70,7 @@ class HeldBlocksExecutor(RecordingExecutor):
 
 def _engine(model: str, draft: str | None, k: int = 3, **overrides) -> EngineCore:
     spec = None if draft is None else {"model": draft, "num_speculative_tokens": k, "min_acceptance_rate": 0.0,
+                                       "draft_token_cost": 0.0,
                                        "disable_by_batch_size": 64}
     config = EngineConfig.create(model=model, speculative_config=spec, **{**SETTINGS, **overrides})
     core = EngineCore(config, executor_class=HeldBlocksExecutor)
@@ -89,12 +90,8 @@ def _params() -> list[SamplingParams]:
 
 
 def _run(core: EngineCore):
-    try:
-        outputs = run_to_completion(core, _prompts(), _params())
-        assert_pool_whole(core)
-        return outputs, core.get_stats().spec_decoding_stats
-    finally:
-        core.shutdown()
+    outputs, stats = run_checked(core, _prompts(), _params())
+    return outputs, stats.spec_decoding_stats
 
 
 @pytest.mark.parametrize("kind,overrides", [
