@@ -168,9 +168,9 @@ class KernelConfig:
     packed_weights: bool = True
     quant_isa: str | None = None
     quant_act_bits: int = 16
-    quant_gemm_rows: int = 64
+    quant_gemm_rows: int = 320
     quant_gemm_dtype: str | None = None
-    quant_panel_rows: int = 9
+    quant_panel_rows: int = 4
     native_decoder: bool = True
     grammar_mask_isa: str | None = None
 
@@ -196,10 +196,10 @@ class KernelConfig:
         bits = env.get(QUANT_ACT_BITS_ENV, "16").strip()
         if bits not in ("8", "16"):
             raise ConfigError(f"{QUANT_ACT_BITS_ENV} must be 8 or 16, got {bits!r}")
-        gemm_rows = env.get(QUANT_GEMM_ROWS_ENV, "64").strip()
+        gemm_rows = env.get(QUANT_GEMM_ROWS_ENV, "320").strip()
         if not gemm_rows.isdigit():
             raise ConfigError(f"{QUANT_GEMM_ROWS_ENV} must be a non-negative integer, got {gemm_rows!r}")
-        panel_rows = env.get(QUANT_PANEL_ROWS_ENV, "9").strip()
+        panel_rows = env.get(QUANT_PANEL_ROWS_ENV, "4").strip()
         if not panel_rows.isdigit():
             raise ConfigError(f"{QUANT_PANEL_ROWS_ENV} must be a non-negative integer, got {panel_rows!r}")
         return cls(cpu_kernels=_switched_on(env, CPU_KERNELS_ENV),
