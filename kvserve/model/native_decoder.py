@@ -110,6 +110,7 @@ class NativeDecoder:
         self._layer_bytes = 0  # weight bytes of one layer's projections
         self._panel_rows = 0  # steps of this many tokens run the panel GEMM (the weights' own threshold)
         self._all_panel = True  # every projection quantized with a panel path
+        self._gemm_rows = MAX_TOKENS + 1  # steps of this many tokens take the per-op dense GEMM
         self._layers = (_Layer * len(model.layers))()
         for i, layer in enumerate(model.layers):
             self._describe_layer(self._layers[i], layer)
@@ -118,8 +119,10 @@ class NativeDecoder:
         # matmuls would cost more than the rows they share out.
         self.num_threads = torch.get_num_threads() if self._layer_bytes >= _PARALLEL_MIN_LAYER_BYTES else 1
         self._cache_ptrs: tuple | None = None
-        # many-token steps only where the panel GEMM covers every projection
-        self.max_tokens = MAX_TOKENS if self._all_panel else SMALL_STEP_TOKENS
+        # many-token steps only where the panel GEMM covers every projection, and short of
+        # the steps the per-op path gives its dense GEMM
+        self.max_tokens = max(min(MAX_TOKENS, self._gemm_rows - 1), SMALL_STEP_TOKENS) if self._all_panel \
+            else SMALL_STEP_TOKENS
         self._token_index = torch.arange(self.max_tokens, dtype=torch.int64)
 
     # -- description (once) ------------------------------------------------------------------
@@ -191,6 +194,7 @@ class NativeDecoder:
             desc.panel_isa = quantized.ISA_CODES[quantized.panel_isa(qw)] if qw.panel_rows else -1
             self._panel_rows = max(self._panel_rows, qw.panel_rows)
             self._all_panel &= qw.panel_rows > 0
+            self._gemm_rows = min(self._gemm_rows, qw.gemm_rows or self._gemm_rows)
             desc.out, desc.in_ = qw.out_features, qw.in_features
             self._layer_bytes += qw.nbytes() // len(self.model.layers)
             return

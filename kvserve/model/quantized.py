@@ -17,10 +17,10 @@ at a narrower one (for tests and comparisons). The kernel rounds the activations
 per block of 32 to int16 (`KernelConfig.quant_act_bits`, KVSERVE_QUANT_ACT_BITS=8:
 to int8, as llama.cpp does, faster but enough to flip near-tied greedy tokens of
 the default model). Steps of many rows (prefill; `KernelConfig.quant_gemm_rows`,
-64 by default) rebuild the weight densely instead (`dequantize_dense`, bfloat16 on
+320 by default) rebuild the weight densely instead (`dequantize_dense`, bfloat16 on
 CPUs with native bfloat16) and run oneDNN's GEMM, several times faster there; steps
-between (`KernelConfig.quant_panel_rows`, 9 by default: batched decode, mixed serving
-steps) run the panel GEMM of csrc/quant_gemm.c (`panel_linear`), which expands the
+between (from `KernelConfig.quant_panel_rows`, 4 by default: batched decode, mixed
+serving steps, short prefills) run the panel GEMM of csrc/quant_gemm.c (`panel_linear`), which expands the
 weight a cache-sized panel at a time. The loader stamps these choices on every weight it holds.
 """
 from __future__ import annotations
