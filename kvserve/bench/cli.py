@@ -249,6 +249,9 @@ def _add_route_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replica-threads", type=int, default=1, help="torch threads per replica (0: torch's)")
     parser.add_argument("--kill-replica-after", type=int, default=None, metavar="N",
                         help="add a cache_aware run that SIGKILLs the last replica after N requests finished")
+    parser.add_argument("--trace-out", default=None, metavar="JSONL",
+                        help="each policy's run as a `kvserve plan --trace` trace, <stem>.<policy>.jsonl "
+                             "(default: next to the JSON, <json stem>.trace.<policy>.jsonl)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -457,15 +460,16 @@ def _run_route(args: argparse.Namespace) -> dict[str, Any]:
     import shlex
 
     from kvserve.bench import route
+    json_path = Path(args.output_json or default_output_path("route", ".json"))
     config = route.RouteBenchConfig(
         num_replicas=args.replicas, policies=tuple(_name_list(args.policies)), num_users=args.num_users,
         num_system_prompts=args.num_system_prompts, system_prompt_words=args.system_prompt_words,
         turns=args.turns, max_tokens=args.max_tokens, concurrency=args.concurrency, seed=args.seed,
         replica_flags=tuple(shlex.split(args.replica_args)), replica_threads=args.replica_threads or None,
-        kill_replica_after=args.kill_replica_after)
+        kill_replica_after=args.kill_replica_after,
+        trace_out=args.trace_out or str(json_path.with_suffix(".trace.jsonl")))
     result = route.run(config)
     if not args.no_plot:
-        json_path = Path(args.output_json or default_output_path("route", ".json"))
         png_path = Path(args.output_png) if args.output_png else json_path.with_suffix(".png")
         png_path.parent.mkdir(parents=True, exist_ok=True)
         result["plot"] = route.plot(result, png_path)
@@ -477,6 +481,8 @@ def _run_plan_check(args: argparse.Namespace) -> dict[str, Any]:
 
     from kvserve.bench import plan_check
     from kvserve.bench.plan import Load, SchedulerShape
+    from kvserve.bench.plan_cli import check_bounds
+    check_bounds(args, plan_check.FLAG_BOUNDS, "kvserve bench plan-check")
     load = Load(args.arrival_rate, args.prompt_len, args.len_sigma, args.output_len, args.len_sigma,
                 args.shared_prefix_ratio, args.num_shared_prefixes, args.max_model_len)
     json_path = args.output_json or default_output_path("plan-check", ".json")

@@ -80,6 +80,22 @@ class Machine:
     devices_per_node: int = 8
     memory_utilization: float = 0.9
     step_overhead_ms: float = 2.0
+    # TP across nodes (`kvserve serve --nnodes`): the network between nodes, and how many
+    # nodes one replica may span (1: TP stays inside a node).
+    inter_node_gbs: float = 50.0
+    inter_node_latency_us: float = 20.0
+    max_nodes_per_replica: int = 1
+
+    def link(self, tp: int) -> tuple[float, float]:
+        """(latency s, bytes/s) of the slowest link a TP-`tp` ring crosses."""
+        if tp > self.devices_per_node:
+            return self.inter_node_latency_us * 1e-6, self.inter_node_gbs * 1e9
+        return self.interconnect_latency_us * 1e-6, self.interconnect_gbs * 1e9
+
+    def tp_sizes(self) -> list[int]:
+        """TP sizes a replica may use: powers of two inside a node, then whole nodes (`--nnodes` k)."""
+        within = [2 ** k for k in range(11) if 2 ** k < self.devices_per_node]
+        return within + [self.devices_per_node * k for k in range(1, self.max_nodes_per_replica + 1)]
 
 
 @dataclass(frozen=True)
@@ -106,11 +122,11 @@ def tp_comm_seconds(model: ModelSpec, machine: Machine, tp: int, num_tokens: int
     """The collectives of one TP step, as kvserve's TP runs them (0 at TP 1): the embedding's and
     two per layer (attention and MLP outputs) ring all-reduces of the step's activations, the
     gather of the vocabulary-sharded logits of the `num_sampled` sampled rows on rank 0, and the
-    broadcast of the sampled tokens. Each costs the link latency plus its bytes over the bandwidth."""
+    broadcast of the sampled tokens. Each costs the link latency plus its bytes over the bandwidth
+    (the network between nodes when the ranks span more than one)."""
     if tp <= 1:
         return 0.0
-    latency_s = machine.interconnect_latency_us * 1e-6
-    bytes_per_s = machine.interconnect_gbs * 1e9
+    latency_s, bytes_per_s = machine.link(tp)
     activation_bytes = num_tokens * model.hidden_size * model.dtype_bytes
     all_reduce_s = latency_s + 2 * (tp - 1) / tp * activation_bytes / bytes_per_s
     gather_s = latency_s + (tp - 1) / tp * num_sampled * model.vocab_size * model.dtype_bytes / bytes_per_s
@@ -400,7 +416,8 @@ class Workload:
 
 def _fleet_entry(tp: int, replicas: int, kv_tokens: int, model: ModelSpec, machine: Machine) -> dict[str, Any]:
     return {"tp": tp, "replicas": replicas, "devices": replicas * tp,
-            "nodes": math.ceil(replicas * tp / machine.devices_per_node), "kv_tokens_per_replica": kv_tokens,
+            "nodes": math.ceil(replicas * tp / machine.devices_per_node),
+            "nodes_per_replica": math.ceil(tp / machine.devices_per_node), "kv_tokens_per_replica": kv_tokens,
             "kv_memory_gib_per_replica": kv_tokens * model.kv_bytes_per_token / GIB}
 
 
@@ -452,7 +469,7 @@ def plan(model: ModelSpec, machine: Machine, workload: Workload | Load, slo: SLO
     if isinstance(workload, Load):
         workload = Workload(workload, **workload_fields)
     cost_for_tp = cost_for_tp or (lambda tp: StepCost(model, machine, tp))
-    candidates = [tp for tp in (1, 2, 4, 8, 16) if tp <= machine.devices_per_node and model.supports_tp(tp)]
+    candidates = [tp for tp in machine.tp_sizes() if model.supports_tp(tp)]
     if fixed is not None:
         options = [evaluate(model, machine, workload, *fixed, cost_for_tp(fixed[0]), shape=shape)]
     else:
@@ -497,7 +514,11 @@ def format_result(result: dict[str, Any]) -> str:
                          "TPOT p50 ms", "TPOT p99 ms", "note"], rows, title="plan: one row per TP size")
     best = result["best"]
     if best is None:
-        return text + "\n\nno TP size meets the SLO"
+        hint = ""
+        if result["machine"]["max_nodes_per_replica"] == 1 and all(
+                o.get("reason") == "the weights do not fit" for o in result["options"]):
+            hint = " (the weights fit no single node: --max-nodes-per-replica 2 plans TP across nodes)"
+        return text + "\n\nno TP size meets the SLO" + hint
     routing = best.get("routing") or {}
     if routing:
         text += "\n\n" + format_table(
@@ -507,7 +528,12 @@ def format_result(result: dict[str, Any]) -> str:
              if r["feasible"] else [policy, "-", "-", "-", "-", r["reason"]] for policy, r in routing.items()],
             title=f"the chosen fleet behind the gateway ({best['replicas']} replicas)")
     return text + (f"\n\nbest: {best['replicas']} replicas x TP {best['tp']} = {best['devices']} devices "
-                   f"({best['nodes']} nodes), {best['kv_memory_gib_per_replica']:.1f} GiB KV per replica, "
+                   f"({best['nodes']} nodes{_spans(best)}), {best['kv_memory_gib_per_replica']:.1f} GiB KV per replica, "
                    f"predicted hit rate {100 * best['prediction']['prefix_hit_rate']:.1f}%, "
                    f"TTFT p99 {best['prediction']['ttft']['p99_ms']:.0f} ms, "
                    f"TPOT p99 {best['prediction']['tpot']['p99_ms']:.1f} ms")
+
+
+def _spans(option: dict[str, Any]) -> str:
+    nodes = option.get("nodes_per_replica", 1)
+    return f"; each replica spans {nodes} nodes: kvserve serve --nnodes {nodes}" if nodes > 1 else ""

@@ -35,6 +35,12 @@ from kvserve.bench.report import LatencyStats, format_table
 from kvserve.bench.trace import TraceRequest, prompt_token_ids, read_trace, write_trace
 
 SERVED_MODEL = "plan-check"
+# `kvserve bench plan-check` flags and their lowest values (see plan_cli.check_bounds).
+FLAG_BOUNDS = (("tp", 1, True), ("num_requests", 1, True), ("arrival_rate", 0, False), ("prompt_len", 1, True),
+               ("output_len", 1, True), ("len_sigma", 0, True), ("shared_prefix_ratio", 0, True),
+               ("num_shared_prefixes", 0, True), ("max_model_len", 2, True), ("block_size", 1, True),
+               ("max_num_seqs", 1, True), ("max_num_batched_tokens", 1, True), ("activation_bytes", 1, True),
+               ("server_threads", 0, True))
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,13 @@ def add_plan_arguments(parser) -> None:
     machine.add_argument("--interconnect-json", default=None, metavar="PATH",
                          help="link latency and bandwidth measured by `kvserve bench allreduce` or "
                               "`kvserve bench plan-check --tp N` (the flags above override it)")
-    machine.add_argument("--devices-per-node", type=int, default=None, help="largest TP size (default 8)")
+    machine.add_argument("--devices-per-node", type=int, default=None, help="devices per node (default 8)")
+    machine.add_argument("--max-nodes-per-replica", type=int, default=None,
+                         help="nodes one replica's TP may span (kvserve serve --nnodes; default 1)")
+    machine.add_argument("--inter-node-gbs", type=float, default=None,
+                         help="per-device network GB/s between nodes, for TP across nodes (default 50)")
+    machine.add_argument("--inter-node-latency-us", type=float, default=None,
+                         help="per collective between nodes (default 20)")
     machine.add_argument("--memory-utilization", type=float, default=None, help="share of memory used (0.9)")
     machine.add_argument("--step-overhead-ms", type=float, default=None, help="fixed cost per step (default 2)")
     replica = parser.add_argument_group("replica scheduler (as `kvserve serve` flags set them)")
@@ -63,12 +69,16 @@ def model_shapes_from_path(path: str | None):
     from kvserve.bench.model_info import ModelShapes, model_shapes, resolve_model_path
 
     if path and path.endswith(".json"):
-        config = json.loads(open(path).read())
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        shapes = ModelShapes(config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"],
-                             config["num_attention_heads"],
-                             config.get("num_key_value_heads") or config["num_attention_heads"],
-                             head_dim, config["vocab_size"])
+        try:
+            config = json.loads(open(path).read())
+            head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+            shapes = ModelShapes(config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"],
+                                 config["num_attention_heads"],
+                                 config.get("num_key_value_heads") or config["num_attention_heads"],
+                                 head_dim, config["vocab_size"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise SystemExit(f"kvserve plan: error: {path} is not a readable model config.json "
+                             f"({exc.__class__.__name__}: {exc})") from None
     else:
         shapes = model_shapes(resolve_model_path(path))
     return shapes
@@ -122,7 +132,8 @@ def _measured_link(args) -> dict[str, float]:
 def _machine(args) -> Machine:
     overrides = {"memory_gib": args.memory_gib, **_measured_link(args),
                  "devices_per_node": args.devices_per_node, "memory_utilization": args.memory_utilization,
-                 "step_overhead_ms": args.step_overhead_ms}
+                 "step_overhead_ms": args.step_overhead_ms, "max_nodes_per_replica": args.max_nodes_per_replica,
+                 "inter_node_gbs": args.inter_node_gbs, "inter_node_latency_us": args.inter_node_latency_us}
     for name in ("interconnect_gbs", "interconnect_latency_us"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
@@ -141,15 +152,50 @@ def _step_cost_label(args) -> str:
     return "calibrated: " + args.calibration_json + (" (TP cost measured)" if measured_tp else "")
 
 
+# (flag, lowest allowed value, whether the lowest is allowed): None values (unset flags) pass.
+_PLAN_BOUNDS = (("arrival_rate", 0, False), ("num_requests", 1, True), ("ttft_p99_ms", 0, False),
+                ("tpot_p99_ms", 0, False), ("memory_gib", 0, False), ("bandwidth_gbs", 0, False),
+                ("tflops", 0, False), ("interconnect_gbs", 0, False), ("interconnect_latency_us", 0, True),
+                ("devices_per_node", 1, True), ("memory_utilization", 0, False), ("step_overhead_ms", 0, True),
+                ("block_size", 1, True), ("max_num_seqs", 1, True), ("max_num_batched_tokens", 1, True),
+                ("prompt_len", 1, True), ("output_len", 1, True), ("len_sigma", 0, True),
+                ("shared_prefix_ratio", 0, True), ("num_shared_prefixes", 0, True), ("max_model_len", 2, True),
+                ("dtype_bytes", 1, True), ("tp", 1, True), ("replicas", 1, True),
+                ("max_nodes_per_replica", 1, True), ("inter_node_gbs", 0, False), ("inter_node_latency_us", 0, True))
+
+
+def check_bounds(args, bounds, prog: str) -> None:
+    """A one-line error for the first flag out of its range (see `_PLAN_BOUNDS`)."""
+    for name, lowest, inclusive in bounds:
+        value = getattr(args, name, None)
+        if value is not None and (value < lowest or (value == lowest and not inclusive)):
+            relation = ">=" if inclusive else ">"
+            raise SystemExit(f"{prog}: error: --{name.replace('_', '-')} must be {relation} {lowest}, got {value}")
+
+
+def _check_plan_args(args, model: ModelSpec) -> None:
+    """Bad flags are refused before anything is simulated."""
+    if args.trace is None and args.arrival_rate is None:
+        raise SystemExit("kvserve plan: error: give --arrival-rate (a synthetic load) or --trace (a recorded one)")
+    check_bounds(args, _PLAN_BOUNDS, "kvserve plan")
+    if args.shared_prefix_ratio > 1 or (args.memory_utilization or 0) > 1:
+        raise SystemExit("kvserve plan: error: --shared-prefix-ratio and --memory-utilization are shares (0..1)")
+    if (args.tp is None) != (args.replicas is None):
+        raise SystemExit("kvserve plan: error: --tp and --replicas go together (one given fleet); "
+                         "give neither to search every TP size")
+    if args.tp is not None and not model.supports_tp(args.tp):
+        raise SystemExit(f"kvserve plan: error: --tp {args.tp} does not split the model's {model.num_heads} "
+                         f"attention heads and {model.num_kv_heads} KV heads")
+
+
 def run_plan(args) -> int:
     """`kvserve plan`: print the plan (and write it as JSON)."""
     from kvserve.bench.trace import TraceError, read_trace
 
-    if args.trace is None and args.arrival_rate is None:
-        raise SystemExit("kvserve plan: error: give --arrival-rate (a synthetic load) or --trace (a recorded one)")
-    machine = _machine(args)
     shapes = model_shapes_from_path(args.model)
     model = ModelSpec.from_shapes(shapes, args.dtype_bytes)
+    _check_plan_args(args, model)
+    machine = _machine(args)
     load = Load(args.arrival_rate or 0.0, args.prompt_len, args.len_sigma, args.output_len, args.len_sigma,
                 args.shared_prefix_ratio, args.num_shared_prefixes, args.max_model_len)
     try:
@@ -163,7 +209,7 @@ def run_plan(args) -> int:
         raise SystemExit(f"kvserve plan: error: unknown routing policies {unknown}; known: {list(ROUTING_POLICIES)}")
     workload = Workload(load, trace, args.policy, args.num_requests, args.seed)
     result = plan(model, machine, workload, SLO(args.ttft_p99_ms, args.tpot_p99_ms),
-                  fixed=(args.tp, args.replicas) if args.tp and args.replicas else None, cost_for_tp=cost_for_tp,
+                  fixed=(args.tp, args.replicas) if args.tp else None, cost_for_tp=cost_for_tp,
                   shape=SchedulerShape(args.block_size, args.max_num_seqs, args.max_num_batched_tokens),
                   routing_policies=policies)
     result["step_cost"] = _step_cost_label(args)

@@ -13,6 +13,13 @@ TTFT p50/p99, output tokens/s, and the requests each replica served (from
 its /metrics). With `kill_replica_after` the last replica is SIGKILLed once
 that many requests have finished: the gateway's retries and health checks
 take over, and requests that still fail are counted, not hidden.
+
+Each policy's run is also written as a request trace (`trace_out`: one JSONL per
+policy, in the format `kvserve plan --trace` reads, see kvserve/bench/trace.py):
+every request's send time, its prompt as the token ids the server saw (the
+chat rendered by a replica's /tokenize after the timed run), the output tokens
+asked for, and its system prompt as `prefix_id` with `prefix_len` the tokens it
+shares with that tenant's first prompt. A route run can so be re-planned.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ from kvserve.bench.replicas import (GATEWAY_POLICIES, LocalProcess, gateway_avai
                                     start_replica)
 from kvserve.bench.report import LatencyStats, format_table
 from kvserve.bench.serve import RequestResult, stream_one
+from kvserve.bench.trace import TraceRequest, write_trace
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +67,7 @@ class RouteBenchConfig:
     replica_threads: int | None = 1
     kill_replica_after: int | None = None
     timeout_s: float = 300.0
+    trace_out: str | None = None  # "<stem>.jsonl": each policy's trace goes to "<stem>.<policy>.jsonl"
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.policies if p not in GATEWAY_POLICIES]
@@ -72,6 +81,11 @@ class RouteBenchConfig:
             raise ValueError("the power_of_two policy needs at least 2 replicas")
         if self.kill_replica_after is not None and self.num_replicas < 2:
             raise ValueError("killing a replica needs at least 2 replicas")
+        if self.kill_replica_after is not None and not 1 <= self.kill_replica_after < self.num_requests:
+            raise ValueError(f"kill_replica_after must be between 1 and {self.num_requests - 1} "
+                             f"(the run has {self.num_requests} requests)")
+        if self.max_tokens < 1 or self.system_prompt_words < 1:
+            raise ValueError("max_tokens and system_prompt_words must be >= 1")
 
     @property
     def num_requests(self) -> int:
@@ -98,7 +112,17 @@ class Conversation:
     user: int
     system_prompt: str
     questions: list[str]
+    tenant: int = 0  # which system prompt
     messages: list[dict[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class SentChat:
+    """One chat request as sent: when (seconds from the run's start), its messages, its tenant."""
+
+    sent_s: float
+    messages: list[dict[str, str]]
+    tenant: int
 
 
 def system_prompts(config: RouteBenchConfig, salt: str) -> list[str]:
@@ -119,7 +143,7 @@ def conversations(config: RouteBenchConfig, salt: str) -> list[Conversation]:
     for user in range(config.num_users):
         questions = [f"User {user}, turn {turn}: tell me one fact about {_TOPICS[(user + turn) % len(_TOPICS)]}."
                      for turn in range(config.turns)]
-        chats.append(Conversation(user, prompts[user % len(prompts)], questions))
+        chats.append(Conversation(user, prompts[user % len(prompts)], questions, user % len(prompts)))
     random.Random(config.seed).shuffle(chats)
     return chats
 
@@ -151,7 +175,7 @@ async def _read_counters(client, replica: LocalProcess) -> ReplicaCounters | Non
 
 
 async def _chat(client, url: str, config: RouteBenchConfig, chat: Conversation, gate: asyncio.Semaphore,
-                results: list[RequestResult], on_result) -> None:
+                results: list[RequestResult], on_result, sent: list[SentChat], started: float) -> None:
     chat.messages = [{"role": "system", "content": chat.system_prompt}]
     for question in chat.questions:
         chat.messages.append({"role": "user", "content": question})
@@ -159,6 +183,7 @@ async def _chat(client, url: str, config: RouteBenchConfig, chat: Conversation, 
                 "temperature": 0.0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
         async with gate:
+            sent.append(SentChat(time.perf_counter() - started, list(chat.messages), chat.tenant))
             result = await stream_one(client, url, body, {})
         results.append(result)
         await on_result()
@@ -189,14 +214,47 @@ async def run_policy(config: RouteBenchConfig, replicas: list[LocalProcess], pol
 
             gate = asyncio.Semaphore(config.concurrency)
             url = gateway.url + "/v1/chat/completions"
+            sent: list[SentChat] = []
             started = time.perf_counter()
-            await asyncio.gather(*(_chat(client, url, config, chat, gate, results, on_result)
+            await asyncio.gather(*(_chat(client, url, config, chat, gate, results, on_result, sent, started)
                                    for chat in conversations(config, salt)))
             duration_s = time.perf_counter() - started
             after = [await _read_counters(client, r) for r in replicas]
+            trace = await trace_of(client, replicas[0].url, config, sent) if config.trace_out else None
     finally:
         await asyncio.to_thread(gateway.stop)
-    return summarize_policy(policy, results, duration_s, before, after, killed)
+    summary = summarize_policy(policy, results, duration_s, before, after, killed)
+    if trace is not None:
+        summary["trace_path"] = write_trace(policy_trace_path(config.trace_out, summary["policy"], kill_after),
+                                            trace)
+    return summary
+
+
+async def trace_of(client, replica_url: str, config: RouteBenchConfig, sent: list[SentChat]) -> list[TraceRequest]:
+    """The run as a trace: each request's prompt tokenized by a replica (after the timed part),
+    `prefix_id` its tenant and `prefix_len` the tokens it shares with the tenant's first prompt."""
+    first_prompt: dict[int, list[int]] = {}
+    trace = []
+    for request in sorted(sent, key=lambda r: r.sent_s):
+        response = await client.post(replica_url + "/tokenize", json={
+            "model": config.served_model_name, "messages": request.messages, "add_generation_prompt": True})
+        response.raise_for_status()
+        token_ids = response.json()["tokens"]
+        first = first_prompt.setdefault(request.tenant, token_ids)
+        shared = next((i for i, (a, b) in enumerate(zip(first, token_ids)) if a != b), min(len(first), len(token_ids)))
+        trace.append(TraceRequest(request.sent_s, len(token_ids), config.max_tokens, str(request.tenant), shared,
+                                  tuple(token_ids)))
+    return trace
+
+
+def policy_trace_path(trace_out: str, policy: str, kill_after: int | None) -> str:
+    """`<stem>.<policy>.jsonl` beside `trace_out` (the fault run: `<stem>.<policy>-killed.jsonl`)."""
+    from pathlib import Path
+
+    path = Path(trace_out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    name = policy + ("-killed" if kill_after is not None else "")
+    return str(path.with_name(f"{path.stem}.{name}{path.suffix or '.jsonl'}"))
 
 
 def summarize_policy(policy: str, results: list[RequestResult], duration_s: float,

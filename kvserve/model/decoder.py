@@ -205,12 +205,13 @@ class DecoderModel(nn.Module):
         """Hold every linear weight (and the LM head) pre-packed for oneDNN's CPU matmul
         (see `PackableLinearMixin`). Returns False, changing nothing, off CPU or for a
         dtype oneDNN cannot pack here. Call after loading. The plain weights are dropped
-        unless `keep_plain` (default: the model's kernel choice, `ModelKernels.small_batch_matmul`)."""
+        unless `keep_plain` (default: the model's kernel choice: kept for the small-batch kernel
+        and for the native decoder, which read the plain layout)."""
         weight = self.norm.weight
         if weight.device.type != "cpu" or not cpu_weight_packing_supported(weight.dtype):
             return False
         if keep_plain is None:
-            keep_plain = self.kernels.small_batch_matmul
+            keep_plain = self.kernels.small_batch_matmul or self.kernels.native_decoder
         for module in self.modules():
             if isinstance(module, PackableLinearMixin) and module.packed_weight is None \
                     and module.quant_weight is None:

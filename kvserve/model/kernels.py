@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import KernelConfig
-from kvserve.model import cpu_kernels
+from kvserve.model import cpu_kernels, native_decoder
 from kvserve.model.attention import AttentionBackend, TorchAttentionBackend, select_attention_backend
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ class ModelKernels:
     small_batch_matmul: bool = False  # packed weights keep a plain copy for the small-batch kernel
     packed_weights: bool = False  # linear weights packed for oneDNN's CPU matmul
     native_decoder: bool = False  # small steps run the whole stack in one call (model/native_decoder.py)
+    bf16_isa: str | None = None  # the native decoder's bfloat16-weight matmul path (None: bfloat16 declined)
 
     @classmethod
     def torch_only(cls) -> "ModelKernels":
@@ -48,7 +49,8 @@ class ModelKernels:
         return (f"attention {self.attention.name}, fused ops {'native' if self.native_ops else 'torch'}, "
                 f"packed weights {'on' if self.packed_weights else 'off'}, "
                 f"small-batch matmul {'on' if self.small_batch_matmul else 'off'}, "
-                f"native decoder {'on' if self.native_decoder else 'off'}")
+                f"native decoder {'on' if self.native_decoder else 'off'}"
+                + (f" (bfloat16 weights: {self.bf16_isa})" if self.bf16_isa else ""))
 
 
 def choose_model_kernels(kernel_config: KernelConfig, device: torch.device | str, dtype: torch.dtype,
@@ -59,10 +61,12 @@ def choose_model_kernels(kernel_config: KernelConfig, device: torch.device | str
               and cpu_kernels.load_library() is not None)
     attention = select_attention_backend(device, dtype, shape.num_heads, shape.num_kv_heads, shape.head_dim,
                                          native_kernels=native)
+    bf16 = native_decoder.bf16_isa(kernel_config) if native and dtype == torch.bfloat16 else None
     kernels = ModelKernels(
         attention=attention, native_ops=native,
         small_batch_matmul=native and kernel_config.small_batch_matmul and cpu_kernels.small_linear_supported(dtype),
         packed_weights=on_cpu and kernel_config.packed_weights,
-        native_decoder=native and kernel_config.native_decoder and dtype == torch.float32)
+        native_decoder=native and kernel_config.native_decoder and (dtype == torch.float32 or bf16 is not None),
+        bf16_isa=bf16)
     logger.debug("model kernels: %s", kernels.describe())
     return kernels

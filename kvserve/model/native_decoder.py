@@ -3,19 +3,25 @@
 At batch one a decode step through the torch path makes about ten Python op
 calls per layer, each a dispatch and, for the native kernels, a parallel region
 of its own: for a 135M model that overhead outweighs the matmuls. For steps of
-up to `MAX_TOKENS` tokens `NativeDecoder` hands the whole stack (every layer and
-the final norm) to one C call that reuses the per-op kernels inside one
-parallel region.
+up to `SMALL_STEP_TOKENS` tokens, or `MAX_TOKENS` where every projection is
+quantized and runs the panel GEMM (csrc/quant_gemm.c) from its `panel_rows`
+on (batched decode, mixed serving steps), `NativeDecoder` hands the whole stack
+(every layer and the final norm) to one C call that reuses the per-op kernels
+inside one parallel region; steps of many tokens split attention by tokens.
 
 It takes what it covers and nothing else; `DecoderModel.forward` keeps the
 torch path for any step it declines (None):
-- model: CPU, float32 activations, one tensor-parallel rank, every projection
-  block-quantized or a plain float32 matrix, SiLU or GELU(tanh) gates, head
-  size <= 256, at most 32 query heads per KV head;
-- step: at most `MAX_TOKENS` tokens, every KV-cache group a block table (not a
+- model: CPU, float32 or bfloat16, one tensor-parallel rank, every projection
+  block-quantized or a plain float32 or bfloat16 matrix, SiLU or GELU(tanh)
+  gates, head size <= 256, at most 32 query heads per KV head;
+- step: at most `max_tokens` tokens (above), every KV-cache group a block table (not a
   circular ring, whose read-before-write order the kernel does not follow),
   caches float32 or bfloat16 and contiguous.
 `ModelKernels.native_decoder` (KVSERVE_NATIVE_DECODER=0 in `KernelConfig`) switches it off.
+
+The call keeps its activations in float32 whatever the model's dtype; a bfloat16
+model's matmuls round their input rows to bfloat16 (csrc/bf16_rows.c, on the
+path `ModelKernels.bf16_isa`), and the output is cast back to bfloat16.
 """
 from __future__ import annotations
 
@@ -25,12 +31,19 @@ import logging
 import torch
 
 from kvserve.kv_cache.interface import CircularBufferSpec
+from kvserve.config import QUANT_ISAS, KernelConfig
 from kvserve.model import cpu_kernels, quantized
 from kvserve.model.attention import AttentionMetadata, token_positions
+from kvserve.model.quantized import ISA_CODES
 
 logger = logging.getLogger(__name__)
 
-MAX_TOKENS = 8  # steps up to this many tokens (decode, short drafts); longer ones are prefills
+# Steps up to this many tokens (decode, short drafts) run natively; up to MAX_TOKENS
+# (batched decode, mixed serving steps with short prefill chunks) where every projection
+# takes the panel GEMM from `panel_rows` tokens on. Longer prefills keep the per-op path
+# and its dense GEMM.
+SMALL_STEP_TOKENS = 8
+MAX_TOKENS = 128
 _MAX_GROUPS = 8  # MAX_GROUPS in fused_decoder.c
 _PARALLEL_MIN_LAYER_BYTES = 256 * 1024
 
@@ -39,7 +52,8 @@ _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.
 
 class _Linear(ctypes.Structure):
     _fields_ = [("qs", _ptr), ("d", _ptr), ("m", _ptr), ("w", _ptr), ("bias", _ptr), ("out", _i64), ("in_", _i64),
-                ("bits", _i32), ("act_bits", _i32), ("isa", _i32), ("unused", _i32)]
+                ("bits", _i32), ("act_bits", _i32), ("isa", _i32), ("w_dtype", _i32), ("panel_isa", _i32),
+                ("unused", _i32)]
 
 
 class _Layer(ctypes.Structure):
@@ -53,7 +67,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
                 ("head_dim", _i64), ("intermediate", _i64), ("final_norm", _ptr), ("eps", _f32), ("scale", _f32),
-                ("softcap", _f32), ("adds_one", _i32), ("sandwich", _i32), ("gelu", _i32)]
+                ("softcap", _f32), ("adds_one", _i32), ("sandwich", _i32), ("gelu", _i32), ("panel_rows", _i32)]
 
 
 class _Step(ctypes.Structure):
@@ -65,6 +79,19 @@ class _Step(ctypes.Structure):
 
 class _Logits(ctypes.Structure):
     _fields_ = [("head", _Linear), ("rows", _ptr), ("num_rows", _i64), ("logits", _ptr)]
+
+
+def bf16_isa(kernel_config: KernelConfig | None = None) -> str | None:
+    """The path of the native decoder's bfloat16-weight matmul ("avx512": AVX512-BF16, "avx2",
+    "portable"): the widest this build and CPU run, capped at `kernel_config.quant_isa`
+    (KVSERVE_QUANT_ISA caps it as it caps the quantized kernel); None without the library."""
+    config = kernel_config or KernelConfig()
+    lib = cpu_kernels.load_library() if config.cpu_kernels else None
+    if lib is None:
+        return None
+    ceiling = ISA_CODES[config.quant_isa] if config.quant_isa else max(ISA_CODES.values())
+    return QUANT_ISAS[max(code for code in ISA_CODES.values()
+                          if code <= ceiling and lib.kvserve_bf16_isa_available(code))]
 
 
 class NativeDeclined(Exception):
@@ -85,6 +112,9 @@ class NativeDecoder:
         self.model = model
         self._keep: list[torch.Tensor] = []
         self._layer_bytes = 0  # weight bytes of one layer's projections
+        self._panel_rows = 0  # steps of this many tokens run the panel GEMM (the weights' own threshold)
+        self._all_panel = True  # every projection quantized with a panel path
+        self._gemm_rows = MAX_TOKENS + 1  # steps of this many tokens take the per-op dense GEMM
         self._layers = (_Layer * len(model.layers))()
         for i, layer in enumerate(model.layers):
             self._describe_layer(self._layers[i], layer)
@@ -94,7 +124,11 @@ class NativeDecoder:
         # matmuls would cost more than the rows they share out.
         self.num_threads = torch.get_num_threads() if self._layer_bytes >= _PARALLEL_MIN_LAYER_BYTES else 1
         self._cache_ptrs: tuple | None = None
-        self._token_index = torch.arange(MAX_TOKENS, dtype=torch.int64)
+        # many-token steps only where the panel GEMM covers every projection, and short of
+        # the steps the per-op path gives its dense GEMM
+        self.max_tokens = max(min(MAX_TOKENS, self._gemm_rows - 1), SMALL_STEP_TOKENS) if self._all_panel \
+            else SMALL_STEP_TOKENS
+        self._token_index = torch.arange(self.max_tokens, dtype=torch.int64)
 
     # -- description (once) ------------------------------------------------------------------
     @classmethod
@@ -108,7 +142,7 @@ class NativeDecoder:
         except NativeDeclined as reason:
             logger.info("native decoder not used: %s", reason)
             return None
-        logger.info("native decoder: steps of up to %d tokens run the %d layers in one call", MAX_TOKENS,
+        logger.info("native decoder: steps of up to %d tokens run the %d layers in one call", decoder.max_tokens,
                     len(model.layers))
         return decoder
 
@@ -117,8 +151,10 @@ class NativeDecoder:
         attn = model.layers[0].self_attn
         if model.tp.size != 1:
             raise NativeDeclined("tensor parallelism")
-        if model.norm.weight.device.type != "cpu" or model.norm.weight.dtype != torch.float32:
-            raise NativeDeclined(f"{model.norm.weight.dtype} on {model.norm.weight.device}")
+        weight = model.norm.weight
+        if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or (
+                weight.dtype == torch.bfloat16 and model.kernels.bf16_isa is None):
+            raise NativeDeclined(f"{weight.dtype} on {weight.device}")
         if not cpu_kernels.supports_shape(attn.num_heads, attn.num_kv_heads, attn.head_dim):
             raise NativeDeclined(f"attention shape {attn.num_heads}/{attn.num_kv_heads}x{attn.head_dim}")
         if config.hidden_size > cpu_kernels._MAX_NORM_DIM or config.hidden_act not in (
@@ -127,7 +163,7 @@ class NativeDecoder:
         if model.rotary_global.inv_freq.numel() * 2 != attn.head_dim:
             raise NativeDeclined("partial rotary embedding")
         return _Model(num_layers=len(model.layers), hidden=config.hidden_size, num_heads=attn.num_heads,
-                      num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+                      num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, panel_rows=self._panel_rows,
                       intermediate=model.layers[0].mlp.down_proj.shard_input, final_norm=self._norm(model.norm),
                       eps=config.rms_norm_eps, scale=attn.params.scale, softcap=attn.params.softcap or 0.0,
                       adds_one=int(config.norm_adds_one), sandwich=int(config.sandwich_norms),
@@ -149,19 +185,19 @@ class NativeDecoder:
         desc.local_rope = int(attn.sliding_window is not None and self.model.rotary_local is not None)
 
     def _describe_head(self, lm_head) -> _Linear | None:
-        """The LM head for the call, or None (it then runs after it, in torch)."""
+        """The LM head for the call, or None (it then runs after it, in torch): float32 models
+        only, whose torch LM head gives float32 logits too."""
+        if self.model.norm.weight.dtype != torch.float32:
+            return None
         desc = _Linear()
-        layer_bytes = self._layer_bytes
+        state = (self._layer_bytes, self._panel_rows, self._all_panel, self._gemm_rows)
         try:
             self._describe_linear(desc, lm_head)
         except NativeDeclined as reason:
             logger.info("LM head outside the native decoder: %s", reason)
             return None
-        finally:
-            self._layer_bytes = layer_bytes
-        qw = lm_head.quant_weight
-        if qw is not None and not qw.m.any():  # Q8_0: no minimums; the kernel skips reading them
-            desc.m = None
+        finally:  # the head does not count in the layers' sizes and step limits
+            self._layer_bytes, self._panel_rows, self._all_panel, self._gemm_rows = state
         return desc
 
     def _describe_linear(self, desc: _Linear, module) -> None:
@@ -176,13 +212,23 @@ class NativeDecoder:
             desc.qs, desc.d, desc.m = (self._hold(t).data_ptr() for t in (qw.qs, qw.d, qw.m))
             desc.bits, desc.act_bits = qw.bits, qw.act_bits
             desc.isa = quantized.ISA_CODES[qw.isa or quantized.kernel_isa() or "portable"]
+            desc.panel_isa = quantized.ISA_CODES[quantized.panel_isa(qw)] if qw.panel_rows else -1
+            self._panel_rows = max(self._panel_rows, qw.panel_rows)
+            self._all_panel &= qw.panel_rows > 0
+            self._gemm_rows = min(self._gemm_rows, qw.gemm_rows or self._gemm_rows)
             desc.out, desc.in_ = qw.out_features, qw.in_features
             self._layer_bytes += qw.nbytes() // len(self.model.layers)
             return
         weight = module.weight
-        if weight is None or weight.dtype != torch.float32 or not weight.is_contiguous():
-            raise NativeDeclined("a projection held only in oneDNN's packed layout or not in float32")
+        if weight is None or not weight.is_contiguous():
+            raise NativeDeclined("a projection held only in oneDNN's packed layout")
+        if weight.dtype == torch.bfloat16 and self.model.kernels.bf16_isa is not None:
+            desc.w_dtype, desc.isa = cpu_kernels._DTYPE_CODES[weight.dtype], ISA_CODES[self.model.kernels.bf16_isa]
+        elif weight.dtype != torch.float32:
+            raise NativeDeclined(f"a projection in {weight.dtype}")
         desc.w = self._hold(weight).data_ptr()
+        desc.panel_isa = -1
+        self._all_panel = False
         self._layer_bytes += weight.numel() * weight.element_size() // len(self.model.layers)
         desc.out, desc.in_ = weight.shape
 
@@ -223,7 +269,7 @@ class NativeDecoder:
         scaled); None when this step is not one the native call takes. The logits are None
         too when none are asked for or the LM head is not one the call runs."""
         num_tokens = hidden.shape[0]
-        if not 0 < num_tokens <= MAX_TOKENS or len(metadata_by_group) > _MAX_GROUPS:
+        if not 0 < num_tokens <= self.max_tokens or len(metadata_by_group) > _MAX_GROUPS:
             return None
         if any(isinstance(md.spec, CircularBufferSpec) or md.slot_mapping is None for md in metadata_by_group):
             return None
@@ -253,7 +299,7 @@ class NativeDecoder:
         if failed:
             raise MemoryError("the native decoder could not allocate its buffers")
         del keep
-        return out, None if logits is None else logits[:, :self.model.lm_head.vocab_size]
+        return out.to(hidden.dtype), None if logits is None else logits[:, :self.model.lm_head.vocab_size]
 
     def _logits_request(self, rows: torch.Tensor | None, keep: list) -> tuple[_Logits | None, torch.Tensor | None]:
         """The LM-head part of the call for the tokens `rows` and the tensor it fills, or

@@ -254,7 +254,7 @@ class Scheduler:
         room = min(token_budget - 1, self.max_model_len - request.num_tokens - num_unknown - 1)
         if request.max_tokens is not None:
             room = min(room, request.max_tokens - request.num_output_tokens - num_unknown - 1)
-        return self.speculator.propose(request, room)
+        return self.speculator.propose(request, room, len(self.running))
 
     def _runner_lookahead(self, request: Request, chunk_end: int) -> int:
         """Slots the draft model needs after a chunk ending at token `chunk_end`: its

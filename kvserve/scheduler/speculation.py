@@ -23,6 +23,10 @@ from kvserve.spec_decode.suffix import SuffixProposer
 DRAFT_PLACEHOLDER = -1
 # Weight of the older drafts in a request's running acceptance rate.
 _ACCEPTANCE_DECAY = 0.5
+# A request without verified drafts yet is assumed to accept this share, with the
+# weight of one draft token (so its own outcomes take over after a draft or two).
+_PRIOR_ACCEPTANCE = 0.7
+_PRIOR_WEIGHT = 1.0
 
 
 @dataclass
@@ -100,11 +104,24 @@ class Speculator:
         if num_running >= self.config.disable_by_batch_size:
             return False
         state = self._states.get(request.request_id)
-        return state is None or state.backoff_until <= self._num_schedules
+        if state is not None and state.backoff_until > self._num_schedules:
+            return False
+        return self.draft_length(request.request_id, num_running) > 0
 
-    def propose(self, request: Request, max_num_tokens: int) -> list[int]:
+    def draft_length(self, request_id: str, num_running: int) -> int:
+        """The number of draft tokens (0..k) that maximizes the request's expected tokens
+        per unit of step cost, given its acceptance estimate and the batch size."""
+        if self.config.draft_token_cost == 0:
+            return self.config.num_speculative_tokens
+        state = self._states.get(request_id)
+        drafted, accepted = (state.weighted_drafted, state.weighted_accepted) if state else (0.0, 0.0)
+        acceptance = (accepted + _PRIOR_ACCEPTANCE * _PRIOR_WEIGHT) / (drafted + _PRIOR_WEIGHT)
+        return best_draft_length(acceptance, batch_draft_cost(self.config.draft_token_cost, num_running),
+                                 self.config.num_speculative_tokens)
+
+    def propose(self, request: Request, max_num_tokens: int, num_running: int = 1) -> list[int]:
         """Draft tokens to verify after the request's last token (maybe none)."""
-        num_tokens = min(self.config.num_speculative_tokens, max_num_tokens)
+        num_tokens = min(self.draft_length(request.request_id, num_running), max_num_tokens)
         if num_tokens <= 0:
             return []
         if self.config.uses_draft_model:
@@ -142,6 +159,9 @@ class Speculator:
         if (state.weighted_drafted >= self.config.num_speculative_tokens
                 and state.weighted_accepted < self.config.min_acceptance_rate * state.weighted_drafted):
             self._back_off(state)
+        elif self.draft_length(request_id, num_running=1) == 0:
+            # Not worth a draft even alone: stop, and probe again after the back-off.
+            self._back_off(state)
 
     def forget(self, request: Request) -> None:
         """Drop a finished request's state (suffix decoding caches its outputs)."""
@@ -162,3 +182,28 @@ class Speculator:
         state.backoff_until = self._num_schedules + self.config.backoff_steps
         state.num_misses = 0
         state.weighted_drafted = state.weighted_accepted = 0.0
+
+
+def batch_draft_cost(draft_token_cost: float, num_running: int) -> float:
+    """The cost of one draft token per request in a batch of `num_running` decodes, as a
+    share of the step without drafts. A step costs a + b x tokens; `draft_token_cost`
+    is b / (a + b), the share at batch 1; a batch of n gives b n / (a + b n)."""
+    if draft_token_cost >= 1.0:
+        return 1.0
+    ratio = draft_token_cost / (1.0 - draft_token_cost) * max(num_running, 1)
+    return ratio / (1.0 + ratio)
+
+
+def best_draft_length(acceptance: float, draft_cost: float, max_length: int) -> int:
+    """argmax over n in 0..max_length of (1 + a + a^2 + .. + a^n) / (1 + draft_cost n): the
+    tokens a step emits when each draft token is accepted with probability `acceptance`
+    after the previous one, over its cost. 0 when no draft beats a plain step."""
+    best_length, best_gain = 0, 1.0
+    expected, term = 1.0, 1.0
+    for length in range(1, max_length + 1):
+        term *= acceptance
+        expected += term
+        gain = expected / (1.0 + draft_cost * length)
+        if gain > best_gain:
+            best_length, best_gain = length, gain
+    return best_length

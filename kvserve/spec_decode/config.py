@@ -9,12 +9,17 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 SPEC_METHODS = ("ngram", "draft_model", "suffix")
-_FLOAT_KEYS = ("min_acceptance_rate", "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
+_FLOAT_KEYS = ("min_acceptance_rate", "draft_token_cost", "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 # Batches this large run without drafts: on a CPU a step of a few requests is
 # already compute-bound, so verifying k more tokens per request costs about as
 # much as the memory pass over the weights it saves (bench spec, unrelated batch).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+# Verifying one more token at batch 1 costs about a quarter of a decode step of the
+# default model on the CPU. From the quiet bench spec run (grounded, k=4): 1140 tokens
+# at 1.70x took ~670 plain-step times; 282 plain steps plus 195 steps with ~4 drafts
+# each, so such a step cost ~2.0 plain steps (prefill, common to both, counted as decode).
+DEFAULT_DRAFT_TOKEN_COST = 0.25
 
 
 class SpeculativeConfigError(ValueError):
@@ -34,7 +39,12 @@ class SpeculativeConfig:
     request whose drafts keep failing (acceptance below `min_acceptance_rate`
     over its recent drafts, or no match `max_misses` times in a row) stops
     proposing for `backoff_steps` steps and runs like a request without
-    speculation (scheduled ahead under async scheduling).
+    speculation (scheduled ahead under async scheduling). Each draft is as long
+    as pays best: with `draft_token_cost` c the cost of one draft token as a
+    share of a one-request decode step (a batch of n makes it r n / (1 + r n),
+    r = c / (1 - c)) and a the request's recent acceptance rate, the length n in
+    0..k maximizing (1 + a + .. + a^n) / (1 + cost n); 0 skips the draft (and
+    backs off when even a lone request would not gain). c = 0 always drafts k.
 
     `draft_model`: a smaller model at `model` (same vocabulary as the target)
     proposes `num_speculative_tokens` tokens autoregressively after each
@@ -55,6 +65,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
     min_acceptance_rate: float = 0.2
+    draft_token_cost: float = DEFAULT_DRAFT_TOKEN_COST
     max_misses: int = 6
     backoff_steps: int = 8
     model: str | None = None
@@ -88,6 +99,9 @@ class SpeculativeConfig:
             raise SpeculativeConfigError(
                 f"speculative_config: prompt_lookup_min {self.prompt_lookup_min} exceeds "
                 f"prompt_lookup_max {self.prompt_lookup_max}")
+        if not 0.0 <= self.draft_token_cost <= 1.0:
+            raise SpeculativeConfigError(
+                f"speculative_config: draft_token_cost must be in [0, 1], got {self.draft_token_cost}")
         if not 0.0 <= self.min_acceptance_rate <= 1.0:
             raise SpeculativeConfigError(
                 f"speculative_config: min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate}")

@@ -109,7 +109,8 @@ def test_plan_uses_the_measured_tp_cost_and_link(tmp_path):
     args = argparse.Namespace(memory_gib=1.0, interconnect_gbs=None, interconnect_latency_us=None,
                               interconnect_json=None, calibration_json=calibration_json, devices_per_node=None,
                               memory_utilization=None, step_overhead_ms=None, roofline_json=None,
-                              bandwidth_gbs=None, tflops=None)
+                              bandwidth_gbs=None, tflops=None, max_nodes_per_replica=None, inter_node_gbs=None,
+                              inter_node_latency_us=None)
     machine = _machine(args)
     assert machine.interconnect_latency_us == pytest.approx(400) and machine.interconnect_gbs == pytest.approx(2)
     # An explicit flag still wins over the measured link.
@@ -197,3 +198,68 @@ def test_random_model_has_the_default_size_and_splits_two_ways(tmp_path):
     check_model_splits(shapes, 2)
     assert (tmp_path / "m" / "tokenizer.json").exists()
     assert main(["--output-dir", str(tmp_path / "bad"), "--num-heads", "8", "--num-kv-heads", "3"]) == 2
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--arrival-rate", "1", "--tp", "2"], "--tp and --replicas go together"),
+    (["--arrival-rate", "1", "--tp", "3", "--replicas", "1"], "--tp 3 does not split"),
+    (["--arrival-rate", "0"], "--arrival-rate must be > 0"),
+    (["--arrival-rate", "1", "--num-requests", "0"], "--num-requests must be >= 1"),
+    (["--arrival-rate", "1", "--tpot-p99-ms", "-1"], "--tpot-p99-ms must be > 0"),
+    (["--arrival-rate", "1", "--memory-gib", "0"], "--memory-gib must be > 0"),
+    (["--arrival-rate", "1", "--shared-prefix-ratio", "1.5"], "are shares"),
+    (["--arrival-rate", "1", "--block-size", "0"], "--block-size must be >= 1"),
+    (["--arrival-rate", "1", "--prompt-len", "0"], "--prompt-len must be >= 1"),
+    (["--arrival-rate", "1", "--interconnect-gbs", "0"], "--interconnect-gbs must be > 0"),
+])
+def test_plan_refuses_bad_flags_in_one_line(extra, message, capsys):
+    from kvserve.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", "--model", "docs/examples/llama-70b-config.json", "--ttft-p99-ms", "2000",
+              "--tpot-p99-ms", "60", *extra])
+    assert message in str(exited.value.code) and "\n" not in str(exited.value.code)
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_plan_refuses_an_unreadable_model_config(tmp_path):
+    from kvserve.cli import main
+
+    (tmp_path / "config.json").write_text('{"hidden_size": 64}')
+    for path in (str(tmp_path / "config.json"), str(tmp_path / "missing.json")):
+        with pytest.raises(SystemExit, match="not a readable model config.json"):
+            main(["plan", "--model", path, "--arrival-rate", "1", "--ttft-p99-ms", "1", "--tpot-p99-ms", "1"])
+
+
+@pytest.mark.parametrize("extra, message", [(["--tp", "0"], "--tp must be >= 1"),
+                                            (["--num-requests", "0"], "--num-requests must be >= 1"),
+                                            (["--arrival-rate", "-2"], "--arrival-rate must be > 0")])
+def test_plan_check_refuses_bad_flags_before_starting_a_server(extra, message):
+    from kvserve.cli import main
+
+    with pytest.raises(SystemExit, match=message):
+        main(["bench", "plan-check", *extra])
+
+
+def test_a_model_too_big_for_a_node_is_planned_with_tp_across_nodes():
+    from kvserve.bench.plan import SLO, Load, format_result, plan
+
+    # A 405B-like decoder in 16-bit: 810 GB of weights, more than 8 x 80 GiB at 90%.
+    big = ModelSpec(num_layers=126, hidden_size=16384, num_heads=128, num_kv_heads=8, head_dim=128,
+                    matmul_params=405_000_000_000, dtype_bytes=2, vocab_size=128256)
+    one_node = Machine(memory_gib=80, bandwidth_gbs=3350, tflops=990)
+    load = Load(arrival_rate=0.5, prompt_len_median=256, output_len_median=32, max_model_len=2048)
+    slo = SLO(ttft_p99_ms=5000, tpot_p99_ms=200)
+    alone = plan(big, one_node, load, slo, num_requests=20, routing_policies=())
+    assert alone["best"] is None and [o["tp"] for o in alone["options"]] == [1, 2, 4, 8]
+    assert "--max-nodes-per-replica 2" in format_result(alone)
+    two_nodes = Machine(memory_gib=80, bandwidth_gbs=3350, tflops=990, max_nodes_per_replica=2,
+                        inter_node_gbs=25, inter_node_latency_us=30)
+    assert two_nodes.tp_sizes() == [1, 2, 4, 8, 16]
+    spanning = plan(big, two_nodes, load, slo, num_requests=20, routing_policies=())
+    best = spanning["best"]
+    assert best["tp"] == 16 and best["nodes_per_replica"] == 2 and best["replicas"] == 1
+    assert "kvserve serve --nnodes 2" in format_result(spanning)
+    # Its collectives run at the network's speed, not the intra-node link's.
+    assert tp_comm_seconds(big, two_nodes, 16, 64) > tp_comm_seconds(big, two_nodes, 8, 64) * 2
+    assert Machine(1, 1, 1, devices_per_node=6, max_nodes_per_replica=3).tp_sizes() == [1, 2, 4, 6, 12, 18]

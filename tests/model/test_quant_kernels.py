@@ -202,7 +202,7 @@ def test_gemm_switches_are_read_and_checked():
     config = KernelConfig.from_env({QUANT_GEMM_ROWS_ENV: "0", QUANT_GEMM_DTYPE_ENV: "Float32"})
     assert (config.quant_gemm_rows, quantized.gemm_dtype(config)) == (0, torch.float32)
     default = KernelConfig.from_env({})
-    assert default.quant_gemm_rows == 64
+    assert default.quant_gemm_rows == 320
     assert quantized.gemm_dtype(default) == (torch.bfloat16 if quantized.cpu_has_native_bf16() else torch.float32)
     for env, bad in ((QUANT_GEMM_ROWS_ENV, "many"), (QUANT_GEMM_ROWS_ENV, "-1"), (QUANT_GEMM_DTYPE_ENV, "fp8")):
         with pytest.raises(ConfigError, match=env):

@@ -299,14 +299,15 @@ def test_a_preemption_heavy_async_trace():
 
 @pytest.mark.parametrize("async_steps", [False, True])
 def test_a_speculative_trace_accepts_and_rolls_back(async_steps):
-    """Drafts of up to 4 tokens over mostly periodic outputs, with preemption and an
-    abort: some drafts are accepted, some rejected, and the fences and pool hold."""
+    """Drafts of up to 4 tokens (as long as the acceptance so far makes pay) over mostly
+    periodic outputs, with preemption and an abort: some drafts are accepted, some
+    rejected, and the fences and pool hold."""
     ops = [("add", 20, 40, 0, 0, False), ("add", 14, 40, 1, 1, False), ("add", 9, 30, 2, 2, True),
            ("add", 25, 40, 3, 0, False)] + [("step",)] * 40 + [("abort", 2)] + [("step",)] * 20
     driver = _run_trace(Trace(num_blocks=14, block_size=4, hash_block_size=2, budget=32, max_num_seqs=4,
                               async_steps=async_steps, policy="fcfs", ops=ops, num_spec_tokens=4))
     drafts = [d for out in driver.scheduler_outputs for d in out.scheduled_spec_decode_tokens.values()]
-    assert drafts and max(map(len, drafts)) == 4
+    assert drafts and max(map(len, drafts)) <= 4 and len(set(map(len, drafts))) > 1
     stats = driver.scheduler.make_stats().spec_decoding_stats
     assert stats.num_drafts == len(drafts)
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens

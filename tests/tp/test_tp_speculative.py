@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from tp_helpers import greedy, make_engine, random_prompts, run_requests, save_tiny_model
 
-SPEC = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "min_acceptance_rate": 0.0, "max_misses": 1000,
+SPEC = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "min_acceptance_rate": 0.0,
+        "draft_token_cost": 0.0, "max_misses": 1000,
         "disable_by_batch_size": 64}
 
 

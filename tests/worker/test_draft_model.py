@@ -70,6 +70,7 @@ class HeldBlocksExecutor(RecordingExecutor):
 
 def _engine(model: str, draft: str | None, k: int = 3, **overrides) -> EngineCore:
     spec = None if draft is None else {"model": draft, "num_speculative_tokens": k, "min_acceptance_rate": 0.0,
+                                       "draft_token_cost": 0.0,
                                        "disable_by_batch_size": 64}
     config = EngineConfig.create(model=model, speculative_config=spec, **{**SETTINGS, **overrides})
     core = EngineCore(config, executor_class=HeldBlocksExecutor)

@@ -52,7 +52,7 @@ def test_second_token_follows_the_target_distribution(tmp_path):
     target_model, draft_model = load_reference(target_path), load_reference(draft_path)
     prompt, t1, target, draft = _find_prompt(target_model, draft_model)
     spec = {"model": draft_path, "num_speculative_tokens": 2, "disable_by_batch_size": 100_000,
-            "min_acceptance_rate": 0.0}
+            "min_acceptance_rate": 0.0, "draft_token_cost": 0.0}
     outputs, stats = sample_many(target_path, spec, prompt, NUM_SAMPLES, TEMPERATURE)
     second = [tokens[1] for tokens in outputs.values() if tokens[0] == t1]
     assert len(second) > NUM_SAMPLES * 0.3

@@ -17,7 +17,8 @@ from tiny_models import random_prompts, save_tiny_model
 from kvserve.sampling_params import SamplingParams
 
 # Never back off: every step with a match verifies a draft.
-SPEC = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "min_acceptance_rate": 0.0, "max_misses": 1000,
+SPEC = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "min_acceptance_rate": 0.0,
+        "draft_token_cost": 0.0, "max_misses": 1000,
         "disable_by_batch_size": 64}
 SETTINGS = dict(max_num_batched_tokens=40, hash_block_size=2)
 # About two requests' worth of KV (gemma2 has twice the layers): preemption.
@@ -66,6 +67,18 @@ def test_greedy_speculation_is_lossless(model_paths, kind, overrides):
         assert core.executor.num_block_copies > 0
 
 
+def test_greedy_adaptive_speculation_is_lossless(model_paths):
+    """With the default cost model drafts vary in length and stop and resume per request."""
+    adaptive = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 64,
+                "backoff_steps": 2}
+    expected, _, _ = _run(model_paths, "llama", None)
+    got, stats, core = _run(model_paths, "llama", adaptive)
+    assert got == expected
+    lengths = {len(drafts) for out in core.executor.scheduler_outputs
+               for drafts in out.scheduled_spec_decode_tokens.values()}
+    assert len(lengths) > 1 and stats.spec_decoding_stats.num_drafts > 5
+
+
 def test_speculative_steps_carry_logprobs_per_token(model_paths):
     """Each emitted token of a verified draft gets its own logprobs entry."""
     core = make_engine(model_paths["llama"], speculative_config=SPEC, kv_cache_memory="1MiB", **SETTINGS)
@@ -83,7 +96,8 @@ def test_speculative_steps_carry_logprobs_per_token(model_paths):
 
 
 SUFFIX_SPEC = {"method": "suffix", "num_speculative_tokens": 3, "suffix_decoding_max_spec_factor": 3.0,
-               "min_acceptance_rate": 0.0, "max_misses": 1000, "disable_by_batch_size": 64}
+               "min_acceptance_rate": 0.0, "draft_token_cost": 0.0, "max_misses": 1000,
+               "disable_by_batch_size": 64}
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])

@@ -21,7 +21,7 @@ from tiny_models import VOCAB_SIZE, chi_square_pvalue, load_reference, save_tiny
 NUM_SAMPLES = 2000
 TEMPERATURE = 0.25  # sharpens the tiny random model's flat distributions
 SPEC = {"num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 1,
-        "disable_by_batch_size": 100_000, "min_acceptance_rate": 0.0}
+        "disable_by_batch_size": 100_000, "min_acceptance_rate": 0.0, "draft_token_cost": 0.0}
 
 
 @torch.inference_mode()

@@ -1,0 +1,192 @@
+"""Bfloat16 weights in the native decoder (csrc/bf16_rows.c).
+
+The row kernel on every path this machine runs (AVX512-BF16, AVX2 on widened
+weights, portable C), against a float64 sum of the same bfloat16-rounded
+products, on odd shapes and row ranges. Then a bfloat16 model's native steps
+against an oracle that does the same arithmetic without the native code: the
+torch path in float32 on the model's bfloat16 weights, with each matmul input
+rounded to bfloat16 as the kernel rounds it; greedy tokens identical for 64
+steps and logits within float32 rounding, on the tiny models of the families
+(GQA, Q/K norms, sliding windows, soft-capping, sandwich norms)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvserve.config import KernelConfig
+from kvserve.model import cpu_kernels, native_decoder
+from kvserve.model.config import ModelConfig
+from kvserve.model.loader import load_model
+from kvserve.model.quantized import ISA_CODES
+from paged_kv_helper import VOCAB, PagedRunner, run_greedy, save_tiny_model
+
+from helpers.native_steps import count_native_steps
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no native kernels")
+
+ISAS = ["avx512", "avx2", "portable"]
+NUM_NEW = 64
+
+
+def _skip_unless_runs(isa: str) -> None:
+    if not cpu_kernels.load_library().kvserve_bf16_isa_available(ISA_CODES[isa]):
+        pytest.skip(f"the {isa} bfloat16 path does not run here")
+
+
+def _rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, isa: str,
+          ranges: list[tuple[int, int]]) -> torch.Tensor:
+    lib = cpu_kernels.load_library()
+    batch, width = x.shape
+    xb = torch.empty(batch, width, dtype=torch.bfloat16)
+    lib.kvserve_bf16_round_rows(x.data_ptr(), x.stride(0), batch, width, xb.data_ptr())
+    assert torch.equal(xb, x.to(torch.bfloat16))  # torch's rounding (to nearest even)
+    y = torch.full((batch, w.shape[0]), float("nan"))
+    for begin, end in ranges:
+        lib.kvserve_bf16_linear_rows(xb.data_ptr(), batch, w.data_ptr(), None if bias is None else bias.data_ptr(),
+                                     width, y.data_ptr(), y.stride(0), ISA_CODES[isa], begin, end)
+    return y
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("out,width", [(22, 96), (9, 7), (13, 33), (40, 577)])
+def test_bf16_rows_match_a_float64_sum_on_every_path(isa, out, width):
+    _skip_unless_runs(isa)
+    generator = torch.Generator().manual_seed(out * width)
+    w = torch.randn(out, width, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(out, generator=generator)
+    for batch in (1, 3, 4, 6, 9):
+        # Strided input rows: the kernel reads x through its row stride.
+        x = torch.randn(batch, width + 5, generator=generator)[:, :width]
+        ref = x.to(torch.bfloat16).double() @ w.double().T + bias.double()
+        y = _rows(x, w, bias, isa, [(0, min(8, out)), (min(8, out), out - 1), (out - 1, out)])
+        tolerance = 1e-5 * (x.to(torch.bfloat16).double().abs() @ w.double().abs().T + 1)
+        assert ((y.double() - ref).abs() <= tolerance).all(), (isa, batch)
+        assert torch.equal(_rows(x, w, None, isa, [(0, out)]).double(), (y - bias).double()) or \
+            torch.allclose(_rows(x, w, None, isa, [(0, out)]), y - bias, rtol=1e-6, atol=1e-5)
+
+
+class _RoundedInput(torch.nn.Module):
+    """Wraps a float32 projection of the oracle: its input rounded to bfloat16 first, one row
+    at a time (MKL sums a row of a batched product in an order that depends on its place in
+    the batch; where a sum lands next to a bfloat16 rounding boundary, that order would move
+    the next matmul's input by one bfloat16 ulp)."""
+
+    def __init__(self, linear) -> None:
+        super().__init__()
+        self.linear = linear
+        self.shard_sizes = getattr(linear, "shard_sizes", None)
+
+    def forward(self, x):
+        rows = x.to(torch.bfloat16).float().reshape(-1, x.shape[-1])
+        return torch.cat([self.linear(row) for row in rows.split(1)]).view(*x.shape[:-1], -1)
+
+
+def _projections(model):
+    for layer in model.layers:
+        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            yield parent, name, getattr(parent, name)
+
+
+def _float32_with_bf16_projections(config: ModelConfig, isa: str):
+    """A float32 model whose projections hold bfloat16 weights, run natively on `isa`: the
+    bfloat16 kernel with float32 everywhere else (output, LM head, KV cache)."""
+    model = load_model(config, kernel_config=KernelConfig(quant_isa=isa))
+    for _, _, module in _projections(model):
+        module.weight.data = module.weight.data.to(torch.bfloat16)
+    model.use_kernels(dataclasses.replace(model.kernels, bf16_isa=isa))
+    return model
+
+
+def _oracle(config: ModelConfig):
+    """The torch path in float32 on bfloat16-rounded projection weights, each projection's
+    input rounded to bfloat16: the native call's arithmetic, op by op."""
+    model = load_model(config)
+    model._native = None
+    for parent, name, module in _projections(model):
+        module.weight.data = module.weight.data.to(torch.bfloat16).float()
+        setattr(parent, name, _RoundedInput(module))
+    return model
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    cache = {}
+
+    def get(family: str) -> str:
+        if family not in cache:
+            cache[family] = save_tiny_model(family, tmp_path_factory.mktemp(family))
+        return cache[family]
+    return get
+
+
+def _prompts(lengths: list[int], seed: int) -> dict[str, list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return {f"r{i}": torch.randint(3, VOCAB, (n,), generator=generator).tolist() for i, n in enumerate(lengths)}
+
+
+def _compare(ours, ref, max_diff: float) -> None:
+    (tokens, logits), (ref_tokens, ref_logits) = ours, ref
+    assert tokens == ref_tokens
+    for req_id in ref_logits:
+        for a, b in zip(logits[req_id], ref_logits[req_id]):
+            assert (a - b).abs().max().item() <= max_diff * max(1.0, b.abs().max().item())
+
+
+@pytest.mark.parametrize("family,isa", [("llama", "avx512"), ("llama", "avx2"), ("llama", "portable"),
+                                        ("qwen3", "avx512"), ("gemma2", "avx512"), ("gemma3", "avx2"),
+                                        ("qwen2", "portable")])
+def test_bf16_weights_match_the_oracle_for_64_greedy_steps(paths, monkeypatch, family, isa):
+    """Chunks of 2 over 3 requests: prompt chunks over cached context run natively too."""
+    _skip_unless_runs(isa)
+    native_steps = count_native_steps(monkeypatch)
+    config = ModelConfig.from_path(paths(family))
+    prompts = _prompts([5, 19, 30], seed=1)  # 30 + 64 tokens exceed the window (12) many times
+    ours = run_greedy(PagedRunner(_float32_with_bf16_projections(config, isa), block_size=4), prompts, NUM_NEW,
+                      chunk=2)
+    assert native_steps[0] >= NUM_NEW - 2
+    # The same products summed in another order (MKL against the kernel): where a sum lands
+    # next to a bfloat16 rounding boundary, the next matmul's input moves by one bfloat16 ulp
+    # (2^-8 relative), which moves the logits by up to ~5e-3 of their scale (seen: llama 9e-4,
+    # qwen3 4.8e-3 through its Q/K norms, gemma2 2.3e-3); the greedy tokens stay identical.
+    _compare(ours, run_greedy(PagedRunner(_oracle(config), block_size=4), prompts, NUM_NEW, chunk=2), 1e-2)
+
+
+def _float32_logits(model):
+    """Logits in float32 from the bfloat16 hidden states and LM head: bfloat16 logits tie
+    too often for a greedy comparison (ties go to the lower token id)."""
+    model.compute_logits = lambda hidden: model._finish_logits(hidden.float() @ model.lm_head.weight.float().T)
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_bf16_model_runs_natively_close_to_the_oracle(paths, monkeypatch, family):
+    """The bfloat16 model end to end (bfloat16 KV cache, output rounded to bfloat16 for the
+    LM head): its steps run natively, and their logits stay within the output's rounding
+    of the oracle's (with the same bfloat16 KV cache and final rounding)."""
+    native_steps = count_native_steps(monkeypatch)
+    config = ModelConfig.from_path(paths(family), dtype="bfloat16")
+    model = load_model(config)
+    assert model.kernels.native_decoder and model.kernels.bf16_isa == native_decoder.bf16_isa()
+    prompts = _prompts([5, 19], seed=2)
+    ours = run_greedy(PagedRunner(_float32_logits(model), block_size=4), prompts, 16, chunk=2)
+    assert native_steps[0] >= 14
+    oracle = _oracle(config)
+    oracle.layers.float()
+    oracle.norm.float()
+    forward = oracle.forward
+    oracle.forward = lambda *args: forward(*args).to(torch.bfloat16)
+    # A one-ulp difference of the bfloat16 hidden states moves a logit by about 1e-2.
+    _compare(ours, run_greedy(PagedRunner(_float32_logits(oracle), block_size=4), prompts, 16, chunk=2), 2e-2)
+
+
+def test_bf16_declined_without_a_path_and_packed_weights_keep_a_plain_copy(paths):
+    config = ModelConfig.from_path(paths("llama"), dtype="bfloat16")
+    off = load_model(config, kernel_config=KernelConfig(cpu_kernels=False))
+    assert not off.kernels.native_decoder and native_decoder.NativeDecoder.for_model(off) is None
+    model = load_model(config)
+    if torch.backends.mkldnn.is_available() and model.pack_linear_weights():
+        assert model.layers[0].mlp.down_proj.weight is not None  # the native decoder reads it
+        assert native_decoder.NativeDecoder.for_model(model) is not None
