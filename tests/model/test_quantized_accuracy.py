@@ -61,10 +61,10 @@ def test_quantized_default_model_perplexity_within_two_percent_of_float32(capsys
     assert held.layers[0].mlp.down_proj.quant_weight is not None
     plain = load_model(ModelConfig.from_path(path, quantization="none"))
     ppl_held, ppl_plain = _perplexity(held, ids), _perplexity(plain, ids)
-    # Every step through the integer kernel (the 256-token chunks above take the dense GEMM)
+    # Every step through the integer kernel (the 256-token chunks above take the panel GEMM)
     # with int8 activations (KVSERVE_QUANT_ACT_BITS=8, llama.cpp's rounding).
-    kernel_only = load_model(ModelConfig.from_path(path),
-                             kernel_config=KernelConfig(quant_gemm_rows=0, quant_act_bits=8))
+    kernel_only = load_model(ModelConfig.from_path(path), kernel_config=KernelConfig(
+        quant_gemm_rows=0, quant_panel_rows=0, quant_act_bits=8))
     ppl_kernel = _perplexity(kernel_only, ids)
     prompts = {"p0": ids[:40], "p1": ids[700:760], "p2": ids[1500:1530]}
     steps = 32
