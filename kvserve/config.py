@@ -133,9 +133,13 @@ QUANT_ISA_ENV = "KVSERVE_QUANT_ISA"
 QUANT_ACT_BITS_ENV = "KVSERVE_QUANT_ACT_BITS"
 QUANT_GEMM_ROWS_ENV = "KVSERVE_QUANT_GEMM_ROWS"
 QUANT_GEMM_DTYPE_ENV = "KVSERVE_QUANT_GEMM_DTYPE"
+QUANT_PANEL_ROWS_ENV = "KVSERVE_QUANT_PANEL_ROWS"
 NATIVE_DECODER_ENV = "KVSERVE_NATIVE_DECODER"
+GRAMMAR_MASK_ISA_ENV = "KVSERVE_GRAMMAR_MASK_ISA"
 # The quantized matmul's kernel paths, narrowest first.
 QUANT_ISAS = ("portable", "avx2", "avx512")
+# KVSERVE_GRAMMAR_MASK_ISA: one of QUANT_ISAS (the grammar-mask kernel's paths), or this.
+GRAMMAR_MASK_TORCH = "torch"
 
 
 @dataclass(frozen=True)
@@ -152,7 +156,11 @@ class KernelConfig:
     `quant_gemm_rows`: steps of at least this many rows (0: never) dequantize quantized
     weights and run a dense GEMM in `quant_gemm_dtype` ("bfloat16", "float32"; None:
     bfloat16 on CPUs with native bfloat16, else float32).
+    `quant_panel_rows`: steps of at least this many rows (and fewer than `quant_gemm_rows`;
+    0: never) run the panel GEMM (csrc/quant_gemm.c) instead of the integer kernel.
     `native_decoder`: steps of a few tokens run the whole decoder stack in one native call.
+    `grammar_mask_isa`: cap the grammar-mask kernel's path (None: the widest the CPU
+    runs; "torch": no kernel, torch's masked_fill_).
     """
 
     cpu_kernels: bool = True
@@ -162,7 +170,9 @@ class KernelConfig:
     quant_act_bits: int = 16
     quant_gemm_rows: int = 64
     quant_gemm_dtype: str | None = None
+    quant_panel_rows: int = 9
     native_decoder: bool = True
+    grammar_mask_isa: str | None = None
 
     def __post_init__(self) -> None:
         if self.quant_isa is not None and self.quant_isa not in QUANT_ISAS:
@@ -173,6 +183,11 @@ class KernelConfig:
             raise ConfigError(f"{QUANT_GEMM_ROWS_ENV} must be a non-negative integer, got {self.quant_gemm_rows!r}")
         if self.quant_gemm_dtype not in (None, "bfloat16", "float32"):
             raise ConfigError(f"{QUANT_GEMM_DTYPE_ENV} must be bfloat16 or float32, got {self.quant_gemm_dtype!r}")
+        if not isinstance(self.quant_panel_rows, int) or self.quant_panel_rows < 0:
+            raise ConfigError(f"{QUANT_PANEL_ROWS_ENV} must be a non-negative integer, got {self.quant_panel_rows!r}")
+        if self.grammar_mask_isa not in (None, GRAMMAR_MASK_TORCH, *QUANT_ISAS):
+            raise ConfigError(f"{GRAMMAR_MASK_ISA_ENV} must be one of {GRAMMAR_MASK_TORCH}, {', '.join(QUANT_ISAS)}, "
+                              f"got {self.grammar_mask_isa!r}")
 
     @classmethod
     def from_env(cls, environ: "os._Environ[str] | dict[str, str] | None" = None) -> "KernelConfig":
@@ -184,13 +199,18 @@ class KernelConfig:
         gemm_rows = env.get(QUANT_GEMM_ROWS_ENV, "64").strip()
         if not gemm_rows.isdigit():
             raise ConfigError(f"{QUANT_GEMM_ROWS_ENV} must be a non-negative integer, got {gemm_rows!r}")
+        panel_rows = env.get(QUANT_PANEL_ROWS_ENV, "9").strip()
+        if not panel_rows.isdigit():
+            raise ConfigError(f"{QUANT_PANEL_ROWS_ENV} must be a non-negative integer, got {panel_rows!r}")
         return cls(cpu_kernels=_switched_on(env, CPU_KERNELS_ENV),
                    small_batch_matmul=_switched_on(env, SMALL_BATCH_MATMUL_ENV),
                    packed_weights=_switched_on(env, CPU_PACKED_WEIGHTS_ENV),
                    quant_isa=env.get(QUANT_ISA_ENV, "").strip().lower() or None,
                    quant_act_bits=int(bits), quant_gemm_rows=int(gemm_rows),
                    quant_gemm_dtype=env.get(QUANT_GEMM_DTYPE_ENV, "").strip().lower() or None,
-                   native_decoder=_switched_on(env, NATIVE_DECODER_ENV))
+                   quant_panel_rows=int(panel_rows),
+                   native_decoder=_switched_on(env, NATIVE_DECODER_ENV),
+                   grammar_mask_isa=env.get(GRAMMAR_MASK_ISA_ENV, "").strip().lower() or None)
 
 
 def _switched_on(env, name: str) -> bool:

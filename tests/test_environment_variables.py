@@ -6,13 +6,14 @@ import pathlib
 import re
 
 import kvserve
-from kvserve.config import (CPU_KERNELS_ENV, CPU_PACKED_WEIGHTS_ENV, QUANT_ACT_BITS_ENV, QUANT_GEMM_DTYPE_ENV,
-                            QUANT_GEMM_ROWS_ENV, QUANT_ISA_ENV, SMALL_BATCH_MATMUL_ENV, EngineConfig, KernelConfig)
+from kvserve.config import (CPU_KERNELS_ENV, CPU_PACKED_WEIGHTS_ENV, GRAMMAR_MASK_ISA_ENV, QUANT_ACT_BITS_ENV,
+                            QUANT_GEMM_DTYPE_ENV, QUANT_GEMM_ROWS_ENV, QUANT_ISA_ENV, SMALL_BATCH_MATMUL_ENV, EngineConfig,
+                            KernelConfig)
 
 PACKAGE = pathlib.Path(kvserve.__file__).parent
 README = PACKAGE.parent / "README.md"
 KERNEL_SWITCHES = (CPU_KERNELS_ENV, SMALL_BATCH_MATMUL_ENV, CPU_PACKED_WEIGHTS_ENV, QUANT_ISA_ENV, QUANT_ACT_BITS_ENV,
-                   QUANT_GEMM_ROWS_ENV, QUANT_GEMM_DTYPE_ENV)
+                   QUANT_GEMM_ROWS_ENV, QUANT_GEMM_DTYPE_ENV, GRAMMAR_MASK_ISA_ENV)
 
 
 def _python_sources() -> dict[pathlib.Path, str]:

@@ -77,7 +77,7 @@ def _category(function: tuple[str, int, str], caller: tuple[str, int, str] | Non
     # A native kernel's time shows as its ctypes wrapper's own.
     if name == "paged_attention_cpu":
         return "attention"
-    if name == "small_linear" or (name == "linear" and filename.endswith("model/quantized.py")):
+    if name == "small_linear" or (name in ("linear", "panel_linear") and filename.endswith("model/quantized.py")):
         return "matmul (weights)"
     area = _kvserve_area(filename)
     if area:

@@ -2,10 +2,12 @@
 loaded with ctypes (no torch headers, so a build takes about a second):
 paged attention (csrc/paged_attention.c), the decoder's fused element-wise
 ops (csrc/fused_ops.c: residual add + RMSNorm, SiLU-gated product, RoPE),
-the small-batch matmul (csrc/small_linear.c), the matmul over block-quantized
-weights (csrc/quant_linear.c, driven by kvserve/model/quantized.py) and the whole
-decoder stack of a small step in one call (csrc/fused_decoder.c, driven by
-kvserve/model/native_decoder.py).
+the small-batch matmul (csrc/small_linear.c), the matmuls over block-quantized
+weights (csrc/quant_linear.c, csrc/quant_gemm.c for steps of many rows, driven
+by kvserve/model/quantized.py) and the whole decoder stack of a small step in
+one call (csrc/fused_decoder.c, driven by kvserve/model/native_decoder.py), and a
+grammar's token bitmask applied to the logits (csrc/grammar_mask.c, driven by
+kvserve/model/grammar_mask.py).
 
 The shared object is cached under `<cache root>/kernels/<key>/`, keyed by the
 source, the compiler flags, the compiler's version and the CPU's feature flags
@@ -39,8 +41,8 @@ from kvserve.config import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("bf16.h", "paged_attention.c", "fused_ops.c", "small_linear.c", "quant_linear.c", "bf16_rows.c",
-            "fused_decoder.c")
+_SOURCES = ("bf16.h", "paged_attention.c", "fused_ops.c", "small_linear.c", "quant_linear.c", "quant_gemm.c",
+            "bf16_rows.c", "fused_decoder.c", "grammar_mask.c")
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -117,9 +119,14 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvserve_quant_dequantize": ([ptr, ptr, ptr, c_int, i64, i64, ptr, c_int, c_int], c_int),
         "kvserve_decoder_forward": ([ptr, ptr, ptr, ptr, c_int], c_int),
         "kvserve_quant_activations": ([ptr, i64, i64, i64, c_int, ptr, ptr], None),
+        "kvserve_quant_gemm_isa_available": ([c_int], c_int),
+        "kvserve_quant_gemm": ([ptr, i64, i64, ptr, ptr, ptr, c_int, i64, i64, ptr, ptr, i64, c_int, c_int, c_int],
+                               c_int),
         "kvserve_bf16_isa_available": ([c_int], c_int),
         "kvserve_bf16_round_rows": ([ptr, i64, i64, i64, ptr], None),
         "kvserve_bf16_linear_rows": ([ptr, i64, ptr, ptr, i64, ptr, i64, c_int, i64, i64], None),
+        "kvserve_mask_isa_available": ([c_int], c_int),
+        "kvserve_apply_token_bitmask": ([ptr, i64, i64, ptr, i64, i64, ptr, i64, c_int], c_int),
         "kvserve_quant_rows": ([ptr, ptr, i64, ptr, ptr, ptr, c_int, i64, ptr, ptr, i64, c_int, c_int, i64, i64],
                                None),
     }

@@ -6,8 +6,8 @@ the model's vocabulary and keeps one compiled template per text (copies of
 it are cheap), so the same schema is compiled once per process. Each request
 that samples under a constraint owns a matcher; before sampling,
 `fill_bitmasks` writes the allowed-token bitmask of every constrained row
-(llguidance's thread pool) and `apply_bitmask` sets the other logits to
--inf; after sampling the runner feeds the sampled token to the matcher.
+(llguidance's thread pool) and `kvserve.model.grammar_mask` sets the other
+logits to -inf; after sampling the runner feeds the sampled token to the matcher.
 
 Why llguidance rather than xgrammar: it measured about as fast per token on
 this model's 49k vocabulary and compiles JSON schemas in a few ms (see
@@ -155,7 +155,10 @@ class GrammarCompiler:
         words = (self.vocab_size + 31) // 32
         bitmask = torch.zeros((len(matchers), words), dtype=torch.int32)
         healthy = [(m, row) for row, m in enumerate(matchers) if not m.is_error()]
-        if healthy:
+        if len(healthy) == 1:  # on this thread: handing one row to the pool costs more than it does
+            matcher, row = healthy[0]
+            matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), words * 4)
+        elif healthy:
             self._executor.unsafe_compute_mask_ptr(healthy, bitmask.data_ptr(), words * 4, len(matchers))
         for row, matcher in enumerate(matchers):
             if matcher.is_error():
@@ -180,42 +183,6 @@ class GrammarCompiler:
         if consumed:
             matcher.rollback(consumed)
         return torch.stack(rows)
-
-
-def disallowed_tokens(bitmask: "torch.Tensor", width: int) -> "torch.Tensor":
-    """[rows, width] bool: True where token t's bit in its row of `bitmask` is 0 (tokens
-    past the bitmask's vocabulary are disallowed)."""
-    import numpy as np
-    import torch
-
-    # Little-endian int32 words: bit k of word w is bit k % 8 of byte 4 * w + k // 8.
-    # Inverting the words first leaves one numpy pass over the vocabulary.
-    banned_bits = np.invert(bitmask.numpy()).view(np.uint8)
-    disallowed = torch.from_numpy(np.unpackbits(banned_bits, axis=1, bitorder="little")[:, :width].view(np.bool_))
-    if disallowed.shape[1] < width:
-        disallowed = torch.nn.functional.pad(disallowed, (0, width - disallowed.shape[1]), value=True)
-    return disallowed
-
-
-def mask_logits_(logits: "torch.Tensor", disallowed: "torch.Tensor", rows: list[int]) -> "torch.Tensor":
-    """Set the `disallowed` tokens (one bool row per entry of `rows`) of `logits` to -inf, in place."""
-    import torch
-
-    width = logits.shape[-1]
-    if disallowed.shape[1] != width:
-        disallowed = torch.nn.functional.pad(disallowed[:, :width], (0, max(0, width - disallowed.shape[1])),
-                                             value=True)
-    disallowed = disallowed.to(logits.device, non_blocking=True)
-    if rows == list(range(logits.shape[0])):
-        return logits.masked_fill_(disallowed, float("-inf"))
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    logits[index] = logits[index].masked_fill(disallowed, float("-inf"))
-    return logits
-
-
-def apply_bitmask(logits: "torch.Tensor", bitmask: "torch.Tensor", rows: list[int]) -> "torch.Tensor":
-    """A copy of `logits` with every token whose bit is 0 set to -inf, in the given rows."""
-    return mask_logits_(logits.clone(), disallowed_tokens(bitmask, logits.shape[-1]), rows)
 
 
 def _bit(position: int) -> int:

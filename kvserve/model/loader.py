@@ -78,7 +78,8 @@ def _finish_quantized(model: DecoderModel, kernel_config: KernelConfig, log: boo
             if module.quant_weight is not None:
                 module.quant_weight = dataclasses.replace(module.quant_weight, isa=isa,
                                                           act_bits=kernel_config.quant_act_bits,
-                                                          gemm_rows=kernel_config.quant_gemm_rows, gemm_dtype=dense)
+                                                          gemm_rows=kernel_config.quant_gemm_rows, gemm_dtype=dense,
+                                                          panel_rows=kernel_config.quant_panel_rows)
                 held[module.quant_weight.source_type] = held.get(module.quant_weight.source_type, 0) + 1
     if model.config.tie_word_embeddings and model.embed_tokens.quant_weight is not None:
         model.lm_head.quant_weight = model.embed_tokens.quant_weight

@@ -3,16 +3,18 @@
 At batch one a decode step through the torch path makes about ten Python op
 calls per layer, each a dispatch and, for the native kernels, a parallel region
 of its own: for a 135M model that overhead outweighs the matmuls. For steps of
-up to `MAX_TOKENS` tokens `NativeDecoder` hands the whole stack (every layer and
-the final norm) to one C call that reuses the per-op kernels inside one
-parallel region.
+up to `SMALL_STEP_TOKENS` tokens, or `MAX_TOKENS` where every projection is
+quantized and runs the panel GEMM (csrc/quant_gemm.c) from its `panel_rows`
+on (batched decode, mixed serving steps), `NativeDecoder` hands the whole stack
+(every layer and the final norm) to one C call that reuses the per-op kernels
+inside one parallel region; steps of many tokens split attention by tokens.
 
 It takes what it covers and nothing else; `DecoderModel.forward` keeps the
 torch path for any step it declines (None):
 - model: CPU, float32 or bfloat16, one tensor-parallel rank, every projection
   block-quantized or a plain float32 or bfloat16 matrix, SiLU or GELU(tanh)
   gates, head size <= 256, at most 32 query heads per KV head;
-- step: at most `MAX_TOKENS` tokens, every KV-cache group a block table (not a
+- step: at most `max_tokens` tokens (above), every KV-cache group a block table (not a
   circular ring, whose read-before-write order the kernel does not follow),
   caches float32 or bfloat16 and contiguous.
 `ModelKernels.native_decoder` (KVSERVE_NATIVE_DECODER=0 in `KernelConfig`) switches it off.
@@ -36,7 +38,12 @@ from kvserve.model.quantized import ISA_CODES
 
 logger = logging.getLogger(__name__)
 
-MAX_TOKENS = 8  # steps up to this many tokens (decode, short drafts); longer ones are prefills
+# Steps up to this many tokens (decode, short drafts) run natively; up to MAX_TOKENS
+# (batched decode, mixed serving steps with short prefill chunks) where every projection
+# takes the panel GEMM from `panel_rows` tokens on. Longer prefills keep the per-op path
+# and its dense GEMM.
+SMALL_STEP_TOKENS = 8
+MAX_TOKENS = 128
 _MAX_GROUPS = 8  # MAX_GROUPS in fused_decoder.c
 _PARALLEL_MIN_LAYER_BYTES = 256 * 1024
 
@@ -45,7 +52,8 @@ _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.
 
 class _Linear(ctypes.Structure):
     _fields_ = [("qs", _ptr), ("d", _ptr), ("m", _ptr), ("w", _ptr), ("bias", _ptr), ("out", _i64), ("in_", _i64),
-                ("bits", _i32), ("act_bits", _i32), ("isa", _i32), ("w_dtype", _i32)]
+                ("bits", _i32), ("act_bits", _i32), ("isa", _i32), ("w_dtype", _i32), ("panel_isa", _i32),
+                ("unused", _i32)]
 
 
 class _Layer(ctypes.Structure):
@@ -59,7 +67,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
                 ("head_dim", _i64), ("intermediate", _i64), ("final_norm", _ptr), ("eps", _f32), ("scale", _f32),
-                ("softcap", _f32), ("adds_one", _i32), ("sandwich", _i32), ("gelu", _i32)]
+                ("softcap", _f32), ("adds_one", _i32), ("sandwich", _i32), ("gelu", _i32), ("panel_rows", _i32)]
 
 
 class _Step(ctypes.Structure):
@@ -100,6 +108,8 @@ class NativeDecoder:
         self.model = model
         self._keep: list[torch.Tensor] = []
         self._layer_bytes = 0  # weight bytes of one layer's projections
+        self._panel_rows = 0  # steps of this many tokens run the panel GEMM (the weights' own threshold)
+        self._all_panel = True  # every projection quantized with a panel path
         self._layers = (_Layer * len(model.layers))()
         for i, layer in enumerate(model.layers):
             self._describe_layer(self._layers[i], layer)
@@ -108,7 +118,9 @@ class NativeDecoder:
         # matmuls would cost more than the rows they share out.
         self.num_threads = torch.get_num_threads() if self._layer_bytes >= _PARALLEL_MIN_LAYER_BYTES else 1
         self._cache_ptrs: tuple | None = None
-        self._token_index = torch.arange(MAX_TOKENS, dtype=torch.int64)
+        # many-token steps only where the panel GEMM covers every projection
+        self.max_tokens = MAX_TOKENS if self._all_panel else SMALL_STEP_TOKENS
+        self._token_index = torch.arange(self.max_tokens, dtype=torch.int64)
 
     # -- description (once) ------------------------------------------------------------------
     @classmethod
@@ -122,7 +134,7 @@ class NativeDecoder:
         except NativeDeclined as reason:
             logger.info("native decoder not used: %s", reason)
             return None
-        logger.info("native decoder: steps of up to %d tokens run the %d layers in one call", MAX_TOKENS,
+        logger.info("native decoder: steps of up to %d tokens run the %d layers in one call", decoder.max_tokens,
                     len(model.layers))
         return decoder
 
@@ -143,7 +155,7 @@ class NativeDecoder:
         if model.rotary_global.inv_freq.numel() * 2 != attn.head_dim:
             raise NativeDeclined("partial rotary embedding")
         return _Model(num_layers=len(model.layers), hidden=config.hidden_size, num_heads=attn.num_heads,
-                      num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+                      num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, panel_rows=self._panel_rows,
                       intermediate=model.layers[0].mlp.down_proj.shard_input, final_norm=self._norm(model.norm),
                       eps=config.rms_norm_eps, scale=attn.params.scale, softcap=attn.params.softcap or 0.0,
                       adds_one=int(config.norm_adds_one), sandwich=int(config.sandwich_norms),
@@ -176,6 +188,9 @@ class NativeDecoder:
             desc.qs, desc.d, desc.m = (self._hold(t).data_ptr() for t in (qw.qs, qw.d, qw.m))
             desc.bits, desc.act_bits = qw.bits, qw.act_bits
             desc.isa = quantized.ISA_CODES[qw.isa or quantized.kernel_isa() or "portable"]
+            desc.panel_isa = quantized.ISA_CODES[quantized.panel_isa(qw)] if qw.panel_rows else -1
+            self._panel_rows = max(self._panel_rows, qw.panel_rows)
+            self._all_panel &= qw.panel_rows > 0
             desc.out, desc.in_ = qw.out_features, qw.in_features
             self._layer_bytes += qw.nbytes() // len(self.model.layers)
             return
@@ -187,6 +202,8 @@ class NativeDecoder:
         elif weight.dtype != torch.float32:
             raise NativeDeclined(f"a projection in {weight.dtype}")
         desc.w = self._hold(weight).data_ptr()
+        desc.panel_isa = -1
+        self._all_panel = False
         self._layer_bytes += weight.numel() * weight.element_size() // len(self.model.layers)
         desc.out, desc.in_ = weight.shape
 
@@ -224,7 +241,7 @@ class NativeDecoder:
         """The final norm's output [T, hidden] for the embeddings `hidden` [T, hidden]
         (already scaled), or None when this step is not one the native call takes."""
         num_tokens = hidden.shape[0]
-        if not 0 < num_tokens <= MAX_TOKENS or len(metadata_by_group) > _MAX_GROUPS:
+        if not 0 < num_tokens <= self.max_tokens or len(metadata_by_group) > _MAX_GROUPS:
             return None
         if any(isinstance(md.spec, CircularBufferSpec) or md.slot_mapping is None for md in metadata_by_group):
             return None

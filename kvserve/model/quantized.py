@@ -18,8 +18,10 @@ per block of 32 to int16 (`KernelConfig.quant_act_bits`, KVSERVE_QUANT_ACT_BITS=
 to int8, as llama.cpp does, faster but enough to flip near-tied greedy tokens of
 the default model). Steps of many rows (prefill; `KernelConfig.quant_gemm_rows`,
 64 by default) rebuild the weight densely instead (`dequantize_dense`, bfloat16 on
-CPUs with native bfloat16) and run oneDNN's GEMM, several times faster there. The
-loader stamps these choices on every weight it holds.
+CPUs with native bfloat16) and run oneDNN's GEMM, several times faster there; steps
+between (`KernelConfig.quant_panel_rows`, 9 by default: batched decode, mixed serving
+steps) run the panel GEMM of csrc/quant_gemm.c (`panel_linear`), which expands the
+weight a cache-sized panel at a time. The loader stamps these choices on every weight it holds.
 """
 from __future__ import annotations
 
@@ -55,7 +57,8 @@ class QuantizedWeight:
     `d` and `m` float32 [out, in/32], `bits` 4, 8 or 16; `source_type` names the GGUF type.
     `act_bits` (8 or 16): how finely the kernel rounds the activations it multiplies;
     `isa`: the kernel path it runs on (None: the widest this CPU has). Steps of at least
-    `gemm_rows` rows (0: never) dequantize it to `gemm_dtype` and run a dense GEMM."""
+    `gemm_rows` rows (0: never) dequantize it to `gemm_dtype` and run a dense GEMM; steps
+    of `panel_rows` (0: never) to `gemm_rows` rows run the panel GEMM (`panel_linear`)."""
 
     qs: torch.Tensor
     d: torch.Tensor
@@ -67,6 +70,7 @@ class QuantizedWeight:
     isa: str | None = None
     gemm_rows: int = 0
     gemm_dtype: torch.dtype = torch.float32
+    panel_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.bits == 16:  # the kernel pairs sixteen-bit weights with int16 activations only
@@ -335,6 +339,46 @@ def _dense_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor |
     return y.to(x.dtype)
 
 
+def _kernel_operands(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None):
+    """x [rows, in] as the kernels read it (float32 or bfloat16, contiguous rows), the bias
+    in x's dtype, and the output [rows, out] to fill."""
+    if x.stride(-1) != 1 or x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float().contiguous() if x.dtype not in (torch.float32, torch.bfloat16) else x.contiguous()
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
+    return x, bias, x.new_empty(x.shape[0], weight.out_features)
+
+
+def panel_isa(weight: QuantizedWeight) -> str:
+    """The panel GEMM's path for `weight`: its kernel path, where the panel kernel has it
+    (the AVX-512 one needs AVX512-BF16 and multiplies in bfloat16, so a float32 `gemm_dtype`
+    takes the AVX2 one), else the next narrower one."""
+    isa = weight.isa or kernel_isa() or "portable"
+    if isa == "avx512" and weight.gemm_dtype == torch.float32:
+        isa = "avx2"
+    lib = cpu_kernels.load_library()
+    while isa != "portable" and not lib.kvserve_quant_gemm_isa_available(ISA_CODES[isa]):
+        isa = QUANT_ISAS[ISA_CODES[isa] - 1]
+    return isa
+
+
+def panel_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+                 isa: str | None = None) -> torch.Tensor:
+    """x [rows, in] @ W^T (+ bias) by the panel GEMM (csrc/quant_gemm.c): for steps of many
+    rows it expands W once per call, a panel of rows at a time, and multiplies in bfloat16
+    (AVX512-BF16) or float32; x float32 or bfloat16 (rows may be strided), the result of
+    x's dtype. `isa` (default `panel_isa(weight)`) picks the path."""
+    x, bias, y = _kernel_operands(x, weight, bias)
+    code = cpu_kernels.load_library().kvserve_quant_gemm(
+        x.data_ptr(), x.stride(0), x.shape[0], weight.qs.data_ptr(), weight.d.data_ptr(), weight.m.data_ptr(),
+        weight.bits, weight.out_features, weight.in_features, bias.data_ptr() if bias is not None else None,
+        y.data_ptr(), y.stride(0), 0 if x.dtype == torch.float32 else 1, ISA_CODES[isa or panel_isa(weight)],
+        torch.get_num_threads())
+    if code:
+        raise cpu_kernels.KernelArgumentError(f"panel GEMM rejected its arguments (code {code})")
+    return y
+
+
 def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
            isa: str | None = None) -> torch.Tensor:
     """x [..., in] @ W^T (+ bias) with W quantized; x float32 or bfloat16 on the CPU
@@ -346,11 +390,9 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
         raise cpu_kernels.KernelArgumentError(f"input width {x2.shape[-1]}, weight takes {weight.in_features}")
     if isa is None and weight.gemm_rows and x2.shape[0] >= weight.gemm_rows:
         return _dense_linear(x2, weight, bias, weight.gemm_dtype).view(*lead, weight.out_features)
-    if x2.stride(-1) != 1 or x2.dtype not in (torch.float32, torch.bfloat16):
-        x2 = x2.float().contiguous() if x2.dtype not in (torch.float32, torch.bfloat16) else x2.contiguous()
-    if bias is not None:
-        bias = bias.to(x2.dtype).contiguous()
-    y = x2.new_empty(x2.shape[0], weight.out_features)
+    if isa is None and weight.panel_rows and x2.shape[0] >= weight.panel_rows:
+        return panel_linear(x2, weight, bias).view(*lead, weight.out_features)
+    x2, bias, y = _kernel_operands(x2, weight, bias)
     code = cpu_kernels.load_library().kvserve_quant_linear(
         x2.data_ptr(), x2.stride(0), x2.shape[0], weight.qs.data_ptr(), weight.d.data_ptr(), weight.m.data_ptr(),
         weight.bits, weight.out_features, weight.in_features, bias.data_ptr() if bias is not None else None,

@@ -13,19 +13,25 @@ The masks of a step are filled on a mask thread while that step's forward runs
 (`start_masks` before the forward, `apply` after it): llguidance computes them
 in Rust without the GIL, and the matchers already hold every token sampled
 before this step, so only what the forward does not cover stays on the
-critical path (`MaskStats.wait_s`).
+critical path (`MaskStats.wait_s`). On CPU the native kernel of
+`kvserve.model.grammar_mask` then writes -inf straight from the packed
+bitmask; on the torch path the mask thread also unpacks the bitmask into one
+bool per token, for `masked_fill_`.
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from kvserve.model.grammar import (FailedGrammar, GrammarCompiler, StructuredOutputError, compiler_for_model,
-                                   disallowed_tokens, mask_logits_)
+from kvserve.config import KernelConfig
+from kvserve.model.grammar import FailedGrammar, GrammarCompiler, StructuredOutputError, compiler_for_model
+from kvserve.model.grammar_mask import (KernelMasks, apply_kernel_masks_, choose_mask_isa, disallowed_tokens,
+                                        kernel_masks, kernel_takes, mask_logits_)
 from kvserve.worker.input_batch import RequestState
 
 logger = logging.getLogger(__name__)
@@ -45,21 +51,61 @@ class MaskStats:
 
 
 @dataclass
-class PendingMasks:
-    """The masks of one step being filled: `disallowed` resolves to [len(rows), vocab] bools."""
+class StepMasks:
+    """The grammar masks of one step's constrained rows: the packed allowed-token bits
+    (int32 [rows, ceil(vocab / 32)]) and, ready for the path the runner masks with, either
+    the kernel's layout of them or the banned tokens unpacked ([rows, vocab] bool)."""
 
-    disallowed: "Future[torch.Tensor]"
-    rows: list[int]
+    bitmask: torch.Tensor
+    kernel: KernelMasks | None = None
+    disallowed: torch.Tensor | None = None
+
+
+class PendingMasks:
+    """The masks of one step being filled on the mask thread; row j of them belongs to
+    logits row `rows[j]`. `result()` waits on a plain lock: it runs right after the forward,
+    where every bit of Python costs (the forward has evicted it from the caches)."""
+
+    def __init__(self, rows: list[int]) -> None:
+        self.rows = rows
+        self._filled = threading.Lock()
+        self._filled.acquire()
+        self._masks: StepMasks | None = None
+        self._error: BaseException | None = None
+
+    def set(self, masks: StepMasks | None, error: BaseException | None = None) -> None:
+        """On the mask thread: the step's masks (or why there are none) are ready."""
+        self._masks, self._error = masks, error
+        self._filled.release()
+
+    def result(self) -> StepMasks:
+        """The step's masks, once filled (raises what the fill raised)."""
+        self._filled.acquire()
+        self._filled.release()
+        if self._error is not None:
+            raise self._error
+        return self._masks
 
 
 class LogitsConstraints:
     """Applies `logit_bias` and structured-output masks for one runner."""
 
-    def __init__(self, model_config) -> None:
+    def __init__(self, model_config, device: torch.device | str = "cpu",
+                 kernel_config: KernelConfig | None = None) -> None:
         self.model_config = model_config
+        self._device = device
+        self._kernel_config = kernel_config or KernelConfig()
+        self._mask_isa: str | None | bool = False  # False: not chosen yet
         self._compiler: GrammarCompiler | None = None
         self._mask_thread: ThreadPoolExecutor | None = None
         self.stats = MaskStats()
+
+    @property
+    def mask_isa(self) -> str | None:
+        """The grammar-mask kernel's path (None: the torch path), chosen at the first constrained step."""
+        if self._mask_isa is False:
+            self._mask_isa = choose_mask_isa(self._kernel_config, self._device)
+        return self._mask_isa
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -85,8 +131,9 @@ class LogitsConstraints:
         if self._mask_thread is None:
             # One thread: a step's masks never overlap the next step's on the same matchers.
             self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-mask")
-        future = self._mask_thread.submit(self._fill, [states[i] for i in constrained], constrained_drafts)
-        return PendingMasks(future, rows)
+        pending = PendingMasks(rows)
+        self._mask_thread.submit(self._fill_into, pending, [states[i] for i in constrained], constrained_drafts)
+        return pending
 
     def apply(self, logits: torch.Tensor, states: list[RequestState],
               drafts: list[list[int]] | None = None, pending: PendingMasks | None = None) -> torch.Tensor:
@@ -104,26 +151,42 @@ class LogitsConstraints:
             if pending is None:
                 return logits
         waited_from = time.perf_counter()
-        disallowed = pending.disallowed.result()
+        masks = pending.result()
         applied_from = time.perf_counter()
-        logits = mask_logits_(logits, disallowed, pending.rows)
+        if masks.kernel is not None and kernel_takes(logits):
+            logits = apply_kernel_masks_(logits, masks.kernel)
+        else:
+            disallowed = masks.disallowed
+            if disallowed is None:
+                disallowed = disallowed_tokens(masks.bitmask, self.compiler.vocab_size)
+            logits = mask_logits_(logits, disallowed, pending.rows)
         self.stats.wait_s += applied_from - waited_from
         self.stats.apply_s += time.perf_counter() - applied_from
         return logits
 
-    def _fill(self, states: list[RequestState], drafts: list[list[int]]) -> torch.Tensor:
-        """On the mask thread: the unpacked masks of the constrained requests' rows (True: banned)."""
+    def _fill_into(self, pending: PendingMasks, states: list[RequestState], drafts: list[list[int]]) -> None:
+        try:
+            pending.set(self._fill(states, drafts, pending.rows))
+        except BaseException as exc:  # handed to the step thread, which raises it
+            pending.set(None, exc)
+
+    def _fill(self, states: list[RequestState], drafts: list[list[int]], rows: list[int]) -> StepMasks:
+        """On the mask thread: the masks of the constrained requests' rows."""
         started = time.perf_counter()
         matchers = [self._matcher(state) for state in states]
         if not any(drafts):
             bitmask = self.compiler.fill_bitmasks(matchers)
         else:
             bitmask = torch.cat([self.compiler.fill_bitmasks_along(m, d) for m, d in zip(matchers, drafts)])
-        disallowed = disallowed_tokens(bitmask, self.compiler.vocab_size)
+        masks = StepMasks(bitmask)
+        if self.mask_isa is not None:
+            masks.kernel = kernel_masks(bitmask, rows, self.mask_isa)
+        else:
+            masks.disallowed = disallowed_tokens(bitmask, self.compiler.vocab_size)
         self.stats.steps += 1
-        self.stats.rows += disallowed.shape[0]
+        self.stats.rows += bitmask.shape[0]
         self.stats.fill_s += time.perf_counter() - started
-        return disallowed
+        return masks
 
     def advance(self, states: list[RequestState], token_ids: list[list[int]]) -> None:
         """Feed each constrained request the tokens this step really produced for it."""

@@ -59,7 +59,7 @@ class ModelRunner:
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.input_batch: InputBatch | None = None
         self.sampler = None
-        self.logits_constraints = LogitsConstraints(model_config)
+        self.logits_constraints = LogitsConstraints(model_config, self.device, self.kernel_config)
         # SchedulerOutput does not carry a request's EOS id; min_tokens blocks the
         # model's (the engine's default EOS for every request).
         eos_token_ids = model_config.eos_token_ids

@@ -147,6 +147,26 @@ def test_masks_are_filled_on_the_mask_thread_while_the_forward_runs(llm, monkeyp
     assert fill_began_during_forward.count(False) <= 1, fill_began_during_forward
 
 
+def test_native_mask_kernel_gives_the_torch_paths_outputs(llm, monkeypatch):
+    """The runner's native bitmask kernel and the torch path (unpacked mask, masked_fill_) give
+    the same tokens and logprobs under greedy, seeded sampling with top-k/p and penalties, and
+    n > 1."""
+    constraints = llm.engine_core.executor.model_runner.logits_constraints
+    assert constraints.mask_isa is not None  # the CPU kernels are built in this test environment
+    modes = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.9, top_k=8, top_p=0.9, seed=11,
+                                                                           logprobs=1, repetition_penalty=1.2),
+             SamplingParams(temperature=1.0, n=2, seed=12)]
+    params = [dataclasses.replace(p, max_tokens=30, structured_outputs=Constraint(json=PERSON)) for p in modes]
+
+    def run():
+        outputs = llm.chat([ASK] * len(params), params, use_tqdm=False)
+        return [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outputs]
+
+    native = run()
+    monkeypatch.setattr(constraints, "_mask_isa", None)
+    assert run() == native
+
+
 def test_prefix_cache_hits_leave_the_constrained_output_unchanged(llm):
     """The grammar depends on output tokens only: a request whose prompt is served from the
     prefix cache (whole, then with a different tail) samples under the same masks."""

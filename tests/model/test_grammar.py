@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvserve.config import default_model_path
-from kvserve.model.grammar import (GrammarCompiler, StructuredOutputError, apply_bitmask,
-                                   grammar_source)
+from kvserve.model.grammar import GrammarCompiler, StructuredOutputError, grammar_source
+from kvserve.model.grammar_mask import apply_bitmask
 from kvserve.model.tokenizer_files import load_tokenizer
 from kvserve.sampling_params import SamplingParams, SamplingParamsError
 from kvserve.sampling_params import StructuredOutputsParams as Constraint

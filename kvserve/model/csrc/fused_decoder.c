@@ -32,10 +32,17 @@
 #include "bf16.h"
 
 #define MAX_GROUPS 8
+#define TOKEN_SPLIT_MIN 8 /* steps of this many tokens split attention by tokens, not KV heads */
 
 /* The other kernels of this library. */
 void kvserve_quant_activations(const float *x, int64_t x_stride, int64_t batch, int64_t in, int act_bits, void *qx,
                                float *scales);
+int64_t kvserve_quant_gemm_panel_bytes(int64_t in);
+void kvserve_quant_gemm_prepare(const void *x, int64_t x_stride, int64_t batch, int64_t in, int dtype, int isa,
+                                void *xa);
+void kvserve_quant_gemm_rows(const void *xa, int64_t batch, const uint8_t *qs, const float *d, const float *m,
+                             int bits, int64_t in, const float *bias, float *y, int64_t y_stride, int isa,
+                             int64_t row_begin, int64_t row_end, void *buffer);
 void kvserve_quant_rows(const void *qx, const float *scales, int64_t batch, const uint8_t *qs, const float *d,
                         const float *m, int bits, int64_t in, const float *bias, float *y, int64_t y_stride,
                         int act_bits, int isa, int64_t row_begin, int64_t row_end);
@@ -69,6 +76,7 @@ typedef struct {
     const float *bias;
     int64_t out, in;
     int32_t bits, act_bits, isa, w_dtype; /* isa: the quantized or bf16_rows.c kernel's path */
+    int32_t panel_isa, unused;            /* the panel GEMM's path (quant_gemm.c), -1: none */
 } NativeLinear;
 
 typedef struct {
@@ -85,6 +93,7 @@ typedef struct {
     const float *final_norm;
     float eps, scale, softcap;
     int32_t adds_one, sandwich, gelu;
+    int32_t panel_rows; /* steps of at least this many tokens use the panel GEMM (0: never) */
 } NativeModel;
 
 /* One step: T tokens; token t sits at positions[t] of the request whose blocks are
@@ -101,8 +110,9 @@ typedef struct {
 /* Buffers each thread keeps for itself. */
 typedef struct {
     float *residual, *x, *act; /* [T, hidden], [T, max(hidden, intermediate)], [T, intermediate] */
-    void *qx;                  /* quantized activations */
+    void *qx;                  /* quantized activations (or the panel GEMM's prepared ones) */
     float *scales;
+    void *panel; /* the panel GEMM's weight panel */
 } Private;
 
 /* Buffers all threads write (disjoint parts) and then read. */
@@ -110,20 +120,27 @@ typedef struct {
     float *qkv, *attn, *out, *gate_up; /* [T, qkv width], [T, q size], [T, hidden], [T, 2 * intermediate] */
 } Shared;
 
-static void split_rows(int64_t out, int tid, int nthreads, int64_t *begin, int64_t *end) {
-    /* Whole tiles of four rows per thread, so each row's sum is the per-op path's. */
-    const int64_t tiles = (out + 3) / 4;
-    *begin = tiles * tid / nthreads * 4;
-    *end = tiles * (tid + 1) / nthreads * 4;
+static void split_rows(int64_t out, int64_t unit, int tid, int nthreads, int64_t *begin, int64_t *end) {
+    /* Whole tiles of `unit` rows per thread, so each row's sum is the per-op path's. */
+    const int64_t tiles = (out + unit - 1) / unit;
+    *begin = tiles * tid / nthreads * unit;
+    *end = tiles * (tid + 1) / nthreads * unit;
     if (*begin > out) *begin = out;
     if (*end > out) *end = out;
 }
 
 /* This thread's rows of y [T, out] = x [T, in] W^T (+ bias); x is this thread's own copy. */
-static void linear_rows(const NativeLinear *l, const float *x, int64_t T, Private *p, float *y, int tid,
-                        int nthreads) {
+static void linear_rows(const NativeModel *m, const NativeLinear *l, const float *x, int64_t T, Private *p, float *y,
+                        int tid, int nthreads) {
     int64_t begin, end;
-    split_rows(l->out, tid, nthreads, &begin, &end);
+    if (l->qs && l->panel_isa >= 0 && m->panel_rows && T >= m->panel_rows) {
+        split_rows(l->out, 16, tid, nthreads, &begin, &end); /* whole panels (PANEL_ROWS of quant_gemm.c) */
+        kvserve_quant_gemm_prepare(x, l->in, T, l->in, F32, l->panel_isa, p->qx);
+        kvserve_quant_gemm_rows(p->qx, T, l->qs, l->d, l->m, l->bits, l->in, l->bias, y, l->out, l->panel_isa, begin,
+                                end, p->panel);
+        return;
+    }
+    split_rows(l->out, 4, tid, nthreads, &begin, &end);
     if (l->qs) {
         kvserve_quant_activations(x, l->in, T, l->in, l->act_bits, p->qx, p->scales);
         kvserve_quant_rows(p->qx, p->scales, T, l->qs, l->d, l->m, l->bits, l->in, l->bias, y, l->out, l->act_bits,
@@ -161,10 +178,10 @@ static void gelu_tanh_mul(const float *gate_up, float *act, int64_t T, int64_t w
         }
 }
 
-/* Q/K norms, RoPE, K/V write and attention of the KV heads this thread owns; writes
- * those heads' query rows of s->attn. */
+/* Q/K norms, RoPE and K/V write of the KV heads this thread owns; with `attend`, also
+ * their attention (writing those heads' query rows of s->attn). */
 static void attention_heads(const NativeModel *m, const NativeLayer *l, const NativeStep *st, const Shared *s,
-                            int tid, int nthreads) {
+                            int attend, int tid, int nthreads) {
     const int64_t T = st->num_tokens, D = m->head_dim, group = m->num_heads / m->num_kv_heads;
     const int64_t q_size = m->num_heads * D, kv_size = m->num_kv_heads * D, width = q_size + 2 * kv_size;
     const float *cos = l->local_rope ? st->cos_local : st->cos, *sin = l->local_rope ? st->sin_local : st->sin;
@@ -183,11 +200,25 @@ static void attention_heads(const NativeModel *m, const NativeLayer *l, const Na
         char *v_cache = (char *)l->v_cache + h * l->cache_head_stride * elem;
         kvserve_store_kv(k, v, width, D, k_cache, v_cache, l->cache_head_stride, st->slots[l->group], NULL, T, 1, D,
                          F32, l->kv_dtype);
+        if (!attend) continue;
         kvserve_paged_attention(q, width, D, k_cache, v_cache, l->cache_head_stride, s->attn + h * group * D, q_size,
                                 D, st->token_index, st->positions, st->block_table[l->group],
                                 st->block_table_stride[l->group], st->table_row, T, group, 1, D, l->block_size,
                                 l->window, m->scale, m->softcap, F32, l->kv_dtype, 1);
     }
+}
+
+/* Attention of this thread's share of the step's tokens over every head (all K/V rows
+ * written before): steps of many tokens split better by tokens than by KV heads. */
+static void attention_tokens(const NativeModel *m, const NativeLayer *l, const NativeStep *st, const Shared *s,
+                             int tid, int nthreads) {
+    const int64_t T = st->num_tokens, D = m->head_dim, q_size = m->num_heads * D;
+    const int64_t width = q_size + 2 * m->num_kv_heads * D, begin = T * tid / nthreads, end = T * (tid + 1) / nthreads;
+    if (begin == end) return;
+    kvserve_paged_attention(s->qkv, width, D, l->k_cache, l->v_cache, l->cache_head_stride, s->attn, q_size, D,
+                            st->token_index + begin, st->positions + begin, st->block_table[l->group],
+                            st->block_table_stride[l->group], st->table_row + begin, end - begin, m->num_heads,
+                            m->num_kv_heads, D, l->block_size, l->window, m->scale, m->softcap, F32, l->kv_dtype, 1);
 }
 
 /* One decoder layer. The stream is p->residual (sandwich norms), or p->residual + s->out
@@ -201,11 +232,17 @@ static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *
     } else {
         norm(m, first ? p->residual : s->out, first ? NULL : p->residual, l->input_norm, p->x, T);
     }
-    linear_rows(&l->qkv, p->x, T, p, s->qkv, tid, nthreads);
+    linear_rows(m, &l->qkv, p->x, T, p, s->qkv, tid, nthreads);
 #pragma omp barrier
-    attention_heads(m, l, st, s, tid, nthreads);
+    if (T >= TOKEN_SPLIT_MIN && nthreads > 1) {
+        attention_heads(m, l, st, s, 0, tid, nthreads);
 #pragma omp barrier
-    linear_rows(&l->o, s->attn, T, p, s->out, tid, nthreads);
+        attention_tokens(m, l, st, s, tid, nthreads);
+    } else {
+        attention_heads(m, l, st, s, 1, tid, nthreads);
+    }
+#pragma omp barrier
+    linear_rows(m, &l->o, s->attn, T, p, s->out, tid, nthreads);
 #pragma omp barrier
     if (m->sandwich) {
         norm(m, s->out, NULL, l->post_attention_norm, p->x, T);
@@ -214,13 +251,13 @@ static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *
     } else {
         norm(m, s->out, p->residual, l->post_attention_norm, p->x, T);
     }
-    linear_rows(&l->gate_up, p->x, T, p, s->gate_up, tid, nthreads);
+    linear_rows(m, &l->gate_up, p->x, T, p, s->gate_up, tid, nthreads);
 #pragma omp barrier
     if (m->gelu)
         gelu_tanh_mul(s->gate_up, p->act, T, I);
     else
         kvserve_silu_mul(s->gate_up, p->act, T, I, F32, 1);
-    linear_rows(&l->down, p->act, T, p, s->out, tid, nthreads);
+    linear_rows(m, &l->down, p->act, T, p, s->out, tid, nthreads);
 #pragma omp barrier
     if (m->sandwich) {
         norm(m, s->out, NULL, l->post_feedforward_norm, p->x, T);
@@ -247,9 +284,10 @@ int kvserve_decoder_forward(const NativeModel *m, const NativeLayer *layers, con
     {
         const int tid = omp_get_thread_num(), nthreads = omp_get_num_threads();
         Private p = {malloc(sizeof(float) * (size_t)(T * H)), malloc(sizeof(float) * (size_t)(T * W)),
-                     malloc(sizeof(float) * (size_t)(T * I)), malloc((size_t)(T * W * 2) + 64),
-                     malloc(sizeof(float) * (size_t)(2 * T * (W / 32 + 1)))};
-        int ok = p.residual && p.x && p.act && p.qx && p.scales;
+                     malloc(sizeof(float) * (size_t)(T * I)), malloc((size_t)(T * W * 4) + 64),
+                     malloc(sizeof(float) * (size_t)(2 * T * (W / 32 + 1))),
+                     malloc((size_t)kvserve_quant_gemm_panel_bytes(W))};
+        int ok = p.residual && p.x && p.act && p.qx && p.scales && p.panel;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -265,7 +303,7 @@ int kvserve_decoder_forward(const NativeModel *m, const NativeLayer *layers, con
                     norm(m, s.out, p.residual, m->final_norm, hidden, T);
             }
         }
-        free(p.residual), free(p.x), free(p.act), free(p.qx), free(p.scales);
+        free(p.residual), free(p.x), free(p.act), free(p.qx), free(p.scales), free(p.panel);
     }
     free(s.qkv), free(s.attn), free(s.out), free(s.gate_up);
     return failed;

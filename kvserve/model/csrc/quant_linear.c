@@ -558,7 +558,8 @@ static void store_values(const float *v, int n, void *w, int64_t at, int dtype) 
         for (int i = 0; i < n; i++) ((uint16_t *)w)[at + i] = bf16_bits(v[i]);
 }
 
-static void dequantize_row(const QWeight *q, int64_t r, int64_t in, void *w, int dtype) {
+/* Row r of W into w_row [in] of `dtype`. */
+static void dequantize_row(const QWeight *q, int64_t r, void *w_row, int dtype) {
     const uint8_t *row = q->qs + r * q->row_bytes;
     const float *dr = q->d + r * q->nb, *mr = q->m + r * q->nb;
     const int64_t groups = q->bits == 4 ? q->nb / 4 : 0;
@@ -570,7 +571,7 @@ static void dequantize_row(const QWeight *q, int64_t r, int64_t in, void *w, int
             v[k] = dg[k / QBLOCK] * (float)(bytes[k] & 15) + mg[k / QBLOCK];
             v[64 + k] = dg[2 + k / QBLOCK] * (float)(bytes[k] >> 4) + mg[2 + k / QBLOCK];
         }
-        store_values(v, GROUP_COLS, w, r * in + g * GROUP_COLS, dtype);
+        store_values(v, GROUP_COLS, w_row, g * GROUP_COLS, dtype);
     }
     for (int64_t blk = groups * 4; blk < q->nb; blk++) {
         if (q->bits == 16) {
@@ -586,7 +587,7 @@ static void dequantize_row(const QWeight *q, int64_t r, int64_t in, void *w, int
                 v[16 + i] = dr[blk] * (float)(bytes[i] >> 4) + mr[blk];
             }
         }
-        store_values(v, QBLOCK, w, r * in + blk * QBLOCK, dtype);
+        store_values(v, QBLOCK, w_row, blk * QBLOCK, dtype);
     }
 }
 
@@ -596,6 +597,13 @@ int kvserve_quant_dequantize(const uint8_t *qs, const float *d, const float *m, 
     QWeight q = {qs, d, m, row_bytes_of(bits, in), in / QBLOCK, bits};
     if (out * q.row_bytes < PARALLEL_MIN_BYTES) num_threads = 1;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t r = 0; r < out; r++) dequantize_row(&q, r, in, w, dtype);
+    for (int64_t r = 0; r < out; r++) dequantize_row(&q, r, (char *)w + r * in * (dtype == F32 ? 4 : 2), dtype);
     return 0;
+}
+
+/* Row r of W as float32 values v [in] (the panels of quant_gemm.c). */
+void kvserve_quant_row_values(const uint8_t *qs, const float *d, const float *m, int bits, int64_t in, int64_t r,
+                              float *v) {
+    QWeight q = {qs, d, m, row_bytes_of(bits, in), in / QBLOCK, bits};
+    dequantize_row(&q, r, v, F32);
 }

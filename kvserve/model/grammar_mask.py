@@ -1,0 +1,123 @@
+"""Setting the logits a grammar bans to -inf, from its packed allowed-token bitmask.
+
+A grammar engine fills one int32 bitmask row per constrained logits row (token
+t is bit t % 32 of word t / 32, little-endian). On CPU float32 logits the native
+kernel (csrc/grammar_mask.c) reads those words as they are and writes -inf in
+place: a few microseconds per 49k-token row. The torch path (CUDA, no C
+compiler, `KVSERVE_CPU_KERNELS=0` or `KVSERVE_GRAMMAR_MASK_ISA=torch`) unpacks
+the words into one bool per token (`disallowed_tokens`, done on the mask thread
+ahead of time) and runs `masked_fill_`; it is also the tests' reference.
+
+Tokens past the bitmask's vocabulary (logits wider than the grammar's) are
+banned; bits past the logits' width are ignored.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvserve.config import GRAMMAR_MASK_TORCH, QUANT_ISAS, KernelConfig
+from kvserve.model import cpu_kernels
+
+ISA_CODES = {name: code for code, name in enumerate(QUANT_ISAS)}  # the kernel's codes, narrowest first
+
+
+def isa_available(isa: str) -> bool:
+    """Whether this build and CPU run the kernel path `isa` ("portable", "avx2", "avx512")."""
+    lib = cpu_kernels.load_library()
+    return lib is not None and bool(lib.kvserve_mask_isa_available(ISA_CODES[isa]))
+
+
+def choose_mask_isa(kernel_config: KernelConfig, device: torch.device | str) -> str | None:
+    """The kernel path a runner on `device` masks with (the widest this CPU runs, capped by
+    `kernel_config.grammar_mask_isa`), or None for the torch path."""
+    cap = kernel_config.grammar_mask_isa
+    if torch.device(device).type != "cpu" or not kernel_config.cpu_kernels or cap == GRAMMAR_MASK_TORCH:
+        return None
+    if cpu_kernels.load_library() is None:
+        return None
+    ceiling = ISA_CODES[cap] if cap else len(QUANT_ISAS) - 1
+    return next(isa for isa in reversed(QUANT_ISAS[:ceiling + 1]) if isa_available(isa))
+
+
+def kernel_takes(logits: torch.Tensor) -> bool:
+    """The native kernel can mask these logits in place as they are (CPU ones, see `choose_mask_isa`)."""
+    return logits.dtype is torch.float32 and logits.dim() == 2 and logits.stride(-1) == 1
+
+
+@dataclass(frozen=True)
+class KernelMasks:
+    """Bitmask rows laid out for the kernel: row j of `bitmask` masks logits row `rows[j]`.
+    Built off the critical path (on the mask thread), so applying them after the forward
+    is a single native call."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
+    isa: str
+    row_index: np.ndarray | None  # rows as int64 (None: they are 0, 1, ...), kept alive for the call
+    rows_needed: int  # the logits must have at least this many rows
+    call_args: tuple[int, ...]  # the kernel's arguments after the logits'
+
+
+def kernel_masks(bitmask: torch.Tensor, rows: list[int], isa: str) -> KernelMasks:
+    """`bitmask` (int32 [len(rows), words] on the CPU, contiguous rows) prepared for `apply_kernel_masks_`."""
+    if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.stride(-1) != 1 or bitmask.device.type != "cpu":
+        raise ValueError("the bitmask must be a CPU int32 [rows, words] tensor with contiguous rows")
+    if bitmask.shape[0] != len(rows):
+        raise ValueError(f"{bitmask.shape[0]} bitmask rows for {len(rows)} logits rows")
+    if rows and min(rows) < 0:
+        raise ValueError(f"negative logits row in {rows}")
+    row_index = None if rows == list(range(len(rows))) else np.asarray(rows, dtype=np.int64)
+    call_args = (bitmask.data_ptr(), bitmask.stride(0), bitmask.shape[1],
+                 None if row_index is None else row_index.ctypes.data, len(rows), ISA_CODES[isa])
+    return KernelMasks(bitmask, list(rows), isa, row_index, max(rows, default=-1) + 1, call_args)
+
+
+def apply_kernel_masks_(logits: torch.Tensor, masks: KernelMasks) -> torch.Tensor:
+    """Bans, in place, the tokens whose bit is 0 (the logits must pass `kernel_takes`)."""
+    if masks.rows_needed > logits.shape[0]:
+        raise ValueError(f"logits rows {masks.rows} out of range for {logits.shape[0]} rows")
+    code = cpu_kernels.load_library().kvserve_apply_token_bitmask(logits.data_ptr(), logits.stride(0),
+                                                                  logits.shape[1], *masks.call_args)
+    if code:
+        raise cpu_kernels.KernelArgumentError(f"the grammar-mask kernel has no {masks.isa} path on this CPU")
+    return logits
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], isa: str) -> torch.Tensor:
+    """Bans, in place, the tokens whose bit is 0: row j of `bitmask` masks logits row
+    `rows[j]`, on the kernel path `isa` (the logits must pass `kernel_takes`)."""
+    return apply_kernel_masks_(logits, kernel_masks(bitmask, rows, isa))
+
+
+def disallowed_tokens(bitmask: torch.Tensor, width: int) -> torch.Tensor:
+    """[rows, width] bool: True where token t's bit in its row of `bitmask` is 0 (tokens
+    past the bitmask's vocabulary are disallowed)."""
+    # Little-endian int32 words: bit k of word w is bit k % 8 of byte 4 * w + k // 8.
+    # Inverting the words first leaves one numpy pass over the vocabulary.
+    banned_bits = np.invert(bitmask.numpy()).view(np.uint8)
+    disallowed = torch.from_numpy(np.unpackbits(banned_bits, axis=1, bitorder="little")[:, :width].view(np.bool_))
+    if disallowed.shape[1] < width:
+        disallowed = torch.nn.functional.pad(disallowed, (0, width - disallowed.shape[1]), value=True)
+    return disallowed
+
+
+def mask_logits_(logits: torch.Tensor, disallowed: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Set the `disallowed` tokens (one bool row per entry of `rows`) of `logits` to -inf, in place."""
+    width = logits.shape[-1]
+    if disallowed.shape[1] != width:
+        disallowed = torch.nn.functional.pad(disallowed[:, :width], (0, max(0, width - disallowed.shape[1])),
+                                             value=True)
+    disallowed = disallowed.to(logits.device, non_blocking=True)
+    if rows == list(range(logits.shape[0])):
+        return logits.masked_fill_(disallowed, float("-inf"))
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    logits[index] = logits[index].masked_fill(disallowed, float("-inf"))
+    return logits
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """A copy of `logits` with every token whose bit is 0 set to -inf, in the given rows (torch path)."""
+    return mask_logits_(logits.clone(), disallowed_tokens(bitmask, logits.shape[-1]), rows)
