@@ -152,7 +152,7 @@ class KernelConfig:
     `small_batch_matmul`: keep plain weight copies next to the packed ones for
     the small-batch kernel. `packed_weights`: pack linear weights for oneDNN.
     `quant_isa`: cap the quantized matmul's path (None: the widest the CPU runs).
-    `quant_act_bits`: 16 or 8, how finely that kernel rounds activations.
+    `quant_act_bits`: 16 or 8 (as llama.cpp), how finely that kernel rounds activations.
     `quant_gemm_rows`: steps of at least this many rows (0: never) dequantize quantized
     weights and run a dense GEMM in `quant_gemm_dtype` ("bfloat16", "float32"; None:
     bfloat16 on CPUs with native bfloat16, else float32).
