@@ -152,7 +152,7 @@ class KernelConfig:
     `small_batch_matmul`: keep plain weight copies next to the packed ones for
     the small-batch kernel. `packed_weights`: pack linear weights for oneDNN.
     `quant_isa`: cap the quantized matmul's path (None: the widest the CPU runs).
-    `quant_act_bits`: 16 or 8, how finely that kernel rounds activations.
+    `quant_act_bits`: 16 or 8 (as llama.cpp), how finely that kernel rounds activations.
     `quant_gemm_rows`: steps of at least this many rows (0: never) dequantize quantized
     weights and run a dense GEMM in `quant_gemm_dtype` ("bfloat16", "float32"; None:
     bfloat16 on CPUs with native bfloat16, else float32).
@@ -168,9 +168,9 @@ class KernelConfig:
     packed_weights: bool = True
     quant_isa: str | None = None
     quant_act_bits: int = 16
-    quant_gemm_rows: int = 64
+    quant_gemm_rows: int = 320
     quant_gemm_dtype: str | None = None
-    quant_panel_rows: int = 9
+    quant_panel_rows: int = 4
     native_decoder: bool = True
     grammar_mask_isa: str | None = None
 
@@ -196,10 +196,10 @@ class KernelConfig:
         bits = env.get(QUANT_ACT_BITS_ENV, "16").strip()
         if bits not in ("8", "16"):
             raise ConfigError(f"{QUANT_ACT_BITS_ENV} must be 8 or 16, got {bits!r}")
-        gemm_rows = env.get(QUANT_GEMM_ROWS_ENV, "64").strip()
+        gemm_rows = env.get(QUANT_GEMM_ROWS_ENV, "320").strip()
         if not gemm_rows.isdigit():
             raise ConfigError(f"{QUANT_GEMM_ROWS_ENV} must be a non-negative integer, got {gemm_rows!r}")
-        panel_rows = env.get(QUANT_PANEL_ROWS_ENV, "9").strip()
+        panel_rows = env.get(QUANT_PANEL_ROWS_ENV, "4").strip()
         if not panel_rows.isdigit():
             raise ConfigError(f"{QUANT_PANEL_ROWS_ENV} must be a non-negative integer, got {panel_rows!r}")
         return cls(cpu_kernels=_switched_on(env, CPU_KERNELS_ENV),

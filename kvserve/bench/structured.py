@@ -119,7 +119,7 @@ def _backend_figures(backend: Any, tokenizer: Any, batch: int, rounds: int) -> d
         token_ids = list(tokenizer.encode(text, add_special_tokens=False))
         case = {"compile_ms_median": 1e3 * statistics.median(compile_times),
                 "compile_ms_first": 1e3 * compile_times[0], "num_tokens": len(token_ids)}
-        for num_rows in (1, batch):
+        for label, num_rows in (("single", 1), ("batch", batch)):
             per_token = []
             for _ in range(rounds):
                 matchers = backend.matchers(compiled, num_rows)
@@ -128,7 +128,6 @@ def _backend_figures(backend: Any, tokenizer: Any, batch: int, rounds: int) -> d
                     seconds, _ = _time_s(lambda: backend.fill(matchers, bitmask))
                     per_token.append(seconds)
                     backend.accept(matchers, token_id)
-            label = "single" if num_rows == 1 else "batch"
             case[f"mask_us_per_token_{label}"] = 1e6 * statistics.median(per_token) / num_rows
             case[f"mask_us_per_step_{label}"] = 1e6 * statistics.median(per_token)
         figures["cases"][kind] = case
@@ -161,6 +160,12 @@ def _mask_stats(llm: Any) -> Any:
     return None if runner is None else runner.logits_constraints.stats
 
 
+def _mask_path(llm: Any) -> str | None:
+    """How the in-process runner sets banned logits: the kernel path ("avx512"...) or "torch"."""
+    runner = getattr(llm.engine_core.executor, "model_runner", None)
+    return None if runner is None else runner.logits_constraints.mask_isa or "torch"
+
+
 def _mask_figures(before: Any, after: Any) -> dict[str, Any] | None:
     """Per constrained token: fill cost (mask thread, alongside the forward) and what stayed
     on the critical path (waiting for the fill after the forward, then masking the logits)."""
@@ -170,7 +175,7 @@ def _mask_figures(before: Any, after: Any) -> dict[str, Any] | None:
     fill, wait, apply = (after.fill_s - before.fill_s, after.wait_s - before.wait_s,
                          after.apply_s - before.apply_s)
     return {"tokens": rows, "fill_us_per_token": 1e6 * fill / rows, "wait_us_per_token": 1e6 * wait / rows,
-            "apply_us_per_token": 1e6 * apply / rows,
+            "apply_us_per_token": 1e6 * apply / rows, "critical_path_us_per_token": 1e6 * (wait + apply) / rows,
             "hidden_fraction_of_fill": max(0.0, 1.0 - wait / fill) if fill > 0 else 1.0}
 
 
@@ -192,6 +197,7 @@ def run_engine(batch: int = 32, max_tokens: int = 64, rounds: int = 3, **engine_
         ratios = []
         stats = _mask_stats(llm)
         mask_before = copy.copy(stats)
+        mask_path = _mask_path(llm)
         for _ in range(rounds):
             for name, params in modes.items():
                 seconds, outputs = _time_s(lambda: llm.chat(conversations, params, use_tqdm=False))
@@ -204,16 +210,17 @@ def run_engine(batch: int = 32, max_tokens: int = 64, rounds: int = 3, **engine_
             "output_tokens_per_s": {name: statistics.median(v) for name, v in per_mode.items()},
             "per_round_tokens_per_s": per_mode, "ratio_per_round": ratios,
             "ratio_constrained_over_unconstrained_median": statistics.median(ratios),
-            "mask_in_engine": _mask_figures(mask_before, stats)}
+            "mask_in_engine": _mask_figures(mask_before, stats), "mask_path": mask_path}
 
 
 def run(model: str | None = None, batch: int = 32, rounds: int = 5, max_tokens: int = 64,
         skip_engine: bool = False, **engine_kwargs: Any) -> dict[str, Any]:
-    """Both parts (see the module docstring); the engine part at batch 1 and at `batch`."""
+    """Both parts (see the module docstring); the engine part at batch 1 and, when larger, at `batch`."""
     result: dict[str, Any] = {"backends": run_backends(model, batch, rounds)}
     if not skip_engine:
-        result["engine_single"] = run_engine(1, max_tokens, min(rounds, 3), model=model, **engine_kwargs)
-        result["engine"] = run_engine(batch, max_tokens, min(rounds, 3), model=model, **engine_kwargs)
+        result["engine_single"] = run_engine(1, max_tokens, rounds, model=model, **engine_kwargs)
+        if batch > 1:
+            result["engine"] = run_engine(batch, max_tokens, rounds, model=model, **engine_kwargs)
     return result
 
 
@@ -241,5 +248,7 @@ def format_result(result: dict[str, Any]) -> str:
         if mask:
             text += (f"\n  mask per token: fill {mask['fill_us_per_token']:.1f} us on the mask thread "
                      f"({100 * mask['hidden_fraction_of_fill']:.0f}% hidden behind the forward); critical path: "
-                     f"wait {mask['wait_us_per_token']:.1f} us + apply {mask['apply_us_per_token']:.1f} us")
+                     f"wait {mask['wait_us_per_token']:.1f} us + apply {mask['apply_us_per_token']:.1f} us "
+                     f"= {mask['wait_us_per_token'] + mask['apply_us_per_token']:.1f} us "
+                     f"(apply path: {engine.get('mask_path')})")
     return text

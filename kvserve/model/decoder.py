@@ -224,7 +224,25 @@ class DecoderModel(nn.Module):
         """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens.
 
         Small steps on the CPU run every layer in one native call where the model and
-        the step qualify (`NativeDecoder`); the others take the per-op path below."""
+        the step qualify (`NativeDecoder`); the others take the per-op path."""
+        return self._forward(input_ids, positions, attn_metadata_by_group, kv_caches, None)[0]
+
+    def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       attn_metadata_by_group: list[AttentionMetadata], kv_caches: dict[str, torch.Tensor],
+                       logits_rows: torch.Tensor) -> torch.Tensor:
+        """`compute_logits(forward(...)[logits_rows])`: float32 logits [len(logits_rows), vocab]
+        of some of the step's tokens. Where the native call runs the step it runs the LM
+        head too, for those rows only, inside its parallel region."""
+        hidden, logits = self._forward(input_ids, positions, attn_metadata_by_group, kv_caches, logits_rows)
+        if logits is None:
+            logits = self.lm_head.logits(hidden[logits_rows])
+        return self._finish_logits(logits)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 attn_metadata_by_group: list[AttentionMetadata], kv_caches: dict[str, torch.Tensor],
+                 logits_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden states after the final norm, the LM head's raw logits of `logits_rows` where
+        the native call computed them, else None)."""
         hidden = self.embed_tokens(input_ids).to(self.norm.weight.dtype)
         if self.config.scales_embeddings:
             hidden = hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype)
@@ -232,7 +250,7 @@ class DecoderModel(nn.Module):
         if self._native is False:
             self._native = NativeDecoder.for_model(self)
         if self._native is not None:
-            out = self._native.forward(hidden, positions, attn_metadata_by_group, kv_caches, group_ids)
+            out = self._native.forward(hidden, positions, attn_metadata_by_group, kv_caches, group_ids, logits_rows)
             if out is not None:
                 return out
         global_cos_sin = self.rotary_global.cos_sin(positions, hidden.dtype)
@@ -242,7 +260,7 @@ class DecoderModel(nn.Module):
         for layer, name, group_id in zip(self.layers, self.layer_names, group_ids):
             cos_sin = local_cos_sin if layer.self_attn.sliding_window is not None else global_cos_sin
             hidden, residual = layer(hidden, residual, cos_sin, attn_metadata_by_group[group_id], kv_caches[name])
-        return self.norm.add_and_norm(hidden, residual)[0]
+        return self.norm.add_and_norm(hidden, residual)[0], None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] (final soft-capping applied)."""

@@ -77,6 +77,10 @@ class _Step(ctypes.Structure):
                 ("sin_local", _ptr)]
 
 
+class _Logits(ctypes.Structure):
+    _fields_ = [("head", _Linear), ("rows", _ptr), ("num_rows", _i64), ("logits", _ptr)]
+
+
 def bf16_isa(kernel_config: KernelConfig | None = None) -> str | None:
     """The path of the native decoder's bfloat16-weight matmul ("avx512": AVX512-BF16, "avx2",
     "portable"): the widest this build and CPU run, capped at `kernel_config.quant_isa`
@@ -110,16 +114,20 @@ class NativeDecoder:
         self._layer_bytes = 0  # weight bytes of one layer's projections
         self._panel_rows = 0  # steps of this many tokens run the panel GEMM (the weights' own threshold)
         self._all_panel = True  # every projection quantized with a panel path
+        self._gemm_rows = MAX_TOKENS + 1  # steps of this many tokens take the per-op dense GEMM
         self._layers = (_Layer * len(model.layers))()
         for i, layer in enumerate(model.layers):
             self._describe_layer(self._layers[i], layer)
         self._desc = self._describe_model(model)
+        self._head = self._describe_head(model.lm_head)
         # Layers this small are not worth a second thread: the barriers between the
         # matmuls would cost more than the rows they share out.
         self.num_threads = torch.get_num_threads() if self._layer_bytes >= _PARALLEL_MIN_LAYER_BYTES else 1
         self._cache_ptrs: tuple | None = None
-        # many-token steps only where the panel GEMM covers every projection
-        self.max_tokens = MAX_TOKENS if self._all_panel else SMALL_STEP_TOKENS
+        # many-token steps only where the panel GEMM covers every projection, and short of
+        # the steps the per-op path gives its dense GEMM
+        self.max_tokens = max(min(MAX_TOKENS, self._gemm_rows - 1), SMALL_STEP_TOKENS) if self._all_panel \
+            else SMALL_STEP_TOKENS
         self._token_index = torch.arange(self.max_tokens, dtype=torch.int64)
 
     # -- description (once) ------------------------------------------------------------------
@@ -176,9 +184,25 @@ class NativeDecoder:
         desc.window = attn.sliding_window or 0
         desc.local_rope = int(attn.sliding_window is not None and self.model.rotary_local is not None)
 
+    def _describe_head(self, lm_head) -> _Linear | None:
+        """The LM head for the call, or None (it then runs after it, in torch): float32 models
+        only, whose torch LM head gives float32 logits too."""
+        if self.model.norm.weight.dtype != torch.float32:
+            return None
+        desc = _Linear()
+        state = (self._layer_bytes, self._panel_rows, self._all_panel, self._gemm_rows)
+        try:
+            self._describe_linear(desc, lm_head)
+        except NativeDeclined as reason:
+            logger.info("LM head outside the native decoder: %s", reason)
+            return None
+        finally:  # the head does not count in the layers' sizes and step limits
+            self._layer_bytes, self._panel_rows, self._all_panel, self._gemm_rows = state
+        return desc
+
     def _describe_linear(self, desc: _Linear, module) -> None:
         qw = module.quant_weight
-        bias = module.bias
+        bias = getattr(module, "bias", None)
         if bias is not None:
             bias = self._hold(bias.detach().float().contiguous())
         desc.bias = _ptr_of(bias)
@@ -191,6 +215,7 @@ class NativeDecoder:
             desc.panel_isa = quantized.ISA_CODES[quantized.panel_isa(qw)] if qw.panel_rows else -1
             self._panel_rows = max(self._panel_rows, qw.panel_rows)
             self._all_panel &= qw.panel_rows > 0
+            self._gemm_rows = min(self._gemm_rows, qw.gemm_rows or self._gemm_rows)
             desc.out, desc.in_ = qw.out_features, qw.in_features
             self._layer_bytes += qw.nbytes() // len(self.model.layers)
             return
@@ -237,9 +262,12 @@ class NativeDecoder:
 
     # -- a step -----------------------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, metadata_by_group: list[AttentionMetadata],
-                kv_caches: dict[str, torch.Tensor], group_ids: list[int]) -> torch.Tensor | None:
-        """The final norm's output [T, hidden] for the embeddings `hidden` [T, hidden]
-        (already scaled), or None when this step is not one the native call takes."""
+                kv_caches: dict[str, torch.Tensor], group_ids: list[int],
+                logits_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(The final norm's output [T, hidden], the LM head's logits [len(logits_rows), vocab]
+        of the tokens `logits_rows` or None) for the embeddings `hidden` [T, hidden] (already
+        scaled); None when this step is not one the native call takes. The logits are None
+        too when none are asked for or the LM head is not one the call runs."""
         num_tokens = hidden.shape[0]
         if not 0 < num_tokens <= self.max_tokens or len(metadata_by_group) > _MAX_GROUPS:
             return None
@@ -264,9 +292,21 @@ class NativeDecoder:
         keep += [cos, sin, cos_local, sin_local]
         step.cos, step.sin, step.cos_local, step.sin_local = (t.data_ptr() for t in (cos, sin, cos_local, sin_local))
         out = hidden.float().contiguous().clone() if hidden.dtype != torch.float32 else hidden.contiguous()
-        failed = cpu_kernels.load_library().kvserve_decoder_forward(
-            ctypes.byref(self._desc), self._layers, ctypes.byref(step), out.data_ptr(), self.num_threads)
+        head, logits = self._logits_request(logits_rows, keep)
+        failed = cpu_kernels.load_library().kvserve_decoder_forward_logits(
+            ctypes.byref(self._desc), self._layers, ctypes.byref(step), out.data_ptr(),
+            None if head is None else ctypes.byref(head), self.num_threads)
         if failed:
             raise MemoryError("the native decoder could not allocate its buffers")
         del keep
-        return out.to(hidden.dtype)
+        return out.to(hidden.dtype), None if logits is None else logits[:, :self.model.lm_head.vocab_size]
+
+    def _logits_request(self, rows: torch.Tensor | None, keep: list) -> tuple[_Logits | None, torch.Tensor | None]:
+        """The LM-head part of the call for the tokens `rows` and the tensor it fills, or
+        (None, None) when the call computes no logits."""
+        if rows is None or self._head is None or rows.numel() == 0:
+            return None, None
+        rows = rows.long().contiguous()
+        logits = torch.empty(rows.numel(), self._head.out, dtype=torch.float32)
+        keep += [rows, logits]
+        return _Logits(head=self._head, rows=rows.data_ptr(), num_rows=rows.numel(), logits=logits.data_ptr()), logits

@@ -36,6 +36,13 @@ class StreamOptions(_StrictModel):
     include_usage: bool = False
 
 
+class ResponseFormat(_StrictModel):
+    """`response_format`: `text`, `json_object`, or `json_schema` with {name, schema, strict}."""
+
+    type: StrictStr
+    json_schema: dict[str, Any] | None = None
+
+
 class _SamplingFields(_StrictModel):
     """Sampling fields shared by /v1/completions and /v1/chat/completions.
 
@@ -64,7 +71,9 @@ class _SamplingFields(_StrictModel):
     user: StrictStr | None = None
     best_of: int | None = None
     logit_bias: dict[str, float] | None = None
-    # Output constraints (kvserve/server/structured.py): vLLM's field and its older names.
+    # Output constraints (kvserve/server/structured.py): OpenAI's field (also on /v1/completions,
+    # as vLLM accepts it there), vLLM's field and its older names.
+    response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | StrictStr | None = None
     guided_regex: StrictStr | None = None
@@ -172,13 +181,6 @@ class ChatMessage(_StrictModel):
         return "".join(texts)
 
 
-class ResponseFormat(_StrictModel):
-    """`response_format`: `text`, `json_object`, or `json_schema` with {name, schema, strict}."""
-
-    type: StrictStr
-    json_schema: dict[str, Any] | None = None
-
-
 class ChatCompletionRequest(_SamplingFields):
     """Body of POST /v1/chat/completions."""
 
@@ -191,7 +193,6 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: StrictStr | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: StrictStr | dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
 

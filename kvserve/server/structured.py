@@ -61,14 +61,26 @@ def _from_response_format(response_format: Any) -> ConstraintSource | None:
     if kind == "json_object":
         return ConstraintSource(StructuredOutputsParams(json_object=True), "response_format")
     if kind == "json_schema":
-        spec = response_format.json_schema
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise InvalidRequestError("response_format.json_schema must be an object with a 'schema' object",
-                                      "response_format.json_schema")
-        schema = spec.get("schema") or {"type": "object"}
+        schema = _json_schema_of(response_format.json_schema)
         return ConstraintSource(StructuredOutputsParams(json=schema), "response_format.json_schema")
     raise InvalidRequestError(f"response_format type {kind!r} is not one of 'text', 'json_object', "
                               "'json_schema'", "response_format.type")
+
+
+def _json_schema_of(spec: Any) -> dict[str, Any]:
+    """The schema of `response_format.json_schema` ({name, schema, strict, description}, as
+    OpenAI defines it: `name` required; without `schema`, any JSON object)."""
+    param = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise InvalidRequestError(f"{param} must be an object with a 'name' and a 'schema'", param)
+    name = spec.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidRequestError(f"{param}.name is required (a non-empty string)", f"{param}.name")
+    if not isinstance(spec.get("schema", {}), dict):
+        raise InvalidRequestError(f"{param}.schema must be a JSON schema object", f"{param}.schema")
+    if not isinstance(spec.get("strict", False), (bool, type(None))):
+        raise InvalidRequestError(f"{param}.strict must be a boolean", f"{param}.strict")
+    return spec.get("schema") or {"type": "object"}
 
 
 def _build(fields: Any, field_name: str) -> StructuredOutputsParams:

@@ -138,10 +138,10 @@ class DraftModelProposer:
 
     def _forward_logits(self, step: PreparedBatch, logits_rows: np.ndarray, kv_caches: dict[str, torch.Tensor],
                         build_metadata: Callable[[PreparedBatch], list]) -> torch.Tensor:
-        hidden = self.model.forward(torch.from_numpy(step.input_ids).to(self.device),
-                                    torch.from_numpy(step.positions).to(self.device),
-                                    build_metadata(step), kv_caches)
-        return self.model.compute_logits(hidden[torch.from_numpy(logits_rows).to(self.device)])
+        return self.model.forward_logits(torch.from_numpy(step.input_ids).to(self.device),
+                                         torch.from_numpy(step.positions).to(self.device),
+                                         build_metadata(step), kv_caches,
+                                         torch.from_numpy(logits_rows).to(self.device))
 
     @staticmethod
     def _pick(batch: InputBatch, logits: torch.Tensor, req_ids: list[str], drafts: dict[str, list[int]],

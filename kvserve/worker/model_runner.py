@@ -172,15 +172,28 @@ class ModelRunner:
             return None
         return hidden[torch.from_numpy(prepared.logits_indices).to(self.device)]
 
+    def _forward_sampled_logits(self, prepared: PreparedBatch) -> torch.Tensor | None:
+        """Run the model over the step; the logits of the requests to sample (None when
+        no request reached its last token)."""
+        if not prepared.sampled_req_ids:
+            self._forward_sampled_rows(prepared)
+            return None
+        return self.model.forward_logits(
+            torch.from_numpy(prepared.input_ids).to(self.device),
+            torch.from_numpy(prepared.positions).to(self.device),
+            self._build_attention_metadata(prepared),
+            self.kv_caches,
+            torch.from_numpy(prepared.logits_indices).to(self.device),
+        )
+
     def _forward_and_sample(self, prepared: PreparedBatch) -> tuple[dict[str, list[int]], dict]:
         """Run the model; for each request that reached its last token, sample one
         token or verify its drafts (then 1 to 1 + drafts tokens)."""
         pending_masks = self._start_masks(prepared)
-        sampled_hidden = self._forward_sampled_rows(prepared)
-        if sampled_hidden is None:
+        logits = self._forward_sampled_logits(prepared)
+        if logits is None:
             return {}, {}
-        sampled_token_ids, logprobs_by_req = self._sample(self.model.compute_logits(sampled_hidden), prepared,
-                                                          pending_masks)
+        sampled_token_ids, logprobs_by_req = self._sample(logits, prepared, pending_masks)
         self._record_sampled(sampled_token_ids)
         return sampled_token_ids, logprobs_by_req
 

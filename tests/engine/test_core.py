@@ -121,14 +121,14 @@ POISON_TOKEN = 250
 def test_failed_model_step_fails_its_requests_and_engine_goes_on(llama_path, async_scheduling):
     core = make_engine(llama_path, async_scheduling=async_scheduling)
     model = core.executor.model_runner.model
-    real_forward = model.forward
+    real_forward = model._forward  # under both forward and forward_logits
 
     def forward(input_ids, *args, **kwargs):
         if bool((input_ids == POISON_TOKEN).any()):
             raise RuntimeError("injected model failure")
         return real_forward(input_ids, *args, **kwargs)
 
-    model.forward = forward
+    model._forward = forward
     try:
         before = run_to_completion(core, [[10, 11, 12]], greedy_params(6))
         core.add_request(EngineCoreRequest("poison", [9, POISON_TOKEN, 9], greedy_params(6)))

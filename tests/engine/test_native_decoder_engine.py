@@ -64,7 +64,7 @@ def test_engine_batched_native_steps_equal_torch_path_over_quantized_weights(tmp
     prompts, params = random_workload(40, seed=7)
     prompts += [prompts[0][:40] + [5, 6, 7]] * 2  # prefix hits on a finished request's blocks
     params += params[:2]
-    # Budget 48 (< the 64-row dense GEMM): every step is one the native decoder takes. The
+    # Budget 48 (< the dense GEMM's rows): every step is one the native decoder takes. The
     # panel GEMM from one row on: its sums do not depend on the step's other rows, so the
     # two engines' different batches (async, preemptions) give the same numbers.
     monkeypatch.setenv("KVSERVE_QUANT_PANEL_ROWS", "1")

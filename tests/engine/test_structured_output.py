@@ -123,7 +123,7 @@ def test_masks_are_filled_on_the_mask_thread_while_the_forward_runs(llm, monkeyp
     fill_threads = set()
     fill_started = threading.Event()
     fill_began_during_forward = []
-    fill, forward = constraints.compiler.fill_bitmasks, runner.model.forward
+    fill, forward = constraints.compiler.fill_bitmasks, runner.model._forward
 
     def recording_fill(matchers):
         fill_threads.add(threading.current_thread().name)
@@ -136,7 +136,7 @@ def test_masks_are_filled_on_the_mask_thread_while_the_forward_runs(llm, monkeyp
         return forward(*args)
 
     monkeypatch.setattr(constraints.compiler, "fill_bitmasks", recording_fill)
-    monkeypatch.setattr(runner.model, "forward", forward_awaiting_the_fill)
+    monkeypatch.setattr(runner.model, "_forward", forward_awaiting_the_fill)  # forward and forward_logits
     before = dataclasses.replace(constraints.stats)
     (output,) = llm.chat([ASK], params, use_tqdm=False)
     rows = constraints.stats.rows - before.rows

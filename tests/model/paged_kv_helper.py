@@ -170,14 +170,14 @@ class PagedRunner:
             block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
             metadata.append(AttentionMetadata.build(group.kv_cache_spec, query_lens, seq_lens, block_table,
                                                     self.device))
+        # The rows the model runner asks for (each request's last token), or every row.
+        rows = (torch.arange(len(input_ids)) if every_token else torch.tensor(query_lens).cumsum(0) - 1)
         with torch.inference_mode():
-            hidden = self.model(torch.tensor(input_ids, device=self.device),
-                                torch.tensor(positions, device=self.device), metadata, self.kv_caches)
-            if every_token:
-                logits = self.model.compute_logits(hidden).cpu().split(query_lens)
-            else:
-                last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
-                logits = self.model.compute_logits(hidden[last]).cpu()
+            logits = self.model.forward_logits(torch.tensor(input_ids, device=self.device),
+                                               torch.tensor(positions, device=self.device), metadata,
+                                               self.kv_caches, rows.to(self.device)).cpu()
+        if every_token:
+            logits = logits.split(query_lens)
         for req_id, n in schedule.items():
             self.requests[req_id].num_computed += n
         return {req_id: logits[i] for i, req_id in enumerate(schedule)}

@@ -166,8 +166,11 @@ def test_many_token_steps_on_quantized_weights_run_a_dense_gemm(tiny_llama, tmp_
         pytest.skip("no native kernels")
     path = str(tmp_path / "tiny-Q4_1.gguf")
     write_gguf(tiny_llama, path, QType.Q4_1)
-    # Every step of 16 or more rows (the prefills here) dequantizes the weights and runs a GEMM.
-    dense = KernelConfig(quant_gemm_rows=16, quant_gemm_dtype="bfloat16" if gemm_dtype == torch.bfloat16 else "float32")
+    # Every step of 16 or more rows (the prefills here) dequantizes the weights and runs a GEMM; the
+    # others (decode steps, the LM head's two rows) take the integer kernel, here with int16
+    # activations: about as exact as float32 ones, so the tokens can be compared.
+    dense = KernelConfig(quant_gemm_rows=16, quant_act_bits=16,
+                         quant_gemm_dtype="bfloat16" if gemm_dtype == torch.bfloat16 else "float32")
     held = load_model(ModelConfig.from_path(path), kernel_config=dense)
     assert all(w.gemm_rows == 16 and w.gemm_dtype == gemm_dtype for w in
                (m.quant_weight for m in held.modules() if getattr(m, "quant_weight", None) is not None))

@@ -180,3 +180,62 @@ def test_quantized_row_ranges_equal_the_per_op_kernel(isa):
                                        weight.d.data_ptr(), weight.m.data_ptr(), weight.bits, width, None,
                                        y.data_ptr(), 22, weight.act_bits, quantized.ISA_CODES[isa], begin, end)
             assert torch.equal(y, ref), (type_name, batch)
+
+
+@pytest.mark.parametrize("family,threads", [("llama", None), ("qwen2", 2), ("gemma2", 3)])
+def test_lm_head_runs_inside_the_native_call(configs, monkeypatch, family, threads):
+    """The logits of the sampled rows come out of the native call (the torch LM head runs
+    only for the steps it declines: here the prefills) and equal the torch LM head's, with
+    greedy tokens identical for 64 steps; an untied head, a tied one, Gemma's soft-capping."""
+    model = load_model(configs(family))
+    torch_head_rows, head_type = [0], type(model.lm_head)
+    logits = head_type.logits
+
+    def counting(self, hidden):
+        torch_head_rows[0] += hidden.shape[0]
+        return logits(self, hidden)
+    monkeypatch.setattr(head_type, "logits", counting)
+    model._native = native_decoder.NativeDecoder.for_model(model)
+    assert model._native._head is not None
+    if threads:
+        model._native.num_threads = threads
+    prompts = _prompts([17, 30], seed=5)
+    ours = run_greedy(PagedRunner(model, block_size=4), prompts, NUM_NEW, chunk=16)
+    assert torch_head_rows[0] == 4  # the two prefill steps (32 and 15 tokens), two rows each
+    ref = run_greedy(PagedRunner(_torch_path(load_model(configs(family))), block_size=4), prompts, NUM_NEW, chunk=16)
+    _assert_same(ours, ref)
+
+
+def test_lm_head_stays_outside_when_the_native_call_cannot_take_it(configs):
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN packing here")
+    model = load_model(configs("llama"))
+    model.lm_head.pack_weight(keep_plain=False)  # held only in oneDNN's layout
+    decoder = native_decoder.NativeDecoder.for_model(model)
+    assert decoder is not None and decoder._head is None
+    model._native = decoder
+    ref_model = _torch_path(load_model(configs("llama")))
+    prompts = _prompts([6], seed=6)
+    _assert_same(run_greedy(PagedRunner(model), prompts, 8, chunk=8),
+                 run_greedy(PagedRunner(ref_model), prompts, 8, chunk=8))
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+def test_quantized_lm_head_in_the_call_for_one_and_two_sequences(tmp_path_factory, isa):
+    """A Q8_0 LM head runs in the call, for one sequence (on AVX512-VNNI with int8 activations
+    the single-row kernel) and for two (the tiled one): logits as the torch LM head's."""
+    if quantized.kernel_isa() is None or not quantized.isa_available(isa):
+        pytest.skip(f"the {isa} kernel path does not run here")
+    from paged_kv_helper import load_hf
+    path = str(tmp_path_factory.mktemp("gguf") / "tiny-Q8_0.gguf")
+    write_gguf(load_hf(save_tiny_model("llama", tmp_path_factory.mktemp("llama"))), path, QType.Q8_0)
+    config, kernel_config = ModelConfig.from_path(path), KernelConfig(quant_isa=isa)
+    model = load_model(config, kernel_config=kernel_config)
+    model._native = native_decoder.NativeDecoder.for_model(model)
+    assert model._native._head is not None
+    for lengths in ([7], [7, 12]):
+        prompts = _prompts(lengths, seed=7)
+        ours = run_greedy(PagedRunner(model), prompts, 16, chunk=3)
+        ref = run_greedy(PagedRunner(_torch_path(load_model(config, kernel_config=kernel_config))), prompts, 16,
+                         chunk=3)
+        _assert_same(ours, ref, max_diff=1e-5)

@@ -101,7 +101,7 @@ def test_float32_gemm_dtype_keeps_the_panel_in_float32():
 
 
 def test_panel_switch_is_read_and_checked():
-    assert KernelConfig.from_env({}).quant_panel_rows == 9
+    assert KernelConfig.from_env({}).quant_panel_rows == 4
     assert KernelConfig.from_env({QUANT_PANEL_ROWS_ENV: "0"}).quant_panel_rows == 0
     for bad in ("some", "-3"):
         with pytest.raises(ConfigError, match=QUANT_PANEL_ROWS_ENV):

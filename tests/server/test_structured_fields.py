@@ -12,7 +12,7 @@ from kvserve.engine.validation import RequestValidator
 from kvserve.errors import InvalidRequestError
 from kvserve.model import grammar
 from kvserve.sampling_params import StructuredOutputsParams as Constraint
-from kvserve.server.protocol import ChatCompletionRequest
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.structured import ConstraintSource, compile_constraint, constraint_from_request
 from kvserve.server.tools import extract_tool_calls, parse_tool_request, parser_for_template
 
@@ -36,6 +36,29 @@ def request(**fields) -> ChatCompletionRequest:
 def test_each_field_maps_to_one_constraint(fields, expected, field_name):
     source = constraint_from_request(request(**fields))
     assert source.params == expected and source.field_name == field_name
+
+
+@pytest.mark.parametrize("spec, param", [
+    (None, "response_format.json_schema"),
+    ({"schema": {"type": "object"}}, "response_format.json_schema.name"),
+    ({"name": "", "schema": {"type": "object"}}, "response_format.json_schema.name"),
+    ({"name": "n", "schema": 5}, "response_format.json_schema.schema"),
+    ({"name": "n", "schema": {"type": "object"}, "strict": "yes"}, "response_format.json_schema.strict"),
+])
+def test_malformed_json_schema_formats_name_their_field(spec, param):
+    with pytest.raises(InvalidRequestError) as info:
+        constraint_from_request(request(response_format={"type": "json_schema", "json_schema": spec}))
+    assert info.value.param == param
+
+
+def test_a_json_schema_format_without_a_schema_is_any_object():
+    source = constraint_from_request(request(response_format={"type": "json_schema", "json_schema": {"name": "n"}}))
+    assert source.params == Constraint(json={"type": "object"})
+
+
+def test_completions_take_response_format_too():
+    body = CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "json_object"}})
+    assert constraint_from_request(body).params == Constraint(json_object=True)
 
 
 def test_text_and_nothing_mean_no_constraint():

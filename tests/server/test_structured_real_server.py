@@ -160,6 +160,20 @@ def test_bad_constraints_are_400_naming_the_parameter_and_the_server_stays_healt
     assert chat(client, max_tokens=2).choices[0].finish_reason == "length"
 
 
+def test_completions_honour_response_format(server, client):
+    """/v1/completions takes `response_format` as vLLM does (it used to be ignored there)."""
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+              "additionalProperties": False}
+    reply = client.completions.create(model=MODEL, prompt="The answer as JSON:", max_tokens=30, temperature=0,
+                                      extra_body={"response_format": {"type": "json_schema",
+                                                                      "json_schema": {"name": "a", "schema": schema}}})
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].text), schema)
+    bad = httpx.post(server.base_url + "/v1/completions", timeout=60,
+                     json={"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format.json_schema.name"
+
+
 def test_python_dash_m_kvserve_is_the_cli():
     result = subprocess.run([sys.executable, "-m", "kvserve", "--version"], capture_output=True, text=True,
                             timeout=60)

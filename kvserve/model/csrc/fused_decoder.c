@@ -107,6 +107,16 @@ typedef struct {
     const float *cos, *sin, *cos_local, *sin_local; /* [T, head_dim] */
 } NativeStep;
 
+/* The LM head inside the call (NULL: none): logits [num_rows, head.out] of the step's
+ * tokens rows[0..num_rows), computed from the final norm's output once every layer is done;
+ * the threads split the vocabulary rows. */
+typedef struct {
+    NativeLinear head;
+    const int64_t *rows;
+    int64_t num_rows;
+    float *logits;
+} NativeLogits;
+
 /* Buffers each thread keeps for itself. */
 typedef struct {
     float *residual, *x, *act; /* [T, hidden], [T, max(hidden, intermediate)], [T, intermediate] */
@@ -270,10 +280,20 @@ static int64_t max_width(const NativeModel *m) {
     return widest > m->num_heads * m->head_dim ? widest : m->num_heads * m->head_dim;
 }
 
-/* hidden [T, hidden]: the scaled embeddings in, the final norm's output out. Returns 0,
- * or 1 when out of memory (hidden unchanged then). */
-int kvserve_decoder_forward(const NativeModel *m, const NativeLayer *layers, const NativeStep *st, float *hidden,
-                            int num_threads) {
+/* This thread's vocabulary rows of the logits (after a barrier: `hidden` is complete). */
+static void head_rows(const NativeModel *m, const NativeLogits *lg, const float *hidden, Private *p, int tid,
+                      int nthreads) {
+    const int64_t H = m->hidden;
+    for (int64_t i = 0; i < lg->num_rows; i++)
+        memcpy(p->x + i * H, hidden + lg->rows[i] * H, sizeof(float) * (size_t)H);
+    linear_rows(m, &lg->head, p->x, lg->num_rows, p, lg->logits, tid, nthreads);
+}
+
+/* hidden [T, hidden]: the scaled embeddings in, the final norm's output out; with `lg`
+ * also the LM head's logits of some of the tokens. Returns 0, or 1 when out of memory
+ * (hidden unchanged then). */
+int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *layers, const NativeStep *st,
+                                   float *hidden, const NativeLogits *lg, int num_threads) {
     const int64_t T = st->num_tokens, H = m->hidden, I = m->intermediate, W = max_width(m);
     const int64_t qkv_width = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
     Shared s = {malloc(sizeof(float) * (size_t)(T * qkv_width)),
@@ -302,9 +322,18 @@ int kvserve_decoder_forward(const NativeModel *m, const NativeLayer *layers, con
                 else
                     norm(m, s.out, p.residual, m->final_norm, hidden, T);
             }
+            if (lg) {
+#pragma omp barrier
+                head_rows(m, lg, hidden, &p, tid, nthreads);
+            }
         }
         free(p.residual), free(p.x), free(p.act), free(p.qx), free(p.scales), free(p.panel);
     }
     free(s.qkv), free(s.attn), free(s.out), free(s.gate_up);
     return failed;
+}
+
+int kvserve_decoder_forward(const NativeModel *m, const NativeLayer *layers, const NativeStep *st, float *hidden,
+                            int num_threads) {
+    return kvserve_decoder_forward_logits(m, layers, st, hidden, NULL, num_threads);
 }

@@ -23,8 +23,10 @@
  * With act_bits = 16 the activations are rounded to int16 per block instead
  * (vpdpwssd / vpmaddwd): about as exact as float32 inputs, at twice the integer
  * work. That is the default (quantized.py): SmolLM2's hidden states carry a few
- * large outliers, and int8 rounding of the rest of their blocks moves the logits
- * enough to flip near-tied greedy choices (llama.cpp's Q8 activations do the same).
+ * large outliers, and int8 rounding of the rest of their blocks flips near-tied
+ * greedy choices (llama.cpp's Q8 activations do the same), though it moves the
+ * default model's perplexity by only +0.5%. Batch-one steps on AVX512-VNNI with
+ * int8 activations take the single-row kernel of quant_gemv.c.
  */
 #include <math.h>
 #include <stdint.h>
@@ -42,6 +44,13 @@
 enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
 #define INLINE static inline __attribute__((always_inline))
+
+/* The single-row kernels (quant_gemv.c): 1 when they took the call. */
+int kvserve_gemv_rows(const int8_t *qx, const float *scales, const uint8_t *qs, const float *d, const float *m,
+                      int bits, int64_t in, const float *bias, float *y, int64_t row_begin, int64_t row_end);
+int kvserve_gemv(const int8_t *qx, const float *scales, const uint8_t *qs, const float *d, const float *m, int bits,
+                 int64_t in, const float *bias, float *y, int64_t out, int num_threads);
+int kvserve_quantize_row8(const float *x, int64_t in, int8_t *qx, float *dx, float *sx);
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define HAVE_AVX512 1
@@ -93,6 +102,7 @@ int kvserve_quant_isa_available(int isa) {
 /* ---- activations ------------------------------------------------------------------ */
 
 static void quantize_row(const void *x, int dtype, int64_t in, int act_bits, void *qx, float *dx, float *sx) {
+    if (dtype == F32 && act_bits == 8 && kvserve_quantize_row8(x, in, qx, dx, sx)) return;
     const float top = act_bits == 16 ? 32767.0f : 127.0f;
     float v[QBLOCK];
     for (int64_t b = 0; b < in / QBLOCK; b++) {
@@ -438,10 +448,16 @@ static void tile_sums(const QWeight *w, int64_t row, int rows, const QAct *a, in
 }
 
 /* sum_j (m_j - offset d_j) sx_j over the blocks of one row: the part of the dot product
- * that the blocks' minimums (and, for the VNNI 8-bit path, the +128 offset) contribute. */
+ * that the blocks' minimums (and, for the VNNI 8-bit path, the +128 offset) contribute.
+ * m may be NULL: every minimum zero (Q8_0), not read. */
 static float min_term(const QWeight *w, int64_t row, const QAct *a, int64_t b, float offset) {
-    const float *m = w->m + row * w->nb, *d = w->d + row * w->nb, *sx = a->sx + b * a->nb;
+    const float *d = w->d + row * w->nb, *sx = a->sx + b * a->nb;
     float acc = 0.0f;
+    if (!w->m) {
+        for (int64_t j = 0; j < w->nb; j++) acc -= offset * d[j] * sx[j];
+        return acc;
+    }
+    const float *m = w->m + row * w->nb;
     for (int64_t j = 0; j < w->nb; j++) acc += (m[j] - offset * d[j]) * sx[j];
     return acc;
 }
@@ -477,6 +493,12 @@ int kvserve_quant_linear(const void *x, int64_t x_stride, int64_t batch, const u
     const int64_t full_tiles = out / TILE_ROWS;
     const int64_t tiles = full_tiles + out % TILE_ROWS;
     if (out * w.row_bytes * (batch > 4 ? 4 : 1) < PARALLEL_MIN_BYTES) num_threads = 1;
+    if (batch == 1 && act_bits == 8 && isa == ISA_AVX512 && dtype == F32 &&
+        kvserve_gemv(qx, scales, qs, d, m, bits, in, bias, y, out, num_threads)) {
+        free(qx);
+        free(scales);
+        return 0;
+    }
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
     for (int64_t t = 0; t < tiles; t++) {
         int64_t row = t < full_tiles ? t * TILE_ROWS : full_tiles * TILE_ROWS + (t - full_tiles);
@@ -528,6 +550,9 @@ void kvserve_quant_rows(const void *qx, const float *scales, int64_t batch, cons
     QWeight w = {qs, d, m, row_bytes_of(bits, in), nb, bits};
     QAct a = {act_bits == 8 ? (const int8_t *)qx : NULL, act_bits == 16 ? (const int16_t *)qx : NULL, scales,
               scales + batch * nb, in, nb};
+    if (batch == 1 && act_bits == 8 && isa == ISA_AVX512 &&
+        kvserve_gemv_rows(qx, scales, qs, d, m, bits, in, bias, y, row_begin, row_end))
+        return;
     const float offset = (isa == ISA_AVX512 && bits == 8 && act_bits == 8) ? 128.0f : 0.0f;
     float sums[TILE_ROWS][TILE_BATCH];
     for (int64_t row = row_begin; row < row_end;) {

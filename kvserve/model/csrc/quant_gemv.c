@@ -1,0 +1,241 @@
+/* One activation row times block-quantized weights (batch one, int8 activations),
+ * AVX512-VNNI: the decode step of a single stream.
+ *
+ * Same weight layout and activation rounding as quant_linear.c, whose general
+ * tile kernel is built for several activation rows and pays per weight row for
+ * things a single row cannot share out: a horizontal sum per tail block, a full
+ * 16-lane reduction, and a scalar pass over the blocks' minimums. At the default
+ * model's widths (576 columns: four groups of four blocks and two tail blocks)
+ * those cost more than the multiplies. Here four weight rows go together and
+ * everything stays in vectors until the end:
+ * - groups of four 4-bit blocks (or pairs of 8-bit blocks) accumulate
+ *   d * dx * (integer dot) in one 16-lane float vector per row,
+ * - tail 4-bit blocks in an 8-lane vector per row (no per-block reduction),
+ * - the minimums' term sum_j m_j sx_j (and d_j sx_j for the 8-bit offset, see
+ *   tile8_avx512) in a 4-lane vector per row, four blocks at a time,
+ * and the four rows are reduced together into one 4-lane result.
+ * The integer sums are the other paths' exactly; only float32 summation order differs.
+ */
+#include <omp.h>
+#include <stdint.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+
+#define QBLOCK 32
+#define GROUP_COLS 128
+#define ROWS 4
+#define PREFETCH_BYTES 1024
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* One weight matrix as quant_linear.c lays it out; m may be NULL (all minimums zero). */
+typedef struct {
+    const uint8_t *qs;
+    const float *d, *m;
+    int64_t row_bytes, nb;
+} Rows;
+
+/* The activation row: int8 quants, per-block scale dx and dx * sum(quants) sx. */
+typedef struct {
+    const int8_t *qx;
+    const float *dx, *sx;
+} Act;
+
+/* Lanes 0-7 take lane 2k of v, lanes 8-15 lane 2k + 1 (k = 0 or 1). */
+INLINE __m512 spread(__m128 v, __m512i idx) { return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v)); }
+
+/* {sum a[0], sum a[1], sum a[2], sum a[3]} for four 8-lane vectors. */
+INLINE __m128 reduce4_256(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* {sum a[0], ..., sum a[3]} for four 4-lane vectors. */
+INLINE __m128 reduce4_128(__m128 a0, __m128 a1, __m128 a2, __m128 a3) {
+    return _mm_hadd_ps(_mm_hadd_ps(a0, a1), _mm_hadd_ps(a2, a3));
+}
+
+INLINE __m256 fold512(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+}
+
+/* m_j sx_j (+ scale d_j sx_j) over 4-block runs starting at block `first` of rows r..r+3, into mt. */
+INLINE void min_terms(const Rows *w, const Act *a, const int64_t row[ROWS], int64_t first, float d_scale,
+                      __m128 mt[ROWS]) {
+    __m128 sx = _mm_loadu_ps(a->sx + first);
+    for (int r = 0; r < ROWS; r++) {
+        if (w->m) mt[r] = _mm_fmadd_ps(_mm_loadu_ps(w->m + row[r] * w->nb + first), sx, mt[r]);
+        if (d_scale != 0.0f)
+            mt[r] = _mm_fmadd_ps(_mm_mul_ps(_mm_loadu_ps(w->d + row[r] * w->nb + first), _mm_set1_ps(d_scale)), sx,
+                                 mt[r]);
+    }
+}
+
+/* Blocks whose count is not a multiple of four: their minimum terms one at a time. */
+static float min_term_block(const Rows *w, const Act *a, int64_t row, int64_t blk, float d_scale) {
+    float m = w->m ? w->m[row * w->nb + blk] : 0.0f;
+    return (m + d_scale * w->d[row * w->nb + blk]) * a->sx[blk];
+}
+
+/* Four rows (indices row[]) of 4-bit weights: their dot products with the activation row. */
+INLINE __m128 rows4_q4(const Rows *w, const Act *a, const int64_t row[ROWS]) {
+    const __m512i low = _mm512_set1_epi8(15);
+    const __m512i idx0 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i idx1 = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+    __m512 acc[ROWS];
+    __m256 tail[ROWS];
+    __m128 mt[ROWS];
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps(), tail[r] = _mm256_setzero_ps(), mt[r] = _mm_setzero_ps();
+    const int64_t groups = w->nb / 4;
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i x0 = _mm512_loadu_si512(a->qx + g * GROUP_COLS), x1 = _mm512_loadu_si512(a->qx + g * GROUP_COLS + 64);
+        __m128 dx = _mm_loadu_ps(a->dx + g * 4);
+        for (int r = 0; r < ROWS; r++) {
+            const uint8_t *p = w->qs + row[r] * w->row_bytes + g * 64;
+            _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+            __m512i v = _mm512_loadu_si512(p);
+            __m128 s = _mm_mul_ps(_mm_loadu_ps(w->d + row[r] * w->nb + g * 4), dx);
+            __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, low), x0);
+            __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(_mm512_srli_epi16(v, 4), low), x1);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), spread(s, idx0), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), spread(s, idx1), acc[r]);
+        }
+        min_terms(w, a, row, g * 4, 0.0f, mt);
+    }
+    float extra[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const __m128i low16 = _mm_set1_epi8(15);
+    for (int64_t blk = groups * 4; blk < w->nb; blk++) {
+        __m256i x = _mm256_loadu_si256((const __m256i *)(a->qx + blk * QBLOCK));
+        for (int r = 0; r < ROWS; r++) {
+            __m128i bytes = _mm_loadu_si128((const __m128i *)(w->qs + row[r] * w->row_bytes + groups * 64 +
+                                                              (blk - groups * 4) * 16));
+            __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low16), _mm_and_si128(bytes, low16));
+            __m256 isum = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x));
+            tail[r] = _mm256_fmadd_ps(isum, _mm256_set1_ps(w->d[row[r] * w->nb + blk] * a->dx[blk]), tail[r]);
+            extra[r] += min_term_block(w, a, row[r], blk, 0.0f);
+        }
+    }
+    __m128 dots = reduce4_256(_mm256_add_ps(fold512(acc[0]), tail[0]), _mm256_add_ps(fold512(acc[1]), tail[1]),
+                              _mm256_add_ps(fold512(acc[2]), tail[2]), _mm256_add_ps(fold512(acc[3]), tail[3]));
+    return _mm_add_ps(_mm_add_ps(dots, reduce4_128(mt[0], mt[1], mt[2], mt[3])), _mm_loadu_ps(extra));
+}
+
+/* Four rows of 8-bit weights. q is signed, so it is offset by 128 (xor 0x80) to be
+ * vpdpbusd's unsigned operand; the 128 * sum(qx) that adds is taken off with -128 d_j sx_j. */
+INLINE __m128 rows4_q8(const Rows *w, const Act *a, const int64_t row[ROWS]) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512i idx0 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i idx1 = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+    __m512 acc[ROWS];
+    __m128 mt[ROWS];
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps(), mt[r] = _mm_setzero_ps();
+    const int64_t quads = w->nb / 4;
+    for (int64_t g = 0; g < quads; g++) {
+        __m512i x0 = _mm512_loadu_si512(a->qx + g * 128), x1 = _mm512_loadu_si512(a->qx + g * 128 + 64);
+        __m128 dx = _mm_loadu_ps(a->dx + g * 4);
+        for (int r = 0; r < ROWS; r++) {
+            const uint8_t *p = w->qs + row[r] * w->row_bytes + g * 128;
+            _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)p + PREFETCH_BYTES + 64, _MM_HINT_T0);
+            __m128 s = _mm_mul_ps(_mm_loadu_ps(w->d + row[r] * w->nb + g * 4), dx);
+            __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(_mm512_loadu_si512(p), flip), x0);
+            __m512i i1 =
+                _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(_mm512_loadu_si512(p + 64), flip), x1);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), spread(s, idx0), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), spread(s, idx1), acc[r]);
+        }
+        min_terms(w, a, row, g * 4, -128.0f, mt);
+    }
+    float extra[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
+    __m256 tail[ROWS];
+    const __m256i flip32 = _mm256_set1_epi8((char)0x80);
+    for (int r = 0; r < ROWS; r++) tail[r] = _mm256_setzero_ps();
+    for (int64_t blk = quads * 4; blk < w->nb; blk++) {
+        __m256i x = _mm256_loadu_si256((const __m256i *)(a->qx + blk * QBLOCK));
+        for (int r = 0; r < ROWS; r++) {
+            __m256i q = _mm256_xor_si256(
+                _mm256_loadu_si256((const __m256i *)(w->qs + row[r] * w->row_bytes + blk * QBLOCK)), flip32);
+            __m256 isum = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x));
+            tail[r] = _mm256_fmadd_ps(isum, _mm256_set1_ps(w->d[row[r] * w->nb + blk] * a->dx[blk]), tail[r]);
+            extra[r] += min_term_block(w, a, row[r], blk, -128.0f);
+        }
+    }
+    __m128 dots = reduce4_256(_mm256_add_ps(fold512(acc[0]), tail[0]), _mm256_add_ps(fold512(acc[1]), tail[1]),
+                              _mm256_add_ps(fold512(acc[2]), tail[2]), _mm256_add_ps(fold512(acc[3]), tail[3]));
+    return _mm_add_ps(_mm_add_ps(dots, reduce4_128(mt[0], mt[1], mt[2], mt[3])), _mm_loadu_ps(extra));
+}
+
+/* x [in] float32 rounded per block of 32 to int8 exactly as quant_linear.c's quantize_row
+ * does (same amax, same scale and reciprocal, round to nearest even), 16 lanes at a time:
+ * qx [in], dx and sx = dx * sum(q) per block. Returns 1 (0 in a build without AVX-512). */
+int kvserve_quantize_row8(const float *x, int64_t in, int8_t *qx, float *dx, float *sx) {
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int64_t b = 0; b < in / QBLOCK; b++) {
+        __m512 v0 = _mm512_loadu_ps(x + b * QBLOCK), v1 = _mm512_loadu_ps(x + b * QBLOCK + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
+        __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+        _mm_storeu_si128((__m128i *)(qx + b * QBLOCK), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(qx + b * QBLOCK + 16), _mm512_cvtsepi32_epi8(q1));
+        dx[b] = amax / 127.0f;
+        sx[b] = dx[b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+    return 1;
+}
+
+/* y[row] = x . W[row] (+ bias[row]) for rows row_begin..row_end, on the calling thread.
+ * qx: int8 activations of one row (in columns); scales: dx of each block, then sx
+ * (kvserve_quant_activations' layout for batch one). bits 4 or 8; m may be NULL when
+ * every minimum is zero. Returns 1, or 0 when this build or `bits` has no such path. */
+int kvserve_gemv_rows(const int8_t *qx, const float *scales, const uint8_t *qs, const float *d, const float *m,
+                      int bits, int64_t in, const float *bias, float *y, int64_t row_begin, int64_t row_end) {
+    if (bits != 4 && bits != 8) return 0;
+    const int64_t nb = in / QBLOCK;
+    Rows w = {qs, d, m, bits == 4 ? in / 2 : in, nb};
+    Act a = {qx, scales, scales + nb};
+    for (int64_t r0 = row_begin; r0 < row_end; r0 += ROWS) {
+        int64_t row[ROWS];
+        for (int r = 0; r < ROWS; r++) row[r] = r0 + r < row_end ? r0 + r : row_end - 1; /* repeat the last row */
+        float out[ROWS];
+        _mm_storeu_ps(out, bits == 4 ? rows4_q4(&w, &a, row) : rows4_q8(&w, &a, row));
+        for (int r = 0; r < ROWS && r0 + r < row_end; r++) y[r0 + r] = out[r] + (bias ? bias[r0 + r] : 0.0f);
+    }
+    return 1;
+}
+
+/* All `out` rows of y = x W^T (+ bias), the rows shared out over num_threads threads in
+ * whole runs of four. Same arguments and result as kvserve_gemv_rows. */
+int kvserve_gemv(const int8_t *qx, const float *scales, const uint8_t *qs, const float *d, const float *m, int bits,
+                 int64_t in, const float *bias, float *y, int64_t out, int num_threads) {
+    if (bits != 4 && bits != 8) return 0;
+    const int64_t runs = (out + ROWS - 1) / ROWS;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        const int64_t tid = omp_get_thread_num(), n = omp_get_num_threads();
+        int64_t begin = runs * tid / n * ROWS, end = runs * (tid + 1) / n * ROWS;
+        kvserve_gemv_rows(qx, scales, qs, d, m, bits, in, bias, y, begin, end < out ? end : out);
+    }
+    return 1;
+}
+#else
+int kvserve_gemv_rows(const int8_t *qx, const float *scales, const uint8_t *qs, const float *d, const float *m,
+                      int bits, int64_t in, const float *bias, float *y, int64_t row_begin, int64_t row_end) {
+    (void)qx, (void)scales, (void)qs, (void)d, (void)m, (void)bits, (void)in, (void)bias, (void)y, (void)row_begin,
+        (void)row_end;
+    return 0;
+}
+
+int kvserve_quantize_row8(const float *x, int64_t in, int8_t *qx, float *dx, float *sx) {
+    (void)x, (void)in, (void)qx, (void)dx, (void)sx;
+    return 0;
+}
+
+int kvserve_gemv(const int8_t *qx, const float *scales, const uint8_t *qs, const float *d, const float *m, int bits,
+                 int64_t in, const float *bias, float *y, int64_t out, int num_threads) {
+    (void)qx, (void)scales, (void)qs, (void)d, (void)m, (void)bits, (void)in, (void)bias, (void)y, (void)out,
+        (void)num_threads;
+    return 0;
+}
+#endif
