@@ -17,7 +17,8 @@ at a narrower one (for tests and comparisons). The kernel rounds the activations
 per block of 32 to int16 (`KernelConfig.quant_act_bits`), about as exact as float32
 inputs; KVSERVE_QUANT_ACT_BITS=8 rounds to int8 as llama.cpp does: faster (batch-one
 steps take the single-row kernel), the default model's perplexity +0.5% from float32
-weights', but near-tied greedy tokens flip (so do llama.cpp's on the same file). Steps of many rows (prefill; `KernelConfig.quant_gemm_rows`,
+weights', but near-tied greedy tokens flip (so do llama.cpp's on the same file).
+Steps of many rows (prefill; `KernelConfig.quant_gemm_rows`,
 320 by default) rebuild the weight densely instead (`dequantize_dense`, bfloat16 on
 CPUs with native bfloat16) and run oneDNN's GEMM, several times faster there; steps
 between (from `KernelConfig.quant_panel_rows`, 4 by default: batched decode, mixed
