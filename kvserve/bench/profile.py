@@ -27,7 +27,9 @@ from kvserve.bench.workloads import random_token_ids
 # Weight matmuls, whichever kernel the model picks (F.linear, addmm, oneDNN's _linear_pointwise, ...).
 _MATMUL_OP = re.compile(r"linear|addmm|matmul|bmm|\bmm\b")
 
+NATIVE_DECODER = "native decoder call (all layers, LM head where it runs there)"
 CATEGORIES = (
+    NATIVE_DECODER,
     "matmul (weights)",
     "attention",
     "sampling",
@@ -77,6 +79,8 @@ def _category(function: tuple[str, int, str], caller: tuple[str, int, str] | Non
     # A native kernel's time shows as its ctypes wrapper's own.
     if name == "paged_attention_cpu":
         return "attention"
+    if name == "forward" and filename.endswith("model/native_decoder.py"):
+        return NATIVE_DECODER
     if name == "small_linear" or (name in ("linear", "panel_linear") and filename.endswith("model/quantized.py")):
         return "matmul (weights)"
     area = _kvserve_area(filename)
