@@ -41,7 +41,7 @@ from kvserve.config import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("bf16.h", "paged_attention.c", "fused_ops.c", "small_linear.c", "quant_linear.c", "quant_gemv.c",
+_SOURCES = ("bf16.h", "bf16_tile.h", "paged_attention.c", "fused_ops.c", "small_linear.c", "quant_linear.c", "quant_gemv.c",
             "quant_gemm.c", "bf16_rows.c", "fused_decoder.c", "grammar_mask.c")
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}

@@ -123,35 +123,16 @@ __attribute__((noinline)) static void tile_avx2(const uint16_t *w, int64_t in, c
 #endif
 
 #if HAVE_AVX512_BF16
-INLINE void tile_avx512_fixed(const uint16_t *w, int64_t in, const uint16_t *xb, int rows, int batch,
-                              float sums[TILE_ROWS][TILE_BATCH]) {
-    __m512 acc[TILE_ROWS][TILE_BATCH];
-    for (int r = 0; r < rows; r++)
-        for (int b = 0; b < batch; b++) acc[r][b] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < in; i += 32) {
-        __mmask32 mask = in - i >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (in - i)) - 1);
-        __m512bh wv[TILE_ROWS];
-        for (int r = 0; r < rows; r++) {
-            _mm_prefetch((const char *)(w + r * in + i) + PREFETCH_BYTES, _MM_HINT_T0);
-            wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * in + i);
-        }
-        for (int b = 0; b < batch; b++) {
-            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, xb + b * in + i);
-            for (int r = 0; r < rows; r++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], wv[r], xv);
-        }
-    }
-    for (int r = 0; r < rows; r++)
-        for (int b = 0; b < batch; b++) sums[r][b] = _mm512_reduce_add_ps(acc[r][b]);
-}
+#include "bf16_tile.h"
 
 __attribute__((noinline)) static void tile_avx512(const uint16_t *w, int64_t in, const uint16_t *xb, int rows,
                                                   int batch, float sums[TILE_ROWS][TILE_BATCH]) {
 #define CASE(R, B) \
-    if (rows == R && batch == B) { tile_avx512_fixed(w, in, xb, R, B, sums); return; }
+    if (rows == R && batch == B) { bf16_tile_avx512(w, in, xb, in, R, B, sums); return; }
     CASE(4, 4) CASE(4, 3) CASE(4, 2) CASE(4, 1)
     CASE(1, 4) CASE(1, 3) CASE(1, 2) CASE(1, 1)
 #undef CASE
-    tile_avx512_fixed(w, in, xb, rows, batch, sums);
+    bf16_tile_avx512(w, in, xb, in, rows, batch, sums);
 }
 #endif
 

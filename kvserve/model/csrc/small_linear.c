@@ -55,26 +55,7 @@ INLINE void tile_f32(const float *w, int64_t in, const float *x, int64_t x_strid
 
 #if defined(__AVX512BF16__)
 #define HAVE_BF16 1
-INLINE void tile_bf16(const uint16_t *w, int64_t in, const uint16_t *x, int64_t x_stride, int rows, int batch,
-                      float sums[TILE_ROWS][TILE_BATCH]) {
-    __m512 acc[TILE_ROWS][TILE_BATCH];
-    for (int r = 0; r < rows; r++)
-        for (int b = 0; b < batch; b++) acc[r][b] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < in; i += 32) {
-        __mmask32 mask = in - i >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (in - i)) - 1);
-        __m512bh wv[TILE_ROWS];
-        for (int r = 0; r < rows; r++) {
-            _mm_prefetch((const char *)(w + r * in + i) + PREFETCH_BYTES, _MM_HINT_T0);
-            wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * in + i);
-        }
-        for (int b = 0; b < batch; b++) {
-            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + b * x_stride + i);
-            for (int r = 0; r < rows; r++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], wv[r], xv);
-        }
-    }
-    for (int r = 0; r < rows; r++)
-        for (int b = 0; b < batch; b++) sums[r][b] = _mm512_reduce_add_ps(acc[r][b]);
-}
+#include "bf16_tile.h"
 #endif
 #endif /* __AVX512F__ */
 
@@ -97,7 +78,7 @@ INLINE void tile_sums(const void *w, int64_t row, int64_t in, const void *x, int
                       int dtype, float sums[TILE_ROWS][TILE_BATCH]) {
 #if HAVE_BF16
     if (dtype == BF16) {
-        tile_bf16((const uint16_t *)w + row * in, in, (const uint16_t *)x, x_stride, rows, batch, sums);
+        bf16_tile_avx512((const uint16_t *)w + row * in, in, (const uint16_t *)x, x_stride, rows, batch, sums);
         return;
     }
 #endif
