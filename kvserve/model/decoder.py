@@ -245,6 +245,11 @@ class DecoderModel(nn.Module):
                 logits = self.lm_head.logits(hidden[logits_rows])
         return self._finish_logits(logits)
 
+    @property
+    def native_decoder(self) -> NativeDecoder | None:
+        """The native decoder small steps run through, once a step has built it; else None."""
+        return self._native if isinstance(self._native, NativeDecoder) else None
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  attn_metadata_by_group: list[AttentionMetadata], kv_caches: dict[str, torch.Tensor],
                  logits_rows: torch.Tensor | None, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:

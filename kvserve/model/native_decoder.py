@@ -25,6 +25,7 @@ path `ModelKernels.bf16_isa`), and the output is cast back to bfloat16.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 
@@ -71,8 +72,8 @@ class _Model(ctypes.Structure):
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("num_tokens", _i64), ("num_draft_tokens", _i64), ("positions", _ptr), ("table_row", _ptr), ("token_index", _ptr),
-                ("block_table", _ptr * _MAX_GROUPS), ("block_table_stride", _i64 * _MAX_GROUPS),
+    _fields_ = [("num_tokens", _i64), ("num_draft_tokens", _i64), ("positions", _ptr), ("table_row", _ptr),
+                ("token_index", _ptr), ("block_table", _ptr * _MAX_GROUPS), ("block_table_stride", _i64 * _MAX_GROUPS),
                 ("slots", _ptr * _MAX_GROUPS), ("cos", _ptr), ("sin", _ptr), ("cos_local", _ptr),
                 ("sin_local", _ptr)]
 
@@ -92,6 +93,33 @@ def bf16_isa(kernel_config: KernelConfig | None = None) -> str | None:
     ceiling = ISA_CODES[config.quant_isa] if config.quant_isa else max(ISA_CODES.values())
     return QUANT_ISAS[max(code for code in ISA_CODES.values()
                           if code <= ceiling and lib.kvserve_bf16_isa_available(code))]
+
+
+# The phases of csrc/phase_timer.h, in its order.
+PHASES = ("norms, residual adds, gate activation", "activation rounding", "QKV matmul",
+          "attention (Q/K norms, RoPE, K/V write, paged attention)", "O matmul", "gate/up matmul", "down matmul",
+          "LM head matmul", "barrier wait")
+
+
+@contextlib.contextmanager
+def phase_timing(num_threads: int):
+    """Times the native calls made inside the block by phase (csrc/phase_timer.h) and
+    fills the yielded dict on exit: "calls", and "threads", one {phase: seconds} per
+    thread. Off outside such a block. Yields an empty dict without the library."""
+    lib = cpu_kernels.load_library()
+    result: dict = {}
+    if lib is None:
+        yield result
+        return
+    lib.kvserve_decoder_profile_enable(1)
+    try:
+        yield result
+    finally:
+        sums = (ctypes.c_double * (num_threads * len(PHASES)))()
+        result["calls"] = int(lib.kvserve_decoder_profile_read(sums, num_threads))
+        lib.kvserve_decoder_profile_enable(0)
+        result["threads"] = [{name: sums[t * len(PHASES) + k] for k, name in enumerate(PHASES)}
+                             for t in range(num_threads)]
 
 
 class NativeDeclined(Exception):

@@ -239,3 +239,25 @@ def test_quantized_lm_head_in_the_call_for_one_and_two_sequences(tmp_path_factor
         ref = run_greedy(PagedRunner(_torch_path(load_model(config, kernel_config=kernel_config))), prompts, 16,
                          chunk=3)
         _assert_same(ours, ref, max_diff=1e-5)
+
+
+def test_phase_timing_splits_the_call_and_is_off_outside_its_block(configs):
+    """`phase_timing` (csrc/phase_timer.h) counts the calls made inside it and charges
+    each thread's time to phases: every matmul and the attention get some, one thread's
+    phases add up to about its wall time; calls outside the block are not counted."""
+    model = load_model(configs("llama"))
+    model._native = native_decoder.NativeDecoder.for_model(model)
+    model._native.num_threads = 2  # the tiny layers would run on one thread
+    runner = PagedRunner(model)
+    run_greedy(runner, _prompts([5]), 2, chunk=8)  # outside: not counted
+    with native_decoder.phase_timing(2) as timing:
+        run_greedy(runner, _prompts([6], seed=2), 4, chunk=8)
+    assert timing["calls"] == 4  # the 6-token prompt and 3 decode steps, all native
+    for thread in timing["threads"]:
+        assert set(thread) == set(native_decoder.PHASES)
+        for phase in ("QKV matmul", "O matmul", "gate/up matmul", "down matmul", "LM head matmul",
+                      "attention (Q/K norms, RoPE, K/V write, paged attention)"):
+            assert thread[phase] > 0, phase
+    with native_decoder.phase_timing(2) as idle:
+        pass
+    assert idle["calls"] == 0 and all(v == 0 for t in idle["threads"] for v in t.values())

@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "phase_timer.h"
 
 #define MAX_GROUPS 8
 #define TOKEN_SPLIT_MIN 8 /* steps of this many tokens split attention by tokens, not KV heads */
@@ -128,6 +129,7 @@ typedef struct {
     void *qx;                  /* quantized activations (or the panel GEMM's prepared ones) */
     float *scales;
     void *panel; /* the panel GEMM's weight panel */
+    PhaseTimer timer;
 } Private;
 
 /* Buffers all threads write (disjoint parts) and then read. */
@@ -152,6 +154,7 @@ static void linear_rows(const NativeModel *m, const NativeLinear *l, const float
     if (l->qs && l->panel_isa >= 0 && m->panel_rows && plain_rows >= m->panel_rows) {
         split_rows(l->out, 16, tid, nthreads, &begin, &end); /* whole panels (PANEL_ROWS of quant_gemm.c) */
         kvserve_quant_gemm_prepare(x, l->in, T, l->in, F32, l->panel_isa, p->qx);
+        phase_mark(&p->timer, PHASE_QUANTIZE);
         kvserve_quant_gemm_rows(p->qx, T, l->qs, l->d, l->m, l->bits, l->in, l->bias, y, l->out, l->panel_isa, begin,
                                 end, p->panel);
         return;
@@ -167,12 +170,14 @@ static void linear_rows(const NativeModel *m, const NativeLinear *l, const float
     }
     if (l->qs) {
         kvserve_quant_activations(x, l->in, T, l->in, l->act_bits, p->qx, p->scales);
+        phase_mark(&p->timer, PHASE_QUANTIZE);
         kvserve_quant_rows(p->qx, p->scales, T, l->qs, l->d, l->m, l->bits, l->in, l->bias, y, l->out, l->act_bits,
                            l->isa, begin, end);
         return;
     }
     if (l->w_dtype == BF16) { /* bf16_rows.c: x rounded to bfloat16 into this thread's buffer */
         kvserve_bf16_round_rows(x, l->in, T, l->in, (uint16_t *)p->qx);
+        phase_mark(&p->timer, PHASE_QUANTIZE);
         kvserve_bf16_linear_rows((const uint16_t *)p->qx, T, (const uint16_t *)l->w, l->bias, l->in, y, l->out,
                                  l->isa, begin, end);
         return;
@@ -248,6 +253,13 @@ static void attention_tokens(const NativeModel *m, const NativeLayer *l, const N
 /* One decoder layer. The stream is p->residual (sandwich norms), or p->residual + s->out
  * (pre-norm: s->out holds the previous layer's MLP output, added in by the first norm;
  * the first layer's stream is p->residual alone). */
+/* A barrier, charged to PHASE_WAIT (the work before it to `phase`). */
+static void wait_all(Private *p, int phase) {
+    phase_mark(&p->timer, phase);
+#pragma omp barrier
+    phase_mark(&p->timer, PHASE_WAIT);
+}
+
 static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *st, Private *p, const Shared *s,
                   int first, int tid, int nthreads) {
     const int64_t T = st->num_tokens, H = m->hidden, I = m->intermediate, plain = T - st->num_draft_tokens;
@@ -256,18 +268,19 @@ static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *
     } else {
         norm(m, first ? p->residual : s->out, first ? NULL : p->residual, l->input_norm, p->x, T);
     }
+    phase_mark(&p->timer, PHASE_NORMS);
     linear_rows(m, &l->qkv, p->x, T, plain, p, s->qkv, tid, nthreads);
-#pragma omp barrier
+    wait_all(p, PHASE_QKV);
     if (T >= TOKEN_SPLIT_MIN && nthreads > 1) {
         attention_heads(m, l, st, s, 0, tid, nthreads);
-#pragma omp barrier
+        wait_all(p, PHASE_ATTENTION);
         attention_tokens(m, l, st, s, tid, nthreads);
     } else {
         attention_heads(m, l, st, s, 1, tid, nthreads);
     }
-#pragma omp barrier
+    wait_all(p, PHASE_ATTENTION);
     linear_rows(m, &l->o, s->attn, T, plain, p, s->out, tid, nthreads);
-#pragma omp barrier
+    wait_all(p, PHASE_O);
     if (m->sandwich) {
         norm(m, s->out, NULL, l->post_attention_norm, p->x, T);
         for (int64_t i = 0; i < T * H; i++) p->residual[i] += p->x[i];
@@ -275,14 +288,16 @@ static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *
     } else {
         norm(m, s->out, p->residual, l->post_attention_norm, p->x, T);
     }
+    phase_mark(&p->timer, PHASE_NORMS);
     linear_rows(m, &l->gate_up, p->x, T, plain, p, s->gate_up, tid, nthreads);
-#pragma omp barrier
+    wait_all(p, PHASE_GATE_UP);
     if (m->gelu)
         gelu_tanh_mul(s->gate_up, p->act, T, I);
     else
         kvserve_silu_mul(s->gate_up, p->act, T, I, F32, 1);
+    phase_mark(&p->timer, PHASE_NORMS);
     linear_rows(m, &l->down, p->act, T, plain, p, s->out, tid, nthreads);
-#pragma omp barrier
+    wait_all(p, PHASE_DOWN);
     if (m->sandwich) {
         norm(m, s->out, NULL, l->post_feedforward_norm, p->x, T);
         for (int64_t i = 0; i < T * H; i++) p->residual[i] += p->x[i];
@@ -302,6 +317,7 @@ static void head_rows(const NativeModel *m, const NativeLogits *lg, const Native
         memcpy(p->x + i * H, hidden + lg->rows[i] * H, sizeof(float) * (size_t)H);
     /* every draft token has a logits row (its target distribution) */
     linear_rows(m, &lg->head, p->x, lg->num_rows, lg->num_rows - st->num_draft_tokens, p, lg->logits, tid, nthreads);
+    phase_mark(&p->timer, PHASE_HEAD);
 }
 
 /* hidden [T, hidden]: the scaled embeddings in, the final norm's output out; with `lg`
@@ -323,6 +339,7 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
                      malloc(sizeof(float) * (size_t)(2 * T * (W / 32 + 1))),
                      malloc((size_t)kvserve_quant_gemm_panel_bytes(W))};
         int ok = p.residual && p.x && p.act && p.qx && p.scales && p.panel;
+        phase_start(&p.timer);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -338,9 +355,11 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
                     norm(m, s.out, p.residual, m->final_norm, hidden, T);
             }
             if (lg) {
-#pragma omp barrier
+                wait_all(&p, PHASE_NORMS);
                 head_rows(m, lg, st, hidden, &p, tid, nthreads);
             }
+            phase_mark(&p.timer, PHASE_NORMS);
+            phase_finish(&p.timer, tid);
         }
         free(p.residual), free(p.x), free(p.act), free(p.qx), free(p.scales), free(p.panel);
     }
