@@ -72,8 +72,8 @@ class _Model(ctypes.Structure):
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("num_tokens", _i64), ("positions", _ptr), ("table_row", _ptr), ("token_index", _ptr),
-                ("block_table", _ptr * _MAX_GROUPS), ("block_table_stride", _i64 * _MAX_GROUPS),
+    _fields_ = [("num_tokens", _i64), ("num_draft_tokens", _i64), ("positions", _ptr), ("table_row", _ptr),
+                ("token_index", _ptr), ("block_table", _ptr * _MAX_GROUPS), ("block_table_stride", _i64 * _MAX_GROUPS),
                 ("slots", _ptr * _MAX_GROUPS), ("cos", _ptr), ("sin", _ptr), ("cos_local", _ptr),
                 ("sin_local", _ptr)]
 
@@ -292,11 +292,14 @@ class NativeDecoder:
     # -- a step -----------------------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, metadata_by_group: list[AttentionMetadata],
                 kv_caches: dict[str, torch.Tensor], group_ids: list[int],
-                logits_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                logits_rows: torch.Tensor | None = None,
+                num_draft_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(The final norm's output [T, hidden], the LM head's logits [len(logits_rows), vocab]
         of the tokens `logits_rows` or None) for the embeddings `hidden` [T, hidden] (already
         scaled); None when this step is not one the native call takes. The logits are None
-        too when none are asked for or the LM head is not one the call runs."""
+        too when none are asked for or the LM head is not one the call runs.
+        `num_draft_tokens` of the tokens (each with a logits row) are speculative drafts: the
+        matmul kernels are those of the step without them (see `quantized.excluding_draft_rows`)."""
         num_tokens = hidden.shape[0]
         if not 0 < num_tokens <= self.max_tokens or len(metadata_by_group) > _MAX_GROUPS:
             return None
@@ -307,8 +310,8 @@ class NativeDecoder:
         md0 = metadata_by_group[0]
         table_row, _ = token_positions(md0.query_start_loc.long(), md0.seq_lens.long())
         positions = positions.long().contiguous()
-        step = _Step(num_tokens=num_tokens, positions=positions.data_ptr(), table_row=table_row.data_ptr(),
-                     token_index=self._token_index.data_ptr())
+        step = _Step(num_tokens=num_tokens, num_draft_tokens=num_draft_tokens, positions=positions.data_ptr(),
+                     table_row=table_row.data_ptr(), token_index=self._token_index.data_ptr())
         keep = [positions, table_row]
         for g, md in enumerate(metadata_by_group):
             table, slots = md.block_table.long().contiguous(), md.slot_mapping.long().contiguous()

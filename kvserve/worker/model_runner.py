@@ -167,6 +167,7 @@ class ModelRunner:
             torch.from_numpy(prepared.positions).to(self.device),
             self._build_attention_metadata(prepared),
             self.kv_caches,
+            num_draft_tokens=prepared.total_draft_tokens,
         )
         if not prepared.sampled_req_ids:
             return None
@@ -184,6 +185,7 @@ class ModelRunner:
             self._build_attention_metadata(prepared),
             self.kv_caches,
             torch.from_numpy(prepared.logits_indices).to(self.device),
+            num_draft_tokens=prepared.total_draft_tokens,
         )
 
     def _forward_and_sample(self, prepared: PreparedBatch) -> tuple[dict[str, list[int]], dict]:

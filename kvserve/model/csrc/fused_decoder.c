@@ -47,6 +47,7 @@ void kvserve_quant_gemm_rows(const void *xa, int64_t batch, const uint8_t *qs, c
 void kvserve_quant_rows(const void *qx, const float *scales, int64_t batch, const uint8_t *qs, const float *d,
                         const float *m, int bits, int64_t in, const float *bias, float *y, int64_t y_stride,
                         int act_bits, int isa, int64_t row_begin, int64_t row_end);
+int kvserve_quant_single_row_kernel(int act_bits, int isa);
 void kvserve_bf16_round_rows(const float *x, int64_t x_stride, int64_t batch, int64_t in, uint16_t *xb);
 void kvserve_bf16_linear_rows(const uint16_t *xb, int64_t batch, const uint16_t *w, const float *bias, int64_t in,
                               float *y, int64_t y_stride, int isa, int64_t row_begin, int64_t row_end);
@@ -99,9 +100,13 @@ typedef struct {
 } NativeModel;
 
 /* One step: T tokens; token t sits at positions[t] of the request whose blocks are
- * row table_row[t] of each group's block table, and its K/V go to slots[g][t]. */
+ * row table_row[t] of each group's block table, and its K/V go to slots[g][t].
+ * num_draft_tokens of them are speculative drafts being verified: the matmul kernel is
+ * chosen by the step's tokens without them, so that every row of a verify step goes
+ * through the kernel (and activation rounding) plain decoding would use, and greedy
+ * speculative decoding emits exactly the tokens plain decoding does. */
 typedef struct {
-    int64_t num_tokens;
+    int64_t num_tokens, num_draft_tokens;
     const int64_t *positions, *table_row, *token_index;
     const int64_t *block_table[MAX_GROUPS];
     int64_t block_table_stride[MAX_GROUPS];
@@ -142,11 +147,12 @@ static void split_rows(int64_t out, int64_t unit, int tid, int nthreads, int64_t
     if (*end > out) *end = out;
 }
 
-/* This thread's rows of y [T, out] = x [T, in] W^T (+ bias); x is this thread's own copy. */
-static void linear_rows(const NativeModel *m, const NativeLinear *l, const float *x, int64_t T, Private *p, float *y,
-                        int tid, int nthreads) {
+/* This thread's rows of y [T, out] = x [T, in] W^T (+ bias); x is this thread's own copy.
+ * The kernel is the one a step of `plain_rows` tokens (T less its drafts) takes. */
+static void linear_rows(const NativeModel *m, const NativeLinear *l, const float *x, int64_t T, int64_t plain_rows,
+                        Private *p, float *y, int tid, int nthreads) {
     int64_t begin, end;
-    if (l->qs && l->panel_isa >= 0 && m->panel_rows && T >= m->panel_rows) {
+    if (l->qs && l->panel_isa >= 0 && m->panel_rows && plain_rows >= m->panel_rows) {
         split_rows(l->out, 16, tid, nthreads, &begin, &end); /* whole panels (PANEL_ROWS of quant_gemm.c) */
         kvserve_quant_gemm_prepare(x, l->in, T, l->in, F32, l->panel_isa, p->qx);
         phase_mark(&p->timer, PHASE_QUANTIZE);
@@ -155,6 +161,14 @@ static void linear_rows(const NativeModel *m, const NativeLinear *l, const float
         return;
     }
     split_rows(l->out, 4, tid, nthreads, &begin, &end);
+    if (l->qs && plain_rows == 1 && T > 1 && kvserve_quant_single_row_kernel(l->act_bits, l->isa)) {
+        for (int64_t t = 0; t < T; t++) { /* as T steps of one token: the single-row kernel's sums */
+            kvserve_quant_activations(x + t * l->in, l->in, 1, l->in, l->act_bits, p->qx, p->scales);
+            kvserve_quant_rows(p->qx, p->scales, 1, l->qs, l->d, l->m, l->bits, l->in, l->bias, y + t * l->out,
+                               l->out, l->act_bits, l->isa, begin, end);
+        }
+        return;
+    }
     if (l->qs) {
         kvserve_quant_activations(x, l->in, T, l->in, l->act_bits, p->qx, p->scales);
         phase_mark(&p->timer, PHASE_QUANTIZE);
@@ -249,14 +263,14 @@ static void wait_all(Private *p, int phase) {
 
 static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *st, Private *p, const Shared *s,
                   int first, int tid, int nthreads) {
-    const int64_t T = st->num_tokens, H = m->hidden, I = m->intermediate;
+    const int64_t T = st->num_tokens, H = m->hidden, I = m->intermediate, plain = T - st->num_draft_tokens;
     if (m->sandwich) {
         norm(m, p->residual, NULL, l->input_norm, p->x, T);
     } else {
         norm(m, first ? p->residual : s->out, first ? NULL : p->residual, l->input_norm, p->x, T);
     }
     phase_mark(&p->timer, PHASE_NORMS);
-    linear_rows(m, &l->qkv, p->x, T, p, s->qkv, tid, nthreads);
+    linear_rows(m, &l->qkv, p->x, T, plain, p, s->qkv, tid, nthreads);
     wait_all(p, PHASE_QKV);
     if (T >= TOKEN_SPLIT_MIN && nthreads > 1) {
         attention_heads(m, l, st, s, 0, tid, nthreads);
@@ -266,7 +280,7 @@ static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *
         attention_heads(m, l, st, s, 1, tid, nthreads);
     }
     wait_all(p, PHASE_ATTENTION);
-    linear_rows(m, &l->o, s->attn, T, p, s->out, tid, nthreads);
+    linear_rows(m, &l->o, s->attn, T, plain, p, s->out, tid, nthreads);
     wait_all(p, PHASE_O);
     if (m->sandwich) {
         norm(m, s->out, NULL, l->post_attention_norm, p->x, T);
@@ -276,14 +290,14 @@ static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *
         norm(m, s->out, p->residual, l->post_attention_norm, p->x, T);
     }
     phase_mark(&p->timer, PHASE_NORMS);
-    linear_rows(m, &l->gate_up, p->x, T, p, s->gate_up, tid, nthreads);
+    linear_rows(m, &l->gate_up, p->x, T, plain, p, s->gate_up, tid, nthreads);
     wait_all(p, PHASE_GATE_UP);
     if (m->gelu)
         gelu_tanh_mul(s->gate_up, p->act, T, I);
     else
         kvserve_silu_mul(s->gate_up, p->act, T, I, F32, 1);
     phase_mark(&p->timer, PHASE_NORMS);
-    linear_rows(m, &l->down, p->act, T, p, s->out, tid, nthreads);
+    linear_rows(m, &l->down, p->act, T, plain, p, s->out, tid, nthreads);
     wait_all(p, PHASE_DOWN);
     if (m->sandwich) {
         norm(m, s->out, NULL, l->post_feedforward_norm, p->x, T);
@@ -297,12 +311,13 @@ static int64_t max_width(const NativeModel *m) {
 }
 
 /* This thread's vocabulary rows of the logits (after a barrier: `hidden` is complete). */
-static void head_rows(const NativeModel *m, const NativeLogits *lg, const float *hidden, Private *p, int tid,
-                      int nthreads) {
+static void head_rows(const NativeModel *m, const NativeLogits *lg, const NativeStep *st, const float *hidden,
+                      Private *p, int tid, int nthreads) {
     const int64_t H = m->hidden;
     for (int64_t i = 0; i < lg->num_rows; i++)
         memcpy(p->x + i * H, hidden + lg->rows[i] * H, sizeof(float) * (size_t)H);
-    linear_rows(m, &lg->head, p->x, lg->num_rows, p, lg->logits, tid, nthreads);
+    /* every draft token has a logits row (its target distribution) */
+    linear_rows(m, &lg->head, p->x, lg->num_rows, lg->num_rows - st->num_draft_tokens, p, lg->logits, tid, nthreads);
     phase_mark(&p->timer, PHASE_HEAD);
 }
 
@@ -342,7 +357,7 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
             }
             if (lg) {
                 wait_all(&p, PHASE_NORMS);
-                head_rows(m, lg, hidden, &p, tid, nthreads);
+                head_rows(m, lg, st, hidden, &p, tid, nthreads);
             }
             phase_mark(&p.timer, PHASE_NORMS);
             phase_finish(&p.timer, tid);
