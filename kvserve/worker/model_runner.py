@@ -167,6 +167,7 @@ class ModelRunner:
             torch.from_numpy(prepared.positions).to(self.device),
             self._build_attention_metadata(prepared),
             self.kv_caches,
+            num_draft_tokens=prepared.total_draft_tokens,
         )
         if not prepared.sampled_req_ids:
             return None
@@ -186,7 +187,8 @@ class ModelRunner:
             self._build_attention_metadata(prepared),
             self.kv_caches,
             torch.from_numpy(prepared.logits_indices).to(self.device),
-            None if pending_masks is None else pending_masks.head_mask,
+            num_draft_tokens=prepared.total_draft_tokens,
+            head_mask=None if pending_masks is None else pending_masks.head_mask,
         )
 
     def _forward_and_sample(self, prepared: PreparedBatch) -> tuple[dict[str, list[int]], dict]:

@@ -57,8 +57,9 @@ def _bitmask(rows: int, words: int, seed: int) -> torch.Tensor:
     return bitmask
 
 
-def _runner(config: ModelConfig, num_requests: int, threads: int | None) -> PagedRunner:
-    model = load_model(config, kernel_config=KernelConfig())
+def _runner(config: ModelConfig, num_requests: int, threads: int | None, act_bits: int | None = None) -> PagedRunner:
+    kernel_config = KernelConfig() if act_bits is None else KernelConfig(quant_act_bits=act_bits)
+    model = load_model(config, kernel_config=kernel_config)
     model._native = native_decoder.NativeDecoder.for_model(model)
     if threads:
         model._native.num_threads = threads
@@ -71,15 +72,21 @@ def _runner(config: ModelConfig, num_requests: int, threads: int | None) -> Page
     return runner
 
 
-def _decode_twice(runner: PagedRunner, head_mask: HeadMask) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step of every request without a mask, then the same step with `head_mask`."""
-    schedule = {req_id: 1 for req_id in runner.requests}
+def _decode_twice(runner: PagedRunner, head_mask: HeadMask, num_draft_tokens: int = 0) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+    """One decode step of every request (with `num_draft_tokens`: a verify step of one
+    request, a logits row per token) without a mask, then the same step with `head_mask`."""
+    schedule = {req_id: 1 + num_draft_tokens for req_id in runner.requests}
     computed = {req_id: req.num_computed for req_id, req in runner.requests.items()}
-    plain = torch.stack(list(runner.step(schedule).values()))
+
+    def step(mask):
+        logits = runner.step(schedule, every_token=num_draft_tokens > 0, num_draft_tokens=num_draft_tokens,
+                             head_mask=mask)
+        return torch.cat(list(logits.values())) if num_draft_tokens else torch.stack(list(logits.values()))
+    plain = step(None)
     for req_id, num_computed in computed.items():  # the same step again: the same K/V rewritten
         runner.requests[req_id].num_computed = num_computed
-    masked = torch.stack(list(runner.step(schedule, head_mask=head_mask).values()))
-    return plain, masked
+    return plain, step(head_mask)
 
 
 @pytest.mark.parametrize("isa", MASK_ISAS)
@@ -100,6 +107,21 @@ def test_the_head_masks_its_rows_as_the_reference_does(models, monkeypatch, isa,
     assert head_mask.applied and head_mask.wait_s == 0.0
     assert torch.equal(masked, apply_bitmask(plain, head_mask.bitmask, masked_rows))
     assert torch.isfinite(plain).all()
+
+
+@pytest.mark.parametrize("act_bits", [16, 8])  # 8: on AVX512 each row by the single-row kernel
+def test_a_verify_step_is_masked_row_by_row(models, act_bits):
+    """A speculative verify step (a token and 3 drafts of one request): each logits row has
+    its own bitmask row, every row masked, rows computed with the kernel of a one-token step."""
+    runner = _runner(models("q8_0"), 1, 2, act_bits)
+    for token in (7, 8, 9):
+        runner.append("r0", token)
+    head_mask = HeadMask.empty([0, 1, 2, 3], VOCAB, MASK_ISAS[-1])
+    head_mask.bitmask.copy_(_bitmask(4, VOCAB // 32, seed=act_bits))
+    publish_ready(head_mask, READY_FILLED)
+    plain, masked = _decode_twice(runner, head_mask, num_draft_tokens=3)
+    assert plain.shape[0] == 4 and head_mask.applied
+    assert torch.equal(masked, apply_bitmask(plain, head_mask.bitmask, [0, 1, 2, 3]))
 
 
 def test_the_head_waits_for_a_mask_published_after_the_call_began(models):
