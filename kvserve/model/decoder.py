@@ -9,7 +9,7 @@ from torch import nn
 
 from kvserve.kv_cache.interface import (CircularBufferSpec, FullAttentionSpec, KVCacheConfig, KVCacheSpec,
                                         SlidingWindowSpec)
-from kvserve.model import cpu_kernels
+from kvserve.model import cpu_kernels, quantized
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, AttentionParams, is_windowed
 from kvserve.model.config import ModelConfig
 from kvserve.model.kernels import AttentionShape, ModelKernels
@@ -220,27 +220,39 @@ class DecoderModel(nn.Module):
 
     # -- forward --------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata_by_group: list[AttentionMetadata], kv_caches: dict[str, torch.Tensor]) -> torch.Tensor:
+                attn_metadata_by_group: list[AttentionMetadata], kv_caches: dict[str, torch.Tensor],
+                num_draft_tokens: int = 0) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens.
 
         Small steps on the CPU run every layer in one native call where the model and
-        the step qualify (`NativeDecoder`); the others take the per-op path."""
-        return self._forward(input_ids, positions, attn_metadata_by_group, kv_caches, None)[0]
+        the step qualify (`NativeDecoder`); the others take the per-op path. Where
+        `num_draft_tokens` of the tokens are speculative drafts, every matmul takes the
+        kernel of the step without them (`quantized.excluding_draft_rows`)."""
+        with quantized.excluding_draft_rows(num_draft_tokens):
+            return self._forward(input_ids, positions, attn_metadata_by_group, kv_caches, None, num_draft_tokens)[0]
 
     def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        attn_metadata_by_group: list[AttentionMetadata], kv_caches: dict[str, torch.Tensor],
-                       logits_rows: torch.Tensor) -> torch.Tensor:
+                       logits_rows: torch.Tensor, num_draft_tokens: int = 0) -> torch.Tensor:
         """`compute_logits(forward(...)[logits_rows])`: float32 logits [len(logits_rows), vocab]
         of some of the step's tokens. Where the native call runs the step it runs the LM
-        head too, for those rows only, inside its parallel region."""
-        hidden, logits = self._forward(input_ids, positions, attn_metadata_by_group, kv_caches, logits_rows)
-        if logits is None:
-            logits = self.lm_head.logits(hidden[logits_rows])
+        head too, for those rows only, inside its parallel region. Each of the
+        `num_draft_tokens` drafts has a logits row (see `forward`)."""
+        with quantized.excluding_draft_rows(num_draft_tokens):
+            hidden, logits = self._forward(input_ids, positions, attn_metadata_by_group, kv_caches, logits_rows,
+                                           num_draft_tokens)
+            if logits is None:
+                logits = self.lm_head.logits(hidden[logits_rows])
         return self._finish_logits(logits)
+
+    @property
+    def native_decoder(self) -> NativeDecoder | None:
+        """The native decoder small steps run through, once a step has built it; else None."""
+        return self._native if isinstance(self._native, NativeDecoder) else None
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  attn_metadata_by_group: list[AttentionMetadata], kv_caches: dict[str, torch.Tensor],
-                 logits_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 logits_rows: torch.Tensor | None, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden states after the final norm, the LM head's raw logits of `logits_rows` where
         the native call computed them, else None)."""
         hidden = self.embed_tokens(input_ids).to(self.norm.weight.dtype)
@@ -250,7 +262,8 @@ class DecoderModel(nn.Module):
         if self._native is False:
             self._native = NativeDecoder.for_model(self)
         if self._native is not None:
-            out = self._native.forward(hidden, positions, attn_metadata_by_group, kv_caches, group_ids, logits_rows)
+            out = self._native.forward(hidden, positions, attn_metadata_by_group, kv_caches, group_ids, logits_rows,
+                                       num_draft_tokens)
             if out is not None:
                 return out
         num_positions = max(md.max_seq_len for md in attn_metadata_by_group)
@@ -267,10 +280,12 @@ class DecoderModel(nn.Module):
         """Float32 logits [N, vocab] (final soft-capping applied)."""
         return self._finish_logits(self.lm_head.logits(hidden))
 
-    def compute_logits_on_driver(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def compute_logits_on_driver(self, hidden: torch.Tensor, num_draft_tokens: int = 0) -> torch.Tensor | None:
         """Like `compute_logits`, but the logits are gathered on tensor-parallel rank 0
-        only (every rank must call it); None on the other ranks."""
-        logits = self.lm_head.logits_on_driver(hidden)
+        only (every rank must call it); None on the other ranks. `num_draft_tokens` of the
+        rows are speculative drafts' (see `forward`)."""
+        with quantized.excluding_draft_rows(num_draft_tokens):
+            logits = self.lm_head.logits_on_driver(hidden)
         return None if logits is None else self._finish_logits(logits)
 
     def _finish_logits(self, logits: torch.Tensor) -> torch.Tensor:

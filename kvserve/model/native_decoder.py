@@ -25,6 +25,7 @@ path `ModelKernels.bf16_isa`), and the output is cast back to bfloat16.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 
@@ -53,7 +54,7 @@ _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.
 class _Linear(ctypes.Structure):
     _fields_ = [("qs", _ptr), ("d", _ptr), ("m", _ptr), ("w", _ptr), ("bias", _ptr), ("out", _i64), ("in_", _i64),
                 ("bits", _i32), ("act_bits", _i32), ("isa", _i32), ("w_dtype", _i32), ("panel_isa", _i32),
-                ("unused", _i32)]
+                ("zero_min", _i32)]
 
 
 class _Layer(ctypes.Structure):
@@ -71,8 +72,8 @@ class _Model(ctypes.Structure):
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("num_tokens", _i64), ("positions", _ptr), ("table_row", _ptr), ("token_index", _ptr),
-                ("block_table", _ptr * _MAX_GROUPS), ("block_table_stride", _i64 * _MAX_GROUPS),
+    _fields_ = [("num_tokens", _i64), ("num_draft_tokens", _i64), ("positions", _ptr), ("table_row", _ptr),
+                ("token_index", _ptr), ("block_table", _ptr * _MAX_GROUPS), ("block_table_stride", _i64 * _MAX_GROUPS),
                 ("slots", _ptr * _MAX_GROUPS), ("cos", _ptr), ("sin", _ptr), ("cos_local", _ptr),
                 ("sin_local", _ptr)]
 
@@ -92,6 +93,33 @@ def bf16_isa(kernel_config: KernelConfig | None = None) -> str | None:
     ceiling = ISA_CODES[config.quant_isa] if config.quant_isa else max(ISA_CODES.values())
     return QUANT_ISAS[max(code for code in ISA_CODES.values()
                           if code <= ceiling and lib.kvserve_bf16_isa_available(code))]
+
+
+# The phases of csrc/phase_timer.h, in its order.
+PHASES = ("norms, residual adds, gate activation", "activation rounding", "QKV matmul",
+          "attention (Q/K norms, RoPE, K/V write, paged attention)", "O matmul", "gate/up matmul", "down matmul",
+          "LM head matmul", "barrier wait")
+
+
+@contextlib.contextmanager
+def phase_timing(num_threads: int):
+    """Times the native calls made inside the block by phase (csrc/phase_timer.h) and
+    fills the yielded dict on exit: "calls", and "threads", one {phase: seconds} per
+    thread. Off outside such a block. Yields an empty dict without the library."""
+    lib = cpu_kernels.load_library()
+    result: dict = {}
+    if lib is None:
+        yield result
+        return
+    lib.kvserve_decoder_profile_enable(1)
+    try:
+        yield result
+    finally:
+        sums = (ctypes.c_double * (num_threads * len(PHASES)))()
+        result["calls"] = int(lib.kvserve_decoder_profile_read(sums, num_threads))
+        lib.kvserve_decoder_profile_enable(0)
+        result["threads"] = [{name: sums[t * len(PHASES) + k] for k, name in enumerate(PHASES)}
+                             for t in range(num_threads)]
 
 
 class NativeDeclined(Exception):
@@ -211,6 +239,7 @@ class NativeDecoder:
                 raise NativeDeclined(f"quantized weight of {qw.bits} bits")
             desc.qs, desc.d, desc.m = (self._hold(t).data_ptr() for t in (qw.qs, qw.d, qw.m))
             desc.bits, desc.act_bits = qw.bits, qw.act_bits
+            desc.zero_min = int(not bool(qw.m.any()))  # Q8_0: 4 bytes a block the row kernels need not read
             desc.isa = quantized.ISA_CODES[qw.isa or quantized.kernel_isa() or "portable"]
             desc.panel_isa = quantized.ISA_CODES[quantized.panel_isa(qw)] if qw.panel_rows else -1
             self._panel_rows = max(self._panel_rows, qw.panel_rows)
@@ -263,11 +292,14 @@ class NativeDecoder:
     # -- a step -----------------------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, metadata_by_group: list[AttentionMetadata],
                 kv_caches: dict[str, torch.Tensor], group_ids: list[int],
-                logits_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                logits_rows: torch.Tensor | None = None,
+                num_draft_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(The final norm's output [T, hidden], the LM head's logits [len(logits_rows), vocab]
         of the tokens `logits_rows` or None) for the embeddings `hidden` [T, hidden] (already
         scaled); None when this step is not one the native call takes. The logits are None
-        too when none are asked for or the LM head is not one the call runs."""
+        too when none are asked for or the LM head is not one the call runs.
+        `num_draft_tokens` of the tokens (each with a logits row) are speculative drafts: the
+        matmul kernels are those of the step without them (see `quantized.excluding_draft_rows`)."""
         num_tokens = hidden.shape[0]
         if not 0 < num_tokens <= self.max_tokens or len(metadata_by_group) > _MAX_GROUPS:
             return None
@@ -278,8 +310,8 @@ class NativeDecoder:
         md0 = metadata_by_group[0]
         table_row = md0.token_request_index().long().contiguous()
         positions = positions.long().contiguous()
-        step = _Step(num_tokens=num_tokens, positions=positions.data_ptr(), table_row=table_row.data_ptr(),
-                     token_index=self._token_index.data_ptr())
+        step = _Step(num_tokens=num_tokens, num_draft_tokens=num_draft_tokens, positions=positions.data_ptr(),
+                     table_row=table_row.data_ptr(), token_index=self._token_index.data_ptr())
         keep = [positions, table_row]
         for g, md in enumerate(metadata_by_group):
             table, slots = md.block_table.long().contiguous(), md.slot_mapping.long().contiguous()

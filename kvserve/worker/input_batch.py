@@ -143,6 +143,11 @@ class PreparedBatch:
         return len(self.req_ids)
 
     @property
+    def total_draft_tokens(self) -> int:
+        """The step's speculative draft tokens, over all its requests."""
+        return 0 if self.num_draft_tokens is None else int(self.num_draft_tokens.sum())
+
+    @property
     def sampled_req_ids(self) -> list[str]:
         return [rid for rid, sampled in zip(self.req_ids, self.sample_mask) if sampled]
 

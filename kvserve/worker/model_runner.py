@@ -168,6 +168,7 @@ class ModelRunner:
             self._to_device(prepared.positions),
             self._build_attention_metadata(prepared),
             self.kv_caches,
+            num_draft_tokens=prepared.total_draft_tokens,
         )
         if not prepared.sampled_req_ids:
             return None
@@ -185,6 +186,7 @@ class ModelRunner:
             self._build_attention_metadata(prepared),
             self.kv_caches,
             self._to_device(prepared.logits_indices),
+            num_draft_tokens=prepared.total_draft_tokens,
         )
 
     def _forward_and_sample(self, prepared: PreparedBatch) -> tuple[dict[str, list[int]], dict]:

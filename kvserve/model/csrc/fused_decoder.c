@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "phase_timer.h"
 
 #define MAX_GROUPS 8
 #define TOKEN_SPLIT_MIN 8 /* steps of this many tokens split attention by tokens, not KV heads */
@@ -46,6 +47,7 @@ void kvserve_quant_gemm_rows(const void *xa, int64_t batch, const uint8_t *qs, c
 void kvserve_quant_rows(const void *qx, const float *scales, int64_t batch, const uint8_t *qs, const float *d,
                         const float *m, int bits, int64_t in, const float *bias, float *y, int64_t y_stride,
                         int act_bits, int isa, int64_t row_begin, int64_t row_end);
+int kvserve_quant_single_row_kernel(int act_bits, int isa);
 void kvserve_bf16_round_rows(const float *x, int64_t x_stride, int64_t batch, int64_t in, uint16_t *xb);
 void kvserve_bf16_linear_rows(const uint16_t *xb, int64_t batch, const uint16_t *w, const float *bias, int64_t in,
                               float *y, int64_t y_stride, int isa, int64_t row_begin, int64_t row_end);
@@ -76,7 +78,8 @@ typedef struct {
     const float *bias;
     int64_t out, in;
     int32_t bits, act_bits, isa, w_dtype; /* isa: the quantized or bf16_rows.c kernel's path */
-    int32_t panel_isa, unused;            /* the panel GEMM's path (quant_gemm.c), -1: none */
+    int32_t panel_isa;                    /* the panel GEMM's path (quant_gemm.c), -1: none */
+    int32_t zero_min;                     /* every m is 0 (Q8_0): the row kernels skip reading m */
 } NativeLinear;
 
 typedef struct {
@@ -97,9 +100,13 @@ typedef struct {
 } NativeModel;
 
 /* One step: T tokens; token t sits at positions[t] of the request whose blocks are
- * row table_row[t] of each group's block table, and its K/V go to slots[g][t]. */
+ * row table_row[t] of each group's block table, and its K/V go to slots[g][t].
+ * num_draft_tokens of them are speculative drafts being verified: the matmul kernel is
+ * chosen by the step's tokens without them, so that every row of a verify step goes
+ * through the kernel (and activation rounding) plain decoding would use, and greedy
+ * speculative decoding emits exactly the tokens plain decoding does. */
 typedef struct {
-    int64_t num_tokens;
+    int64_t num_tokens, num_draft_tokens;
     const int64_t *positions, *table_row, *token_index;
     const int64_t *block_table[MAX_GROUPS];
     int64_t block_table_stride[MAX_GROUPS];
@@ -123,6 +130,7 @@ typedef struct {
     void *qx;                  /* quantized activations (or the panel GEMM's prepared ones) */
     float *scales;
     void *panel; /* the panel GEMM's weight panel */
+    PhaseTimer timer;
 } Private;
 
 /* Buffers all threads write (disjoint parts) and then read. */
@@ -139,26 +147,38 @@ static void split_rows(int64_t out, int64_t unit, int tid, int nthreads, int64_t
     if (*end > out) *end = out;
 }
 
-/* This thread's rows of y [T, out] = x [T, in] W^T (+ bias); x is this thread's own copy. */
-static void linear_rows(const NativeModel *m, const NativeLinear *l, const float *x, int64_t T, Private *p, float *y,
-                        int tid, int nthreads) {
+/* This thread's rows of y [T, out] = x [T, in] W^T (+ bias); x is this thread's own copy.
+ * The kernel is the one a step of `plain_rows` tokens (T less its drafts) takes. */
+static void linear_rows(const NativeModel *m, const NativeLinear *l, const float *x, int64_t T, int64_t plain_rows,
+                        Private *p, float *y, int tid, int nthreads) {
     int64_t begin, end;
-    if (l->qs && l->panel_isa >= 0 && m->panel_rows && T >= m->panel_rows) {
+    if (l->qs && l->panel_isa >= 0 && m->panel_rows && plain_rows >= m->panel_rows) {
         split_rows(l->out, 16, tid, nthreads, &begin, &end); /* whole panels (PANEL_ROWS of quant_gemm.c) */
         kvserve_quant_gemm_prepare(x, l->in, T, l->in, F32, l->panel_isa, p->qx);
+        phase_mark(&p->timer, PHASE_QUANTIZE);
         kvserve_quant_gemm_rows(p->qx, T, l->qs, l->d, l->m, l->bits, l->in, l->bias, y, l->out, l->panel_isa, begin,
                                 end, p->panel);
         return;
     }
     split_rows(l->out, 4, tid, nthreads, &begin, &end);
+    if (l->qs && plain_rows == 1 && T > 1 && kvserve_quant_single_row_kernel(l->act_bits, l->isa)) {
+        for (int64_t t = 0; t < T; t++) { /* as T steps of one token: the single-row kernel's sums */
+            kvserve_quant_activations(x + t * l->in, l->in, 1, l->in, l->act_bits, p->qx, p->scales);
+            kvserve_quant_rows(p->qx, p->scales, 1, l->qs, l->d, l->m, l->bits, l->in, l->bias, y + t * l->out,
+                               l->out, l->act_bits, l->isa, begin, end);
+        }
+        return;
+    }
     if (l->qs) {
         kvserve_quant_activations(x, l->in, T, l->in, l->act_bits, p->qx, p->scales);
-        kvserve_quant_rows(p->qx, p->scales, T, l->qs, l->d, l->m, l->bits, l->in, l->bias, y, l->out, l->act_bits,
+        phase_mark(&p->timer, PHASE_QUANTIZE);
+        kvserve_quant_rows(p->qx, p->scales, T, l->qs, l->d, l->zero_min ? NULL : l->m, l->bits, l->in, l->bias, y, l->out, l->act_bits,
                            l->isa, begin, end);
         return;
     }
     if (l->w_dtype == BF16) { /* bf16_rows.c: x rounded to bfloat16 into this thread's buffer */
         kvserve_bf16_round_rows(x, l->in, T, l->in, (uint16_t *)p->qx);
+        phase_mark(&p->timer, PHASE_QUANTIZE);
         kvserve_bf16_linear_rows((const uint16_t *)p->qx, T, (const uint16_t *)l->w, l->bias, l->in, y, l->out,
                                  l->isa, begin, end);
         return;
@@ -234,26 +254,34 @@ static void attention_tokens(const NativeModel *m, const NativeLayer *l, const N
 /* One decoder layer. The stream is p->residual (sandwich norms), or p->residual + s->out
  * (pre-norm: s->out holds the previous layer's MLP output, added in by the first norm;
  * the first layer's stream is p->residual alone). */
+/* A barrier, charged to PHASE_WAIT (the work before it to `phase`). */
+static void wait_all(Private *p, int phase) {
+    phase_mark(&p->timer, phase);
+#pragma omp barrier
+    phase_mark(&p->timer, PHASE_WAIT);
+}
+
 static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *st, Private *p, const Shared *s,
                   int first, int tid, int nthreads) {
-    const int64_t T = st->num_tokens, H = m->hidden, I = m->intermediate;
+    const int64_t T = st->num_tokens, H = m->hidden, I = m->intermediate, plain = T - st->num_draft_tokens;
     if (m->sandwich) {
         norm(m, p->residual, NULL, l->input_norm, p->x, T);
     } else {
         norm(m, first ? p->residual : s->out, first ? NULL : p->residual, l->input_norm, p->x, T);
     }
-    linear_rows(m, &l->qkv, p->x, T, p, s->qkv, tid, nthreads);
-#pragma omp barrier
+    phase_mark(&p->timer, PHASE_NORMS);
+    linear_rows(m, &l->qkv, p->x, T, plain, p, s->qkv, tid, nthreads);
+    wait_all(p, PHASE_QKV);
     if (T >= TOKEN_SPLIT_MIN && nthreads > 1) {
         attention_heads(m, l, st, s, 0, tid, nthreads);
-#pragma omp barrier
+        wait_all(p, PHASE_ATTENTION);
         attention_tokens(m, l, st, s, tid, nthreads);
     } else {
         attention_heads(m, l, st, s, 1, tid, nthreads);
     }
-#pragma omp barrier
-    linear_rows(m, &l->o, s->attn, T, p, s->out, tid, nthreads);
-#pragma omp barrier
+    wait_all(p, PHASE_ATTENTION);
+    linear_rows(m, &l->o, s->attn, T, plain, p, s->out, tid, nthreads);
+    wait_all(p, PHASE_O);
     if (m->sandwich) {
         norm(m, s->out, NULL, l->post_attention_norm, p->x, T);
         for (int64_t i = 0; i < T * H; i++) p->residual[i] += p->x[i];
@@ -261,14 +289,16 @@ static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *
     } else {
         norm(m, s->out, p->residual, l->post_attention_norm, p->x, T);
     }
-    linear_rows(m, &l->gate_up, p->x, T, p, s->gate_up, tid, nthreads);
-#pragma omp barrier
+    phase_mark(&p->timer, PHASE_NORMS);
+    linear_rows(m, &l->gate_up, p->x, T, plain, p, s->gate_up, tid, nthreads);
+    wait_all(p, PHASE_GATE_UP);
     if (m->gelu)
         gelu_tanh_mul(s->gate_up, p->act, T, I);
     else
         kvserve_silu_mul(s->gate_up, p->act, T, I, F32, 1);
-    linear_rows(m, &l->down, p->act, T, p, s->out, tid, nthreads);
-#pragma omp barrier
+    phase_mark(&p->timer, PHASE_NORMS);
+    linear_rows(m, &l->down, p->act, T, plain, p, s->out, tid, nthreads);
+    wait_all(p, PHASE_DOWN);
     if (m->sandwich) {
         norm(m, s->out, NULL, l->post_feedforward_norm, p->x, T);
         for (int64_t i = 0; i < T * H; i++) p->residual[i] += p->x[i];
@@ -281,12 +311,14 @@ static int64_t max_width(const NativeModel *m) {
 }
 
 /* This thread's vocabulary rows of the logits (after a barrier: `hidden` is complete). */
-static void head_rows(const NativeModel *m, const NativeLogits *lg, const float *hidden, Private *p, int tid,
-                      int nthreads) {
+static void head_rows(const NativeModel *m, const NativeLogits *lg, const NativeStep *st, const float *hidden,
+                      Private *p, int tid, int nthreads) {
     const int64_t H = m->hidden;
     for (int64_t i = 0; i < lg->num_rows; i++)
         memcpy(p->x + i * H, hidden + lg->rows[i] * H, sizeof(float) * (size_t)H);
-    linear_rows(m, &lg->head, p->x, lg->num_rows, p, lg->logits, tid, nthreads);
+    /* every draft token has a logits row (its target distribution) */
+    linear_rows(m, &lg->head, p->x, lg->num_rows, lg->num_rows - st->num_draft_tokens, p, lg->logits, tid, nthreads);
+    phase_mark(&p->timer, PHASE_HEAD);
 }
 
 /* hidden [T, hidden]: the scaled embeddings in, the final norm's output out; with `lg`
@@ -308,6 +340,7 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
                      malloc(sizeof(float) * (size_t)(2 * T * (W / 32 + 1))),
                      malloc((size_t)kvserve_quant_gemm_panel_bytes(W))};
         int ok = p.residual && p.x && p.act && p.qx && p.scales && p.panel;
+        phase_start(&p.timer);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -323,9 +356,11 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
                     norm(m, s.out, p.residual, m->final_norm, hidden, T);
             }
             if (lg) {
-#pragma omp barrier
-                head_rows(m, lg, hidden, &p, tid, nthreads);
+                wait_all(&p, PHASE_NORMS);
+                head_rows(m, lg, st, hidden, &p, tid, nthreads);
             }
+            phase_mark(&p.timer, PHASE_NORMS);
+            phase_finish(&p.timer, tid);
         }
         free(p.residual), free(p.x), free(p.act), free(p.qx), free(p.scales), free(p.panel);
     }

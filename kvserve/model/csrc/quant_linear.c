@@ -539,6 +539,11 @@ void kvserve_quant_activations(const float *x, int64_t x_stride, int64_t batch, 
                      scales + batch * nb + b * nb);
 }
 
+/* Whether a batch-one call takes the single-row kernel of quant_gemv.c, whose float sums
+ * differ from the tile kernel's: a caller that must reproduce batch-one steps row for row
+ * (the speculative verify steps of fused_decoder.c) then runs its rows one at a time. */
+int kvserve_quant_single_row_kernel(int act_bits, int isa) { return act_bits == 8 && isa == ISA_AVX512; }
+
 /* Rows row_begin..row_end of y = x W^T (+ bias), float32, from activations quantized by
  * kvserve_quant_activations. Runs on the calling thread only: the fused decoder
  * (csrc/fused_decoder.c) splits a matrix's rows over the threads of its one region.
