@@ -54,7 +54,7 @@ _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.
 class _Linear(ctypes.Structure):
     _fields_ = [("qs", _ptr), ("d", _ptr), ("m", _ptr), ("w", _ptr), ("bias", _ptr), ("out", _i64), ("in_", _i64),
                 ("bits", _i32), ("act_bits", _i32), ("isa", _i32), ("w_dtype", _i32), ("panel_isa", _i32),
-                ("unused", _i32)]
+                ("zero_min", _i32)]
 
 
 class _Layer(ctypes.Structure):
@@ -239,6 +239,7 @@ class NativeDecoder:
                 raise NativeDeclined(f"quantized weight of {qw.bits} bits")
             desc.qs, desc.d, desc.m = (self._hold(t).data_ptr() for t in (qw.qs, qw.d, qw.m))
             desc.bits, desc.act_bits = qw.bits, qw.act_bits
+            desc.zero_min = int(not bool(qw.m.any()))  # Q8_0: 4 bytes a block the row kernels need not read
             desc.isa = quantized.ISA_CODES[qw.isa or quantized.kernel_isa() or "portable"]
             desc.panel_isa = quantized.ISA_CODES[quantized.panel_isa(qw)] if qw.panel_rows else -1
             self._panel_rows = max(self._panel_rows, qw.panel_rows)

@@ -174,12 +174,14 @@ def test_quantized_row_ranges_equal_the_per_op_kernel(isa):
             scales = torch.empty(2 * batch * (width // 32))
             lib.kvserve_quant_activations(x.data_ptr(), width, batch, width, weight.act_bits, qx.data_ptr(),
                                           scales.data_ptr())
-            y = torch.full((batch, 22), float("nan"))
-            for begin, end in ((0, 8), (8, 20), (20, 22)):
-                lib.kvserve_quant_rows(qx.data_ptr(), scales.data_ptr(), batch, weight.qs.data_ptr(),
-                                       weight.d.data_ptr(), weight.m.data_ptr(), weight.bits, width, None,
-                                       y.data_ptr(), 22, weight.act_bits, quantized.ISA_CODES[isa], begin, end)
-            assert torch.equal(y, ref), (type_name, batch)
+            # m NULL: how the native call passes a weight whose minimums are all zero (Q8_0)
+            for mins in (weight.m.data_ptr(), *([None] if not weight.m.any() else [])):
+                y = torch.full((batch, 22), float("nan"))
+                for begin, end in ((0, 8), (8, 20), (20, 22)):
+                    lib.kvserve_quant_rows(qx.data_ptr(), scales.data_ptr(), batch, weight.qs.data_ptr(),
+                                           weight.d.data_ptr(), mins, weight.bits, width, None,
+                                           y.data_ptr(), 22, weight.act_bits, quantized.ISA_CODES[isa], begin, end)
+                assert torch.equal(y, ref), (type_name, batch, mins)
 
 
 @pytest.mark.parametrize("family,threads", [("llama", None), ("qwen2", 2), ("gemma2", 3)])

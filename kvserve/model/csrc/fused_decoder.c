@@ -78,7 +78,8 @@ typedef struct {
     const float *bias;
     int64_t out, in;
     int32_t bits, act_bits, isa, w_dtype; /* isa: the quantized or bf16_rows.c kernel's path */
-    int32_t panel_isa, unused;            /* the panel GEMM's path (quant_gemm.c), -1: none */
+    int32_t panel_isa;                    /* the panel GEMM's path (quant_gemm.c), -1: none */
+    int32_t zero_min;                     /* every m is 0 (Q8_0): the row kernels skip reading m */
 } NativeLinear;
 
 typedef struct {
@@ -171,7 +172,7 @@ static void linear_rows(const NativeModel *m, const NativeLinear *l, const float
     if (l->qs) {
         kvserve_quant_activations(x, l->in, T, l->in, l->act_bits, p->qx, p->scales);
         phase_mark(&p->timer, PHASE_QUANTIZE);
-        kvserve_quant_rows(p->qx, p->scales, T, l->qs, l->d, l->m, l->bits, l->in, l->bias, y, l->out, l->act_bits,
+        kvserve_quant_rows(p->qx, p->scales, T, l->qs, l->d, l->zero_min ? NULL : l->m, l->bits, l->in, l->bias, y, l->out, l->act_bits,
                            l->isa, begin, end);
         return;
     }
