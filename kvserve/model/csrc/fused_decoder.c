@@ -161,19 +161,17 @@ static void linear_rows(const NativeModel *m, const NativeLinear *l, const float
         return;
     }
     split_rows(l->out, 4, tid, nthreads, &begin, &end);
-    if (l->qs && plain_rows == 1 && T > 1 && kvserve_quant_single_row_kernel(l->act_bits, l->isa)) {
-        for (int64_t t = 0; t < T; t++) { /* as T steps of one token: the single-row kernel's sums */
-            kvserve_quant_activations(x + t * l->in, l->in, 1, l->in, l->act_bits, p->qx, p->scales);
-            kvserve_quant_rows(p->qx, p->scales, 1, l->qs, l->d, l->m, l->bits, l->in, l->bias, y + t * l->out,
+    if (l->qs) {
+        const float *mins = l->zero_min ? NULL : l->m;
+        /* A verify step of one request whose one-token steps take the single-row kernel runs
+         * as its one-token steps, token by token (the single-row kernel's float sums). */
+        const int64_t batch = plain_rows == 1 && kvserve_quant_single_row_kernel(l->act_bits, l->isa) ? 1 : T;
+        for (int64_t t = 0; t < T; t += batch) {
+            kvserve_quant_activations(x + t * l->in, l->in, batch, l->in, l->act_bits, p->qx, p->scales);
+            phase_mark(&p->timer, PHASE_QUANTIZE);
+            kvserve_quant_rows(p->qx, p->scales, batch, l->qs, l->d, mins, l->bits, l->in, l->bias, y + t * l->out,
                                l->out, l->act_bits, l->isa, begin, end);
         }
-        return;
-    }
-    if (l->qs) {
-        kvserve_quant_activations(x, l->in, T, l->in, l->act_bits, p->qx, p->scales);
-        phase_mark(&p->timer, PHASE_QUANTIZE);
-        kvserve_quant_rows(p->qx, p->scales, T, l->qs, l->d, l->zero_min ? NULL : l->m, l->bits, l->in, l->bias, y, l->out, l->act_bits,
-                           l->isa, begin, end);
         return;
     }
     if (l->w_dtype == BF16) { /* bf16_rows.c: x rounded to bfloat16 into this thread's buffer */
