@@ -117,6 +117,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvserve_quant_linear": ([ptr, i64, i64, ptr, ptr, ptr, c_int, i64, i64, ptr, ptr, i64, c_int, c_int,
                                   c_int, c_int], c_int),
         "kvserve_quant_dequantize": ([ptr, ptr, ptr, c_int, i64, i64, ptr, c_int, c_int], c_int),
+        "kvserve_quant_embed": ([ptr, ptr, ptr, c_int, i64, i64, ptr, i64, ptr], c_int),
         "kvserve_decoder_forward": ([ptr, ptr, ptr, ptr, c_int], c_int),
         "kvserve_decoder_forward_logits": ([ptr, ptr, ptr, ptr, ptr, c_int], c_int),
         "kvserve_decoder_profile_enable": ([c_int], None),

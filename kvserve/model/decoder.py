@@ -273,8 +273,9 @@ class DecoderModel(nn.Module):
                                        num_draft_tokens, head_mask)
             if out is not None:
                 return out
-        global_cos_sin = self.rotary_global.cos_sin(positions, hidden.dtype)
-        local_cos_sin = (self.rotary_local.cos_sin(positions, hidden.dtype)
+        num_positions = max(md.max_seq_len for md in attn_metadata_by_group)
+        global_cos_sin = self.rotary_global.cos_sin(positions, hidden.dtype, num_positions)
+        local_cos_sin = (self.rotary_local.cos_sin(positions, hidden.dtype, num_positions)
                          if self.rotary_local is not None else global_cos_sin)
         residual = None
         for layer, name, group_id in zip(self.layers, self.layer_names, group_ids):

@@ -34,7 +34,7 @@ import torch
 from kvserve.kv_cache.interface import CircularBufferSpec
 from kvserve.config import QUANT_ISAS, KernelConfig
 from kvserve.model import cpu_kernels, quantized
-from kvserve.model.attention import AttentionMetadata, token_positions
+from kvserve.model.attention import AttentionMetadata
 from kvserve.model.grammar_mask import ISA_CODES as MASK_ISA_CODES
 from kvserve.model.grammar_mask import HeadMask
 from kvserve.model.quantized import ISA_CODES
@@ -325,7 +325,7 @@ class NativeDecoder:
         if not self._bind_caches(kv_caches, group_ids):
             return None
         md0 = metadata_by_group[0]
-        table_row, _ = token_positions(md0.query_start_loc.long(), md0.seq_lens.long())
+        table_row = md0.token_request_index().long().contiguous()
         positions = positions.long().contiguous()
         step = _Step(num_tokens=num_tokens, num_draft_tokens=num_draft_tokens, positions=positions.data_ptr(),
                      table_row=table_row.data_ptr(), token_index=self._token_index.data_ptr())
@@ -335,9 +335,9 @@ class NativeDecoder:
             keep += [table, slots]
             step.block_table[g], step.block_table_stride[g], step.slots[g] = (table.data_ptr(), table.stride(0),
                                                                               slots.data_ptr())
-        cos, sin = self.model.rotary_global.cos_sin(positions, torch.float32)
+        cos, sin = self.model.rotary_global.cos_sin_rows(positions, md0.max_seq_len)
         local = self.model.rotary_local
-        cos_local, sin_local = local.cos_sin(positions, torch.float32) if local is not None else (cos, sin)
+        cos_local, sin_local = local.cos_sin_rows(positions, md0.max_seq_len) if local is not None else (cos, sin)
         keep += [cos, sin, cos_local, sin_local]
         step.cos, step.sin, step.cos_local, step.sin_local = (t.data_ptr() for t in (cos, sin, cos_local, sin_local))
         out = hidden.float().contiguous().clone() if hidden.dtype != torch.float32 else hidden.contiguous()

@@ -97,11 +97,32 @@ class QuantizedWeight:
                                    m=self.m[index].contiguous())
 
     def dequantize(self, index: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 values of all rows, or of the rows `index` (a 1-D int64 tensor)."""
+        """float32 values of all rows, or of the rows `index` (a 1-D int64 tensor): on the CPU
+        one native call (an embedding lookup of a decode step costs microseconds, the torch
+        ops below about ten dispatches), the same values either way."""
+        if index is not None and self.qs.device.type == "cpu":
+            rows = _native_rows(self, index)
+            if rows is not None:
+                return rows
         qs, d, m = (self.qs, self.d, self.m) if index is None else (self.qs[index], self.d[index], self.m[index])
         q = unpack_quants(qs, self.bits, self.in_features).float()
         blocks = q.view(q.shape[0], -1, BLOCK) * d.unsqueeze(-1) + m.unsqueeze(-1)
         return blocks.view(q.shape[0], self.in_features)
+
+
+def _native_rows(weight: QuantizedWeight, index: torch.Tensor) -> torch.Tensor | None:
+    """`weight.dequantize(index)` by csrc/quant_linear.c; None without the library. An index
+    out of range raises IndexError, as the torch path does."""
+    lib = cpu_kernels.load_library()
+    if lib is None:
+        return None
+    index = index.to(torch.int64).contiguous()
+    out = torch.empty(index.numel(), weight.in_features, dtype=torch.float32)
+    if lib.kvserve_quant_embed(weight.qs.data_ptr(), weight.d.data_ptr(), weight.m.data_ptr(), weight.bits,
+                               weight.out_features, weight.in_features, index.data_ptr(), index.numel(),
+                               out.data_ptr()):
+        raise IndexError(f"row index out of range for a weight of {weight.out_features} rows")
+    return out
 
 
 def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:

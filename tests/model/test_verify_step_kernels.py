@@ -25,11 +25,15 @@ PROMPT = torch.randint(3, VOCAB, (13,), generator=torch.Generator().manual_seed(
 STEP_TOKENS = torch.randint(3, VOCAB, (8,), generator=torch.Generator().manual_seed(6)).tolist()
 
 
+def _write(tmp_path_factory, qtype: QType) -> str:
+    path = str(tmp_path_factory.mktemp("gguf") / f"tiny-llama-{qtype.name}.gguf")
+    write_gguf(load_hf(save_tiny_model("llama", tmp_path_factory.mktemp("llama"))), path, qtype)
+    return path
+
+
 @pytest.fixture(scope="module")
 def gguf_path(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("gguf") / "tiny-llama-Q4_1.gguf")
-    write_gguf(load_hf(save_tiny_model("llama", tmp_path_factory.mktemp("llama"))), path, QType.Q4_1)
-    return path
+    return _write(tmp_path_factory, QType.Q4_1)
 
 
 def _runner(path: str, native: bool, act_bits: int) -> PagedRunner:
@@ -53,6 +57,16 @@ def test_verify_step_rows_equal_one_token_steps_bitwise(gguf_path, native, act_b
     expected = torch.stack([plain.step({"r": 1})["r"] for _ in range(num_drafts + 1)])
     verify = _runner(gguf_path, native, act_bits)
     got = verify.step({"r": num_drafts + 1}, every_token=True, num_draft_tokens=num_drafts)["r"]
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "per-op"])
+def test_zero_minimum_weights_with_int8_activations(tmp_path_factory, native):
+    """Q8_0 weights (every block minimum zero, which the row kernels then skip reading)."""
+    path = _write(tmp_path_factory, QType.Q8_0)
+    plain = _runner(path, native, 8)
+    expected = torch.stack([plain.step({"r": 1})["r"] for _ in range(4)])
+    got = _runner(path, native, 8).step({"r": 4}, every_token=True, num_draft_tokens=3)["r"]
     assert torch.equal(got, expected)
 
 

@@ -220,8 +220,9 @@ static void linear_range(const NativeLinear *l, int path, const float *x, int64_
                                 end, p->panel);
     } else if (path == PATH_SINGLE_ROWS) {
         for (int64_t t = 0; t < T; t++)
-            kvserve_quant_rows(single_row_qx(l, p, t), single_row_scales(l, p, t), 1, l->qs, l->d, l->m, l->bits,
-                               l->in, l->bias, y + t * l->out, l->out, l->act_bits, l->isa, begin, end);
+            kvserve_quant_rows(single_row_qx(l, p, t), single_row_scales(l, p, t), 1, l->qs, l->d,
+                               l->zero_min ? NULL : l->m, l->bits, l->in, l->bias, y + t * l->out, l->out,
+                               l->act_bits, l->isa, begin, end);
     } else if (path == PATH_QUANT) {
         kvserve_quant_rows(p->qx, p->scales, T, l->qs, l->d, l->zero_min ? NULL : l->m, l->bits, l->in, l->bias, y,
                            l->out, l->act_bits, l->isa, begin, end);
