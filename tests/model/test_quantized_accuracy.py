@@ -1,6 +1,11 @@
 """The default model (SmolLM2-135M-Instruct, Q4_1 + Q8_0) held quantized against the same
 file dequantized to float32: perplexity on a fixed text of over 2,000 tokens (written for
-this test, tests/model/data/perplexity.txt) within 2%, and greedy agreement reported."""
+this test, tests/model/data/perplexity.txt) within 2%, and greedy agreement reported.
+
+Measured (AVX512-VNNI, int8 activations the default): 2,076 tokens, quantized 26.567 against
+float32 26.579 (-0.05%; prefill chunks take the panel GEMM); the integer kernel alone +0.75%
+with int8 activations, +0.00% with int16; greedy tokens identical to float32's for 0, 1 and
+19 of 32 steps with int8 (near-ties flip, as llama.cpp's), all 32 with int16."""
 from __future__ import annotations
 
 import math
