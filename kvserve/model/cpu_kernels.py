@@ -131,6 +131,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvserve_bf16_linear_rows": ([ptr, i64, ptr, ptr, i64, ptr, i64, c_int, i64, i64], None),
         "kvserve_mask_isa_available": ([c_int], c_int),
         "kvserve_apply_token_bitmask": ([ptr, i64, i64, ptr, i64, i64, ptr, i64, c_int], c_int),
+        "kvserve_publish_mask_ready": ([ptr, ctypes.c_int32], None),
+        "kvserve_mask_token_range": ([ptr, ptr, i64, i64, i64, c_int], None),
         "kvserve_quant_rows": ([ptr, ptr, i64, ptr, ptr, ptr, c_int, i64, ptr, ptr, i64, c_int, c_int, i64, i64],
                                None),
     }

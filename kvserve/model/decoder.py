@@ -12,6 +12,7 @@ from kvserve.kv_cache.interface import (CircularBufferSpec, FullAttentionSpec, K
 from kvserve.model import cpu_kernels, quantized
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, AttentionParams, is_windowed
 from kvserve.model.config import ModelConfig
+from kvserve.model.grammar_mask import HeadMask
 from kvserve.model.kernels import AttentionShape, ModelKernels
 from kvserve.model.layers import RMSNorm, RotaryEmbedding, activation, apply_rotary
 from kvserve.model.native_decoder import NativeDecoder
@@ -233,14 +234,19 @@ class DecoderModel(nn.Module):
 
     def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        attn_metadata_by_group: list[AttentionMetadata], kv_caches: dict[str, torch.Tensor],
-                       logits_rows: torch.Tensor, num_draft_tokens: int = 0) -> torch.Tensor:
+                       logits_rows: torch.Tensor, num_draft_tokens: int = 0,
+                       head_mask: HeadMask | None = None) -> torch.Tensor:
         """`compute_logits(forward(...)[logits_rows])`: float32 logits [len(logits_rows), vocab]
         of some of the step's tokens. Where the native call runs the step it runs the LM
-        head too, for those rows only, inside its parallel region. Each of the
-        `num_draft_tokens` drafts has a logits row (see `forward`)."""
+        head too, for those rows only, inside its parallel region, and applies `head_mask`
+        there when given (setting `head_mask.applied`; never under final soft-capping,
+        which would turn its -inf into a finite value). Each of the `num_draft_tokens`
+        drafts has a logits row (see `forward`)."""
+        if self.config.final_logit_softcapping:
+            head_mask = None
         with quantized.excluding_draft_rows(num_draft_tokens):
             hidden, logits = self._forward(input_ids, positions, attn_metadata_by_group, kv_caches, logits_rows,
-                                           num_draft_tokens)
+                                           num_draft_tokens, head_mask)
             if logits is None:
                 logits = self.lm_head.logits(hidden[logits_rows])
         return self._finish_logits(logits)
@@ -252,7 +258,8 @@ class DecoderModel(nn.Module):
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  attn_metadata_by_group: list[AttentionMetadata], kv_caches: dict[str, torch.Tensor],
-                 logits_rows: torch.Tensor | None, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 logits_rows: torch.Tensor | None, num_draft_tokens: int,
+                 head_mask: HeadMask | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden states after the final norm, the LM head's raw logits of `logits_rows` where
         the native call computed them, else None)."""
         group_ids = self._group_ids(attn_metadata_by_group)
@@ -260,7 +267,7 @@ class DecoderModel(nn.Module):
             self._native = NativeDecoder.for_model(self)
         if self._native is not None:
             out = self._native.forward(input_ids, positions, attn_metadata_by_group, kv_caches, group_ids,
-                                       logits_rows, num_draft_tokens)
+                                       logits_rows, num_draft_tokens, head_mask)
             if out is not None:
                 return out
         hidden = self.embed(input_ids)

@@ -35,6 +35,8 @@ from kvserve.kv_cache.interface import CircularBufferSpec
 from kvserve.config import QUANT_ISAS, KernelConfig
 from kvserve.model import cpu_kernels, quantized
 from kvserve.model.attention import AttentionMetadata
+from kvserve.model.grammar_mask import ISA_CODES as MASK_ISA_CODES
+from kvserve.model.grammar_mask import HeadMask
 from kvserve.model.quantized import ISA_CODES
 
 logger = logging.getLogger(__name__)
@@ -79,8 +81,20 @@ class _Step(ctypes.Structure):
                 ("sin_local", _ptr), ("token_ids", _ptr), ("rope_by_position", _i64)]
 
 
+class _TokenMask(ctypes.Structure):
+    _fields_ = [("bitmask", _ptr), ("logits_row", _ptr), ("num_mask_rows", _i64), ("num_words", _i64),
+                ("ready", _ptr), ("timeout_ns", _i64), ("isa", _i32), ("applied", _i32), ("wait_ns", _i64),
+                ("mask_ns", _i64)]
+
+
 class _Logits(ctypes.Structure):
-    _fields_ = [("head", _Linear), ("rows", _ptr), ("num_rows", _i64), ("logits", _ptr)]
+    _fields_ = [("head", _Linear), ("rows", _ptr), ("num_rows", _i64), ("logits", _ptr),
+                ("mask", ctypes.POINTER(_TokenMask))]
+
+
+# The head waits at most this long for a grammar mask's fill (the mask thread always
+# publishes, even when the fill fails: this bounds a bug, not a normal step).
+_MASK_TIMEOUT_NS = 2_000_000_000
 
 
 def bf16_isa(kernel_config: KernelConfig | None = None) -> str | None:
@@ -320,13 +334,16 @@ class NativeDecoder:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata_by_group: list[AttentionMetadata],
                 kv_caches: dict[str, torch.Tensor], group_ids: list[int],
                 logits_rows: torch.Tensor | None = None,
-                num_draft_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                num_draft_tokens: int = 0,
+                head_mask: HeadMask | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(The final norm's output [T, hidden], the LM head's logits [len(logits_rows), vocab]
         of the tokens `logits_rows` or None) for the tokens `input_ids` [T] (embedded inside the
         call where it holds the table); None when this step is not one the native call takes. The logits are None
         too when none are asked for or the LM head is not one the call runs.
         `num_draft_tokens` of the tokens (each with a logits row) are speculative drafts: the
-        matmul kernels are those of the step without them (see `quantized.excluding_draft_rows`)."""
+        matmul kernels are those of the step without them (see `quantized.excluding_draft_rows`).
+        With `head_mask` the head applies that grammar mask once it is filled (see `HeadMask`;
+        it sets `head_mask.applied` when it did)."""
         num_tokens = input_ids.shape[0]
         if not 0 < num_tokens <= self.max_tokens or len(metadata_by_group) > _MAX_GROUPS:
             return None
@@ -357,6 +374,7 @@ class NativeDecoder:
             hidden = self.model.embed(input_ids)
             out = hidden.float().contiguous().clone() if hidden.dtype != torch.float32 else hidden.contiguous()
         head, logits = self._logits_request(logits_rows, keep)
+        mask = None if head is None else self._mask_request(head, head_mask, keep)
         failed = cpu_kernels.load_library().kvserve_decoder_forward_logits(
             ctypes.byref(self._desc), self._layers, ctypes.byref(step), out.data_ptr(),
             None if head is None else ctypes.byref(head), self.num_threads)
@@ -364,6 +382,9 @@ class NativeDecoder:
             raise IndexError(f"a token id of {input_ids.tolist()} is outside the embedding table")
         if failed:
             raise MemoryError("the native decoder could not allocate its buffers")
+        if mask is not None:
+            head_mask.applied = bool(mask.applied)
+            head_mask.wait_s, head_mask.mask_s = mask.wait_ns * 1e-9, mask.mask_ns * 1e-9
         del keep
         return out.to(self.model.norm.weight.dtype), None if logits is None else logits[:, :self.model.lm_head.vocab_size]
 
@@ -389,3 +410,20 @@ class NativeDecoder:
         logits = torch.empty(rows.numel(), self._head.out, dtype=torch.float32)
         keep += [rows, logits]
         return _Logits(head=self._head, rows=rows.data_ptr(), num_rows=rows.numel(), logits=logits.data_ptr()), logits
+
+    @staticmethod
+    def _mask_request(head: _Logits, head_mask: HeadMask | None, keep: list) -> _TokenMask | None:
+        """Points the head at `head_mask` (None when there is none or it does not fit these logits)."""
+        if head_mask is None:
+            return None
+        bitmask, rows = head_mask.bitmask, head_mask.rows
+        if (bitmask.dtype != torch.int32 or not bitmask.is_contiguous() or bitmask.shape[0] != len(rows)
+                or len(set(rows)) != len(rows) or not all(0 <= r < head.num_rows for r in rows)):
+            return None
+        logits_row = torch.tensor(rows, dtype=torch.int64)
+        mask = _TokenMask(bitmask=bitmask.data_ptr(), logits_row=logits_row.data_ptr(), num_mask_rows=len(rows),
+                          num_words=bitmask.shape[1], ready=head_mask.ready.data_ptr(), timeout_ns=_MASK_TIMEOUT_NS,
+                          isa=MASK_ISA_CODES[head_mask.isa])
+        keep += [logits_row, mask]
+        head.mask = ctypes.pointer(mask)
+        return mask

@@ -174,9 +174,11 @@ class ModelRunner:
             return None
         return hidden[self._to_device(prepared.logits_indices)]
 
-    def _forward_sampled_logits(self, prepared: PreparedBatch) -> torch.Tensor | None:
+    def _forward_sampled_logits(self, prepared: PreparedBatch,
+                                pending_masks: PendingMasks | None = None) -> torch.Tensor | None:
         """Run the model over the step; the logits of the requests to sample (None when
-        no request reached its last token)."""
+        no request reached its last token). The model's LM head may apply the step's
+        grammar masks itself (`pending_masks.head_mask`)."""
         if not prepared.sampled_req_ids:
             self._forward_sampled_rows(prepared)
             return None
@@ -187,13 +189,14 @@ class ModelRunner:
             self.kv_caches,
             self._to_device(prepared.logits_indices),
             num_draft_tokens=prepared.total_draft_tokens,
+            head_mask=None if pending_masks is None else pending_masks.head_mask,
         )
 
     def _forward_and_sample(self, prepared: PreparedBatch) -> tuple[dict[str, list[int]], dict]:
         """Run the model; for each request that reached its last token, sample one
         token or verify its drafts (then 1 to 1 + drafts tokens)."""
         pending_masks = self._start_masks(prepared)
-        logits = self._forward_sampled_logits(prepared)
+        logits = self._forward_sampled_logits(prepared, pending_masks)
         if logits is None:
             return {}, {}
         sampled_token_ids, logprobs_by_req = self._sample(logits, prepared, pending_masks)
