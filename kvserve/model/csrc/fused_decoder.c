@@ -33,6 +33,7 @@
 
 #define MAX_GROUPS 8
 #define TOKEN_SPLIT_MIN 8 /* steps of this many tokens split attention by tokens, not KV heads */
+#define F32_PANELS 2      /* NativeLinear.w_dtype: float32 packed in f32_gemm.c's panels of 16 rows */
 
 /* The other kernels of this library. */
 void kvserve_quant_activations(const float *x, int64_t x_stride, int64_t batch, int64_t in, int act_bits, void *qx,
@@ -46,6 +47,8 @@ void kvserve_quant_gemm_rows(const void *xa, int64_t batch, const uint8_t *qs, c
 void kvserve_quant_rows(const void *qx, const float *scales, int64_t batch, const uint8_t *qs, const float *d,
                         const float *m, int bits, int64_t in, const float *bias, float *y, int64_t y_stride,
                         int act_bits, int isa, int64_t row_begin, int64_t row_end);
+void kvserve_f32_gemm_rows(const float *x, int64_t x_stride, int64_t batch, const float *packed, const float *bias,
+                           int64_t in, float *y, int64_t y_stride, int isa, int64_t row_begin, int64_t row_end);
 void kvserve_bf16_round_rows(const float *x, int64_t x_stride, int64_t batch, int64_t in, uint16_t *xb);
 void kvserve_bf16_linear_rows(const uint16_t *xb, int64_t batch, const uint16_t *w, const float *bias, int64_t in,
                               float *y, int64_t y_stride, int isa, int64_t row_begin, int64_t row_end);
@@ -67,15 +70,16 @@ int kvserve_paged_attention(const void *q, int64_t q_token_stride, int64_t q_hea
                             int64_t block_size, int64_t window, float scale, float softcap, int q_dtype, int kv_dtype,
                             int num_threads);
 
-/* One weight matrix [out, in]: block-quantized (qs != NULL, layout of quant_linear.c)
- * or plain (w) float32 or bfloat16 (w_dtype). bias is float32 or NULL. */
+/* One weight matrix [out, in]: block-quantized (qs != NULL, layout of quant_linear.c),
+ * plain (w) float32 or bfloat16 (w_dtype), or float32 in f32_gemm.c's panels (w_dtype
+ * F32_PANELS). bias is float32 or NULL. */
 typedef struct {
     const uint8_t *qs;
     const float *d, *m;
     const void *w;
     const float *bias;
     int64_t out, in;
-    int32_t bits, act_bits, isa, w_dtype; /* isa: the quantized or bf16_rows.c kernel's path */
+    int32_t bits, act_bits, isa, w_dtype; /* isa: the quantized, bf16_rows.c or f32_gemm.c path */
     int32_t panel_isa, unused;            /* the panel GEMM's path (quant_gemm.c), -1: none */
 } NativeLinear;
 
@@ -148,6 +152,11 @@ static void linear_rows(const NativeModel *m, const NativeLinear *l, const float
         kvserve_quant_gemm_prepare(x, l->in, T, l->in, F32, l->panel_isa, p->qx);
         kvserve_quant_gemm_rows(p->qx, T, l->qs, l->d, l->m, l->bits, l->in, l->bias, y, l->out, l->panel_isa, begin,
                                 end, p->panel);
+        return;
+    }
+    if (!l->qs && l->w_dtype == F32_PANELS) { /* whole panels of 16 rows per thread */
+        split_rows(l->out, 16, tid, nthreads, &begin, &end);
+        kvserve_f32_gemm_rows(x, l->in, T, (const float *)l->w, l->bias, l->in, y, l->out, l->isa, begin, end);
         return;
     }
     split_rows(l->out, 4, tid, nthreads, &begin, &end);
