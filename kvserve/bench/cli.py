@@ -232,6 +232,9 @@ def _add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft-layers", type=int, default=None, metavar="N",
                        help="speculate with method draft_model, the draft being the target GGUF cut to N "
                             "layers (the first N-2 and the last two), written to a temporary directory")
+    group.add_argument("--control", action="store_true",
+                       help="also run a second engine without speculation (an A/A control: the ratio the "
+                            "measurement resolves, reported next to the speed-up)")
 
 
 def _add_route_arguments(parser: argparse.ArgumentParser) -> None:
@@ -453,7 +456,7 @@ def _run_spec(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"kvserve: error: unknown scenario(s) {unknown}; known: {list(spec.SCENARIOS)}")
     return spec.run(rounds=args.rounds, max_tokens=args.max_tokens, scenarios=scenarios,
-                    draft_layers=args.draft_layers, **_engine_kwargs(args))
+                    draft_layers=args.draft_layers, control=args.control, **_engine_kwargs(args))
 
 
 def _run_route(args: argparse.Namespace) -> dict[str, Any]:

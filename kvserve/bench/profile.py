@@ -146,6 +146,7 @@ def run(*, batch_size: int = 32, context_len: int = 256, steps: int = 16, seed: 
             core.step()
         plain_step_s = (time.perf_counter() - started) / steps
         engine_stats, runner_stats, profiled_s = _profiled_steps(core, runner, steps)
+        native_split = _native_split(core, runner.model.native_decoder, steps)
     finally:
         core.shutdown()
     categories = categorize(runner_stats)
@@ -164,7 +165,25 @@ def run(*, batch_size: int = 32, context_len: int = 256, steps: int = 16, seed: 
         "categories": [{"category": name, "ms_per_step": categories.get(name, 0.0) / steps * 1000,
                         "share": categories.get(name, 0.0) / total if total else 0.0} for name in CATEGORIES],
         "top_functions_model_step": _top_functions(runner_stats),
+        "native_split": native_split,
     }
+
+
+def _native_split(core, native, steps: int) -> dict[str, Any] | None:
+    """ms per native call by phase and thread (csrc/phase_timer.h) over `steps` more steps,
+    or None when no step runs the native decoder."""
+    if native is None:
+        return None
+    from kvserve.model.native_decoder import phase_timing
+
+    with phase_timing(native.num_threads) as timing:
+        for _ in range(steps):
+            core.step()
+    calls = timing.get("calls", 0)
+    if not calls:
+        return None
+    return {"calls": calls, "threads": [{phase: seconds / calls * 1000 for phase, seconds in thread.items()}
+                                        for thread in timing["threads"]]}
 
 
 def _profiled_steps(core, runner, steps: int) -> tuple[pstats.Stats, pstats.Stats, float]:
@@ -206,7 +225,15 @@ def format_result(result: dict[str, Any]) -> str:
     top = format_table(["function (model step)", "self s", "calls"],
                        [[f["function"][:70], f["self_s"], f["calls"]] for f in result["top_functions_model_step"]],
                        title="profile: top functions by self time")
-    return categories + "\n\n" + top
+    text = categories + "\n\n" + top
+    split = result.get("native_split")
+    if split:
+        threads = split["threads"]
+        rows = [[phase, *(t[phase] for t in threads)] for phase in threads[0]]
+        rows.append(["total (the call's wall time)", *(sum(t.values()) for t in threads)])
+        text += "\n\n" + format_table(["phase", *(f"thread {i} ms/call" for i in range(len(threads)))], rows,
+                                       title=f"profile: inside the native decoder call ({split['calls']} calls)")
+    return text
 
 
 def plot_values(result: dict[str, Any]) -> tuple[list[str], list[float]]:

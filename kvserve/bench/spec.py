@@ -8,6 +8,11 @@ Each round runs, on both (the order alternates round by round):
 Tokens/s of a scenario is its generated tokens over its wall time; the
 speed-up is the median over rounds of the per-round ratio on / off. Greedy
 outputs of the two engines must be token-identical (reported, per chat).
+
+With `control`, a third engine without speculation runs too (an A/A control):
+the median of its per-round ratio to the first one, reported next to the
+speed-up, is what the measurement resolves (1.00x on a quiet machine); the
+engines' order rotates round by round, so none always runs first.
 """
 from __future__ import annotations
 
@@ -56,18 +61,19 @@ def _run_scenario(llm, scenario: str, params) -> dict[str, Any]:
 
 
 def run(*, rounds: int = 3, max_tokens: int = 128, scenarios: tuple[str, ...] = SCENARIOS,
-        speculative_config: dict | str | None = None, draft_layers: int | None = None,
+        speculative_config: dict | str | None = None, draft_layers: int | None = None, control: bool = False,
         **engine_kwargs: Any) -> dict[str, Any]:
-    """Tokens/s with speculation on and off per scenario, per-round ratios and their medians.
+    """Tokens/s with speculation on and off per scenario, per-round ratios and their medians
+    (with `control`, also an A/A ratio between two engines without speculation).
 
     With `draft_layers` the method is draft_model, the draft the target cut to that many
     layers (`draft_export`); `speculative_config` may then set its other keys."""
     if draft_layers is None:
         return _run_engines(rounds, max_tokens, scenarios, speculative_config or DEFAULT_SPECULATIVE_CONFIG,
-                            engine_kwargs)
+                            engine_kwargs, control)
     with tempfile.TemporaryDirectory(prefix="kvserve-draft-") as draft_dir:
         config = _draft_config(speculative_config, engine_kwargs.get("model"), draft_layers, draft_dir)
-        result = _run_engines(rounds, max_tokens, scenarios, config, engine_kwargs)
+        result = _run_engines(rounds, max_tokens, scenarios, config, engine_kwargs, control)
     result["draft_layers"] = draft_layers
     return result
 
@@ -87,20 +93,28 @@ def _draft_config(speculative_config: dict | str | None, model: str | None, draf
     return config
 
 
+def engine_order(round_index: int, names: list[str]) -> list[str]:
+    """The engines' order in a round: rotated by one each round (two engines alternate)."""
+    shift = round_index % len(names)
+    return names[shift:] + names[:shift]
+
+
 def _run_engines(rounds: int, max_tokens: int, scenarios: tuple[str, ...], speculative_config,
-                 engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+                 engine_kwargs: dict[str, Any], control: bool = False) -> dict[str, Any]:
     from kvserve import LLM, SamplingParams
     from kvserve.spec_decode.config import SpeculativeConfig
 
     spec_config = SpeculativeConfig.from_value(speculative_config)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     engines = {"off": LLM(**engine_kwargs), "on": LLM(speculative_config=spec_config, **engine_kwargs)}
+    if control:
+        engines["control"] = LLM(**engine_kwargs)
     try:
         for llm in engines.values():  # warm-up: kernels, caches, first-call costs
             llm.chat(as_conversation("Say hello."), SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
         per_round = []
         for round_index in range(rounds):
-            order = ["off", "on"] if round_index % 2 == 0 else ["on", "off"]
+            order = engine_order(round_index, list(engines))
             measured = {scenario: {name: _run_scenario(engines[name], scenario, params) for name in order}
                         for scenario in scenarios}
             per_round.append(measured)
@@ -135,17 +149,33 @@ def _summarize(per_round: list[dict], scenarios: tuple[str, ...], spec_config, e
             "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
             "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
             "tokens_per_round": runs[0]["on"]["num_tokens"],
+            **_control_summary(runs),
         })
     return {"speculative_config": vars(spec_config), "engine_kwargs": engine_kwargs, "max_tokens": max_tokens,
             "rounds": len(per_round), "scenarios": rows,
             "outputs_last_round": {s: per_round[-1][s]["off"]["tokens"] for s in scenarios}}
 
 
+def _control_summary(runs: list[dict]) -> dict[str, Any]:
+    """The A/A control of a scenario's runs (none without a control engine): its per-round
+    ratio to the engine without speculation, their median, and whether the two emitted the
+    same tokens (they must: the same engine twice)."""
+    if "control" not in runs[0]:
+        return {}
+    ratios = [run["control"]["tokens_per_s"] / run["off"]["tokens_per_s"] for run in runs]
+    return {"control_tokens_per_s": [run["control"]["tokens_per_s"] for run in runs],
+            "control_per_round_ratio": ratios, "control_median_ratio": statistics.median(ratios),
+            "control_outputs_identical": all(run["control"]["tokens"] == run["off"]["tokens"] for run in runs)}
+
+
 def format_result(result: dict[str, Any]) -> str:
+    control = "control_median_ratio" in result["scenarios"][0]
     return format_table(
-        ["scenario", "off tok/s", "on tok/s", "median on/off", "identical", "accept rate", "mean acc. len"],
+        ["scenario", "off tok/s", "on tok/s", "median on/off", *(["A/A off/off"] if control else []), "identical",
+         "accept rate", "mean acc. len"],
         [[r["scenario"], statistics.median(r["off_tokens_per_s"]), statistics.median(r["on_tokens_per_s"]),
-          f"{r['median_ratio']:.2f}x", "yes" if r["greedy_outputs_identical"] else "NO",
+          f"{r['median_ratio']:.3f}x", *([f"{r['control_median_ratio']:.3f}x"] if control else []),
+          "yes" if r["greedy_outputs_identical"] else "NO",
           r["acceptance_rate"], r["mean_accepted_length"]] for r in result["scenarios"]],
         title=(f"spec: {result['speculative_config']['method']}"
                f"{' (target cut to %d layers)' % result['draft_layers'] if result.get('draft_layers') else ''} "

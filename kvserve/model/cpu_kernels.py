@@ -43,7 +43,7 @@ from kvserve.config import cache_root
 logger = logging.getLogger(__name__)
 
 _SOURCES = ("bf16.h", "bf16_tile.h", "paged_attention.c", "fused_ops.c", "small_linear.c", "quant_linear.c", "quant_gemv.c",
-            "quant_gemm.c", "bf16_rows.c", "f32_gemm.c", "fused_decoder.c", "grammar_mask.c")
+            "quant_gemm.c", "bf16_rows.c", "f32_gemm.c", "phase_timer.h", "fused_decoder.c", "grammar_mask.c")
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -118,8 +118,11 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvserve_quant_linear": ([ptr, i64, i64, ptr, ptr, ptr, c_int, i64, i64, ptr, ptr, i64, c_int, c_int,
                                   c_int, c_int], c_int),
         "kvserve_quant_dequantize": ([ptr, ptr, ptr, c_int, i64, i64, ptr, c_int, c_int], c_int),
+        "kvserve_quant_embed": ([ptr, ptr, ptr, c_int, i64, i64, ptr, i64, ptr], c_int),
         "kvserve_decoder_forward": ([ptr, ptr, ptr, ptr, c_int], c_int),
         "kvserve_decoder_forward_logits": ([ptr, ptr, ptr, ptr, ptr, c_int], c_int),
+        "kvserve_decoder_profile_enable": ([c_int], None),
+        "kvserve_decoder_profile_read": ([ptr, c_int], i64),
         "kvserve_quant_activations": ([ptr, i64, i64, i64, c_int, ptr, ptr], None),
         "kvserve_quant_gemm_isa_available": ([c_int], c_int),
         "kvserve_quant_gemm": ([ptr, i64, i64, ptr, ptr, ptr, c_int, i64, i64, ptr, ptr, i64, c_int, c_int, c_int],
@@ -133,6 +136,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvserve_bf16_linear_rows": ([ptr, i64, ptr, ptr, i64, ptr, i64, c_int, i64, i64], None),
         "kvserve_mask_isa_available": ([c_int], c_int),
         "kvserve_apply_token_bitmask": ([ptr, i64, i64, ptr, i64, i64, ptr, i64, c_int], c_int),
+        "kvserve_publish_mask_ready": ([ptr, ctypes.c_int32], None),
+        "kvserve_mask_token_range": ([ptr, ptr, i64, i64, i64, c_int], None),
         "kvserve_quant_rows": ([ptr, ptr, i64, ptr, ptr, ptr, c_int, i64, ptr, ptr, i64, c_int, c_int, i64, i64],
                                None),
     }

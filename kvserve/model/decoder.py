@@ -9,16 +9,16 @@ from torch import nn
 
 from kvserve.kv_cache.interface import (CircularBufferSpec, FullAttentionSpec, KVCacheConfig, KVCacheSpec,
                                         SlidingWindowSpec)
-from kvserve.model import cpu_kernels, native_decoder
+from kvserve.model import cpu_kernels, native_decoder, quantized
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, AttentionParams, is_windowed
 from kvserve.model.config import ModelConfig
+from kvserve.model.grammar_mask import HeadMask
 from kvserve.model.kernels import AttentionShape, ModelKernels
 from kvserve.model.layers import RMSNorm, RotaryEmbedding, activation, apply_rotary
 from kvserve.model.native_decoder import NativeDecoder
 from kvserve.model.parallel import (ColumnParallelLinear, PackableLinearMixin, ParallelLMHead, RowParallelLinear,
                                     TPContext, VocabParallelEmbedding, cpu_weight_packing_supported,
                                     kv_heads_per_rank)
-from kvserve.model.quantized import ISA_CODES
 
 
 class SelfAttention(nn.Module):
@@ -222,7 +222,7 @@ class DecoderModel(nn.Module):
             return False
         if keep_plain is None:
             keep_plain = self.kernels.small_batch_matmul or self.kernels.native_decoder
-        isa = ISA_CODES[self.kernels.f32_gemm_isa or native_decoder.f32_gemm_isa() or "portable"] if panels else -1
+        isa = quantized.ISA_CODES[self.kernels.f32_gemm_isa or native_decoder.f32_gemm_isa() or "portable"] if panels else -1
         for module in self.modules():
             if isinstance(module, PackableLinearMixin) and module.packed_weight is None \
                     and module.panel_weight is None and module.quant_weight is None:
@@ -234,27 +234,45 @@ class DecoderModel(nn.Module):
 
     # -- forward --------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata_by_group: list[AttentionMetadata], kv_caches: dict[str, torch.Tensor]) -> torch.Tensor:
+                attn_metadata_by_group: list[AttentionMetadata], kv_caches: dict[str, torch.Tensor],
+                num_draft_tokens: int = 0) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens.
 
         Small steps on the CPU run every layer in one native call where the model and
-        the step qualify (`NativeDecoder`); the others take the per-op path."""
-        return self._forward(input_ids, positions, attn_metadata_by_group, kv_caches, None)[0]
+        the step qualify (`NativeDecoder`); the others take the per-op path. Where
+        `num_draft_tokens` of the tokens are speculative drafts, every matmul takes the
+        kernel of the step without them (`quantized.excluding_draft_rows`)."""
+        with quantized.excluding_draft_rows(num_draft_tokens):
+            return self._forward(input_ids, positions, attn_metadata_by_group, kv_caches, None, num_draft_tokens)[0]
 
     def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        attn_metadata_by_group: list[AttentionMetadata], kv_caches: dict[str, torch.Tensor],
-                       logits_rows: torch.Tensor) -> torch.Tensor:
+                       logits_rows: torch.Tensor, num_draft_tokens: int = 0,
+                       head_mask: HeadMask | None = None) -> torch.Tensor:
         """`compute_logits(forward(...)[logits_rows])`: float32 logits [len(logits_rows), vocab]
         of some of the step's tokens. Where the native call runs the step it runs the LM
-        head too, for those rows only, inside its parallel region."""
-        hidden, logits = self._forward(input_ids, positions, attn_metadata_by_group, kv_caches, logits_rows)
-        if logits is None:
-            logits = self.lm_head.logits(hidden[logits_rows])
+        head too, for those rows only, inside its parallel region, and applies `head_mask`
+        there when given (setting `head_mask.applied`; never under final soft-capping,
+        which would turn its -inf into a finite value). Each of the `num_draft_tokens`
+        drafts has a logits row (see `forward`)."""
+        if self.config.final_logit_softcapping:
+            head_mask = None
+        with quantized.excluding_draft_rows(num_draft_tokens):
+            hidden, logits = self._forward(input_ids, positions, attn_metadata_by_group, kv_caches, logits_rows,
+                                           num_draft_tokens, head_mask)
+            if logits is None:
+                logits = self.lm_head.logits(hidden[logits_rows])
         return self._finish_logits(logits)
+
+    @property
+    def native_decoder(self) -> NativeDecoder | None:
+        """The native decoder small steps run through, once a step has built it; else None."""
+        return self._native if isinstance(self._native, NativeDecoder) else None
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  attn_metadata_by_group: list[AttentionMetadata], kv_caches: dict[str, torch.Tensor],
-                 logits_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 logits_rows: torch.Tensor | None, num_draft_tokens: int,
+                 head_mask: HeadMask | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden states after the final norm, the LM head's raw logits of `logits_rows` where
         the native call computed them, else None)."""
         hidden = self.embed_tokens(input_ids).to(self.norm.weight.dtype)
@@ -264,11 +282,13 @@ class DecoderModel(nn.Module):
         if self._native is False:
             self._native = NativeDecoder.for_model(self)
         if self._native is not None:
-            out = self._native.forward(hidden, positions, attn_metadata_by_group, kv_caches, group_ids, logits_rows)
+            out = self._native.forward(hidden, positions, attn_metadata_by_group, kv_caches, group_ids, logits_rows,
+                                       num_draft_tokens, head_mask)
             if out is not None:
                 return out
-        global_cos_sin = self.rotary_global.cos_sin(positions, hidden.dtype)
-        local_cos_sin = (self.rotary_local.cos_sin(positions, hidden.dtype)
+        num_positions = max(md.max_seq_len for md in attn_metadata_by_group)
+        global_cos_sin = self.rotary_global.cos_sin(positions, hidden.dtype, num_positions)
+        local_cos_sin = (self.rotary_local.cos_sin(positions, hidden.dtype, num_positions)
                          if self.rotary_local is not None else global_cos_sin)
         residual = None
         for layer, name, group_id in zip(self.layers, self.layer_names, group_ids):
@@ -280,10 +300,12 @@ class DecoderModel(nn.Module):
         """Float32 logits [N, vocab] (final soft-capping applied)."""
         return self._finish_logits(self.lm_head.logits(hidden))
 
-    def compute_logits_on_driver(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def compute_logits_on_driver(self, hidden: torch.Tensor, num_draft_tokens: int = 0) -> torch.Tensor | None:
         """Like `compute_logits`, but the logits are gathered on tensor-parallel rank 0
-        only (every rank must call it); None on the other ranks."""
-        logits = self.lm_head.logits_on_driver(hidden)
+        only (every rank must call it); None on the other ranks. `num_draft_tokens` of the
+        rows are speculative drafts' (see `forward`)."""
+        with quantized.excluding_draft_rows(num_draft_tokens):
+            logits = self.lm_head.logits_on_driver(hidden)
         return None if logits is None else self._finish_logits(logits)
 
     def _finish_logits(self, logits: torch.Tensor) -> torch.Tensor:

@@ -147,13 +147,19 @@ class GrammarCompiler:
             raise StructuredOutputError(kind, _first_line(matcher.get_error()))
         return matcher
 
-    def fill_bitmasks(self, matchers: list[Any]) -> "torch.Tensor":
-        """[len(matchers), ceil(vocab/32)] int32 allowed-token bits; a matcher in an error
-        state allows only the EOS tokens (the request then ends)."""
+    def fill_bitmasks(self, matchers: list[Any], out: "torch.Tensor | None" = None) -> "torch.Tensor":
+        """[len(matchers), ceil(vocab/32)] int32 allowed-token bits (written into `out`, a
+        contiguous tensor of that shape, when given); a matcher in an error state allows
+        only the EOS tokens (the request then ends)."""
         import torch
 
         words = (self.vocab_size + 31) // 32
-        bitmask = torch.zeros((len(matchers), words), dtype=torch.int32)
+        if out is None:
+            bitmask = torch.zeros((len(matchers), words), dtype=torch.int32)
+        elif out.shape != (len(matchers), words) or out.dtype != torch.int32 or not out.is_contiguous():
+            raise ValueError(f"the bitmask must be a contiguous int32 tensor of {(len(matchers), words)}")
+        else:
+            bitmask = out
         healthy = [(m, row) for row, m in enumerate(matchers) if not m.is_error()]
         if len(healthy) == 1:  # on this thread: handing one row to the pool costs more than it does
             matcher, row = healthy[0]
@@ -162,6 +168,7 @@ class GrammarCompiler:
             self._executor.unsafe_compute_mask_ptr(healthy, bitmask.data_ptr(), words * 4, len(matchers))
         for row, matcher in enumerate(matchers):
             if matcher.is_error():
+                bitmask[row].zero_()
                 for eos in self.eos_token_ids:
                     bitmask[row, eos // 32] |= _bit(eos % 32)
         return bitmask

@@ -10,6 +10,14 @@ ahead of time) and runs `masked_fill_`; it is also the tests' reference.
 
 Tokens past the bitmask's vocabulary (logits wider than the grammar's) are
 banned; bits past the logits' width are ignored.
+
+Where the native decoder runs the LM head (`kvserve.model.native_decoder`), a
+`HeadMask` hands it the step's bitmask before the mask thread has filled it:
+the head waits for the fill's ready flag (`publish_ready`), masks each logits
+row while it is still in its cache, and skips computing the vocabulary words
+no row may pick. A cold 49k-float row costs tens of microseconds to mask after
+the forward; inside the head the work is a few, and at batch one most words of
+a JSON grammar's structural positions are not computed at all.
 """
 from __future__ import annotations
 
@@ -90,6 +98,40 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list
     """Bans, in place, the tokens whose bit is 0: row j of `bitmask` masks logits row
     `rows[j]`, on the kernel path `isa` (the logits must pass `kernel_takes`)."""
     return apply_kernel_masks_(logits, kernel_masks(bitmask, rows, isa))
+
+
+@dataclass
+class HeadMask:
+    """A step's grammar bitmask handed to the model's LM head before it is filled.
+
+    The mask thread fills `bitmask` (int32 [len(rows), words], contiguous rows; row j
+    masks logits row `rows[j]`) and then sets `ready` (int32 [1]) through `publish_ready`:
+    1 when filled, -1 when there is no mask. A model whose LM head applied it sets the
+    outputs: `applied`, the seconds its head waited for the fill (`wait_s`) and spent
+    writing -inf (`mask_s`); otherwise the logits come back unmasked."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
+    ready: torch.Tensor
+    isa: str
+    applied: bool = False
+    wait_s: float = 0.0
+    mask_s: float = 0.0
+
+    @classmethod
+    def empty(cls, rows: list[int], vocab_size: int, isa: str) -> "HeadMask":
+        """An unfilled mask of `rows` for a vocabulary of `vocab_size` tokens."""
+        bitmask = torch.zeros((len(rows), (vocab_size + 31) // 32), dtype=torch.int32)
+        return cls(bitmask, list(rows), torch.zeros(1, dtype=torch.int32), isa)
+
+
+READY_FILLED, READY_NONE = 1, -1
+
+
+def publish_ready(head_mask: HeadMask, value: int) -> None:
+    """On the filling thread, after its last write to the bitmask: `value` (READY_FILLED
+    or READY_NONE) becomes visible to the head only after those writes."""
+    cpu_kernels.load_library().kvserve_publish_mask_ready(head_mask.ready.data_ptr(), value)
 
 
 def disallowed_tokens(bitmask: torch.Tensor, width: int) -> torch.Tensor:

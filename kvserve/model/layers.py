@@ -136,16 +136,41 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq, self.attention_factor = rope_inv_freq(head_dim, rope, max_pos)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # float32 cos and sin of positions 0..N-1 ([2, N, head_dim]) for the frequencies
+        # `_table_freq`, grown on demand: a step gathers its rows (one op) instead of
+        # computing them (about eight).
+        self._table: torch.Tensor | None = None
+        self._table_freq: torch.Tensor | None = None
 
     def set_freq_factors(self, factors: torch.Tensor) -> None:
         """llama.cpp's per-frequency divisors (GGUF `rope_freqs`), e.g. Llama-3 scaling."""
         self.inv_freq = self.inv_freq / factors.to(self.inv_freq)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+    def cos_sin_rows(self, positions: torch.Tensor, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos and sin [T, head_dim] (contiguous) of `positions` [T] int64, all below
+        `num_positions`."""
+        table, inv_freq = self._table, self.inv_freq
+        if (table is None or self._table_freq is not inv_freq or table.shape[1] < num_positions
+                or table.device != positions.device):
+            table = self._table = self._build_table(inv_freq, max(num_positions, 256), positions.device)
+            self._table_freq = inv_freq
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
+
+    def _build_table(self, inv_freq: torch.Tensor, num_positions: int, device: torch.device) -> torch.Tensor:
+        size = 1 << (num_positions - 1).bit_length()  # doubling: a long sequence rebuilds it log(n) times
+        freqs = torch.arange(size, dtype=torch.float32, device=device)[:, None] * inv_freq.float().to(device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return ((emb.cos() * self.attention_factor).to(dtype).unsqueeze(1),
-                (emb.sin() * self.attention_factor).to(dtype).unsqueeze(1))
+        return torch.stack((emb.cos() * self.attention_factor, emb.sin() * self.attention_factor))
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                num_positions: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, head_dim] of `dtype` for `positions` [T] (all below `num_positions`
+        when given: it spares a look at their maximum)."""
+        positions = positions.long()
+        if num_positions is None:
+            num_positions = int(positions.max()) + 1 if positions.numel() else 1
+        cos, sin = self.cos_sin_rows(positions, num_positions)
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native: bool = False) -> torch.Tensor:

@@ -26,6 +26,7 @@ path `ModelKernels.bf16_isa`), and the output is cast back to bfloat16.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 
@@ -34,7 +35,9 @@ import torch
 from kvserve.kv_cache.interface import CircularBufferSpec
 from kvserve.config import QUANT_ISAS, KernelConfig
 from kvserve.model import cpu_kernels, quantized
-from kvserve.model.attention import AttentionMetadata, token_positions
+from kvserve.model.attention import AttentionMetadata
+from kvserve.model.grammar_mask import ISA_CODES as MASK_ISA_CODES
+from kvserve.model.grammar_mask import HeadMask
 from kvserve.model.quantized import ISA_CODES
 
 logger = logging.getLogger(__name__)
@@ -55,7 +58,7 @@ _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.
 class _Linear(ctypes.Structure):
     _fields_ = [("qs", _ptr), ("d", _ptr), ("m", _ptr), ("w", _ptr), ("bias", _ptr), ("out", _i64), ("in_", _i64),
                 ("bits", _i32), ("act_bits", _i32), ("isa", _i32), ("w_dtype", _i32), ("panel_isa", _i32),
-                ("unused", _i32)]
+                ("zero_min", _i32)]
 
 
 class _Layer(ctypes.Structure):
@@ -73,14 +76,26 @@ class _Model(ctypes.Structure):
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("num_tokens", _i64), ("positions", _ptr), ("table_row", _ptr), ("token_index", _ptr),
-                ("block_table", _ptr * _MAX_GROUPS), ("block_table_stride", _i64 * _MAX_GROUPS),
+    _fields_ = [("num_tokens", _i64), ("num_draft_tokens", _i64), ("positions", _ptr), ("table_row", _ptr),
+                ("token_index", _ptr), ("block_table", _ptr * _MAX_GROUPS), ("block_table_stride", _i64 * _MAX_GROUPS),
                 ("slots", _ptr * _MAX_GROUPS), ("cos", _ptr), ("sin", _ptr), ("cos_local", _ptr),
                 ("sin_local", _ptr)]
 
 
+class _TokenMask(ctypes.Structure):
+    _fields_ = [("bitmask", _ptr), ("logits_row", _ptr), ("num_mask_rows", _i64), ("num_words", _i64),
+                ("ready", _ptr), ("timeout_ns", _i64), ("isa", _i32), ("applied", _i32), ("wait_ns", _i64),
+                ("mask_ns", _i64)]
+
+
 class _Logits(ctypes.Structure):
-    _fields_ = [("head", _Linear), ("rows", _ptr), ("num_rows", _i64), ("logits", _ptr)]
+    _fields_ = [("head", _Linear), ("rows", _ptr), ("num_rows", _i64), ("logits", _ptr),
+                ("mask", ctypes.POINTER(_TokenMask))]
+
+
+# The head waits at most this long for a grammar mask's fill (the mask thread always
+# publishes, even when the fill fails: this bounds a bug, not a normal step).
+_MASK_TIMEOUT_NS = 2_000_000_000
 
 
 def _widest_isa(kernel_config: KernelConfig | None, available: str) -> str | None:
@@ -107,6 +122,33 @@ def f32_gemm_isa(kernel_config: KernelConfig | None = None) -> str | None:
     return _widest_isa(kernel_config, "kvserve_f32_gemm_isa_available")
 
 
+# The phases of csrc/phase_timer.h, in its order.
+PHASES = ("norms, residual adds, gate activation", "activation rounding", "QKV matmul",
+          "attention (Q/K norms, RoPE, K/V write, paged attention)", "O matmul", "gate/up matmul", "down matmul",
+          "LM head matmul", "barrier wait")
+
+
+@contextlib.contextmanager
+def phase_timing(num_threads: int):
+    """Times the native calls made inside the block by phase (csrc/phase_timer.h) and
+    fills the yielded dict on exit: "calls", and "threads", one {phase: seconds} per
+    thread. Off outside such a block. Yields an empty dict without the library."""
+    lib = cpu_kernels.load_library()
+    result: dict = {}
+    if lib is None:
+        yield result
+        return
+    lib.kvserve_decoder_profile_enable(1)
+    try:
+        yield result
+    finally:
+        sums = (ctypes.c_double * (num_threads * len(PHASES)))()
+        result["calls"] = int(lib.kvserve_decoder_profile_read(sums, num_threads))
+        lib.kvserve_decoder_profile_enable(0)
+        result["threads"] = [{name: sums[t * len(PHASES) + k] for k, name in enumerate(PHASES)}
+                             for t in range(num_threads)]
+
+
 class NativeDeclined(Exception):
     """The model has a feature the native decoder does not cover (the message says which)."""
 
@@ -126,7 +168,7 @@ class NativeDecoder:
         self._keep: list[torch.Tensor] = []
         self._layer_bytes = 0  # weight bytes of one layer's projections
         self._panel_rows = 0  # steps of this many tokens run the panel GEMM (the weights' own threshold)
-        self._all_panel = True  # every projection quantized with a panel path
+        self._all_panel = True  # every projection quantized with a panel path or float32 in panels
         self._gemm_rows = MAX_TOKENS + 1  # steps of this many tokens take the per-op dense GEMM
         self._layers = (_Layer * len(model.layers))()
         for i, layer in enumerate(model.layers):
@@ -224,6 +266,7 @@ class NativeDecoder:
                 raise NativeDeclined(f"quantized weight of {qw.bits} bits")
             desc.qs, desc.d, desc.m = (self._hold(t).data_ptr() for t in (qw.qs, qw.d, qw.m))
             desc.bits, desc.act_bits = qw.bits, qw.act_bits
+            desc.zero_min = int(not bool(qw.m.any()))  # Q8_0: 4 bytes a block the row kernels need not read
             desc.isa = quantized.ISA_CODES[qw.isa or quantized.kernel_isa() or "portable"]
             desc.panel_isa = quantized.ISA_CODES[quantized.panel_isa(qw)] if qw.panel_rows else -1
             self._panel_rows = max(self._panel_rows, qw.panel_rows)
@@ -282,11 +325,17 @@ class NativeDecoder:
     # -- a step -----------------------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, metadata_by_group: list[AttentionMetadata],
                 kv_caches: dict[str, torch.Tensor], group_ids: list[int],
-                logits_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                logits_rows: torch.Tensor | None = None,
+                num_draft_tokens: int = 0,
+                head_mask: HeadMask | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(The final norm's output [T, hidden], the LM head's logits [len(logits_rows), vocab]
         of the tokens `logits_rows` or None) for the embeddings `hidden` [T, hidden] (already
         scaled); None when this step is not one the native call takes. The logits are None
-        too when none are asked for or the LM head is not one the call runs."""
+        too when none are asked for or the LM head is not one the call runs.
+        `num_draft_tokens` of the tokens (each with a logits row) are speculative drafts: the
+        matmul kernels are those of the step without them (see `quantized.excluding_draft_rows`).
+        With `head_mask` the head applies that grammar mask once it is filled (see `HeadMask`;
+        it sets `head_mask.applied` when it did)."""
         num_tokens = hidden.shape[0]
         if not 0 < num_tokens <= self.max_tokens or len(metadata_by_group) > _MAX_GROUPS:
             return None
@@ -295,28 +344,32 @@ class NativeDecoder:
         if not self._bind_caches(kv_caches, group_ids):
             return None
         md0 = metadata_by_group[0]
-        table_row, _ = token_positions(md0.query_start_loc.long(), md0.seq_lens.long())
+        table_row = md0.token_request_index().long().contiguous()
         positions = positions.long().contiguous()
-        step = _Step(num_tokens=num_tokens, positions=positions.data_ptr(), table_row=table_row.data_ptr(),
-                     token_index=self._token_index.data_ptr())
+        step = _Step(num_tokens=num_tokens, num_draft_tokens=num_draft_tokens, positions=positions.data_ptr(),
+                     table_row=table_row.data_ptr(), token_index=self._token_index.data_ptr())
         keep = [positions, table_row]
         for g, md in enumerate(metadata_by_group):
             table, slots = md.block_table.long().contiguous(), md.slot_mapping.long().contiguous()
             keep += [table, slots]
             step.block_table[g], step.block_table_stride[g], step.slots[g] = (table.data_ptr(), table.stride(0),
                                                                               slots.data_ptr())
-        cos, sin = self.model.rotary_global.cos_sin(positions, torch.float32)
+        cos, sin = self.model.rotary_global.cos_sin_rows(positions, md0.max_seq_len)
         local = self.model.rotary_local
-        cos_local, sin_local = local.cos_sin(positions, torch.float32) if local is not None else (cos, sin)
+        cos_local, sin_local = local.cos_sin_rows(positions, md0.max_seq_len) if local is not None else (cos, sin)
         keep += [cos, sin, cos_local, sin_local]
         step.cos, step.sin, step.cos_local, step.sin_local = (t.data_ptr() for t in (cos, sin, cos_local, sin_local))
         out = hidden.float().contiguous().clone() if hidden.dtype != torch.float32 else hidden.contiguous()
         head, logits = self._logits_request(logits_rows, keep)
+        mask = None if head is None else self._mask_request(head, head_mask, keep)
         failed = cpu_kernels.load_library().kvserve_decoder_forward_logits(
             ctypes.byref(self._desc), self._layers, ctypes.byref(step), out.data_ptr(),
             None if head is None else ctypes.byref(head), self.num_threads)
         if failed:
             raise MemoryError("the native decoder could not allocate its buffers")
+        if mask is not None:
+            head_mask.applied = bool(mask.applied)
+            head_mask.wait_s, head_mask.mask_s = mask.wait_ns * 1e-9, mask.mask_ns * 1e-9
         del keep
         return out.to(hidden.dtype), None if logits is None else logits[:, :self.model.lm_head.vocab_size]
 
@@ -329,3 +382,20 @@ class NativeDecoder:
         logits = torch.empty(rows.numel(), self._head.out, dtype=torch.float32)
         keep += [rows, logits]
         return _Logits(head=self._head, rows=rows.data_ptr(), num_rows=rows.numel(), logits=logits.data_ptr()), logits
+
+    @staticmethod
+    def _mask_request(head: _Logits, head_mask: HeadMask | None, keep: list) -> _TokenMask | None:
+        """Points the head at `head_mask` (None when there is none or it does not fit these logits)."""
+        if head_mask is None:
+            return None
+        bitmask, rows = head_mask.bitmask, head_mask.rows
+        if (bitmask.dtype != torch.int32 or not bitmask.is_contiguous() or bitmask.shape[0] != len(rows)
+                or len(set(rows)) != len(rows) or not all(0 <= r < head.num_rows for r in rows)):
+            return None
+        logits_row = torch.tensor(rows, dtype=torch.int64)
+        mask = _TokenMask(bitmask=bitmask.data_ptr(), logits_row=logits_row.data_ptr(), num_mask_rows=len(rows),
+                          num_words=bitmask.shape[1], ready=head_mask.ready.data_ptr(), timeout_ns=_MASK_TIMEOUT_NS,
+                          isa=MASK_ISA_CODES[head_mask.isa])
+        keep += [logits_row, mask]
+        head.mask = ctypes.pointer(mask)
+        return mask

@@ -27,8 +27,10 @@ weight a cache-sized panel at a time. The loader stamps these choices on every w
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,11 +97,32 @@ class QuantizedWeight:
                                    m=self.m[index].contiguous())
 
     def dequantize(self, index: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 values of all rows, or of the rows `index` (a 1-D int64 tensor)."""
+        """float32 values of all rows, or of the rows `index` (a 1-D int64 tensor): on the CPU
+        one native call (an embedding lookup of a decode step costs microseconds, the torch
+        ops below about ten dispatches), the same values either way."""
+        if index is not None and self.qs.device.type == "cpu":
+            rows = _native_rows(self, index)
+            if rows is not None:
+                return rows
         qs, d, m = (self.qs, self.d, self.m) if index is None else (self.qs[index], self.d[index], self.m[index])
         q = unpack_quants(qs, self.bits, self.in_features).float()
         blocks = q.view(q.shape[0], -1, BLOCK) * d.unsqueeze(-1) + m.unsqueeze(-1)
         return blocks.view(q.shape[0], self.in_features)
+
+
+def _native_rows(weight: QuantizedWeight, index: torch.Tensor) -> torch.Tensor | None:
+    """`weight.dequantize(index)` by csrc/quant_linear.c; None without the library. An index
+    out of range raises IndexError, as the torch path does."""
+    lib = cpu_kernels.load_library()
+    if lib is None:
+        return None
+    index = index.to(torch.int64).contiguous()
+    out = torch.empty(index.numel(), weight.in_features, dtype=torch.float32)
+    if lib.kvserve_quant_embed(weight.qs.data_ptr(), weight.d.data_ptr(), weight.m.data_ptr(), weight.bits,
+                               weight.out_features, weight.in_features, index.data_ptr(), index.numel(),
+                               out.data_ptr()):
+        raise IndexError(f"row index out of range for a weight of {weight.out_features} rows")
+    return out
 
 
 def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -381,28 +404,63 @@ def panel_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     return y
 
 
+_draft_rows = threading.local()  # `num`: draft rows of the step this thread runs
+
+
+@contextlib.contextmanager
+def excluding_draft_rows(num_draft_rows: int):
+    """Within it (on this thread), `linear` chooses its kernel for a step of N rows as for a
+    step of N - `num_draft_rows`: a speculative verify step's rows (its drafts' among them)
+    then go through the kernel, and the activation rounding, that plain decoding of the
+    same sequences would use, so greedy speculative decoding emits exactly its tokens
+    (the panel GEMM and the row kernel round activations differently)."""
+    previous = getattr(_draft_rows, "num", 0)
+    _draft_rows.num = num_draft_rows
+    try:
+        yield
+    finally:
+        _draft_rows.num = previous
+
+
+def _single_row_kernel(weight: QuantizedWeight, isa: str) -> bool:
+    """Whether a one-row step takes quant_gemv.c's kernel (as kvserve_quant_single_row_kernel)."""
+    return weight.act_bits == 8 and isa == "avx512"
+
+
 def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
            isa: str | None = None) -> torch.Tensor:
     """x [..., in] @ W^T (+ bias) with W quantized; x float32 or bfloat16 on the CPU
     (rows may be strided), the result of x's dtype. `isa` overrides the weight's path.
-    Steps of `weight.gemm_rows` rows or more dequantize W and run a dense GEMM instead."""
+    Steps of `weight.gemm_rows` rows or more dequantize W and run a dense GEMM instead
+    (rows counted without a verify step's drafts: `excluding_draft_rows`)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     if x2.shape[-1] != weight.in_features:
         raise cpu_kernels.KernelArgumentError(f"input width {x2.shape[-1]}, weight takes {weight.in_features}")
-    if isa is None and weight.gemm_rows and x2.shape[0] >= weight.gemm_rows:
+    plain_rows = x2.shape[0] - getattr(_draft_rows, "num", 0)
+    if isa is None and weight.gemm_rows and plain_rows >= weight.gemm_rows:
         return _dense_linear(x2, weight, bias, weight.gemm_dtype).view(*lead, weight.out_features)
-    if isa is None and weight.panel_rows and x2.shape[0] >= weight.panel_rows:
+    if isa is None and weight.panel_rows and plain_rows >= weight.panel_rows:
         return panel_linear(x2, weight, bias).view(*lead, weight.out_features)
+    isa = isa or weight.isa or kernel_isa()
+    if plain_rows == 1 and x2.shape[0] > 1 and _single_row_kernel(weight, isa):
+        rows = [_row_kernel_linear(x2[i:i + 1], weight, bias, isa) for i in range(x2.shape[0])]
+        return torch.cat(rows).view(*lead, weight.out_features)
+    return _row_kernel_linear(x2, weight, bias, isa).view(*lead, weight.out_features)
+
+
+def _row_kernel_linear(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
+                       isa: str) -> torch.Tensor:
+    """x2 [rows, in] @ W^T (+ bias) by the row kernel (csrc/quant_linear.c) on path `isa`."""
     x2, bias, y = _kernel_operands(x2, weight, bias)
     code = cpu_kernels.load_library().kvserve_quant_linear(
         x2.data_ptr(), x2.stride(0), x2.shape[0], weight.qs.data_ptr(), weight.d.data_ptr(), weight.m.data_ptr(),
         weight.bits, weight.out_features, weight.in_features, bias.data_ptr() if bias is not None else None,
-        y.data_ptr(), y.stride(0), 0 if x2.dtype == torch.float32 else 1, weight.act_bits,
-        ISA_CODES[isa or weight.isa or kernel_isa()], torch.get_num_threads())
+        y.data_ptr(), y.stride(0), 0 if x2.dtype == torch.float32 else 1, weight.act_bits, ISA_CODES[isa],
+        torch.get_num_threads())
     if code:
         raise cpu_kernels.KernelArgumentError(f"quantized matmul rejected its arguments (code {code})")
-    return y.view(*lead, weight.out_features)
+    return y
 
 
 # ---- choosing the path ----------------------------------------------------------------

@@ -167,6 +167,15 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     return (probs / noise).argmax(dim=-1)
 
 
+def argmax_token_ids(logits: torch.Tensor) -> list[int]:
+    """The greedy token of each row of logits [B, vocab]: its first maximal entry (NaN counting
+    as maximal), as `torch.argmax` picks it. On the CPU numpy's argmax, a few microseconds
+    for a row of a 50k vocabulary, where torch's starts a parallel region for it."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(axis=1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 class Sampler:
     """Turns float32 logits [B, vocab] into one token per row (see module docstring)."""
 
@@ -175,10 +184,11 @@ class Sampler:
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(n is not None for n in st.num_logprobs) else None)
         logits = self.process_logits(logits, st)
-        tokens = logits.argmax(dim=-1)
-        if not st.all_greedy:
-            tokens = torch.where(st.temperature == 0, tokens, self._random_sample(logits, st))
-        token_list = tokens.tolist()
+        if st.all_greedy:
+            token_list = argmax_token_ids(logits)
+        else:
+            tokens = torch.where(st.temperature == 0, logits.argmax(dim=-1), self._random_sample(logits, st))
+            token_list = tokens.tolist()
         logprobs = gather_logprobs(raw_logprobs, token_list, st.num_logprobs) if raw_logprobs is not None else None
         return SamplerOutput(token_ids=token_list, logprobs=logprobs)
 

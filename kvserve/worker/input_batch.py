@@ -35,10 +35,23 @@ class RequestState:
     output_token_ids: list[int] = field(default_factory=list)
     generator: Any = None  # torch.Generator for seeded requests
     grammar: Any = None  # llguidance matcher of a structured-output request (sampling rank only)
+    # Greedy with nothing between the logits and their argmax (no logprobs, penalties,
+    # logit bias or grammar); min_tokens may still ban stop tokens (`takes_argmax`).
+    plain_greedy: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        params = self.sampling_params
+        self.plain_greedy = (params.is_greedy and params.logprobs is None and not params.needs_penalties
+                             and not params.logit_bias and params.structured_outputs is None)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def takes_argmax(self) -> bool:
+        """Its next token is the argmax of the raw logits (`plain_greedy`, past min_tokens)."""
+        return self.plain_greedy and len(self.output_token_ids) >= self.sampling_params.min_tokens
 
 
 class BlockTable:
@@ -123,10 +136,16 @@ class PreparedBatch:
     logits_indices: np.ndarray
     num_draft_tokens: np.ndarray | None = None
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    req_index: np.ndarray | None = None  # [T] request (index into req_ids) of each token
 
     @property
     def num_reqs(self) -> int:
         return len(self.req_ids)
+
+    @property
+    def total_draft_tokens(self) -> int:
+        """The step's speculative draft tokens, over all its requests."""
+        return 0 if self.num_draft_tokens is None else int(self.num_draft_tokens.sum())
 
     @property
     def sampled_req_ids(self) -> list[str]:
@@ -228,8 +247,8 @@ class InputBatch:
             kept = [i for i, rid in enumerate(req_ids) if rid not in skip_req_ids]
             req_ids, num_computed = [req_ids[i] for i in kept], [num_computed[i] for i in kept]
         rows = np.array([self._row_of(rid) for rid in req_ids], dtype=np.int64)
-        num_sched = np.array([scheduler_output.num_scheduled_tokens[rid] for rid in req_ids],
-                             dtype=np.int64)
+        scheduled = scheduler_output.num_scheduled_tokens
+        num_sched = np.array([scheduled[rid] for rid in req_ids], dtype=np.int64)
         starts = np.array(num_computed, dtype=np.int64)
         after_drafts = scheduler_output.after_unverified_drafts_req_ids
         if after_drafts:
@@ -239,31 +258,22 @@ class InputBatch:
             starts[moved] = self.num_tokens[rows[moved]] - 1
         ends = starts + num_sched
         all_drafts = scheduler_output.scheduled_spec_decode_tokens if draft_token_ids is None else draft_token_ids
-        drafts = {rid: all_drafts[rid] for rid in req_ids if rid in all_drafts}
-        num_drafts = np.array([len(drafts.get(rid, ())) for rid in req_ids], dtype=np.int64)
-        self._write_drafts(drafts)
-        known = self.num_tokens[rows] + num_drafts
-        if np.any(ends > known):
+        drafts = {rid: all_drafts[rid] for rid in req_ids if rid in all_drafts} if all_drafts else {}
+        known = self.num_tokens[rows]
+        num_drafts = np.zeros(len(req_ids), dtype=np.int64)
+        if drafts:
+            num_drafts[:] = [len(drafts.get(rid, ())) for rid in req_ids]
+            self._write_drafts(drafts)
+            known = known + num_drafts
+        if (ends > known).any():
             bad = int(np.argmax(ends > known))
             raise InputPreparationError(
                 f"request {req_ids[bad]} is scheduled up to token {int(ends[bad])}, "
                 f"but the runner knows only {int(known[bad])} of its tokens")
-        cu_num_tokens = np.cumsum(num_sched)
-        query_start_loc = np.concatenate(([0], cu_num_tokens))
-        total = int(cu_num_tokens[-1]) if len(cu_num_tokens) else 0
-        rows_per_token = np.repeat(rows, num_sched)
-        positions = np.repeat(starts, num_sched) + (np.arange(total) - np.repeat(query_start_loc[:-1], num_sched))
-        input_ids = self.token_ids[rows_per_token, positions]
         sample_mask = ends == known
-        return PreparedBatch(
-            req_ids=req_ids, rows=rows, num_scheduled_tokens=num_sched, num_computed_tokens=starts,
-            input_ids=input_ids, positions=positions, query_start_loc=query_start_loc, seq_lens=ends,
-            slot_mappings=[t.slot_mapping(rows_per_token, positions) for t in self.block_tables],
-            block_tables=[t.rows(rows) for t in self.block_tables],
-            sample_mask=sample_mask,
-            logits_indices=_last_slots(cu_num_tokens[sample_mask], 1 + num_drafts[sample_mask]),
-            num_draft_tokens=num_drafts, draft_token_ids=drafts,
-        )
+        prepared = self._flatten(req_ids, rows, starts, num_sched, sample_mask, num_drafts)
+        prepared.draft_token_ids = drafts
+        return prepared
 
     def prepare_tokens(self, req_ids: list[str], starts: np.ndarray, token_ids: list[np.ndarray]) -> PreparedBatch:
         """A batch of given tokens: request i's `token_ids[i]` at positions from `starts[i]`,
@@ -271,19 +281,38 @@ class InputBatch:
         schedule as such). Each request's last token is a logits row."""
         rows = np.array([self._row_of(rid) for rid in req_ids], dtype=np.int64)
         num_tokens = np.array([len(tokens) for tokens in token_ids], dtype=np.int64)
-        starts = np.asarray(starts, dtype=np.int64)
+        return self._flatten(list(req_ids), rows, np.asarray(starts, dtype=np.int64), num_tokens,
+                             np.ones(len(req_ids), dtype=bool), None, np.concatenate(token_ids).astype(np.int64))
+
+    def _flatten(self, req_ids: list[str], rows: np.ndarray, starts: np.ndarray, num_tokens: np.ndarray,
+                 sample_mask: np.ndarray, num_drafts: np.ndarray | None,
+                 input_ids: np.ndarray | None = None) -> PreparedBatch:
+        """The flat batch of request i's tokens starts[i]:starts[i] + num_tokens[i] (input ids
+        read from its row unless given); logits rows: the last 1 + num_drafts[i] tokens of the
+        sampled requests."""
         cu_num_tokens = np.cumsum(num_tokens)
-        query_start_loc = np.concatenate(([0], cu_num_tokens))
-        rows_per_token = np.repeat(rows, num_tokens)
-        positions = np.repeat(starts, num_tokens) + (np.arange(int(cu_num_tokens[-1]))
-                                                     - np.repeat(query_start_loc[:-1], num_tokens))
+        total = int(cu_num_tokens[-1]) if len(cu_num_tokens) else 0
+        query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
+        query_start_loc[1:] = cu_num_tokens
+        if total == len(rows):  # one token per request (decode): no per-token expansion
+            req_index, rows_per_token, positions = np.arange(total), rows, starts
+        else:
+            req_index = np.repeat(np.arange(len(rows)), num_tokens)
+            rows_per_token = rows[req_index]
+            positions = starts[req_index] + (np.arange(total) - query_start_loc[req_index])
+        if num_drafts is None or not num_drafts.any():
+            logits_indices = cu_num_tokens[sample_mask] - 1
+        else:
+            logits_indices = _last_slots(cu_num_tokens[sample_mask], 1 + num_drafts[sample_mask])
         return PreparedBatch(
-            req_ids=list(req_ids), rows=rows, num_scheduled_tokens=num_tokens, num_computed_tokens=starts,
-            input_ids=np.concatenate(token_ids).astype(np.int64), positions=positions,
+            req_ids=req_ids, rows=rows, num_scheduled_tokens=num_tokens, num_computed_tokens=starts,
+            input_ids=self.token_ids[rows_per_token, positions] if input_ids is None else input_ids,
+            positions=positions,
             query_start_loc=query_start_loc, seq_lens=starts + num_tokens,
             slot_mappings=[t.slot_mapping(rows_per_token, positions) for t in self.block_tables],
             block_tables=[t.rows(rows) for t in self.block_tables],
-            sample_mask=np.ones(len(req_ids), dtype=bool), logits_indices=cu_num_tokens - 1,
+            sample_mask=sample_mask, logits_indices=logits_indices, num_draft_tokens=num_drafts,
+            req_index=req_index,
         )
 
     def _write_drafts(self, drafts: dict[str, list[int]]) -> None:
@@ -328,7 +357,5 @@ class InputBatch:
 
 def _last_slots(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """The last counts[i] token slots before ends[i], request after request."""
-    if not len(counts) or int(counts.max()) == 1:
-        return ends - 1
     offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
     return np.repeat(ends - counts, counts) + offsets

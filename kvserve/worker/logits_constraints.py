@@ -17,6 +17,12 @@ critical path (`MaskStats.wait_s`). On CPU the native kernel of
 `kvserve.model.grammar_mask` then writes -inf straight from the packed
 bitmask; on the torch path the mask thread also unpacks the bitmask into one
 bool per token, for `masked_fill_`.
+
+On CPU the step's bitmask is also handed to the model (`PendingMasks.head_mask`)
+before it is filled: where the native decoder runs the LM head, the head waits
+for the fill and writes the -inf itself while the logits are in its cache (and
+skips the vocabulary rows no request may pick), so `apply` has nothing left to
+do; elsewhere the logits come back unmasked and `apply` masks them as above.
 """
 from __future__ import annotations
 
@@ -30,8 +36,9 @@ import torch
 
 from kvserve.config import KernelConfig
 from kvserve.model.grammar import FailedGrammar, GrammarCompiler, StructuredOutputError, compiler_for_model
-from kvserve.model.grammar_mask import (KernelMasks, apply_kernel_masks_, choose_mask_isa, disallowed_tokens,
-                                        kernel_masks, kernel_takes, mask_logits_)
+from kvserve.model.grammar_mask import (READY_FILLED, READY_NONE, HeadMask, KernelMasks, apply_kernel_masks_,
+                                        choose_mask_isa, disallowed_tokens, kernel_masks, kernel_takes, mask_logits_,
+                                        publish_ready)
 from kvserve.worker.input_batch import RequestState
 
 logger = logging.getLogger(__name__)
@@ -40,14 +47,24 @@ logger = logging.getLogger(__name__)
 @dataclass
 class MaskStats:
     """Running totals of the grammar-mask work of one runner. `fill_s` is spent on the
-    mask thread, alongside the forward; on the critical path remain `wait_s`, what the
-    steps still waited for it after their forward, and `apply_s`, setting the logits."""
+    mask thread, alongside the forward; on the critical path remain `start_s`, handing
+    the fill to the mask thread before the forward, `wait_s`, what the steps still waited
+    for it (inside the LM head or after the forward), `apply_s`, setting the logits, and
+    `advance_s`, feeding the sampled tokens to the matchers."""
 
     steps: int = 0
     rows: int = 0  # one per constrained token position sampled or verified
+    head_rows: int = 0  # of those, the rows the LM head masked itself (inside the native decoder)
     fill_s: float = 0.0
+    start_s: float = 0.0
     wait_s: float = 0.0
     apply_s: float = 0.0
+    advance_s: float = 0.0
+
+    @property
+    def critical_path_s(self) -> float:
+        """The mask work the steps did not hide behind their forward."""
+        return self.start_s + self.wait_s + self.apply_s + self.advance_s
 
 
 @dataclass
@@ -64,10 +81,12 @@ class StepMasks:
 class PendingMasks:
     """The masks of one step being filled on the mask thread; row j of them belongs to
     logits row `rows[j]`. `result()` waits on a plain lock: it runs right after the forward,
-    where every bit of Python costs (the forward has evicted it from the caches)."""
+    where every bit of Python costs (the forward has evicted it from the caches).
+    `head_mask` (CPU kernel path only) is the bitmask being filled, for the model's LM head."""
 
-    def __init__(self, rows: list[int]) -> None:
+    def __init__(self, rows: list[int], head_mask: HeadMask | None = None) -> None:
         self.rows = rows
+        self.head_mask = head_mask
         self._filled = threading.Lock()
         self._filled.acquire()
         self._masks: StepMasks | None = None
@@ -124,6 +143,7 @@ class LogitsConstraints:
         constrained = [i for i, s in enumerate(states) if s.sampling_params.structured_outputs is not None]
         if not constrained:
             return None
+        started = time.perf_counter()
         num_rows = [1 + len(d) for d in drafts] if drafts is not None else [1] * len(states)
         first_rows = [sum(num_rows[:i]) for i in range(len(states))]
         rows = [first_rows[i] + j for i in constrained for j in range(num_rows[i])]
@@ -131,8 +151,10 @@ class LogitsConstraints:
         if self._mask_thread is None:
             # One thread: a step's masks never overlap the next step's on the same matchers.
             self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-mask")
-        pending = PendingMasks(rows)
+        head_mask = None if self.mask_isa is None else HeadMask.empty(rows, self.compiler.vocab_size, self.mask_isa)
+        pending = PendingMasks(rows, head_mask)
         self._mask_thread.submit(self._fill_into, pending, [states[i] for i in constrained], constrained_drafts)
+        self.stats.start_s += time.perf_counter() - started
         return pending
 
     def apply(self, logits: torch.Tensor, states: list[RequestState],
@@ -153,34 +175,52 @@ class LogitsConstraints:
         waited_from = time.perf_counter()
         masks = pending.result()
         applied_from = time.perf_counter()
-        if masks.kernel is not None and kernel_takes(logits):
-            logits = apply_kernel_masks_(logits, masks.kernel)
+        head = pending.head_mask
+        if head is not None and head.applied:
+            self.stats.head_rows += len(pending.rows)
+            self.stats.wait_s += head.wait_s + applied_from - waited_from
+            self.stats.apply_s += head.mask_s + time.perf_counter() - applied_from
+            return logits
+        if self.mask_isa is not None and kernel_takes(logits):
+            logits = apply_kernel_masks_(logits, masks.kernel or kernel_masks(masks.bitmask, pending.rows,
+                                                                              self.mask_isa))
         else:
             disallowed = masks.disallowed
             if disallowed is None:
                 disallowed = disallowed_tokens(masks.bitmask, self.compiler.vocab_size)
             logits = mask_logits_(logits, disallowed, pending.rows)
-        self.stats.wait_s += applied_from - waited_from
+        self.stats.wait_s += applied_from - waited_from + (0.0 if head is None else head.wait_s)
         self.stats.apply_s += time.perf_counter() - applied_from
         return logits
 
     def _fill_into(self, pending: PendingMasks, states: list[RequestState], drafts: list[list[int]]) -> None:
+        head = pending.head_mask
         try:
-            pending.set(self._fill(states, drafts, pending.rows))
+            with torch.inference_mode():  # the step thread made `head.bitmask` in inference mode
+                masks = self._fill(states, drafts, pending.rows, None if head is None else head.bitmask)
         except BaseException as exc:  # handed to the step thread, which raises it
+            if head is not None:
+                publish_ready(head, READY_NONE)
             pending.set(None, exc)
+            return
+        if head is not None:
+            publish_ready(head, READY_FILLED)
+        pending.set(masks)
 
-    def _fill(self, states: list[RequestState], drafts: list[list[int]], rows: list[int]) -> StepMasks:
-        """On the mask thread: the masks of the constrained requests' rows."""
+    def _fill(self, states: list[RequestState], drafts: list[list[int]], rows: list[int],
+              out: torch.Tensor | None) -> StepMasks:
+        """On the mask thread: the masks of the constrained requests' rows (into `out` when given)."""
         started = time.perf_counter()
         matchers = [self._matcher(state) for state in states]
         if not any(drafts):
-            bitmask = self.compiler.fill_bitmasks(matchers)
+            bitmask = self.compiler.fill_bitmasks(matchers, out)
         else:
-            bitmask = torch.cat([self.compiler.fill_bitmasks_along(m, d) for m, d in zip(matchers, drafts)])
+            bitmask = torch.cat([self.compiler.fill_bitmasks_along(m, d) for m, d in zip(matchers, drafts)],
+                                out=out)
         masks = StepMasks(bitmask)
         if self.mask_isa is not None:
-            masks.kernel = kernel_masks(bitmask, rows, self.mask_isa)
+            if out is None:  # else the LM head is likely to mask, and `apply` lays them out if not
+                masks.kernel = kernel_masks(bitmask, rows, self.mask_isa)
         else:
             masks.disallowed = disallowed_tokens(bitmask, self.compiler.vocab_size)
         self.stats.steps += 1
@@ -190,10 +230,15 @@ class LogitsConstraints:
 
     def advance(self, states: list[RequestState], token_ids: list[list[int]]) -> None:
         """Feed each constrained request the tokens this step really produced for it."""
+        started = time.perf_counter()
+        constrained = False
         for state, tokens in zip(states, token_ids):
             if state.grammar is not None:
+                constrained = True
                 for token_id in tokens:
                     state.grammar.consume_token(int(token_id))
+        if constrained:
+            self.stats.advance_s += time.perf_counter() - started
 
     @staticmethod
     def _add_bias(logits: torch.Tensor, states: list[RequestState], first_rows: list[int],

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
 import torch
 
 from kvserve.config import CacheConfig, KernelConfig, SchedulerConfig
@@ -20,7 +21,7 @@ from kvserve.model.attention import AttentionMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from kvserve.model.rejection_sampler import verify_drafts
-from kvserve.model.sampler import Sampler, SamplingTensors, make_generator
+from kvserve.model.sampler import Sampler, SamplingTensors, argmax_token_ids, make_generator
 from kvserve.sampling_params import SamplingParams
 from kvserve.messages import ModelRunnerOutput, SchedulerOutput
 from kvserve.worker.draft_model import DraftModelProposer
@@ -163,34 +164,39 @@ class ModelRunner:
         """Run the model over the step; the hidden rows of the requests to sample
         (None when no request reached its last token)."""
         hidden = self.model.forward(
-            torch.from_numpy(prepared.input_ids).to(self.device),
-            torch.from_numpy(prepared.positions).to(self.device),
+            self._to_device(prepared.input_ids),
+            self._to_device(prepared.positions),
             self._build_attention_metadata(prepared),
             self.kv_caches,
+            num_draft_tokens=prepared.total_draft_tokens,
         )
         if not prepared.sampled_req_ids:
             return None
-        return hidden[torch.from_numpy(prepared.logits_indices).to(self.device)]
+        return hidden[self._to_device(prepared.logits_indices)]
 
-    def _forward_sampled_logits(self, prepared: PreparedBatch) -> torch.Tensor | None:
+    def _forward_sampled_logits(self, prepared: PreparedBatch,
+                                pending_masks: PendingMasks | None = None) -> torch.Tensor | None:
         """Run the model over the step; the logits of the requests to sample (None when
-        no request reached its last token)."""
+        no request reached its last token). The model's LM head may apply the step's
+        grammar masks itself (`pending_masks.head_mask`)."""
         if not prepared.sampled_req_ids:
             self._forward_sampled_rows(prepared)
             return None
         return self.model.forward_logits(
-            torch.from_numpy(prepared.input_ids).to(self.device),
-            torch.from_numpy(prepared.positions).to(self.device),
+            self._to_device(prepared.input_ids),
+            self._to_device(prepared.positions),
             self._build_attention_metadata(prepared),
             self.kv_caches,
-            torch.from_numpy(prepared.logits_indices).to(self.device),
+            self._to_device(prepared.logits_indices),
+            num_draft_tokens=prepared.total_draft_tokens,
+            head_mask=None if pending_masks is None else pending_masks.head_mask,
         )
 
     def _forward_and_sample(self, prepared: PreparedBatch) -> tuple[dict[str, list[int]], dict]:
         """Run the model; for each request that reached its last token, sample one
         token or verify its drafts (then 1 to 1 + drafts tokens)."""
         pending_masks = self._start_masks(prepared)
-        logits = self._forward_sampled_logits(prepared)
+        logits = self._forward_sampled_logits(prepared, pending_masks)
         if logits is None:
             return {}, {}
         sampled_token_ids, logprobs_by_req = self._sample(logits, prepared, pending_masks)
@@ -211,6 +217,9 @@ class ModelRunner:
         """Tokens and logprobs (one list per request) from the sampled rows' logits."""
         sampled_req_ids = prepared.sampled_req_ids
         states = [self.input_batch.states[rid] for rid in sampled_req_ids]
+        if not prepared.draft_token_ids and all(s.takes_argmax for s in states):
+            # The greedy fast path: nothing to apply, no sampling tensors to build.
+            return {rid: [t] for rid, t in zip(sampled_req_ids, argmax_token_ids(logits))}, {}
         if prepared.draft_token_ids:
             drafts = [prepared.draft_token_ids.get(rid, []) for rid in sampled_req_ids]
             logits = self.logits_constraints.apply(logits, states, drafts, pending_masks)
@@ -241,12 +250,16 @@ class ModelRunner:
     def _apply_block_copies(self, scheduler_output: SchedulerOutput) -> None:
         copy_kv_blocks(self.kv_caches, self.kv_cache_config, scheduler_output.kv_cache_block_copies)
 
-    def _build_attention_metadata(self, prepared: PreparedBatch) -> list:
-        def to_device(array):
-            return torch.from_numpy(array).to(self.device)
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A step input as a tensor on the runner's device (on the CPU a view of the array)."""
+        tensor = torch.from_numpy(array)
+        return tensor if self.device.type == "cpu" else tensor.to(self.device)
 
+    def _build_attention_metadata(self, prepared: PreparedBatch) -> list:
+        to_device = self._to_device
         query_start_loc = to_device(prepared.query_start_loc)
         seq_lens = to_device(prepared.seq_lens)
+        req_index = None if prepared.req_index is None else to_device(prepared.req_index)
         max_query_len = int(prepared.num_scheduled_tokens.max())
         max_seq_len = int(prepared.seq_lens.max())
         group_specs = [group.kv_cache_spec for group in self.kv_cache_config.kv_cache_groups]
@@ -254,7 +267,7 @@ class ModelRunner:
             AttentionMetadata(
                 query_start_loc=query_start_loc, seq_lens=seq_lens,
                 block_table=to_device(block_table), slot_mapping=to_device(slot_mapping),
-                max_query_len=max_query_len, max_seq_len=max_seq_len, spec=spec,
+                max_query_len=max_query_len, max_seq_len=max_seq_len, spec=spec, req_index=req_index,
             )
             for spec, block_table, slot_mapping in zip(group_specs, prepared.block_tables,
                                                        prepared.slot_mappings)

@@ -137,7 +137,7 @@ class TPModelRunner(ModelRunner):
         if sampled_hidden is None:
             return {}, {}
         sampled_req_ids = prepared.sampled_req_ids
-        logits = self.model.compute_logits_on_driver(sampled_hidden)
+        logits = self.model.compute_logits_on_driver(sampled_hidden, prepared.total_draft_tokens)
         # One row per request: its 1 to 1 + drafts tokens, padded with PAD_TOKEN. -1
         # tells the other ranks that the driver's sampling failed, so that they fail
         # the step too instead of waiting in the broadcast.

@@ -125,10 +125,10 @@ def test_masks_are_filled_on_the_mask_thread_while_the_forward_runs(llm, monkeyp
     fill_began_during_forward = []
     fill, forward = constraints.compiler.fill_bitmasks, runner.model._forward
 
-    def recording_fill(matchers):
+    def recording_fill(matchers, out=None):
         fill_threads.add(threading.current_thread().name)
         fill_started.set()
-        return fill(matchers)
+        return fill(matchers, out)
 
     def forward_awaiting_the_fill(*args):
         fill_began_during_forward.append(fill_started.wait(timeout=2.0))
@@ -148,9 +148,11 @@ def test_masks_are_filled_on_the_mask_thread_while_the_forward_runs(llm, monkeyp
 
 
 def test_native_mask_kernel_gives_the_torch_paths_outputs(llm, monkeypatch):
-    """The runner's native bitmask kernel and the torch path (unpacked mask, masked_fill_) give
-    the same tokens and logprobs under greedy, seeded sampling with top-k/p and penalties, and
-    n > 1."""
+    """The mask written by the native decoder's LM head, the runner's native bitmask kernel
+    after the forward and the torch path (unpacked mask, masked_fill_) give the same tokens
+    and logprobs under greedy, seeded sampling with top-k/p and penalties, and n > 1."""
+    from kvserve.worker import logits_constraints
+
     constraints = llm.engine_core.executor.model_runner.logits_constraints
     assert constraints.mask_isa is not None  # the CPU kernels are built in this test environment
     modes = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.9, top_k=8, top_p=0.9, seed=11,
@@ -162,7 +164,19 @@ def test_native_mask_kernel_gives_the_torch_paths_outputs(llm, monkeypatch):
         outputs = llm.chat([ASK] * len(params), params, use_tqdm=False)
         return [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outputs]
 
+    head_rows = constraints.stats.head_rows
     native = run()
+    assert constraints.stats.head_rows > head_rows  # the default model's head runs in the native call
+
+    class NoHeadMask:
+        @staticmethod
+        def empty(*args):
+            return None
+    with monkeypatch.context() as patch:
+        patch.setattr(logits_constraints, "HeadMask", NoHeadMask)  # masked after the forward
+        head_rows = constraints.stats.head_rows
+        assert run() == native
+        assert constraints.stats.head_rows == head_rows
     monkeypatch.setattr(constraints, "_mask_isa", None)
     assert run() == native
 

@@ -182,9 +182,12 @@ class PagedRunner:
     def _still_used(self, block: int) -> bool:
         return any(block in table for req in self.requests.values() for table in req.block_ids)
 
-    def step(self, schedule: dict[str, int], every_token: bool = False) -> dict[str, torch.Tensor]:
+    def step(self, schedule: dict[str, int], every_token: bool = False,
+             num_draft_tokens: int = 0, head_mask=None) -> dict[str, torch.Tensor]:
         """Run `schedule[req_id]` tokens of each request; return logits of each request's last token
-        (with `every_token`: of all its scheduled tokens, [n, vocab])."""
+        (with `every_token`: of all its scheduled tokens, [n, vocab]). `num_draft_tokens` of the
+        step's tokens are speculative drafts (for the model's kernel choice); `head_mask` goes to
+        `forward_logits`."""
         input_ids, positions, query_lens, seq_lens = [], [], [], []
         for req_id, n in schedule.items():
             req = self.requests[req_id]
@@ -207,7 +210,8 @@ class PagedRunner:
         with torch.inference_mode():
             logits = self.model.forward_logits(torch.tensor(input_ids, device=self.device),
                                                torch.tensor(positions, device=self.device), metadata,
-                                               self.kv_caches, rows.to(self.device)).cpu()
+                                               self.kv_caches, rows.to(self.device),
+                                               num_draft_tokens=num_draft_tokens, head_mask=head_mask).cpu()
         if every_token:
             logits = logits.split(query_lens)
         for req_id, n in schedule.items():

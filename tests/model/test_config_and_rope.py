@@ -11,7 +11,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvserve.model.config import (ModelConfig, ModelConfigError, ModelFilesNotFoundError, RopeConfig,
                                   UnsupportedArchitectureError)
-from kvserve.model.layers import rope_inv_freq
+from kvserve.model.layers import RotaryEmbedding, rope_inv_freq
 from paged_kv_helper import WINDOW, tiny_hf_config
 
 
@@ -107,6 +107,30 @@ def test_rope_frequencies_match_transformers(rope_parameters):
     ours, factor = rope_inv_freq(config.head_dim, config.rope, config.max_position_embeddings)
     assert torch.allclose(ours, expected.float(), rtol=1e-6, atol=0)
     assert factor == pytest.approx(expected_factor)
+
+
+def test_rope_cos_sin_come_from_a_table_that_grows_and_follows_the_frequencies():
+    """Steps gather their cos/sin rows from a table: the values of the direct formula
+    (transformers' cos(position * inv_freq) with both halves repeated), at positions past the
+    first table's end too, and rebuilt when the frequencies change (GGUF rope_freqs)."""
+    rotary = RotaryEmbedding(16, RopeConfig(theta=10000.0), 4096)
+
+    def direct(positions):  # the angles in float32, as transformers computes them
+        angles = (positions.float()[:, None] * rotary.inv_freq[None, :]).double()
+        return torch.cat((angles, angles), dim=-1).cos(), torch.cat((angles, angles), dim=-1).sin()
+
+    for positions in (torch.tensor([0, 5, 255]), torch.tensor([3000, 7, 1024])):
+        cos, sin = rotary.cos_sin(positions, torch.float32)
+        assert cos.shape == (3, 1, 16)
+        want_cos, want_sin = direct(positions)
+        torch.testing.assert_close(cos[:, 0].double(), want_cos, rtol=0, atol=2e-6)
+        torch.testing.assert_close(sin[:, 0].double(), want_sin, rtol=0, atol=2e-6)
+        rows_cos, _ = rotary.cos_sin_rows(positions, int(positions.max()) + 1)
+        assert rows_cos.is_contiguous() and torch.equal(rows_cos, cos[:, 0])
+    rotary.set_freq_factors(torch.full((8,), 2.0))
+    positions = torch.tensor([1, 100])
+    torch.testing.assert_close(rotary.cos_sin(positions, torch.float32)[0][:, 0].double(), direct(positions)[0],
+                               rtol=0, atol=2e-6)
 
 
 def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path):

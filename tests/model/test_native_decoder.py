@@ -168,12 +168,14 @@ def test_quantized_row_ranges_equal_the_per_op_kernel(isa):
             scales = torch.empty(2 * batch * (width // 32))
             lib.kvserve_quant_activations(x.data_ptr(), width, batch, width, weight.act_bits, qx.data_ptr(),
                                           scales.data_ptr())
-            y = torch.full((batch, 22), float("nan"))
-            for begin, end in ((0, 8), (8, 20), (20, 22)):
-                lib.kvserve_quant_rows(qx.data_ptr(), scales.data_ptr(), batch, weight.qs.data_ptr(),
-                                       weight.d.data_ptr(), weight.m.data_ptr(), weight.bits, width, None,
-                                       y.data_ptr(), 22, weight.act_bits, quantized.ISA_CODES[isa], begin, end)
-            assert torch.equal(y, ref), (type_name, batch)
+            # m NULL: how the native call passes a weight whose minimums are all zero (Q8_0)
+            for mins in (weight.m.data_ptr(), *([None] if not weight.m.any() else [])):
+                y = torch.full((batch, 22), float("nan"))
+                for begin, end in ((0, 8), (8, 20), (20, 22)):
+                    lib.kvserve_quant_rows(qx.data_ptr(), scales.data_ptr(), batch, weight.qs.data_ptr(),
+                                           weight.d.data_ptr(), mins, weight.bits, width, None,
+                                           y.data_ptr(), 22, weight.act_bits, quantized.ISA_CODES[isa], begin, end)
+                assert torch.equal(y, ref), (type_name, batch, mins)
 
 
 @pytest.mark.parametrize("family,threads", [("llama", None), ("qwen2", 2), ("gemma2", 3)])
@@ -233,3 +235,25 @@ def test_quantized_lm_head_in_the_call_for_one_and_two_sequences(tmp_path_factor
         ref = run_greedy(PagedRunner(_torch_path(load_model(config, kernel_config=kernel_config))), prompts, 16,
                          chunk=3)
         _assert_same(ours, ref, max_diff=1e-5)
+
+
+def test_phase_timing_splits_the_call_and_is_off_outside_its_block(configs):
+    """`phase_timing` (csrc/phase_timer.h) counts the calls made inside it and charges
+    each thread's time to phases: every matmul and the attention get some, one thread's
+    phases add up to about its wall time; calls outside the block are not counted."""
+    model = load_model(configs("llama"))
+    model._native = native_decoder.NativeDecoder.for_model(model)
+    model._native.num_threads = 2  # the tiny layers would run on one thread
+    runner = PagedRunner(model)
+    run_greedy(runner, _prompts([5]), 2, chunk=8)  # outside: not counted
+    with native_decoder.phase_timing(2) as timing:
+        run_greedy(runner, _prompts([6], seed=2), 4, chunk=8)
+    assert timing["calls"] == 4  # the 6-token prompt and 3 decode steps, all native
+    for thread in timing["threads"]:
+        assert set(thread) == set(native_decoder.PHASES)
+        for phase in ("QKV matmul", "O matmul", "gate/up matmul", "down matmul", "LM head matmul",
+                      "attention (Q/K norms, RoPE, K/V write, paged attention)"):
+            assert thread[phase] > 0, phase
+    with native_decoder.phase_timing(2) as idle:
+        pass
+    assert idle["calls"] == 0 and all(v == 0 for t in idle["threads"] for v in t.values())

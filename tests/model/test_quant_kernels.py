@@ -73,8 +73,11 @@ def test_repacked_blocks_dequantize_exactly_like_gguf(type_name, width):
     assert weight.bits == BITS.get(type_name, 8)
     np.testing.assert_allclose(weight.dequantize().double().numpy(), reference_weight(type_name, raw, width),
                                rtol=1e-6, atol=1e-7)
-    rows = torch.tensor([6, 0, 3])
-    torch.testing.assert_close(weight.dequantize(rows), weight.dequantize()[rows])
+    rows = torch.tensor([6, 0, 3, 6])
+    # Looked-up rows (an embedding) come from one native call: the very values of the table.
+    torch.testing.assert_close(weight.dequantize(rows), weight.dequantize()[rows], rtol=0, atol=0)
+    with pytest.raises(IndexError):
+        weight.dequantize(torch.tensor([0, 7]))
 
 
 @pytest.mark.parametrize("act_bits", [8, 16])

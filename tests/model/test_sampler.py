@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvserve.model.sampler import Sampler, SamplingTensors, apply_penalties, make_generator
+from kvserve.model.sampler import Sampler, SamplingTensors, apply_penalties, argmax_token_ids, make_generator
 from kvserve.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -29,6 +29,20 @@ def test_greedy_is_argmax():
     out = _sample(logits, [SamplingParams(temperature=0.0)] * 4)
     assert out.token_ids == logits.argmax(-1).tolist()
     assert out.logprobs is None
+
+
+def test_argmax_token_ids_picks_what_torch_argmax_picks():
+    """Ties go to the first maximal entry and NaN counts as maximal, as in torch.argmax;
+    strided rows (the native call's logits cut to the vocabulary) are read as they are."""
+    logits = _logits(6, seed=3)
+    logits[1, 10] = logits[1, 30] = logits[1].max() + 1  # a tie
+    logits[2, 7] = float("nan")
+    logits[3, 4] = logits[3, 9] = float("nan")
+    logits[4, :] = 0.0
+    logits[5, 3] = float("inf")
+    wide = torch.cat([logits, torch.full((6, 5), 1e9)], dim=1)[:, :VOCAB]
+    for rows in (logits, wide):
+        assert argmax_token_ids(rows) == rows.argmax(-1).tolist() == [rows[0].argmax().item(), 10, 7, 4, 0, 3]
 
 
 def test_seeded_rows_reproducible_regardless_of_batch():

@@ -89,6 +89,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     spec: KVCacheSpec | None = None
+    req_index: torch.Tensor | None = None  # [T] request of each token (None: derived when asked)
     _plans: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -105,6 +106,12 @@ class AttentionMetadata:
         metadata.slot_mapping = compute_slot_mapping(spec, metadata.block_table, metadata.query_start_loc,
                                                      metadata.seq_lens)
         return metadata
+
+    def token_request_index(self) -> torch.Tensor:
+        """[T] int64: the request (row of `block_table`) of each flat token."""
+        if self.req_index is None:
+            self.req_index = token_positions(self.query_start_loc.long(), self.seq_lens.long())[0]
+        return self.req_index
 
     def plan(self, block_size: int, sliding_window: int | None, native: bool = False) -> AttentionPlan:
         """The step's plan for layers of this block size and window; `native` gives the short

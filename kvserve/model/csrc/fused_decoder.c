@@ -23,6 +23,7 @@
  * each matmul's input to bfloat16 but nothing else: closer to float32 than the
  * per-op bfloat16 path, which rounds every intermediate.
  */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime under -std=c11 */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -30,6 +31,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "phase_timer.h"
 
 #define MAX_GROUPS 8
 #define TOKEN_SPLIT_MIN 8 /* steps of this many tokens split attention by tokens, not KV heads */
@@ -47,6 +49,7 @@ void kvserve_quant_gemm_rows(const void *xa, int64_t batch, const uint8_t *qs, c
 void kvserve_quant_rows(const void *qx, const float *scales, int64_t batch, const uint8_t *qs, const float *d,
                         const float *m, int bits, int64_t in, const float *bias, float *y, int64_t y_stride,
                         int act_bits, int isa, int64_t row_begin, int64_t row_end);
+int kvserve_quant_single_row_kernel(int act_bits, int isa);
 void kvserve_f32_gemm_rows(const float *x, int64_t x_stride, int64_t batch, const float *packed, const float *bias,
                            int64_t in, float *y, int64_t y_stride, int isa, int64_t row_begin, int64_t row_end);
 void kvserve_bf16_round_rows(const float *x, int64_t x_stride, int64_t batch, int64_t in, uint16_t *xb);
@@ -62,6 +65,10 @@ void kvserve_rotary(void *x, int64_t token_stride, int64_t head_stride, const vo
 void kvserve_store_kv(const void *k, const void *v, int64_t token_stride, int64_t head_stride, void *k_cache,
                       void *v_cache, int64_t cache_head_stride, const int64_t *slots, const int64_t *tokens,
                       int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int in_dtype, int cache_dtype);
+void kvserve_mask_token_range(float *logits_row, const int32_t *words, int64_t num_words, int64_t begin, int64_t end,
+                              int isa);
+int32_t kvserve_wait_mask_ready(const int32_t *ready, int64_t timeout_ns, int64_t *waited_ns);
+int kvserve_mask_isa_available(int isa);
 int kvserve_paged_attention(const void *q, int64_t q_token_stride, int64_t q_head_stride, const void *k_cache,
                             const void *v_cache, int64_t cache_head_stride, void *out, int64_t out_token_stride,
                             int64_t out_head_stride, const int64_t *token_index, const int64_t *positions,
@@ -80,7 +87,8 @@ typedef struct {
     const float *bias;
     int64_t out, in;
     int32_t bits, act_bits, isa, w_dtype; /* isa: the quantized, bf16_rows.c or f32_gemm.c path */
-    int32_t panel_isa, unused;            /* the panel GEMM's path (quant_gemm.c), -1: none */
+    int32_t panel_isa;                    /* the panel GEMM's path (quant_gemm.c), -1: none */
+    int32_t zero_min;                     /* every m is 0 (Q8_0): the row kernels skip reading m */
 } NativeLinear;
 
 typedef struct {
@@ -101,15 +109,35 @@ typedef struct {
 } NativeModel;
 
 /* One step: T tokens; token t sits at positions[t] of the request whose blocks are
- * row table_row[t] of each group's block table, and its K/V go to slots[g][t]. */
+ * row table_row[t] of each group's block table, and its K/V go to slots[g][t].
+ * num_draft_tokens of them are speculative drafts being verified: the matmul kernel is
+ * chosen by the step's tokens without them, so that every row of a verify step goes
+ * through the kernel (and activation rounding) plain decoding would use, and greedy
+ * speculative decoding emits exactly the tokens plain decoding does. */
 typedef struct {
-    int64_t num_tokens;
+    int64_t num_tokens, num_draft_tokens;
     const int64_t *positions, *table_row, *token_index;
     const int64_t *block_table[MAX_GROUPS];
     int64_t block_table_stride[MAX_GROUPS];
     const int64_t *slots[MAX_GROUPS];
     const float *cos, *sin, *cos_local, *sin_local; /* [T, head_dim] */
 } NativeStep;
+
+/* A grammar's allowed-token bitmask for some logits rows (grammar_mask.c's layout: bit
+ * t % 32 of word t / 32), filled by another thread while the layers run and published
+ * through `ready`. The head waits for it, masks its rows while they are still in its cache
+ * and, where every row is masked, does not compute the vocabulary words no row may pick. */
+typedef struct {
+    const int32_t *bitmask;    /* [num_mask_rows, num_words] */
+    const int64_t *logits_row; /* the logits row bitmask row r masks (all distinct) */
+    int64_t num_mask_rows, num_words;
+    const int32_t *ready; /* 0 while being filled, 1 filled, -1 none (the head then masks nothing) */
+    int64_t timeout_ns;   /* waits no longer than this for `ready` */
+    int32_t isa;          /* grammar_mask.c's path */
+    int32_t applied;      /* out: 1 when the logits came back masked */
+    int64_t wait_ns;      /* out: time spent waiting for `ready` */
+    int64_t mask_ns;      /* out: time thread 0 spent writing -inf */
+} NativeTokenMask;
 
 /* The LM head inside the call (NULL: none): logits [num_rows, head.out] of the step's
  * tokens rows[0..num_rows), computed from the final norm's output once every layer is done;
@@ -119,6 +147,7 @@ typedef struct {
     const int64_t *rows;
     int64_t num_rows;
     float *logits;
+    NativeTokenMask *mask; /* NULL: none */
 } NativeLogits;
 
 /* Buffers each thread keeps for itself. */
@@ -127,6 +156,7 @@ typedef struct {
     void *qx;                  /* quantized activations (or the panel GEMM's prepared ones) */
     float *scales;
     void *panel; /* the panel GEMM's weight panel */
+    PhaseTimer timer;
 } Private;
 
 /* Buffers all threads write (disjoint parts) and then read. */
@@ -143,43 +173,89 @@ static void split_rows(int64_t out, int64_t unit, int tid, int nthreads, int64_t
     if (*end > out) *end = out;
 }
 
-/* This thread's rows of y [T, out] = x [T, in] W^T (+ bias); x is this thread's own copy. */
-static void linear_rows(const NativeModel *m, const NativeLinear *l, const float *x, int64_t T, Private *p, float *y,
-                        int tid, int nthreads) {
-    int64_t begin, end;
-    if (l->qs && l->panel_isa >= 0 && m->panel_rows && T >= m->panel_rows) {
-        split_rows(l->out, 16, tid, nthreads, &begin, &end); /* whole panels (PANEL_ROWS of quant_gemm.c) */
+/* How a linear multiplies a step's rows; the paths differ in what they prepare from x
+ * and in the unit of rows they share out. PATH_SINGLE_ROWS: a verify step whose only plain
+ * token is the first, each row multiplied as a step of one token (the single-row kernel's sums). */
+enum { PATH_PANEL, PATH_SINGLE_ROWS, PATH_QUANT, PATH_BF16, PATH_F32, PATH_F32_PANELS };
+
+/* The path of a step of T rows whose kernel is that of a step of `plain_rows` tokens (T less its drafts). */
+static int linear_path(const NativeModel *m, const NativeLinear *l, int64_t T, int64_t plain_rows) {
+    if (l->qs && l->panel_isa >= 0 && m->panel_rows && plain_rows >= m->panel_rows) return PATH_PANEL;
+    if (l->qs && plain_rows == 1 && T > 1 && kvserve_quant_single_row_kernel(l->act_bits, l->isa))
+        return PATH_SINGLE_ROWS;
+    if (l->qs) return PATH_QUANT;
+    if (l->w_dtype == F32_PANELS) return PATH_F32_PANELS;
+    return l->w_dtype == BF16 ? PATH_BF16 : PATH_F32;
+}
+
+/* Whole tiles of this many rows, so each row's sum is the per-op path's
+ * (PANEL_ROWS of quant_gemm.c for the panel GEMM, PANEL of f32_gemm.c for its panels). */
+static int64_t path_unit(int path) { return path == PATH_PANEL || path == PATH_F32_PANELS ? 16 : 4; }
+
+/* PATH_SINGLE_ROWS: row t's quantized activations and scales, each row at its own offset. */
+static void *single_row_qx(const NativeLinear *l, const Private *p, int64_t t) {
+    return (char *)p->qx + t * 2 * l->in;
+}
+static float *single_row_scales(const NativeLinear *l, const Private *p, int64_t t) {
+    return p->scales + t * 2 * (l->in / 32);
+}
+
+/* This thread's copy of x prepared for the path's kernel in p->qx (and p->scales):
+ * quantized, laid out for the panel GEMM, or rounded to bfloat16. */
+static void linear_prepare(const NativeLinear *l, int path, const float *x, int64_t T, Private *p) {
+    if (path == PATH_F32 || path == PATH_F32_PANELS) return;
+    if (path == PATH_PANEL)
         kvserve_quant_gemm_prepare(x, l->in, T, l->in, F32, l->panel_isa, p->qx);
+    else if (path == PATH_SINGLE_ROWS)
+        for (int64_t t = 0; t < T; t++)
+            kvserve_quant_activations(x + t * l->in, l->in, 1, l->in, l->act_bits, single_row_qx(l, p, t),
+                                      single_row_scales(l, p, t));
+    else if (path == PATH_QUANT)
+        kvserve_quant_activations(x, l->in, T, l->in, l->act_bits, p->qx, p->scales);
+    else /* bf16_rows.c: x rounded to bfloat16 into this thread's buffer */
+        kvserve_bf16_round_rows(x, l->in, T, l->in, (uint16_t *)p->qx);
+    phase_mark(&p->timer, PHASE_QUANTIZE);
+}
+
+/* Rows [begin, end) of y [T, out] = x [T, in] W^T (+ bias), after linear_prepare. */
+static void linear_range(const NativeLinear *l, int path, const float *x, int64_t T, Private *p, float *y,
+                         int64_t begin, int64_t end) {
+    if (path == PATH_PANEL) {
         kvserve_quant_gemm_rows(p->qx, T, l->qs, l->d, l->m, l->bits, l->in, l->bias, y, l->out, l->panel_isa, begin,
                                 end, p->panel);
-        return;
-    }
-    if (!l->qs && l->w_dtype == F32_PANELS) { /* whole panels of 16 rows per thread */
-        split_rows(l->out, 16, tid, nthreads, &begin, &end);
+    } else if (path == PATH_SINGLE_ROWS) {
+        for (int64_t t = 0; t < T; t++)
+            kvserve_quant_rows(single_row_qx(l, p, t), single_row_scales(l, p, t), 1, l->qs, l->d,
+                               l->zero_min ? NULL : l->m, l->bits, l->in, l->bias, y + t * l->out, l->out,
+                               l->act_bits, l->isa, begin, end);
+    } else if (path == PATH_QUANT) {
+        kvserve_quant_rows(p->qx, p->scales, T, l->qs, l->d, l->zero_min ? NULL : l->m, l->bits, l->in, l->bias, y,
+                           l->out, l->act_bits, l->isa, begin, end);
+    } else if (path == PATH_F32_PANELS) {
         kvserve_f32_gemm_rows(x, l->in, T, (const float *)l->w, l->bias, l->in, y, l->out, l->isa, begin, end);
-        return;
-    }
-    split_rows(l->out, 4, tid, nthreads, &begin, &end);
-    if (l->qs) {
-        kvserve_quant_activations(x, l->in, T, l->in, l->act_bits, p->qx, p->scales);
-        kvserve_quant_rows(p->qx, p->scales, T, l->qs, l->d, l->m, l->bits, l->in, l->bias, y, l->out, l->act_bits,
-                           l->isa, begin, end);
-        return;
-    }
-    if (l->w_dtype == BF16) { /* bf16_rows.c: x rounded to bfloat16 into this thread's buffer */
-        kvserve_bf16_round_rows(x, l->in, T, l->in, (uint16_t *)p->qx);
+    } else if (path == PATH_BF16) {
         kvserve_bf16_linear_rows((const uint16_t *)p->qx, T, (const uint16_t *)l->w, l->bias, l->in, y, l->out,
                                  l->isa, begin, end);
-        return;
+    } else if (!kvserve_small_linear_rows(x, l->in, l->w, l->bias, l->in, y, l->out, T, F32, begin, end)) {
+        for (int64_t t = 0; t < T; t++) /* portable fallback */
+            for (int64_t r = begin; r < end; r++) {
+                const float *wr = (const float *)l->w + r * l->in, *xt = x + t * l->in;
+                float s = 0.0f;
+                for (int64_t i = 0; i < l->in; i++) s += wr[i] * xt[i];
+                y[t * l->out + r] = s + (l->bias ? l->bias[r] : 0.0f);
+            }
     }
-    if (kvserve_small_linear_rows(x, l->in, l->w, l->bias, l->in, y, l->out, T, F32, begin, end)) return;
-    for (int64_t t = 0; t < T; t++) /* portable fallback */
-        for (int64_t r = begin; r < end; r++) {
-            const float *wr = (const float *)l->w + r * l->in, *xt = x + t * l->in;
-            float s = 0.0f;
-            for (int64_t i = 0; i < l->in; i++) s += wr[i] * xt[i];
-            y[t * l->out + r] = s + (l->bias ? l->bias[r] : 0.0f);
-        }
+}
+
+/* This thread's rows of y [T, out] = x [T, in] W^T (+ bias); x is this thread's own copy.
+ * The kernel is the one a step of `plain_rows` tokens (T less its drafts) takes. */
+static void linear_rows(const NativeModel *m, const NativeLinear *l, const float *x, int64_t T, int64_t plain_rows,
+                        Private *p, float *y, int tid, int nthreads) {
+    const int path = linear_path(m, l, T, plain_rows);
+    int64_t begin, end;
+    split_rows(l->out, path_unit(path), tid, nthreads, &begin, &end);
+    linear_prepare(l, path, x, T, p);
+    linear_range(l, path, x, T, p, y, begin, end);
 }
 
 static void norm(const NativeModel *m, const float *x, float *residual, const float *w, float *out, int64_t T) {
@@ -243,26 +319,34 @@ static void attention_tokens(const NativeModel *m, const NativeLayer *l, const N
 /* One decoder layer. The stream is p->residual (sandwich norms), or p->residual + s->out
  * (pre-norm: s->out holds the previous layer's MLP output, added in by the first norm;
  * the first layer's stream is p->residual alone). */
+/* A barrier, charged to PHASE_WAIT (the work before it to `phase`). */
+static void wait_all(Private *p, int phase) {
+    phase_mark(&p->timer, phase);
+#pragma omp barrier
+    phase_mark(&p->timer, PHASE_WAIT);
+}
+
 static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *st, Private *p, const Shared *s,
                   int first, int tid, int nthreads) {
-    const int64_t T = st->num_tokens, H = m->hidden, I = m->intermediate;
+    const int64_t T = st->num_tokens, H = m->hidden, I = m->intermediate, plain = T - st->num_draft_tokens;
     if (m->sandwich) {
         norm(m, p->residual, NULL, l->input_norm, p->x, T);
     } else {
         norm(m, first ? p->residual : s->out, first ? NULL : p->residual, l->input_norm, p->x, T);
     }
-    linear_rows(m, &l->qkv, p->x, T, p, s->qkv, tid, nthreads);
-#pragma omp barrier
+    phase_mark(&p->timer, PHASE_NORMS);
+    linear_rows(m, &l->qkv, p->x, T, plain, p, s->qkv, tid, nthreads);
+    wait_all(p, PHASE_QKV);
     if (T >= TOKEN_SPLIT_MIN && nthreads > 1) {
         attention_heads(m, l, st, s, 0, tid, nthreads);
-#pragma omp barrier
+        wait_all(p, PHASE_ATTENTION);
         attention_tokens(m, l, st, s, tid, nthreads);
     } else {
         attention_heads(m, l, st, s, 1, tid, nthreads);
     }
-#pragma omp barrier
-    linear_rows(m, &l->o, s->attn, T, p, s->out, tid, nthreads);
-#pragma omp barrier
+    wait_all(p, PHASE_ATTENTION);
+    linear_rows(m, &l->o, s->attn, T, plain, p, s->out, tid, nthreads);
+    wait_all(p, PHASE_O);
     if (m->sandwich) {
         norm(m, s->out, NULL, l->post_attention_norm, p->x, T);
         for (int64_t i = 0; i < T * H; i++) p->residual[i] += p->x[i];
@@ -270,14 +354,16 @@ static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *
     } else {
         norm(m, s->out, p->residual, l->post_attention_norm, p->x, T);
     }
-    linear_rows(m, &l->gate_up, p->x, T, p, s->gate_up, tid, nthreads);
-#pragma omp barrier
+    phase_mark(&p->timer, PHASE_NORMS);
+    linear_rows(m, &l->gate_up, p->x, T, plain, p, s->gate_up, tid, nthreads);
+    wait_all(p, PHASE_GATE_UP);
     if (m->gelu)
         gelu_tanh_mul(s->gate_up, p->act, T, I);
     else
         kvserve_silu_mul(s->gate_up, p->act, T, I, F32, 1);
-    linear_rows(m, &l->down, p->act, T, p, s->out, tid, nthreads);
-#pragma omp barrier
+    phase_mark(&p->timer, PHASE_NORMS);
+    linear_rows(m, &l->down, p->act, T, plain, p, s->out, tid, nthreads);
+    wait_all(p, PHASE_DOWN);
     if (m->sandwich) {
         norm(m, s->out, NULL, l->post_feedforward_norm, p->x, T);
         for (int64_t i = 0; i < T * H; i++) p->residual[i] += p->x[i];
@@ -290,12 +376,60 @@ static int64_t max_width(const NativeModel *m) {
 }
 
 /* This thread's vocabulary rows of the logits (after a barrier: `hidden` is complete). */
-static void head_rows(const NativeModel *m, const NativeLogits *lg, const float *hidden, Private *p, int tid,
-                      int nthreads) {
+/* Whether no logits row may pick any token of bitmask word w (past the bitmask: none may). */
+static int word_banned_everywhere(const NativeTokenMask *mask, int64_t w) {
+    if (w >= mask->num_words) return 1;
+    for (int64_t r = 0; r < mask->num_mask_rows; r++)
+        if (mask->bitmask[r * mask->num_words + w]) return 0;
+    return 1;
+}
+
+/* This thread's share of the vocabulary in whole bitmask words (32 rows, a multiple of
+ * every path's tile, so each computed row's sum is the unmasked head's), the words no row
+ * may pick skipped when every row is masked; then -inf over the banned tokens. */
+static void masked_head_rows(const NativeModel *m, const NativeLogits *lg, int64_t plain_rows, Private *p, int tid,
+                             int nthreads) {
+    const NativeLinear *l = &lg->head;
+    NativeTokenMask *mask = lg->mask;
+    const int64_t T = lg->num_rows, V = l->out;
+    const int path = linear_path(m, l, T, plain_rows), skip = mask->num_mask_rows == T;
+    int64_t begin, end;
+    split_rows(V, 32, tid, nthreads, &begin, &end);
+    linear_prepare(l, path, p->x, T, p);
+    int64_t run = begin; /* first row not computed or skipped yet */
+    for (int64_t w0 = begin; skip && w0 < end; w0 += 32) {
+        if (!word_banned_everywhere(mask, w0 / 32)) continue;
+        if (run < w0) linear_range(l, path, p->x, T, p, lg->logits, run, w0);
+        run = w0 + 32 < end ? w0 + 32 : end;
+    }
+    if (run < end) linear_range(l, path, p->x, T, p, lg->logits, run, end);
+    const double started = tid == 0 ? phase_now() : 0.0;
+    for (int64_t r = 0; r < mask->num_mask_rows; r++)
+        kvserve_mask_token_range(lg->logits + mask->logits_row[r] * V, mask->bitmask + r * mask->num_words,
+                                 mask->num_words, begin, end, mask->isa);
+    if (tid == 0) mask->mask_ns = (int64_t)(1e9 * (phase_now() - started));
+}
+
+/* On thread 0, before the barrier ahead of the head: whether the head masks its logits
+ * (the bitmask got filled in time, on a path this CPU runs). */
+static void await_token_mask(NativeTokenMask *mask) {
+    mask->wait_ns = 0;
+    mask->applied = kvserve_wait_mask_ready(mask->ready, mask->timeout_ns, &mask->wait_ns) == 1 &&
+                    kvserve_mask_isa_available(mask->isa);
+}
+
+static void head_rows(const NativeModel *m, const NativeLogits *lg, const NativeStep *st, const float *hidden,
+                      Private *p, int tid, int nthreads) {
     const int64_t H = m->hidden;
     for (int64_t i = 0; i < lg->num_rows; i++)
         memcpy(p->x + i * H, hidden + lg->rows[i] * H, sizeof(float) * (size_t)H);
-    linear_rows(m, &lg->head, p->x, lg->num_rows, p, lg->logits, tid, nthreads);
+    /* every draft token has a logits row (its target distribution) */
+    if (lg->mask && lg->mask->applied)
+        masked_head_rows(m, lg, lg->num_rows - st->num_draft_tokens, p, tid, nthreads);
+    else
+        linear_rows(m, &lg->head, p->x, lg->num_rows, lg->num_rows - st->num_draft_tokens, p, lg->logits, tid,
+                    nthreads);
+    phase_mark(&p->timer, PHASE_HEAD);
 }
 
 /* hidden [T, hidden]: the scaled embeddings in, the final norm's output out; with `lg`
@@ -317,6 +451,7 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
                      malloc(sizeof(float) * (size_t)(2 * T * (W / 32 + 1))),
                      malloc((size_t)kvserve_quant_gemm_panel_bytes(W))};
         int ok = p.residual && p.x && p.act && p.qx && p.scales && p.panel;
+        phase_start(&p.timer);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -330,11 +465,18 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
                     norm(m, p.residual, NULL, m->final_norm, hidden, T);
                 else
                     norm(m, s.out, p.residual, m->final_norm, hidden, T);
+                if (lg && lg->mask) {
+                    phase_mark(&p.timer, PHASE_NORMS);
+                    await_token_mask(lg->mask);
+                    phase_mark(&p.timer, PHASE_WAIT);
+                }
             }
             if (lg) {
-#pragma omp barrier
-                head_rows(m, lg, hidden, &p, tid, nthreads);
+                wait_all(&p, PHASE_NORMS);
+                head_rows(m, lg, st, hidden, &p, tid, nthreads);
             }
+            phase_mark(&p.timer, PHASE_NORMS);
+            phase_finish(&p.timer, tid);
         }
         free(p.residual), free(p.x), free(p.act), free(p.qx), free(p.scales), free(p.panel);
     }

@@ -7,9 +7,17 @@
  * AVX-512 (a masked store of -inf per 16 tokens), AVX2 (a blend per 8 tokens)
  * and portable C. A word with every bit set is skipped, a word of zeros is
  * one plain store on every path.
+ *
+ * The LM head inside the native decoder (fused_decoder.c) masks its own rows with
+ * `kvserve_mask_token_range` while they are still in its cache, from a bitmask that
+ * another thread fills while the layers run: that thread publishes it through a ready
+ * flag (`kvserve_publish_mask_ready`), which the head waits for (`kvserve_wait_mask_ready`).
  * Built with the other kernels by kvserve/model/cpu_kernels.py.
  */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime, sched_yield under -std=c11 */
+#include <sched.h>
 #include <stdint.h>
+#include <time.h>
 
 enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
@@ -114,6 +122,22 @@ static void mask_words(uint32_t *row, const uint32_t *words, int64_t count, int 
     mask_words_portable(row, words, count);
 }
 
+/* Tokens [begin, end) of one logits row (begin a multiple of 32) under the bitmask row
+ * `words` of `num_words` words; tokens past the bitmask's vocabulary become -inf too. */
+void kvserve_mask_token_range(float *logits_row, const int32_t *words, int64_t num_words, int64_t begin, int64_t end,
+                              int isa) {
+    uint32_t *row = (uint32_t *)logits_row;
+    const uint32_t *bits = (const uint32_t *)words;
+    const int64_t covered = end < 32 * num_words ? end : 32 * num_words;
+    if (covered > begin) {
+        const int64_t full_end = begin + (covered - begin) / 32 * 32;
+        mask_words(row + begin, bits + begin / 32, (full_end - begin) / 32, isa);
+        mask_bits(row, bits, full_end, covered);
+    }
+    const int64_t past = covered > begin ? covered : begin;
+    fill_neg_inf(row + past, end - past);
+}
+
 /* Row r of `bitmask` (`num_words` int32 words, rows `bitmask_stride` words apart) masks
  * logits row `row_index[r]` (r when row_index is NULL); logits rows hold `width` floats,
  * `logits_stride` floats apart. Returns 0, or -1 when `isa` is not available here.
@@ -125,14 +149,39 @@ int kvserve_apply_token_bitmask(float *logits, int64_t logits_stride, int64_t wi
                                 int64_t bitmask_stride, int64_t num_words, const int64_t *row_index,
                                 int64_t rows, int isa) {
     if (!kvserve_mask_isa_available(isa)) return -1;
-    const int64_t covered = width < 32 * num_words ? width : 32 * num_words;
-    const int64_t full_words = covered / 32;
-    for (int64_t r = 0; r < rows; r++) {
-        uint32_t *row = (uint32_t *)(logits + (row_index ? row_index[r] : r) * logits_stride);
-        const uint32_t *words = (const uint32_t *)(bitmask + r * bitmask_stride);
-        mask_words(row, words, full_words, isa);
-        mask_bits(row, words, 32 * full_words, covered);
-        fill_neg_inf(row + covered, width - covered); /* tokens the grammar's vocabulary lacks */
-    }
+    for (int64_t r = 0; r < rows; r++)
+        kvserve_mask_token_range(logits + (row_index ? row_index[r] : r) * logits_stride, bitmask + r * bitmask_stride,
+                                 num_words, 0, width, isa);
     return 0;
+}
+
+/* The filling thread's last write: `value` (1: the bitmask is filled, -1: there is none)
+ * becomes visible only after every word of the bitmask it wrote before. */
+void kvserve_publish_mask_ready(int32_t *ready, int32_t value) { __atomic_store_n(ready, value, __ATOMIC_RELEASE); }
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Waits until `*ready` is non-zero, at most `timeout_ns`; returns it (0 after the timeout)
+ * and adds the time waited to `*waited_ns`. Spins briefly, then yields its core: on a
+ * machine with as many busy threads as cores the filling thread needs one to finish. */
+int32_t kvserve_wait_mask_ready(const int32_t *ready, int64_t timeout_ns, int64_t *waited_ns) {
+    int32_t value = __atomic_load_n(ready, __ATOMIC_ACQUIRE);
+    if (value) return value;
+    const int64_t started = now_ns();
+    for (int64_t spins = 0; !(value = __atomic_load_n(ready, __ATOMIC_ACQUIRE)); spins++) {
+        if (spins < 256) {
+#if HAVE_AVX2 || HAVE_AVX512
+            _mm_pause();
+#endif
+            continue;
+        }
+        if ((spins & 63) == 0 && now_ns() - started > timeout_ns) break;
+        sched_yield();
+    }
+    *waited_ns += now_ns() - started;
+    return value;
 }

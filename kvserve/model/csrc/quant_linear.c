@@ -539,6 +539,11 @@ void kvserve_quant_activations(const float *x, int64_t x_stride, int64_t batch, 
                      scales + batch * nb + b * nb);
 }
 
+/* Whether a batch-one call takes the single-row kernel of quant_gemv.c, whose float sums
+ * differ from the tile kernel's: a caller that must reproduce batch-one steps row for row
+ * (the speculative verify steps of fused_decoder.c) then runs its rows one at a time. */
+int kvserve_quant_single_row_kernel(int act_bits, int isa) { return act_bits == 8 && isa == ISA_AVX512; }
+
 /* Rows row_begin..row_end of y = x W^T (+ bias), float32, from activations quantized by
  * kvserve_quant_activations. Runs on the calling thread only: the fused decoder
  * (csrc/fused_decoder.c) splits a matrix's rows over the threads of its one region.
@@ -631,4 +636,17 @@ void kvserve_quant_row_values(const uint8_t *qs, const float *d, const float *m,
                               float *v) {
     QWeight q = {qs, d, m, row_bytes_of(bits, in), in / QBLOCK, bits};
     dequantize_row(&q, r, v, F32);
+}
+
+/* An embedding lookup: rows ids[0..n) of W [rows, in] as float32 rows of out [n, in], the
+ * values `QuantizedWeight.dequantize(ids)` computes. Returns -1, writing nothing, for an id
+ * outside [0, rows) or a shape this layout does not have. */
+int kvserve_quant_embed(const uint8_t *qs, const float *d, const float *m, int bits, int64_t rows, int64_t in,
+                        const int64_t *ids, int64_t n, float *out) {
+    if (in % QBLOCK || (bits != 4 && bits != 8 && bits != 16)) return -1;
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= rows) return -1;
+    QWeight q = {qs, d, m, row_bytes_of(bits, in), in / QBLOCK, bits};
+    for (int64_t i = 0; i < n; i++) dequantize_row(&q, ids[i], out + i * in, F32);
+    return 0;
 }
