@@ -14,10 +14,11 @@ rows, tests).
 The kernel path is picked once from the CPU's features: AVX512-VNNI, AVX2 or
 portable C; `KernelConfig.quant_isa` (KVSERVE_QUANT_ISA=avx2|portable) caps it
 at a narrower one (for tests and comparisons). The kernel rounds the activations
-per block of 32 to int16 (`KernelConfig.quant_act_bits`), about as exact as float32
-inputs; KVSERVE_QUANT_ACT_BITS=8 rounds to int8 as llama.cpp does: faster (batch-one
-steps take the single-row kernel), the default model's perplexity +0.5% from float32
-weights', but near-tied greedy tokens flip (so do llama.cpp's on the same file).
+per block of 32 to int8 as llama.cpp does (`KernelConfig.quant_act_bits`, the default):
+on AVX512-VNNI every row then takes the single-row kernel (quant_gemv.c), the default
+model's perplexity +0.5% from float32 weights', near-tied greedy tokens flip (so do
+llama.cpp's on the same file); KVSERVE_QUANT_ACT_BITS=16 rounds to int16, about as
+exact as float32 inputs and slower.
 Steps of many rows (prefill; `KernelConfig.quant_gemm_rows`,
 320 by default) rebuild the weight densely instead (`dequantize_dense`, bfloat16 on
 CPUs with native bfloat16) and run oneDNN's GEMM, several times faster there; steps

@@ -16,6 +16,7 @@ from kvserve.server.serving import (ChoiceStreamState, ChunkFormatter, ServingCo
                                     run_tokenizer, submit_all, to_api_error, token_logprob_entries,
                                     token_text, usage_dict)
 from kvserve.server.structured import checked_constraint
+from kvserve.server.tool_checks import check_tool_messages
 from kvserve.server.tool_stream import ToolCallStreamer
 from kvserve.server.tools import (FALLBACK_TOOL_TEMPLATE, ToolCall, ToolRequest, extract_tool_calls,
                                   parse_tool_request, parser_for_template, template_messages,
@@ -46,6 +47,7 @@ async def create_chat_completion(raw_request: Request, ctx: ServingContext):
     """Handle one /v1/chat/completions call (streaming or not)."""
     body = await parse_request(raw_request, ctx, ChatCompletionRequest)
     try:
+        check_tool_messages(body.messages)
         tool_request = parse_tool_request(
             body, ctx.tool_call_parser or parser_for_template(ctx.engine.tokenizer.chat_template))
         prompt_token_ids = await _render_prompt(ctx, body, tool_request)

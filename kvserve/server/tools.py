@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.errors import InvalidRequestError
+from kvserve.server.tool_checks import check_tools
 
 PARSERS = ("hermes", "llama3_json", "mistral")
 # Compact JSON inside tool-call grammars, as for other JSON constraints.
@@ -145,6 +146,7 @@ def parse_tool_request(body: Any, default_parser: str) -> ToolRequest | None:
         if not isinstance(function.get("parameters", {}), dict):
             raise InvalidRequestError(f"tools[{index}].function.parameters must be a JSON schema object",
                                       f"tools[{index}].function.parameters")
+    check_tools(tools)
     named = None
     if isinstance(choice, dict):
         named = (choice.get("function") or {}).get("name")

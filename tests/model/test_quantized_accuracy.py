@@ -1,6 +1,11 @@
 """The default model (SmolLM2-135M-Instruct, Q4_1 + Q8_0) held quantized against the same
 file dequantized to float32: perplexity on a fixed text of over 2,000 tokens (written for
-this test, tests/model/data/perplexity.txt) within 2%, and greedy agreement reported."""
+this test, tests/model/data/perplexity.txt) within 2%, and greedy agreement reported.
+
+Measured (AVX512-VNNI, int8 activations the default): 2,076 tokens, quantized 26.567 against
+float32 26.579 (-0.05%; prefill chunks take the panel GEMM); the integer kernel alone +0.75%
+with int8 activations, +0.00% with int16; greedy tokens identical to float32's for 0, 1 and
+19 of 32 steps with int8 (near-ties flip, as llama.cpp's), all 32 with int16."""
 from __future__ import annotations
 
 import math
@@ -57,24 +62,30 @@ def test_quantized_default_model_perplexity_within_two_percent_of_float32(capsys
     ids = _token_ids()
     assert len(ids) >= 2000
     path = _default_model_path()
-    held = load_model(ModelConfig.from_path(path))
+    held = load_model(ModelConfig.from_path(path))  # int8 activations, the default
     assert held.layers[0].mlp.down_proj.quant_weight is not None
+    assert held.layers[0].mlp.down_proj.quant_weight.act_bits == 8
     plain = load_model(ModelConfig.from_path(path, quantization="none"))
     ppl_held, ppl_plain = _perplexity(held, ids), _perplexity(plain, ids)
-    # Every step through the integer kernel (the 256-token chunks above take the panel GEMM)
-    # with int8 activations (KVSERVE_QUANT_ACT_BITS=8, llama.cpp's rounding).
-    kernel_only = load_model(ModelConfig.from_path(path), kernel_config=KernelConfig(
-        quant_gemm_rows=0, quant_panel_rows=0, quant_act_bits=8))
-    ppl_kernel = _perplexity(kernel_only, ids)
+    # Every step through the integer kernel (the 256-token chunks above take the panel GEMM),
+    # with int8 activations (the default, llama.cpp's rounding) and with int16 ones.
+    ppl_kernel = {bits: _perplexity(load_model(ModelConfig.from_path(path), kernel_config=KernelConfig(
+        quant_gemm_rows=0, quant_panel_rows=0, quant_act_bits=bits)), ids) for bits in (8, 16)}
     prompts = {"p0": ids[:40], "p1": ids[700:760], "p2": ids[1500:1530]}
     steps = 32
-    tokens, _ = run_greedy(PagedRunner(held, block_size=16, num_blocks=64), prompts, steps, chunk=64)
     ref_tokens, _ = run_greedy(PagedRunner(plain, block_size=16, num_blocks=64), prompts, steps, chunk=64)
-    agree = [next((i for i, (a, b) in enumerate(zip(tokens[k], ref_tokens[k])) if a != b), steps) for k in prompts]
+    agree = {}
+    for bits in (8, 16):
+        model = held if bits == 8 else load_model(ModelConfig.from_path(path), kernel_config=KernelConfig(
+            quant_act_bits=16))
+        tokens, _ = run_greedy(PagedRunner(model, block_size=16, num_blocks=64), prompts, steps, chunk=64)
+        agree[bits] = [next((i for i, (a, b) in enumerate(zip(tokens[k], ref_tokens[k])) if a != b), steps)
+                       for k in prompts]
     with capsys.disabled():
         print(f"\nperplexity over {len(ids)} tokens: quantized {ppl_held:.3f}, float32 {ppl_plain:.3f} "
-              f"({ppl_held / ppl_plain - 1:+.2%}); integer kernel only {ppl_kernel:.3f} "
-              f"({ppl_kernel / ppl_plain - 1:+.2%}, int8 activations); greedy tokens "
-              f"identical for {agree} of {steps} steps ({quantized.kernel_isa()} path)")
+              f"({ppl_held / ppl_plain - 1:+.2%}); integer kernel only {ppl_kernel[8]:.3f} "
+              f"({ppl_kernel[8] / ppl_plain - 1:+.2%}) with int8 activations, {ppl_kernel[16]:.3f} "
+              f"({ppl_kernel[16] / ppl_plain - 1:+.2%}) with int16; greedy tokens identical to float32's for "
+              f"{agree[8]} (int8) / {agree[16]} (int16) of {steps} steps ({quantized.kernel_isa()} path)")
     assert abs(ppl_held / ppl_plain - 1) <= 0.02
-    assert abs(ppl_kernel / ppl_plain - 1) <= 0.02
+    assert all(abs(ppl / ppl_plain - 1) <= 0.02 for ppl in ppl_kernel.values())

@@ -25,10 +25,38 @@ class BadCase:
     method: str = "POST"
     headers: dict = field(default_factory=dict)
     auth: bool = True           # send the right API key
+    param: str | None = None    # the error's `param`, where the case pins it
 
 
 def _user(content):
     return [{"role": "user", "content": content}]
+
+
+def _bad_tool_cases(chat: dict) -> list[BadCase]:
+    """Tool fields and tool turns that OpenAI refuses."""
+    weather = {"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Rome"}'}}
+    turn = [*_user("Weather in Rome?"), {"role": "assistant", "content": None, "tool_calls": [call]}]
+    bad_schema = {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}
+    return [
+        BadCase("tool parameters not a JSON schema", CHAT, {**chat, "tools": [bad_schema], "tool_choice": "auto"},
+                400, "JSON schema", param="tools[0].function.parameters"),
+        BadCase("two tools of one name", CHAT, {**chat, "tools": [weather, weather]}, 400, "unique",
+                param="tools[1].function.name"),
+        BadCase("tool message without tool_call_id", CHAT,
+                {**chat, "messages": [*turn, {"role": "tool", "content": "sunny"}]}, 400, "tool_call_id",
+                param="messages[2].tool_call_id"),
+        BadCase("tool call arguments not a string", CHAT, {**chat, "messages": [
+            *turn[:1], {"role": "assistant", "tool_calls": [{**call, "function": {"name": "weather", "arguments": {
+                "city": "Rome"}}}]}, {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]}, 400,
+                "arguments", param="messages[1].tool_calls[0].function.arguments"),
+        BadCase("tool_choice names a function, no tools", CHAT,
+                {**chat, "tool_choice": {"type": "function", "function": {"name": "weather"}}}, 400, "tools",
+                param="tool_choice"),
+        BadCase("parallel_tool_calls not a bool", CHAT, {**chat, "tools": [weather], "parallel_tool_calls": "yes"},
+                400, "bool", param="parallel_tool_calls"),
+    ]
 
 
 def bad_cases(model: str, max_model_len: int) -> list[BadCase]:
@@ -75,6 +103,7 @@ def bad_cases(model: str, max_model_len: int) -> list[BadCase]:
             [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])}, 400, "image_url"),
         BadCase("tools without a function", CHAT, {**chat, "tools": [{"type": "function"}]}, 400, "tools"),
         BadCase("tool_choice without tools", CHAT, {**chat, "tool_choice": "required"}, 400, "tool_choice"),
+        *_bad_tool_cases(chat),
         BadCase("response_format xml", CHAT, {**chat, "response_format": {"type": "xml"}},
                 400, "response_format"),
         BadCase("chat max_completion_tokens huge", CHAT, {**chat, "max_completion_tokens": 10**9}, 400,
@@ -132,4 +161,6 @@ def run_bad_input_table(base_url: str, model: str, api_key: str, max_model_len: 
             if case.mentions and case.mentions.lower() not in error["message"].lower():
                 failures.append(f"{case.name}: message does not mention {case.mentions!r}: "
                                 f"{error['message']!r}")
+            if case.param is not None and error["param"] != case.param:
+                failures.append(f"{case.name}: param {error['param']!r} != {case.param!r}")
     return failures

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import time
 
@@ -153,13 +154,35 @@ def test_metrics_idle_after_requests(server):
 LOAD_PROMPTS = [f"Write one sentence about the number {i}." for i in range(8)]
 
 
-async def _expected_answers(aclient: openai.AsyncOpenAI, max_tokens: int) -> dict[str, tuple[str, int]]:
-    """Each prompt's greedy (text, token count), asked alone and non-streaming before the load."""
+# A batch of many requests runs the panel GEMM (bfloat16) where one request alone runs the
+# row kernel (int8 activations): the logits move by a few hundredths, so a greedy choice
+# between two tokens this close (log-probability gap, nats) may go either way.
+NEAR_TIE = 0.3
+
+
+async def _expected_answers(aclient: openai.AsyncOpenAI, max_tokens: int) -> dict[str, tuple]:
+    """Each prompt's greedy (text, token count, token strings, top-2 log-probabilities per
+    token), asked alone and non-streaming before the load."""
     expected = {}
     for prompt in LOAD_PROMPTS:
-        reply = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
-        expected[prompt] = (reply.choices[0].text, reply.usage.completion_tokens)
+        reply = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                 logprobs=2)
+        lp = reply.choices[0].logprobs
+        expected[prompt] = (reply.choices[0].text, reply.usage.completion_tokens, lp.tokens, lp.top_logprobs)
     return expected
+
+
+def _departs_at_near_tie(expected: tuple, text: str) -> bool:
+    """Whether `text` departs from the expected answer first at a token whose two likeliest
+    choices were within NEAR_TIE of each other in the expected run (the only place another
+    kernel's rounding may change a greedy answer)."""
+    want, _, tokens, top = expected
+    common, at, k = len(os.path.commonprefix([want, text])), 0, 0
+    while k < len(tokens) - 1 and at + len(tokens[k]) <= common and want[at:at + len(tokens[k])] == tokens[k]:
+        at += len(tokens[k])
+        k += 1
+    best = sorted(top[k].values(), reverse=True)
+    return len(best) >= 2 and best[0] - best[1] <= NEAR_TIE
 
 
 async def _streaming_client(aclient: openai.AsyncOpenAI, client_index: int, num_requests: int,
@@ -194,13 +217,24 @@ def run_load(base_url: str, num_clients: int, num_requests: int, max_tokens: int
     idle_kv_usage = metric_values(base_url)["vllm:kv_cache_usage_perc"]
     expected, results = asyncio.run(scenario())
     assert len(results) == num_clients * num_requests
-    mismatches = [(p, t, n, expected[p]) for p, t, n in results if (t, n) != expected[p]]
-    # Greedy decoding in a batch of 64 may flip a near-tie token; allow a sliver.
-    assert len(mismatches) <= len(results) // 50, mismatches[:5]
+    mismatches = [(p, t, n, expected[p][:2]) for p, t, n in results
+                  if (t, n) != expected[p][:2] and not _departs_at_near_tie(expected[p], t)]
+    assert not mismatches, mismatches[:5]
     values = wait_for_idle(base_url, idle_kv_usage)
     assert values["vllm:num_requests_running"] == 0
     assert values["vllm:num_requests_waiting"] == 0
     assert values["vllm:kv_cache_usage_perc"] <= idle_kv_usage + 1e-9
+
+
+def test_near_tie_rule_finds_the_token_where_an_answer_departs():
+    # the expected run stopped at once (end of text 0.11 above a newline); another went on
+    stopped = ("", 1, [""], [{"<|im_end|>": -1.26, "\n": -1.37}])
+    assert _departs_at_near_tie(stopped, "\n\nThe number 7")
+    sure = ("\n\nThe", 3, ["\n", "\n", "The"], [{"\n": -0.1, "A": -3.0}, {"\n": -0.2, "x": -2.0},
+                                                    {"The": -1.0, "A": -1.2}])
+    assert _departs_at_near_tie(sure, "\n\nA")  # the third token: a near-tie
+    assert not _departs_at_near_tie(sure, "\nx")  # the second: not one
+    assert not _departs_at_near_tie(sure, "")  # stopped at the first, which was clear
 
 
 def test_concurrent_streaming_load(server):

@@ -14,6 +14,7 @@ from kvserve.model import grammar
 from kvserve.sampling_params import StructuredOutputsParams as Constraint
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.structured import ConstraintSource, compile_constraint, constraint_from_request
+from kvserve.server.tool_checks import check_tool_messages
 from kvserve.server.tools import extract_tool_calls, parse_tool_request, parser_for_template
 
 TOOL = {"type": "function", "function": {"name": "add", "parameters": {
@@ -115,16 +116,79 @@ def test_parser_is_picked_from_the_template():
     assert parser_for_template(None) == "hermes"
 
 
+def _tool(name: str, parameters) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "sub"}}}, "tool_choice"),
     ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0]"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "add"}}}, "tool_choice"),  # no tools at all
+    # under "auto" nothing compiles the schema: it is checked against its metaschema
+    ({"tools": [TOOL, _tool("f", {"type": "object", "properties": {"x": {"type": "number", "minimum": "0"}}})],
+      "tool_choice": "auto"}, "tools[1].function.parameters"),
+    ({"tools": [_tool("f", {"type": "objekt"})]}, "tools[0].function.parameters"),
+    ({"tools": [_tool("f", {"type": "object", "required": "x"})], "tool_choice": "none"},
+     "tools[0].function.parameters"),
+    ({"tools": [_tool("f", {"type": "string"})]}, "tools[0].function.parameters"),
+    ({"tools": [TOOL, _tool("g", {}), dict(TOOL)]}, "tools[2].function.name"),  # "add" twice
+    ({"tools": [_tool("get weather", {})]}, "tools[0].function.name"),
+    ({"tools": [_tool("f" * 65, {})]}, "tools[0].function.name"),
 ])
 def test_bad_tool_fields(fields, param):
     with pytest.raises(InvalidRequestError) as info:
         parse_tool_request(request(**fields), "hermes")
     assert info.value.param == param
+
+
+def test_good_tools_pass_the_checks():
+    tools = [TOOL, _tool("get-time_2", {"type": "object", "properties": {}}), _tool("noop", {}),
+             {"type": "function", "function": {"name": "bare"}},
+             _tool("draft7", {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+                              "properties": {"a": {"type": "integer", "exclusiveMinimum": 0}}})]
+    assert parse_tool_request(request(tools=tools, tool_choice="auto"), "hermes").tools[1]["function"]["name"] \
+        == "get-time_2"
+
+
+def _call(call_id="call_1", name="add", arguments='{"a": 1}', **extra) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}, **extra}
+
+
+ASK = {"role": "user", "content": "add one"}
+
+
+def _turn(*calls, answers=("call_1",)) -> list[dict]:
+    return [ASK, {"role": "assistant", "content": None, "tool_calls": list(calls)},
+            *({"role": "tool", "tool_call_id": call_id, "content": "2"} for call_id in answers)]
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([ASK, {"role": "tool", "content": "2"}], "messages[1].tool_call_id"),
+    (_turn(_call(), answers=()) + [{"role": "tool", "content": "2"}], "messages[2].tool_call_id"),
+    ([ASK, {"role": "tool", "tool_call_id": "call_1", "content": "2"}], "messages[1].role"),
+    (_turn(_call(), answers=("call_9",)), "messages[2].tool_call_id"),
+    (_turn(_call(arguments={"a": 1})), "messages[1].tool_calls[0].function.arguments"),
+    (_turn(_call(arguments=None)), "messages[1].tool_calls[0].function.arguments"),
+    (_turn(_call(call_id=None)), "messages[1].tool_calls[0].id"),
+    (_turn({"id": "call_1", "function": {"name": "add", "arguments": "{}"}}), "messages[1].tool_calls[0].type"),
+    (_turn({"id": "call_1", "type": "function"}), "messages[1].tool_calls[0].function"),
+    (_turn(_call(name=7)), "messages[1].tool_calls[0].function.name"),
+    (_turn(_call(), _call("call_2")), "messages[1].tool_calls"),  # call_2 never answered
+    (_turn(_call(), answers=()) + [{"role": "user", "content": "and?"}], "messages[1].tool_calls"),
+    ([{"role": "user", "content": "x", "tool_calls": [_call()]}], "messages[0].tool_calls"),
+])
+def test_bad_tool_turns_name_the_field(messages, param):
+    with pytest.raises(InvalidRequestError) as info:
+        check_tool_messages(request(messages=messages).messages)
+    assert info.value.param == param, info.value
+
+
+def test_good_tool_turns_pass():
+    parallel = _turn(_call(), _call("call_2", arguments=""), answers=("call_2", "call_1"))
+    check_tool_messages(request(messages=parallel + [{"role": "assistant", "content": "3"}, ASK]).messages)
+    check_tool_messages(request(messages=[ASK, {"role": "assistant", "content": "hi", "tool_calls": []}]).messages)
 
 
 @pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])

@@ -160,6 +160,31 @@ def test_bad_constraints_are_400_naming_the_parameter_and_the_server_stays_healt
     assert chat(client, max_tokens=2).choices[0].finish_reason == "length"
 
 
+def test_tool_fields_and_turns_openai_refuses_are_400_through_the_openai_client(server, client):
+    """What the official client sends as given and OpenAI refuses: each a BadRequestError naming
+    the parameter; the server keeps answering."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+    not_a_schema = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                                  "properties": {"x": 5}}}}
+    cases = [
+        (dict(tools=[WEATHER_TOOL, not_a_schema], tool_choice="auto"), "tools[1].function.parameters"),
+        (dict(tools=[WEATHER_TOOL, TIME_TOOL, WEATHER_TOOL]), "tools[2].function.name"),
+        (dict(messages=[*ASK_WEATHER, {"role": "assistant", "tool_calls": [call]},
+                        {"role": "tool", "content": "sunny"}], tools=[WEATHER_TOOL]), "messages[2].tool_call_id"),
+        (dict(messages=[*ASK_WEATHER, {"role": "assistant", "tool_calls": [
+            {**call, "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]), "messages[1].tool_calls[0].function.arguments"),
+        (dict(tool_choice={"type": "function", "function": {"name": "get_weather"}}), "tool_choice"),
+        (dict(tools=[WEATHER_TOOL], parallel_tool_calls="yes"), "parallel_tool_calls"),
+    ]
+    for fields, param in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            chat(client, **{"messages": ASK_WEATHER, "max_tokens": 4, **fields})
+        assert info.value.param == param, (fields, info.value.body)
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    assert chat(client, max_tokens=2).choices[0].finish_reason == "length"
+
+
 def test_completions_honour_response_format(server, client):
     """/v1/completions takes `response_format` as vLLM does (it used to be ignored there)."""
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],

@@ -26,6 +26,7 @@
 #define GROUP_COLS 128
 #define ROWS 4
 #define PREFETCH_RUNS 2 /* software prefetch of the rows this many runs of four ahead */
+#define CHUNK_ROWS 64   /* weight rows taken through every activation row of a batch at a time */
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -187,55 +188,74 @@ INLINE void prefetch_span(const void *p, int64_t bytes) {
     for (int64_t k = 0; k < bytes; k += 64) _mm_prefetch((const char *)p + k, _MM_HINT_T0);
 }
 
-/* y[row] = x . W[row] (+ bias[row]) for rows row_begin..row_end, on the calling thread.
+/* y[row] = x . W[row] (+ bias[row]) for rows row_begin..row_end of one activation row.
  * The weights stream from memory once per step, so each run of four rows first asks for
  * the quants and scales of the run PREFETCH_RUNS later: the rows of a run sit next to
  * each other, and a core's own prefetchers start too late at these short row lengths
- * (measured: the Q8_0 LM head about 1.5x faster single-threaded with it).
- * qx: int8 activations of one row (in columns); scales: dx of each block, then sx
- * (kvserve_quant_activations' layout for batch one). bits 4 or 8; m may be NULL when
- * every minimum is zero. Returns 1, or 0 when this build or `bits` has no such path. */
-int kvserve_gemv_rows(const int8_t *qx, const float *scales, const uint8_t *qs, const float *d, const float *m,
-                      int bits, int64_t in, const float *bias, float *y, int64_t row_begin, int64_t row_end) {
-    if (bits != 4 && bits != 8) return 0;
-    const int64_t nb = in / QBLOCK;
-    Rows w = {qs, d, m, bits == 4 ? in / 2 : in, nb};
-    Act a = {qx, scales, scales + nb};
+ * (measured: the Q8_0 LM head about 1.5x faster single-threaded with it). */
+static void gemv_rows(const Rows *w, const Act *a, int bits, const float *bias, float *y, int64_t row_begin,
+                      int64_t row_end) {
+    const int64_t nb = w->nb;
     for (int64_t r0 = row_begin; r0 < row_end; r0 += ROWS) {
         int64_t row[ROWS];
         for (int r = 0; r < ROWS; r++) row[r] = r0 + r < row_end ? r0 + r : row_end - 1; /* repeat the last row */
         const int64_t ahead = r0 + PREFETCH_RUNS * ROWS;
         if (ahead + ROWS <= row_end) {
-            prefetch_span(w.qs + ahead * w.row_bytes, ROWS * w.row_bytes);
-            prefetch_span(w.d + ahead * nb, ROWS * nb * 4);
-            if (w.m) prefetch_span(w.m + ahead * nb, ROWS * nb * 4);
+            prefetch_span(w->qs + ahead * w->row_bytes, ROWS * w->row_bytes);
+            prefetch_span(w->d + ahead * nb, ROWS * nb * 4);
+            if (w->m) prefetch_span(w->m + ahead * nb, ROWS * nb * 4);
         }
         float out[ROWS];
-        _mm_storeu_ps(out, bits == 4 ? rows4_q4(&w, &a, row) : rows4_q8(&w, &a, row));
+        _mm_storeu_ps(out, bits == 4 ? rows4_q4(w, a, row) : rows4_q8(w, a, row));
         for (int r = 0; r < ROWS && r0 + r < row_end; r++) y[r0 + r] = out[r] + (bias ? bias[r0 + r] : 0.0f);
+    }
+}
+
+/* Rows row_begin..row_end of y [batch, y_stride] = x W^T (+ bias), on the calling thread.
+ * qx: int8 activations [batch, in]; scales: dx of every row's blocks, then sx = dx * sum(q)
+ * (kvserve_quant_activations' layout). Every activation row gets exactly the sums a
+ * batch-one step computes for it, whatever the batch (so a speculative verify step or a
+ * batch of a few requests decodes as each request would alone); the weight rows go a
+ * chunk at a time so the later activation rows find them in cache. bits 4 or 8; m may be
+ * NULL when every minimum is zero. Returns 1, or 0 when this build or `bits` has no such path. */
+int kvserve_gemv_rows(const int8_t *qx, const float *scales, int64_t batch, const uint8_t *qs, const float *d,
+                      const float *m, int bits, int64_t in, const float *bias, float *y, int64_t y_stride,
+                      int64_t row_begin, int64_t row_end) {
+    if (bits != 4 && bits != 8) return 0;
+    const int64_t nb = in / QBLOCK;
+    const Rows w = {qs, d, m, bits == 4 ? in / 2 : in, nb};
+    const int64_t chunk = batch == 1 ? row_end - row_begin : CHUNK_ROWS;
+    for (int64_t c = row_begin; c < row_end; c += chunk) {
+        const int64_t c_end = c + chunk < row_end ? c + chunk : row_end;
+        for (int64_t b = 0; b < batch; b++) {
+            const Act a = {qx + b * in, scales + b * nb, scales + batch * nb + b * nb};
+            gemv_rows(&w, &a, bits, bias, y + b * y_stride, c, c_end);
+        }
     }
     return 1;
 }
 
 /* All `out` rows of y = x W^T (+ bias), the rows shared out over num_threads threads in
  * whole runs of four. Same arguments and result as kvserve_gemv_rows. */
-int kvserve_gemv(const int8_t *qx, const float *scales, const uint8_t *qs, const float *d, const float *m, int bits,
-                 int64_t in, const float *bias, float *y, int64_t out, int num_threads) {
+int kvserve_gemv(const int8_t *qx, const float *scales, int64_t batch, const uint8_t *qs, const float *d,
+                 const float *m, int bits, int64_t in, const float *bias, float *y, int64_t y_stride, int64_t out,
+                 int num_threads) {
     if (bits != 4 && bits != 8) return 0;
     const int64_t runs = (out + ROWS - 1) / ROWS;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         const int64_t tid = omp_get_thread_num(), n = omp_get_num_threads();
         int64_t begin = runs * tid / n * ROWS, end = runs * (tid + 1) / n * ROWS;
-        kvserve_gemv_rows(qx, scales, qs, d, m, bits, in, bias, y, begin, end < out ? end : out);
+        kvserve_gemv_rows(qx, scales, batch, qs, d, m, bits, in, bias, y, y_stride, begin, end < out ? end : out);
     }
     return 1;
 }
 #else
-int kvserve_gemv_rows(const int8_t *qx, const float *scales, const uint8_t *qs, const float *d, const float *m,
-                      int bits, int64_t in, const float *bias, float *y, int64_t row_begin, int64_t row_end) {
-    (void)qx, (void)scales, (void)qs, (void)d, (void)m, (void)bits, (void)in, (void)bias, (void)y, (void)row_begin,
-        (void)row_end;
+int kvserve_gemv_rows(const int8_t *qx, const float *scales, int64_t batch, const uint8_t *qs, const float *d,
+                      const float *m, int bits, int64_t in, const float *bias, float *y, int64_t y_stride,
+                      int64_t row_begin, int64_t row_end) {
+    (void)qx, (void)scales, (void)batch, (void)qs, (void)d, (void)m, (void)bits, (void)in, (void)bias, (void)y,
+        (void)y_stride, (void)row_begin, (void)row_end;
     return 0;
 }
 
@@ -244,10 +264,11 @@ int kvserve_quantize_row8(const float *x, int64_t in, int8_t *qx, float *dx, flo
     return 0;
 }
 
-int kvserve_gemv(const int8_t *qx, const float *scales, const uint8_t *qs, const float *d, const float *m, int bits,
-                 int64_t in, const float *bias, float *y, int64_t out, int num_threads) {
-    (void)qx, (void)scales, (void)qs, (void)d, (void)m, (void)bits, (void)in, (void)bias, (void)y, (void)out,
-        (void)num_threads;
+int kvserve_gemv(const int8_t *qx, const float *scales, int64_t batch, const uint8_t *qs, const float *d,
+                 const float *m, int bits, int64_t in, const float *bias, float *y, int64_t y_stride, int64_t out,
+                 int num_threads) {
+    (void)qx, (void)scales, (void)batch, (void)qs, (void)d, (void)m, (void)bits, (void)in, (void)bias, (void)y,
+        (void)y_stride, (void)out, (void)num_threads;
     return 0;
 }
 #endif

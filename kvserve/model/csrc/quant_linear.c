@@ -22,11 +22,12 @@
  *
  * With act_bits = 16 the activations are rounded to int16 per block instead
  * (vpdpwssd / vpmaddwd): about as exact as float32 inputs, at twice the integer
- * work. That is the default (quantized.py): SmolLM2's hidden states carry a few
+ * work. int8 is the default (quantized.py): SmolLM2's hidden states carry a few
  * large outliers, and int8 rounding of the rest of their blocks flips near-tied
- * greedy choices (llama.cpp's Q8 activations do the same), though it moves the
- * default model's perplexity by only +0.5%. Batch-one steps on AVX512-VNNI with
- * int8 activations take the single-row kernel of quant_gemv.c.
+ * greedy choices (llama.cpp's Q8 activations do the same), but it moves the
+ * default model's perplexity by only +0.5%. On AVX512-VNNI with int8 activations
+ * and float32 outputs every row takes the single-row kernel of quant_gemv.c, which
+ * gives each activation row the sums of a batch-one step.
  */
 #include <math.h>
 #include <stdint.h>
@@ -46,10 +47,12 @@ enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 #define INLINE static inline __attribute__((always_inline))
 
 /* The single-row kernels (quant_gemv.c): 1 when they took the call. */
-int kvserve_gemv_rows(const int8_t *qx, const float *scales, const uint8_t *qs, const float *d, const float *m,
-                      int bits, int64_t in, const float *bias, float *y, int64_t row_begin, int64_t row_end);
-int kvserve_gemv(const int8_t *qx, const float *scales, const uint8_t *qs, const float *d, const float *m, int bits,
-                 int64_t in, const float *bias, float *y, int64_t out, int num_threads);
+int kvserve_gemv_rows(const int8_t *qx, const float *scales, int64_t batch, const uint8_t *qs, const float *d,
+                      const float *m, int bits, int64_t in, const float *bias, float *y, int64_t y_stride,
+                      int64_t row_begin, int64_t row_end);
+int kvserve_gemv(const int8_t *qx, const float *scales, int64_t batch, const uint8_t *qs, const float *d,
+                 const float *m, int bits, int64_t in, const float *bias, float *y, int64_t y_stride, int64_t out,
+                 int num_threads);
 int kvserve_quantize_row8(const float *x, int64_t in, int8_t *qx, float *dx, float *sx);
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
@@ -493,8 +496,8 @@ int kvserve_quant_linear(const void *x, int64_t x_stride, int64_t batch, const u
     const int64_t full_tiles = out / TILE_ROWS;
     const int64_t tiles = full_tiles + out % TILE_ROWS;
     if (out * w.row_bytes * (batch > 4 ? 4 : 1) < PARALLEL_MIN_BYTES) num_threads = 1;
-    if (batch == 1 && act_bits == 8 && isa == ISA_AVX512 && dtype == F32 &&
-        kvserve_gemv(qx, scales, qs, d, m, bits, in, bias, y, out, num_threads)) {
+    if (act_bits == 8 && isa == ISA_AVX512 && dtype == F32 &&
+        kvserve_gemv(qx, scales, batch, qs, d, m, bits, in, bias, y, y_stride, out, num_threads)) {
         free(qx);
         free(scales);
         return 0;
@@ -555,8 +558,8 @@ void kvserve_quant_rows(const void *qx, const float *scales, int64_t batch, cons
     QWeight w = {qs, d, m, row_bytes_of(bits, in), nb, bits};
     QAct a = {act_bits == 8 ? (const int8_t *)qx : NULL, act_bits == 16 ? (const int16_t *)qx : NULL, scales,
               scales + batch * nb, in, nb};
-    if (batch == 1 && act_bits == 8 && isa == ISA_AVX512 &&
-        kvserve_gemv_rows(qx, scales, qs, d, m, bits, in, bias, y, row_begin, row_end))
+    if (act_bits == 8 && isa == ISA_AVX512 &&
+        kvserve_gemv_rows(qx, scales, batch, qs, d, m, bits, in, bias, y, y_stride, row_begin, row_end))
         return;
     const float offset = (isa == ISA_AVX512 && bits == 8 && act_bits == 8) ? 128.0f : 0.0f;
     float sums[TILE_ROWS][TILE_BATCH];
