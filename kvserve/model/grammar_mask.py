@@ -105,33 +105,60 @@ class HeadMask:
     """A step's grammar bitmask handed to the model's LM head before it is filled.
 
     The mask thread fills `bitmask` (int32 [len(rows), words], contiguous rows; row j
-    masks logits row `rows[j]`) and then sets `ready` (int32 [1]) through `publish_ready`:
-    1 when filled, -1 when there is no mask. A model whose LM head applied it sets the
-    outputs: `applied`, the seconds its head waited for the fill (`wait_s`) and spent
-    writing -inf (`mask_s`); otherwise the logits come back unmasked."""
+    masks logits row `rows[j]`) and then publishes through `ready` (int32 [1], see
+    `publish_ready`): `ready_value`, this step's number, when filled, its negation when
+    there is no mask. A model whose LM head applied it sets the outputs: `applied`, the
+    seconds its head waited for the fill (`wait_s`) and spent writing -inf (`mask_s`);
+    otherwise the logits come back unmasked."""
 
     bitmask: torch.Tensor
     rows: list[int]
     ready: torch.Tensor
     isa: str
+    ready_value: int = 1
     applied: bool = False
     wait_s: float = 0.0
     mask_s: float = 0.0
 
     @classmethod
     def empty(cls, rows: list[int], vocab_size: int, isa: str) -> "HeadMask":
-        """An unfilled mask of `rows` for a vocabulary of `vocab_size` tokens."""
+        """An unfilled mask of `rows` for a vocabulary of `vocab_size` tokens, with buffers of its own."""
         bitmask = torch.zeros((len(rows), (vocab_size + 31) // 32), dtype=torch.int32)
         return cls(bitmask, list(rows), torch.zeros(1, dtype=torch.int32), isa)
 
 
-READY_FILLED, READY_NONE = 1, -1
-
-
-def publish_ready(head_mask: HeadMask, value: int) -> None:
-    """On the filling thread, after its last write to the bitmask: `value` (READY_FILLED
-    or READY_NONE) becomes visible to the head only after those writes."""
+def publish_ready(head_mask: HeadMask, filled: bool) -> None:
+    """On the filling thread, after its last write to the bitmask: the step's number (or its
+    negation when there is no mask) becomes visible to the head only after those writes."""
+    value = head_mask.ready_value if filled else -head_mask.ready_value
     cpu_kernels.load_library().kvserve_publish_mask_ready(head_mask.ready.data_ptr(), value)
+
+
+class HeadMaskPool:
+    """The `HeadMask`s of successive steps, on one reused bitmask buffer and ready flag, so a
+    step allocates nothing before its forward (the allocations cost tens of microseconds
+    there, with the caches cold). Each step gets its own number to publish: a late fill of
+    an earlier step (one whose step failed) can never pass for a later one's, and the one
+    mask thread fills the steps in order, so it has finished writing before the next fill."""
+
+    def __init__(self, vocab_size: int, isa: str) -> None:
+        self.isa = isa
+        self._words = (vocab_size + 31) // 32
+        self._ready = torch.zeros(1, dtype=torch.int32)
+        self._buffer = torch.zeros((0, self._words), dtype=torch.int32)
+        self._views: dict[int, torch.Tensor] = {}  # by row count: the first rows of the buffer
+        self._step = 0
+
+    def next(self, rows: list[int]) -> HeadMask:
+        """The next step's mask for `rows`."""
+        view = self._views.get(len(rows))
+        if view is None:
+            if len(rows) > self._buffer.shape[0]:  # masks handed out before keep the old buffer alive
+                self._buffer = torch.zeros((max(len(rows), 2 * self._buffer.shape[0]), self._words), dtype=torch.int32)
+                self._views = {}
+            view = self._views[len(rows)] = self._buffer[:len(rows)]
+        self._step = self._step % (2**31 - 2) + 1
+        return HeadMask(view, rows, self._ready, self.isa, ready_value=self._step)
 
 
 def disallowed_tokens(bitmask: torch.Tensor, width: int) -> torch.Tensor:

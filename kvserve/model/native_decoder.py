@@ -85,8 +85,8 @@ class _Step(ctypes.Structure):
 
 class _TokenMask(ctypes.Structure):
     _fields_ = [("bitmask", _ptr), ("logits_row", _ptr), ("num_mask_rows", _i64), ("num_words", _i64),
-                ("ready", _ptr), ("timeout_ns", _i64), ("isa", _i32), ("applied", _i32), ("wait_ns", _i64),
-                ("mask_ns", _i64)]
+                ("ready", _ptr), ("timeout_ns", _i64), ("ready_value", _i32), ("isa", _i32), ("applied", _i32),
+                ("unused", _i32), ("wait_ns", _i64), ("mask_ns", _i64)]
 
 
 class _Logits(ctypes.Structure):
@@ -442,7 +442,7 @@ class NativeDecoder:
         logits_row = torch.tensor(rows, dtype=torch.int64)
         mask = _TokenMask(bitmask=bitmask.data_ptr(), logits_row=logits_row.data_ptr(), num_mask_rows=len(rows),
                           num_words=bitmask.shape[1], ready=head_mask.ready.data_ptr(), timeout_ns=_MASK_TIMEOUT_NS,
-                          isa=MASK_ISA_CODES[head_mask.isa])
+                          ready_value=head_mask.ready_value, isa=MASK_ISA_CODES[head_mask.isa])
         keep += [logits_row, mask]
         head.mask = ctypes.pointer(mask)
         return mask

@@ -35,6 +35,9 @@ class RequestState:
     output_token_ids: list[int] = field(default_factory=list)
     generator: Any = None  # torch.Generator for seeded requests
     grammar: Any = None  # llguidance matcher of a structured-output request (sampling rank only)
+    # Tokens sampled since the matcher last advanced: the mask thread feeds them to it before
+    # filling the next mask (`LogitsConstraints`), off the step's critical path.
+    grammar_backlog: list[int] = field(default_factory=list)
     # Greedy with nothing between the logits and their argmax (no logprobs, penalties,
     # logit bias or grammar); min_tokens may still ban stop tokens (`takes_argmax`).
     plain_greedy: bool = field(init=False)

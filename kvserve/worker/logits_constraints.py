@@ -10,10 +10,11 @@ on tokens this runner really sampled. Only the rank that samples ever builds
 matchers.
 
 The masks of a step are filled on a mask thread while that step's forward runs
-(`start_masks` before the forward, `apply` after it): llguidance computes them
-in Rust without the GIL, and the matchers already hold every token sampled
-before this step, so only what the forward does not cover stays on the
-critical path (`MaskStats.wait_s`). On CPU the native kernel of
+(`start_masks` before the forward, `apply` after it): the mask thread first
+feeds each matcher the tokens sampled since (`advance` only queues them in the
+request's `grammar_backlog`), then llguidance computes the masks in Rust
+without the GIL, so only what the forward does not cover stays on the critical
+path (`MaskStats`). On CPU the native kernel of
 `kvserve.model.grammar_mask` then writes -inf straight from the packed
 bitmask; on the torch path the mask thread also unpacks the bitmask into one
 bool per token, for `masked_fill_`.
@@ -27,18 +28,17 @@ do; elsewhere the logits come back unmasked and `apply` masks them as above.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from kvserve.config import KernelConfig
 from kvserve.model.grammar import FailedGrammar, GrammarCompiler, StructuredOutputError, compiler_for_model
-from kvserve.model.grammar_mask import (READY_FILLED, READY_NONE, HeadMask, KernelMasks, apply_kernel_masks_,
-                                        choose_mask_isa, disallowed_tokens, kernel_masks, kernel_takes, mask_logits_,
-                                        publish_ready)
+from kvserve.model.grammar_mask import (HeadMask, HeadMaskPool, KernelMasks, apply_kernel_masks_, choose_mask_isa,
+                                        disallowed_tokens, kernel_masks, kernel_takes, mask_logits_, publish_ready)
 from kvserve.worker.input_batch import RequestState
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,8 @@ class MaskStats:
     mask thread, alongside the forward; on the critical path remain `start_s`, handing
     the fill to the mask thread before the forward, `wait_s`, what the steps still waited
     for it (inside the LM head or after the forward), `apply_s`, setting the logits, and
-    `advance_s`, feeding the sampled tokens to the matchers."""
+    `advance_s`, queueing the sampled tokens for the matchers (the mask thread feeds
+    them in, as part of `fill_s`)."""
 
     steps: int = 0
     rows: int = 0  # one per constrained token position sampled or verified
@@ -106,6 +107,24 @@ class PendingMasks:
         return self._masks
 
 
+class _MaskThread:
+    """The one thread that fills masks, in the order the steps hand them over: a step's masks
+    never overlap the next step's on the same matchers. Handing a fill over is one queue put
+    (a thread pool's `submit` costs several times more on the step's critical path)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="kvserve-mask_0", daemon=True).start()
+
+    def submit(self, fn, *args) -> None:
+        self._jobs.put((fn, args))
+
+    def _run(self) -> None:
+        while True:
+            fn, args = self._jobs.get()
+            fn(*args)  # _fill_into hands every exception to the step thread
+
+
 class LogitsConstraints:
     """Applies `logit_bias` and structured-output masks for one runner."""
 
@@ -116,7 +135,8 @@ class LogitsConstraints:
         self._kernel_config = kernel_config or KernelConfig()
         self._mask_isa: str | None | bool = False  # False: not chosen yet
         self._compiler: GrammarCompiler | None = None
-        self._mask_thread: ThreadPoolExecutor | None = None
+        self._mask_thread: _MaskThread | None = None
+        self._head_masks: HeadMaskPool | None = None
         self.stats = MaskStats()
 
     @property
@@ -136,8 +156,9 @@ class LogitsConstraints:
         """Begin filling the step's grammar masks on the mask thread (None when no request
         is constrained), so that they are computed while the forward runs.
 
-        The matchers are exact here: the previous step advanced them with its sampled
-        tokens on this same step thread, and nothing touches them until `apply` waits.
+        The matchers are exact there: the previous step handed its sampled tokens over
+        (`advance`) on this same step thread, the mask thread feeds them to the matchers
+        first, and nothing else touches the matchers or backlogs until `apply` waits.
         Rows are laid out as in `apply`.
         """
         constrained = [i for i, s in enumerate(states) if s.sampling_params.structured_outputs is not None]
@@ -149,9 +170,12 @@ class LogitsConstraints:
         rows = [first_rows[i] + j for i in constrained for j in range(num_rows[i])]
         constrained_drafts = [drafts[i] if drafts is not None else [] for i in constrained]
         if self._mask_thread is None:
-            # One thread: a step's masks never overlap the next step's on the same matchers.
-            self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-mask")
-        head_mask = None if self.mask_isa is None else HeadMask.empty(rows, self.compiler.vocab_size, self.mask_isa)
+            self._mask_thread = _MaskThread()
+        head_mask = None
+        if self.mask_isa is not None:
+            if self._head_masks is None:
+                self._head_masks = HeadMaskPool(self.compiler.vocab_size, self.mask_isa)
+            head_mask = self._head_masks.next(rows)
         pending = PendingMasks(rows, head_mask)
         self._mask_thread.submit(self._fill_into, pending, [states[i] for i in constrained], constrained_drafts)
         self.stats.start_s += time.perf_counter() - started
@@ -173,14 +197,15 @@ class LogitsConstraints:
             if pending is None:
                 return logits
         waited_from = time.perf_counter()
-        masks = pending.result()
-        applied_from = time.perf_counter()
         head = pending.head_mask
         if head is not None and head.applied:
+            # The fill published its masks before the head used them: nothing to wait for.
             self.stats.head_rows += len(pending.rows)
-            self.stats.wait_s += head.wait_s + applied_from - waited_from
-            self.stats.apply_s += head.mask_s + time.perf_counter() - applied_from
+            self.stats.wait_s += head.wait_s
+            self.stats.apply_s += head.mask_s + time.perf_counter() - waited_from
             return logits
+        masks = pending.result()
+        applied_from = time.perf_counter()
         if self.mask_isa is not None and kernel_takes(logits):
             logits = apply_kernel_masks_(logits, masks.kernel or kernel_masks(masks.bitmask, pending.rows,
                                                                               self.mask_isa))
@@ -200,11 +225,11 @@ class LogitsConstraints:
                 masks = self._fill(states, drafts, pending.rows, None if head is None else head.bitmask)
         except BaseException as exc:  # handed to the step thread, which raises it
             if head is not None:
-                publish_ready(head, READY_NONE)
+                publish_ready(head, filled=False)
             pending.set(None, exc)
             return
         if head is not None:
-            publish_ready(head, READY_FILLED)
+            publish_ready(head, filled=True)
         pending.set(masks)
 
     def _fill(self, states: list[RequestState], drafts: list[list[int]], rows: list[int],
@@ -229,14 +254,14 @@ class LogitsConstraints:
         return masks
 
     def advance(self, states: list[RequestState], token_ids: list[list[int]]) -> None:
-        """Feed each constrained request the tokens this step really produced for it."""
+        """Hand each constrained request the tokens this step really produced for it: its
+        matcher consumes them on the mask thread, before it fills that request's next mask."""
         started = time.perf_counter()
         constrained = False
         for state, tokens in zip(states, token_ids):
             if state.grammar is not None:
                 constrained = True
-                for token_id in tokens:
-                    state.grammar.consume_token(int(token_id))
+                state.grammar_backlog.extend(int(token_id) for token_id in tokens)
         if constrained:
             self.stats.advance_s += time.perf_counter() - started
 
@@ -253,11 +278,16 @@ class LogitsConstraints:
         return logits
 
     def _matcher(self, state: RequestState):
+        """On the mask thread: the request's matcher, advanced over every token sampled so far."""
         if state.grammar is None:
+            state.grammar_backlog.clear()  # the new matcher consumes all of output_token_ids
             try:
                 state.grammar = self.compiler.new_matcher(state.sampling_params.structured_outputs,
                                                           state.output_token_ids)
             except StructuredOutputError as exc:  # front-ends check first; never fail the step
                 logger.warning("request %s: %s; it can only end", state.req_id, exc)
                 state.grammar = FailedGrammar(str(exc))
+        for token_id in state.grammar_backlog:
+            state.grammar.consume_token(token_id)
+        state.grammar_backlog.clear()
         return state.grammar

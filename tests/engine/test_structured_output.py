@@ -168,12 +168,8 @@ def test_native_mask_kernel_gives_the_torch_paths_outputs(llm, monkeypatch):
     native = run()
     assert constraints.stats.head_rows > head_rows  # the default model's head runs in the native call
 
-    class NoHeadMask:
-        @staticmethod
-        def empty(*args):
-            return None
     with monkeypatch.context() as patch:
-        patch.setattr(logits_constraints, "HeadMask", NoHeadMask)  # masked after the forward
+        patch.setattr(logits_constraints.HeadMaskPool, "next", lambda self, rows: None)  # masked after the forward
         head_rows = constraints.stats.head_rows
         assert run() == native
         assert constraints.stats.head_rows == head_rows

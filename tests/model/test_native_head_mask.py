@@ -15,7 +15,7 @@ import torch
 from kvserve.config import KernelConfig
 from kvserve.model import cpu_kernels, native_decoder, quantized
 from kvserve.model.config import ModelConfig
-from kvserve.model.grammar_mask import READY_FILLED, READY_NONE, HeadMask, apply_bitmask, isa_available, publish_ready
+from kvserve.model.grammar_mask import HeadMask, HeadMaskPool, apply_bitmask, isa_available, publish_ready
 from kvserve.model.loader import load_model
 from paged_kv_helper import VOCAB, PagedRunner, load_hf, save_tiny_model
 
@@ -100,7 +100,7 @@ def test_the_head_masks_its_rows_as_the_reference_does(models, monkeypatch, isa,
     words = (VOCAB - 40 + 31) // 32  # a grammar vocabulary narrower than the logits: the rest is banned
     head_mask = HeadMask.empty(masked_rows, VOCAB - 40, isa)
     head_mask.bitmask.copy_(_bitmask(len(masked_rows), words, seed=num_requests * 10 + len(masked_rows)))
-    publish_ready(head_mask, READY_FILLED)
+    publish_ready(head_mask, filled=True)
     steps_before = native_steps[0]
     plain, masked = _decode_twice(runner, head_mask)
     assert native_steps[0] - steps_before == 2
@@ -118,7 +118,7 @@ def test_a_verify_step_is_masked_row_by_row(models, act_bits):
         runner.append("r0", token)
     head_mask = HeadMask.empty([0, 1, 2, 3], VOCAB, MASK_ISAS[-1])
     head_mask.bitmask.copy_(_bitmask(4, VOCAB // 32, seed=act_bits))
-    publish_ready(head_mask, READY_FILLED)
+    publish_ready(head_mask, filled=True)
     plain, masked = _decode_twice(runner, head_mask, num_draft_tokens=3)
     assert plain.shape[0] == 4 and head_mask.applied
     assert torch.equal(masked, apply_bitmask(plain, head_mask.bitmask, [0, 1, 2, 3]))
@@ -133,7 +133,7 @@ def test_the_head_waits_for_a_mask_published_after_the_call_began(models):
         if args[-1] is head_mask:
             def fill():
                 head_mask.bitmask.copy_(_bitmask(2, VOCAB // 32, seed=3))
-                publish_ready(head_mask, READY_FILLED)
+                publish_ready(head_mask, filled=True)
             threading.Timer(0.2, fill).start()
             timing["began"] = time.perf_counter()
         out = forward(*args)
@@ -159,7 +159,7 @@ def test_a_mask_never_published_times_out_and_leaves_the_logits_unmasked(models,
 def test_a_mask_published_as_absent_leaves_the_logits_unmasked(models):
     runner = _runner(models("llama"), 2, 2)
     head_mask = HeadMask.empty([0, 1], VOCAB, MASK_ISAS[-1])
-    publish_ready(head_mask, READY_NONE)
+    publish_ready(head_mask, filled=False)
     plain, masked = _decode_twice(runner, head_mask)
     assert not head_mask.applied
     assert torch.equal(masked, plain)
@@ -168,7 +168,7 @@ def test_a_mask_published_as_absent_leaves_the_logits_unmasked(models):
 def test_a_mask_that_does_not_fit_the_logits_is_left_to_the_caller(models):
     runner = _runner(models("llama"), 1, None)
     head_mask = HeadMask.empty([1], VOCAB, MASK_ISAS[-1])  # row 1 of a one-row step
-    publish_ready(head_mask, READY_FILLED)
+    publish_ready(head_mask, filled=True)
     plain, masked = _decode_twice(runner, head_mask)
     assert not head_mask.applied and torch.equal(masked, plain)
 
@@ -180,7 +180,7 @@ def test_soft_capped_logits_are_never_masked_in_the_head(models):
     runner = _runner(config, 1, None)
     assert runner.model._native._head is not None
     head_mask = HeadMask.empty([0], VOCAB, MASK_ISAS[-1])
-    publish_ready(head_mask, READY_FILLED)
+    publish_ready(head_mask, filled=True)
     plain, masked = _decode_twice(runner, head_mask)
     assert not head_mask.applied and torch.equal(masked, plain)
 
@@ -198,7 +198,34 @@ def test_quantized_head_isa_paths_mask_alike(models):
         runner.append("r0", 5)
         head_mask = HeadMask.empty([0], VOCAB, MASK_ISAS[-1])
         head_mask.bitmask.copy_(_bitmask(1, VOCAB // 32, seed=5))
-        publish_ready(head_mask, READY_FILLED)
+        publish_ready(head_mask, filled=True)
         plain, masked = _decode_twice(runner, head_mask)
         assert head_mask.applied, quant_isa
         assert torch.equal(masked, apply_bitmask(plain, head_mask.bitmask, [0])), quant_isa
+
+
+def test_the_pool_reuses_one_buffer_and_numbers_the_steps():
+    pool = HeadMaskPool(VOCAB - 40, MASK_ISAS[-1])
+    first, second = pool.next([0, 1]), pool.next([1, 0])
+    assert second.ready_value == first.ready_value + 1 and second.ready is first.ready
+    assert second.bitmask.data_ptr() == first.bitmask.data_ptr() and second.bitmask.shape == (2, (VOCAB - 40 + 31) // 32)
+    grown = pool.next([0, 1, 2])  # more rows: a new buffer; the masks handed out keep theirs
+    assert grown.bitmask.shape[0] == 3 and grown.bitmask.is_contiguous()
+    assert first.bitmask.shape == (2, (VOCAB - 40 + 31) // 32)
+
+
+def test_a_late_fill_of_an_earlier_step_does_not_pass_for_this_one(models, monkeypatch):
+    """The flag holds the step's number: an earlier step's fill published late times out
+    (the head leaves the logits alone), this step's own publish is applied."""
+    monkeypatch.setattr(native_decoder, "_MASK_TIMEOUT_NS", 100_000_000)
+    runner = _runner(models("llama"), 1, 2)
+    pool = HeadMaskPool(VOCAB, MASK_ISAS[-1])
+    earlier, head_mask = pool.next([0]), pool.next([0])
+    head_mask.bitmask.copy_(_bitmask(1, VOCAB // 32, seed=9))
+    publish_ready(earlier, filled=True)
+    plain, masked = _decode_twice(runner, head_mask)
+    assert not head_mask.applied and torch.equal(masked, plain)
+    publish_ready(head_mask, filled=True)
+    runner.append("r0", 6)
+    plain, masked = _decode_twice(runner, head_mask)
+    assert head_mask.applied and torch.equal(masked, apply_bitmask(plain, head_mask.bitmask, [0]))

@@ -69,7 +69,7 @@ void kvserve_store_kv(const void *k, const void *v, int64_t token_stride, int64_
                       int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int in_dtype, int cache_dtype);
 void kvserve_mask_token_range(float *logits_row, const int32_t *words, int64_t num_words, int64_t begin, int64_t end,
                               int isa);
-int32_t kvserve_wait_mask_ready(const int32_t *ready, int64_t timeout_ns, int64_t *waited_ns);
+int32_t kvserve_wait_mask_ready(const int32_t *ready, int32_t value, int64_t timeout_ns, int64_t *waited_ns);
 int kvserve_mask_isa_available(int isa);
 int kvserve_paged_attention(const void *q, int64_t q_token_stride, int64_t q_head_stride, const void *k_cache,
                             const void *v_cache, int64_t cache_head_stride, void *out, int64_t out_token_stride,
@@ -140,10 +140,12 @@ typedef struct {
     const int32_t *bitmask;    /* [num_mask_rows, num_words] */
     const int64_t *logits_row; /* the logits row bitmask row r masks (all distinct) */
     int64_t num_mask_rows, num_words;
-    const int32_t *ready; /* 0 while being filled, 1 filled, -1 none (the head then masks nothing) */
+    const int32_t *ready; /* becomes ready_value once filled, -ready_value when there is none */
     int64_t timeout_ns;   /* waits no longer than this for `ready` */
+    int32_t ready_value;  /* this step's number */
     int32_t isa;          /* grammar_mask.c's path */
     int32_t applied;      /* out: 1 when the logits came back masked */
+    int32_t unused;
     int64_t wait_ns;      /* out: time spent waiting for `ready` */
     int64_t mask_ns;      /* out: time thread 0 spent writing -inf */
 } NativeTokenMask;
@@ -435,7 +437,7 @@ static void masked_head_rows(const NativeModel *m, const NativeLogits *lg, int64
  * (the bitmask got filled in time, on a path this CPU runs). */
 static void await_token_mask(NativeTokenMask *mask) {
     mask->wait_ns = 0;
-    mask->applied = kvserve_wait_mask_ready(mask->ready, mask->timeout_ns, &mask->wait_ns) == 1 &&
+    mask->applied = kvserve_wait_mask_ready(mask->ready, mask->ready_value, mask->timeout_ns, &mask->wait_ns) == 1 &&
                     kvserve_mask_isa_available(mask->isa);
 }
 

@@ -155,8 +155,9 @@ int kvserve_apply_token_bitmask(float *logits, int64_t logits_stride, int64_t wi
     return 0;
 }
 
-/* The filling thread's last write: `value` (1: the bitmask is filled, -1: there is none)
- * becomes visible only after every word of the bitmask it wrote before. */
+/* The filling thread's last write: `value` (the step's number when the bitmask is filled,
+ * its negation when there is none) becomes visible only after every word of the bitmask
+ * it wrote before. */
 void kvserve_publish_mask_ready(int32_t *ready, int32_t value) { __atomic_store_n(ready, value, __ATOMIC_RELEASE); }
 
 static int64_t now_ns(void) {
@@ -165,14 +166,22 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-/* Waits until `*ready` is non-zero, at most `timeout_ns`; returns it (0 after the timeout)
- * and adds the time waited to `*waited_ns`. Spins briefly, then yields its core: on a
- * machine with as many busy threads as cores the filling thread needs one to finish. */
-int32_t kvserve_wait_mask_ready(const int32_t *ready, int64_t timeout_ns, int64_t *waited_ns) {
-    int32_t value = __atomic_load_n(ready, __ATOMIC_ACQUIRE);
-    if (value) return value;
+/* Waits, at most `timeout_ns`, until `*ready` is `value` (returns 1: filled) or `-value`
+ * (returns -1: no mask); returns 0 after the timeout. Adds the time waited to `*waited_ns`.
+ * A step's own number, not a plain flag: the late fill of an earlier step (one whose step
+ * failed) can never pass for this one's. Spins briefly, then yields its core: on a machine
+ * with as many busy threads as cores the filling thread needs one to finish. */
+int32_t kvserve_wait_mask_ready(const int32_t *ready, int32_t value, int64_t timeout_ns, int64_t *waited_ns) {
+    int32_t seen = __atomic_load_n(ready, __ATOMIC_ACQUIRE);
+    if (seen == value || seen == -value) return seen == value ? 1 : -1;
     const int64_t started = now_ns();
-    for (int64_t spins = 0; !(value = __atomic_load_n(ready, __ATOMIC_ACQUIRE)); spins++) {
+    int32_t result = 0;
+    for (int64_t spins = 0;; spins++) {
+        seen = __atomic_load_n(ready, __ATOMIC_ACQUIRE);
+        if (seen == value || seen == -value) {
+            result = seen == value ? 1 : -1;
+            break;
+        }
         if (spins < 256) {
 #if HAVE_AVX2 || HAVE_AVX512
             _mm_pause();
@@ -183,5 +192,5 @@ int32_t kvserve_wait_mask_ready(const int32_t *ready, int64_t timeout_ns, int64_
         sched_yield();
     }
     *waited_ns += now_ns() - started;
-    return value;
+    return result;
 }
