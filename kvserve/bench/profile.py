@@ -81,7 +81,8 @@ def _category(function: tuple[str, int, str], caller: tuple[str, int, str] | Non
         return "attention"
     if name == "forward" and filename.endswith("model/native_decoder.py"):
         return NATIVE_DECODER
-    if name == "small_linear" or (name in ("linear", "panel_linear") and filename.endswith("model/quantized.py")):
+    if name in ("small_linear", "f32_gemm") or (name in ("linear", "panel_linear")
+                                                and filename.endswith("model/quantized.py")):
         return "matmul (weights)"
     area = _kvserve_area(filename)
     if area:

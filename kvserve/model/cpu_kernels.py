@@ -2,7 +2,8 @@
 loaded with ctypes (no torch headers, so a build takes about a second):
 paged attention (csrc/paged_attention.c), the decoder's fused element-wise
 ops (csrc/fused_ops.c: residual add + RMSNorm, SiLU-gated product, RoPE),
-the small-batch matmul (csrc/small_linear.c), the matmuls over block-quantized
+the small-batch matmul (csrc/small_linear.c), the float32 matmul over weights
+packed into panels at load (csrc/f32_gemm.c), the matmuls over block-quantized
 weights (csrc/quant_linear.c, csrc/quant_gemm.c for steps of many rows, driven
 by kvserve/model/quantized.py) and the whole decoder stack of a small step in
 one call (csrc/fused_decoder.c, driven by kvserve/model/native_decoder.py), and a
@@ -42,7 +43,7 @@ from kvserve.config import cache_root
 logger = logging.getLogger(__name__)
 
 _SOURCES = ("bf16.h", "bf16_tile.h", "paged_attention.c", "fused_ops.c", "small_linear.c", "quant_linear.c", "quant_gemv.c",
-            "quant_gemm.c", "bf16_rows.c", "phase_timer.h", "fused_decoder.c", "grammar_mask.c")
+            "quant_gemm.c", "bf16_rows.c", "f32_gemm.c", "phase_timer.h", "fused_decoder.c", "grammar_mask.c")
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -127,6 +128,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvserve_quant_gemm": ([ptr, i64, i64, ptr, ptr, ptr, c_int, i64, i64, ptr, ptr, i64, c_int, c_int, c_int],
                                c_int),
         "kvserve_bf16_isa_available": ([c_int], c_int),
+        "kvserve_f32_gemm_isa_available": ([c_int], c_int),
+        "kvserve_f32_packed_size": ([i64, i64], i64),
+        "kvserve_f32_pack": ([ptr, i64, i64, i64, ptr], None),
+        "kvserve_f32_gemm": ([ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, c_int, c_int], c_int),
         "kvserve_bf16_round_rows": ([ptr, i64, i64, i64, ptr], None),
         "kvserve_bf16_linear_rows": ([ptr, i64, ptr, ptr, i64, ptr, i64, c_int, i64, i64], None),
         "kvserve_mask_isa_available": ([c_int], c_int),
@@ -310,3 +315,40 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if not done:
         raise KernelArgumentError(f"small_linear is not built for {x.dtype} on this CPU")
     return y
+
+
+# Output rows per panel of csrc/f32_gemm.c (PANEL).
+F32_PANEL = 16
+
+
+def pack_f32_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight [out, in] (rows contiguous) in the panel layout of csrc/f32_gemm.c:
+    [ceil(out / 16), in, 16], the rows past `out` zeros."""
+    out_features, in_features = weight.shape
+    if weight.dtype != torch.float32 or weight.stride(-1) != 1:
+        raise KernelArgumentError("pack_f32_panels needs a float32 weight with contiguous rows")
+    lib = load_library()
+    packed = torch.empty(lib.kvserve_f32_packed_size(out_features, in_features), dtype=torch.float32)
+    lib.kvserve_f32_pack(weight.data_ptr(), weight.stride(0), out_features, in_features, packed.data_ptr())
+    return packed.view(-1, in_features, F32_PANEL)
+
+
+def f32_gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int, isa: int,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ W^T (+ bias) -> [..., out_features] for W held as `pack_f32_panels` made it,
+    on the kernel path `isa` (quant_linear.c's codes); x float32."""
+    in_features = panels.shape[1]
+    if x.dtype != torch.float32 or x.shape[-1] != in_features:
+        raise KernelArgumentError(f"f32_gemm needs float32 rows of {in_features}, got {x.dtype} {tuple(x.shape)}")
+    rows = x.reshape(-1, in_features)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = x.new_empty(rows.shape[0], out_features)
+    if bias is not None:
+        bias = bias.float().contiguous()
+    code = load_library().kvserve_f32_gemm(rows.data_ptr(), rows.stride(0), rows.shape[0], panels.data_ptr(),
+                                           bias.data_ptr() if bias is not None else None, out_features, in_features,
+                                           y.data_ptr(), out_features, isa, _threads())
+    if code:
+        raise KernelArgumentError(f"f32_gemm: kernel path {isa} is not available on this CPU")
+    return y.view(*x.shape[:-1], out_features)

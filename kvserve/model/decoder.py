@@ -9,7 +9,7 @@ from torch import nn
 
 from kvserve.kv_cache.interface import (CircularBufferSpec, FullAttentionSpec, KVCacheConfig, KVCacheSpec,
                                         SlidingWindowSpec)
-from kvserve.model import cpu_kernels, quantized
+from kvserve.model import cpu_kernels, native_decoder, quantized
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, AttentionParams, is_windowed
 from kvserve.model.config import ModelConfig
 from kvserve.model.grammar_mask import HeadMask
@@ -202,21 +202,34 @@ class DecoderModel(nn.Module):
             elif isinstance(module, (RMSNorm, GatedMLP)):
                 module.native = kernels.native_ops
 
-    def pack_linear_weights(self, keep_plain: bool | None = None) -> bool:
-        """Hold every linear weight (and the LM head) pre-packed for oneDNN's CPU matmul
-        (see `PackableLinearMixin`). Returns False, changing nothing, off CPU or for a
-        dtype oneDNN cannot pack here. Call after loading. The plain weights are dropped
-        unless `keep_plain` (default: the model's kernel choice: kept for the small-batch kernel
-        and for the native decoder, which read the plain layout)."""
+    def pack_linear_weights(self, keep_plain: bool | None = None, panels: bool | None = None) -> bool:
+        """Hold every linear weight (and the LM head) pre-packed for the CPU matmul. Returns
+        False, changing nothing, off CPU or for a dtype that cannot be packed here. Call after
+        loading.
+
+        With `panels` (default: where the model's kernels have the float32 panel matmul,
+        `ModelKernels.f32_gemm_isa`) float32 weights are held only in its panel layout, which
+        the per-op path and the native decoder both run from. Otherwise oneDNN packs them
+        (see `PackableLinearMixin`) and the plain weights are dropped unless `keep_plain`
+        (default: the model's kernel choice: kept for the small-batch kernel and for the
+        native decoder, which read the plain layout)."""
         weight = self.norm.weight
-        if weight.device.type != "cpu" or not cpu_weight_packing_supported(weight.dtype):
+        if panels is None:
+            panels = self.kernels.f32_gemm_isa is not None
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            panels = False
+        if not panels and (weight.device.type != "cpu" or not cpu_weight_packing_supported(weight.dtype)):
             return False
         if keep_plain is None:
             keep_plain = self.kernels.small_batch_matmul or self.kernels.native_decoder
+        isa = quantized.ISA_CODES[self.kernels.f32_gemm_isa or native_decoder.f32_gemm_isa() or "portable"] if panels else -1
         for module in self.modules():
             if isinstance(module, PackableLinearMixin) and module.packed_weight is None \
-                    and module.quant_weight is None:
-                module.pack_weight(keep_plain=keep_plain)
+                    and module.panel_weight is None and module.quant_weight is None:
+                if panels:
+                    module.pack_panels(isa)
+                else:
+                    module.pack_weight(keep_plain=keep_plain)
         return True
 
     # -- forward --------------------------------------------------------------------

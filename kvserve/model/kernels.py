@@ -4,8 +4,9 @@
 Every layer reads its choice from here instead of asking, op by op, whether a
 native kernel could take its tensors: the attention backend, whether the fused
 element-wise kernels (RMSNorm, RoPE, SiLU-gated product) run, whether packed
-linear weights keep a plain copy for the small-batch matmul, and the path of
-the quantized matmul. Per-call checks that remain are on tensor layout only.
+linear weights keep a plain copy for the small-batch matmul, and the paths of
+the quantized, bfloat16 and float32 panel matmuls. Per-call checks that remain
+are on tensor layout only.
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ class ModelKernels:
     packed_weights: bool = False  # linear weights packed for oneDNN's CPU matmul
     native_decoder: bool = False  # small steps run the whole stack in one call (model/native_decoder.py)
     bf16_isa: str | None = None  # the native decoder's bfloat16-weight matmul path (None: bfloat16 declined)
+    # float32 weights packed into panels for csrc/f32_gemm.c (instead of oneDNN), and its path
+    f32_gemm_isa: str | None = None
 
     @classmethod
     def torch_only(cls) -> "ModelKernels":
@@ -50,7 +53,8 @@ class ModelKernels:
                 f"packed weights {'on' if self.packed_weights else 'off'}, "
                 f"small-batch matmul {'on' if self.small_batch_matmul else 'off'}, "
                 f"native decoder {'on' if self.native_decoder else 'off'}"
-                + (f" (bfloat16 weights: {self.bf16_isa})" if self.bf16_isa else ""))
+                + (f" (bfloat16 weights: {self.bf16_isa})" if self.bf16_isa else "")
+                + (f", float32 panel matmul {self.f32_gemm_isa}" if self.f32_gemm_isa else ""))
 
 
 def choose_model_kernels(kernel_config: KernelConfig, device: torch.device | str, dtype: torch.dtype,
@@ -62,11 +66,13 @@ def choose_model_kernels(kernel_config: KernelConfig, device: torch.device | str
     attention = select_attention_backend(device, dtype, shape.num_heads, shape.num_kv_heads, shape.head_dim,
                                          native_kernels=native)
     bf16 = native_decoder.bf16_isa(kernel_config) if native and dtype == torch.bfloat16 else None
+    f32 = native_decoder.f32_gemm_isa(kernel_config) if native and dtype == torch.float32 \
+        and kernel_config.packed_weights else None
     kernels = ModelKernels(
         attention=attention, native_ops=native,
         small_batch_matmul=native and kernel_config.small_batch_matmul and cpu_kernels.small_linear_supported(dtype),
         packed_weights=on_cpu and kernel_config.packed_weights,
         native_decoder=native and kernel_config.native_decoder and (dtype == torch.float32 or bf16 is not None),
-        bf16_isa=bf16)
+        bf16_isa=bf16, f32_gemm_isa=f32)
     logger.debug("model kernels: %s", kernels.describe())
     return kernels

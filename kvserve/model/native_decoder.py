@@ -5,7 +5,8 @@ calls per layer, each a dispatch and, for the native kernels, a parallel region
 of its own: for a 135M model that overhead outweighs the matmuls. For steps of
 up to `SMALL_STEP_TOKENS` tokens, or `MAX_TOKENS` where every projection is
 quantized and runs the panel GEMM (csrc/quant_gemm.c) from its `panel_rows`
-on (batched decode, mixed serving steps), `NativeDecoder` hands the whole stack
+on, or is float32 packed into panels (csrc/f32_gemm.c) (batched decode, mixed
+serving steps), `NativeDecoder` hands the whole stack
 (every layer and the final norm) to one C call that reuses the per-op kernels
 inside one parallel region; steps of many tokens split attention by tokens.
 
@@ -48,6 +49,7 @@ logger = logging.getLogger(__name__)
 SMALL_STEP_TOKENS = 8
 MAX_TOKENS = 128
 _MAX_GROUPS = 8  # MAX_GROUPS in fused_decoder.c
+_F32_PANELS = 2  # NativeLinear.w_dtype of float32 weights in csrc/f32_gemm.c's panels (F32_PANELS)
 _PARALLEL_MIN_LAYER_BYTES = 256 * 1024
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
@@ -97,17 +99,28 @@ class _Logits(ctypes.Structure):
 _MASK_TIMEOUT_NS = 2_000_000_000
 
 
-def bf16_isa(kernel_config: KernelConfig | None = None) -> str | None:
-    """The path of the native decoder's bfloat16-weight matmul ("avx512": AVX512-BF16, "avx2",
-    "portable"): the widest this build and CPU run, capped at `kernel_config.quant_isa`
-    (KVSERVE_QUANT_ISA caps it as it caps the quantized kernel); None without the library."""
+def _widest_isa(kernel_config: KernelConfig | None, available: str) -> str | None:
+    """The widest path that this build and CPU run (the library's `available(code)`), capped
+    at `kernel_config.quant_isa` (KVSERVE_QUANT_ISA); None without the library."""
     config = kernel_config or KernelConfig()
     lib = cpu_kernels.load_library() if config.cpu_kernels else None
     if lib is None:
         return None
     ceiling = ISA_CODES[config.quant_isa] if config.quant_isa else max(ISA_CODES.values())
-    return QUANT_ISAS[max(code for code in ISA_CODES.values()
-                          if code <= ceiling and lib.kvserve_bf16_isa_available(code))]
+    return QUANT_ISAS[max(code for code in ISA_CODES.values() if code <= ceiling and getattr(lib, available)(code))]
+
+
+def bf16_isa(kernel_config: KernelConfig | None = None) -> str | None:
+    """The path of the native decoder's bfloat16-weight matmul ("avx512": AVX512-BF16, "avx2",
+    "portable"): the widest this build and CPU run, capped at `kernel_config.quant_isa`
+    (KVSERVE_QUANT_ISA caps it as it caps the quantized kernel); None without the library."""
+    return _widest_isa(kernel_config, "kvserve_bf16_isa_available")
+
+
+def f32_gemm_isa(kernel_config: KernelConfig | None = None) -> str | None:
+    """The path of the float32 panel matmul (csrc/f32_gemm.c: "avx512": AVX-512F, "avx2":
+    AVX2 + FMA, "portable"), chosen as `bf16_isa` chooses its own; None without the library."""
+    return _widest_isa(kernel_config, "kvserve_f32_gemm_isa_available")
 
 
 # The phases of csrc/phase_timer.h, in its order.
@@ -156,7 +169,7 @@ class NativeDecoder:
         self._keep: list[torch.Tensor] = []
         self._layer_bytes = 0  # weight bytes of one layer's projections
         self._panel_rows = 0  # steps of this many tokens run the panel GEMM (the weights' own threshold)
-        self._all_panel = True  # every projection quantized with a panel path
+        self._all_panel = True  # every projection quantized with a panel path or float32 in panels
         self._gemm_rows = MAX_TOKENS + 1  # steps of this many tokens take the per-op dense GEMM
         self._layers = (_Layer * len(model.layers))()
         for i, layer in enumerate(model.layers):
@@ -287,6 +300,12 @@ class NativeDecoder:
             self._gemm_rows = min(self._gemm_rows, qw.gemm_rows or self._gemm_rows)
             desc.out, desc.in_ = qw.out_features, qw.in_features
             self._layer_bytes += qw.nbytes() // len(self.model.layers)
+            return
+        if module.panel_weight is not None:  # float32 panels (csrc/f32_gemm.c): every step size
+            desc.w, desc.w_dtype, desc.isa = self._hold(module.panel_weight).data_ptr(), _F32_PANELS, module.panel_isa
+            desc.panel_isa = -1
+            self._layer_bytes += module.panel_weight.numel() * 4 // len(self.model.layers)
+            desc.out, desc.in_ = module.panel_out, module.panel_weight.shape[1]
             return
         weight = module.weight
         if weight is None or not weight.is_contiguous():

@@ -126,10 +126,17 @@ class PackableLinearMixin(QuantizedWeightMixin):
     a stream over the weights, which oneDNN's packed path reads at about half
     the memory bandwidth), at the price of holding both copies. Packed, the
     module can no longer be re-loaded or saved, only run.
+
+    Float32 weights may instead be packed into panels for the native float32
+    matmul (`pack_panels`, csrc/f32_gemm.c), which runs every step size and the
+    native decoder's steps of many tokens from the one copy.
     """
 
     packed_weight: torch.Tensor | None = None
     small_batch_kernel: bool = False
+    panel_weight: torch.Tensor | None = None  # [ceil(out / 16), in, 16] (cpu_kernels.pack_f32_panels)
+    panel_isa: int = -1  # the float32 panel matmul's path (quant_linear.c's codes)
+    panel_out: int = 0  # output rows of the panel weight
 
     def pack_weight(self, keep_plain: bool = False) -> None:
         plain = self.weight.detach().contiguous()
@@ -140,9 +147,19 @@ class PackableLinearMixin(QuantizedWeightMixin):
         else:
             self.register_parameter("weight", None)
 
+    def pack_panels(self, isa: int) -> None:
+        """Hold the float32 weight only in the panel layout of the native float32 matmul,
+        run on path `isa`; the plain weight is dropped (the module then only runs)."""
+        weight = self.weight.detach()
+        self.panel_weight = cpu_kernels.pack_f32_panels(weight.contiguous())
+        self.panel_isa, self.panel_out = isa, weight.shape[0]
+        self.register_parameter("weight", None)
+
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.quant_weight is not None:
             return quantized.linear(x, self.quant_weight, bias)
+        if self.panel_weight is not None:
+            return cpu_kernels.f32_gemm(x, self.panel_weight, self.panel_out, self.panel_isa, bias)
         if self.packed_weight is not None:
             if self.small_batch_kernel and x.dim() == 2 and x.shape[0] <= cpu_kernels.SMALL_LINEAR_MAX_ROWS \
                     and x.stride(-1) == 1:

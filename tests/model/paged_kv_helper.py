@@ -11,6 +11,7 @@ from kvserve.kv_cache.interface import (CircularBufferSpec, FullAttentionSpec, K
                                         KVCacheTensor, SlidingWindowSpec)
 from kvserve.kv_cache.utils import KVCacheBlockCopy
 from kvserve.model.attention import AttentionMetadata
+from kvserve.model.config import ModelConfig
 from kvserve.worker.kv_tensors import allocate_kv_caches, copy_kv_blocks
 
 VOCAB = 256
@@ -56,6 +57,35 @@ def save_tiny_model(family: str, path) -> str:
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     model.save_pretrained(str(path))
     return str(path)
+
+
+def assert_same_greedy(ours, ref, max_diff: float) -> None:
+    """Two `run_greedy` results: the same tokens, and logits within `max_diff` of the
+    reference's scale (at least 1)."""
+    (tokens, logits), (ref_tokens, ref_logits) = ours, ref
+    assert tokens == ref_tokens
+    for req_id in ref_logits:
+        for a, b in zip(logits[req_id], ref_logits[req_id]):
+            assert (a - b).abs().max().item() <= max_diff * max(1.0, b.abs().max().item())
+
+
+def random_prompts(count: int, seed: int) -> dict[str, list[int]]:
+    """`count` prompts "r0".. of 3 to 29 random tokens (a batch of mixed lengths)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 30, (count,), generator=generator).tolist()
+    return {f"r{i}": torch.randint(3, VOCAB, (n,), generator=generator).tolist() for i, n in enumerate(lengths)}
+
+
+def tiny_configs(tmp_path_factory):
+    """A getter family -> `ModelConfig` of its tiny model, each saved once under
+    `tmp_path_factory` (for a module-scoped fixture)."""
+    cache = {}
+
+    def get(family: str) -> ModelConfig:
+        if family not in cache:
+            cache[family] = ModelConfig.from_path(save_tiny_model(family, tmp_path_factory.mktemp(family)))
+        return cache[family]
+    return get
 
 
 def load_hf(path: str):
@@ -112,6 +142,8 @@ class PagedRunner:
 
     def new_block(self) -> int:
         block = self.next_free_block
+        if block >= self.kv_cache_config.num_blocks:  # a bigger pool, not a write past the KV tensors
+            raise RuntimeError(f"PagedRunner: all {self.kv_cache_config.num_blocks} blocks are used")
         self.next_free_block += 1
         return block
 

@@ -133,24 +133,29 @@ def test_bfloat16_model_tracks_float32(models):
         assert (logits16[req_id][0] - ref).abs().max() < 0.05 * ref.abs().max()
 
 
-@pytest.mark.parametrize("keep_plain", [False, True], ids=["packed-only", "small-batch-kernel"])
+@pytest.mark.parametrize("layout", ["onednn", "onednn-keep-plain", "panels"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
-def test_packed_cpu_weights_match_transformers(models, family, keep_plain):
-    """oneDNN-packed linear weights (the runner's CPU default): same outputs. Without
-    keep_plain the plain weights are dropped (the embedding, tied or not, stays); with
-    it the decode steps (3 rows) run through the small-batch kernel on them."""
-    if not torch.backends.mkldnn.is_available():
+def test_packed_cpu_weights_match_transformers(models, family, layout):
+    """Packed linear weights: same outputs. "panels" (the runner's CPU default for float32
+    where the native kernels build): held only in the float32 panel matmul's layout, every
+    step through it. oneDNN: without keep_plain the plain weights are dropped (the
+    embedding, tied or not, stays); with it the decode steps (3 rows) run through the
+    small-batch kernel on them."""
+    panels, keep_plain = layout == "panels", layout == "onednn-keep-plain"
+    if not panels and not torch.backends.mkldnn.is_available():
         pytest.skip("oneDNN not available")
-    if keep_plain and not cpu_kernels.small_linear_supported(torch.float32):
-        pytest.skip("the small-batch matmul kernel is not built on this CPU")
+    if (keep_plain and not cpu_kernels.small_linear_supported(torch.float32)) or (
+            panels and cpu_kernels.load_library() is None):
+        pytest.skip("the native matmul kernel is not built on this CPU")
     hf, config = models(family)
     model = load_model(config)
-    assert model.pack_linear_weights(keep_plain=keep_plain)
+    assert model.pack_linear_weights(keep_plain=keep_plain, panels=panels)
     qkv = model.layers[0].self_attn.qkv_proj
     if keep_plain:
         assert qkv.small_batch_kernel and qkv.weight is not None and model.lm_head.weight is not None
     else:
         assert qkv.weight is None and model.lm_head.weight is None
+        assert (qkv.panel_weight is not None) == panels
     assert model.embed_tokens.weight is not None
     prompts = _prompts([3, 29, 17], seed=5)
     tokens, logits = run_greedy(PagedRunner(model, block_size=4), prompts, NUM_NEW, chunk=11)

@@ -5,13 +5,13 @@ rows and the attention shared out over threads; and the step sizes it must decli
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvserve.config import KernelConfig
 from kvserve.model import cpu_kernels, native_decoder, quantized
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
-from paged_kv_helper import VOCAB, PagedRunner, load_hf, run_greedy, save_tiny_model
+from helpers.native_steps import record_step_sizes
+from paged_kv_helper import PagedRunner, assert_same_greedy, load_hf, random_prompts, run_greedy, save_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None or quantized.kernel_isa() is None,
                                 reason="no native kernels")
@@ -43,22 +43,7 @@ def gguf_path(tmp_path_factory):
 @pytest.fixture
 def step_sizes(monkeypatch):
     """The token count of every step the native decoder ran (did not decline)."""
-    sizes: list[int] = []
-    forward = native_decoder.NativeDecoder.forward
-
-    def recording(self, hidden, *args, **kwargs):
-        out = forward(self, hidden, *args, **kwargs)
-        if out is not None:
-            sizes.append(hidden.shape[0])
-        return out
-    monkeypatch.setattr(native_decoder.NativeDecoder, "forward", recording)
-    return sizes
-
-
-def _prompts(count: int, seed: int) -> dict[str, list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(3, 30, (count,), generator=generator).tolist()
-    return {f"r{i}": torch.randint(3, VOCAB, (n,), generator=generator).tolist() for i, n in enumerate(lengths)}
+    return record_step_sizes(monkeypatch)
 
 
 def _run(path: str, prompts, new_tokens: int, chunk: int, native: bool, isa: str | None = None,
@@ -73,11 +58,7 @@ def _run(path: str, prompts, new_tokens: int, chunk: int, native: bool, isa: str
 
 
 def _assert_same(ours, ref) -> None:
-    (tokens, logits), (ref_tokens, ref_logits) = ours, ref
-    assert tokens == ref_tokens
-    for req_id in ref_logits:
-        for a, b in zip(logits[req_id], ref_logits[req_id]):
-            assert (a - b).abs().max().item() <= MAX_LOGIT_DIFF * max(1.0, b.abs().max().item())
+    assert_same_greedy(ours, ref, MAX_LOGIT_DIFF)
 
 
 @pytest.mark.parametrize("isa", PANEL_PATHS)
@@ -86,7 +67,7 @@ def test_batched_and_mixed_steps_match_the_torch_path(gguf_path, step_sizes, isa
     requests (up to 48 tokens), later ones mix the last chunks with decodes, then 12-token
     decode steps over cached context; threads 2 share out panels and attention tokens."""
     path = gguf_path("llama", QType.Q4_1)
-    prompts = _prompts(12, seed=1)
+    prompts = random_prompts(12, seed=1)
     ours = _run(path, prompts, 24, chunk=4, native=True, isa=isa, threads=2)
     assert max(step_sizes) > 16 and sum(size > 8 for size in step_sizes) >= 20
     _assert_same(ours, _run(path, prompts, 24, chunk=4, native=False, isa=isa))
@@ -95,7 +76,7 @@ def test_batched_and_mixed_steps_match_the_torch_path(gguf_path, step_sizes, isa
 @pytest.mark.parametrize("family,qtype", [("llama", QType.Q8_0), ("qwen2", QType.Q4_0)])
 def test_forty_sequences_decoding_together(gguf_path, step_sizes, family, qtype):
     path = gguf_path(family, qtype)
-    prompts = _prompts(40, seed=2)
+    prompts = random_prompts(40, seed=2)
     ours = _run(path, prompts, 12, chunk=1, native=True)  # chunk 1: one token per request and step
     assert step_sizes.count(40) >= 14 and max(step_sizes) == 40  # until the shortest request ends
     _assert_same(ours, _run(path, prompts, 12, chunk=1, native=False))
@@ -105,7 +86,7 @@ def test_steps_past_the_limit_and_plain_weights_are_declined(gguf_path, step_siz
     path = gguf_path("llama", QType.Q4_1)
     decoder = native_decoder.NativeDecoder.for_model(load_model(ModelConfig.from_path(path)))
     assert decoder.max_tokens == native_decoder.MAX_TOKENS
-    prompts = {"long": _prompts(1, seed=3)["r0"] * 10}  # > 128 tokens in one chunk: the torch path
+    prompts = {"long": random_prompts(1, seed=3)["r0"] * 10}  # > 128 tokens in one chunk: the torch path
     ours = _run(path, prompts, 2, chunk=1000, native=True)
     assert step_sizes == [1]  # only the decode step after the prompt
     _assert_same(ours, _run(path, prompts, 2, chunk=1000, native=False))

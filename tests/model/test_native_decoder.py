@@ -15,7 +15,7 @@ from kvserve.kv_cache.utils import KVCacheBlockCopy
 from kvserve.model import cpu_kernels, native_decoder, quantized
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
-from paged_kv_helper import VOCAB, PagedRunner, run_greedy, save_tiny_model
+from paged_kv_helper import VOCAB, PagedRunner, run_greedy, save_tiny_model, tiny_configs
 
 from helpers.native_steps import count_native_steps
 
@@ -30,13 +30,7 @@ MAX_LOGIT_DIFF = 1e-4
 
 @pytest.fixture(scope="module")
 def configs(tmp_path_factory):
-    cache = {}
-
-    def get(family: str) -> ModelConfig:
-        if family not in cache:
-            cache[family] = ModelConfig.from_path(save_tiny_model(family, tmp_path_factory.mktemp(family)))
-        return cache[family]
-    return get
+    return tiny_configs(tmp_path_factory)
 
 
 @pytest.fixture
@@ -142,7 +136,7 @@ def test_switch_and_packed_weights_are_declined(configs, native_steps):
     assert not bf16.kernels.native_decoder and native_decoder.NativeDecoder.for_model(bf16) is None
     if torch.backends.mkldnn.is_available():
         packed = load_model(config)
-        packed.pack_linear_weights(keep_plain=False)
+        packed.pack_linear_weights(keep_plain=False, panels=False)
         assert native_decoder.NativeDecoder.for_model(packed) is None
 
 

@@ -35,6 +35,7 @@
 
 #define MAX_GROUPS 8
 #define TOKEN_SPLIT_MIN 8 /* steps of this many tokens split attention by tokens, not KV heads */
+#define F32_PANELS 2      /* NativeLinear.w_dtype: float32 packed in f32_gemm.c's panels of 16 rows */
 
 /* The other kernels of this library. */
 void kvserve_quant_row_values(const uint8_t *qs, const float *d, const float *m, int bits, int64_t in, int64_t r,
@@ -51,6 +52,8 @@ void kvserve_quant_rows(const void *qx, const float *scales, int64_t batch, cons
                         const float *m, int bits, int64_t in, const float *bias, float *y, int64_t y_stride,
                         int act_bits, int isa, int64_t row_begin, int64_t row_end);
 int kvserve_quant_single_row_kernel(int act_bits, int isa);
+void kvserve_f32_gemm_rows(const float *x, int64_t x_stride, int64_t batch, const float *packed, const float *bias,
+                           int64_t in, float *y, int64_t y_stride, int isa, int64_t row_begin, int64_t row_end);
 void kvserve_bf16_round_rows(const float *x, int64_t x_stride, int64_t batch, int64_t in, uint16_t *xb);
 void kvserve_bf16_linear_rows(const uint16_t *xb, int64_t batch, const uint16_t *w, const float *bias, int64_t in,
                               float *y, int64_t y_stride, int isa, int64_t row_begin, int64_t row_end);
@@ -76,15 +79,16 @@ int kvserve_paged_attention(const void *q, int64_t q_token_stride, int64_t q_hea
                             int64_t block_size, int64_t window, float scale, float softcap, int q_dtype, int kv_dtype,
                             int num_threads);
 
-/* One weight matrix [out, in]: block-quantized (qs != NULL, layout of quant_linear.c)
- * or plain (w) float32 or bfloat16 (w_dtype). bias is float32 or NULL. */
+/* One weight matrix [out, in]: block-quantized (qs != NULL, layout of quant_linear.c),
+ * plain (w) float32 or bfloat16 (w_dtype), or float32 in f32_gemm.c's panels (w_dtype
+ * F32_PANELS). bias is float32 or NULL. */
 typedef struct {
     const uint8_t *qs;
     const float *d, *m;
     const void *w;
     const float *bias;
     int64_t out, in;
-    int32_t bits, act_bits, isa, w_dtype; /* isa: the quantized or bf16_rows.c kernel's path */
+    int32_t bits, act_bits, isa, w_dtype; /* isa: the quantized, bf16_rows.c or f32_gemm.c path */
     int32_t panel_isa;                    /* the panel GEMM's path (quant_gemm.c), -1: none */
     int32_t zero_min;                     /* every m is 0 (Q8_0): the row kernels skip reading m */
 } NativeLinear;
@@ -183,7 +187,7 @@ static void split_rows(int64_t out, int64_t unit, int tid, int nthreads, int64_t
 /* How a linear multiplies a step's rows; the paths differ in what they prepare from x
  * and in the unit of rows they share out. PATH_SINGLE_ROWS: a verify step whose only plain
  * token is the first, each row multiplied as a step of one token (the single-row kernel's sums). */
-enum { PATH_PANEL, PATH_SINGLE_ROWS, PATH_QUANT, PATH_BF16, PATH_F32 };
+enum { PATH_PANEL, PATH_SINGLE_ROWS, PATH_QUANT, PATH_BF16, PATH_F32, PATH_F32_PANELS };
 
 /* The path of a step of T rows whose kernel is that of a step of `plain_rows` tokens (T less its drafts). */
 static int linear_path(const NativeModel *m, const NativeLinear *l, int64_t T, int64_t plain_rows) {
@@ -191,12 +195,13 @@ static int linear_path(const NativeModel *m, const NativeLinear *l, int64_t T, i
     if (l->qs && plain_rows == 1 && T > 1 && kvserve_quant_single_row_kernel(l->act_bits, l->isa))
         return PATH_SINGLE_ROWS;
     if (l->qs) return PATH_QUANT;
+    if (l->w_dtype == F32_PANELS) return PATH_F32_PANELS;
     return l->w_dtype == BF16 ? PATH_BF16 : PATH_F32;
 }
 
 /* Whole tiles of this many rows, so each row's sum is the per-op path's
- * (PANEL_ROWS of quant_gemm.c for the panel GEMM). */
-static int64_t path_unit(int path) { return path == PATH_PANEL ? 16 : 4; }
+ * (PANEL_ROWS of quant_gemm.c for the panel GEMM, PANEL of f32_gemm.c for its panels). */
+static int64_t path_unit(int path) { return path == PATH_PANEL || path == PATH_F32_PANELS ? 16 : 4; }
 
 /* PATH_SINGLE_ROWS: row t's quantized activations and scales, each row at its own offset. */
 static void *single_row_qx(const NativeLinear *l, const Private *p, int64_t t) {
@@ -209,7 +214,7 @@ static float *single_row_scales(const NativeLinear *l, const Private *p, int64_t
 /* This thread's copy of x prepared for the path's kernel in p->qx (and p->scales):
  * quantized, laid out for the panel GEMM, or rounded to bfloat16. */
 static void linear_prepare(const NativeLinear *l, int path, const float *x, int64_t T, Private *p) {
-    if (path == PATH_F32) return;
+    if (path == PATH_F32 || path == PATH_F32_PANELS) return;
     if (path == PATH_PANEL)
         kvserve_quant_gemm_prepare(x, l->in, T, l->in, F32, l->panel_isa, p->qx);
     else if (path == PATH_SINGLE_ROWS)
@@ -237,6 +242,8 @@ static void linear_range(const NativeLinear *l, int path, const float *x, int64_
     } else if (path == PATH_QUANT) {
         kvserve_quant_rows(p->qx, p->scales, T, l->qs, l->d, l->zero_min ? NULL : l->m, l->bits, l->in, l->bias, y,
                            l->out, l->act_bits, l->isa, begin, end);
+    } else if (path == PATH_F32_PANELS) {
+        kvserve_f32_gemm_rows(x, l->in, T, (const float *)l->w, l->bias, l->in, y, l->out, l->isa, begin, end);
     } else if (path == PATH_BF16) {
         kvserve_bf16_linear_rows((const uint16_t *)p->qx, T, (const uint16_t *)l->w, l->bias, l->in, y, l->out,
                                  l->isa, begin, end);
