@@ -262,17 +262,15 @@ class DecoderModel(nn.Module):
                  head_mask: HeadMask | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden states after the final norm, the LM head's raw logits of `logits_rows` where
         the native call computed them, else None)."""
-        hidden = self.embed_tokens(input_ids).to(self.norm.weight.dtype)
-        if self.config.scales_embeddings:
-            hidden = hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype)
         group_ids = self._group_ids(attn_metadata_by_group)
         if self._native is False:
             self._native = NativeDecoder.for_model(self)
         if self._native is not None:
-            out = self._native.forward(hidden, positions, attn_metadata_by_group, kv_caches, group_ids, logits_rows,
-                                       num_draft_tokens, head_mask)
+            out = self._native.forward(input_ids, positions, attn_metadata_by_group, kv_caches, group_ids,
+                                       logits_rows, num_draft_tokens, head_mask)
             if out is not None:
                 return out
+        hidden = self.embed(input_ids)
         num_positions = max(md.max_seq_len for md in attn_metadata_by_group)
         global_cos_sin = self.rotary_global.cos_sin(positions, hidden.dtype, num_positions)
         local_cos_sin = (self.rotary_local.cos_sin(positions, hidden.dtype, num_positions)
@@ -282,6 +280,14 @@ class DecoderModel(nn.Module):
             cos_sin = local_cos_sin if layer.self_attn.sliding_window is not None else global_cos_sin
             hidden, residual = layer(hidden, residual, cos_sin, attn_metadata_by_group[group_id], kv_caches[name])
         return self.norm.add_and_norm(hidden, residual)[0], None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings [T, hidden] in the model's dtype, scaled where the family
+        scales them (Gemma)."""
+        hidden = self.embed_tokens(input_ids).to(self.norm.weight.dtype)
+        if self.config.scales_embeddings:
+            hidden = hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] (final soft-capping applied)."""

@@ -146,14 +146,20 @@ class RotaryEmbedding(nn.Module):
         """llama.cpp's per-frequency divisors (GGUF `rope_freqs`), e.g. Llama-3 scaling."""
         self.inv_freq = self.inv_freq / factors.to(self.inv_freq)
 
+    def table(self, num_positions: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """float32 [2, N, head_dim], contiguous: cos (0) and sin (1) of positions 0..N-1,
+        N >= `num_positions`."""
+        table, inv_freq = self._table, self.inv_freq
+        if (table is None or self._table_freq is not inv_freq or table.shape[1] < num_positions
+                or table.device != torch.device(device)):
+            table = self._table = self._build_table(inv_freq, max(num_positions, 256), device)
+            self._table_freq = inv_freq
+        return table
+
     def cos_sin_rows(self, positions: torch.Tensor, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 cos and sin [T, head_dim] (contiguous) of `positions` [T] int64, all below
         `num_positions`."""
-        table, inv_freq = self._table, self.inv_freq
-        if (table is None or self._table_freq is not inv_freq or table.shape[1] < num_positions
-                or table.device != positions.device):
-            table = self._table = self._build_table(inv_freq, max(num_positions, 256), positions.device)
-            self._table_freq = inv_freq
+        table = self.table(num_positions, positions.device)
         return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
     def _build_table(self, inv_freq: torch.Tensor, num_positions: int, device: torch.device) -> torch.Tensor:

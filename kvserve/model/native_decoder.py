@@ -70,14 +70,15 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
                 ("head_dim", _i64), ("intermediate", _i64), ("final_norm", _ptr), ("eps", _f32), ("scale", _f32),
-                ("softcap", _f32), ("adds_one", _i32), ("sandwich", _i32), ("gelu", _i32), ("panel_rows", _i32)]
+                ("softcap", _f32), ("adds_one", _i32), ("sandwich", _i32), ("gelu", _i32), ("panel_rows", _i32),
+                ("embed", _Linear), ("embed_scale", _f32), ("unused_embed", _i32)]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [("num_tokens", _i64), ("num_draft_tokens", _i64), ("positions", _ptr), ("table_row", _ptr),
                 ("token_index", _ptr), ("block_table", _ptr * _MAX_GROUPS), ("block_table_stride", _i64 * _MAX_GROUPS),
                 ("slots", _ptr * _MAX_GROUPS), ("cos", _ptr), ("sin", _ptr), ("cos_local", _ptr),
-                ("sin_local", _ptr)]
+                ("sin_local", _ptr), ("token_ids", _ptr), ("rope_by_position", _i64)]
 
 
 class _TokenMask(ctypes.Structure):
@@ -161,11 +162,15 @@ class NativeDecoder:
         for i, layer in enumerate(model.layers):
             self._describe_layer(self._layers[i], layer)
         self._desc = self._describe_model(model)
+        self._describe_embedding(self._desc.embed)
         self._head = self._describe_head(model.lm_head)
         # Layers this small are not worth a second thread: the barriers between the
         # matmuls would cost more than the rows they share out.
         self.num_threads = torch.get_num_threads() if self._layer_bytes >= _PARALLEL_MIN_LAYER_BYTES else 1
-        self._cache_ptrs: tuple | None = None
+        self._bound_caches: dict | None = None
+        self._bound_tensors: list[torch.Tensor] = []
+        self._step = _Step(rope_by_position=1)  # refilled by every step (the call is synchronous)
+        self._rope_tables: list = []
         # many-token steps only where the panel GEMM covers every projection, and short of
         # the steps the per-op path gives its dense GEMM
         self.max_tokens = max(min(MAX_TOKENS, self._gemm_rows - 1), SMALL_STEP_TOKENS) if self._all_panel \
@@ -226,6 +231,27 @@ class NativeDecoder:
         desc.window = attn.sliding_window or 0
         desc.local_rope = int(attn.sliding_window is not None and self.model.rotary_local is not None)
 
+    def _describe_embedding(self, desc: _Linear) -> None:
+        """The embedding table for the call where it gives the rows exactly as
+        `DecoderModel.embed` does (quantized or float32 tables of a float32 model, bfloat16
+        ones unscaled); else `desc.out` stays 0 and the caller embeds the tokens."""
+        model = self.model
+        dtype, qw, weight = model.norm.weight.dtype, model.embed_tokens.quant_weight, model.embed_tokens.weight
+        if qw is not None:
+            if dtype != torch.float32 or qw.bits not in (4, 8, 16) or qw.in_features % quantized.BLOCK:
+                return
+            desc.qs, desc.d, desc.m = (self._hold(t).data_ptr() for t in (qw.qs, qw.d, qw.m))
+            desc.bits, desc.out = qw.bits, qw.out_features
+        else:
+            if (weight is None or weight.device.type != "cpu" or not weight.is_contiguous() or weight.dtype != dtype
+                    or (dtype == torch.bfloat16 and model.config.scales_embeddings)):
+                return
+            desc.w, desc.w_dtype, desc.out = self._hold(weight).data_ptr(), cpu_kernels._DTYPE_CODES[dtype], \
+                weight.shape[0]
+        desc.in_ = model.config.hidden_size
+        if model.config.scales_embeddings:  # the factor `DecoderModel.embed` multiplies by, in float32
+            self._desc.embed_scale = float(torch.tensor(model.config.hidden_size ** 0.5, dtype=torch.float32))
+
     def _describe_head(self, lm_head) -> _Linear | None:
         """The LM head for the call, or None (it then runs after it, in torch): float32 models
         only, whose torch LM head gives float32 logits too."""
@@ -285,12 +311,13 @@ class NativeDecoder:
         return tensor
 
     def _bind_caches(self, kv_caches: dict[str, torch.Tensor], group_ids: list[int]) -> bool:
-        """Point each layer at its KV cache (again only when the caches moved); False when a
+        """Point each layer at its KV cache (again only for another cache dict: a runner
+        allocates its caches once and never swaps a tensor inside the dict); False when a
         cache is not one the kernel reads."""
-        caches = [kv_caches[name] for name in self.model.layer_names]
-        ptrs = tuple(c.data_ptr() for c in caches)
-        if ptrs == self._cache_ptrs:
+        if kv_caches is self._bound_caches:
             return True
+        self._bound_caches = None
+        caches = [kv_caches[name] for name in self.model.layer_names]
         for desc, cache, group in zip(self._layers, caches, group_ids):
             if cache.device.type != "cpu" or not cache.is_contiguous() or not cpu_kernels.supports_dtype(cache.dtype):
                 return False
@@ -300,24 +327,24 @@ class NativeDecoder:
             desc.block_size = block_size
             desc.kv_dtype = cpu_kernels._DTYPE_CODES[cache.dtype]
             desc.group = group
-        self._cache_ptrs = ptrs
+        self._bound_caches, self._bound_tensors = kv_caches, caches  # held: never freed under the call
         return True
 
     # -- a step -----------------------------------------------------------------------------
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, metadata_by_group: list[AttentionMetadata],
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata_by_group: list[AttentionMetadata],
                 kv_caches: dict[str, torch.Tensor], group_ids: list[int],
                 logits_rows: torch.Tensor | None = None,
                 num_draft_tokens: int = 0,
                 head_mask: HeadMask | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(The final norm's output [T, hidden], the LM head's logits [len(logits_rows), vocab]
-        of the tokens `logits_rows` or None) for the embeddings `hidden` [T, hidden] (already
-        scaled); None when this step is not one the native call takes. The logits are None
+        of the tokens `logits_rows` or None) for the tokens `input_ids` [T] (embedded inside the
+        call where it holds the table); None when this step is not one the native call takes. The logits are None
         too when none are asked for or the LM head is not one the call runs.
         `num_draft_tokens` of the tokens (each with a logits row) are speculative drafts: the
         matmul kernels are those of the step without them (see `quantized.excluding_draft_rows`).
         With `head_mask` the head applies that grammar mask once it is filled (see `HeadMask`;
         it sets `head_mask.applied` when it did)."""
-        num_tokens = hidden.shape[0]
+        num_tokens = input_ids.shape[0]
         if not 0 < num_tokens <= self.max_tokens or len(metadata_by_group) > _MAX_GROUPS:
             return None
         if any(isinstance(md.spec, CircularBufferSpec) or md.slot_mapping is None for md in metadata_by_group):
@@ -327,32 +354,52 @@ class NativeDecoder:
         md0 = metadata_by_group[0]
         table_row = md0.token_request_index().long().contiguous()
         positions = positions.long().contiguous()
-        step = _Step(num_tokens=num_tokens, num_draft_tokens=num_draft_tokens, positions=positions.data_ptr(),
-                     table_row=table_row.data_ptr(), token_index=self._token_index.data_ptr())
+        step = self._step
+        step.num_tokens, step.num_draft_tokens, step.positions, step.table_row, step.token_index = (
+            num_tokens, num_draft_tokens, positions.data_ptr(), table_row.data_ptr(), self._token_index.data_ptr())
         keep = [positions, table_row]
         for g, md in enumerate(metadata_by_group):
             table, slots = md.block_table.long().contiguous(), md.slot_mapping.long().contiguous()
             keep += [table, slots]
             step.block_table[g], step.block_table_stride[g], step.slots[g] = (table.data_ptr(), table.stride(0),
                                                                               slots.data_ptr())
-        cos, sin = self.model.rotary_global.cos_sin_rows(positions, md0.max_seq_len)
-        local = self.model.rotary_local
-        cos_local, sin_local = local.cos_sin_rows(positions, md0.max_seq_len) if local is not None else (cos, sin)
-        keep += [cos, sin, cos_local, sin_local]
-        step.cos, step.sin, step.cos_local, step.sin_local = (t.data_ptr() for t in (cos, sin, cos_local, sin_local))
-        out = hidden.float().contiguous().clone() if hidden.dtype != torch.float32 else hidden.contiguous()
+        self._point_at_rope_tables(step, md0.max_seq_len)
+        step.token_ids = None
+        if self._desc.embed.out:
+            input_ids = input_ids.long().contiguous()
+            keep.append(input_ids)
+            step.token_ids = input_ids.data_ptr()
+            out = torch.empty(num_tokens, self._desc.hidden, dtype=torch.float32)
+        else:
+            hidden = self.model.embed(input_ids)
+            out = hidden.float().contiguous().clone() if hidden.dtype != torch.float32 else hidden.contiguous()
         head, logits = self._logits_request(logits_rows, keep)
         mask = None if head is None else self._mask_request(head, head_mask, keep)
         failed = cpu_kernels.load_library().kvserve_decoder_forward_logits(
             ctypes.byref(self._desc), self._layers, ctypes.byref(step), out.data_ptr(),
             None if head is None else ctypes.byref(head), self.num_threads)
+        if failed == 2:
+            raise IndexError(f"a token id of {input_ids.tolist()} is outside the embedding table")
         if failed:
             raise MemoryError("the native decoder could not allocate its buffers")
         if mask is not None:
             head_mask.applied = bool(mask.applied)
             head_mask.wait_s, head_mask.mask_s = mask.wait_ns * 1e-9, mask.mask_ns * 1e-9
         del keep
-        return out.to(hidden.dtype), None if logits is None else logits[:, :self.model.lm_head.vocab_size]
+        return out.to(self.model.norm.weight.dtype), None if logits is None else logits[:, :self.model.lm_head.vocab_size]
+
+    def _point_at_rope_tables(self, step: _Step, num_positions: int) -> None:
+        """Give the call the RoPE cos/sin tables (`RotaryEmbedding.table`, held here while
+        pointed at): it reads each token's row by its position."""
+        model = self.model
+        tables = [model.rotary_global.table(num_positions)]
+        if model.rotary_local is not None:
+            tables.append(model.rotary_local.table(num_positions))
+        if len(tables) == len(self._rope_tables) and all(a is b for a, b in zip(tables, self._rope_tables)):
+            return
+        pointers = [(t.data_ptr(), t.data_ptr() + t[0].numel() * t.element_size()) for t in tables]
+        (step.cos, step.sin), (step.cos_local, step.sin_local) = pointers[0], pointers[-1]
+        self._rope_tables = tables
 
     def _logits_request(self, rows: torch.Tensor | None, keep: list) -> tuple[_Logits | None, torch.Tensor | None]:
         """The LM-head part of the call for the tokens `rows` and the tensor it fills, or

@@ -103,6 +103,20 @@ def test_prefix_hit_with_copy_on_write_block(configs, native_steps, family):
     _assert_same(ours, run(_torch_path(load_model(config))))
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_the_call_embeds_the_tokens_itself(configs, native_steps, family):
+    """Float32 tables (Gemma's scaled ones too) are read inside the call, RoPE rows too (the
+    64-step test above checks the result); an id outside the table is an IndexError, as
+    on the per-op path, and nothing runs."""
+    model = load_model(configs(family))
+    decoder = native_decoder.NativeDecoder.for_model(model)
+    assert decoder._desc.embed.out == model.embed_tokens.weight.shape[0]
+    assert (decoder._desc.embed_scale != 0.0) == model.config.scales_embeddings
+    with pytest.raises(IndexError):
+        run_greedy(PagedRunner(model), {"r": [5, 6, model.embed_tokens.weight.shape[0] + 3]}, 1, chunk=8)
+    assert native_steps[0] == 0
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])
 def test_circular_buffer_steps_are_declined_and_still_match(configs, native_steps, family):
     config = configs(family)

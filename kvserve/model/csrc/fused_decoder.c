@@ -37,6 +37,8 @@
 #define TOKEN_SPLIT_MIN 8 /* steps of this many tokens split attention by tokens, not KV heads */
 
 /* The other kernels of this library. */
+void kvserve_quant_row_values(const uint8_t *qs, const float *d, const float *m, int bits, int64_t in, int64_t r,
+                              float *v);
 void kvserve_quant_activations(const float *x, int64_t x_stride, int64_t batch, int64_t in, int act_bits, void *qx,
                                float *scales);
 int64_t kvserve_quant_gemm_panel_bytes(int64_t in);
@@ -102,6 +104,11 @@ typedef struct {
     float eps, scale, softcap;
     int32_t adds_one, sandwich, gelu;
     int32_t panel_rows; /* steps of at least this many tokens use the panel GEMM (0: never) */
+    /* The embedding table [embed.out, hidden], quantized, float32 or bfloat16, its rows times
+     * embed_scale (0: none); embed.out 0: no table here, the caller embeds the tokens. */
+    NativeLinear embed;
+    float embed_scale;
+    int32_t unused_embed;
 } NativeModel;
 
 /* One step: T tokens; token t sits at positions[t] of the request whose blocks are
@@ -116,7 +123,9 @@ typedef struct {
     const int64_t *block_table[MAX_GROUPS];
     int64_t block_table_stride[MAX_GROUPS];
     const int64_t *slots[MAX_GROUPS];
-    const float *cos, *sin, *cos_local, *sin_local; /* [T, head_dim] */
+    const float *cos, *sin, *cos_local, *sin_local; /* [T, head_dim]; rope_by_position: [positions, head_dim] */
+    const int64_t *token_ids; /* non-NULL: the step's tokens, embedded here from NativeModel.embed */
+    int64_t rope_by_position; /* cos/sin are tables: token t takes their row positions[t] */
 } NativeStep;
 
 /* A grammar's allowed-token bitmask for some logits rows (grammar_mask.c's layout: bit
@@ -266,6 +275,18 @@ static void gelu_tanh_mul(const float *gate_up, float *act, int64_t T, int64_t w
         }
 }
 
+/* RoPE of the step's heads x [T, heads, D] (token stride `stride`) with the step's cos/sin rows. */
+static void rope(const NativeStep *st, float *x, int64_t stride, int64_t heads, int64_t D, const float *cos,
+                 const float *sin) {
+    if (!st->rope_by_position) {
+        kvserve_rotary(x, stride, D, cos, sin, st->num_tokens, heads, D, F32, 1);
+        return;
+    }
+    for (int64_t t = 0; t < st->num_tokens; t++)
+        kvserve_rotary(x + t * stride, stride, D, cos + st->positions[t] * D, sin + st->positions[t] * D, 1, heads, D,
+                       F32, 1);
+}
+
 /* Q/K norms, RoPE and K/V write of the KV heads this thread owns; with `attend`, also
  * their attention (writing those heads' query rows of s->attn). */
 static void attention_heads(const NativeModel *m, const NativeLayer *l, const NativeStep *st, const Shared *s,
@@ -282,8 +303,8 @@ static void attention_heads(const NativeModel *m, const NativeLayer *l, const Na
             if (l->k_norm) kvserve_rms_norm(k + t * width, NULL, l->k_norm, k + t * width, 1, D, D, m->eps,
                                             m->adds_one, F32, 1);
         }
-        kvserve_rotary(q, width, D, cos, sin, T, group, D, F32, 1);
-        kvserve_rotary(k, width, D, cos, sin, T, 1, D, F32, 1);
+        rope(st, q, width, group, D, cos, sin);
+        rope(st, k, width, 1, D, cos, sin);
         char *k_cache = (char *)l->k_cache + h * l->cache_head_stride * elem;
         char *v_cache = (char *)l->v_cache + h * l->cache_head_stride * elem;
         kvserve_store_kv(k, v, width, D, k_cache, v_cache, l->cache_head_stride, st->slots[l->group], NULL, T, 1, D,
@@ -451,13 +472,35 @@ static void head_rows(const NativeModel *m, const NativeLogits *lg, const Native
     phase_mark(&p->timer, PHASE_HEAD);
 }
 
-/* hidden [T, hidden]: the scaled embeddings in, the final norm's output out; with `lg`
- * also the LM head's logits of some of the tokens. Returns 0, or 1 when out of memory
- * (hidden unchanged then). */
+/* The step's embeddings into out [T, hidden] (as the per-op path's lookup computes them). */
+static void embed_tokens(const NativeModel *m, const NativeStep *st, float *out) {
+    const NativeLinear *e = &m->embed;
+    const int64_t H = m->hidden;
+    for (int64_t t = 0; t < st->num_tokens; t++) {
+        float *row = out + t * H;
+        const int64_t id = st->token_ids[t];
+        if (e->qs)
+            kvserve_quant_row_values(e->qs, e->d, e->m, e->bits, H, id, row);
+        else if (e->w_dtype == BF16)
+            for (int64_t i = 0; i < H; i++) row[i] = bf16_value(((const uint16_t *)e->w)[id * H + i]);
+        else
+            memcpy(row, (const float *)e->w + id * H, sizeof(float) * (size_t)H);
+        if (m->embed_scale != 0.0f)
+            for (int64_t i = 0; i < H; i++) row[i] *= m->embed_scale;
+    }
+}
+
+/* hidden [T, hidden]: the scaled embeddings in (unless st->token_ids: then the call embeds
+ * the tokens itself), the final norm's output out; with `lg` also the LM head's logits of
+ * some of the tokens. Returns 0, 1 when out of memory (hidden unchanged then), or 2 for a
+ * token id outside the embedding table (nothing done). */
 int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *layers, const NativeStep *st,
                                    float *hidden, const NativeLogits *lg, int num_threads) {
     const int64_t T = st->num_tokens, H = m->hidden, I = m->intermediate, W = max_width(m);
     const int64_t qkv_width = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
+    if (st->token_ids)
+        for (int64_t t = 0; t < T; t++)
+            if (st->token_ids[t] < 0 || st->token_ids[t] >= m->embed.out) return 2;
     Shared s = {malloc(sizeof(float) * (size_t)(T * qkv_width)),
                 malloc(sizeof(float) * (size_t)(T * m->num_heads * m->head_dim)),
                 malloc(sizeof(float) * (size_t)(T * H)), malloc(sizeof(float) * (size_t)(T * 2 * I))};
@@ -477,7 +520,10 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
         }
 #pragma omp barrier
         if (!failed) {
-            memcpy(p.residual, hidden, sizeof(float) * (size_t)(T * H));
+            if (st->token_ids)
+                embed_tokens(m, st, p.residual);
+            else
+                memcpy(p.residual, hidden, sizeof(float) * (size_t)(T * H));
             for (int64_t i = 0; i < m->num_layers; i++) layer(m, &layers[i], st, &p, &s, i == 0, tid, nthreads);
             if (tid == 0) {
                 if (m->sandwich)
