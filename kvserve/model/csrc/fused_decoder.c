@@ -339,9 +339,6 @@ static void attention_tokens(const NativeModel *m, const NativeLayer *l, const N
                             m->num_kv_heads, D, l->block_size, l->window, m->scale, m->softcap, F32, l->kv_dtype, 1);
 }
 
-/* One decoder layer. The stream is p->residual (sandwich norms), or p->residual + s->out
- * (pre-norm: s->out holds the previous layer's MLP output, added in by the first norm;
- * the first layer's stream is p->residual alone). */
 /* A barrier, charged to PHASE_WAIT (the work before it to `phase`). */
 static void wait_all(Private *p, int phase) {
     phase_mark(&p->timer, phase);
@@ -349,6 +346,31 @@ static void wait_all(Private *p, int phase) {
     phase_mark(&p->timer, PHASE_WAIT);
 }
 
+/* Attention of this thread's share of the query heads, every token (all K/V rows written
+ * before): when the KV heads do not divide evenly among the threads (SmolLM2: 3 of them
+ * on 2 threads), splitting by query heads instead evens the work out for one extra
+ * barrier. Each query head's result is the per-KV-head split's exactly. */
+static void attention_query_heads(const NativeModel *m, const NativeLayer *l, const NativeStep *st, const Shared *s,
+                                  int tid, int nthreads) {
+    const int64_t T = st->num_tokens, D = m->head_dim, q_size = m->num_heads * D;
+    const int64_t kv_size = m->num_kv_heads * D, width = q_size + 2 * kv_size, group = m->num_heads / m->num_kv_heads;
+    const int64_t begin = m->num_heads * tid / nthreads, end = m->num_heads * (tid + 1) / nthreads;
+    const int64_t elem = l->kv_dtype == F32 ? 4 : 2;
+    for (int64_t first = begin; first < end;) {
+        const int64_t h = first / group, last = (h + 1) * group < end ? (h + 1) * group : end;
+        kvserve_paged_attention(s->qkv + first * D, width, D, (char *)l->k_cache + h * l->cache_head_stride * elem,
+                                (char *)l->v_cache + h * l->cache_head_stride * elem, l->cache_head_stride,
+                                s->attn + first * D, q_size, D, st->token_index, st->positions,
+                                st->block_table[l->group], st->block_table_stride[l->group], st->table_row, T,
+                                last - first, 1, D, l->block_size, l->window, m->scale, m->softcap, F32, l->kv_dtype,
+                                1);
+        first = last;
+    }
+}
+
+/* One decoder layer. The stream is p->residual (sandwich norms), or p->residual + s->out
+ * (pre-norm: s->out holds the previous layer's MLP output, added in by the first norm;
+ * the first layer's stream is p->residual alone). */
 static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *st, Private *p, const Shared *s,
                   int first, int tid, int nthreads) {
     const int64_t T = st->num_tokens, H = m->hidden, I = m->intermediate, plain = T - st->num_draft_tokens;
@@ -364,6 +386,10 @@ static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *
         attention_heads(m, l, st, s, 0, tid, nthreads);
         wait_all(p, PHASE_ATTENTION);
         attention_tokens(m, l, st, s, tid, nthreads);
+    } else if (nthreads > 1 && m->num_kv_heads % nthreads) {
+        attention_heads(m, l, st, s, 0, tid, nthreads);
+        wait_all(p, PHASE_ATTENTION);
+        attention_query_heads(m, l, st, s, tid, nthreads);
     } else {
         attention_heads(m, l, st, s, 1, tid, nthreads);
     }
