@@ -11,6 +11,10 @@
  * tens of microseconds on a virtual machine, more than a layer's work at batch
  * one. Inside it the threads split each matrix's output rows and the
  * attention's KV heads, and meet at a barrier after each (four per layer).
+ * The barrier is a spinning one of our own (spin_barrier below), not OpenMP's:
+ * libgomp spins only ~1000 times once its thread pools together hold more
+ * threads than there are CPUs (torch's pool and this call's each count), then
+ * sleeps on a futex, and waking a sleeping vCPU costs ~100 us per barrier.
  * The element-wise steps between them (norms, residual adds, the gate
  * activation, quantizing the activations) are cheap at these sizes, so every
  * thread computes them itself into its own buffers rather than wait for one.
@@ -26,6 +30,8 @@
 #define _POSIX_C_SOURCE 200809L /* clock_gettime under -std=c11 */
 #include <math.h>
 #include <omp.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -168,7 +174,34 @@ typedef struct {
     float *scales;
     void *panel; /* the panel GEMM's weight panel */
     PhaseTimer timer;
+    struct SpinBarrier *barrier;
 } Private;
+
+/* Threads of one call meet here: arrivals count up, the last one advances `generation`. */
+typedef struct SpinBarrier {
+    atomic_int arrived, generation;
+    int nthreads;
+} SpinBarrier;
+
+static void spin_barrier(SpinBarrier *b) {
+    if (b->nthreads <= 1) return;
+    const int generation = atomic_load_explicit(&b->generation, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == b->nthreads - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&b->generation, generation + 1, memory_order_release);
+        return;
+    }
+    /* Spin (~1 ms), then yield: with more threads than free cores the late thread needs the core. */
+    for (unsigned spins = 0; atomic_load_explicit(&b->generation, memory_order_acquire) == generation; spins++) {
+        if (spins < (1u << 15)) {
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+        } else {
+            sched_yield();
+        }
+    }
+}
 
 /* Buffers all threads write (disjoint parts) and then read. */
 typedef struct {
@@ -342,7 +375,7 @@ static void attention_tokens(const NativeModel *m, const NativeLayer *l, const N
 /* A barrier, charged to PHASE_WAIT (the work before it to `phase`). */
 static void wait_all(Private *p, int phase) {
     phase_mark(&p->timer, phase);
-#pragma omp barrier
+    spin_barrier(p->barrier);
     phase_mark(&p->timer, PHASE_WAIT);
 }
 
@@ -514,14 +547,17 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
                 malloc(sizeof(float) * (size_t)(T * m->num_heads * m->head_dim)),
                 malloc(sizeof(float) * (size_t)(T * H)), malloc(sizeof(float) * (size_t)(T * 2 * I))};
     int failed = !s.qkv || !s.attn || !s.out || !s.gate_up;
+    SpinBarrier barrier = {0, 0, 1};
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && !failed)
     {
         const int tid = omp_get_thread_num(), nthreads = omp_get_num_threads();
+        if (tid == 0) barrier.nthreads = nthreads; /* published by the OpenMP barrier below */
         Private p = {malloc(sizeof(float) * (size_t)(T * H)), malloc(sizeof(float) * (size_t)(T * W)),
                      malloc(sizeof(float) * (size_t)(T * I)), malloc((size_t)(T * W * 4) + 64),
                      malloc(sizeof(float) * (size_t)(2 * T * (W / 32 + 1))),
                      malloc((size_t)kvserve_quant_gemm_panel_bytes(W))};
         int ok = p.residual && p.x && p.act && p.qx && p.scales && p.panel;
+        p.barrier = &barrier;
         phase_start(&p.timer);
         if (!ok) {
 #pragma omp atomic write
