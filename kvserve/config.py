@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """KV-cache layout: block size, memory budget, prefix caching.
@@ -33,6 +36,8 @@ class CacheConfig:
     full-attention prompt can then hit inside a block (partial hit, served by
     a copy-on-write block copy). `sliding_window_kv` chooses how windowed
     layers hold KV: "sliding" (released blocks) or "circular" (a fixed ring).
+    `kv_cache_dtype` (vLLM's name) is what the KV cache stores: "auto" (the model's
+    dtype), "float32", "bfloat16" or "float16"; attention math stays float32 on the CPU.
     """
 
     block_size: int = 16
@@ -42,6 +47,7 @@ class CacheConfig:
     hash_block_size: int | None = None
     prefix_caching_hash_algo: str = "sha256"
     sliding_window_kv: str = "sliding"
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -55,6 +61,13 @@ class CacheConfig:
             raise ConfigError(f"unknown prefix_caching_hash_algo {self.prefix_caching_hash_algo!r}")
         if self.sliding_window_kv not in ("sliding", "circular"):
             raise ConfigError(f"sliding_window_kv must be 'sliding' or 'circular', got {self.sliding_window_kv!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
+
+    def kv_dtype_for(self, model_dtype: str) -> str:
+        """The dtype the KV cache holds for a model computing in `model_dtype` (a name)."""
+        return model_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     @property
     def effective_hash_block_size(self) -> int:
@@ -360,6 +373,7 @@ class EngineConfig:
         enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill,
         policy: str = SchedulerConfig.policy,
         sliding_window_kv: str = CacheConfig.sliding_window_kv,
+        kv_cache_dtype: str = CacheConfig.kv_cache_dtype,
         gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization,
         device: str | None = None,
         seed: int = 0,
@@ -392,6 +406,7 @@ class EngineConfig:
             enable_prefix_caching=enable_prefix_caching,
             hash_block_size=hash_block_size,
             sliding_window_kv=sliding_window_kv,
+            kv_cache_dtype=kv_cache_dtype,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs,

@@ -17,7 +17,7 @@ from kvserve.bench.cli_output import FORMATTERS
 from kvserve.bench.report import bar_plot, default_output_path, environment_info, run_tag, write_json
 
 SUBCOMMANDS = ("roofline", "throughput", "serve", "serve-compare", "prefix", "compare", "profile", "scheduler", "kv",
-               "structured", "route", "spec", "plan-check", "allreduce")
+               "attention", "structured", "route", "spec", "plan-check", "allreduce")
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -210,6 +210,21 @@ def _add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_kv_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=10_000)
+
+
+def _add_attention_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-sizes", default="1,32", help="comma-separated requests decoding together")
+    parser.add_argument("--context-lens", default="64,256,512", help="comma-separated keys per request")
+    parser.add_argument("--kv-dtypes", default="float32,bfloat16,float16", help="comma-separated KV-cache dtypes")
+    parser.add_argument("--isas", default=None,
+                        help="comma-separated kernel paths: avx512, avx2, portable (default: the widest here)")
+    parser.add_argument("--num-heads", type=int, default=9, help="query heads (default: SmolLM2's 9)")
+    parser.add_argument("--num-kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=30, help="separate KV caches, one call each per sweep")
+    parser.add_argument("--repeats", type=int, default=20, help="sweeps timed; the median is reported")
+    parser.add_argument("--threads", type=int, default=None, help="kernel threads (default: torch's)")
 
 
 def _add_structured_arguments(parser: argparse.ArgumentParser) -> None:
@@ -440,6 +455,16 @@ def _run_kv(args: argparse.Namespace) -> dict[str, Any]:
     return _call_with_supported(kv.run, num_requests=args.num_requests)
 
 
+def _run_attention(args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.bench import attention
+
+    return attention.run(batch_sizes=tuple(_int_list(args.batch_sizes)), context_lens=tuple(_int_list(args.context_lens)),
+                         kv_dtypes=tuple(_name_list(args.kv_dtypes)),
+                         isas=tuple(_name_list(args.isas)) if args.isas else None, num_heads=args.num_heads,
+                         num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, block_size=args.block_size,
+                         layers=args.layers, repeats=args.repeats, threads=args.threads)
+
+
 def _run_structured(args: argparse.Namespace) -> dict[str, Any]:
     from kvserve.bench import structured
 
@@ -518,6 +543,7 @@ _COMMANDS = {
     "profile": (_add_profile_arguments, "where the time of one decode step goes"),
     "scheduler": (_add_scheduler_arguments, "microseconds per scheduler step at many running requests"),
     "kv": (_add_kv_arguments, "KV-cache allocate/free and prefix-hit operations per second"),
+    "attention": (_add_attention_arguments, "the paged attention kernel alone: us per layer, K/V GB/s, GFLOP/s"),
     "structured": (_add_structured_arguments, "grammar back-ends (compile, mask per token) and constrained throughput"),
     "spec": (_add_spec_arguments, "speculative decoding on vs off: input-grounded and unrelated chats"),
     "route": (_add_route_arguments, "N replicas behind SGLang's Model Gateway: hit rate, TTFT, spread per policy"),
@@ -531,6 +557,7 @@ _RUNNERS = {
     "roofline": _run_roofline, "throughput": _run_throughput, "serve": _run_serve,
     "serve-compare": _run_serve_compare, "prefix": _run_prefix,
     "compare": _run_compare, "profile": _run_profile, "scheduler": _run_scheduler, "kv": _run_kv,
+    "attention": _run_attention,
     "structured": _run_structured,
     "spec": _run_spec,
     "route": _run_route,

@@ -97,6 +97,7 @@ FORMATTERS = {
     "profile": (_lazy_formatter("profile"), _profile_plot),
     "scheduler": (_format_scheduler, None),
     "kv": (_format_kv, None),
+    "attention": (_lazy_formatter("attention"), None),
     "structured": (_lazy_formatter("structured"), None),
     "spec": (_lazy_formatter("spec"), None),
     "route": (_lazy_formatter("route"), None),

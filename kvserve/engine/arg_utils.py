@@ -17,6 +17,7 @@ _VALUE_FLAGS = {
     "dtype": "dtype",
     "quantization": "quantization",
     "kv_cache_memory": "kv_cache_memory",
+    "kv_cache_dtype": "kv_cache_dtype",
     "max_model_len": "max_model_len",
     "max_num_seqs": "max_num_seqs",
     "max_num_batched_tokens": "max_num_batched_tokens",
@@ -47,6 +48,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                             "(CPU); none: dequantize them at load (default: auto)")
     group.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                        help="memory for the KV cache, e.g. 2GiB or 512MiB (default: sized automatically)")
+    group.add_argument("--kv-cache-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                       help="what the KV cache stores (attention computes in float32 on the CPU); "
+                            "auto: the model's dtype (default)")
     group.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
                        help="context length in tokens (default: the model's)")
     group.add_argument("--max-num-seqs", type=_positive_int, default=None, metavar="N",

@@ -46,6 +46,11 @@ _SOURCES = ("bf16.h", "bf16_tile.h", "paged_attention.c", "fused_ops.c", "small_
             "quant_gemm.c", "bf16_rows.c", "f32_gemm.c", "phase_timer.h", "fused_decoder.c", "grammar_mask.c")
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# The KV cache may also hold float16 (csrc/bf16.h's F16): attention and the K/V write read and
+# write it, with float32 math.
+_KV_DTYPE_CODES = {**_DTYPE_CODES, torch.float16: 2}
+# Paths of the paged attention kernel (csrc/paged_attention.c), quant_linear.c's codes.
+ATTENTION_ISA_CODES = {"portable": 0, "avx2": 1, "avx512": 2}
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
@@ -57,6 +62,16 @@ class KernelArgumentError(ValueError):
 
 def supports_dtype(dtype: torch.dtype) -> bool:
     return dtype in _DTYPE_CODES
+
+
+def supports_kv_dtype(dtype: torch.dtype) -> bool:
+    """Whether the attention kernel and the K/V write take a cache of `dtype`."""
+    return dtype in _KV_DTYPE_CODES
+
+
+def kv_dtype_code(dtype: torch.dtype) -> int:
+    """The kernels' code of a KV-cache dtype (`supports_kv_dtype`)."""
+    return _KV_DTYPE_CODES[dtype]
 
 
 # Limits of the kernels' on-stack buffers (MAX_HEAD_DIM, MAX_GROUP in paged_attention.c,
@@ -107,7 +122,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr, f32, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     signatures = {
         "kvserve_paged_attention": ([ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr,
-                                     i64, i64, i64, i64, i64, i64, f32, f32, c_int, c_int, c_int], c_int),
+                                     i64, i64, i64, i64, i64, i64, f32, f32, c_int, c_int, c_int, c_int], c_int),
+        "kvserve_attention_isa_available": ([c_int], c_int),
         "kvserve_store_kv": ([ptr, ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i64, i64, i64, c_int, c_int], None),
         "kvserve_rms_norm": ([ptr, ptr, ptr, ptr, i64, i64, i64, f32, c_int, c_int, c_int], None),
         "kvserve_silu_mul": ([ptr, ptr, i64, i64, c_int, c_int], None),
@@ -175,6 +191,17 @@ def load_library() -> ctypes.CDLL | None:
         return _loaded["lib"]
 
 
+def attention_isa_available(isa: str) -> bool:
+    """Whether the attention kernel's path `isa` runs here (this build, this CPU)."""
+    lib = load_library()
+    return lib is not None and bool(lib.kvserve_attention_isa_available(ATTENTION_ISA_CODES[isa]))
+
+
+def widest_attention_isa() -> str:
+    """The widest path of the attention kernel that runs here ("portable" without the library)."""
+    return next((isa for isa in ("avx512", "avx2") if attention_isa_available(isa)), "portable")
+
+
 def takes(*tensors: torch.Tensor) -> bool:
     """The element-wise kernels can read these tensors as they are: float32 or bfloat16 with
     contiguous rows. (Device and library are settled once per runner, see `kvserve.model.kernels`.)"""
@@ -187,13 +214,14 @@ def _threads() -> int:
 
 def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, token_index: torch.Tensor,
                         positions: torch.Tensor, block_table: torch.Tensor, table_row: torch.Tensor,
-                        window: int | None, scale: float, softcap: float | None) -> None:
+                        window: int | None, scale: float, softcap: float | None, isa: str | None = None) -> None:
     """Writes attention for the tokens `token_index` (rows of q [T, Hq, D]) into the same rows of `out`.
 
     Token t sits at `positions[t]` of the request whose block ids are row
     `table_row[t]` of `block_table` (int64); it attends to keys
     max(0, pos - window + 1)..pos, all of which must already be in `kv_cache`
-    [2, Hkv, blocks, block_size, D]. Index tensors are int64 and contiguous."""
+    [2, Hkv, blocks, block_size, D] (float32, bfloat16 or float16). Index tensors are
+    int64 and contiguous. `isa`: the kernel's path (None: the widest `attention_isa_available`)."""
     lib = load_library()
     if lib is None:
         raise RuntimeError("the CPU kernels are not available")
@@ -208,8 +236,10 @@ def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
               out.data_ptr(), out.stride(0), out.stride(1),
               token_index.data_ptr(), positions.data_ptr(), block_table.data_ptr(), block_table.stride(0),
               table_row.data_ptr(), num_tokens, q.shape[1], num_kv_heads, head_dim, block_size,
-              window or 0, scale, softcap or 0.0, _DTYPE_CODES[q.dtype], _DTYPE_CODES[kv_cache.dtype],
-              _threads())
+              window or 0, scale, softcap or 0.0, _DTYPE_CODES[q.dtype], _KV_DTYPE_CODES[kv_cache.dtype],
+              ATTENTION_ISA_CODES[isa or widest_attention_isa()], _threads())
+    if code == 3:
+        raise KernelArgumentError(f"the {isa} path of the CPU attention kernel does not run on this CPU")
     if code:
         raise KernelArgumentError(f"CPU attention kernel rejected its arguments (code {code}): "
                                   f"{q.shape[1]} heads, {num_kv_heads} KV heads, head size {head_dim}")
@@ -253,7 +283,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: to
     load_library().kvserve_store_kv(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), kv_cache[0].data_ptr(),
                                     kv_cache[1].data_ptr(), num_blocks * block_size * head_dim, slots.data_ptr(),
                                     token_index.data_ptr() if token_index is not None else None, count,
-                                    num_kv_heads, head_dim, _DTYPE_CODES[k.dtype], _DTYPE_CODES[kv_cache.dtype])
+                                    num_kv_heads, head_dim, _DTYPE_CODES[k.dtype], _KV_DTYPE_CODES[kv_cache.dtype])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, adds_one: bool,

@@ -43,6 +43,7 @@ class ModelKernels:
     bf16_isa: str | None = None  # the native decoder's bfloat16-weight matmul path (None: bfloat16 declined)
     # float32 weights packed into panels for csrc/f32_gemm.c (instead of oneDNN), and its path
     f32_gemm_isa: str | None = None
+    attention_isa: str | None = None  # the paged attention kernel's path (None: no kernel)
 
     @classmethod
     def torch_only(cls) -> "ModelKernels":
@@ -54,17 +55,19 @@ class ModelKernels:
                 f"small-batch matmul {'on' if self.small_batch_matmul else 'off'}, "
                 f"native decoder {'on' if self.native_decoder else 'off'}"
                 + (f" (bfloat16 weights: {self.bf16_isa})" if self.bf16_isa else "")
-                + (f", float32 panel matmul {self.f32_gemm_isa}" if self.f32_gemm_isa else ""))
+                + (f", float32 panel matmul {self.f32_gemm_isa}" if self.f32_gemm_isa else "")
+                + (f", attention kernel {self.attention_isa}" if self.attention_isa else ""))
 
 
 def choose_model_kernels(kernel_config: KernelConfig, device: torch.device | str, dtype: torch.dtype,
-                         shape: AttentionShape) -> ModelKernels:
-    """The kernels for a model of `dtype` on `device` (the KV cache holds the same dtype)."""
+                         shape: AttentionShape, kv_dtype: torch.dtype | None = None) -> ModelKernels:
+    """The kernels for a model of `dtype` on `device` whose KV cache holds `kv_dtype` (None: `dtype`)."""
     on_cpu = torch.device(device).type == "cpu"
     native = (kernel_config.cpu_kernels and on_cpu and cpu_kernels.supports_dtype(dtype)
               and cpu_kernels.load_library() is not None)
-    attention = select_attention_backend(device, dtype, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-                                         native_kernels=native)
+    attention_isa = native_decoder.attention_isa(kernel_config) if native else None
+    attention = select_attention_backend(device, kv_dtype or dtype, shape.num_heads, shape.num_kv_heads,
+                                         shape.head_dim, native_kernels=native, isa=attention_isa)
     bf16 = native_decoder.bf16_isa(kernel_config) if native and dtype == torch.bfloat16 else None
     f32 = native_decoder.f32_gemm_isa(kernel_config) if native and dtype == torch.float32 \
         and kernel_config.packed_weights else None
@@ -73,6 +76,6 @@ def choose_model_kernels(kernel_config: KernelConfig, device: torch.device | str
         small_batch_matmul=native and kernel_config.small_batch_matmul and cpu_kernels.small_linear_supported(dtype),
         packed_weights=on_cpu and kernel_config.packed_weights,
         native_decoder=native and kernel_config.native_decoder and (dtype == torch.float32 or bf16 is not None),
-        bf16_isa=bf16, f32_gemm_isa=f32)
+        bf16_isa=bf16, f32_gemm_isa=f32, attention_isa=attention_isa if attention.name == "cpu_native" else None)
     logger.debug("model kernels: %s", kernels.describe())
     return kernels

@@ -32,10 +32,12 @@ _FUSED_PARTS = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_pro
 
 
 def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", tp_rank: int = 0, tp_size: int = 1,
-               tp_group=None, kernel_config: KernelConfig | None = None) -> DecoderModel:
+               tp_group=None, kernel_config: KernelConfig | None = None,
+               kv_cache_dtype: torch.dtype | None = None) -> DecoderModel:
     """Build the model for `model_config`, load its weights (this rank's shard), cast to its dtype,
     and set the kernels it runs with from `kernel_config` (default: every kernel allowed; the
-    engine passes the one `EngineConfig` read from the environment)."""
+    engine passes the one `EngineConfig` read from the environment) for a KV cache of
+    `kv_cache_dtype` (None: the model's dtype)."""
     kernel_config = kernel_config or KernelConfig()
     model = DecoderModel(model_config, tp_rank, tp_size, tp_group)
     # With tensor parallelism each rank reads only its slice of the sharded tensors.
@@ -57,7 +59,8 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", tp
     # RoPE frequencies stay float32 whatever the weight dtype.
     for rotary, inv_freq in zip(rotaries, inv_freqs):
         rotary.inv_freq = inv_freq.to(device)
-    model.use_kernels(choose_model_kernels(kernel_config, device, model_config.torch_dtype, model.attention_shape))
+    model.use_kernels(choose_model_kernels(kernel_config, device, model_config.torch_dtype, model.attention_shape,
+                                           kv_cache_dtype))
     return model.eval()
 
 

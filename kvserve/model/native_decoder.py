@@ -66,7 +66,7 @@ class _Layer(ctypes.Structure):
                 ("input_norm", _ptr), ("post_attention_norm", _ptr), ("pre_feedforward_norm", _ptr),
                 ("post_feedforward_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
                 ("k_cache", _ptr), ("v_cache", _ptr), ("cache_head_stride", _i64), ("block_size", _i64),
-                ("window", _i64), ("group", _i32), ("local_rope", _i32), ("kv_dtype", _i32), ("unused", _i32)]
+                ("window", _i64), ("group", _i32), ("local_rope", _i32), ("kv_dtype", _i32), ("attention_isa", _i32)]
 
 
 class _Model(ctypes.Structure):
@@ -121,6 +121,12 @@ def f32_gemm_isa(kernel_config: KernelConfig | None = None) -> str | None:
     """The path of the float32 panel matmul (csrc/f32_gemm.c: "avx512": AVX-512F, "avx2":
     AVX2 + FMA, "portable"), chosen as `bf16_isa` chooses its own; None without the library."""
     return _widest_isa(kernel_config, "kvserve_f32_gemm_isa_available")
+
+
+def attention_isa(kernel_config: KernelConfig | None = None) -> str | None:
+    """The path of the paged attention kernel (csrc/paged_attention.c: "avx512", "avx2" with
+    F16C, "portable"), chosen as `bf16_isa` chooses its own; None without the library."""
+    return _widest_isa(kernel_config, "kvserve_attention_isa_available")
 
 
 # The phases of csrc/phase_timer.h, in its order.
@@ -338,13 +344,15 @@ class NativeDecoder:
         self._bound_caches = None
         caches = [kv_caches[name] for name in self.model.layer_names]
         for desc, cache, group in zip(self._layers, caches, group_ids):
-            if cache.device.type != "cpu" or not cache.is_contiguous() or not cpu_kernels.supports_dtype(cache.dtype):
+            if (cache.device.type != "cpu" or not cache.is_contiguous()
+                    or not cpu_kernels.supports_kv_dtype(cache.dtype)):
                 return False
             _, _, num_blocks, block_size, head_dim = cache.shape
             desc.k_cache, desc.v_cache = cache[0].data_ptr(), cache[1].data_ptr()
             desc.cache_head_stride = num_blocks * block_size * head_dim
             desc.block_size = block_size
-            desc.kv_dtype = cpu_kernels._DTYPE_CODES[cache.dtype]
+            desc.kv_dtype = cpu_kernels.kv_dtype_code(cache.dtype)
+            desc.attention_isa = cpu_kernels.ATTENTION_ISA_CODES[self.model.kernels.attention_isa or "portable"]
             desc.group = group
         self._bound_caches, self._bound_tensors = kv_caches, caches  # held: never freed under the call
         return True

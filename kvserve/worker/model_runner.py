@@ -74,6 +74,11 @@ class ModelRunner:
                 self.device, self.max_model_len)
 
     @property
+    def kv_cache_dtype(self) -> str:
+        """What the target's KV cache holds (`CacheConfig.kv_cache_dtype`, "auto": the model's dtype)."""
+        return self.cache_config.kv_dtype_for(self.model_config.dtype)
+
+    @property
     def max_model_len(self) -> int:
         return self.scheduler_config.max_model_len
 
@@ -82,7 +87,8 @@ class ModelRunner:
     def load_model(self) -> None:
         torch.manual_seed(self.seed)
         self.model = load_model(self.model_config, device=str(self.device), tp_rank=self.tp_rank,
-                                tp_size=self.tp_size, kernel_config=self.kernel_config)
+                                tp_size=self.tp_size, kernel_config=self.kernel_config,
+                                kv_cache_dtype=getattr(torch, self.kv_cache_dtype))
         if self.model.kernels.packed_weights and self.model.pack_linear_weights():
             logger.debug("linear weights packed for oneDNN")
         if self.drafter is not None:
@@ -91,7 +97,7 @@ class ModelRunner:
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         """The target's KV layers, then the draft model's (if any)."""
-        specs = self.model.kv_cache_specs(self.cache_config.block_size, self.model_config.dtype,
+        specs = self.model.kv_cache_specs(self.cache_config.block_size, self.kv_cache_dtype,
                                           sliding_window_kv=self.cache_config.sliding_window_kv)
         if self.drafter is not None:
             specs.update(self.drafter.kv_cache_specs(self.cache_config.block_size,

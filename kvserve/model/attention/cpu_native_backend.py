@@ -15,11 +15,15 @@ from kvserve.model.attention.torch_backend import TorchAttentionBackend, attend_
 
 
 class CpuNativeAttentionBackend(TorchAttentionBackend):
-    """CPU, float32/bfloat16, a head shape the kernel takes (see `cpu_kernels.supports_shape`);
-    the selector checks that once per runner."""
+    """CPU, float32/bfloat16 activations over a float32/bfloat16/float16 KV cache, a head shape
+    the kernel takes (see `cpu_kernels.supports_shape`); the selector checks that once per runner.
+    `isa`: the kernel's path ("avx512", "avx2", "portable")."""
 
     name = "cpu_native"
     plans_native_queries = True
+
+    def __init__(self, isa: str = "portable") -> None:
+        self.isa = isa
 
     def plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor, params: AttentionParams) -> AttentionPlan:
         # A cache the kernel cannot read in place (a non-contiguous view in a test) takes the torch path.
@@ -41,5 +45,5 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
             tokens = plan.native
             cpu_kernels.paged_attention_cpu(q, kv_cache, out, tokens.token_index, tokens.positions,
                                             tokens.block_table, tokens.table_row, tokens.window, params.scale,
-                                            params.softcap)
+                                            params.softcap, self.isa)
         return attend_with_torch(q, k, v, kv_cache, plan, params, out)

@@ -38,8 +38,9 @@ def attend_with_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
         out[start:end] = _causal_prompt(q[start:end], k[start:end], v[start:end], scale, softcap, plan.window)
     for sub in plan.sub_batches:
         n, num_blocks = sub.key_blocks.shape
-        # One gather for K and V of every request of the sub-batch: [2, Hkv, n, keys, D].
-        keys, values = kv_cache.index_select(2, sub.key_blocks.flatten()).view(
+        # One gather for K and V of every request of the sub-batch: [2, Hkv, n, keys, D], in the
+        # activations' dtype (a 16-bit cache under float32 activations computes in float32).
+        keys, values = kv_cache.index_select(2, sub.key_blocks.flatten()).to(q.dtype).view(
             2, num_kv_heads, n, num_blocks * block_size, head_dim)
         if sub.new_keys:
             keys = torch.cat([keys, _rows(k, sub).permute(2, 0, 1, 3)], dim=2)

@@ -23,7 +23,7 @@
  * small_linear.c, fused_ops.c, paged_attention.c) on the same inputs, so the
  * result equals the torch path's up to the order of float32 sums where that
  * path would pick oneDNN instead. Activations are float32; the KV cache may be
- * float32 or bfloat16. Bfloat16 weights go through bf16_rows.c, which rounds
+ * float32, bfloat16 or float16. Bfloat16 weights go through bf16_rows.c, which rounds
  * each matmul's input to bfloat16 but nothing else: closer to float32 than the
  * per-op bfloat16 path, which rounds every intermediate.
  */
@@ -83,7 +83,7 @@ int kvserve_paged_attention(const void *q, int64_t q_token_stride, int64_t q_hea
                             const int64_t *block_table, int64_t block_table_stride, const int64_t *table_row,
                             int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                             int64_t block_size, int64_t window, float scale, float softcap, int q_dtype, int kv_dtype,
-                            int num_threads);
+                            int isa, int num_threads);
 
 /* One weight matrix [out, in]: block-quantized (qs != NULL, layout of quant_linear.c),
  * plain (w) float32 or bfloat16 (w_dtype), or float32 in f32_gemm.c's panels (w_dtype
@@ -105,7 +105,8 @@ typedef struct {
     const float *input_norm, *post_attention_norm, *pre_feedforward_norm, *post_feedforward_norm, *q_norm, *k_norm;
     void *k_cache, *v_cache; /* [kv_heads, blocks * block_size, head_dim] each */
     int64_t cache_head_stride, block_size, window; /* window 0: full attention */
-    int32_t group, local_rope, kv_dtype, unused;
+    int32_t group, local_rope, kv_dtype; /* kv_dtype: F32, BF16 or F16 */
+    int32_t attention_isa;               /* paged_attention.c's path */
 } NativeLayer;
 
 typedef struct {
@@ -355,7 +356,7 @@ static void attention_heads(const NativeModel *m, const NativeLayer *l, const Na
         kvserve_paged_attention(q, width, D, k_cache, v_cache, l->cache_head_stride, s->attn + h * group * D, q_size,
                                 D, st->token_index, st->positions, st->block_table[l->group],
                                 st->block_table_stride[l->group], st->table_row, T, group, 1, D, l->block_size,
-                                l->window, m->scale, m->softcap, F32, l->kv_dtype, 1);
+                                l->window, m->scale, m->softcap, F32, l->kv_dtype, l->attention_isa, 1);
     }
 }
 
@@ -369,7 +370,8 @@ static void attention_tokens(const NativeModel *m, const NativeLayer *l, const N
     kvserve_paged_attention(s->qkv, width, D, l->k_cache, l->v_cache, l->cache_head_stride, s->attn, q_size, D,
                             st->token_index + begin, st->positions + begin, st->block_table[l->group],
                             st->block_table_stride[l->group], st->table_row + begin, end - begin, m->num_heads,
-                            m->num_kv_heads, D, l->block_size, l->window, m->scale, m->softcap, F32, l->kv_dtype, 1);
+                            m->num_kv_heads, D, l->block_size, l->window, m->scale, m->softcap, F32, l->kv_dtype,
+                            l->attention_isa, 1);
 }
 
 /* A barrier, charged to PHASE_WAIT (the work before it to `phase`). */
@@ -396,7 +398,7 @@ static void attention_query_heads(const NativeModel *m, const NativeLayer *l, co
                                 s->attn + first * D, q_size, D, st->token_index, st->positions,
                                 st->block_table[l->group], st->block_table_stride[l->group], st->table_row, T,
                                 last - first, 1, D, l->block_size, l->window, m->scale, m->softcap, F32, l->kv_dtype,
-                                1);
+                                l->attention_isa, 1);
         first = last;
     }
 }
