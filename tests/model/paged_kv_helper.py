@@ -120,11 +120,12 @@ class PagedRunner:
     the window, and those blocks are filled with garbage to prove nobody reads them.
     """
 
-    def __init__(self, model, block_size: int = 4, num_blocks: int = 512, sliding_window_kv: str = "sliding"):
+    def __init__(self, model, block_size: int = 4, num_blocks: int = 512, sliding_window_kv: str = "sliding",
+                 kv_dtype: torch.dtype | None = None):
         self.model = model
         self.device = next(model.parameters()).device
         self.block_size = block_size
-        dtype = next(model.parameters()).dtype
+        dtype = kv_dtype or next(model.parameters()).dtype
         self.specs = model.kv_cache_specs(block_size, dtype, sliding_window_kv)
         by_kind: dict[type, list[str]] = {}
         for name, spec in self.specs.items():
