@@ -183,8 +183,10 @@ static inline __m512 load16(const void *base, int64_t offset, int dtype) {
  * tree: 45 shuffles and adds for 16 sums, against ~8 dependent ones for each alone). */
 static inline __m512 sum16(const __m512 *p) {
     __m512 pairs[8], quads[4];
-    for (int i = 0; i < 8; i++)
-        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+    for (int i = 0; i < 8; i++) {
+        const __m512 x = p[2 * i], y = p[2 * i + 1];
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+    }
     for (int i = 0; i < 4; i++) {
         const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
         quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
@@ -434,10 +436,19 @@ int kvserve_paged_attention(const void *q, int64_t q_token_stride, int64_t q_hea
     if (kv_bytes < PARALLEL_MIN_BYTES) num_threads = 1;
     /* scores padded to whole vectors: the AVX-512 path stores 16 at a time under a mask */
     const int64_t scores_len = (max_keys * group + KEY_CHUNK + 1) & ~(int64_t)1; /* the offsets after it aligned */
+    const size_t buffer_bytes = (size_t)scores_len * sizeof(float) + (size_t)max_keys * sizeof(int64_t);
+    if (num_threads <= 1) { /* no parallel region: the native decoder calls from inside its own */
+        float *scores = malloc(buffer_bytes);
+        if (!scores) return 2;
+        for (int64_t item = 0; item < num_items; item++)
+            attend_range(&a, item, scores, (int64_t *)(scores + scores_len));
+        free(scores);
+        return 0;
+    }
     int failed = 0;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+#pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc((size_t)scores_len * sizeof(float) + (size_t)max_keys * sizeof(int64_t));
+        float *scores = malloc(buffer_bytes);
         if (!scores) {
 #pragma omp atomic write
             failed = 2;
