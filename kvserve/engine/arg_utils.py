@@ -49,8 +49,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                        help="memory for the KV cache, e.g. 2GiB or 512MiB (default: sized automatically)")
     group.add_argument("--kv-cache-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                       help="what the KV cache stores (attention computes in float32 on the CPU); "
-                            "auto: the model's dtype (default)")
+                       help="what the KV cache stores (attention computes in float32 on the CPU); auto "
+                            "(default): float16 where the weights are held quantized, else the model's dtype")
     group.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
                        help="context length in tokens (default: the model's)")
     group.add_argument("--max-num-seqs", type=_positive_int, default=None, metavar="N",

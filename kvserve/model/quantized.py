@@ -473,6 +473,14 @@ def keeps_quantized(model_config, device: str | torch.device, kernel_config: Ker
             and torch.device(device).type == "cpu" and kernel_isa(kernel_config) is not None)
 
 
+def holds_quantized_weights(model_config, device: str | torch.device,
+                            kernel_config: KernelConfig | None = None) -> bool:
+    """Whether the loader keeps some of `model_config`'s matrices quantized (`keeps_quantized`
+    and the file has a type the kernels take)."""
+    return (keeps_quantized(model_config, device, kernel_config)
+            and any(name in SUPPORTED_GGUF_TYPES for name in _file_matrix_types(model_config.path)))
+
+
 def _file_matrix_types(path: str) -> dict[str, int]:
     """GGUF type name -> count of 2-D tensors of that type in the file."""
     from kvserve.model.gguf_loader import open_gguf

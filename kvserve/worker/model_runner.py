@@ -9,6 +9,7 @@ placeholders).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -20,6 +21,7 @@ from kvserve.kv_cache.interface import KVCacheConfig, KVCacheSpec
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
+from kvserve.model.quantized import holds_quantized_weights
 from kvserve.model.rejection_sampler import verify_drafts
 from kvserve.model.sampler import Sampler, SamplingTensors, argmax_token_ids, make_generator
 from kvserve.sampling_params import SamplingParams
@@ -73,10 +75,12 @@ class ModelRunner:
                 draft_model_config, self.scheduler_config.speculative_config.num_speculative_tokens,
                 self.device, self.max_model_len)
 
-    @property
+    @functools.cached_property
     def kv_cache_dtype(self) -> str:
-        """What the target's KV cache holds (`CacheConfig.kv_cache_dtype`, "auto": the model's dtype)."""
-        return self.cache_config.kv_dtype_for(self.model_config.dtype)
+        """What the target's KV cache holds (`CacheConfig.kv_cache_dtype`; "auto": float16 over
+        weights held quantized, else the model's dtype)."""
+        quantized = holds_quantized_weights(self.model_config, self.device, self.kernel_config)
+        return self.cache_config.kv_dtype_for(self.model_config.dtype, weights_quantized=quantized)
 
     @property
     def max_model_len(self) -> int:
@@ -86,6 +90,8 @@ class ModelRunner:
 
     def load_model(self) -> None:
         torch.manual_seed(self.seed)
+        if self.tp_rank == 0:
+            logger.info("KV cache: %s (kv_cache_dtype %s)", self.kv_cache_dtype, self.cache_config.kv_cache_dtype)
         self.model = load_model(self.model_config, device=str(self.device), tp_rank=self.tp_rank,
                                 tp_size=self.tp_size, kernel_config=self.kernel_config,
                                 kv_cache_dtype=getattr(torch, self.kv_cache_dtype))

