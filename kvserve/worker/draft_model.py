@@ -40,19 +40,24 @@ class DraftModelProposer:
         self.device = device
         self.max_model_len = max_model_len
         self.model = None
+        self.kv_cache_dtype = model_config.dtype  # set by load_model
         # Request id -> its latest proposal and, for sampled (not greedy) requests,
         # the distributions [k, vocab] its tokens were drawn from.
         self._proposals: dict[str, tuple[list[int], torch.Tensor | None]] = {}
 
-    def load_model(self, kernel_config) -> None:
-        """Load the draft's weights, with the same kernel choices as the target."""
-        self.model = load_model(self.model_config, device=str(self.device), kernel_config=kernel_config)
+    def load_model(self, kernel_config, kv_cache_dtype: str) -> None:
+        """Load the draft's weights, with the same kernel choices as the target, for a KV
+        cache of `kv_cache_dtype` (resolved as the target's: a full-depth draft of a quantized
+        target then reads and writes K/V exactly as the target does)."""
+        self.kv_cache_dtype = kv_cache_dtype
+        self.model = load_model(self.model_config, device=str(self.device), kernel_config=kernel_config,
+                                kv_cache_dtype=getattr(torch, kv_cache_dtype))
         self.model.prefix_kv_layer_names(DRAFT_LAYER_PREFIX)
         if self.model.kernels.packed_weights:
             self.model.pack_linear_weights()
 
     def kv_cache_specs(self, block_size: int, sliding_window_kv: str) -> dict[str, KVCacheSpec]:
-        return self.model.kv_cache_specs(block_size, self.model_config.dtype, sliding_window_kv=sliding_window_kv)
+        return self.model.kv_cache_specs(block_size, self.kv_cache_dtype, sliding_window_kv=sliding_window_kv)
 
     def bind_kv_cache_config(self, kv_cache_config: KVCacheConfig) -> None:
         self.model.bind_kv_cache_config(kv_cache_config)

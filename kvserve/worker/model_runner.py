@@ -79,8 +79,11 @@ class ModelRunner:
     def kv_cache_dtype(self) -> str:
         """What the target's KV cache holds (`CacheConfig.kv_cache_dtype`; "auto": float16 over
         weights held quantized, else the model's dtype)."""
-        quantized = holds_quantized_weights(self.model_config, self.device, self.kernel_config)
-        return self.cache_config.kv_dtype_for(self.model_config.dtype, weights_quantized=quantized)
+        return self._kv_dtype_of(self.model_config)
+
+    def _kv_dtype_of(self, model_config: ModelConfig) -> str:
+        quantized = holds_quantized_weights(model_config, self.device, self.kernel_config)
+        return self.cache_config.kv_dtype_for(model_config.dtype, weights_quantized=quantized)
 
     @property
     def max_model_len(self) -> int:
@@ -98,7 +101,7 @@ class ModelRunner:
         if self.model.kernels.packed_weights and self.model.pack_linear_weights():
             logger.debug("linear weights packed for oneDNN")
         if self.drafter is not None:
-            self.drafter.load_model(self.kernel_config)
+            self.drafter.load_model(self.kernel_config, self._kv_dtype_of(self.drafter.model_config))
         self.sampler = Sampler()
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
