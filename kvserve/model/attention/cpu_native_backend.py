@@ -17,13 +17,13 @@ from kvserve.model.attention.torch_backend import TorchAttentionBackend, attend_
 class CpuNativeAttentionBackend(TorchAttentionBackend):
     """CPU, float32/bfloat16 activations over a float32/bfloat16/float16 KV cache, a head shape
     the kernel takes (see `cpu_kernels.supports_shape`); the selector checks that once per runner.
-    `isa`: the kernel's path ("avx512", "avx2", "portable")."""
+    `isa`: the kernel's path ("avx512", "avx2", "portable"; None: the widest this CPU runs)."""
 
     name = "cpu_native"
     plans_native_queries = True
 
-    def __init__(self, isa: str = "portable") -> None:
-        self.isa = isa
+    def __init__(self, isa: str | None = None) -> None:
+        self.isa = isa or cpu_kernels.widest_attention_isa()
 
     def plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor, params: AttentionParams) -> AttentionPlan:
         # A cache the kernel cannot read in place (a non-contiguous view in a test) takes the torch path.

@@ -19,5 +19,5 @@ def select_attention_backend(device: torch.device | str, kv_dtype: torch.dtype, 
     if (native_kernels and torch.device(device).type == "cpu" and cpu_kernels.supports_kv_dtype(kv_dtype)
             and cpu_kernels.supports_shape(num_heads, num_kv_heads, head_dim)
             and cpu_kernels.load_library() is not None):
-        return CpuNativeAttentionBackend(isa or cpu_kernels.widest_attention_isa())
+        return CpuNativeAttentionBackend(isa)
     return TorchAttentionBackend()
