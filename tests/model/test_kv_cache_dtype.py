@@ -64,6 +64,27 @@ def test_native_decoder_over_16bit_cache_matches_per_op_path(configs, monkeypatc
 
 
 @needs_native
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_narrower_attention_paths_in_the_native_decoder_over_float16_cache(configs, monkeypatch, isa):
+    """KVSERVE_QUANT_ISA caps the attention kernel's path inside the native decoder too."""
+    if not cpu_kernels.attention_isa_available(isa):
+        pytest.skip(f"{isa} does not run here")
+    native_steps = count_native_steps(monkeypatch)
+    config, kernel_config = configs("gemma2"), KernelConfig(quant_isa=isa)
+    prompts = _prompts([5, 19, 30], seed=4)
+    model = load_model(config, kernel_config=kernel_config, kv_cache_dtype=torch.float16)
+    assert model.kernels.attention_isa == isa and model.kernels.attention.isa == isa
+    ours = _run(model, torch.float16, prompts, chunk=2)
+    assert native_steps[0] >= NUM_NEW - 2
+    assert {layer.attention_isa for layer in model._native._layers} == {cpu_kernels.ATTENTION_ISA_CODES[isa]}
+    per_op = load_model(config, kernel_config=kernel_config, kv_cache_dtype=torch.float16)
+    per_op._native = None
+    ref = _run(per_op, torch.float16, prompts, chunk=2)
+    assert ours[0] == ref[0]
+    _assert_close_logits(ours, ref, torch.float16)
+
+
+@needs_native
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_torch_attention_over_16bit_cache_matches_native_kernels(configs, family, kv_dtype):

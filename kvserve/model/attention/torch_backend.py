@@ -32,6 +32,10 @@ def attend_with_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
     rows of tokens the plan leaves to another path are kept as they are)."""
     num_kv_heads, block_size, head_dim = kv_cache.shape[1], kv_cache.shape[3], kv_cache.shape[4]
     scale, softcap = params.scale, params.softcap
+    if kv_cache.dtype != k.dtype:
+        # This step's K/V as the cache holds them: a token attends to the same values whether
+        # its keys come from this step or from the cache (and as the native kernel reads them).
+        k, v = k.to(kv_cache.dtype).to(k.dtype), v.to(kv_cache.dtype).to(v.dtype)
     for start, length in plan.fresh_prompts:
         out = q.new_empty(q.shape) if out is None else out
         end = start + length
