@@ -175,3 +175,36 @@ def native_vs_torch(rank: int, world_size: int, cases: list[Case]) -> dict[str, 
                 outcome.max_rel_logit_diff = max(outcome.max_rel_logit_diff, diff)
         outcomes[case.name] = outcome
     return outcomes
+
+
+def failing_all_reduce(rank: int, world_size: int, path: str, fail_at: int) -> dict:
+    """On one rank: the native call's all-reduce number `fail_at` raises (on every rank, so
+    that none waits for the others). What the step raised, and whether the next steps run."""
+    import torch
+
+    from kvserve.model.config import ModelConfig
+    from kvserve.model.loader import load_model
+    from kvserve.model.native_decoder import NativeDecoder
+    from model.paged_kv_helper import PagedRunner, run_greedy
+
+    model = load_model(ModelConfig.from_path(path), tp_rank=rank, tp_size=world_size)
+    model._native = NativeDecoder.for_model(model)
+    buffer, all_reduce, calls = model._native._reduce.buffer, torch.distributed.all_reduce, [0]
+
+    def failing(tensor, *args, **kwargs):
+        if tensor.data_ptr() == buffer.data_ptr():
+            calls[0] += 1
+            if calls[0] == fail_at:
+                raise RuntimeError("injected all-reduce failure")
+        return all_reduce(tensor, *args, **kwargs)
+    torch.distributed.all_reduce = failing
+    runner = PagedRunner(model, block_size=4)
+    raised = None
+    try:
+        run_greedy(runner, {"a": [5, 6, 7]}, 4, chunk=2)
+    except RuntimeError as exc:
+        raised = str(exc)
+    finally:
+        torch.distributed.all_reduce = all_reduce
+    tokens, _ = run_greedy(PagedRunner(model, block_size=4), {"b": [5, 6, 7]}, 4, chunk=2)
+    return {"raised": raised, "calls": calls[0], "tokens_after": tokens["b"]}

@@ -149,3 +149,15 @@ def _write_tp_gguf(tmp_path) -> str:
     write_gguf(transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32), path,
                GGMLQuantizationType.Q4_0)
     return path
+
+
+def test_a_failed_all_reduce_inside_the_call_raises_its_error(tmp_path_factory):
+    """An all-reduce that raises inside the call (its third: the first layer's MLP) stops every
+    thread and comes back as the step's exception; no hang, no crash, and the next steps run."""
+    from model.paged_kv_helper import save_tiny_model
+
+    from native_tp_ranks import failing_all_reduce
+    path = save_tiny_model("llama", tmp_path_factory.mktemp("llama"))
+    for outcome in run_ranks(failing_all_reduce, path, 3):
+        assert outcome["raised"] == "injected all-reduce failure" and outcome["calls"] == 3
+        assert len(outcome["tokens_after"]) == 4
