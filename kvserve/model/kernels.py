@@ -44,6 +44,8 @@ class ModelKernels:
     # float32 weights packed into panels for csrc/f32_gemm.c (instead of oneDNN), and its path
     f32_gemm_isa: str | None = None
     attention_isa: str | None = None  # the paged attention kernel's path (None: no kernel)
+    # tensor-parallel ranks of one host: the native decoder all-reduces through shared memory
+    shm_all_reduce: bool = False
 
     @classmethod
     def torch_only(cls) -> "ModelKernels":
@@ -76,6 +78,7 @@ def choose_model_kernels(kernel_config: KernelConfig, device: torch.device | str
         small_batch_matmul=native and kernel_config.small_batch_matmul and cpu_kernels.small_linear_supported(dtype),
         packed_weights=on_cpu and kernel_config.packed_weights,
         native_decoder=native and kernel_config.native_decoder and (dtype == torch.float32 or bf16 is not None),
-        bf16_isa=bf16, f32_gemm_isa=f32, attention_isa=attention_isa if attention.name == "cpu_native" else None)
+        bf16_isa=bf16, f32_gemm_isa=f32, attention_isa=attention_isa if attention.name == "cpu_native" else None,
+        shm_all_reduce=native and kernel_config.shm_all_reduce)
     logger.debug("model kernels: %s", kernels.describe())
     return kernels
