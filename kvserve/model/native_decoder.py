@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import time
 
 import torch
 
@@ -189,6 +190,9 @@ class NativeDecoder:
         self.max_tokens = max(min(MAX_TOKENS, self._gemm_rows - 1), SMALL_STEP_TOKENS) if self._all_panel \
             else SMALL_STEP_TOKENS
         self._token_index = torch.arange(self.max_tokens, dtype=torch.int64)
+        # Wall time inside the native call, summed over calls (`kvserve bench host` reads them).
+        self.num_calls = 0
+        self.call_ns = 0
 
     # -- description (once) ------------------------------------------------------------------
     @classmethod
@@ -394,9 +398,12 @@ class NativeDecoder:
             out = hidden.float().contiguous().clone() if hidden.dtype != torch.float32 else hidden.contiguous()
         head, logits = self._logits_request(logits_rows, keep)
         mask = None if head is None else self._mask_request(head, head_mask, keep)
+        started_ns = time.perf_counter_ns()
         failed = cpu_kernels.load_library().kvserve_decoder_forward_logits(
             ctypes.byref(self._desc), self._layers, ctypes.byref(step), out.data_ptr(),
             None if head is None else ctypes.byref(head), self.num_threads)
+        self.call_ns += time.perf_counter_ns() - started_ns
+        self.num_calls += 1
         if failed == 2:
             raise IndexError(f"a token id of {input_ids.tolist()} is outside the embedding table")
         if failed:
