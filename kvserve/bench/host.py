@@ -6,7 +6,9 @@ round after round. Each round's wall time is split into the time inside the nati
 decoder call (`NativeDecoder.call_ns`, measured around the call) and the rest: the
 host's work per step (scheduling, input preparation, the call's Python side, sampling,
 output handling, thread hand-offs). The pieces are timed by wrapping the engine's and
-runner's methods for the round (two clock reads per call, no profiler).
+runner's methods for the round (two clock reads per call, no profiler), less the native
+call's time inside them, and reported as medians per call: under load the wall figures
+swing with whoever else runs, while these medians stay the host's own work.
 
 `modes` alternate within each round (order reversed every other round) so that each
 is compared with the others under the same load: "auto" is the engine's own choice,
@@ -24,43 +26,50 @@ from kvserve.bench.report import format_table
 from kvserve.bench.workloads import fixed_workload
 
 MODES = {"auto": None, "async": True, "sync": False}
-# (label, owner attribute path, method): what each wrapped piece measures.
+# (label, owner, method): each wrapped piece, timed per call without the native call's
+# own time where it holds the call (so the medians stay the host's work under load).
 PIECES = (
     ("schedule", "scheduler", "schedule"),
-    ("runner step (all of it)", "runner", "execute_model"),
-    ("model forward (call included)", "model", "forward_logits"),
-    ("sampling", "runner", "_sample"),
+    ("runner step", "runner", "execute_model"),
+    ("  inputs (InputBatch.prepare)", "input_batch", "prepare"),
+    ("  model forward", "model", "forward_logits"),
+    ("    native decoder's Python side", "native", "forward"),
+    ("  sampling", "runner", "_sample"),
     ("update from output", "scheduler", "update_from_output"),
     ("output processing", "output_processor", "process_outputs"),
 )
 
 
 class _PieceTimer:
-    """Wraps methods on their instances and sums the wall time of their calls."""
+    """Wraps methods on their instances and records each call's wall time, less the time
+    spent inside the native decoder call meanwhile (`NativeDecoder.call_ns`)."""
 
-    def __init__(self) -> None:
-        self.total_ns: dict[str, int] = defaultdict(int)
-        self.calls: dict[str, int] = defaultdict(int)
+    def __init__(self, native) -> None:
+        self.native = native
+        self.durations_ns: dict[str, list[int]] = defaultdict(list)
         self._wrapped: list[tuple[Any, str]] = []
 
     def wrap(self, owner: Any, method: str, label: str) -> None:
-        original = getattr(owner, method)
+        original, native = getattr(owner, method), self.native
 
         @functools.wraps(original)
         def timed(*args, **kwargs):
+            call_ns = native.call_ns
             started = time.perf_counter_ns()
             try:
                 return original(*args, **kwargs)
             finally:
-                self.total_ns[label] += time.perf_counter_ns() - started
-                self.calls[label] += 1
+                self.durations_ns[label].append(time.perf_counter_ns() - started - (native.call_ns - call_ns))
 
         setattr(owner, method, timed)
         self._wrapped.append((owner, method))
 
     def reset(self) -> None:
-        self.total_ns.clear()
-        self.calls.clear()
+        self.durations_ns.clear()
+
+    def median_ms(self, label: str) -> float:
+        durations = self.durations_ns.get(label)
+        return statistics.median(durations) * 1e-6 if durations else 0.0
 
     def unwrap(self) -> None:
         for owner, method in self._wrapped:
@@ -72,13 +81,17 @@ def _owners(llm) -> dict[str, Any]:
     runner = getattr(llm.engine_core.executor, "model_runner", None)
     if runner is None:
         raise RuntimeError("the host benchmark needs the single-process executor (tensor_parallel_size 1)")
-    return {"scheduler": llm.engine_core.scheduler, "runner": runner, "model": runner.model,
-            "output_processor": llm.output_processor}
+    native = runner.model.native_decoder
+    if native is None:
+        raise RuntimeError("the host benchmark needs a model that runs the native decoder")
+    return {"scheduler": llm.engine_core.scheduler, "runner": runner, "input_batch": runner.input_batch,
+            "model": runner.model, "native": native, "output_processor": llm.output_processor}
 
 
 def _one_round(llm, prompts, params, timer: _PieceTimer | None) -> dict[str, Any]:
     native = llm.engine_core.executor.model_runner.model.native_decoder
     calls0, call_ns0 = (native.num_calls, native.call_ns) if native is not None else (0, 0)
+    first_step_seq = llm.engine_core.scheduler.sched_step_seq
     if timer is not None:
         timer.reset()
     if not llm.reset_prefix_cache():
@@ -90,24 +103,13 @@ def _one_round(llm, prompts, params, timer: _PieceTimer | None) -> dict[str, Any
     native = llm.engine_core.executor.model_runner.model.native_decoder
     num_calls = native.num_calls - calls0 if native is not None else 0
     native_s = (native.call_ns - call_ns0) * 1e-9 if native is not None else 0.0
-    steps = max(timer.calls.get("runner step (all of it)", 0), 1) if timer is not None else max(num_calls, 1)
+    steps = max(llm.engine_core.scheduler.sched_step_seq - first_step_seq, 1)  # steps that ran tokens
     result = {"wall_s": wall_s, "tokens": num_tokens, "tokens_per_s": num_tokens / wall_s, "steps": steps,
               "native_calls": num_calls, "native_ms_per_call": native_s / max(num_calls, 1) * 1e3,
               "host_ms_per_step": (wall_s - native_s) / steps * 1e3}
     if timer is not None:
-        pieces = {label: timer.total_ns.get(label, 0) * 1e-6 / steps for label, *_ in PIECES}
-        result["pieces_ms_per_step"] = {**pieces, **_derived(pieces, result, native_s * 1e3 / steps)}
+        result["pieces_ms_per_call"] = {label: timer.median_ms(label) for label, *_ in PIECES}
     return result
-
-
-def _derived(pieces: dict[str, float], result: dict[str, Any], native_ms: float) -> dict[str, float]:
-    """The host pieces no single method holds, from the timed ones (ms per step)."""
-    runner_ms, forward_ms = pieces["runner step (all of it)"], pieces["model forward (call included)"]
-    engine_ms = sum(pieces[label] for label in ("schedule", "update from output", "output processing"))
-    return {"worker: inputs, step set-up, output (derived)": runner_ms - forward_ms - pieces["sampling"],
-            "model forward outside the native call (derived)": forward_ms - native_ms,
-            "the rest: engine loop, hand-offs (derived)": result["host_ms_per_step"] - (runner_ms - native_ms)
-            - engine_ms}
 
 
 def run(*, batch_size: int = 1, prompt_len: int = 64, output_len: int = 128, rounds: int = 5,
@@ -130,9 +132,10 @@ def run(*, batch_size: int = 1, prompt_len: int = 64, output_len: int = 128, rou
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         llm.generate(prompts, params, use_tqdm=False)  # warm-up: kernels, buffers, the native decoder
-        timer = _PieceTimer() if split else None
-        if timer is not None:
+        timer = None
+        if split:
             owners = _owners(llm)
+            timer = _PieceTimer(owners["native"])
             for label, owner, method in PIECES:
                 timer.wrap(owners[owner], method, label)
         by_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
@@ -161,10 +164,10 @@ def _summary(mode_rounds: list[dict[str, Any]], first_rounds: list[dict[str, Any
     summary = {key: median(key) for key in ("tokens_per_s", "native_ms_per_call", "host_ms_per_step")}
     summary["speed_vs_first"] = statistics.median(
         a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(mode_rounds, first_rounds))
-    if "pieces_ms_per_step" in mode_rounds[0]:
-        summary["pieces_ms_per_step"] = {
-            label: statistics.median(r["pieces_ms_per_step"][label] for r in mode_rounds)
-            for label in mode_rounds[0]["pieces_ms_per_step"]}
+    if "pieces_ms_per_call" in mode_rounds[0]:
+        summary["pieces_ms_per_call"] = {
+            label: statistics.median(r["pieces_ms_per_call"][label] for r in mode_rounds)
+            for label in mode_rounds[0]["pieces_ms_per_call"]}
     return summary
 
 
@@ -175,11 +178,12 @@ def format_result(result: dict[str, Any]) -> str:
             [f"speed vs {modes[0]} (median of per-round ratios)", *(s["speed_vs_first"] for s in summaries)],
             ["native call, ms per call", *(s["native_ms_per_call"] for s in summaries)],
             ["host work, ms per step (wall - native)", *(s["host_ms_per_step"] for s in summaries)]]
-    if "pieces_ms_per_step" in summaries[0]:
-        for label in summaries[0]["pieces_ms_per_step"]:
-            rows.append([f"  {label}, ms per step", *(s["pieces_ms_per_step"][label] for s in summaries)])
+    if "pieces_ms_per_call" in summaries[0]:
+        for label in summaries[0]["pieces_ms_per_call"]:
+            rows.append([f"  {label}, median ms per call", *(s["pieces_ms_per_call"][label] for s in summaries)])
     title = (f"host: batch {result['batch_size']}, {result['prompt_len']} -> {result['output_len']} tokens, "
-             f"{result['rounds']} rounds through LLM.generate (medians over rounds)")
+             f"{result['rounds']} rounds through LLM.generate (medians over rounds; the pieces without "
+             f"the native call's time)")
     return format_table(["", *modes], rows, title=title)
 
 
