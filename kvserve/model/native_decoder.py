@@ -73,7 +73,7 @@ class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
                 ("head_dim", _i64), ("intermediate", _i64), ("final_norm", _ptr), ("eps", _f32), ("scale", _f32),
                 ("softcap", _f32), ("adds_one", _i32), ("sandwich", _i32), ("gelu", _i32), ("panel_rows", _i32),
-                ("embed", _Linear), ("embed_scale", _f32), ("unused_embed", _i32)]
+                ("embed", _Linear), ("embed_scale", _f32), ("split_by_input", _i32)]
 
 
 class _Step(ctypes.Structure):
@@ -176,6 +176,7 @@ class NativeDecoder:
             self._describe_layer(self._layers[i], layer)
         self._desc = self._describe_model(model)
         self._describe_embedding(self._desc.embed)
+        self.split_by_input = True
         self._head = self._describe_head(model.lm_head)
         # Layers this small are not worth a second thread: the barriers between the
         # matmuls would cost more than the rows they share out.
@@ -189,6 +190,17 @@ class NativeDecoder:
         self.max_tokens = max(min(MAX_TOKENS, self._gemm_rows - 1), SMALL_STEP_TOKENS) if self._all_panel \
             else SMALL_STEP_TOKENS
         self._token_index = torch.arange(self.max_tokens, dtype=torch.int64)
+
+    @property
+    def split_by_input(self) -> bool:
+        """Whether the call splits the O and down projections by input columns where their
+        kernel allows (the default: one barrier fewer each); off, by output rows (for A/B
+        measurements, `kvserve bench profile --ab-split-by-input`)."""
+        return bool(self._desc.split_by_input)
+
+    @split_by_input.setter
+    def split_by_input(self, on: bool) -> None:
+        self._desc.split_by_input = int(on)
 
     # -- description (once) ------------------------------------------------------------------
     @classmethod

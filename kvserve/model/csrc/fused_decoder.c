@@ -123,7 +123,7 @@ typedef struct {
      * embed_scale (0: none); embed.out 0: no table here, the caller embeds the tokens. */
     NativeLinear embed;
     float embed_scale;
-    int32_t unused_embed;
+    int32_t split_by_input; /* 1: O and down split by input columns where splits_by_input allows */
 } NativeModel;
 
 /* One step: T tokens; token t sits at positions[t] of the request whose blocks are
@@ -327,7 +327,7 @@ static void linear_rows(const NativeModel *m, const NativeLinear *l, const float
 /* Whether a step of T rows (plain_rows of them not drafts) splits l by its input columns. */
 static int splits_by_input(const NativeModel *m, const NativeLinear *l, int64_t T, int64_t plain_rows) {
     const int path = linear_path(m, l, T, plain_rows);
-    return l->qs && (l->bits == 4 || l->bits == 8) && (path == PATH_QUANT || path == PATH_SINGLE_ROWS) &&
+    return m->split_by_input && l->qs && (l->bits == 4 || l->bits == 8) && (path == PATH_QUANT || path == PATH_SINGLE_ROWS) &&
            kvserve_quant_single_row_kernel(l->act_bits, l->isa);
 }
 
