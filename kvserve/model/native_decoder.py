@@ -73,7 +73,7 @@ class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
                 ("head_dim", _i64), ("intermediate", _i64), ("final_norm", _ptr), ("eps", _f32), ("scale", _f32),
                 ("softcap", _f32), ("adds_one", _i32), ("sandwich", _i32), ("gelu", _i32), ("panel_rows", _i32),
-                ("embed", _Linear), ("embed_scale", _f32), ("split_by_input", _i32)]
+                ("embed", _Linear), ("embed_scale", _f32), ("fewer_barriers", _i32)]
 
 
 class _Step(ctypes.Structure):
@@ -176,7 +176,7 @@ class NativeDecoder:
             self._describe_layer(self._layers[i], layer)
         self._desc = self._describe_model(model)
         self._describe_embedding(self._desc.embed)
-        self.split_by_input = True
+        self.fewer_barriers = True
         self._head = self._describe_head(model.lm_head)
         # Layers this small are not worth a second thread: the barriers between the
         # matmuls would cost more than the rows they share out.
@@ -192,15 +192,17 @@ class NativeDecoder:
         self._token_index = torch.arange(self.max_tokens, dtype=torch.int64)
 
     @property
-    def split_by_input(self) -> bool:
-        """Whether the call splits the O and down projections by input columns where their
-        kernel allows (the default: one barrier fewer each); off, by output rows (for A/B
-        measurements, `kvserve bench profile --ab-split-by-input`)."""
-        return bool(self._desc.split_by_input)
+    def fewer_barriers(self) -> bool:
+        """Whether the call meets at fewer barriers a layer (the default): the O and down
+        projections split by input columns where their kernel allows, and, where attention
+        goes by query heads, each thread writing the K/V its heads read. Off: every matmul
+        split by output rows, the K/V written once (for A/B measurements, `kvserve bench
+        profile --ab-fewer-barriers`)."""
+        return bool(self._desc.fewer_barriers)
 
-    @split_by_input.setter
-    def split_by_input(self, on: bool) -> None:
-        self._desc.split_by_input = int(on)
+    @fewer_barriers.setter
+    def fewer_barriers(self, on: bool) -> None:
+        self._desc.fewer_barriers = int(on)
 
     # -- description (once) ------------------------------------------------------------------
     @classmethod

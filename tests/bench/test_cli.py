@@ -132,19 +132,19 @@ def test_profile_tiny(tmp_path, capsys, tiny_model_dir):
     assert result["plain_step_ms"] > 0 and result["top_functions_model_step"]
     split = result["native_split"]  # inside the call, by phase (csrc/phase_timer.h)
     assert split["calls"] >= 1 and split["threads"][0]["QKV matmul"] > 0
-    assert result["split_by_input_ab"] is None  # not asked for
+    assert result["fewer_barriers_ab"] is None  # not asked for
 
 
-def test_profile_ab_of_the_split_by_input(tmp_path, capsys, tiny_model_dir):
-    """`--ab-split-by-input`: alternating rounds with the native call's O and down split by
-    input columns and by output rows, each round's step times, ratios and phases recorded."""
+def test_profile_ab_of_the_fewer_barriers(tmp_path, capsys, tiny_model_dir):
+    """`--ab-fewer-barriers`: alternating rounds with the native call's fewer barriers a layer
+    and without, each round's step times, ratios and phases recorded."""
     result = run_bench(tmp_path, capsys, "profile", "--model", tiny_model_dir, "--batch-size", "1",
-                       "--context-len", "8", "--steps", "2", "--ab-split-by-input", "3", *ENGINE_FLAGS)
-    ab = result["split_by_input_ab"]
+                       "--context-len", "8", "--steps", "2", "--ab-fewer-barriers", "3", *ENGINE_FLAGS)
+    ab = result["fewer_barriers_ab"]
     assert ab["rounds"] == 3 and len(ab["step_ms"]["on"]) == len(ab["step_ms"]["off"]) == 3
     assert ab["median_ratio"] == pytest.approx(sorted(ab["ratios_off_over_on"])[1])
     assert all(phases[0]["QKV matmul"] > 0 for phases in ab["median_phases_ms_per_call"].values())
-    assert "split by input columns vs by output rows" in format_result(result)
+    assert "fewer barriers a layer vs more" in format_result(result)
 
 
 def test_scheduler_tiny(tmp_path, capsys):

@@ -1,12 +1,15 @@
-"""The native decoder's O and down projections split by input columns (csrc/fused_decoder.c,
-int8 activations on AVX512-VNNI): each thread multiplies its own columns (its attention
-heads' output, its columns of the MLP activation) into partial products over fixed runs of
-input blocks, added up in run order after one barrier. On a model wide enough for several
-runs (SmolLM2's head layout: 9 query heads of 64 over 3 KV heads, an intermediate width with
-a tail block): the logits do not depend on the thread count (1: no split of the work; 2: each
-thread's query heads are whole runs of O's input, so it multiplies them without waiting;
-3: they are not, and O waits for every head), a speculative verify step's rows equal one-token
-steps bit for bit, and the logits match the per-op path's within float32 summation order."""
+"""The native decoder's layers with fewer barriers (csrc/fused_decoder.c): the O and down
+projections split by input columns (int8 activations on AVX512-VNNI), each thread multiplying
+its own columns (its attention heads' output, its columns of the MLP activation) into partial
+products over fixed runs of input blocks, added up in run order after one barrier; where the
+attention goes by query heads, each thread writes the K/V its heads read. On a model wide
+enough for several runs (SmolLM2's head layout: 9 query heads of 64 over 3 KV heads, an
+intermediate width with a tail block): the logits do not depend on the thread count (1: no
+split of the work; 2: each thread's query heads are whole runs of O's input, so it multiplies
+them without waiting, and both write the KV head they share; 3: the KV heads go one a thread,
+O waits for every head; 4: by query heads again, not whole runs), a speculative verify step's
+rows equal one-token steps bit for bit, and the logits match the per-op path's within float32
+summation order."""
 from __future__ import annotations
 
 import pytest
@@ -61,7 +64,7 @@ def _greedy(path: str, threads: int | None):
 
 def test_logits_do_not_depend_on_the_thread_count(gguf_path):
     tokens, logits = _greedy(gguf_path, 1)
-    for threads in (2, 3):
+    for threads in (2, 3, 4):
         other_tokens, other_logits = _greedy(gguf_path, threads)
         assert other_tokens == tokens
         for req_id in logits:

@@ -123,7 +123,8 @@ typedef struct {
      * embed_scale (0: none); embed.out 0: no table here, the caller embeds the tokens. */
     NativeLinear embed;
     float embed_scale;
-    int32_t split_by_input; /* 1: O and down split by input columns where splits_by_input allows */
+    int32_t fewer_barriers; /* 1: O and down split by input columns where splits_by_input allows, and
+                             * query_share_kv; 0: the matmuls split by rows (for A/B measurements) */
 } NativeModel;
 
 /* One step: T tokens; token t sits at positions[t] of the request whose blocks are
@@ -180,6 +181,7 @@ typedef struct {
     void *panel;      /* the panel GEMM's weight panel */
     float *sum;       /* [T, hidden]: a split matmul's output, its runs added up */
     float *gate_up;   /* [T, 2 * intermediate]: this thread's gate and up columns, side by side */
+    float *kv;        /* [T, 2, head_dim]: one KV head's K and V rows */
     int64_t *bounds;  /* a split matmul's run bounds, in blocks */
     const float *out; /* the last layer's output: Shared.out or sum */
     PhaseTimer timer;
@@ -327,7 +329,7 @@ static void linear_rows(const NativeModel *m, const NativeLinear *l, const float
 /* Whether a step of T rows (plain_rows of them not drafts) splits l by its input columns. */
 static int splits_by_input(const NativeModel *m, const NativeLinear *l, int64_t T, int64_t plain_rows) {
     const int path = linear_path(m, l, T, plain_rows);
-    return m->split_by_input && l->qs && (l->bits == 4 || l->bits == 8) && (path == PATH_QUANT || path == PATH_SINGLE_ROWS) &&
+    return m->fewer_barriers && l->qs && (l->bits == 4 || l->bits == 8) && (path == PATH_QUANT || path == PATH_SINGLE_ROWS) &&
            kvserve_quant_single_row_kernel(l->act_bits, l->isa);
 }
 
@@ -487,6 +489,39 @@ static void attention_query_heads(const NativeModel *m, const NativeLayer *l, co
     }
 }
 
+/* Before attention_query_heads, without a barrier between: the Q norms and RoPE of this
+ * thread's query heads (in place), and the K norm, RoPE and K/V write of every KV head they
+ * read (from this thread's copy of the head's K/V rows). A KV head whose query heads two
+ * threads share out is computed and written by both, the same values to the same slots, so
+ * neither waits for the other's write; each KV head's values are attention_heads' exactly. */
+static void query_share_kv(const NativeModel *m, const NativeLayer *l, const NativeStep *st, const Shared *s,
+                           Private *p, int tid, int nthreads) {
+    const int64_t T = st->num_tokens, D = m->head_dim, group = m->num_heads / m->num_kv_heads;
+    const int64_t q_size = m->num_heads * D, kv_size = m->num_kv_heads * D, width = q_size + 2 * kv_size;
+    const float *cos = l->local_rope ? st->cos_local : st->cos, *sin = l->local_rope ? st->sin_local : st->sin;
+    const int64_t elem = l->kv_dtype == F32 ? 4 : 2;
+    int64_t begin, end;
+    query_head_share(m, tid, nthreads, &begin, &end);
+    if (begin == end) return;
+    float *q = s->qkv + begin * D;
+    for (int64_t t = 0; t < T && l->q_norm; t++)
+        kvserve_rms_norm(q + t * width, NULL, l->q_norm, q + t * width, end - begin, D, D, m->eps, m->adds_one, F32,
+                         1);
+    rope(st, q, width, end - begin, D, cos, sin);
+    for (int64_t h = begin / group; h <= (end - 1) / group; h++) {
+        for (int64_t t = 0; t < T; t++) {
+            float *k = p->kv + t * 2 * D;
+            memcpy(k, s->qkv + t * width + q_size + h * D, sizeof(float) * (size_t)D);
+            memcpy(k + D, s->qkv + t * width + q_size + kv_size + h * D, sizeof(float) * (size_t)D);
+            if (l->k_norm) kvserve_rms_norm(k, NULL, l->k_norm, k, 1, D, D, m->eps, m->adds_one, F32, 1);
+        }
+        rope(st, p->kv, 2 * D, 1, D, cos, sin);
+        kvserve_store_kv(p->kv, p->kv + D, 2 * D, D, (char *)l->k_cache + h * l->cache_head_stride * elem,
+                         (char *)l->v_cache + h * l->cache_head_stride * elem, l->cache_head_stride,
+                         st->slots[l->group], NULL, T, 1, D, F32, l->kv_dtype);
+    }
+}
+
 /* Whether each thread's query heads (query_head_share) are whole runs of the O projection's
  * input, so that a thread can multiply its heads' attention output by O without a barrier. */
 static int heads_are_runs(const NativeModel *m, int nthreads) {
@@ -526,6 +561,9 @@ static const float *attention_and_o(const NativeModel *m, const NativeLayer *l, 
         attention_heads(m, l, st, s, 0, tid, nthreads);
         wait_all(p, PHASE_ATTENTION);
         attention_tokens(m, l, st, s, tid, nthreads);
+    } else if (by_query_heads && m->fewer_barriers) {
+        query_share_kv(m, l, st, s, p, tid, nthreads);
+        attention_query_heads(m, l, st, s, tid, nthreads);
     } else if (by_query_heads) {
         attention_heads(m, l, st, s, 0, tid, nthreads);
         wait_all(p, PHASE_ATTENTION);
@@ -738,9 +776,9 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
                      malloc(sizeof(float) * (size_t)(T * I)), malloc((size_t)(T * W * 4) + 64),
                      malloc(sizeof(float) * (size_t)(2 * T * (W / 32 + 1))),
                      malloc((size_t)kvserve_quant_gemm_panel_bytes(W)), malloc(sizeof(float) * (size_t)(T * H)),
-                     malloc(sizeof(float) * (size_t)(T * 2 * I)), malloc(sizeof(int64_t) * (size_t)(run_count(W) + 1)),
-                     s.out};
-        int ok = p.residual && p.x && p.act && p.qx && p.scales && p.panel && p.sum && p.gate_up && p.bounds;
+                     malloc(sizeof(float) * (size_t)(T * 2 * I)), malloc(sizeof(float) * (size_t)(T * 2 * m->head_dim)),
+                     malloc(sizeof(int64_t) * (size_t)(run_count(W) + 1)), s.out};
+        int ok = p.residual && p.x && p.act && p.qx && p.scales && p.panel && p.sum && p.gate_up && p.kv && p.bounds;
         p.barrier = &barrier;
         phase_start(&p.timer);
         if (!ok) {
@@ -773,7 +811,7 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
             phase_finish(&p.timer, tid);
         }
         free(p.residual), free(p.x), free(p.act), free(p.qx), free(p.scales), free(p.panel), free(p.sum),
-            free(p.gate_up), free(p.bounds);
+            free(p.gate_up), free(p.kv), free(p.bounds);
     }
     free(s.qkv), free(s.attn), free(s.out), free(s.gate_up), free(s.o_runs), free(s.down_runs);
     return failed;
