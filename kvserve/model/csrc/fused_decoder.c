@@ -549,6 +549,38 @@ static void run_share(const NativeModel *m, int64_t in, int by_heads, int tid, i
     }
 }
 
+/* Whether a step of T tokens attends by query heads (attention_query_heads). */
+static int by_query_heads(const NativeModel *m, int64_t T, int nthreads) {
+    return T < TOKEN_SPLIT_MIN && nthreads > 1 && m->num_kv_heads % nthreads;
+}
+
+/* The QKV projection of p->x into s->qkv. With fewer barriers where the attention goes by
+ * query heads, each thread computes only the rows its heads need (its query heads' Q, the K
+ * and V of the KV heads they read: a KV head two threads share, both, the same values) and
+ * waits for no one (head_dim a multiple of every path's row unit); else the threads split
+ * the rows and meet. */
+static void qkv_projection(const NativeModel *m, const NativeLayer *l, int64_t T, int64_t plain, Private *p,
+                           const Shared *s, int tid, int nthreads) {
+    const int64_t D = m->head_dim, group = m->num_heads / m->num_kv_heads;
+    const int64_t q_size = m->num_heads * D, kv_size = m->num_kv_heads * D;
+    if (!m->fewer_barriers || !by_query_heads(m, T, nthreads) || D % 16) {
+        linear_rows(m, &l->qkv, p->x, T, plain, p, s->qkv, tid, nthreads);
+        wait_all(p, PHASE_QKV);
+        return;
+    }
+    const int path = linear_path(m, &l->qkv, T, plain);
+    int64_t begin, end;
+    query_head_share(m, tid, nthreads, &begin, &end);
+    linear_prepare(&l->qkv, path, p->x, T, p);
+    if (begin < end) {
+        const int64_t h0 = begin / group, h1 = (end - 1) / group + 1;
+        linear_range(&l->qkv, path, p->x, T, p, s->qkv, begin * D, end * D);
+        linear_range(&l->qkv, path, p->x, T, p, s->qkv, q_size + h0 * D, q_size + h1 * D);
+        linear_range(&l->qkv, path, p->x, T, p, s->qkv, q_size + kv_size + h0 * D, q_size + kv_size + h1 * D);
+    }
+    phase_mark(&p->timer, PHASE_QKV);
+}
+
 /* Q/K norms, RoPE, K/V write, attention and the O projection; returns the O output [T, hidden]
  * (Shared.out, or p->sum where O is split by input columns). Where O is split and the
  * attention goes by query heads that are whole runs of O's input, each thread multiplies its
@@ -556,15 +588,15 @@ static void run_share(const NativeModel *m, int64_t in, int by_heads, int tid, i
 static const float *attention_and_o(const NativeModel *m, const NativeLayer *l, const NativeStep *st, Private *p,
                                     const Shared *s, int64_t plain, int tid, int nthreads) {
     const int64_t T = st->num_tokens, H = m->hidden;
-    const int by_query_heads = T < TOKEN_SPLIT_MIN && nthreads > 1 && m->num_kv_heads % nthreads;
+    const int query_heads = by_query_heads(m, T, nthreads);
     if (T >= TOKEN_SPLIT_MIN && nthreads > 1) {
         attention_heads(m, l, st, s, 0, tid, nthreads);
         wait_all(p, PHASE_ATTENTION);
         attention_tokens(m, l, st, s, tid, nthreads);
-    } else if (by_query_heads && m->fewer_barriers) {
+    } else if (query_heads && m->fewer_barriers) {
         query_share_kv(m, l, st, s, p, tid, nthreads);
         attention_query_heads(m, l, st, s, tid, nthreads);
-    } else if (by_query_heads) {
+    } else if (query_heads) {
         attention_heads(m, l, st, s, 0, tid, nthreads);
         wait_all(p, PHASE_ATTENTION);
         attention_query_heads(m, l, st, s, tid, nthreads);
@@ -577,7 +609,7 @@ static const float *attention_and_o(const NativeModel *m, const NativeLayer *l, 
         wait_all(p, PHASE_O);
         return s->out;
     }
-    const int by_heads = by_query_heads && heads_are_runs(m, nthreads);
+    const int by_heads = query_heads && heads_are_runs(m, nthreads);
     if (by_heads)
         phase_mark(&p->timer, PHASE_ATTENTION);
     else
@@ -652,8 +684,7 @@ static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *
         norm(m, first ? p->residual : p->out, first ? NULL : p->residual, l->input_norm, p->x, T);
     }
     phase_mark(&p->timer, PHASE_NORMS);
-    linear_rows(m, &l->qkv, p->x, T, plain, p, s->qkv, tid, nthreads);
-    wait_all(p, PHASE_QKV);
+    qkv_projection(m, l, T, plain, p, s, tid, nthreads);
     const float *o_out = attention_and_o(m, l, st, p, s, plain, tid, nthreads);
     if (m->sandwich) {
         norm(m, o_out, NULL, l->post_attention_norm, p->x, T);
