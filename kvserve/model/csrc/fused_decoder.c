@@ -125,6 +125,11 @@ typedef struct {
     float embed_scale;
     int32_t fewer_barriers; /* 1: O and down split by input columns where splits_by_input allows, and
                              * query_share_kv; 0: the matmuls split by rows (for A/B measurements) */
+    /* Tensor parallelism (NULL: one rank): the O and down projections give this rank's
+     * partial sums into reduce_buffer [T, hidden], and thread 0 calls all_reduce(T * hidden)
+     * to sum them over the ranks in place (nonzero: it failed) while the others wait. */
+    float *reduce_buffer;
+    int32_t (*all_reduce)(int64_t count);
 } NativeModel;
 
 /* One step: T tokens; token t sits at positions[t] of the request whose blocks are
@@ -218,6 +223,7 @@ static void spin_barrier(SpinBarrier *b) {
 typedef struct {
     float *qkv, *attn, *out, *gate_up; /* [T, qkv width], [T, q size], [T, hidden], [T, 2 * intermediate] */
     float *o_runs, *down_runs;         /* a split O / down projection's partial products [runs, T, hidden] */
+    int reduce_failed;                 /* set by thread 0 when an all-reduce failed: every thread stops */
 } Shared;
 
 static void split_rows(int64_t out, int64_t unit, int tid, int nthreads, int64_t *begin, int64_t *end) {
@@ -324,12 +330,12 @@ static void linear_rows(const NativeModel *m, const NativeLinear *l, const float
  * thread count or on the step's other rows, only its float32 summation order differs from
  * the unsplit kernel's (the integer block sums are the same). Taken where the projection
  * runs quant_gemv.c's single-row kernel (int8 activations, AVX512-VNNI, 4- or 8-bit
- * weights); other paths keep the split by rows and its barrier. */
+ * weights, one rank); other paths keep the split by rows and its barrier. */
 
 /* Whether a step of T rows (plain_rows of them not drafts) splits l by its input columns. */
 static int splits_by_input(const NativeModel *m, const NativeLinear *l, int64_t T, int64_t plain_rows) {
     const int path = linear_path(m, l, T, plain_rows);
-    return m->fewer_barriers && l->qs && (l->bits == 4 || l->bits == 8) && (path == PATH_QUANT || path == PATH_SINGLE_ROWS) &&
+    return m->fewer_barriers && !m->all_reduce && l->qs && (l->bits == 4 || l->bits == 8) && (path == PATH_QUANT || path == PATH_SINGLE_ROWS) &&
            kvserve_quant_single_row_kernel(l->act_bits, l->isa);
 }
 
@@ -581,12 +587,26 @@ static void qkv_projection(const NativeModel *m, const NativeLayer *l, int64_t T
     phase_mark(&p->timer, PHASE_QKV);
 }
 
+/* Tensor parallelism: s->out [T, hidden] summed over the ranks (thread 0 calls out while
+ * the others wait at the barrier after it). Returns whether every thread goes on. */
+static int all_reduce_out(const NativeModel *m, const NativeStep *st, Private *p, Shared *s, int tid) {
+    if (!m->all_reduce) return 1;
+    if (tid == 0) {
+        phase_mark(&p->timer, PHASE_NORMS);
+        if (m->all_reduce(st->num_tokens * m->hidden)) s->reduce_failed = 1;
+        phase_mark(&p->timer, PHASE_ALL_REDUCE);
+    }
+    wait_all(p, PHASE_NORMS);
+    return !s->reduce_failed;
+}
+
 /* Q/K norms, RoPE, K/V write, attention and the O projection; returns the O output [T, hidden]
- * (Shared.out, or p->sum where O is split by input columns). Where O is split and the
+ * (Shared.out, summed over the ranks under tensor parallelism, or p->sum where O is split by
+ * input columns), or NULL when the all-reduce failed. Where O is split and the
  * attention goes by query heads that are whole runs of O's input, each thread multiplies its
  * own heads' output without waiting for the others'. */
 static const float *attention_and_o(const NativeModel *m, const NativeLayer *l, const NativeStep *st, Private *p,
-                                    const Shared *s, int64_t plain, int tid, int nthreads) {
+                                    Shared *s, int64_t plain, int tid, int nthreads) {
     const int64_t T = st->num_tokens, H = m->hidden;
     const int query_heads = by_query_heads(m, T, nthreads);
     if (T >= TOKEN_SPLIT_MIN && nthreads > 1) {
@@ -607,7 +627,7 @@ static const float *attention_and_o(const NativeModel *m, const NativeLayer *l, 
         wait_all(p, PHASE_ATTENTION);
         linear_rows(m, &l->o, s->attn, T, plain, p, s->out, tid, nthreads);
         wait_all(p, PHASE_O);
-        return s->out;
+        return all_reduce_out(m, st, p, s, tid) ? s->out : NULL;
     }
     const int by_heads = query_heads && heads_are_runs(m, nthreads);
     if (by_heads)
@@ -631,12 +651,13 @@ static void gate_activation(const NativeModel *m, const float *gate_up, float *a
         kvserve_silu_mul(gate_up, act, T, width, F32, 1);
 }
 
-/* The MLP of x = p->x; returns its output [T, hidden] (Shared.out, or p->sum where the down
- * projection is split by input columns: each thread then computes the gate and up columns of
- * its runs of the down projection's input, their activation and their partial products, with
- * one barrier instead of two). */
-static const float *mlp(const NativeModel *m, const NativeLayer *l, int64_t T, int64_t plain, Private *p,
-                        const Shared *s, int tid, int nthreads) {
+/* The MLP of x = p->x; returns its output [T, hidden] (as attention_and_o's, NULL when the
+ * all-reduce failed; where the down projection is split by input columns, each thread computes
+ * the gate and up columns of its runs of the down projection's input, their activation and
+ * their partial products, with one barrier instead of two). */
+static const float *mlp(const NativeModel *m, const NativeLayer *l, const NativeStep *st, Private *p, Shared *s,
+                        int tid, int nthreads) {
+    const int64_t T = st->num_tokens, plain = T - st->num_draft_tokens;
     const int64_t H = m->hidden, I = m->intermediate;
     if (!splits_by_input(m, &l->down, T, plain)) {
         linear_rows(m, &l->gate_up, p->x, T, plain, p, s->gate_up, tid, nthreads);
@@ -645,7 +666,7 @@ static const float *mlp(const NativeModel *m, const NativeLayer *l, int64_t T, i
         phase_mark(&p->timer, PHASE_NORMS);
         linear_rows(m, &l->down, p->act, T, plain, p, s->out, tid, nthreads);
         wait_all(p, PHASE_DOWN);
-        return s->out;
+        return all_reduce_out(m, st, p, s, tid) ? s->out : NULL;
     }
     int64_t begin, end;
     run_share(m, I, 0, tid, nthreads, &begin, &end);
@@ -675,7 +696,7 @@ static const float *mlp(const NativeModel *m, const NativeLayer *l, int64_t T, i
 /* One decoder layer. The stream is p->residual (sandwich norms), or p->residual + p->out
  * (pre-norm: p->out is the previous layer's MLP output, added in by the first norm; the
  * first layer's stream is p->residual alone). */
-static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *st, Private *p, const Shared *s,
+static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *st, Private *p, Shared *s,
                   int first, int tid, int nthreads) {
     const int64_t T = st->num_tokens, H = m->hidden, plain = T - st->num_draft_tokens;
     if (m->sandwich) {
@@ -686,6 +707,7 @@ static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *
     phase_mark(&p->timer, PHASE_NORMS);
     qkv_projection(m, l, T, plain, p, s, tid, nthreads);
     const float *o_out = attention_and_o(m, l, st, p, s, plain, tid, nthreads);
+    if (!o_out) return;
     if (m->sandwich) {
         norm(m, o_out, NULL, l->post_attention_norm, p->x, T);
         for (int64_t i = 0; i < T * H; i++) p->residual[i] += p->x[i];
@@ -694,7 +716,8 @@ static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *
         norm(m, o_out, p->residual, l->post_attention_norm, p->x, T);
     }
     phase_mark(&p->timer, PHASE_NORMS);
-    p->out = mlp(m, l, T, plain, p, s, tid, nthreads);
+    p->out = mlp(m, l, st, p, s, tid, nthreads);
+    if (!p->out) return;
     if (m->sandwich) {
         norm(m, p->out, NULL, l->post_feedforward_norm, p->x, T);
         for (int64_t i = 0; i < T * H; i++) p->residual[i] += p->x[i];
@@ -781,10 +804,32 @@ static void embed_tokens(const NativeModel *m, const NativeStep *st, float *out)
     }
 }
 
+/* After the last layer: the final norm into hidden (thread 0), then the LM head's rows. */
+static void finish(const NativeModel *m, const NativeLogits *lg, const NativeStep *st, float *hidden, Private *p,
+                   int tid, int nthreads) {
+    const int64_t T = st->num_tokens;
+    if (tid == 0) {
+        if (m->sandwich)
+            norm(m, p->residual, NULL, m->final_norm, hidden, T);
+        else
+            norm(m, p->out, p->residual, m->final_norm, hidden, T);
+        if (lg && lg->mask) {
+            phase_mark(&p->timer, PHASE_NORMS);
+            await_token_mask(lg->mask);
+            phase_mark(&p->timer, PHASE_WAIT);
+        }
+    }
+    if (lg) {
+        wait_all(p, PHASE_NORMS);
+        head_rows(m, lg, st, hidden, p, tid, nthreads);
+    }
+}
+
 /* hidden [T, hidden]: the scaled embeddings in (unless st->token_ids: then the call embeds
  * the tokens itself), the final norm's output out; with `lg` also the LM head's logits of
- * some of the tokens. Returns 0, 1 when out of memory (hidden unchanged then), or 2 for a
- * token id outside the embedding table (nothing done). */
+ * some of the tokens. Returns 0, 1 when out of memory (hidden unchanged then), 2 for a
+ * token id outside the embedding table (nothing done), or 3 when an all-reduce failed
+ * (hidden unchanged; the KV cache holds the layers' rows up to that one). */
 int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *layers, const NativeStep *st,
                                    float *hidden, const NativeLogits *lg, int num_threads) {
     const int64_t T = st->num_tokens, H = m->hidden, I = m->intermediate, W = max_width(m);
@@ -794,9 +839,10 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
             if (st->token_ids[t] < 0 || st->token_ids[t] >= m->embed.out) return 2;
     Shared s = {malloc(sizeof(float) * (size_t)(T * qkv_width)),
                 malloc(sizeof(float) * (size_t)(T * m->num_heads * m->head_dim)),
-                malloc(sizeof(float) * (size_t)(T * H)), malloc(sizeof(float) * (size_t)(T * 2 * I)),
+                m->all_reduce ? m->reduce_buffer : malloc(sizeof(float) * (size_t)(T * H)),
+                malloc(sizeof(float) * (size_t)(T * 2 * I)),
                 malloc(sizeof(float) * (size_t)(run_count(m->num_heads * m->head_dim) * T * H)),
-                malloc(sizeof(float) * (size_t)(run_count(I) * T * H))};
+                malloc(sizeof(float) * (size_t)(run_count(I) * T * H)), 0};
     int failed = !s.qkv || !s.attn || !s.out || !s.gate_up || !s.o_runs || !s.down_runs;
     SpinBarrier barrier = {0, 0, 1};
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && !failed)
@@ -822,30 +868,19 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
                 embed_tokens(m, st, p.residual);
             else
                 memcpy(p.residual, hidden, sizeof(float) * (size_t)(T * H));
-            for (int64_t i = 0; i < m->num_layers; i++) layer(m, &layers[i], st, &p, &s, i == 0, tid, nthreads);
-            if (tid == 0) {
-                if (m->sandwich)
-                    norm(m, p.residual, NULL, m->final_norm, hidden, T);
-                else
-                    norm(m, p.out, p.residual, m->final_norm, hidden, T);
-                if (lg && lg->mask) {
-                    phase_mark(&p.timer, PHASE_NORMS);
-                    await_token_mask(lg->mask);
-                    phase_mark(&p.timer, PHASE_WAIT);
-                }
-            }
-            if (lg) {
-                wait_all(&p, PHASE_NORMS);
-                head_rows(m, lg, st, hidden, &p, tid, nthreads);
-            }
+            for (int64_t i = 0; i < m->num_layers && !s.reduce_failed; i++)
+                layer(m, &layers[i], st, &p, &s, i == 0, tid, nthreads);
+            /* a failed all-reduce: every thread saw the flag after the same barrier and stops */
+            if (!s.reduce_failed) finish(m, lg, st, hidden, &p, tid, nthreads);
             phase_mark(&p.timer, PHASE_NORMS);
             phase_finish(&p.timer, tid);
         }
         free(p.residual), free(p.x), free(p.act), free(p.qx), free(p.scales), free(p.panel), free(p.sum),
             free(p.gate_up), free(p.kv), free(p.bounds);
     }
-    free(s.qkv), free(s.attn), free(s.out), free(s.gate_up), free(s.o_runs), free(s.down_runs);
-    return failed;
+    free(s.qkv), free(s.attn), free(s.gate_up), free(s.o_runs), free(s.down_runs);
+    if (!m->all_reduce) free(s.out);
+    return failed ? 1 : s.reduce_failed ? 3 : 0;
 }
 
 int kvserve_decoder_forward(const NativeModel *m, const NativeLayer *layers, const NativeStep *st, float *hidden,
