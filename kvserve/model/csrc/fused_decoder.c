@@ -863,6 +863,8 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
             failed = 1;
         }
 #pragma omp barrier
+        /* the wait for the region's other threads to start (waking a sleeping one is most of it) */
+        phase_mark(&p.timer, PHASE_WAIT);
         if (!failed) {
             if (st->token_ids)
                 embed_tokens(m, st, p.residual);
