@@ -126,10 +126,12 @@ typedef struct {
     int32_t fewer_barriers; /* 1: O and down split by input columns where splits_by_input allows, and
                              * query_share_kv; 0: the matmuls split by rows (for A/B measurements) */
     /* Tensor parallelism (NULL: one rank): the O and down projections give this rank's
-     * partial sums into reduce_buffer [T, hidden], and thread 0 calls all_reduce(T * hidden)
-     * to sum them over the ranks in place (nonzero: it failed) while the others wait. */
+     * partial sums into reduce_buffer [T, hidden], and thread 0 calls
+     * all_reduce(reduce_ctx, reduce_buffer, T * hidden) to sum them over the ranks in place
+     * (nonzero: it failed) while the others wait: shm_all_reduce.c, or Python over gloo. */
     float *reduce_buffer;
-    int32_t (*all_reduce)(int64_t count);
+    int32_t (*all_reduce)(void *ctx, float *buf, int64_t count);
+    void *reduce_ctx;
 } NativeModel;
 
 /* One step: T tokens; token t sits at positions[t] of the request whose blocks are
@@ -335,7 +337,8 @@ static void linear_rows(const NativeModel *m, const NativeLinear *l, const float
 /* Whether a step of T rows (plain_rows of them not drafts) splits l by its input columns. */
 static int splits_by_input(const NativeModel *m, const NativeLinear *l, int64_t T, int64_t plain_rows) {
     const int path = linear_path(m, l, T, plain_rows);
-    return m->fewer_barriers && !m->all_reduce && l->qs && (l->bits == 4 || l->bits == 8) && (path == PATH_QUANT || path == PATH_SINGLE_ROWS) &&
+    return m->fewer_barriers && !m->all_reduce && l->qs && (l->bits == 4 || l->bits == 8) &&
+           (path == PATH_QUANT || path == PATH_SINGLE_ROWS) &&
            kvserve_quant_single_row_kernel(l->act_bits, l->isa);
 }
 
@@ -593,7 +596,7 @@ static int all_reduce_out(const NativeModel *m, const NativeStep *st, Private *p
     if (!m->all_reduce) return 1;
     if (tid == 0) {
         phase_mark(&p->timer, PHASE_NORMS);
-        if (m->all_reduce(st->num_tokens * m->hidden)) s->reduce_failed = 1;
+        if (m->all_reduce(m->reduce_ctx, s->out, st->num_tokens * m->hidden)) s->reduce_failed = 1;
         phase_mark(&p->timer, PHASE_ALL_REDUCE);
     }
     wait_all(p, PHASE_NORMS);
