@@ -199,6 +199,9 @@ def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="requests decoding together")
     parser.add_argument("--context-len", type=int, default=256, help="prompt tokens per request")
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed and profiled")
+    parser.add_argument("--ab-fewer-barriers", type=int, default=0, metavar="ROUNDS",
+                        help="then time ROUNDS alternating rounds of --steps steps each with the native call's "
+                             "fewer barriers a layer (the default) and without (NativeDecoder.fewer_barriers)")
     _add_engine_arguments(parser)
 
 
@@ -428,7 +431,7 @@ def _run_profile(args: argparse.Namespace) -> dict[str, Any]:
     from kvserve.bench import profile
 
     return profile.run(batch_size=args.batch_size, context_len=args.context_len, steps=args.steps,
-                       **_engine_kwargs(args))
+                       ab_fewer_barriers=args.ab_fewer_barriers, **_engine_kwargs(args))
 
 
 def _run_host(args: argparse.Namespace) -> dict[str, Any]:

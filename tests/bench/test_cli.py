@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from kvserve.bench.profile import NATIVE_DECODER
+from kvserve.bench.profile import NATIVE_DECODER, format_result
 from kvserve.cli import main
 
 from .fake_openai_server import FakeServer
@@ -132,6 +132,19 @@ def test_profile_tiny(tmp_path, capsys, tiny_model_dir):
     assert result["plain_step_ms"] > 0 and result["top_functions_model_step"]
     split = result["native_split"]  # inside the call, by phase (csrc/phase_timer.h)
     assert split["calls"] >= 1 and split["threads"][0]["QKV matmul"] > 0
+    assert result["fewer_barriers_ab"] is None  # not asked for
+
+
+def test_profile_ab_of_the_fewer_barriers(tmp_path, capsys, tiny_model_dir):
+    """`--ab-fewer-barriers`: alternating rounds with the native call's fewer barriers a layer
+    and without, each round's step times, ratios and phases recorded."""
+    result = run_bench(tmp_path, capsys, "profile", "--model", tiny_model_dir, "--batch-size", "1",
+                       "--context-len", "8", "--steps", "2", "--ab-fewer-barriers", "3", *ENGINE_FLAGS)
+    ab = result["fewer_barriers_ab"]
+    assert ab["rounds"] == 3 and len(ab["step_ms"]["on"]) == len(ab["step_ms"]["off"]) == 3
+    assert ab["median_ratio"] == pytest.approx(sorted(ab["ratios_off_over_on"])[1])
+    assert all(phases[0]["QKV matmul"] > 0 for phases in ab["median_phases_ms_per_call"].values())
+    assert "fewer barriers a layer vs more" in format_result(result)
 
 
 def test_host_tiny(tmp_path, capsys, tiny_model_dir):
