@@ -147,6 +147,23 @@ def test_profile_ab_of_the_fewer_barriers(tmp_path, capsys, tiny_model_dir):
     assert "fewer barriers a layer vs more" in format_result(result)
 
 
+def test_host_tiny(tmp_path, capsys, tiny_model_dir):
+    result = run_bench(tmp_path, capsys, "host", "--model", tiny_model_dir, "--rounds", "2", "--prompt-len", "8",
+                       "--output-len", "6", "--modes", "auto,sync,async", "--no-plot", *ENGINE_FLAGS)
+    assert result["modes"] == ["auto", "sync", "async"]
+    for mode in result["modes"]:
+        rounds = result["rounds_by_mode"][mode]
+        assert len(rounds) == 2 and all(r["tokens"] == 6 for r in rounds)
+        # Every step (the prompt's and five decode steps) ran the native call, and the
+        # host's pieces were timed without it.
+        assert all(r["native_calls"] == r["steps"] == 6 for r in rounds)
+        summary = result["summary"][mode]
+        pieces = summary["pieces_ms_per_call"]
+        assert 0 < pieces["  model forward"] < pieces["runner step"]
+        assert summary["host_ms_per_step"] > 0 and summary["native_ms_per_call"] > 0
+    assert result["summary"]["auto"]["speed_vs_first"] == 1.0
+
+
 def test_scheduler_tiny(tmp_path, capsys):
     result = run_bench(tmp_path, capsys, "scheduler", "--num-running", "4,8", "--prompt-len", "32",
                        "--output-len", "8", "--no-plot")
