@@ -10,6 +10,10 @@ and by op name for the weight matmuls.
 
 cProfile adds a cost to every Python call, so Python shares come out
 inflated; the plain step time above them is the undisturbed figure.
+
+Under tensor parallelism (`tensor_parallel_size` > 1) the model runs in worker
+processes, out of this process's profilers' reach: only the plain step time is
+measured.
 """
 from __future__ import annotations
 
@@ -137,30 +141,34 @@ def run(*, batch_size: int = 32, context_len: int = 256, steps: int = 16, seed: 
     config = EngineConfig.create(**engine_kwargs)
     core = EngineCore(config)
     try:
-        runner = getattr(core.executor, "model_runner", None)
-        if runner is None:
-            raise RuntimeError("the profile needs the single-process executor (tensor_parallel_size 1)")
+        runner = getattr(core.executor, "model_runner", None)  # None: tensor-parallel workers run the model
         _prefill(core, batch_size, context_len, 2 * steps + 8, config.model_config.vocab_size, seed)
         started = time.perf_counter()
         for _ in range(steps):
             core.step()
         plain_step_s = (time.perf_counter() - started) / steps
-        engine_stats, runner_stats, profiled_s = _profiled_steps(core, runner, steps)
-        native_split = _native_split(core, runner.model.native_decoder, steps)
+        if runner is not None:
+            engine_stats, runner_stats, profiled_s = _profiled_steps(core, runner, steps)
+            native_split = _native_split(core, runner.model.native_decoder, steps)
     finally:
         core.shutdown()
-    categories = categorize(runner_stats)
-    for name, seconds in categorize(engine_stats).items():
-        if name not in ("matmul (weights)", "attention", "sampling"):
-            categories[name] = categories.get(name, 0.0) + seconds
-    total = sum(categories.values())
-    return {
+    result = {
         "engine_kwargs": engine_kwargs,
         "batch_size": batch_size,
         "context_len": context_len,
         "steps": steps,
         "plain_step_ms": plain_step_s * 1000,
         "plain_decode_tokens_per_s": batch_size / plain_step_s,
+    }
+    if runner is None:
+        return result
+    categories = categorize(runner_stats)
+    for name, seconds in categorize(engine_stats).items():
+        if name not in ("matmul (weights)", "attention", "sampling"):
+            categories[name] = categories.get(name, 0.0) + seconds
+    total = sum(categories.values())
+    return {
+        **result,
         "profiled_step_ms": profiled_s / steps * 1000,
         "categories": [{"category": name, "ms_per_step": categories.get(name, 0.0) / steps * 1000,
                         "share": categories.get(name, 0.0) / total if total else 0.0} for name in CATEGORIES],
@@ -217,8 +225,10 @@ def _profiled_steps(core, runner, steps: int) -> tuple[pstats.Stats, pstats.Stat
 
 def format_result(result: dict[str, Any]) -> str:
     head = (f"profile: decode step, batch {result['batch_size']}, context ~{result['context_len']} tokens: "
-            f"{result['plain_step_ms']:.1f} ms/step unprofiled ({result['plain_decode_tokens_per_s']:.0f} tok/s), "
-            f"{result['profiled_step_ms']:.1f} ms/step under cProfile")
+            f"{result['plain_step_ms']:.1f} ms/step unprofiled ({result['plain_decode_tokens_per_s']:.0f} tok/s)")
+    if "categories" not in result:
+        return head + " (tensor parallel: the ranks' processes are not profiled)"
+    head += f", {result['profiled_step_ms']:.1f} ms/step under cProfile"
     categories = format_table(["where", "ms/step (profiled)", "share"],
                               [[c["category"], c["ms_per_step"], f"{c['share'] * 100:.1f}%"]
                                for c in result["categories"]], title=head)
@@ -237,5 +247,7 @@ def format_result(result: dict[str, Any]) -> str:
 
 
 def plot_values(result: dict[str, Any]) -> tuple[list[str], list[float]]:
+    if "categories" not in result:
+        return ["decode step"], [result["plain_step_ms"]]
     return ([c["category"].split(":")[0].split(" (")[0] for c in result["categories"]],
             [c["ms_per_step"] for c in result["categories"]])

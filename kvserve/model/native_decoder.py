@@ -12,13 +12,24 @@ inside one parallel region; steps of many tokens split attention by tokens.
 
 It takes what it covers and nothing else; `DecoderModel.forward` keeps the
 torch path for any step it declines (None):
-- model: CPU, float32 or bfloat16, one tensor-parallel rank, every projection
-  block-quantized or a plain float32 or bfloat16 matrix, SiLU or GELU(tanh)
-  gates, head size <= 256, at most 32 query heads per KV head;
+- model: CPU, float32 or bfloat16, every projection block-quantized or a plain
+  float32 or bfloat16 matrix, SiLU or GELU(tanh) gates, head size <= 256, at
+  most 32 query heads per KV head; under tensor parallelism no bias on the O
+  and down projections (see below);
 - step: at most `max_tokens` tokens (above), every KV-cache group a block table (not a
   circular ring, whose read-before-write order the kernel does not follow),
   caches float32 or bfloat16 and contiguous.
 `ModelKernels.native_decoder` (KVSERVE_NATIVE_DECODER=0 in `KernelConfig`) switches it off.
+
+Under tensor parallelism each rank's call runs its shards (QKV and gate/up by
+output rows, O and down by input columns) and sums the O and down outputs over
+the ranks from inside the call: thread 0 calls back into Python
+(`_TensorParallelReduce`), which all-reduces a buffer the call writes those
+outputs to, while the rank's other threads wait at the barrier after it. The
+step stays one call (a split into an attention call and an MLP call per layer
+would enter two parallel regions per layer and keep Python in the layer loop).
+The embedding lookup (vocabulary-sharded, itself all-reduced) and the LM head
+(whose logits the caller gathers) stay outside the call on such ranks.
 
 The call keeps its activations in float32 whatever the model's dtype; a bfloat16
 model's matmuls round their input rows to bfloat16 (csrc/bf16_rows.c, on the
@@ -69,11 +80,16 @@ class _Layer(ctypes.Structure):
                 ("window", _i64), ("group", _i32), ("local_rope", _i32), ("kv_dtype", _i32), ("unused", _i32)]
 
 
+# The all-reduce the call makes under tensor parallelism: (element count) -> 0, or nonzero on failure.
+_ALL_REDUCE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int64)
+
+
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
                 ("head_dim", _i64), ("intermediate", _i64), ("final_norm", _ptr), ("eps", _f32), ("scale", _f32),
                 ("softcap", _f32), ("adds_one", _i32), ("sandwich", _i32), ("gelu", _i32), ("panel_rows", _i32),
-                ("embed", _Linear), ("embed_scale", _f32), ("unused_embed", _i32)]
+                ("embed", _Linear), ("embed_scale", _f32), ("unused_embed", _i32), ("reduce_buffer", _ptr),
+                ("all_reduce", _ALL_REDUCE)]
 
 
 class _Step(ctypes.Structure):
@@ -126,7 +142,8 @@ def f32_gemm_isa(kernel_config: KernelConfig | None = None) -> str | None:
 # The phases of csrc/phase_timer.h, in its order.
 PHASES = ("norms, residual adds, gate activation", "activation rounding", "QKV matmul",
           "attention (Q/K norms, RoPE, K/V write, paged attention)", "O matmul", "gate/up matmul", "down matmul",
-          "LM head matmul", "barrier wait")
+          "LM head matmul", "barrier wait",
+          "all-reduce (tensor parallel, thread 0)")
 
 
 @contextlib.contextmanager
@@ -154,6 +171,32 @@ class NativeDeclined(Exception):
     """The model has a feature the native decoder does not cover (the message says which)."""
 
 
+class _TensorParallelReduce:
+    """The all-reduce a tensor-parallel rank's call makes after its O and down projections:
+    the call writes their partial sums to `buffer` and thread 0 calls `callback(count)`,
+    which sums `buffer[:count]` over the rank's group in place (torch.distributed, as
+    `RowParallelLinear` does on the per-op path). An exception cannot cross the C frame:
+    it is kept in `error` and the callback returns 1 (the call then stops; see `raise_error`)."""
+
+    def __init__(self, tp, num_elements: int) -> None:
+        self.group = tp.group
+        self.buffer = torch.empty(num_elements, dtype=torch.float32)
+        self.error: BaseException | None = None
+        self.callback = _ALL_REDUCE(self._all_reduce)  # held here: the call keeps only its pointer
+
+    def _all_reduce(self, count: int) -> int:
+        try:
+            torch.distributed.all_reduce(self.buffer[:count], group=self.group)
+            return 0
+        except BaseException as exc:  # KeyboardInterrupt too: re-raised once the call is back
+            self.error = exc
+            return 1
+
+    def raise_error(self) -> None:
+        error, self.error = self.error, None
+        raise error if error is not None else RuntimeError("the native decoder's all-reduce failed")
+
+
 def _ptr_of(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -175,8 +218,11 @@ class NativeDecoder:
         for i, layer in enumerate(model.layers):
             self._describe_layer(self._layers[i], layer)
         self._desc = self._describe_model(model)
-        self._describe_embedding(self._desc.embed)
-        self._head = self._describe_head(model.lm_head)
+        # A tensor-parallel rank holds a vocabulary shard: the full rows are looked up (and
+        # the logits gathered) outside the call.
+        if model.tp.size == 1:
+            self._describe_embedding(self._desc.embed)
+        self._head = self._describe_head(model.lm_head) if model.tp.size == 1 else None
         # Layers this small are not worth a second thread: the barriers between the
         # matmuls would cost more than the rows they share out.
         self.num_threads = torch.get_num_threads() if self._layer_bytes >= _PARALLEL_MIN_LAYER_BYTES else 1
@@ -189,6 +235,10 @@ class NativeDecoder:
         self.max_tokens = max(min(MAX_TOKENS, self._gemm_rows - 1), SMALL_STEP_TOKENS) if self._all_panel \
             else SMALL_STEP_TOKENS
         self._token_index = torch.arange(self.max_tokens, dtype=torch.int64)
+        self._reduce: _TensorParallelReduce | None = None
+        if model.tp.size > 1:
+            self._reduce = _TensorParallelReduce(model.tp, self.max_tokens * self._desc.hidden)
+            self._desc.reduce_buffer, self._desc.all_reduce = self._reduce.buffer.data_ptr(), self._reduce.callback
 
     # -- description (once) ------------------------------------------------------------------
     @classmethod
@@ -209,8 +259,9 @@ class NativeDecoder:
     def _describe_model(self, model) -> _Model:
         config = model.config
         attn = model.layers[0].self_attn
-        if model.tp.size != 1:
-            raise NativeDeclined("tensor parallelism")
+        if model.tp.size != 1 and any(layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None
+                                      for layer in model.layers):
+            raise NativeDeclined("a bias on a row-parallel projection under tensor parallelism")
         weight = model.norm.weight
         if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or (
                 weight.dtype == torch.bfloat16 and model.kernels.bf16_isa is None):
@@ -397,6 +448,8 @@ class NativeDecoder:
         failed = cpu_kernels.load_library().kvserve_decoder_forward_logits(
             ctypes.byref(self._desc), self._layers, ctypes.byref(step), out.data_ptr(),
             None if head is None else ctypes.byref(head), self.num_threads)
+        if failed == 3:
+            self._reduce.raise_error()
         if failed == 2:
             raise IndexError(f"a token id of {input_ids.tolist()} is outside the embedding table")
         if failed:

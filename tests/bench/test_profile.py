@@ -46,3 +46,19 @@ def test_c_function_time_is_split_by_caller_and_matmuls_by_name():
     assert totals["sampling"] == pytest.approx(0.125)
     assert totals["torch Python wrappers"] == pytest.approx(0.5)
     assert sum(totals.values()) == pytest.approx(2.5 + 0.75 + 0.125 + 1.0 + 0.5 + 0.0625 + 0.25 + 0.5)
+
+
+@pytest.mark.slow
+def test_profile_under_tensor_parallelism_times_the_plain_steps(tmp_path):
+    """`bench profile -tp 2`: the model runs in the worker processes, so only the plain step
+    time is measured (and said so), with no profiler categories."""
+    from tp.tp_helpers import save_tiny_model
+
+    from kvserve.bench import profile
+    path = save_tiny_model("llama_gqa", tmp_path / "llama")
+    result = profile.run(model=path, tensor_parallel_size=2, device="cpu", batch_size=2, context_len=8, steps=3,
+                         kv_cache_memory="8MiB")
+    assert result["plain_step_ms"] > 0 and result["plain_decode_tokens_per_s"] > 0
+    assert "categories" not in result and result["engine_kwargs"]["tensor_parallel_size"] == 2
+    assert "tensor parallel: the ranks' processes are not profiled" in profile.format_result(result)
+    assert profile.plot_values(result) == (["decode step"], [result["plain_step_ms"]])

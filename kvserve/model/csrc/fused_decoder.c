@@ -119,6 +119,11 @@ typedef struct {
     NativeLinear embed;
     float embed_scale;
     int32_t unused_embed;
+    /* Tensor parallelism (NULL: one rank): the O and down projections give this rank's
+     * partial sums into reduce_buffer [T, hidden], and thread 0 calls all_reduce(T * hidden)
+     * to sum them over the ranks in place (nonzero: it failed) while the others wait. */
+    float *reduce_buffer;
+    int32_t (*all_reduce)(int64_t count);
 } NativeModel;
 
 /* One step: T tokens; token t sits at positions[t] of the request whose blocks are
@@ -206,6 +211,7 @@ static void spin_barrier(SpinBarrier *b) {
 /* Buffers all threads write (disjoint parts) and then read. */
 typedef struct {
     float *qkv, *attn, *out, *gate_up; /* [T, qkv width], [T, q size], [T, hidden], [T, 2 * intermediate] */
+    int reduce_failed;                 /* set by thread 0 when an all-reduce failed: every thread stops */
 } Shared;
 
 static void split_rows(int64_t out, int64_t unit, int tid, int nthreads, int64_t *begin, int64_t *end) {
@@ -401,10 +407,23 @@ static void attention_query_heads(const NativeModel *m, const NativeLayer *l, co
     }
 }
 
+/* Tensor parallelism: s->out [T, hidden] summed over the ranks (thread 0 calls out while
+ * the others wait at the barrier after it). Returns whether every thread goes on. */
+static int all_reduce_out(const NativeModel *m, const NativeStep *st, Private *p, Shared *s, int tid) {
+    if (!m->all_reduce) return 1;
+    if (tid == 0) {
+        phase_mark(&p->timer, PHASE_NORMS);
+        if (m->all_reduce(st->num_tokens * m->hidden)) s->reduce_failed = 1;
+        phase_mark(&p->timer, PHASE_ALL_REDUCE);
+    }
+    wait_all(p, PHASE_NORMS);
+    return !s->reduce_failed;
+}
+
 /* One decoder layer. The stream is p->residual (sandwich norms), or p->residual + s->out
  * (pre-norm: s->out holds the previous layer's MLP output, added in by the first norm;
  * the first layer's stream is p->residual alone). */
-static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *st, Private *p, const Shared *s,
+static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *st, Private *p, Shared *s,
                   int first, int tid, int nthreads) {
     const int64_t T = st->num_tokens, H = m->hidden, I = m->intermediate, plain = T - st->num_draft_tokens;
     if (m->sandwich) {
@@ -429,6 +448,7 @@ static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *
     wait_all(p, PHASE_ATTENTION);
     linear_rows(m, &l->o, s->attn, T, plain, p, s->out, tid, nthreads);
     wait_all(p, PHASE_O);
+    if (!all_reduce_out(m, st, p, s, tid)) return;
     if (m->sandwich) {
         norm(m, s->out, NULL, l->post_attention_norm, p->x, T);
         for (int64_t i = 0; i < T * H; i++) p->residual[i] += p->x[i];
@@ -446,6 +466,7 @@ static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *
     phase_mark(&p->timer, PHASE_NORMS);
     linear_rows(m, &l->down, p->act, T, plain, p, s->out, tid, nthreads);
     wait_all(p, PHASE_DOWN);
+    if (!all_reduce_out(m, st, p, s, tid)) return;
     if (m->sandwich) {
         norm(m, s->out, NULL, l->post_feedforward_norm, p->x, T);
         for (int64_t i = 0; i < T * H; i++) p->residual[i] += p->x[i];
@@ -532,10 +553,32 @@ static void embed_tokens(const NativeModel *m, const NativeStep *st, float *out)
     }
 }
 
+/* After the last layer: the final norm into hidden (thread 0), then the LM head's rows. */
+static void finish(const NativeModel *m, const NativeLogits *lg, const NativeStep *st, float *hidden, Private *p,
+                   const Shared *s, int tid, int nthreads) {
+    const int64_t T = st->num_tokens;
+    if (tid == 0) {
+        if (m->sandwich)
+            norm(m, p->residual, NULL, m->final_norm, hidden, T);
+        else
+            norm(m, s->out, p->residual, m->final_norm, hidden, T);
+        if (lg && lg->mask) {
+            phase_mark(&p->timer, PHASE_NORMS);
+            await_token_mask(lg->mask);
+            phase_mark(&p->timer, PHASE_WAIT);
+        }
+    }
+    if (lg) {
+        wait_all(p, PHASE_NORMS);
+        head_rows(m, lg, st, hidden, p, tid, nthreads);
+    }
+}
+
 /* hidden [T, hidden]: the scaled embeddings in (unless st->token_ids: then the call embeds
  * the tokens itself), the final norm's output out; with `lg` also the LM head's logits of
- * some of the tokens. Returns 0, 1 when out of memory (hidden unchanged then), or 2 for a
- * token id outside the embedding table (nothing done). */
+ * some of the tokens. Returns 0, 1 when out of memory (hidden unchanged then), 2 for a
+ * token id outside the embedding table (nothing done), or 3 when an all-reduce failed
+ * (hidden unchanged; the KV cache holds the layers' rows up to that one). */
 int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *layers, const NativeStep *st,
                                    float *hidden, const NativeLogits *lg, int num_threads) {
     const int64_t T = st->num_tokens, H = m->hidden, I = m->intermediate, W = max_width(m);
@@ -545,7 +588,8 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
             if (st->token_ids[t] < 0 || st->token_ids[t] >= m->embed.out) return 2;
     Shared s = {malloc(sizeof(float) * (size_t)(T * qkv_width)),
                 malloc(sizeof(float) * (size_t)(T * m->num_heads * m->head_dim)),
-                malloc(sizeof(float) * (size_t)(T * H)), malloc(sizeof(float) * (size_t)(T * 2 * I))};
+                m->all_reduce ? m->reduce_buffer : malloc(sizeof(float) * (size_t)(T * H)),
+                malloc(sizeof(float) * (size_t)(T * 2 * I)), 0};
     int failed = !s.qkv || !s.attn || !s.out || !s.gate_up;
     SpinBarrier barrier = {0, 0, 1};
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && !failed)
@@ -569,29 +613,18 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
                 embed_tokens(m, st, p.residual);
             else
                 memcpy(p.residual, hidden, sizeof(float) * (size_t)(T * H));
-            for (int64_t i = 0; i < m->num_layers; i++) layer(m, &layers[i], st, &p, &s, i == 0, tid, nthreads);
-            if (tid == 0) {
-                if (m->sandwich)
-                    norm(m, p.residual, NULL, m->final_norm, hidden, T);
-                else
-                    norm(m, s.out, p.residual, m->final_norm, hidden, T);
-                if (lg && lg->mask) {
-                    phase_mark(&p.timer, PHASE_NORMS);
-                    await_token_mask(lg->mask);
-                    phase_mark(&p.timer, PHASE_WAIT);
-                }
-            }
-            if (lg) {
-                wait_all(&p, PHASE_NORMS);
-                head_rows(m, lg, st, hidden, &p, tid, nthreads);
-            }
+            for (int64_t i = 0; i < m->num_layers && !s.reduce_failed; i++)
+                layer(m, &layers[i], st, &p, &s, i == 0, tid, nthreads);
+            /* a failed all-reduce: every thread saw the flag after the same barrier and stops */
+            if (!s.reduce_failed) finish(m, lg, st, hidden, &p, &s, tid, nthreads);
             phase_mark(&p.timer, PHASE_NORMS);
             phase_finish(&p.timer, tid);
         }
         free(p.residual), free(p.x), free(p.act), free(p.qx), free(p.scales), free(p.panel);
     }
-    free(s.qkv), free(s.attn), free(s.out), free(s.gate_up);
-    return failed;
+    free(s.qkv), free(s.attn), free(s.gate_up);
+    if (!m->all_reduce) free(s.out);
+    return failed ? 1 : s.reduce_failed ? 3 : 0;
 }
 
 int kvserve_decoder_forward(const NativeModel *m, const NativeLayer *layers, const NativeStep *st, float *hidden,

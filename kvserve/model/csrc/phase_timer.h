@@ -23,7 +23,8 @@ enum {
     PHASE_GATE_UP,
     PHASE_DOWN,
     PHASE_HEAD,
-    PHASE_WAIT, /* at a barrier */
+    PHASE_WAIT,       /* at a barrier */
+    PHASE_ALL_REDUCE, /* thread 0 in the tensor-parallel all-reduce (the others wait at a barrier) */
     PHASE_COUNT
 };
 

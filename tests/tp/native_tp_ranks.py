@@ -1,0 +1,210 @@
+"""Tensor-parallel ranks without an engine: `run_ranks` spawns one process per rank,
+joins them in a gloo group on loopback and runs a function on every rank; and the
+native-decoder comparison each rank runs (`native_vs_torch`).
+
+The case functions run in the spawned processes, so they live here (importable by
+name) rather than in a test module, and return plain data (no tensors) to the parent.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import tempfile
+import traceback
+from dataclasses import dataclass, field
+
+RANK_TIMEOUT_S = 240
+
+
+def _rank_main(rank: int, world_size: int, init_file: str, fn, args, results) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    try:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                             world_size=world_size)
+        try:
+            results.put((rank, fn(rank, world_size, *args), None))
+        finally:
+            torch.distributed.destroy_process_group()
+    except BaseException:
+        results.put((rank, None, traceback.format_exc(limit=20)))
+
+
+def run_ranks(fn, *args, world_size: int = 2) -> list:
+    """`fn(rank, world_size, *args)` on every rank of a fresh gloo group, each in its own
+    process; the results by rank. A rank that raised fails the call with its traceback."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        processes = [context.Process(target=_rank_main, args=(rank, world_size, init_file, fn, args, results))
+                     for rank in range(world_size)]
+        for process in processes:
+            process.start()
+        by_rank, errors = {}, []
+        try:
+            for _ in processes:
+                rank, value, error = results.get(timeout=RANK_TIMEOUT_S)
+                by_rank[rank] = value
+                if error:
+                    errors.append(f"rank {rank}:\n{error}")
+        finally:
+            for process in processes:
+                process.join(timeout=30)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [by_rank[rank] for rank in range(world_size)]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One comparison: the model at `path`, prompts run greedily for `max_new_tokens`
+    with prompt chunks of `chunk` tokens; `threads`: the native call's thread count
+    (None: its own choice); `quant_isa`: KVSERVE_QUANT_ISA for both paths;
+    `prefix_hit`: the prompts reuse a cached prefix, one through a copy-on-write block."""
+
+    name: str
+    path: str
+    lengths: tuple[int, ...] = (5, 19, 30)
+    max_new_tokens: int = 64
+    chunk: int = 2
+    threads: int | None = None
+    quant_isa: str | None = None
+    prefix_hit: bool = False
+
+
+@dataclass
+class Outcome:
+    """What one rank saw in one case: greedy tokens of both paths by request, the largest
+    logits difference relative to the torch path's scale (at least 1), the steps the
+    native call ran and the all-reduces it made, the model's layers."""
+
+    tokens: dict = field(default_factory=dict)
+    torch_tokens: dict = field(default_factory=dict)
+    max_rel_logit_diff: float = 0.0
+    native_steps: int = 0
+    native_all_reduces: int = 0
+    num_layers: int = 0
+
+
+def _prompts(lengths, seed: int) -> dict[str, list[int]]:
+    import torch
+    from model.paged_kv_helper import VOCAB
+
+    generator = torch.Generator().manual_seed(seed)
+    return {f"r{i}": torch.randint(3, VOCAB, (n,), generator=generator).tolist() for i, n in enumerate(lengths)}
+
+
+def _greedy(case: Case, model) -> tuple[dict, dict]:
+    from kvserve.kv_cache.utils import KVCacheBlockCopy
+    from model.paged_kv_helper import PagedRunner, run_greedy
+
+    runner = PagedRunner(model, block_size=4)
+    if not case.prefix_hit:
+        return run_greedy(runner, _prompts(case.lengths, seed=1), case.max_new_tokens, chunk=case.chunk)
+    base, tail = _prompts([22], seed=1)["r0"], _prompts([9], seed=2)["r0"]
+    run_greedy(runner, {"a": base}, 1, chunk=64)
+    shared = runner.requests["a"].block_ids
+    own = [runner.new_block() for _ in shared]
+    runner.copy_blocks([KVCacheBlockCopy(g, shared[g][4], own[g], 2) for g in range(len(shared))])
+    runner.add("c", base[:18] + tail, shared_blocks=[t[:4] + [own[g]] for g, t in enumerate(shared)], num_computed=18)
+    runner.add("b", base[:16] + tail, shared_blocks=[t[:4] for t in shared], num_computed=16)
+    return run_greedy(runner, {"b": base[:16] + tail, "c": base[:18] + tail}, case.max_new_tokens, chunk=case.chunk)
+
+
+def _counting_native(model, outcome: Outcome) -> None:
+    """Counts, into `outcome`, the steps the model's native decoder ran and the all-reduces
+    made on its buffer (from inside the call)."""
+    import torch
+
+    from kvserve.model.native_decoder import NativeDecoder
+
+    decoder = model._native = NativeDecoder.for_model(model)
+    if decoder is None:
+        return
+    forward = decoder.forward
+
+    def counting_forward(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        outcome.native_steps += out is not None
+        return out
+    decoder.forward = counting_forward
+    if decoder._reduce is None:
+        return
+    all_reduce, buffer = torch.distributed.all_reduce, decoder._reduce.buffer
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        outcome.native_all_reduces += tensor.data_ptr() == buffer.data_ptr()
+        return all_reduce(tensor, *args, **kwargs)
+    torch.distributed.all_reduce = counting_all_reduce  # this rank's process only
+
+
+def native_vs_torch(rank: int, world_size: int, cases: list[Case]) -> dict[str, Outcome]:
+    """On one rank: each case's model (this rank's shard) through the native decoder and
+    through the per-op torch path."""
+    import torch
+
+    from kvserve.config import KernelConfig
+    from kvserve.model.config import ModelConfig
+    from kvserve.model.loader import load_model
+
+    outcomes = {}
+    for case in cases:
+        config, kernels = ModelConfig.from_path(case.path), KernelConfig(quant_isa=case.quant_isa)
+        outcome = Outcome()
+        model = load_model(config, tp_rank=rank, tp_size=world_size, kernel_config=kernels)
+        outcome.num_layers = len(model.layers)
+        all_reduce = torch.distributed.all_reduce
+        try:
+            _counting_native(model, outcome)
+            if case.threads and model._native is not None:
+                model._native.num_threads = case.threads
+            outcome.tokens, logits = _greedy(case, model)
+        finally:
+            torch.distributed.all_reduce = all_reduce
+        reference = load_model(config, tp_rank=rank, tp_size=world_size, kernel_config=kernels)
+        reference._native = None  # decided: the per-op path
+        outcome.torch_tokens, ref_logits = _greedy(case, reference)
+        for req_id, rows in ref_logits.items():
+            for a, b in zip(logits[req_id], rows):
+                diff = (a - b).abs().max().item() / max(1.0, b.abs().max().item())
+                outcome.max_rel_logit_diff = max(outcome.max_rel_logit_diff, diff)
+        outcomes[case.name] = outcome
+    return outcomes
+
+
+def failing_all_reduce(rank: int, world_size: int, path: str, fail_at: int) -> dict:
+    """On one rank: the native call's all-reduce number `fail_at` raises (on every rank, so
+    that none waits for the others). What the step raised, and whether the next steps run."""
+    import torch
+
+    from kvserve.model.config import ModelConfig
+    from kvserve.model.loader import load_model
+    from kvserve.model.native_decoder import NativeDecoder
+    from model.paged_kv_helper import PagedRunner, run_greedy
+
+    model = load_model(ModelConfig.from_path(path), tp_rank=rank, tp_size=world_size)
+    model._native = NativeDecoder.for_model(model)
+    buffer, all_reduce, calls = model._native._reduce.buffer, torch.distributed.all_reduce, [0]
+
+    def failing(tensor, *args, **kwargs):
+        if tensor.data_ptr() == buffer.data_ptr():
+            calls[0] += 1
+            if calls[0] == fail_at:
+                raise RuntimeError("injected all-reduce failure")
+        return all_reduce(tensor, *args, **kwargs)
+    torch.distributed.all_reduce = failing
+    runner = PagedRunner(model, block_size=4)
+    raised = None
+    try:
+        run_greedy(runner, {"a": [5, 6, 7]}, 4, chunk=2)
+    except RuntimeError as exc:
+        raised = str(exc)
+    finally:
+        torch.distributed.all_reduce = all_reduce
+    tokens, _ = run_greedy(PagedRunner(model, block_size=4), {"b": [5, 6, 7]}, 4, chunk=2)
+    return {"raised": raised, "calls": calls[0], "tokens_after": tokens["b"]}
