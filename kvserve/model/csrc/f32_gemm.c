@@ -97,7 +97,7 @@ typedef struct {
 INLINE void prefetch_k(const GemmIn *g, int64_t k) {
     for (int l = 0; l < g->pf_per_k; l++) {
         const int64_t line = k * g->pf_per_k + l;
-        if (line < g->pf_lines) __builtin_prefetch(g->pf + line * 64, 0, 2);
+        if (line < g->pf_lines) __builtin_prefetch(g->pf + line * 64, 0, 3);
     }
 }
 
