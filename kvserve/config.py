@@ -135,6 +135,7 @@ QUANT_GEMM_ROWS_ENV = "KVSERVE_QUANT_GEMM_ROWS"
 QUANT_GEMM_DTYPE_ENV = "KVSERVE_QUANT_GEMM_DTYPE"
 QUANT_PANEL_ROWS_ENV = "KVSERVE_QUANT_PANEL_ROWS"
 NATIVE_DECODER_ENV = "KVSERVE_NATIVE_DECODER"
+SHM_ALL_REDUCE_ENV = "KVSERVE_SHM_ALL_REDUCE"
 GRAMMAR_MASK_ISA_ENV = "KVSERVE_GRAMMAR_MASK_ISA"
 # The quantized matmul's kernel paths, narrowest first.
 QUANT_ISAS = ("portable", "avx2", "avx512")
@@ -160,6 +161,8 @@ class KernelConfig:
     `quant_panel_rows`: steps of at least this many rows (and fewer than `quant_gemm_rows`;
     0: never) run the panel GEMM (csrc/quant_gemm.c) instead of the integer kernel.
     `native_decoder`: steps of a few tokens run the whole decoder stack in one native call.
+    `shm_all_reduce`: tensor-parallel CPU ranks on one host all-reduce inside that call
+    through shared memory (model/shm_all_reduce.py) rather than through gloo.
     `grammar_mask_isa`: cap the grammar-mask kernel's path (None: the widest the CPU
     runs; "torch": no kernel, torch's masked_fill_).
     """
@@ -173,6 +176,7 @@ class KernelConfig:
     quant_gemm_dtype: str | None = None
     quant_panel_rows: int = 4
     native_decoder: bool = True
+    shm_all_reduce: bool = True
     grammar_mask_isa: str | None = None
 
     def __post_init__(self) -> None:
@@ -211,6 +215,7 @@ class KernelConfig:
                    quant_gemm_dtype=env.get(QUANT_GEMM_DTYPE_ENV, "").strip().lower() or None,
                    quant_panel_rows=int(panel_rows),
                    native_decoder=_switched_on(env, NATIVE_DECODER_ENV),
+                   shm_all_reduce=_switched_on(env, SHM_ALL_REDUCE_ENV),
                    grammar_mask_isa=env.get(GRAMMAR_MASK_ISA_ENV, "").strip().lower() or None)
 
 

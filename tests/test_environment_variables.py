@@ -7,13 +7,13 @@ import re
 
 import kvserve
 from kvserve.config import (CPU_KERNELS_ENV, CPU_PACKED_WEIGHTS_ENV, GRAMMAR_MASK_ISA_ENV, QUANT_ACT_BITS_ENV,
-                            QUANT_GEMM_DTYPE_ENV, QUANT_GEMM_ROWS_ENV, QUANT_ISA_ENV, SMALL_BATCH_MATMUL_ENV, EngineConfig,
-                            KernelConfig)
+                            QUANT_GEMM_DTYPE_ENV, QUANT_GEMM_ROWS_ENV, QUANT_ISA_ENV, SHM_ALL_REDUCE_ENV,
+                            SMALL_BATCH_MATMUL_ENV, EngineConfig, KernelConfig)
 
 PACKAGE = pathlib.Path(kvserve.__file__).parent
 README = PACKAGE.parent / "README.md"
 KERNEL_SWITCHES = (CPU_KERNELS_ENV, SMALL_BATCH_MATMUL_ENV, CPU_PACKED_WEIGHTS_ENV, QUANT_ISA_ENV, QUANT_ACT_BITS_ENV,
-                   QUANT_GEMM_ROWS_ENV, QUANT_GEMM_DTYPE_ENV, GRAMMAR_MASK_ISA_ENV)
+                   QUANT_GEMM_ROWS_ENV, QUANT_GEMM_DTYPE_ENV, GRAMMAR_MASK_ISA_ENV, SHM_ALL_REDUCE_ENV)
 
 
 def _python_sources() -> dict[pathlib.Path, str]:
@@ -40,6 +40,7 @@ def test_kernel_config_from_the_environment(monkeypatch):
     monkeypatch.setenv(CPU_PACKED_WEIGHTS_ENV, "0")
     monkeypatch.setenv(QUANT_ACT_BITS_ENV, "8")
     monkeypatch.setenv(QUANT_ISA_ENV, "AVX2")
-    expected = KernelConfig(packed_weights=False, quant_act_bits=8, quant_isa="avx2")
+    monkeypatch.setenv(SHM_ALL_REDUCE_ENV, "off")
+    expected = KernelConfig(packed_weights=False, quant_act_bits=8, quant_isa="avx2", shm_all_reduce=False)
     assert KernelConfig.from_env() == expected
     assert EngineConfig.__dataclass_fields__["kernel_config"].default_factory() == expected

@@ -8,7 +8,8 @@ weights (csrc/quant_linear.c, csrc/quant_gemm.c for steps of many rows, driven
 by kvserve/model/quantized.py) and the whole decoder stack of a small step in
 one call (csrc/fused_decoder.c, driven by kvserve/model/native_decoder.py), and a
 grammar's token bitmask applied to the logits (csrc/grammar_mask.c, driven by
-kvserve/model/grammar_mask.py).
+kvserve/model/grammar_mask.py), and the tensor-parallel ranks' all-reduce
+through shared memory (csrc/shm_all_reduce.c, kvserve/model/shm_all_reduce.py).
 
 The shared object is cached under `<cache root>/kernels/<key>/`, keyed by the
 source, the compiler flags, the compiler's version and the CPU's feature flags
@@ -43,7 +44,8 @@ from kvserve.config import cache_root
 logger = logging.getLogger(__name__)
 
 _SOURCES = ("bf16.h", "bf16_tile.h", "paged_attention.c", "fused_ops.c", "small_linear.c", "quant_linear.c", "quant_gemv.c",
-            "quant_gemm.c", "bf16_rows.c", "f32_gemm.c", "phase_timer.h", "fused_decoder.c", "grammar_mask.c")
+            "quant_gemm.c", "bf16_rows.c", "f32_gemm.c", "phase_timer.h", "fused_decoder.c", "grammar_mask.c",
+            "shm_all_reduce.c")
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -138,6 +140,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvserve_apply_token_bitmask": ([ptr, i64, i64, ptr, i64, i64, ptr, i64, c_int], c_int),
         "kvserve_publish_mask_ready": ([ptr, ctypes.c_int32], None),
         "kvserve_mask_token_range": ([ptr, ptr, i64, i64, i64, c_int], None),
+        "kvserve_shm_all_reduce": ([ptr, ptr, i64], ctypes.c_int32),
         "kvserve_quant_rows": ([ptr, ptr, i64, ptr, ptr, ptr, c_int, i64, ptr, ptr, i64, c_int, c_int, i64, i64],
                                None),
     }

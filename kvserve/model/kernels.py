@@ -43,6 +43,8 @@ class ModelKernels:
     bf16_isa: str | None = None  # the native decoder's bfloat16-weight matmul path (None: bfloat16 declined)
     # float32 weights packed into panels for csrc/f32_gemm.c (instead of oneDNN), and its path
     f32_gemm_isa: str | None = None
+    # tensor-parallel ranks of one host: the native decoder all-reduces through shared memory
+    shm_all_reduce: bool = False
 
     @classmethod
     def torch_only(cls) -> "ModelKernels":
@@ -73,6 +75,6 @@ def choose_model_kernels(kernel_config: KernelConfig, device: torch.device | str
         small_batch_matmul=native and kernel_config.small_batch_matmul and cpu_kernels.small_linear_supported(dtype),
         packed_weights=on_cpu and kernel_config.packed_weights,
         native_decoder=native and kernel_config.native_decoder and (dtype == torch.float32 or bf16 is not None),
-        bf16_isa=bf16, f32_gemm_isa=f32)
+        bf16_isa=bf16, f32_gemm_isa=f32, shm_all_reduce=native and kernel_config.shm_all_reduce)
     logger.debug("model kernels: %s", kernels.describe())
     return kernels

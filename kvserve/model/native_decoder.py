@@ -23,9 +23,10 @@ torch path for any step it declines (None):
 
 Under tensor parallelism each rank's call runs its shards (QKV and gate/up by
 output rows, O and down by input columns) and sums the O and down outputs over
-the ranks from inside the call: thread 0 calls back into Python
-(`_TensorParallelReduce`), which all-reduces a buffer the call writes those
-outputs to, while the rank's other threads wait at the barrier after it. The
+the ranks from inside the call: thread 0 all-reduces the buffer the call writes
+those outputs to (`_TensorParallelReduce`: through shared memory where every rank
+is on this host, csrc/shm_all_reduce.c; else a callback into Python over gloo),
+while the rank's other threads wait at the barrier after it. The
 step stays one call (a split into an attention call and an MLP call per layer
 would enter two parallel regions per layer and keep Python in the layer loop).
 The embedding lookup (vocabulary-sharded, itself all-reduced) and the LM head
@@ -50,6 +51,7 @@ from kvserve.model.attention import AttentionMetadata
 from kvserve.model.grammar_mask import ISA_CODES as MASK_ISA_CODES
 from kvserve.model.grammar_mask import HeadMask
 from kvserve.model.quantized import ISA_CODES
+from kvserve.model.shm_all_reduce import SharedMemoryAllReduce
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +82,9 @@ class _Layer(ctypes.Structure):
                 ("window", _i64), ("group", _i32), ("local_rope", _i32), ("kv_dtype", _i32), ("unused", _i32)]
 
 
-# The all-reduce the call makes under tensor parallelism: (element count) -> 0, or nonzero on failure.
-_ALL_REDUCE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int64)
+# The all-reduce the call makes under tensor parallelism: (context, float32 buffer, element count)
+# -> 0, or nonzero on failure.
+_ALL_REDUCE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 
 
 class _Model(ctypes.Structure):
@@ -89,7 +92,7 @@ class _Model(ctypes.Structure):
                 ("head_dim", _i64), ("intermediate", _i64), ("final_norm", _ptr), ("eps", _f32), ("scale", _f32),
                 ("softcap", _f32), ("adds_one", _i32), ("sandwich", _i32), ("gelu", _i32), ("panel_rows", _i32),
                 ("embed", _Linear), ("embed_scale", _f32), ("unused_embed", _i32), ("reduce_buffer", _ptr),
-                ("all_reduce", _ALL_REDUCE)]
+                ("all_reduce", _ALL_REDUCE), ("reduce_ctx", _ptr)]
 
 
 class _Step(ctypes.Structure):
@@ -173,18 +176,24 @@ class NativeDeclined(Exception):
 
 class _TensorParallelReduce:
     """The all-reduce a tensor-parallel rank's call makes after its O and down projections:
-    the call writes their partial sums to `buffer` and thread 0 calls `callback(count)`,
-    which sums `buffer[:count]` over the rank's group in place (torch.distributed, as
-    `RowParallelLinear` does on the per-op path). An exception cannot cross the C frame:
-    it is kept in `error` and the callback returns 1 (the call then stops; see `raise_error`)."""
+    the call writes their partial sums to `buffer` and thread 0 calls `function(context,
+    buffer, count)`. Where every rank of the group is on this host (and `shared_memory`)
+    that is the C all-reduce over a shared segment (`SharedMemoryAllReduce`); otherwise a
+    callback that sums `buffer[:count]` over the group with torch.distributed, as
+    `RowParallelLinear` does on the per-op path. An exception cannot cross the C frame: it
+    is kept in `error` and the callback returns 1 (the call then stops; see `raise_error`)."""
 
-    def __init__(self, tp, num_elements: int) -> None:
+    def __init__(self, tp, num_elements: int, shared_memory: bool) -> None:
         self.group = tp.group
         self.buffer = torch.empty(num_elements, dtype=torch.float32)
         self.error: BaseException | None = None
-        self.callback = _ALL_REDUCE(self._all_reduce)  # held here: the call keeps only its pointer
+        self.shared = SharedMemoryAllReduce.connect(tp.group, num_elements) if shared_memory else None
+        if self.shared is not None:
+            self.function, self.context = _ALL_REDUCE(self.shared.function), ctypes.addressof(self.shared.context)
+        else:  # held here: the call keeps only its pointer
+            self.function, self.context = _ALL_REDUCE(self._all_reduce), None
 
-    def _all_reduce(self, count: int) -> int:
+    def _all_reduce(self, context: int | None, buffer: int, count: int) -> int:
         try:
             torch.distributed.all_reduce(self.buffer[:count], group=self.group)
             return 0
@@ -193,6 +202,8 @@ class _TensorParallelReduce:
             return 1
 
     def raise_error(self) -> None:
+        if self.shared is not None:
+            self.shared.raise_error()
         error, self.error = self.error, None
         raise error if error is not None else RuntimeError("the native decoder's all-reduce failed")
 
@@ -237,8 +248,10 @@ class NativeDecoder:
         self._token_index = torch.arange(self.max_tokens, dtype=torch.int64)
         self._reduce: _TensorParallelReduce | None = None
         if model.tp.size > 1:
-            self._reduce = _TensorParallelReduce(model.tp, self.max_tokens * self._desc.hidden)
-            self._desc.reduce_buffer, self._desc.all_reduce = self._reduce.buffer.data_ptr(), self._reduce.callback
+            self._reduce = _TensorParallelReduce(model.tp, self.max_tokens * self._desc.hidden,
+                                                 model.kernels.shm_all_reduce)
+            self._desc.reduce_buffer = self._reduce.buffer.data_ptr()
+            self._desc.all_reduce, self._desc.reduce_ctx = self._reduce.function, self._reduce.context
 
     # -- description (once) ------------------------------------------------------------------
     @classmethod

@@ -65,7 +65,8 @@ class Case:
     """One comparison: the model at `path`, prompts run greedily for `max_new_tokens`
     with prompt chunks of `chunk` tokens; `threads`: the native call's thread count
     (None: its own choice); `quant_isa`: KVSERVE_QUANT_ISA for both paths;
-    `prefix_hit`: the prompts reuse a cached prefix, one through a copy-on-write block."""
+    `prefix_hit`: the prompts reuse a cached prefix, one through a copy-on-write block;
+    `shm`: the call all-reduces through shared memory (else through gloo)."""
 
     name: str
     path: str
@@ -75,13 +76,15 @@ class Case:
     threads: int | None = None
     quant_isa: str | None = None
     prefix_hit: bool = False
+    shm: bool = True
 
 
 @dataclass
 class Outcome:
     """What one rank saw in one case: greedy tokens of both paths by request, the largest
     logits difference relative to the torch path's scale (at least 1), the steps the
-    native call ran and the all-reduces it made, the model's layers."""
+    native call ran and the all-reduces it made (through shared memory: `shm`), the
+    model's layers."""
 
     tokens: dict = field(default_factory=dict)
     torch_tokens: dict = field(default_factory=dict)
@@ -89,6 +92,7 @@ class Outcome:
     native_steps: int = 0
     native_all_reduces: int = 0
     num_layers: int = 0
+    shm: bool = False
 
 
 def _prompts(lengths, seed: int) -> dict[str, list[int]]:
@@ -131,9 +135,12 @@ def _counting_native(model, outcome: Outcome) -> None:
     def counting_forward(*args, **kwargs):
         out = forward(*args, **kwargs)
         outcome.native_steps += out is not None
+        outcome.shm = decoder._reduce is not None and decoder._reduce.shared is not None
+        if outcome.shm:
+            outcome.native_all_reduces = decoder._reduce.shared.context.seq
         return out
     decoder.forward = counting_forward
-    if decoder._reduce is None:
+    if decoder._reduce is None or decoder._reduce.shared is not None:
         return
     all_reduce, buffer = torch.distributed.all_reduce, decoder._reduce.buffer
 
@@ -154,7 +161,8 @@ def native_vs_torch(rank: int, world_size: int, cases: list[Case]) -> dict[str, 
 
     outcomes = {}
     for case in cases:
-        config, kernels = ModelConfig.from_path(case.path), KernelConfig(quant_isa=case.quant_isa)
+        config = ModelConfig.from_path(case.path)
+        kernels = KernelConfig(quant_isa=case.quant_isa, shm_all_reduce=case.shm)
         outcome = Outcome()
         model = load_model(config, tp_rank=rank, tp_size=world_size, kernel_config=kernels)
         outcome.num_layers = len(model.layers)
@@ -182,12 +190,14 @@ def failing_all_reduce(rank: int, world_size: int, path: str, fail_at: int) -> d
     that none waits for the others). What the step raised, and whether the next steps run."""
     import torch
 
+    from kvserve.config import KernelConfig
     from kvserve.model.config import ModelConfig
     from kvserve.model.loader import load_model
     from kvserve.model.native_decoder import NativeDecoder
     from model.paged_kv_helper import PagedRunner, run_greedy
 
-    model = load_model(ModelConfig.from_path(path), tp_rank=rank, tp_size=world_size)
+    model = load_model(ModelConfig.from_path(path), tp_rank=rank, tp_size=world_size,
+                       kernel_config=KernelConfig(shm_all_reduce=False))  # gloo: the failure is injected there
     model._native = NativeDecoder.for_model(model)
     buffer, all_reduce, calls = model._native._reduce.buffer, torch.distributed.all_reduce, [0]
 
@@ -208,3 +218,29 @@ def failing_all_reduce(rank: int, world_size: int, path: str, fail_at: int) -> d
         torch.distributed.all_reduce = all_reduce
     tokens, _ = run_greedy(PagedRunner(model, block_size=4), {"b": [5, 6, 7]}, 4, chunk=2)
     return {"raised": raised, "calls": calls[0], "tokens_after": tokens["b"]}
+
+
+def shm_sums(rank: int, world_size: int, counts: list[int]) -> list[bool]:
+    """On one rank: all-reduces of `counts` elements through the group's shared-memory segment
+    (rank r's part drawn from seed 100 * step + r, so every rank knows every part), each
+    against the parts summed in rank order in float32 and, for two ranks, against gloo's sum."""
+    import torch
+
+    from kvserve.model.shm_all_reduce import SharedMemoryAllReduce
+
+    shared = SharedMemoryAllReduce.connect(None, max(counts))
+    assert shared is not None, "every rank of the group is on this host"
+    agree = []
+    for step, count in enumerate(counts):
+        parts = [torch.randn(count, generator=torch.Generator().manual_seed(100 * step + r)) for r in range(world_size)]
+        expected = parts[0].clone()
+        for part in parts[1:]:
+            expected += part
+        got = shared.all_reduce(parts[rank].clone())
+        same = torch.equal(got, expected)
+        if world_size == 2:
+            gloo = parts[rank].clone()
+            torch.distributed.all_reduce(gloo)
+            same = same and torch.equal(got, gloo)
+        agree.append(same)
+    return agree

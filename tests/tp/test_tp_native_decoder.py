@@ -29,9 +29,10 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no n
 MAX_LOGIT_DIFF = 1e-4
 MAX_QUANT_LOGIT_DIFF = 1e-5  # the same integer kernels on the same rows
 NUM_NEW = 64
-DEFAULT_CASES = ("llama", "gemma2/threads", "qwen3/prefix_hit", "gguf_q8_0")
-SLOW_CASES = ("llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "llama/chunk16", "gguf_q4_0",
-              "gguf_q4_1/avx2", "gguf_q4_0/portable")
+# family[/variant]: "gloo" all-reduces through gloo instead of shared memory
+DEFAULT_CASES = ("gemma2/threads", "qwen3/prefix_hit", "gguf_q8_0", "llama/gloo")
+SLOW_CASES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "llama/chunk16", "gguf_q4_0",
+              "gguf_q4_1/avx2", "gguf_q4_0/portable", "gemma2/gloo_threads")
 
 
 def _case(name: str, tmp_path_factory) -> Case | None:
@@ -46,7 +47,8 @@ def _case(name: str, tmp_path_factory) -> Case | None:
         return Case(name, _write_gguf(family[len("gguf_"):].upper(), tmp_path_factory), chunk=3, quant_isa=isa)
     path = save_tiny_model(family, tmp_path_factory.mktemp(family))
     variants = {"": {}, "threads": dict(threads=2), "chunk16": dict(chunk=16),
-                "prefix_hit": dict(prefix_hit=True, max_new_tokens=16, chunk=3)}
+                "prefix_hit": dict(prefix_hit=True, max_new_tokens=16, chunk=3), "gloo": dict(shm=False),
+                "gloo_threads": dict(shm=False, threads=2)}
     return Case(name, path, **variants[variant])
 
 
@@ -91,6 +93,7 @@ def _check(outcomes: dict, name: str) -> None:
         # each all-reducing twice per layer from inside the call.
         assert outcome.native_steps >= min(len(t) for t in outcome.tokens.values()) - 1, f"rank {rank}"
         assert outcome.native_all_reduces == 2 * outcome.num_layers * outcome.native_steps, f"rank {rank}"
+        assert outcome.shm == ("gloo" not in name), f"rank {rank}"
     assert ranks[0].tokens == ranks[1].tokens  # the ranks agree (each gathered the full logits)
 
 

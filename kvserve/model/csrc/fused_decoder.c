@@ -120,10 +120,12 @@ typedef struct {
     float embed_scale;
     int32_t unused_embed;
     /* Tensor parallelism (NULL: one rank): the O and down projections give this rank's
-     * partial sums into reduce_buffer [T, hidden], and thread 0 calls all_reduce(T * hidden)
-     * to sum them over the ranks in place (nonzero: it failed) while the others wait. */
+     * partial sums into reduce_buffer [T, hidden], and thread 0 calls
+     * all_reduce(reduce_ctx, reduce_buffer, T * hidden) to sum them over the ranks in place
+     * (nonzero: it failed) while the others wait: shm_all_reduce.c, or Python over gloo. */
     float *reduce_buffer;
-    int32_t (*all_reduce)(int64_t count);
+    int32_t (*all_reduce)(void *ctx, float *buf, int64_t count);
+    void *reduce_ctx;
 } NativeModel;
 
 /* One step: T tokens; token t sits at positions[t] of the request whose blocks are
@@ -413,7 +415,7 @@ static int all_reduce_out(const NativeModel *m, const NativeStep *st, Private *p
     if (!m->all_reduce) return 1;
     if (tid == 0) {
         phase_mark(&p->timer, PHASE_NORMS);
-        if (m->all_reduce(st->num_tokens * m->hidden)) s->reduce_failed = 1;
+        if (m->all_reduce(m->reduce_ctx, s->out, st->num_tokens * m->hidden)) s->reduce_failed = 1;
         phase_mark(&p->timer, PHASE_ALL_REDUCE);
     }
     wait_all(p, PHASE_NORMS);
