@@ -78,8 +78,9 @@ void kvserve_f32_pack(const float *w, int64_t w_stride, int64_t out, int64_t in,
 }
 
 /* A block of y: tokens t0..t0+mt, panels p0..p0+np, summed into tile[t][j * PANEL + lane].
- * While it runs, the micro-kernel prefetches `pf_lines` cache lines from `pf` into L2,
- * `pf_per_k` of them per input column (see prefetch_plan). */
+ * While it runs, the micro-kernel prefetches `pf_lines` cache lines from `pf` into every
+ * cache level, `pf_per_k` of them per input column (prefetch_k; kvserve_f32_gemm_rows
+ * points them at the next group of panels). */
 typedef struct {
     const float *x;
     int64_t x_stride, in;
