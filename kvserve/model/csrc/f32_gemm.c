@@ -203,6 +203,7 @@ static void tile_sums(const GemmIn *g, int64_t t0, int64_t p0, int mt, int np, i
  * (the fused decoder splits rows over its own threads). */
 void kvserve_f32_gemm_rows(const float *x, int64_t x_stride, int64_t batch, const float *packed, const float *bias,
                            int64_t in, float *y, int64_t y_stride, int isa, int64_t row_begin, int64_t row_end) {
+    if (batch <= 0) return; /* no rows (e.g. no logits wanted this step) */
     GemmIn g = {x, x_stride, in, packed, NULL, 0, 1};
     float tile[MR][NP * PANEL];
     const int64_t tiles = (batch + MR - 1) / MR;
