@@ -16,7 +16,8 @@ from typing import Any, Callable
 from kvserve.bench.cli_output import FORMATTERS
 from kvserve.bench.report import bar_plot, default_output_path, environment_info, run_tag, write_json
 
-SUBCOMMANDS = ("roofline", "throughput", "serve", "serve-compare", "prefix", "compare", "profile", "scheduler", "kv",
+SUBCOMMANDS = ("roofline", "throughput", "serve", "serve-compare", "prefix", "compare", "profile", "host", "scheduler",
+               "kv",
                "structured", "route", "spec", "plan-check", "allreduce")
 
 
@@ -200,6 +201,20 @@ def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="requests decoding together")
     parser.add_argument("--context-len", type=int, default=256, help="prompt tokens per request")
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed and profiled")
+    parser.add_argument("--ab-fewer-barriers", type=int, default=0, metavar="ROUNDS",
+                        help="then time ROUNDS alternating rounds of --steps steps each with the native call's "
+                             "fewer barriers a layer (the default) and without (NativeDecoder.fewer_barriers)")
+    _add_engine_arguments(parser)
+
+
+def _add_host_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-size", type=int, default=1, help="requests per round")
+    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=int, default=128, help="greedy new tokens per request")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds; modes alternate within each")
+    parser.add_argument("--modes", default="auto",
+                        help="comma-separated: auto (the engine's choice), async (always a step ahead), sync")
+    parser.add_argument("--no-split", action="store_true", help="do not time the pieces of a step")
     _add_engine_arguments(parser)
 
 
@@ -418,7 +433,15 @@ def _run_profile(args: argparse.Namespace) -> dict[str, Any]:
     from kvserve.bench import profile
 
     return profile.run(batch_size=args.batch_size, context_len=args.context_len, steps=args.steps,
-                       **_engine_kwargs(args))
+                       ab_fewer_barriers=args.ab_fewer_barriers, **_engine_kwargs(args))
+
+
+def _run_host(args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.bench import host
+
+    return host.run(batch_size=args.batch_size, prompt_len=args.prompt_len, output_len=args.output_len,
+                    rounds=args.rounds, modes=tuple(_name_list(args.modes)), split=not args.no_split,
+                    **_engine_kwargs(args))
 
 
 def _call_with_supported(fn: Callable[..., dict], **kwargs: Any) -> dict[str, Any]:
@@ -518,6 +541,7 @@ _COMMANDS = {
     "prefix": (_add_prefix_arguments, "TTFT and prefill tokens with prefix caching off, on, and partial-block"),
     "compare": (_add_compare_arguments, "kvserve against transformers (and llama.cpp, vLLM when importable)"),
     "profile": (_add_profile_arguments, "where the time of one decode step goes"),
+    "host": (_add_host_arguments, "host work per token of LLM.generate: wall time minus the native call's"),
     "scheduler": (_add_scheduler_arguments, "microseconds per scheduler step at many running requests"),
     "kv": (_add_kv_arguments, "KV-cache allocate/free and prefix-hit operations per second"),
     "structured": (_add_structured_arguments, "grammar back-ends (compile, mask per token) and constrained throughput"),
@@ -532,7 +556,7 @@ _NAMED_RUNS = ("compare", "serve-compare")
 _RUNNERS = {
     "roofline": _run_roofline, "throughput": _run_throughput, "serve": _run_serve,
     "serve-compare": _run_serve_compare, "prefix": _run_prefix,
-    "compare": _run_compare, "profile": _run_profile, "scheduler": _run_scheduler, "kv": _run_kv,
+    "compare": _run_compare, "profile": _run_profile, "host": _run_host, "scheduler": _run_scheduler, "kv": _run_kv,
     "structured": _run_structured,
     "spec": _run_spec,
     "route": _run_route,

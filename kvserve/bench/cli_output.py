@@ -70,6 +70,12 @@ def _profile_plot(result):
     return labels, values, "one decode step (profiled)", "ms per step"
 
 
+def _host_plot(result):
+    from kvserve.bench import host
+    labels, values = host.plot_values(result)
+    return labels, values, "host work per step (wall - native call)", "ms per step"
+
+
 def _serve_plot(result):
     labels, values = [], []
     for metric in ("ttft", "tpot", "itl"):
@@ -95,6 +101,7 @@ FORMATTERS = {
     "prefix": (_lazy_formatter("prefix"), _prefix_plot),
     "compare": (_lazy_formatter("compare"), _compare_plot),
     "profile": (_lazy_formatter("profile"), _profile_plot),
+    "host": (_lazy_formatter("host"), _host_plot),
     "scheduler": (_format_scheduler, None),
     "kv": (_format_kv, None),
     "structured": (_lazy_formatter("structured"), None),

@@ -21,6 +21,7 @@ import cProfile
 import os
 import pstats
 import re
+import statistics
 import time
 from collections import defaultdict
 from typing import Any
@@ -131,9 +132,10 @@ def _prefill(core, num_requests: int, context_len: int, decode_steps: int, vocab
         core.step()
 
 
-def run(*, batch_size: int = 32, context_len: int = 256, steps: int = 16, seed: int = 0,
+def run(*, batch_size: int = 32, context_len: int = 256, steps: int = 16, seed: int = 0, ab_fewer_barriers: int = 0,
         **engine_kwargs: Any) -> dict[str, Any]:
-    """Profile `steps` decode steps of `batch_size` requests at about `context_len` tokens of context."""
+    """Profile `steps` decode steps of `batch_size` requests at about `context_len` tokens of context;
+    then, with `ab_fewer_barriers` rounds, A/B the native call's fewer barriers a layer."""
     from kvserve.config import EngineConfig
     from kvserve.engine.core import EngineCore
 
@@ -142,7 +144,8 @@ def run(*, batch_size: int = 32, context_len: int = 256, steps: int = 16, seed: 
     core = EngineCore(config)
     try:
         runner = getattr(core.executor, "model_runner", None)  # None: tensor-parallel workers run the model
-        _prefill(core, batch_size, context_len, 2 * steps + 8, config.model_config.vocab_size, seed)
+        _prefill(core, batch_size, context_len, (3 + 4 * ab_fewer_barriers) * steps + 8,
+                 config.model_config.vocab_size, seed)
         started = time.perf_counter()
         for _ in range(steps):
             core.step()
@@ -150,6 +153,7 @@ def run(*, batch_size: int = 32, context_len: int = 256, steps: int = 16, seed: 
         if runner is not None:
             engine_stats, runner_stats, profiled_s = _profiled_steps(core, runner, steps)
             native_split = _native_split(core, runner.model.native_decoder, steps)
+            split_ab = _fewer_barriers_ab(core, runner.model.native_decoder, steps, ab_fewer_barriers)
     finally:
         core.shutdown()
     result = {
@@ -174,7 +178,45 @@ def run(*, batch_size: int = 32, context_len: int = 256, steps: int = 16, seed: 
                         "share": categories.get(name, 0.0) / total if total else 0.0} for name in CATEGORIES],
         "top_functions_model_step": _top_functions(runner_stats),
         "native_split": native_split,
+        "fewer_barriers_ab": split_ab,
     }
+
+
+def _fewer_barriers_ab(core, native, steps: int, rounds: int) -> dict[str, Any] | None:
+    """ms per step with the native call's fewer barriers a layer ("on": O and down split by
+    input columns, K/V written by each thread that reads it) and without ("off"), `rounds`
+    rounds of `steps` steps each way, the order alternating by round, each followed by as many
+    steps under the phase timer. The figure is the median of the per-round ratios off / on
+    (above 1: fewer barriers is faster)."""
+    if native is None or rounds <= 0:
+        return None
+    from kvserve.model.native_decoder import phase_timing
+
+    default = native.fewer_barriers
+    step_ms: dict[str, list[float]] = {"on": [], "off": []}
+    phases: dict[str, list[list[dict[str, float]]]] = {"on": [], "off": []}
+    try:
+        for r in range(rounds):
+            for variant in (("on", "off") if r % 2 == 0 else ("off", "on")):
+                native.fewer_barriers = variant == "on"
+                core.step()
+                started = time.perf_counter()
+                for _ in range(steps):
+                    core.step()
+                step_ms[variant].append((time.perf_counter() - started) / steps * 1000)
+                with phase_timing(native.num_threads) as timing:
+                    for _ in range(steps):
+                        core.step()
+                calls = max(timing.get("calls", 0), 1)
+                phases[variant].append([{k: v / calls * 1000 for k, v in t.items()} for t in timing["threads"]])
+    finally:
+        native.fewer_barriers = default
+    ratios = [off / on for on, off in zip(step_ms["on"], step_ms["off"])]
+    median_phases = {variant: [{k: statistics.median(rnd[t][k] for rnd in rounds_)
+                                for k in rounds_[0][t]} for t in range(len(rounds_[0]))]
+                     for variant, rounds_ in phases.items()}
+    return {"rounds": rounds, "steps": steps, "step_ms": step_ms, "ratios_off_over_on": ratios,
+            "median_ratio": statistics.median(ratios), "median_phases_ms_per_call": median_phases}
 
 
 def _native_split(core, native, steps: int) -> dict[str, Any] | None:
@@ -243,7 +285,23 @@ def format_result(result: dict[str, Any]) -> str:
         rows.append(["total (the call's wall time)", *(sum(t.values()) for t in threads)])
         text += "\n\n" + format_table(["phase", *(f"thread {i} ms/call" for i in range(len(threads)))], rows,
                                        title=f"profile: inside the native decoder call ({split['calls']} calls)")
+    ab = result.get("fewer_barriers_ab")
+    if ab:
+        text += "\n\n" + _format_split_ab(ab)
     return text
+
+
+def _format_split_ab(ab: dict[str, Any]) -> str:
+    on, off = ab["median_phases_ms_per_call"]["on"], ab["median_phases_ms_per_call"]["off"]
+    rows = [[phase, *(t[phase] for t in on), *(t[phase] for t in off)] for phase in on[0]]
+    rows.append(["total", *(sum(t.values()) for t in on), *(sum(t.values()) for t in off)])
+    header = ["phase (median of rounds)", *(f"fewer t{i}" for i in range(len(on))),
+              *(f"more t{i}" for i in range(len(off)))]
+    title = (f"A/B, native call with fewer barriers a layer vs more, {ab['rounds']} alternating rounds of "
+             f"{ab['steps']} steps: ms/step fewer {', '.join(f'{v:.2f}' for v in ab['step_ms']['on'])}; more "
+             f"{', '.join(f'{v:.2f}' for v in ab['step_ms']['off'])}; median ratio more/fewer "
+             f"{ab['median_ratio']:.3f}")
+    return format_table(header, rows, title=title)
 
 
 def plot_values(result: dict[str, Any]) -> tuple[list[str], list[float]]:

@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 # Steps submitted to the executor and not yet applied under async scheduling:
 # the one executing and the one scheduled ahead of it.
 MAX_STEPS_IN_FLIGHT = 2
+# Under async scheduling, steps are scheduled ahead for this many running requests or more
+# even where the engine's own work cannot overlap the model step (see `max_steps_in_flight`).
+SCHEDULE_AHEAD_MIN_REQUESTS = 2
 # Consecutive steps that schedule nothing, with nothing in flight, while requests
 # are unfinished: the scheduler is stuck, and callers looping on step() would hang.
 MAX_STALLED_STEPS = 1000
@@ -98,6 +101,9 @@ class EngineCore:
         self.validator = RequestValidator(scheduler.scheduler_config.max_model_len, vocab_size,
                                           scheduler.max_tokens_in_pool, model_config)
         self.async_scheduling = scheduler.scheduler_config.async_scheduling
+        # Under async scheduling: None lets `max_steps_in_flight` decide per step; True
+        # always schedules a step ahead, False never (benchmarks and tests set it).
+        self.schedule_ahead: bool | None = None
         # Steps submitted to the executor and not yet applied, oldest first.
         self.steps_in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self._is_dead: str | None = None
@@ -144,7 +150,18 @@ class EngineCore:
 
     @property
     def max_steps_in_flight(self) -> int:
-        return MAX_STEPS_IN_FLIGHT if self.async_scheduling else 1
+        """Two under async scheduling (the step executing and the one scheduled ahead of it),
+        one without. A single stream on an executor whose model step keeps every CPU core
+        busy also runs one step at a time: the engine's work on the step ahead would take a
+        core from the step itself (whose threads then wait at their barriers) and hide
+        nothing, while waiting for each step as it is submitted lets the executor run it on
+        this thread, without two thread hand-offs per token (`Executor.inline_steps`)."""
+        if not self.async_scheduling or self.schedule_ahead is False:
+            return 1
+        if (self.schedule_ahead or len(self.scheduler.running) >= SCHEDULE_AHEAD_MIN_REQUESTS
+                or self.executor.spare_cpu_for_host_work):
+            return MAX_STEPS_IN_FLIGHT
+        return 1
 
     def step(self) -> list[EngineCoreOutput]:
         """Advance by one step and return what it produced (possibly nothing).
@@ -166,6 +183,8 @@ class EngineCore:
         """The first half of a step: schedule and submit it to the executor."""
         scheduler_output = self.scheduler.schedule()
         self.step_timeline.start(scheduler_output.step_seq)
+        # With one step in flight at most, `step()` waits for this one right away.
+        self.executor.inline_steps = self.max_steps_in_flight == 1
         self.steps_in_flight.append((scheduler_output, self.executor.execute_model_async(scheduler_output)))
         return scheduler_output
 

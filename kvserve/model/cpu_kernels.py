@@ -143,6 +143,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvserve_shm_all_reduce": ([ptr, ptr, i64], ctypes.c_int32),
         "kvserve_quant_rows": ([ptr, ptr, i64, ptr, ptr, ptr, c_int, i64, ptr, ptr, i64, c_int, c_int, i64, i64],
                                None),
+        "kvserve_gemv_partials": ([ptr, ptr, ptr, ptr, ptr, ptr, c_int, i64, ptr, i64, ptr, i64, i64, i64], c_int),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import time
 
 import torch
 
@@ -91,7 +92,7 @@ class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
                 ("head_dim", _i64), ("intermediate", _i64), ("final_norm", _ptr), ("eps", _f32), ("scale", _f32),
                 ("softcap", _f32), ("adds_one", _i32), ("sandwich", _i32), ("gelu", _i32), ("panel_rows", _i32),
-                ("embed", _Linear), ("embed_scale", _f32), ("unused_embed", _i32), ("reduce_buffer", _ptr),
+                ("embed", _Linear), ("embed_scale", _f32), ("fewer_barriers", _i32), ("reduce_buffer", _ptr),
                 ("all_reduce", _ALL_REDUCE), ("reduce_ctx", _ptr)]
 
 
@@ -174,6 +175,11 @@ class NativeDeclined(Exception):
     """The model has a feature the native decoder does not cover (the message says which)."""
 
 
+def _as_int64(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a contiguous int64 tensor (itself when it is one: the runner's step inputs are)."""
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.long().contiguous()
+
+
 class _TensorParallelReduce:
     """The all-reduce a tensor-parallel rank's call makes after its O and down projections:
     the call writes their partial sums to `buffer` and thread 0 calls `function(context,
@@ -234,6 +240,9 @@ class NativeDecoder:
         if model.tp.size == 1:
             self._describe_embedding(self._desc.embed)
         self._head = self._describe_head(model.lm_head) if model.tp.size == 1 else None
+        # Off by default for now: its float32 sums change greedy int8 trajectories (e.g. the
+        # structured-output server test's JSON no longer closes within its token budget).
+        self.fewer_barriers = False
         # Layers this small are not worth a second thread: the barriers between the
         # matmuls would cost more than the rows they share out.
         self.num_threads = torch.get_num_threads() if self._layer_bytes >= _PARALLEL_MIN_LAYER_BYTES else 1
@@ -241,17 +250,35 @@ class NativeDecoder:
         self._bound_tensors: list[torch.Tensor] = []
         self._step = _Step(rope_by_position=1)  # refilled by every step (the call is synchronous)
         self._rope_tables: list = []
+        self._rope_freqs: list = []  # the frequencies the tables pointed at were built for
+        self._rope_capacity = 0  # positions the tables pointed at hold
         # many-token steps only where the panel GEMM covers every projection, and short of
         # the steps the per-op path gives its dense GEMM
         self.max_tokens = max(min(MAX_TOKENS, self._gemm_rows - 1), SMALL_STEP_TOKENS) if self._all_panel \
             else SMALL_STEP_TOKENS
         self._token_index = torch.arange(self.max_tokens, dtype=torch.int64)
+        # Wall time inside the native call, summed over calls (`kvserve bench host` reads them).
+        self.num_calls = 0
+        self.call_ns = 0
         self._reduce: _TensorParallelReduce | None = None
         if model.tp.size > 1:
             self._reduce = _TensorParallelReduce(model.tp, self.max_tokens * self._desc.hidden,
                                                  model.kernels.shm_all_reduce)
             self._desc.reduce_buffer = self._reduce.buffer.data_ptr()
             self._desc.all_reduce, self._desc.reduce_ctx = self._reduce.function, self._reduce.context
+
+    @property
+    def fewer_barriers(self) -> bool:
+        """Whether the call meets at fewer barriers a layer (off by default): the O and down
+        projections split by input columns where their kernel allows, and, where attention
+        goes by query heads, each thread writing the K/V its heads read. Off: every matmul
+        split by output rows, the K/V written once (for A/B measurements, `kvserve bench
+        profile --ab-fewer-barriers`)."""
+        return bool(self._desc.fewer_barriers)
+
+    @fewer_barriers.setter
+    def fewer_barriers(self, on: bool) -> None:
+        self._desc.fewer_barriers = int(on)
 
     # -- description (once) ------------------------------------------------------------------
     @classmethod
@@ -435,21 +462,21 @@ class NativeDecoder:
         if not self._bind_caches(kv_caches, group_ids):
             return None
         md0 = metadata_by_group[0]
-        table_row = md0.token_request_index().long().contiguous()
-        positions = positions.long().contiguous()
+        table_row = _as_int64(md0.token_request_index())
+        positions = _as_int64(positions)
         step = self._step
         step.num_tokens, step.num_draft_tokens, step.positions, step.table_row, step.token_index = (
             num_tokens, num_draft_tokens, positions.data_ptr(), table_row.data_ptr(), self._token_index.data_ptr())
         keep = [positions, table_row]
         for g, md in enumerate(metadata_by_group):
-            table, slots = md.block_table.long().contiguous(), md.slot_mapping.long().contiguous()
+            table, slots = _as_int64(md.block_table), _as_int64(md.slot_mapping)
             keep += [table, slots]
             step.block_table[g], step.block_table_stride[g], step.slots[g] = (table.data_ptr(), table.stride(0),
                                                                               slots.data_ptr())
         self._point_at_rope_tables(step, md0.max_seq_len)
         step.token_ids = None
         if self._desc.embed.out:
-            input_ids = input_ids.long().contiguous()
+            input_ids = _as_int64(input_ids)
             keep.append(input_ids)
             step.token_ids = input_ids.data_ptr()
             out = torch.empty(num_tokens, self._desc.hidden, dtype=torch.float32)
@@ -458,9 +485,12 @@ class NativeDecoder:
             out = hidden.float().contiguous().clone() if hidden.dtype != torch.float32 else hidden.contiguous()
         head, logits = self._logits_request(logits_rows, keep)
         mask = None if head is None else self._mask_request(head, head_mask, keep)
+        started_ns = time.perf_counter_ns()
         failed = cpu_kernels.load_library().kvserve_decoder_forward_logits(
             ctypes.byref(self._desc), self._layers, ctypes.byref(step), out.data_ptr(),
             None if head is None else ctypes.byref(head), self.num_threads)
+        self.call_ns += time.perf_counter_ns() - started_ns
+        self.num_calls += 1
         if failed == 3:
             self._reduce.raise_error()
         if failed == 2:
@@ -477,21 +507,21 @@ class NativeDecoder:
         """Give the call the RoPE cos/sin tables (`RotaryEmbedding.table`, held here while
         pointed at): it reads each token's row by its position."""
         model = self.model
-        tables = [model.rotary_global.table(num_positions)]
-        if model.rotary_local is not None:
-            tables.append(model.rotary_local.table(num_positions))
-        if len(tables) == len(self._rope_tables) and all(a is b for a, b in zip(tables, self._rope_tables)):
-            return
+        rotaries = [model.rotary_global] if model.rotary_local is None else [model.rotary_global, model.rotary_local]
+        if num_positions <= self._rope_capacity and all(r.inv_freq is f for r, f in zip(rotaries, self._rope_freqs)):
+            return  # the tables pointed at still hold these positions, for these frequencies
+        tables = [rotary.table(num_positions) for rotary in rotaries]
         pointers = [(t.data_ptr(), t.data_ptr() + t[0].numel() * t.element_size()) for t in tables]
         (step.cos, step.sin), (step.cos_local, step.sin_local) = pointers[0], pointers[-1]
-        self._rope_tables = tables
+        self._rope_tables, self._rope_freqs = tables, [rotary.inv_freq for rotary in rotaries]
+        self._rope_capacity = min(t.shape[1] for t in tables)
 
     def _logits_request(self, rows: torch.Tensor | None, keep: list) -> tuple[_Logits | None, torch.Tensor | None]:
         """The LM-head part of the call for the tokens `rows` and the tensor it fills, or
         (None, None) when the call computes no logits."""
         if rows is None or self._head is None or rows.numel() == 0:
             return None, None
-        rows = rows.long().contiguous()
+        rows = _as_int64(rows)
         logits = torch.empty(rows.numel(), self._head.out, dtype=torch.float32)
         keep += [rows, logits]
         return _Logits(head=self._head, rows=rows.data_ptr(), num_rows=rows.numel(), logits=logits.data_ptr()), logits

@@ -245,6 +245,9 @@ class InputBatch:
                 draft_token_ids: dict[str, list[int]] | None = None) -> PreparedBatch:
         """Flatten the scheduled tokens of every request (but `skip_req_ids`) into one batch;
         `draft_token_ids` replaces the scheduler's drafts (placeholders filled in)."""
+        one_decode = self._one_decode_request(scheduler_output, skip_req_ids, draft_token_ids)
+        if one_decode is not None:
+            return self._prepare_one_decode(*one_decode)
         req_ids, num_computed = self._scheduled_requests(scheduler_output)
         if skip_req_ids:
             kept = [i for i, rid in enumerate(req_ids) if rid not in skip_req_ids]
@@ -277,6 +280,46 @@ class InputBatch:
         prepared = self._flatten(req_ids, rows, starts, num_sched, sample_mask, num_drafts)
         prepared.draft_token_ids = drafts
         return prepared
+
+    @staticmethod
+    def _one_decode_request(scheduler_output: SchedulerOutput, skip_req_ids,
+                            draft_token_ids: dict[str, list[int]] | None) -> tuple[str, int] | None:
+        """(request id, computed tokens) when the step is one running request's one token with
+        no drafts (a single stream's decode step), else None."""
+        cached = scheduler_output.scheduled_cached_reqs
+        if (scheduler_output.scheduled_new_reqs or len(cached.req_ids) != 1
+                or scheduler_output.total_num_scheduled_tokens != 1 or scheduler_output.scheduled_spec_decode_tokens
+                or draft_token_ids or scheduler_output.after_unverified_drafts_req_ids):
+            return None
+        req_id = cached.req_ids[0]
+        return None if req_id in skip_req_ids else (req_id, cached.num_computed_tokens[0])
+
+    def _prepare_one_decode(self, req_id: str, start: int) -> PreparedBatch:
+        """`prepare` of one request's one token at position `start`, from plain ints: the
+        same batch as `_flatten` builds, without its two dozen array operations (at batch
+        one they are most of the step's input preparation)."""
+        row = self._row_of(req_id)
+        known = int(self.num_tokens[row])
+        if start >= known:
+            raise InputPreparationError(f"request {req_id} is scheduled up to token {start + 1}, "
+                                        f"but the runner knows only {known} of its tokens")
+        sampled = start + 1 == known
+        positions = np.array([start], dtype=np.int64)
+        slot_mappings, block_tables = [], []
+        for table in self.block_tables:
+            block_index = start // table.block_size
+            if table.ring_size is not None:
+                block_index %= table.ring_size
+            slot = int(table.table[row, block_index]) * table.block_size + start % table.block_size
+            slot_mappings.append(np.array([slot], dtype=np.int64))
+            block_tables.append(table.table[row:row + 1, :max(int(table.num_blocks[row]), 1)].copy())
+        return PreparedBatch(
+            req_ids=[req_id], rows=np.array([row], dtype=np.int64), num_scheduled_tokens=np.ones(1, dtype=np.int64),
+            num_computed_tokens=positions, input_ids=self.token_ids[row, start:start + 1].copy(), positions=positions,
+            query_start_loc=np.array([0, 1], dtype=np.int64), seq_lens=positions + 1, slot_mappings=slot_mappings,
+            block_tables=block_tables, sample_mask=np.array([sampled]),
+            logits_indices=np.zeros(int(sampled), dtype=np.int64), num_draft_tokens=np.zeros(1, dtype=np.int64),
+            req_index=np.zeros(1, dtype=np.int64))
 
     def prepare_tokens(self, req_ids: list[str], starts: np.ndarray, token_ids: list[np.ndarray]) -> PreparedBatch:
         """A batch of given tokens: request i's `token_ids[i]` at positions from `starts[i]`,

@@ -77,6 +77,13 @@ class ModelRunner:
     def max_model_len(self) -> int:
         return self.scheduler_config.max_model_len
 
+    @property
+    def num_step_threads(self) -> int:
+        """The threads a small step keeps busy: the native decoder's (once a step built it;
+        it keeps to one for small layers), else torch's."""
+        native = getattr(self.model, "native_decoder", None)
+        return native.num_threads if native is not None else torch.get_num_threads()
+
     # ---- set-up -----------------------------------------------------------
 
     def load_model(self) -> None:

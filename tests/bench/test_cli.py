@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from kvserve.bench.profile import NATIVE_DECODER
+from kvserve.bench.profile import NATIVE_DECODER, format_result
 from kvserve.cli import main
 
 from .fake_openai_server import FakeServer
@@ -132,6 +132,36 @@ def test_profile_tiny(tmp_path, capsys, tiny_model_dir):
     assert result["plain_step_ms"] > 0 and result["top_functions_model_step"]
     split = result["native_split"]  # inside the call, by phase (csrc/phase_timer.h)
     assert split["calls"] >= 1 and split["threads"][0]["QKV matmul"] > 0
+    assert result["fewer_barriers_ab"] is None  # not asked for
+
+
+def test_profile_ab_of_the_fewer_barriers(tmp_path, capsys, tiny_model_dir):
+    """`--ab-fewer-barriers`: alternating rounds with the native call's fewer barriers a layer
+    and without, each round's step times, ratios and phases recorded."""
+    result = run_bench(tmp_path, capsys, "profile", "--model", tiny_model_dir, "--batch-size", "1",
+                       "--context-len", "8", "--steps", "2", "--ab-fewer-barriers", "3", *ENGINE_FLAGS)
+    ab = result["fewer_barriers_ab"]
+    assert ab["rounds"] == 3 and len(ab["step_ms"]["on"]) == len(ab["step_ms"]["off"]) == 3
+    assert ab["median_ratio"] == pytest.approx(sorted(ab["ratios_off_over_on"])[1])
+    assert all(phases[0]["QKV matmul"] > 0 for phases in ab["median_phases_ms_per_call"].values())
+    assert "fewer barriers a layer vs more" in format_result(result)
+
+
+def test_host_tiny(tmp_path, capsys, tiny_model_dir):
+    result = run_bench(tmp_path, capsys, "host", "--model", tiny_model_dir, "--rounds", "2", "--prompt-len", "8",
+                       "--output-len", "6", "--modes", "auto,sync,async", "--no-plot", *ENGINE_FLAGS)
+    assert result["modes"] == ["auto", "sync", "async"]
+    for mode in result["modes"]:
+        rounds = result["rounds_by_mode"][mode]
+        assert len(rounds) == 2 and all(r["tokens"] == 6 for r in rounds)
+        # Every step (the prompt's and five decode steps) ran the native call, and the
+        # host's pieces were timed without it.
+        assert all(r["native_calls"] == r["steps"] == 6 for r in rounds)
+        summary = result["summary"][mode]
+        pieces = summary["pieces_ms_per_call"]
+        assert 0 < pieces["  model forward"] < pieces["runner step"]
+        assert summary["host_ms_per_step"] > 0 and summary["native_ms_per_call"] > 0
+    assert result["summary"]["auto"]["speed_vs_first"] == 1.0
 
 
 def test_scheduler_tiny(tmp_path, capsys):

@@ -59,7 +59,7 @@ def _assert_same(ours, ref, max_diff=MAX_LOGIT_DIFF) -> None:
 
 @pytest.mark.parametrize("family,chunk,threads", [
     *[(family, 2, None) for family in FAMILIES],
-    ("llama", 16, None), ("gemma2", 16, None), ("gemma2", 2, 2), ("qwen3", 2, 3)])
+    ("llama", 16, None), ("gemma2", 16, None), ("gemma2", 2, 2), ("qwen3", 2, 3), ("gemma3", 2, 3)])
 def test_native_matches_torch_path_for_64_greedy_steps(configs, native_steps, family, chunk, threads):
     """Chunk 2: prompt chunks over cached context run natively too (3 requests x 2 <= 8
     tokens); chunk 16: prefills take the torch path, decode steps the native one.

@@ -270,3 +270,49 @@ def test_int8_rows_are_batch_invariant_on_the_single_row_kernel(type_name):
     alone = torch.cat([quantized.linear(x[i:i + 1], weight, isa="avx512") for i in range(6)])
     for batch in (2, 3, 6):
         assert torch.equal(quantized.linear(x[:batch], weight, isa="avx512"), alone[:batch])
+
+
+@pytest.mark.parametrize("type_name,width,bounds", [
+    ("Q4_1", 576, [0, 8, 18]),  # the default model's O input: two runs, the second with two tail blocks
+    ("Q4_0", 576, [0, 4, 8, 12, 18]),
+    ("Q8_0", 416, [0, 8, 13]),  # 8-bit weights: a run of four blocks and a tail of one
+    ("Q5_1", 96, [0, 3]),  # held as 8-bit weights; a single run shorter than a group
+    ("Q4_K", 768, [0, 8, 16, 24]),
+    ("Q4_1", 800, [8, 16, 25]),  # runs that do not start at the row's first block
+])
+def test_partial_products_of_block_runs(type_name, width, bounds):
+    """`kvserve_gemv_partials` (the native decoder's matmuls split by input columns): each
+    run's partial products against a float64 reference over the run's columns (the kernel's
+    int8 activations, gguf's dequantized weights); each run's sums are the same taken alone
+    as next to other runs; a single run over the whole row gives the one-row kernel's sums."""
+    if "avx512" not in ISAS:
+        pytest.skip("no AVX512-VNNI here")
+    lib, out = cpu_kernels.load_library(), 13  # three runs of four rows and a one-row tail
+    raw = gguf_blocks(type_name, out, width, seed=width + len(bounds))
+    weight = dataclasses.replace(quantized.from_gguf_blocks(type_name, raw, width), act_bits=8)
+    assert weight.bits in (4, 8)
+    x = np.random.default_rng(width).standard_normal((1, width)).astype(np.float32)
+    nb = width // 32
+    qx, scales = torch.empty(width, dtype=torch.int8), torch.empty(2 * nb)
+    lib.kvserve_quant_activations(x.ctypes.data, width, 1, width, 8, qx.data_ptr(), scales.data_ptr())
+
+    def partials(run_bounds: list[int], mins: bool = True) -> torch.Tensor:
+        y = torch.full((len(run_bounds) - 1, out), float("nan"))
+        b = torch.tensor(run_bounds, dtype=torch.int64)
+        assert lib.kvserve_gemv_partials(qx.data_ptr(), scales.data_ptr(), scales.data_ptr() + 4 * nb,
+                                         weight.qs.data_ptr(), weight.d.data_ptr(),
+                                         weight.m.data_ptr() if mins else None, weight.bits, width, b.data_ptr(),
+                                         len(run_bounds) - 1, y.data_ptr(), out, 0, out) == 1
+        return y
+
+    y = partials(bounds)
+    xr, w64 = rounded_activations(x, 8)[0], reference_weight(type_name, raw, width)
+    for c, (b0, b1) in enumerate(zip(bounds, bounds[1:])):
+        cols = slice(32 * b0, 32 * b1)
+        exact = w64[:, cols] @ xr[cols]
+        np.testing.assert_allclose(y[c].double().numpy(), exact, rtol=1e-4, atol=1e-4 * np.abs(exact).max())
+        assert torch.equal(partials([b0, b1])[0], y[c])
+    if not weight.m.any():  # Q8_0: minimums not read at all (how the native call passes them)
+        assert torch.equal(partials(bounds, mins=False), y)
+    whole = partials([0, nb])[0]
+    assert torch.equal(whole, quantized.linear(torch.from_numpy(x), weight, isa="avx512")[0])

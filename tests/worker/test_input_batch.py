@@ -123,3 +123,75 @@ def test_hybrid_groups_sliding_and_circular_slots():
     # Ring of two blocks: positions 8-9 wrap back onto block 7.
     np.testing.assert_array_equal(prepared.slot_mappings[2][[0, 4, 8, 9]], [28, 32, 28, 29])
     np.testing.assert_array_equal(prepared.block_tables[2], [[7, 8]])
+
+
+def _general_prepare(batch, out, monkeypatch):
+    """`prepare` through the general flattening path (the single-decode one switched off)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(InputBatch, "_one_decode_request", staticmethod(lambda *args: None))
+        return batch.prepare(out)
+
+
+def assert_same_batch(fast, general):
+    assert fast.req_ids == general.req_ids and fast.draft_token_ids == general.draft_token_ids
+    for name in ("rows", "num_scheduled_tokens", "num_computed_tokens", "input_ids", "positions",
+                 "query_start_loc", "seq_lens", "sample_mask", "logits_indices", "num_draft_tokens", "req_index"):
+        a, b = getattr(fast, name), getattr(general, name)
+        assert a.dtype == b.dtype, name
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    for a, b in zip(fast.slot_mappings + fast.block_tables, general.slot_mappings + general.block_tables,
+                    strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_single_decode_step_is_the_general_batch(seed, monkeypatch):
+    """One running request's one token (a single stream's decode step, built from plain ints)
+    gives exactly the batch of the general path: every group kind, placeholders (the step
+    scheduled ahead, not sampling), and a request in a row other than the first."""
+    rng = np.random.default_rng(seed)
+    sliding = SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype="float32", sliding_window=4)
+    ring = CircularBufferSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype="float32", sliding_window=4)
+    batch = InputBatch([FULL, sliding, ring], max_model_len=64, max_num_rows=2)
+    prompt = rng.integers(3, 1000, int(rng.integers(1, 9))).tolist()
+    other = sched(1, new=[new_req("other", [5, 6], ([40], [41], [42, 43]))], num_sched={"other": 2})
+    batch.apply_scheduler_output(other)
+    blocks = ([1], [2], [3, 4])
+    out = sched(2, new=[new_req("a", prompt, blocks)], num_sched={"a": len(prompt)}, finished=["other"])
+    batch.apply_scheduler_output(out)
+    batch.append_sampled_token("a", int(rng.integers(3, 1000)))
+    num_computed, next_block = len(prompt), 10
+    for step in range(3, 40):
+        new_blocks = None
+        if num_computed % BS == 0:  # a new block for full and sliding groups; the ring reuses its two
+            new_blocks = ([next_block], [next_block + 1], [])
+            next_block += 2
+        out = sched(step, cached=[("a", new_blocks, num_computed)], num_sched={"a": 1})
+        batch.apply_scheduler_output(out)
+        fast = batch.prepare(out)
+        assert_same_batch(fast, _general_prepare(batch, out, monkeypatch))
+        assert fast.sample_mask[0]
+        num_computed += 1
+        if rng.random() < 0.3:  # scheduled ahead: the placeholder's step, before the token is known
+            ahead = sched(step, cached=[("a", None, num_computed)], num_sched={"a": 1})
+            with pytest.raises(InputPreparationError, match="knows only"):
+                batch.prepare(ahead)
+        batch.append_sampled_token("a", int(rng.integers(3, 1000)))
+
+
+def test_the_single_decode_path_leaves_other_steps_to_the_general_one(monkeypatch):
+    batch = InputBatch([FULL], max_model_len=32)
+    out = sched(1, new=[new_req("a", [1, 2, 3], ([1],)), new_req("b", [4, 5], ([2],))], num_sched={"a": 3, "b": 2})
+    batch.apply_scheduler_output(out)
+    batch.append_sampled_token("a", 7)
+    batch.append_sampled_token("b", 8)
+    steps = [sched(2, cached=[("a", None, 3), ("b", None, 2)], num_sched={"a": 1, "b": 1}),  # two requests
+             sched(2, cached=[("a", None, 2)], num_sched={"a": 2})]  # two tokens of one
+    for out in steps:
+        assert InputBatch._one_decode_request(out, frozenset(), None) is None
+        assert_same_batch(batch.prepare(out), _general_prepare(batch, out, monkeypatch))
+    one = sched(3, cached=[("a", None, 3)], num_sched={"a": 1})
+    assert InputBatch._one_decode_request(one, frozenset(), None) == ("a", 3)
+    assert InputBatch._one_decode_request(one, {"a"}, None) is None  # a failed step's request is skipped
+    assert InputBatch._one_decode_request(one, frozenset(), {"a": [9]}) is None  # drafts filled in

@@ -10,7 +10,10 @@
  * One OpenMP parallel region covers the whole call: starting a region costs
  * tens of microseconds on a virtual machine, more than a layer's work at batch
  * one. Inside it the threads split each matrix's output rows and the
- * attention's KV heads, and meet at a barrier after each (four per layer).
+ * attention's KV heads, and meet at a barrier after each; with fewer_barriers
+ * (off by default) they split the O and down projections by input columns and,
+ * where the attention goes by query heads, compute each the QKV rows and K/V
+ * writes their heads need, so that SmolLM2 on 2 threads meets twice a layer.
  * The barrier is a spinning one of our own (spin_barrier below), not OpenMP's:
  * libgomp spins only ~1000 times once its thread pools together hold more
  * threads than there are CPUs (torch's pool and this call's each count), then
@@ -42,6 +45,7 @@
 #define MAX_GROUPS 8
 #define TOKEN_SPLIT_MIN 8 /* steps of this many tokens split attention by tokens, not KV heads */
 #define F32_PANELS 2      /* NativeLinear.w_dtype: float32 packed in f32_gemm.c's panels of 16 rows */
+#define SPLIT_BLOCKS 8    /* blocks of 32 input columns per run of a matmul split by its input */
 
 /* The other kernels of this library. */
 void kvserve_quant_row_values(const uint8_t *qs, const float *d, const float *m, int bits, int64_t in, int64_t r,
@@ -58,6 +62,10 @@ void kvserve_quant_rows(const void *qx, const float *scales, int64_t batch, cons
                         const float *m, int bits, int64_t in, const float *bias, float *y, int64_t y_stride,
                         int act_bits, int isa, int64_t row_begin, int64_t row_end);
 int kvserve_quant_single_row_kernel(int act_bits, int isa);
+int kvserve_quantize_row8(const float *x, int64_t in, int8_t *qx, float *dx, float *sx);
+int kvserve_gemv_partials(const int8_t *qx, const float *dx, const float *sx, const uint8_t *qs, const float *d,
+                          const float *m, int bits, int64_t in, const int64_t *bounds, int64_t num_runs, float *y,
+                          int64_t run_stride, int64_t row_begin, int64_t row_end);
 void kvserve_f32_gemm_rows(const float *x, int64_t x_stride, int64_t batch, const float *packed, const float *bias,
                            int64_t in, float *y, int64_t y_stride, int isa, int64_t row_begin, int64_t row_end);
 void kvserve_bf16_round_rows(const float *x, int64_t x_stride, int64_t batch, int64_t in, uint16_t *xb);
@@ -118,7 +126,8 @@ typedef struct {
      * embed_scale (0: none); embed.out 0: no table here, the caller embeds the tokens. */
     NativeLinear embed;
     float embed_scale;
-    int32_t unused_embed;
+    int32_t fewer_barriers; /* 1: O and down split by input columns where splits_by_input allows, and
+                             * query_share_kv; 0: the matmuls split by rows (for A/B measurements) */
     /* Tensor parallelism (NULL: one rank): the O and down projections give this rank's
      * partial sums into reduce_buffer [T, hidden], and thread 0 calls
      * all_reduce(reduce_ctx, reduce_buffer, T * hidden) to sum them over the ranks in place
@@ -179,7 +188,12 @@ typedef struct {
     float *residual, *x, *act; /* [T, hidden], [T, max(hidden, intermediate)], [T, intermediate] */
     void *qx;                  /* quantized activations (or the panel GEMM's prepared ones) */
     float *scales;
-    void *panel; /* the panel GEMM's weight panel */
+    void *panel;      /* the panel GEMM's weight panel */
+    float *sum;       /* [T, hidden]: a split matmul's output, its runs added up */
+    float *gate_up;   /* [T, 2 * intermediate]: this thread's gate and up columns, side by side */
+    float *kv;        /* [T, 2, head_dim]: one KV head's K and V rows */
+    int64_t *bounds;  /* a split matmul's run bounds, in blocks */
+    const float *out; /* the last layer's output: Shared.out or sum */
     PhaseTimer timer;
     struct SpinBarrier *barrier;
 } Private;
@@ -213,6 +227,7 @@ static void spin_barrier(SpinBarrier *b) {
 /* Buffers all threads write (disjoint parts) and then read. */
 typedef struct {
     float *qkv, *attn, *out, *gate_up; /* [T, qkv width], [T, q size], [T, hidden], [T, 2 * intermediate] */
+    float *o_runs, *down_runs;         /* a split O / down projection's partial products [runs, T, hidden] */
     int reduce_failed;                 /* set by thread 0 when an all-reduce failed: every thread stops */
 } Shared;
 
@@ -310,6 +325,76 @@ static void linear_rows(const NativeModel *m, const NativeLinear *l, const float
     linear_range(l, path, x, T, p, y, begin, end);
 }
 
+/* ---- matmuls split by their input columns -------------------------------------------
+ * A projection whose input each thread holds only in part (its attention heads' output, its
+ * columns of the MLP activation) is split by input columns instead of output rows: each
+ * thread multiplies its columns into partial products, and every thread adds them up after
+ * the next barrier. That saves the barrier before the projection. The columns go in fixed
+ * runs of SPLIT_BLOCKS blocks (the last run takes the rest), each run's partial products in
+ * a buffer of their own, added up in run order: a row's result does not depend on the
+ * thread count or on the step's other rows, only its float32 summation order differs from
+ * the unsplit kernel's (the integer block sums are the same). Taken where the projection
+ * runs quant_gemv.c's single-row kernel (int8 activations, AVX512-VNNI, 4- or 8-bit
+ * weights, one rank); other paths keep the split by rows and its barrier. */
+
+/* Whether a step of T rows (plain_rows of them not drafts) splits l by its input columns. */
+static int splits_by_input(const NativeModel *m, const NativeLinear *l, int64_t T, int64_t plain_rows) {
+    const int path = linear_path(m, l, T, plain_rows);
+    return m->fewer_barriers && !m->all_reduce && l->qs && (l->bits == 4 || l->bits == 8) &&
+           (path == PATH_QUANT || path == PATH_SINGLE_ROWS) &&
+           kvserve_quant_single_row_kernel(l->act_bits, l->isa);
+}
+
+static int64_t run_count(int64_t in) {
+    const int64_t runs = in / 32 / SPLIT_BLOCKS;
+    return runs > 0 ? runs : 1;
+}
+
+/* The first block of run c (c = run_count: the end of the row). */
+static int64_t run_bound(int64_t in, int64_t c) { return c < run_count(in) ? c * SPLIT_BLOCKS : in / 32; }
+
+/* The run that starts at input column `col`, or -1 where none does. */
+static int64_t run_at(int64_t in, int64_t col) {
+    if (col % 32) return -1;
+    const int64_t runs = run_count(in), blk = col / 32;
+    if (blk == in / 32) return runs;
+    return blk % SPLIT_BLOCKS == 0 && blk / SPLIT_BLOCKS < runs ? blk / SPLIT_BLOCKS : -1;
+}
+
+/* Runs [run_begin, run_end) of x [T, in] W^T into runs [runs, T, out] (run_stride T * out):
+ * this thread quantizes the runs' columns of each row and multiplies them (PHASE_QUANTIZE,
+ * then `phase`). */
+static void split_range(const NativeLinear *l, const float *x, int64_t T, Private *p, float *runs,
+                        int64_t run_begin, int64_t run_end, int phase) {
+    if (run_begin >= run_end) return;
+    const int64_t nb = l->in / 32, b0 = run_bound(l->in, run_begin), b1 = run_bound(l->in, run_end);
+    for (int64_t c = run_begin; c <= run_end; c++) p->bounds[c - run_begin] = run_bound(l->in, c);
+    for (int64_t t = 0; t < T; t++) {
+        float *dx = single_row_scales(l, p, t);
+        kvserve_quantize_row8(x + t * l->in + b0 * 32, (b1 - b0) * 32, (int8_t *)single_row_qx(l, p, t) + b0 * 32,
+                              dx + b0, dx + nb + b0);
+    }
+    phase_mark(&p->timer, PHASE_QUANTIZE);
+    for (int64_t t = 0; t < T; t++) {
+        const float *dx = single_row_scales(l, p, t);
+        kvserve_gemv_partials((const int8_t *)single_row_qx(l, p, t), dx, dx + nb, l->qs, l->d,
+                              l->zero_min ? NULL : l->m, l->bits, l->in, p->bounds, run_end - run_begin,
+                              runs + run_begin * T * l->out + t * l->out, T * l->out, 0, l->out);
+    }
+    phase_mark(&p->timer, phase);
+}
+
+/* out [T, width] = the sum of runs [runs, T, width] in run order (+ bias). */
+static void sum_runs(const float *runs, int64_t num_runs, int64_t T, int64_t width, const float *bias, float *out) {
+    const int64_t n = T * width;
+    memcpy(out, runs, sizeof(float) * (size_t)n);
+    for (int64_t c = 1; c < num_runs; c++)
+        for (int64_t i = 0; i < n; i++) out[i] += runs[c * n + i];
+    if (bias)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t i = 0; i < width; i++) out[t * width + i] += bias[i];
+}
+
 static void norm(const NativeModel *m, const float *x, float *residual, const float *w, float *out, int64_t T) {
     kvserve_rms_norm(x, residual, w, out, T, m->hidden, m->hidden, m->eps, m->adds_one, F32, 1);
 }
@@ -387,6 +472,12 @@ static void wait_all(Private *p, int phase) {
     phase_mark(&p->timer, PHASE_WAIT);
 }
 
+/* The query heads [begin, end) whose attention thread tid attends to in attention_query_heads. */
+static void query_head_share(const NativeModel *m, int tid, int nthreads, int64_t *begin, int64_t *end) {
+    *begin = m->num_heads * tid / nthreads;
+    *end = m->num_heads * (tid + 1) / nthreads;
+}
+
 /* Attention of this thread's share of the query heads, every token (all K/V rows written
  * before): when the KV heads do not divide evenly among the threads (SmolLM2: 3 of them
  * on 2 threads), splitting by query heads instead evens the work out for one extra
@@ -395,8 +486,9 @@ static void attention_query_heads(const NativeModel *m, const NativeLayer *l, co
                                   int tid, int nthreads) {
     const int64_t T = st->num_tokens, D = m->head_dim, q_size = m->num_heads * D;
     const int64_t kv_size = m->num_kv_heads * D, width = q_size + 2 * kv_size, group = m->num_heads / m->num_kv_heads;
-    const int64_t begin = m->num_heads * tid / nthreads, end = m->num_heads * (tid + 1) / nthreads;
     const int64_t elem = l->kv_dtype == F32 ? 4 : 2;
+    int64_t begin, end;
+    query_head_share(m, tid, nthreads, &begin, &end);
     for (int64_t first = begin; first < end;) {
         const int64_t h = first / group, last = (h + 1) * group < end ? (h + 1) * group : end;
         kvserve_paged_attention(s->qkv + first * D, width, D, (char *)l->k_cache + h * l->cache_head_stride * elem,
@@ -407,6 +499,98 @@ static void attention_query_heads(const NativeModel *m, const NativeLayer *l, co
                                 1);
         first = last;
     }
+}
+
+/* Before attention_query_heads, without a barrier between: the Q norms and RoPE of this
+ * thread's query heads (in place), and the K norm, RoPE and K/V write of every KV head they
+ * read (from this thread's copy of the head's K/V rows). A KV head whose query heads two
+ * threads share out is computed and written by both, the same values to the same slots, so
+ * neither waits for the other's write; each KV head's values are attention_heads' exactly. */
+static void query_share_kv(const NativeModel *m, const NativeLayer *l, const NativeStep *st, const Shared *s,
+                           Private *p, int tid, int nthreads) {
+    const int64_t T = st->num_tokens, D = m->head_dim, group = m->num_heads / m->num_kv_heads;
+    const int64_t q_size = m->num_heads * D, kv_size = m->num_kv_heads * D, width = q_size + 2 * kv_size;
+    const float *cos = l->local_rope ? st->cos_local : st->cos, *sin = l->local_rope ? st->sin_local : st->sin;
+    const int64_t elem = l->kv_dtype == F32 ? 4 : 2;
+    int64_t begin, end;
+    query_head_share(m, tid, nthreads, &begin, &end);
+    if (begin == end) return;
+    float *q = s->qkv + begin * D;
+    for (int64_t t = 0; t < T && l->q_norm; t++)
+        kvserve_rms_norm(q + t * width, NULL, l->q_norm, q + t * width, end - begin, D, D, m->eps, m->adds_one, F32,
+                         1);
+    rope(st, q, width, end - begin, D, cos, sin);
+    for (int64_t h = begin / group; h <= (end - 1) / group; h++) {
+        for (int64_t t = 0; t < T; t++) {
+            float *k = p->kv + t * 2 * D;
+            memcpy(k, s->qkv + t * width + q_size + h * D, sizeof(float) * (size_t)D);
+            memcpy(k + D, s->qkv + t * width + q_size + kv_size + h * D, sizeof(float) * (size_t)D);
+            if (l->k_norm) kvserve_rms_norm(k, NULL, l->k_norm, k, 1, D, D, m->eps, m->adds_one, F32, 1);
+        }
+        rope(st, p->kv, 2 * D, 1, D, cos, sin);
+        kvserve_store_kv(p->kv, p->kv + D, 2 * D, D, (char *)l->k_cache + h * l->cache_head_stride * elem,
+                         (char *)l->v_cache + h * l->cache_head_stride * elem, l->cache_head_stride,
+                         st->slots[l->group], NULL, T, 1, D, F32, l->kv_dtype);
+    }
+}
+
+/* Whether each thread's query heads (query_head_share) are whole runs of the O projection's
+ * input, so that a thread can multiply its heads' attention output by O without a barrier. */
+static int heads_are_runs(const NativeModel *m, int nthreads) {
+    const int64_t q_size = m->num_heads * m->head_dim;
+    for (int t = 0; t < nthreads; t++) {
+        int64_t begin, end;
+        query_head_share(m, t, nthreads, &begin, &end);
+        if (run_at(q_size, begin * m->head_dim) < 0) return 0;
+    }
+    return 1;
+}
+
+/* The runs [begin, end) of a split matmul with `in` columns this thread takes, in its share of
+ * the columns: by the thread count, or (`by_heads`) as its query heads. */
+static void run_share(const NativeModel *m, int64_t in, int by_heads, int tid, int nthreads, int64_t *begin,
+                      int64_t *end) {
+    if (by_heads) {
+        int64_t first, last;
+        query_head_share(m, tid, nthreads, &first, &last);
+        *begin = run_at(in, first * m->head_dim);
+        *end = run_at(in, last * m->head_dim);
+    } else {
+        *begin = run_count(in) * tid / nthreads;
+        *end = run_count(in) * (tid + 1) / nthreads;
+    }
+}
+
+/* Whether a step of T tokens attends by query heads (attention_query_heads). */
+static int by_query_heads(const NativeModel *m, int64_t T, int nthreads) {
+    return T < TOKEN_SPLIT_MIN && nthreads > 1 && m->num_kv_heads % nthreads;
+}
+
+/* The QKV projection of p->x into s->qkv. With fewer barriers where the attention goes by
+ * query heads, each thread computes only the rows its heads need (its query heads' Q, the K
+ * and V of the KV heads they read: a KV head two threads share, both, the same values) and
+ * waits for no one (head_dim a multiple of every path's row unit); else the threads split
+ * the rows and meet. */
+static void qkv_projection(const NativeModel *m, const NativeLayer *l, int64_t T, int64_t plain, Private *p,
+                           const Shared *s, int tid, int nthreads) {
+    const int64_t D = m->head_dim, group = m->num_heads / m->num_kv_heads;
+    const int64_t q_size = m->num_heads * D, kv_size = m->num_kv_heads * D;
+    if (!m->fewer_barriers || !by_query_heads(m, T, nthreads) || D % 16) {
+        linear_rows(m, &l->qkv, p->x, T, plain, p, s->qkv, tid, nthreads);
+        wait_all(p, PHASE_QKV);
+        return;
+    }
+    const int path = linear_path(m, &l->qkv, T, plain);
+    int64_t begin, end;
+    query_head_share(m, tid, nthreads, &begin, &end);
+    linear_prepare(&l->qkv, path, p->x, T, p);
+    if (begin < end) {
+        const int64_t h0 = begin / group, h1 = (end - 1) / group + 1;
+        linear_range(&l->qkv, path, p->x, T, p, s->qkv, begin * D, end * D);
+        linear_range(&l->qkv, path, p->x, T, p, s->qkv, q_size + h0 * D, q_size + h1 * D);
+        linear_range(&l->qkv, path, p->x, T, p, s->qkv, q_size + kv_size + h0 * D, q_size + kv_size + h1 * D);
+    }
+    phase_mark(&p->timer, PHASE_QKV);
 }
 
 /* Tensor parallelism: s->out [T, hidden] summed over the ranks (thread 0 calls out while
@@ -422,55 +606,126 @@ static int all_reduce_out(const NativeModel *m, const NativeStep *st, Private *p
     return !s->reduce_failed;
 }
 
-/* One decoder layer. The stream is p->residual (sandwich norms), or p->residual + s->out
- * (pre-norm: s->out holds the previous layer's MLP output, added in by the first norm;
- * the first layer's stream is p->residual alone). */
-static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *st, Private *p, Shared *s,
-                  int first, int tid, int nthreads) {
-    const int64_t T = st->num_tokens, H = m->hidden, I = m->intermediate, plain = T - st->num_draft_tokens;
-    if (m->sandwich) {
-        norm(m, p->residual, NULL, l->input_norm, p->x, T);
-    } else {
-        norm(m, first ? p->residual : s->out, first ? NULL : p->residual, l->input_norm, p->x, T);
-    }
-    phase_mark(&p->timer, PHASE_NORMS);
-    linear_rows(m, &l->qkv, p->x, T, plain, p, s->qkv, tid, nthreads);
-    wait_all(p, PHASE_QKV);
+/* Q/K norms, RoPE, K/V write, attention and the O projection; returns the O output [T, hidden]
+ * (Shared.out, summed over the ranks under tensor parallelism, or p->sum where O is split by
+ * input columns), or NULL when the all-reduce failed. Where O is split and the
+ * attention goes by query heads that are whole runs of O's input, each thread multiplies its
+ * own heads' output without waiting for the others'. */
+static const float *attention_and_o(const NativeModel *m, const NativeLayer *l, const NativeStep *st, Private *p,
+                                    Shared *s, int64_t plain, int tid, int nthreads) {
+    const int64_t T = st->num_tokens, H = m->hidden;
+    const int query_heads = by_query_heads(m, T, nthreads);
     if (T >= TOKEN_SPLIT_MIN && nthreads > 1) {
         attention_heads(m, l, st, s, 0, tid, nthreads);
         wait_all(p, PHASE_ATTENTION);
         attention_tokens(m, l, st, s, tid, nthreads);
-    } else if (nthreads > 1 && m->num_kv_heads % nthreads) {
+    } else if (query_heads && m->fewer_barriers) {
+        query_share_kv(m, l, st, s, p, tid, nthreads);
+        attention_query_heads(m, l, st, s, tid, nthreads);
+    } else if (query_heads) {
         attention_heads(m, l, st, s, 0, tid, nthreads);
         wait_all(p, PHASE_ATTENTION);
         attention_query_heads(m, l, st, s, tid, nthreads);
     } else {
         attention_heads(m, l, st, s, 1, tid, nthreads);
     }
-    wait_all(p, PHASE_ATTENTION);
-    linear_rows(m, &l->o, s->attn, T, plain, p, s->out, tid, nthreads);
+    if (!splits_by_input(m, &l->o, T, plain)) {
+        wait_all(p, PHASE_ATTENTION);
+        linear_rows(m, &l->o, s->attn, T, plain, p, s->out, tid, nthreads);
+        wait_all(p, PHASE_O);
+        return all_reduce_out(m, st, p, s, tid) ? s->out : NULL;
+    }
+    const int by_heads = query_heads && heads_are_runs(m, nthreads);
+    if (by_heads)
+        phase_mark(&p->timer, PHASE_ATTENTION);
+    else
+        wait_all(p, PHASE_ATTENTION);
+    int64_t begin, end;
+    run_share(m, l->o.in, by_heads, tid, nthreads, &begin, &end);
+    split_range(&l->o, s->attn, T, p, s->o_runs, begin, end, PHASE_O);
     wait_all(p, PHASE_O);
-    if (!all_reduce_out(m, st, p, s, tid)) return;
+    sum_runs(s->o_runs, run_count(l->o.in), T, H, l->o.bias, p->sum);
+    phase_mark(&p->timer, PHASE_NORMS);
+    return p->sum;
+}
+
+/* act [T, width] = the gate activation of gate_up [T, 2 * width] (gate, then up, per row). */
+static void gate_activation(const NativeModel *m, const float *gate_up, float *act, int64_t T, int64_t width) {
+    if (m->gelu)
+        gelu_tanh_mul(gate_up, act, T, width);
+    else
+        kvserve_silu_mul(gate_up, act, T, width, F32, 1);
+}
+
+/* The MLP of x = p->x; returns its output [T, hidden] (as attention_and_o's, NULL when the
+ * all-reduce failed; where the down projection is split by input columns, each thread computes
+ * the gate and up columns of its runs of the down projection's input, their activation and
+ * their partial products, with one barrier instead of two). */
+static const float *mlp(const NativeModel *m, const NativeLayer *l, const NativeStep *st, Private *p, Shared *s,
+                        int tid, int nthreads) {
+    const int64_t T = st->num_tokens, plain = T - st->num_draft_tokens;
+    const int64_t H = m->hidden, I = m->intermediate;
+    if (!splits_by_input(m, &l->down, T, plain)) {
+        linear_rows(m, &l->gate_up, p->x, T, plain, p, s->gate_up, tid, nthreads);
+        wait_all(p, PHASE_GATE_UP);
+        gate_activation(m, s->gate_up, p->act, T, I);
+        phase_mark(&p->timer, PHASE_NORMS);
+        linear_rows(m, &l->down, p->act, T, plain, p, s->out, tid, nthreads);
+        wait_all(p, PHASE_DOWN);
+        return all_reduce_out(m, st, p, s, tid) ? s->out : NULL;
+    }
+    int64_t begin, end;
+    run_share(m, I, 0, tid, nthreads, &begin, &end);
+    const int64_t c0 = run_bound(I, begin) * 32, c1 = run_bound(I, end) * 32, w = c1 - c0;
+    if (w > 0) {
+        const int path = linear_path(m, &l->gate_up, T, plain);
+        linear_prepare(&l->gate_up, path, p->x, T, p);
+        linear_range(&l->gate_up, path, p->x, T, p, s->gate_up, c0, c1);
+        linear_range(&l->gate_up, path, p->x, T, p, s->gate_up, I + c0, I + c1);
+        phase_mark(&p->timer, PHASE_GATE_UP);
+        for (int64_t t = 0; t < T; t++) {
+            memcpy(p->gate_up + t * 2 * w, s->gate_up + t * 2 * I + c0, sizeof(float) * (size_t)w);
+            memcpy(p->gate_up + t * 2 * w + w, s->gate_up + t * 2 * I + I + c0, sizeof(float) * (size_t)w);
+        }
+        gate_activation(m, p->gate_up, p->act, T, w);
+        /* act's columns [c0, c1) where split_range reads them: row t at p->act + t * I */
+        for (int64_t t = T - 1; t >= 0; t--) memmove(p->act + t * I + c0, p->act + t * w, sizeof(float) * (size_t)w);
+        phase_mark(&p->timer, PHASE_NORMS);
+    }
+    split_range(&l->down, p->act, T, p, s->down_runs, begin, end, PHASE_DOWN);
+    wait_all(p, PHASE_DOWN);
+    sum_runs(s->down_runs, run_count(I), T, H, l->down.bias, p->sum);
+    phase_mark(&p->timer, PHASE_NORMS);
+    return p->sum;
+}
+
+/* One decoder layer. The stream is p->residual (sandwich norms), or p->residual + p->out
+ * (pre-norm: p->out is the previous layer's MLP output, added in by the first norm; the
+ * first layer's stream is p->residual alone). */
+static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *st, Private *p, Shared *s,
+                  int first, int tid, int nthreads) {
+    const int64_t T = st->num_tokens, H = m->hidden, plain = T - st->num_draft_tokens;
     if (m->sandwich) {
-        norm(m, s->out, NULL, l->post_attention_norm, p->x, T);
+        norm(m, p->residual, NULL, l->input_norm, p->x, T);
+    } else {
+        norm(m, first ? p->residual : p->out, first ? NULL : p->residual, l->input_norm, p->x, T);
+    }
+    phase_mark(&p->timer, PHASE_NORMS);
+    qkv_projection(m, l, T, plain, p, s, tid, nthreads);
+    const float *o_out = attention_and_o(m, l, st, p, s, plain, tid, nthreads);
+    if (!o_out) return;
+    if (m->sandwich) {
+        norm(m, o_out, NULL, l->post_attention_norm, p->x, T);
         for (int64_t i = 0; i < T * H; i++) p->residual[i] += p->x[i];
         norm(m, p->residual, NULL, l->pre_feedforward_norm, p->x, T);
     } else {
-        norm(m, s->out, p->residual, l->post_attention_norm, p->x, T);
+        norm(m, o_out, p->residual, l->post_attention_norm, p->x, T);
     }
     phase_mark(&p->timer, PHASE_NORMS);
-    linear_rows(m, &l->gate_up, p->x, T, plain, p, s->gate_up, tid, nthreads);
-    wait_all(p, PHASE_GATE_UP);
-    if (m->gelu)
-        gelu_tanh_mul(s->gate_up, p->act, T, I);
-    else
-        kvserve_silu_mul(s->gate_up, p->act, T, I, F32, 1);
-    phase_mark(&p->timer, PHASE_NORMS);
-    linear_rows(m, &l->down, p->act, T, plain, p, s->out, tid, nthreads);
-    wait_all(p, PHASE_DOWN);
-    if (!all_reduce_out(m, st, p, s, tid)) return;
+    p->out = mlp(m, l, st, p, s, tid, nthreads);
+    if (!p->out) return;
     if (m->sandwich) {
-        norm(m, s->out, NULL, l->post_feedforward_norm, p->x, T);
+        norm(m, p->out, NULL, l->post_feedforward_norm, p->x, T);
         for (int64_t i = 0; i < T * H; i++) p->residual[i] += p->x[i];
     }
 }
@@ -557,13 +812,13 @@ static void embed_tokens(const NativeModel *m, const NativeStep *st, float *out)
 
 /* After the last layer: the final norm into hidden (thread 0), then the LM head's rows. */
 static void finish(const NativeModel *m, const NativeLogits *lg, const NativeStep *st, float *hidden, Private *p,
-                   const Shared *s, int tid, int nthreads) {
+                   int tid, int nthreads) {
     const int64_t T = st->num_tokens;
     if (tid == 0) {
         if (m->sandwich)
             norm(m, p->residual, NULL, m->final_norm, hidden, T);
         else
-            norm(m, s->out, p->residual, m->final_norm, hidden, T);
+            norm(m, p->out, p->residual, m->final_norm, hidden, T);
         if (lg && lg->mask) {
             phase_mark(&p->timer, PHASE_NORMS);
             await_token_mask(lg->mask);
@@ -591,8 +846,10 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
     Shared s = {malloc(sizeof(float) * (size_t)(T * qkv_width)),
                 malloc(sizeof(float) * (size_t)(T * m->num_heads * m->head_dim)),
                 m->all_reduce ? m->reduce_buffer : malloc(sizeof(float) * (size_t)(T * H)),
-                malloc(sizeof(float) * (size_t)(T * 2 * I)), 0};
-    int failed = !s.qkv || !s.attn || !s.out || !s.gate_up;
+                malloc(sizeof(float) * (size_t)(T * 2 * I)),
+                malloc(sizeof(float) * (size_t)(run_count(m->num_heads * m->head_dim) * T * H)),
+                malloc(sizeof(float) * (size_t)(run_count(I) * T * H)), 0};
+    int failed = !s.qkv || !s.attn || !s.out || !s.gate_up || !s.o_runs || !s.down_runs;
     SpinBarrier barrier = {0, 0, 1};
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && !failed)
     {
@@ -601,8 +858,10 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
         Private p = {malloc(sizeof(float) * (size_t)(T * H)), malloc(sizeof(float) * (size_t)(T * W)),
                      malloc(sizeof(float) * (size_t)(T * I)), malloc((size_t)(T * W * 4) + 64),
                      malloc(sizeof(float) * (size_t)(2 * T * (W / 32 + 1))),
-                     malloc((size_t)kvserve_quant_gemm_panel_bytes(W))};
-        int ok = p.residual && p.x && p.act && p.qx && p.scales && p.panel;
+                     malloc((size_t)kvserve_quant_gemm_panel_bytes(W)), malloc(sizeof(float) * (size_t)(T * H)),
+                     malloc(sizeof(float) * (size_t)(T * 2 * I)), malloc(sizeof(float) * (size_t)(T * 2 * m->head_dim)),
+                     malloc(sizeof(int64_t) * (size_t)(run_count(W) + 1)), s.out};
+        int ok = p.residual && p.x && p.act && p.qx && p.scales && p.panel && p.sum && p.gate_up && p.kv && p.bounds;
         p.barrier = &barrier;
         phase_start(&p.timer);
         if (!ok) {
@@ -610,6 +869,8 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
             failed = 1;
         }
 #pragma omp barrier
+        /* the wait for the region's other threads to start (waking a sleeping one is most of it) */
+        phase_mark(&p.timer, PHASE_WAIT);
         if (!failed) {
             if (st->token_ids)
                 embed_tokens(m, st, p.residual);
@@ -618,13 +879,14 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
             for (int64_t i = 0; i < m->num_layers && !s.reduce_failed; i++)
                 layer(m, &layers[i], st, &p, &s, i == 0, tid, nthreads);
             /* a failed all-reduce: every thread saw the flag after the same barrier and stops */
-            if (!s.reduce_failed) finish(m, lg, st, hidden, &p, &s, tid, nthreads);
+            if (!s.reduce_failed) finish(m, lg, st, hidden, &p, tid, nthreads);
             phase_mark(&p.timer, PHASE_NORMS);
             phase_finish(&p.timer, tid);
         }
-        free(p.residual), free(p.x), free(p.act), free(p.qx), free(p.scales), free(p.panel);
+        free(p.residual), free(p.x), free(p.act), free(p.qx), free(p.scales), free(p.panel), free(p.sum),
+            free(p.gate_up), free(p.kv), free(p.bounds);
     }
-    free(s.qkv), free(s.attn), free(s.gate_up);
+    free(s.qkv), free(s.attn), free(s.gate_up), free(s.o_runs), free(s.down_runs);
     if (!m->all_reduce) free(s.out);
     return failed ? 1 : s.reduce_failed ? 3 : 0;
 }

@@ -30,11 +30,13 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* One weight matrix as quant_linear.c lays it out; m may be NULL (all minimums zero). */
+/* One weight matrix as quant_linear.c lays it out, or a run of its blocks (qs, d, m
+ * pointing at the run's first block): nb blocks read of each row, rows row_bytes and
+ * stride blocks (of d and m) apart; m may be NULL (all minimums zero). */
 typedef struct {
     const uint8_t *qs;
     const float *d, *m;
-    int64_t row_bytes, nb;
+    int64_t row_bytes, nb, stride;
 } Rows;
 
 /* The activation row: int8 quants, per-block scale dx and dx * sum(quants) sx. */
@@ -66,17 +68,17 @@ INLINE void min_terms(const Rows *w, const Act *a, const int64_t row[ROWS], int6
                       __m128 mt[ROWS]) {
     __m128 sx = _mm_loadu_ps(a->sx + first);
     for (int r = 0; r < ROWS; r++) {
-        if (w->m) mt[r] = _mm_fmadd_ps(_mm_loadu_ps(w->m + row[r] * w->nb + first), sx, mt[r]);
+        if (w->m) mt[r] = _mm_fmadd_ps(_mm_loadu_ps(w->m + row[r] * w->stride + first), sx, mt[r]);
         if (d_scale != 0.0f)
-            mt[r] = _mm_fmadd_ps(_mm_mul_ps(_mm_loadu_ps(w->d + row[r] * w->nb + first), _mm_set1_ps(d_scale)), sx,
+            mt[r] = _mm_fmadd_ps(_mm_mul_ps(_mm_loadu_ps(w->d + row[r] * w->stride + first), _mm_set1_ps(d_scale)), sx,
                                  mt[r]);
     }
 }
 
 /* Blocks whose count is not a multiple of four: their minimum terms one at a time. */
 static float min_term_block(const Rows *w, const Act *a, int64_t row, int64_t blk, float d_scale) {
-    float m = w->m ? w->m[row * w->nb + blk] : 0.0f;
-    return (m + d_scale * w->d[row * w->nb + blk]) * a->sx[blk];
+    float m = w->m ? w->m[row * w->stride + blk] : 0.0f;
+    return (m + d_scale * w->d[row * w->stride + blk]) * a->sx[blk];
 }
 
 /* Four rows (indices row[]) of 4-bit weights: their dot products with the activation row. */
@@ -95,7 +97,7 @@ INLINE __m128 rows4_q4(const Rows *w, const Act *a, const int64_t row[ROWS]) {
         for (int r = 0; r < ROWS; r++) {
             const uint8_t *p = w->qs + row[r] * w->row_bytes + g * 64;
             __m512i v = _mm512_loadu_si512(p);
-            __m128 s = _mm_mul_ps(_mm_loadu_ps(w->d + row[r] * w->nb + g * 4), dx);
+            __m128 s = _mm_mul_ps(_mm_loadu_ps(w->d + row[r] * w->stride + g * 4), dx);
             __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, low), x0);
             __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(_mm512_srli_epi16(v, 4), low), x1);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), spread(s, idx0), acc[r]);
@@ -112,7 +114,7 @@ INLINE __m128 rows4_q4(const Rows *w, const Act *a, const int64_t row[ROWS]) {
                                                               (blk - groups * 4) * 16));
             __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low16), _mm_and_si128(bytes, low16));
             __m256 isum = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x));
-            tail[r] = _mm256_fmadd_ps(isum, _mm256_set1_ps(w->d[row[r] * w->nb + blk] * a->dx[blk]), tail[r]);
+            tail[r] = _mm256_fmadd_ps(isum, _mm256_set1_ps(w->d[row[r] * w->stride + blk] * a->dx[blk]), tail[r]);
             extra[r] += min_term_block(w, a, row[r], blk, 0.0f);
         }
     }
@@ -136,7 +138,7 @@ INLINE __m128 rows4_q8(const Rows *w, const Act *a, const int64_t row[ROWS]) {
         __m128 dx = _mm_loadu_ps(a->dx + g * 4);
         for (int r = 0; r < ROWS; r++) {
             const uint8_t *p = w->qs + row[r] * w->row_bytes + g * 128;
-            __m128 s = _mm_mul_ps(_mm_loadu_ps(w->d + row[r] * w->nb + g * 4), dx);
+            __m128 s = _mm_mul_ps(_mm_loadu_ps(w->d + row[r] * w->stride + g * 4), dx);
             __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(_mm512_loadu_si512(p), flip), x0);
             __m512i i1 =
                 _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(_mm512_loadu_si512(p + 64), flip), x1);
@@ -155,7 +157,7 @@ INLINE __m128 rows4_q8(const Rows *w, const Act *a, const int64_t row[ROWS]) {
             __m256i q = _mm256_xor_si256(
                 _mm256_loadu_si256((const __m256i *)(w->qs + row[r] * w->row_bytes + blk * QBLOCK)), flip32);
             __m256 isum = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x));
-            tail[r] = _mm256_fmadd_ps(isum, _mm256_set1_ps(w->d[row[r] * w->nb + blk] * a->dx[blk]), tail[r]);
+            tail[r] = _mm256_fmadd_ps(isum, _mm256_set1_ps(w->d[row[r] * w->stride + blk] * a->dx[blk]), tail[r]);
             extra[r] += min_term_block(w, a, row[r], blk, -128.0f);
         }
     }
@@ -223,13 +225,58 @@ int kvserve_gemv_rows(const int8_t *qx, const float *scales, int64_t batch, cons
                       int64_t row_begin, int64_t row_end) {
     if (bits != 4 && bits != 8) return 0;
     const int64_t nb = in / QBLOCK;
-    const Rows w = {qs, d, m, bits == 4 ? in / 2 : in, nb};
+    const Rows w = {qs, d, m, bits == 4 ? in / 2 : in, nb, nb};
     const int64_t chunk = batch == 1 ? row_end - row_begin : CHUNK_ROWS;
     for (int64_t c = row_begin; c < row_end; c += chunk) {
         const int64_t c_end = c + chunk < row_end ? c + chunk : row_end;
         for (int64_t b = 0; b < batch; b++) {
             const Act a = {qx + b * in, scales + b * nb, scales + batch * nb + b * nb};
             gemv_rows(&w, &a, bits, bias, y + b * y_stride, c, c_end);
+        }
+    }
+    return 1;
+}
+
+/* Blocks [b0, b1) of every row of w (four-bit weights: b0 a multiple of four, and b1 too
+ * or the row's end, so the run holds whole 64-byte groups and then the row's tail blocks). */
+static Rows block_run(const Rows *w, int bits, int64_t b0, int64_t b1) {
+    const Rows run = {w->qs + b0 * QBLOCK * bits / 8, w->d + b0, w->m ? w->m + b0 : NULL, w->row_bytes, b1 - b0,
+                      w->stride};
+    return run;
+}
+
+/* Partial products of one activation row over runs of blocks: for each run c < num_runs,
+ * y[c * run_stride + row] = the sum over blocks [bounds[c], bounds[c + 1]) of x . W[row],
+ * for rows row_begin..row_end, on the calling thread. A run's sums are those of the same
+ * kernel over the run alone, whichever other runs a call takes with it (so a caller that
+ * adds the runs up in a fixed order gets results that do not depend on how it shared the
+ * runs out). qx, dx, sx: the row's int8 quants, block scales and dx * sum(q), indexed from
+ * the row's first block (only the runs' blocks are read). Four-bit weights: every bound a
+ * multiple of four blocks but the last, which may be the row's end (its tail blocks).
+ * The rows are walked once, each row's blocks of all the runs together, the run of four
+ * rows PREFETCH_RUNS ahead prefetched. Returns 1, or 0 when this build or `bits` has no such path. */
+int kvserve_gemv_partials(const int8_t *qx, const float *dx, const float *sx, const uint8_t *qs, const float *d,
+                          const float *m, int bits, int64_t in, const int64_t *bounds, int64_t num_runs, float *y,
+                          int64_t run_stride, int64_t row_begin, int64_t row_end) {
+    if (bits != 4 && bits != 8) return 0;
+    const int64_t nb = in / QBLOCK, first = bounds[0], blocks = bounds[num_runs] - first;
+    const Rows w = {qs, d, m, bits == 4 ? in / 2 : in, nb, nb};
+    const int64_t span_bytes = blocks * QBLOCK * bits / 8, span_offset = first * QBLOCK * bits / 8;
+    for (int64_t r0 = row_begin; r0 < row_end; r0 += ROWS) {
+        int64_t row[ROWS];
+        for (int r = 0; r < ROWS; r++) row[r] = r0 + r < row_end ? r0 + r : row_end - 1; /* repeat the last row */
+        const int64_t ahead = r0 + PREFETCH_RUNS * ROWS;
+        for (int r = 0; r < ROWS && ahead + ROWS <= row_end; r++) {
+            prefetch_span(w.qs + (ahead + r) * w.row_bytes + span_offset, span_bytes);
+            prefetch_span(w.d + (ahead + r) * nb + first, blocks * 4);
+            if (w.m) prefetch_span(w.m + (ahead + r) * nb + first, blocks * 4);
+        }
+        for (int64_t c = 0; c < num_runs; c++) {
+            const Rows run = block_run(&w, bits, bounds[c], bounds[c + 1]);
+            const Act a = {qx + bounds[c] * QBLOCK, dx + bounds[c], sx + bounds[c]};
+            float out[ROWS];
+            _mm_storeu_ps(out, bits == 4 ? rows4_q4(&run, &a, row) : rows4_q8(&run, &a, row));
+            for (int r = 0; r < ROWS && r0 + r < row_end; r++) y[c * run_stride + r0 + r] = out[r];
         }
     }
     return 1;
@@ -261,6 +308,14 @@ int kvserve_gemv_rows(const int8_t *qx, const float *scales, int64_t batch, cons
 
 int kvserve_quantize_row8(const float *x, int64_t in, int8_t *qx, float *dx, float *sx) {
     (void)x, (void)in, (void)qx, (void)dx, (void)sx;
+    return 0;
+}
+
+int kvserve_gemv_partials(const int8_t *qx, const float *dx, const float *sx, const uint8_t *qs, const float *d,
+                          const float *m, int bits, int64_t in, const int64_t *bounds, int64_t num_runs, float *y,
+                          int64_t run_stride, int64_t row_begin, int64_t row_end) {
+    (void)qx, (void)dx, (void)sx, (void)qs, (void)d, (void)m, (void)bits, (void)in, (void)bounds, (void)num_runs,
+        (void)y, (void)run_stride, (void)row_begin, (void)row_end;
     return 0;
 }
 
