@@ -120,6 +120,8 @@ def _add_roofline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--tiny", action="store_true", help="a tiny made-up model shape (CI smoke test)")
+    parser.add_argument("--kernels", default="", help="also time each weight shape through these matmul kernels, "
+                                                      "comma-separated: torch, onednn, f32-panels")
 
 
 def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -343,7 +345,7 @@ def _run_roofline(args: argparse.Namespace) -> dict[str, Any]:
         shapes = model_shapes(resolve_model_path(args.model))
     return roofline.run(shapes, dtypes=_name_list(args.dtypes), batch_sizes=_int_list(args.batch_sizes),
                         bandwidth_bytes=args.bandwidth_mib << 20, repeats=args.repeats, device=args.device,
-                        num_threads=args.threads)
+                        num_threads=args.threads, kernels=_name_list(args.kernels))
 
 
 def _run_serve(args: argparse.Namespace) -> dict[str, Any]:

@@ -192,6 +192,7 @@ def _fewer_barriers_ab(core, native, steps: int, rounds: int) -> dict[str, Any] 
         return None
     from kvserve.model.native_decoder import phase_timing
 
+    default = native.fewer_barriers
     step_ms: dict[str, list[float]] = {"on": [], "off": []}
     phases: dict[str, list[list[dict[str, float]]]] = {"on": [], "off": []}
     try:
@@ -209,7 +210,7 @@ def _fewer_barriers_ab(core, native, steps: int, rounds: int) -> dict[str, Any] 
                 calls = max(timing.get("calls", 0), 1)
                 phases[variant].append([{k: v / calls * 1000 for k, v in t.items()} for t in timing["threads"]])
     finally:
-        native.fewer_barriers = True
+        native.fewer_barriers = default
     ratios = [off / on for on, off in zip(step_ms["on"], step_ms["off"])]
     median_phases = {variant: [{k: statistics.median(rnd[t][k] for rnd in rounds_)
                                 for k in rounds_[0][t]} for t in range(len(rounds_[0]))]

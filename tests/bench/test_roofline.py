@@ -32,3 +32,24 @@ def test_tiny_measured_run_is_consistent():
         result["read_bandwidth_gb_per_s"] * 1e9 / entry["weight_bytes"])
     assert entry["batched_ceiling_m"] == 8
     assert "roofline" in roofline.format_result(result)
+
+
+def test_kernel_passes_time_every_weight_shape():
+    shapes = ModelShapes(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                         head_dim=8, vocab_size=128)
+    result = roofline.run(shapes, dtypes=("float32",), batch_sizes=(3,), bandwidth_bytes=1 << 20, repeats=1,
+                          kernels=("torch", "f32-panels"))
+    passes = result["by_dtype"]["float32"]["kernel_passes"]
+    assert passes and {p["kernel"] for p in passes} <= {"torch", "f32-panels"} and passes[0]["kernel"] == "torch"
+    for p in passes:
+        assert [(s["name"], s["in_features"], s["out_features"], s["count"]) for s in p["by_shape"]] == \
+            shapes.linear_shapes()
+        for s in p["by_shape"]:
+            flops = 2 * 3 * s["in_features"] * s["out_features"] * s["count"]
+            assert s["gflops"] == pytest.approx(flops / (s["ms"] / 1000) / 1e9)
+        assert p["pass_s"] == pytest.approx(sum(s["ms"] for s in p["by_shape"]) / 1000)
+        assert p["gflops"] == pytest.approx(3 * shapes.flops_per_token / p["pass_s"] / 1e9)
+    assert "matmul kernels by weight shape" in roofline.format_result(result)
+    with pytest.raises(ValueError, match="unknown matmul kernels"):
+        roofline.run(shapes, dtypes=("float32",), batch_sizes=(1,), bandwidth_bytes=1 << 20, repeats=1,
+                     kernels=("mkl",))

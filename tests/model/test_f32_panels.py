@@ -60,6 +60,14 @@ def test_kernel_threads_and_leading_dims():
         assert (y.double() - _reference(x, w, None)).abs().max().item() <= 1e-5 * 96
 
 
+@pytest.mark.parametrize("isa", PATHS)
+def test_kernel_takes_no_rows(isa):
+    """A step that wants no logits multiplies zero rows: an empty result, nothing else."""
+    panels = cpu_kernels.pack_f32_panels(torch.randn(40, 24))
+    y = cpu_kernels.f32_gemm(torch.zeros(0, 24), panels, 40, quantized.ISA_CODES[isa])
+    assert y.shape == (0, 40)
+
+
 def test_pack_layout_and_bad_input():
     w = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)
     panels = cpu_kernels.pack_f32_panels(w)

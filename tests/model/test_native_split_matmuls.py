@@ -53,6 +53,7 @@ def _model(path: str, threads: int | None):
     else:
         model._native = native_decoder.NativeDecoder.for_model(model)
         model._native.num_threads = threads
+        model._native.fewer_barriers = True
     return model
 
 

@@ -11,7 +11,7 @@
  * tens of microseconds on a virtual machine, more than a layer's work at batch
  * one. Inside it the threads split each matrix's output rows and the
  * attention's KV heads, and meet at a barrier after each; with fewer_barriers
- * (the default) they split the O and down projections by input columns and,
+ * (off by default) they split the O and down projections by input columns and,
  * where the attention goes by query heads, compute each the QKV rows and K/V
  * writes their heads need, so that SmolLM2 on 2 threads meets twice a layer.
  * The barrier is a spinning one of our own (spin_barrier below), not OpenMP's:
