@@ -20,10 +20,12 @@ def test_generate_streams_a_coherent_answer():
     assert stderr == ""  # no warnings or log lines on the terminal
     text = "".join(chunk for _, chunk in chunks)
     assert "Paris" in text
-    # Incremental: the answer arrived in several pieces, the first well before the end.
+    # Incremental: the answer arrived in several separate reads of the pipe (each read takes
+    # all that was written by then), so the CLI flushed it piece by piece. No wall-time floor
+    # between the first and the last piece: a short answer now decodes in a few tens of ms.
     first_s, last_s = chunks[0][0], chunks[-1][0]
     assert len(chunks) >= 3
-    assert last_s - first_s > 0.05
+    assert first_s < last_s
     print(f"\nkvserve generate: first token after {first_s:.1f} s, done after {total_s:.1f} s")
 
 
