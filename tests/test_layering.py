@@ -21,6 +21,7 @@ LAYERS = [
     {"model", "scheduler"},
     {"messages", "spec_decode"},
     {"kv_cache"},
+    {"native"},
     {"config", "request"},
     {"sampling_params"},
     {"errors"},
@@ -28,9 +29,10 @@ LAYERS = [
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 
 # (importing file, imported top-level package): config builds these configs in
-# EngineConfig.create from the user's knobs.
+# EngineConfig.create from the user's knobs (and EngineConfig's kernel switches
+# default to `native.config.KernelConfig.from_env`).
 ALLOWED_UPWARD = {
-    ("config.py", "model"), ("config.py", "kv_cache"), ("config.py", "spec_decode"),
+    ("config.py", "model"), ("config.py", "kv_cache"), ("config.py", "spec_decode"), ("config.py", "native"),
 }
 
 

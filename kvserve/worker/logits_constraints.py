@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.config import KernelConfig
+from kvserve.native.config import KernelConfig
 from kvserve.model.grammar import FailedGrammar, GrammarCompiler, StructuredOutputError, compiler_for_model
 from kvserve.model.grammar_mask import (HeadMask, HeadMaskPool, KernelMasks, apply_kernel_masks_, choose_mask_isa,
                                         disallowed_tokens, kernel_masks, kernel_takes, mask_logits_, publish_ready)
