@@ -19,6 +19,7 @@ LAYERS = [
     {"engine"},
     {"worker"},
     {"model", "scheduler"},
+    {"sample"},
     {"messages", "spec_decode"},
     {"kv_cache"},
     {"native"},
