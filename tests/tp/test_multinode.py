@@ -231,7 +231,8 @@ def chat_model_path(tmp_path_factory):
 def _serve_node0(model_path: str, port: int, *extra: str) -> ServerProcess:
     return ServerProcess("--model", model_path, "--device", "cpu", "-tp", "2", "--nnodes", "2", "--node-rank", "0",
                          "--master-addr", "127.0.0.1", "--master-port", str(port), "--block-size", "4",
-                         "--heartbeat-timeout", str(HEARTBEAT_S), "--served-model-name", "m", *extra, command=CLI_SERVE, startup_timeout_s=240)
+                         "--heartbeat-timeout", str(HEARTBEAT_S), "--served-model-name", "m", *extra,
+                         command=CLI_SERVE, startup_timeout_s=240)
 
 
 def _seconds_until_503(base_url: str, timeout_s: float) -> tuple[float, dict]:
