@@ -49,8 +49,8 @@ from kvserve.kv_cache.interface import CircularBufferSpec
 from kvserve.config import QUANT_ISAS, KernelConfig
 from kvserve.model import cpu_kernels, quantized
 from kvserve.model.attention import AttentionMetadata
-from kvserve.model.grammar_mask import ISA_CODES as MASK_ISA_CODES
-from kvserve.model.grammar_mask import HeadMask
+from kvserve.sample.structured.grammar_mask import ISA_CODES as MASK_ISA_CODES
+from kvserve.sample.structured.grammar_mask import HeadMask
 from kvserve.model.quantized import ISA_CODES
 from kvserve.model.shm_all_reduce import SharedMemoryAllReduce
 

@@ -15,7 +15,7 @@ feeds each matcher the tokens sampled since (`advance` only queues them in the
 request's `grammar_backlog`), then llguidance computes the masks in Rust
 without the GIL, so only what the forward does not cover stays on the critical
 path (`MaskStats`). On CPU the native kernel of
-`kvserve.model.grammar_mask` then writes -inf straight from the packed
+`kvserve.sample.structured.grammar_mask` then writes -inf straight from the packed
 bitmask; on the torch path the mask thread also unpacks the bitmask into one
 bool per token, for `masked_fill_`.
 
@@ -32,16 +32,28 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any, Callable, Protocol
 
 import torch
 
 from kvserve.config import KernelConfig
-from kvserve.model.grammar import FailedGrammar, GrammarCompiler, StructuredOutputError, compiler_for_model
-from kvserve.model.grammar_mask import (HeadMask, HeadMaskPool, KernelMasks, apply_kernel_masks_, choose_mask_isa,
-                                        disallowed_tokens, kernel_masks, kernel_takes, mask_logits_, publish_ready)
-from kvserve.worker.input_batch import RequestState
+from kvserve.sampling_params import SamplingParams
+from kvserve.sample.structured.grammar import FailedGrammar, GrammarCompiler, StructuredOutputError, compiler_for_model
+from kvserve.sample.structured.grammar_mask import (HeadMask, HeadMaskPool, KernelMasks, apply_kernel_masks_, choose_mask_isa,
+                                                    disallowed_tokens, kernel_masks, kernel_takes, mask_logits_, publish_ready)
 
 logger = logging.getLogger(__name__)
+
+
+class RequestState(Protocol):
+    """What the constraints read and keep of one request between steps (the runner's
+    `kvserve.worker.input_batch.RequestState` has these fields)."""
+
+    req_id: str
+    sampling_params: SamplingParams
+    output_token_ids: list[int]
+    grammar: Any  # the request's matcher, created at its first constrained step
+    grammar_backlog: list[int]  # tokens sampled since the matcher last advanced
 
 
 @dataclass
@@ -128,9 +140,10 @@ class _MaskThread:
 class LogitsConstraints:
     """Applies `logit_bias` and structured-output masks for one runner."""
 
-    def __init__(self, model_config, device: torch.device | str = "cpu",
+    def __init__(self, model_config, load_tokenizer: Callable[[Any], Any], device: torch.device | str = "cpu",
                  kernel_config: KernelConfig | None = None) -> None:
         self.model_config = model_config
+        self._load_tokenizer = load_tokenizer
         self._device = device
         self._kernel_config = kernel_config or KernelConfig()
         self._mask_isa: str | None | bool = False  # False: not chosen yet
@@ -149,7 +162,7 @@ class LogitsConstraints:
     @property
     def compiler(self) -> GrammarCompiler:
         if self._compiler is None:
-            self._compiler = compiler_for_model(self.model_config)
+            self._compiler = compiler_for_model(self.model_config, self._load_tokenizer)
         return self._compiler
 
     def start_masks(self, states: list[RequestState], drafts: list[list[int]] | None = None) -> PendingMasks | None:

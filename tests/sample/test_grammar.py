@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvserve.config import default_model_path
-from kvserve.model.grammar import GrammarCompiler, StructuredOutputError, grammar_source
-from kvserve.model.grammar_mask import apply_bitmask
+from kvserve.sample.structured.grammar import GrammarCompiler, StructuredOutputError, grammar_source
+from kvserve.sample.structured.grammar_mask import apply_bitmask
 from kvserve.model.tokenizer_files import load_tokenizer
 from kvserve.sampling_params import SamplingParams, SamplingParamsError
 from kvserve.sampling_params import StructuredOutputsParams as Constraint
@@ -113,11 +113,11 @@ def test_check_times_out(compiler, monkeypatch):
 
 
 def test_validator_compiles_constraints_before_queueing(monkeypatch, compiler):
-    import kvserve.model.grammar as grammar
+    import kvserve.sample.structured.grammar as grammar
     from kvserve.engine.validation import RequestValidator
 
     model_config = object()  # only handed to compiler_for_model
-    monkeypatch.setattr(grammar, "compiler_for_model", lambda config: config is model_config and compiler)
+    monkeypatch.setattr(grammar, "compiler_for_model", lambda config, load_tokenizer: config is model_config and compiler)
     validator = RequestValidator(max_model_len=64, vocab_size=compiler.vocab_size, model_config=model_config)
     validator.check_constraints([SamplingParams(), SamplingParams(structured_outputs=Constraint(regex="ok"))])
     bad = Constraint(regex="(unclosed")

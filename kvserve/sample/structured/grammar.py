@@ -6,7 +6,7 @@ the model's vocabulary and keeps one compiled template per text (copies of
 it are cheap), so the same schema is compiled once per process. Each request
 that samples under a constraint owns a matcher; before sampling,
 `fill_bitmasks` writes the allowed-token bitmask of every constrained row
-(llguidance's thread pool) and `kvserve.model.grammar_mask` sets the other
+(llguidance's thread pool) and `kvserve.sample.structured.grammar_mask` sets the other
 logits to -inf; after sampling the runner feeds the sampled token to the matcher.
 
 Why llguidance rather than xgrammar: it measured about as fast per token on
@@ -26,7 +26,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import StructuredOutputsParams
@@ -223,10 +223,9 @@ _compilers: dict[str, GrammarCompiler] = {}
 _compilers_lock = threading.Lock()
 
 
-def compiler_for_model(model_config: Any) -> GrammarCompiler:
-    """The process-wide compiler of a model's vocabulary (built once, ~1 s)."""
-    from kvserve.model.tokenizer_files import load_tokenizer
-
+def compiler_for_model(model_config: Any, load_tokenizer: Callable[[Any], Any]) -> GrammarCompiler:
+    """The process-wide compiler of a model's vocabulary (built once, ~1 s, from the tokenizer
+    that `load_tokenizer(model_config)` returns)."""
     key = str(model_config.path)
     with _compilers_lock:
         compiler = _compilers.get(key)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.model.sampler import Sampler, SamplingTensors, gather_logprobs
+from kvserve.sample.sampler import Sampler, SamplingTensors, gather_logprobs
 from kvserve.messages import TokenLogprobs
 
 

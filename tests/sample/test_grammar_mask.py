@@ -7,7 +7,7 @@ import torch
 
 from kvserve.config import GRAMMAR_MASK_ISA_ENV, QUANT_ISAS, ConfigError, KernelConfig
 from kvserve.model import cpu_kernels
-from kvserve.model.grammar_mask import apply_bitmask, apply_token_bitmask_, choose_mask_isa, isa_available
+from kvserve.sample.structured.grammar_mask import apply_bitmask, apply_token_bitmask_, choose_mask_isa, isa_available
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no C compiler for the native kernels")
 RUNNABLE_ISAS = [isa for isa in QUANT_ISAS if cpu_kernels.load_library() is not None and isa_available(isa)]

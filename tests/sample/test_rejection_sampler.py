@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from scipy.stats import chisquare
 
-from kvserve.model.rejection_sampler import verify_drafts
-from kvserve.model.sampler import Sampler, SamplingTensors
+from kvserve.sample.rejection_sampler import verify_drafts
+from kvserve.sample.sampler import Sampler, SamplingTensors
 from kvserve.sampling_params import SamplingParams
 
 VOCAB = 6

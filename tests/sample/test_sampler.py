@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvserve.model.sampler import Sampler, SamplingTensors, apply_penalties, argmax_token_ids, make_generator
+from kvserve.sample.sampler import Sampler, SamplingTensors, apply_penalties, argmax_token_ids, make_generator
 from kvserve.sampling_params import SamplingParams
 
 VOCAB = 50
