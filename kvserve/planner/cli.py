@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from kvserve.bench.plan import (ROUTING_POLICIES, SLO, Load, Machine, ModelSpec, SchedulerShape, Workload,
+from kvserve.planner.plan import (ROUTING_POLICIES, SLO, Load, Machine, ModelSpec, SchedulerShape, Workload,
                                 format_result, machine_from_roofline, plan)
 
 
@@ -100,8 +100,8 @@ def _calibrated_cost(path: str, shapes, model: ModelSpec, machine: Machine):
     A `plan-check --tp N` JSON also carries the measured TP cost, used for every TP > 1."""
     from dataclasses import asdict
 
-    from kvserve.bench.calibrate import load_calibration
-    from kvserve.bench.tp_cost import TPCost, tp_step_cost
+    from kvserve.planner.calibrate import load_calibration
+    from kvserve.planner.tp_cost import TPCost, tp_step_cost
 
     calibration, payload = _load_json(path, load_calibration)
     result = payload.get("result", payload)
@@ -116,7 +116,7 @@ def _calibrated_cost(path: str, shapes, model: ModelSpec, machine: Machine):
 
 def _measured_link(args) -> dict[str, float]:
     """Interconnect fields from --interconnect-json, or from a --calibration-json of `plan-check --tp`."""
-    from kvserve.bench.interconnect import load_interconnect
+    from kvserve.planner.interconnect import load_interconnect
 
     path = args.interconnect_json
     if path is None and args.calibration_json:
@@ -190,7 +190,7 @@ def _check_plan_args(args, model: ModelSpec) -> None:
 
 def run_plan(args) -> int:
     """`kvserve plan`: print the plan (and write it as JSON)."""
-    from kvserve.bench.trace import TraceError, read_trace
+    from kvserve.planner.trace import TraceError, read_trace
 
     shapes = model_shapes_from_path(args.model)
     model = ModelSpec.from_shapes(shapes, args.dtype_bytes)

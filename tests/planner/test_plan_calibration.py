@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from kvserve.bench.calibrate import CalibratedStepCost, Calibration, StepSample, fit, load_calibration
-from kvserve.bench.plan import (Load, Machine, ModelSpec, SchedulerShape, StepCost, route, simulate_fleet,
+from kvserve.planner.calibrate import CalibratedStepCost, Calibration, StepSample, fit, load_calibration
+from kvserve.planner.plan import (Load, Machine, ModelSpec, SchedulerShape, StepCost, route, simulate_fleet,
                                 simulate_replica, synthetic_trace)
 from kvserve.bench.plan_check import compare
-from kvserve.bench.trace import TraceError, TraceRequest, prompt_token_ids, read_trace, write_trace
+from kvserve.planner.trace import TraceError, TraceRequest, prompt_token_ids, read_trace, write_trace
 
 MODEL = ModelSpec(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
                   matmul_params=7_000_000_000, dtype_bytes=2)

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from kvserve.bench.report import LatencyStats, format_table
-from kvserve.bench.trace import TraceRequest, prompt_token_ids
+from kvserve.planner.trace import TraceRequest, prompt_token_ids
 
 GIB = 1024 ** 3
 
@@ -202,7 +202,7 @@ class _ReplicaRun:
 def _replay(cost, num_kv_tokens: int, trace: list[TraceRequest], prompts: list[list[int]],
             shape: SchedulerShape) -> _ReplicaRun | str:
     """Replay through the real scheduler on a simulated clock; a string says why it cannot run."""
-    from kvserve.testing import FakeModelRunner, create_requests, create_scheduler
+    from kvserve.planner.simulated import FakeModelRunner, create_requests, create_scheduler
 
     num_blocks = num_kv_tokens // shape.block_size + 1
     max_len = max(len(p) + r.output_len for p, r in zip(prompts, trace))

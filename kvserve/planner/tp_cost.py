@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvserve.bench.calibrate import CalibratedStepCost, Calibration, StepSample, fit_nonnegative
-from kvserve.bench.interconnect import Interconnect
-from kvserve.bench.plan import Machine, ModelSpec, tp_comm_seconds
+from kvserve.planner.calibrate import CalibratedStepCost, Calibration, StepSample, fit_nonnegative
+from kvserve.planner.interconnect import Interconnect
+from kvserve.planner.plan import Machine, ModelSpec, tp_comm_seconds
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from kvserve.bench.calibrate import CalibratedStepCost, Calibration, StepSample, fit
-from kvserve.bench.interconnect import (AllReduceSample, Interconnect, fit_interconnect, load_interconnect,
+from kvserve.planner.calibrate import CalibratedStepCost, Calibration, StepSample, fit
+from kvserve.planner.interconnect import (AllReduceSample, Interconnect, fit_interconnect, load_interconnect,
                                         measure_interconnect, ring_bytes)
-from kvserve.bench.plan import Machine, ModelSpec, StepCost, tp_comm_seconds
-from kvserve.bench.tp_cost import TPCost, fit_tp_cost, tp_gap, tp_step_cost, with_interconnect
+from kvserve.planner.plan import Machine, ModelSpec, StepCost, tp_comm_seconds
+from kvserve.planner.tp_cost import TPCost, fit_tp_cost, tp_gap, tp_step_cost, with_interconnect
 
 MODEL = ModelSpec(num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=2, head_dim=64,
                   matmul_params=20_000_000, dtype_bytes=4, vocab_size=1000)
@@ -84,7 +84,7 @@ def test_tp_cost_fit_recovers_dispatch_and_work_scale():
 
 def _plan_check_json(tmp_path, config_json) -> str:
     """What `kvserve bench plan-check --tp 2` writes, from known costs."""
-    from kvserve.bench.plan_cli import model_shapes_from_path
+    from kvserve.planner.cli import model_shapes_from_path
     from dataclasses import asdict
 
     one_rank = fit([StepSample(kind, n, ctx, ONE_RANK.seconds(n, ctx, n if kind == "decode" else 0))
@@ -99,7 +99,7 @@ def _plan_check_json(tmp_path, config_json) -> str:
 
 
 def test_plan_uses_the_measured_tp_cost_and_link(tmp_path):
-    from kvserve.bench.plan_cli import _calibrated_cost, _machine, model_shapes_from_path
+    from kvserve.planner.cli import _calibrated_cost, _machine, model_shapes_from_path
 
     config_json = tmp_path / "config.json"
     config_json.write_text(json.dumps({"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4,
@@ -242,7 +242,7 @@ def test_plan_check_refuses_bad_flags_before_starting_a_server(extra, message):
 
 
 def test_a_model_too_big_for_a_node_is_planned_with_tp_across_nodes():
-    from kvserve.bench.plan import SLO, Load, format_result, plan
+    from kvserve.planner.plan import SLO, Load, format_result, plan
 
     # A 405B-like decoder in 16-bit: 810 GB of weights, more than 8 x 80 GiB at 90%.
     big = ModelSpec(num_layers=126, hidden_size=16384, num_heads=128, num_kv_heads=8, head_dim=128,

@@ -74,7 +74,7 @@ def ring_bytes(message_bytes: int, world_size: int) -> float:
 
 def fit_interconnect(samples: list[AllReduceSample], world_size: int, backend: str = "gloo") -> Interconnect:
     """Least squares on relative error; a term that would come out negative is dropped."""
-    from kvserve.bench.calibrate import fit_nonnegative
+    from kvserve.planner.calibrate import fit_nonnegative
 
     if len(samples) < 2:
         raise ValueError("an interconnect fit needs at least 2 message sizes")
@@ -143,7 +143,7 @@ def measure_interconnect(world_size: int = 2, sizes: tuple[int, ...] = MESSAGE_B
 
 def load_interconnect(path: str) -> Interconnect:
     """The interconnect in a `kvserve bench allreduce` or `plan-check --tp` JSON."""
-    from kvserve.bench.calibrate import load_result_entry
+    from kvserve.planner.calibrate import load_result_entry
 
     return load_result_entry(path, "interconnect", Interconnect.from_json, "interconnect measurement")
 

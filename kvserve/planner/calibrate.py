@@ -31,7 +31,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvserve.bench.plan import Machine, ModelSpec, StepCost, tp_comm_seconds
+from kvserve.planner.plan import Machine, ModelSpec, StepCost, tp_comm_seconds
 
 PREFILL_LENGTHS = (32, 128, 384)
 DECODE_POINTS = ((1, 32), (4, 32), (8, 32), (4, 384))
