@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvserve.config import KernelConfig
+from kvserve.native.config import KernelConfig
 
 
 def env_kernels(**overrides) -> KernelConfig:
