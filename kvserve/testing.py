@@ -53,7 +53,10 @@ class FakeExecutor(Executor):
     (`check_health` then raises with the step's error), so the engine reports
     it as dead; `fail_next_step` injects such an error. `error_next_step`
     makes the next step raise while the executor stays healthy (the engine
-    finishes that step's requests with "error" and goes on).
+    finishes that step's requests with "error" and goes on). `kill` makes it
+    die as a tensor-parallel executor does when it loses a rank, at a chosen
+    point: in a health check, when the next step is submitted, or when its
+    result is collected.
     """
 
     def __init__(self, engine_config: EngineConfig | None = None, runner: FakeModelRunner | None = None,
@@ -72,6 +75,19 @@ class FakeExecutor(Executor):
         # Called with each scheduler output as it is submitted (before it runs).
         self.on_submit: Callable[[SchedulerOutput], None] | None = None
         self._dead_error: BaseException | None = None
+        self._death: tuple[str, str] | None = None  # (when, reason) of a `kill` still to come
+
+    def kill(self, reason: str, when: str = "now") -> None:
+        """Die with `reason`: "now" (the next `check_health` raises, as after a heartbeat
+        found a rank gone while idle), "submit" (the next step's submission raises) or
+        "collect" (the next step is accepted, then its future fails with the death)."""
+        if when not in ("now", "submit", "collect"):
+            raise ValueError(f"when must be 'now', 'submit' or 'collect', got {when!r}")
+        with self._lock:
+            if when == "now":
+                self._dead_error = ExecutorDeadError(reason)
+            else:
+                self._death = (when, reason)
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         return dict(self.kv_cache_specs)
@@ -84,11 +100,16 @@ class FakeExecutor(Executor):
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> "Future[ModelRunnerOutput]":
         with self._lock:
+            self._die_if_due("submit")
             self.check_health()
             self.step_thread_ids.add(threading.get_ident())
             if self.on_submit is not None:
                 self.on_submit(scheduler_output)
             future: Future[ModelRunnerOutput] = Future()
+            if self._death is not None and self._death[0] == "collect":
+                self._die_if_due("collect")
+                future.set_exception(self._dead_error)
+                return future
             if self.error_next_step is not None:  # fails once the runner state moved, as a kernel would
                 error, self.error_next_step = self.error_next_step, None
                 self.runner.execute(scheduler_output)
@@ -106,8 +127,15 @@ class FakeExecutor(Executor):
                 future.set_exception(exc)
             return future
 
+    def _die_if_due(self, point: str) -> None:
+        if self._death is not None and self._death[0] == point:
+            self._dead_error = ExecutorDeadError(self._death[1])
+            self._death = None
+
     def check_health(self) -> None:
         self._raise_if_shut_down()
+        if isinstance(self._dead_error, ExecutorDeadError):
+            raise ExecutorDeadError(str(self._dead_error))
         if self._dead_error is not None:
             raise ExecutorDeadError(f"{type(self._dead_error).__name__}: {self._dead_error}")
 

@@ -9,7 +9,8 @@ from torch import nn
 
 from kvserve.kv_cache.interface import (CircularBufferSpec, FullAttentionSpec, KVCacheConfig, KVCacheSpec,
                                         SlidingWindowSpec)
-from kvserve.model import cpu_kernels, native_decoder, quantized
+from kvserve.native import cpu_kernels
+from kvserve.model import native_decoder, quantized
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, AttentionParams, is_windowed
 from kvserve.model.config import ModelConfig
 from kvserve.sample.structured.grammar_mask import HeadMask

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model import cpu_kernels, quantized
+from kvserve.native import cpu_kernels
+from kvserve.model import quantized
 from kvserve.model.quantized import QuantizationError, QuantizedWeight
 
 
@@ -128,7 +129,7 @@ class PackableLinearMixin(QuantizedWeightMixin):
     module can no longer be re-loaded or saved, only run.
 
     Float32 weights may instead be packed into panels for the native float32
-    matmul (`pack_panels`, csrc/f32_gemm.c), which runs every step size and the
+    matmul (`pack_panels`, csrc/linear/f32_gemm.c), which runs every step size and the
     native decoder's steps of many tokens from the one copy.
     """
 

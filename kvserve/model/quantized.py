@@ -2,7 +2,7 @@
 Q5_0, Q5_1, Q5_K, Q6_K).
 
 At load the GGUF blocks are repacked into the one layout the native kernel
-(csrc/quant_linear.c) reads: per row, blocks of 32 columns, each holding 32
+(csrc/linear/quant_linear.c) reads: per row, blocks of 32 columns, each holding 32
 small integers q and float32 `d`, `m` that stand for d * q + m. Q4_0 (m = -8d),
 Q4_1 and Q4_K (whose 6-bit sub-block scales are folded into d and m) become
 4-bit weights, Q8_0 and the five-bit types (Q5_0, Q5_1, Q5_K) 8-bit ones, Q6_K
@@ -23,7 +23,7 @@ Steps of many rows (prefill; `KernelConfig.quant_gemm_rows`,
 320 by default) rebuild the weight densely instead (`dequantize_dense`, bfloat16 on
 CPUs with native bfloat16) and run oneDNN's GEMM, several times faster there; steps
 between (from `KernelConfig.quant_panel_rows`, 4 by default: batched decode, mixed
-serving steps, short prefills) run the panel GEMM of csrc/quant_gemm.c (`panel_linear`), which expands the
+serving steps, short prefills) run the panel GEMM of csrc/linear/quant_gemm.c (`panel_linear`), which expands the
 weight a cache-sized panel at a time. The loader stamps these choices on every weight it holds.
 """
 from __future__ import annotations
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvserve.config import QUANT_ISAS, KernelConfig
-from kvserve.model import cpu_kernels
+from kvserve.native.config import QUANT_ISAS, KernelConfig
+from kvserve.native import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class QuantizedWeight:
 
 
 def _native_rows(weight: QuantizedWeight, index: torch.Tensor) -> torch.Tensor | None:
-    """`weight.dequantize(index)` by csrc/quant_linear.c; None without the library. An index
+    """`weight.dequantize(index)` by csrc/linear/quant_linear.c; None without the library. An index
     out of range raises IndexError, as the torch path does."""
     lib = cpu_kernels.load_library()
     if lib is None:
@@ -388,7 +388,7 @@ def panel_isa(weight: QuantizedWeight) -> str:
 
 def panel_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
                  isa: str | None = None) -> torch.Tensor:
-    """x [rows, in] @ W^T (+ bias) by the panel GEMM (csrc/quant_gemm.c): for steps of many
+    """x [rows, in] @ W^T (+ bias) by the panel GEMM (csrc/linear/quant_gemm.c): for steps of many
     rows it expands W once per call, a panel of rows at a time, and multiplies in bfloat16
     (AVX512-BF16) or float32; x float32 or bfloat16 (rows may be strided), the result of
     x's dtype. `isa` (default `panel_isa(weight)`) picks the path."""
@@ -437,7 +437,7 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
 
 def _row_kernel_linear(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
                        isa: str) -> torch.Tensor:
-    """x2 [rows, in] @ W^T (+ bias) by the row kernel (csrc/quant_linear.c) on path `isa`."""
+    """x2 [rows, in] @ W^T (+ bias) by the row kernel (csrc/linear/quant_linear.c) on path `isa`."""
     x2, bias, y = _kernel_operands(x2, weight, bias)
     code = cpu_kernels.load_library().kvserve_quant_linear(
         x2.data_ptr(), x2.stride(0), x2.shape[0], weight.qs.data_ptr(), weight.d.data_ptr(), weight.m.data_ptr(),

@@ -36,7 +36,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from kvserve.config import KernelConfig
+from kvserve.native.config import KernelConfig
 from kvserve.sampling_params import SamplingParams
 from kvserve.sample.structured.grammar import FailedGrammar, GrammarCompiler, StructuredOutputError, compiler_for_model
 from kvserve.sample.structured.grammar_mask import (HeadMask, HeadMaskPool, KernelMasks, apply_kernel_masks_, choose_mask_isa,

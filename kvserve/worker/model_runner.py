@@ -16,7 +16,8 @@ import os
 import numpy as np
 import torch
 
-from kvserve.config import CacheConfig, KernelConfig, SchedulerConfig
+from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.native.config import KernelConfig
 from kvserve.kv_cache.interface import KVCacheConfig, KVCacheSpec
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.config import ModelConfig

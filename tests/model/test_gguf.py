@@ -144,7 +144,7 @@ def test_quantized_gguf_weights_held_as_stored_match_dequantized_model(tiny_llam
 def test_kernel_config_reaches_every_quantized_weight(tiny_llama, tmp_path):
     """The loader stamps the config's kernel path and activation rounding on every weight it
     holds quantized; with the native kernels switched off it dequantizes instead."""
-    from kvserve.config import KernelConfig
+    from kvserve.native.config import KernelConfig
     from kvserve.model import quantized
     if quantized.kernel_isa() is None:
         pytest.skip("no native kernels")
@@ -160,7 +160,7 @@ def test_kernel_config_reaches_every_quantized_weight(tiny_llama, tmp_path):
 
 @pytest.mark.parametrize("gemm_dtype", [torch.float32, torch.bfloat16])
 def test_many_token_steps_on_quantized_weights_run_a_dense_gemm(tiny_llama, tmp_path, gemm_dtype):
-    from kvserve.config import KernelConfig
+    from kvserve.native.config import KernelConfig
     from kvserve.model import quantized
     if quantized.kernel_isa() is None:
         pytest.skip("no native kernels")

@@ -1,4 +1,4 @@
-"""The native decoder's layers with fewer barriers (csrc/fused_decoder.c): the O and down
+"""The native decoder's layers with fewer barriers (csrc/decoder/fused_decoder.c): the O and down
 projections split by input columns (int8 activations on AVX512-VNNI), each thread multiplying
 its own columns (its attention heads' output, its columns of the MLP activation) into partial
 products over fixed runs of input blocks, added up in run order after one barrier; where the
@@ -16,8 +16,9 @@ import pytest
 import torch
 import transformers
 
-from kvserve.config import KernelConfig
-from kvserve.model import cpu_kernels, native_decoder, quantized
+from kvserve.native.config import KernelConfig
+from kvserve.native import cpu_kernels
+from kvserve.model import native_decoder, quantized
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from paged_kv_helper import VOCAB, PagedRunner, load_hf, run_greedy

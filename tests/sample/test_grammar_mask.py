@@ -1,12 +1,13 @@
-"""The grammar-mask kernel (csrc/grammar_mask.c) against the torch reference path and a
+"""The grammar-mask kernel (csrc/grammar/grammar_mask.c) against the torch reference path and a
 per-token decoder of the bitmask, on every kernel path this machine runs."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvserve.config import GRAMMAR_MASK_ISA_ENV, QUANT_ISAS, ConfigError, KernelConfig
-from kvserve.model import cpu_kernels
+from kvserve.config import ConfigError
+from kvserve.native import cpu_kernels
+from kvserve.native.config import GRAMMAR_MASK_ISA_ENV, QUANT_ISAS, KernelConfig
 from kvserve.sample.structured.grammar_mask import apply_bitmask, apply_token_bitmask_, choose_mask_isa, isa_available
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no C compiler for the native kernels")

@@ -2,7 +2,7 @@
 
 A grammar engine fills one int32 bitmask row per constrained logits row (token
 t is bit t % 32 of word t / 32, little-endian). On CPU float32 logits the native
-kernel (csrc/grammar_mask.c) reads those words as they are and writes -inf in
+kernel (csrc/grammar/grammar_mask.c) reads those words as they are and writes -inf in
 place: a few microseconds per 49k-token row. The torch path (CUDA, no C
 compiler, `KVSERVE_CPU_KERNELS=0` or `KVSERVE_GRAMMAR_MASK_ISA=torch`) unpacks
 the words into one bool per token (`disallowed_tokens`, done on the mask thread
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvserve.config import GRAMMAR_MASK_TORCH, QUANT_ISAS, KernelConfig
-from kvserve.model import cpu_kernels
+from kvserve.native.config import GRAMMAR_MASK_TORCH, QUANT_ISAS, KernelConfig
+from kvserve.native import cpu_kernels
 
 ISA_CODES = {name: code for code, name in enumerate(QUANT_ISAS)}  # the kernel's codes, narrowest first
 

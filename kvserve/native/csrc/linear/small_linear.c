@@ -11,7 +11,7 @@
  * takes the kernel from ~11 to ~18 GB/s on the machine it was tuned on.
  * Results are rounded to the storage type once, as oneDNN does; only the order
  * of the float32 sum differs. Built with the other kernels by
- * kvserve/model/cpu_kernels.py.
+ * kvserve/native/cpu_kernels.py.
  */
 #include <stdint.h>
 

@@ -1,6 +1,6 @@
 /* Paged attention for CPU: each query token attends to its request's keys,
  * read in place from the block-paged KV cache (no gather into a contiguous
- * copy). Built and loaded at run time by kvserve/model/cpu_kernels.py.
+ * copy). Built and loaded at run time by kvserve/native/cpu_kernels.py.
  *
  * Layout (see kvserve/model/attention/metadata.py): K and V are each
  * [kv_heads, num_blocks, block_size, head_dim]; the key at position p of a

@@ -4,7 +4,7 @@
  * by step (values are rounded to the storage type where torch would store an
  * intermediate tensor), so bfloat16 results match it bit for bit up to the
  * order of the float32 sum in the norm. Built with paged_attention.c by
- * kvserve/model/cpu_kernels.py.
+ * kvserve/native/cpu_kernels.py.
  */
 #include <math.h>
 #include <stdint.h>

@@ -1,4 +1,4 @@
-/* Where the native decoder's time goes, per thread and phase (csrc/fused_decoder.c).
+/* Where the native decoder's time goes, per thread and phase (csrc/decoder/fused_decoder.c).
  *
  * Off by default: each mark is then one predictable branch. `kvserve bench profile`
  * switches it on (kvserve_decoder_profile_enable) for a few extra steps and reads the

@@ -549,7 +549,7 @@ int kvserve_quant_single_row_kernel(int act_bits, int isa) { return act_bits == 
 
 /* Rows row_begin..row_end of y = x W^T (+ bias), float32, from activations quantized by
  * kvserve_quant_activations. Runs on the calling thread only: the fused decoder
- * (csrc/fused_decoder.c) splits a matrix's rows over the threads of its one region.
+ * (csrc/decoder/fused_decoder.c) splits a matrix's rows over the threads of its one region.
  * The sums are the ones kvserve_quant_linear computes for these rows. */
 void kvserve_quant_rows(const void *qx, const float *scales, int64_t batch, const uint8_t *qs, const float *d,
                         const float *m, int bits, int64_t in, const float *bias, float *y, int64_t y_stride,

@@ -12,7 +12,7 @@
  * `kvserve_mask_token_range` while they are still in its cache, from a bitmask that
  * another thread fills while the layers run: that thread publishes it through a ready
  * flag (`kvserve_publish_mask_ready`), which the head waits for (`kvserve_wait_mask_ready`).
- * Built with the other kernels by kvserve/model/cpu_kernels.py.
+ * Built with the other kernels by kvserve/native/cpu_kernels.py.
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, sched_yield under -std=c11 */
 #include <sched.h>

@@ -1,61 +1,32 @@
-"""Native CPU kernels, compiled at first use with the system C compiler and
-loaded with ctypes (no torch headers, so a build takes about a second):
-paged attention (csrc/paged_attention.c), the decoder's fused element-wise
-ops (csrc/fused_ops.c: residual add + RMSNorm, SiLU-gated product, RoPE),
-the small-batch matmul (csrc/small_linear.c), the float32 matmul over weights
-packed into panels at load (csrc/f32_gemm.c), the matmuls over block-quantized
-weights (csrc/quant_linear.c, csrc/quant_gemm.c for steps of many rows, driven
-by kvserve/model/quantized.py) and the whole decoder stack of a small step in
-one call (csrc/fused_decoder.c, driven by kvserve/model/native_decoder.py), and a
-grammar's token bitmask applied to the logits (csrc/grammar_mask.c, driven by
-kvserve/model/grammar_mask.py), and the tensor-parallel ranks' all-reduce
-through shared memory (csrc/shm_all_reduce.c, kvserve/model/shm_all_reduce.py).
-
-The shared object is cached under `<cache root>/kernels/<key>/`, keyed by the
-source, the compiler flags, the compiler's version and the CPU's feature flags
-(`-march=native` code must not run on another CPU). Without a compiler
-`load_library()` returns None and callers keep the portable torch path.
-Whether a model uses these kernels at all is decided once per runner
-(`kvserve.model.kernels`, from `KernelConfig`: KVSERVE_CPU_KERNELS=0 turns
-them off and nothing is built); this module reads no environment switch.
-
-The kernel is linked with `-fopenmp`: the library it needs (libgomp.so.1) is
-the one torch already loaded, so both share one thread pool.
+"""The Python face of the native CPU kernels (built and loaded by `kvserve.native.build`,
+declared in `kvserve.native.abi`): paged attention (csrc/attention/paged_attention.c),
+the decoder's fused element-wise ops (csrc/decoder/fused_ops.c: residual add + RMSNorm,
+SiLU-gated product, RoPE), the small-batch matmul (csrc/linear/small_linear.c) and the
+float32 matmul over weights packed into panels at load (csrc/linear/f32_gemm.c). The
+matmuls over block-quantized weights (csrc/linear/quant_*.c) are driven by
+kvserve/model/quantized.py, the whole decoder stack of a small step in one call
+(csrc/decoder/fused_decoder.c) by kvserve/model/native_decoder.py, the grammar's token
+bitmask (csrc/grammar/grammar_mask.c) by kvserve/model/grammar_mask.py, and the
+tensor-parallel ranks' all-reduce through shared memory (csrc/comm/shm_all_reduce.c) by
+kvserve/model/shm_all_reduce.py.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
 import sys
-import tempfile
-import threading
-from importlib import resources
 
 import numpy as np
 import torch
 
-from kvserve.config import cache_root
+from kvserve.native import abi
+from kvserve.native.build import load_library
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("bf16.h", "bf16_tile.h", "paged_attention.c", "fused_ops.c", "small_linear.c", "quant_linear.c", "quant_gemv.c",
-            "quant_gemm.c", "bf16_rows.c", "f32_gemm.c", "phase_timer.h", "fused_decoder.c", "grammar_mask.c",
-            "shm_all_reduce.c")
-_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-# The KV cache may also hold float16 (csrc/bf16.h's F16): attention and the K/V write read and
-# write it, with float32 math.
-_KV_DTYPE_CODES = {**_DTYPE_CODES, torch.float16: 2}
-# Paths of the paged attention kernel (csrc/paged_attention.c), quant_linear.c's codes.
+_DTYPE_CODES, _KV_DTYPE_CODES = abi.DTYPE_CODES, abi.KV_DTYPE_CODES
+# Paths of the paged attention kernel (csrc/attention/paged_attention.c), quant_linear.c's codes.
 ATTENTION_ISA_CODES = {"portable": 0, "avx2": 1, "avx512": 2}
-
-_lock = threading.Lock()
-_loaded: dict[str, object] = {}
 
 
 class KernelArgumentError(ValueError):
@@ -84,115 +55,6 @@ _MAX_HEAD_DIM, _MAX_GROUP, _MAX_NORM_DIM = 256, 32, 8192
 def supports_shape(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     return (head_dim <= _MAX_HEAD_DIM and num_kv_heads > 0 and num_heads % num_kv_heads == 0
             and num_heads // num_kv_heads <= _MAX_GROUP)
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-
-
-def _build(compiler: str, sources: dict[str, str], target_dir: str) -> str:
-    target = os.path.join(target_dir, "kvserve_cpu.so")
-    if os.path.exists(target):
-        return target
-    os.makedirs(target_dir, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target_dir) as tmp:
-        paths = []
-        for name, text in sources.items():
-            with open(os.path.join(tmp, name), "w") as f:
-                f.write(text)
-            if name.endswith(".c"):
-                paths.append(os.path.join(tmp, name))
-        tmp_target = os.path.join(tmp, "out.so")
-        subprocess.run([compiler, *_CFLAGS, *paths, "-o", tmp_target, "-lm"], check=True,
-                       capture_output=True, text=True, timeout=300)
-        os.replace(tmp_target, target)  # atomic: concurrent builders (TP ranks) agree
-    return target
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    i64, ptr, f32, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-    signatures = {
-        "kvserve_paged_attention": ([ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr,
-                                     i64, i64, i64, i64, i64, i64, f32, f32, c_int, c_int, c_int, c_int], c_int),
-        "kvserve_attention_isa_available": ([c_int], c_int),
-        "kvserve_store_kv": ([ptr, ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i64, i64, i64, c_int, c_int], None),
-        "kvserve_rms_norm": ([ptr, ptr, ptr, ptr, i64, i64, i64, f32, c_int, c_int, c_int], None),
-        "kvserve_silu_mul": ([ptr, ptr, i64, i64, c_int, c_int], None),
-        "kvserve_rotary": ([ptr, i64, i64, ptr, ptr, i64, i64, i64, c_int, c_int], None),
-        "kvserve_small_linear_supported": ([c_int], c_int),
-        "kvserve_small_linear": ([ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, c_int, c_int], c_int),
-        "kvserve_quant_isa_available": ([c_int], c_int),
-        "kvserve_quant_linear": ([ptr, i64, i64, ptr, ptr, ptr, c_int, i64, i64, ptr, ptr, i64, c_int, c_int,
-                                  c_int, c_int], c_int),
-        "kvserve_quant_dequantize": ([ptr, ptr, ptr, c_int, i64, i64, ptr, c_int, c_int], c_int),
-        "kvserve_quant_embed": ([ptr, ptr, ptr, c_int, i64, i64, ptr, i64, ptr], c_int),
-        "kvserve_decoder_forward": ([ptr, ptr, ptr, ptr, c_int], c_int),
-        "kvserve_decoder_forward_logits": ([ptr, ptr, ptr, ptr, ptr, c_int], c_int),
-        "kvserve_decoder_profile_enable": ([c_int], None),
-        "kvserve_decoder_profile_read": ([ptr, c_int], i64),
-        "kvserve_quant_activations": ([ptr, i64, i64, i64, c_int, ptr, ptr], None),
-        "kvserve_quant_gemm_isa_available": ([c_int], c_int),
-        "kvserve_quant_gemm": ([ptr, i64, i64, ptr, ptr, ptr, c_int, i64, i64, ptr, ptr, i64, c_int, c_int, c_int],
-                               c_int),
-        "kvserve_bf16_isa_available": ([c_int], c_int),
-        "kvserve_f32_gemm_isa_available": ([c_int], c_int),
-        "kvserve_f32_packed_size": ([i64, i64], i64),
-        "kvserve_f32_pack": ([ptr, i64, i64, i64, ptr], None),
-        "kvserve_f32_gemm": ([ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, c_int, c_int], c_int),
-        "kvserve_bf16_round_rows": ([ptr, i64, i64, i64, ptr], None),
-        "kvserve_bf16_linear_rows": ([ptr, i64, ptr, ptr, i64, ptr, i64, c_int, i64, i64], None),
-        "kvserve_mask_isa_available": ([c_int], c_int),
-        "kvserve_apply_token_bitmask": ([ptr, i64, i64, ptr, i64, i64, ptr, i64, c_int], c_int),
-        "kvserve_publish_mask_ready": ([ptr, ctypes.c_int32], None),
-        "kvserve_mask_token_range": ([ptr, ptr, i64, i64, i64, c_int], None),
-        "kvserve_shm_all_reduce": ([ptr, ptr, i64], ctypes.c_int32),
-        "kvserve_quant_rows": ([ptr, ptr, i64, ptr, ptr, ptr, c_int, i64, ptr, ptr, i64, c_int, c_int, i64, i64],
-                               None),
-        "kvserve_gemv_partials": ([ptr, ptr, ptr, ptr, ptr, ptr, c_int, i64, ptr, i64, ptr, i64, i64, i64], c_int),
-    }
-    for name, (argtypes, restype) in signatures.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, restype
-
-
-def _load() -> ctypes.CDLL | None:
-    compiler = _compiler()
-    if compiler is None:
-        logger.warning("no C compiler found: CPU attention and norms use the slower torch path")
-        return None
-    package = resources.files("kvserve.model").joinpath("csrc")
-    sources = {name: package.joinpath(name).read_text() for name in _SOURCES}
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([*sources.values(), " ".join(_CFLAGS), version, _cpu_flags()]).encode())
-    try:
-        lib = ctypes.CDLL(_build(compiler, sources, os.path.join(cache_root(), "kernels", key.hexdigest()[:16])))
-        _declare(lib)
-    except (OSError, AttributeError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or str(exc)
-        logger.warning("building the CPU kernels failed, using the torch path: %s", detail.strip()[-500:])
-        return None
-    return lib
-
-
-def load_library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (no compiler, build failed); built once per process."""
-    if "lib" in _loaded:  # the per-op fast path: no lock
-        return _loaded["lib"]
-    with _lock:
-        if "lib" not in _loaded:
-            _loaded["lib"] = _load()
-        return _loaded["lib"]
 
 
 def attention_isa_available(isa: str) -> bool:
@@ -351,12 +213,12 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return y
 
 
-# Output rows per panel of csrc/f32_gemm.c (PANEL).
+# Output rows per panel of csrc/linear/f32_gemm.c (PANEL).
 F32_PANEL = 16
 
 
 def pack_f32_panels(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 weight [out, in] (rows contiguous) in the panel layout of csrc/f32_gemm.c:
+    """A float32 weight [out, in] (rows contiguous) in the panel layout of csrc/linear/f32_gemm.c:
     [ceil(out / 16), in, 16], the rows past `out` zeros."""
     out_features, in_features = weight.shape
     if weight.dtype != torch.float32 or weight.stride(-1) != 1:

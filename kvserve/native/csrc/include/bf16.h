@@ -1,5 +1,5 @@
 /* Storage types shared by the CPU kernels: the dtype codes the Python side passes
- * (cpu_kernels._DTYPE_CODES; float16 only for the KV cache, cpu_kernels._KV_DTYPE_CODES)
+ * (native/abi.py DTYPE_CODES; float16 only for the KV cache, KV_DTYPE_CODES)
  * and bfloat16 / float16 <-> float32 conversion with torch's rounding (to nearest
  * even, NaN kept quiet). */
 #ifndef KVSERVE_BF16_H
