@@ -412,7 +412,7 @@ class NativeDecoder:
         call where it holds the table); None when this step is not one the native call takes. The logits are None
         too when none are asked for or the LM head is not one the call runs.
         `num_draft_tokens` of the tokens (each with a logits row) are speculative drafts: the
-        matmul kernels are those of the step without them (see `quantized.excluding_draft_rows`).
+        matmul kernels are those of the step without them (see `quantized.linear`'s `num_draft_rows`).
         With `head_mask` the head applies that grammar mask once it is filled (see `HeadMask`;
         it sets `head_mask.applied` when it did)."""
         num_tokens = input_ids.shape[0]

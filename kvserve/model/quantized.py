@@ -28,10 +28,8 @@ weight a cache-sized panel at a time. The loader stamps these choices on every w
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -405,40 +403,27 @@ def panel_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     return y
 
 
-_draft_rows = threading.local()  # `num`: draft rows of the step this thread runs
-
-
-@contextlib.contextmanager
-def excluding_draft_rows(num_draft_rows: int):
-    """Within it (on this thread), `linear` chooses its kernel for a step of N rows as for a
-    step of N - `num_draft_rows`: a speculative verify step's rows (its drafts' among them)
-    then go through the kernel, and the activation rounding, that plain decoding of the
-    same sequences would use, so greedy speculative decoding emits exactly its tokens
-    (the panel GEMM and the row kernel round activations differently)."""
-    previous = getattr(_draft_rows, "num", 0)
-    _draft_rows.num = num_draft_rows
-    try:
-        yield
-    finally:
-        _draft_rows.num = previous
-
-
 def _single_row_kernel(weight: QuantizedWeight, isa: str) -> bool:
     """Whether a one-row step takes quant_gemv.c's kernel (as kvserve_quant_single_row_kernel)."""
     return weight.act_bits == 8 and isa == "avx512"
 
 
 def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-           isa: str | None = None) -> torch.Tensor:
+           isa: str | None = None, num_draft_rows: int = 0) -> torch.Tensor:
     """x [..., in] @ W^T (+ bias) with W quantized; x float32 or bfloat16 on the CPU
     (rows may be strided), the result of x's dtype. `isa` overrides the weight's path.
-    Steps of `weight.gemm_rows` rows or more dequantize W and run a dense GEMM instead
-    (rows counted without a verify step's drafts: `excluding_draft_rows`)."""
+    Steps of `weight.gemm_rows` rows or more dequantize W and run a dense GEMM instead.
+
+    `num_draft_rows` of the rows are a speculative verify step's drafts: the kernel is
+    chosen as for a step without them, so the step's rows go through the kernel, and the
+    activation rounding, that plain decoding of the same sequences would use, and greedy
+    speculative decoding emits exactly its tokens (the panel GEMM and the row kernel round
+    activations differently)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     if x2.shape[-1] != weight.in_features:
         raise cpu_kernels.KernelArgumentError(f"input width {x2.shape[-1]}, weight takes {weight.in_features}")
-    plain_rows = x2.shape[0] - getattr(_draft_rows, "num", 0)
+    plain_rows = x2.shape[0] - num_draft_rows
     if isa is None and weight.gemm_rows and plain_rows >= weight.gemm_rows:
         return _dense_linear(x2, weight, bias, weight.gemm_dtype).view(*lead, weight.out_features)
     if isa is None and weight.panel_rows and plain_rows >= weight.panel_rows:

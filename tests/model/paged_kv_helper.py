@@ -206,13 +206,14 @@ class PagedRunner:
             block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
             metadata.append(AttentionMetadata.build(group.kv_cache_spec, query_lens, seq_lens, block_table,
                                                     self.device))
+            metadata[-1].num_draft_tokens = num_draft_tokens
         # The rows the model runner asks for (each request's last token), or every row.
         rows = (torch.arange(len(input_ids)) if every_token else torch.tensor(query_lens).cumsum(0) - 1)
         with torch.inference_mode():
             logits = self.model.forward_logits(torch.tensor(input_ids, device=self.device),
                                                torch.tensor(positions, device=self.device), metadata,
                                                self.kv_caches, rows.to(self.device),
-                                               num_draft_tokens=num_draft_tokens, head_mask=head_mask).cpu()
+                                               head_mask=head_mask).cpu()
         if every_token:
             logits = logits.split(query_lens)
         for req_id, n in schedule.items():
