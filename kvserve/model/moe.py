@@ -6,8 +6,7 @@ all experts' router logits in float32, the top k of it (torch.topk, so ties go t
 transformers breaks them), renormalized to sum to 1 where the family says so (Mixtral
 always, Qwen3-MoE / OLMoE by `norm_topk_prob`).
 
-Dispatch: the (token, expert) pairs are sorted by expert id (stable, so each expert's
-tokens stay in token order); each expert with at least one token runs its gated MLP once
+Dispatch: the (token, expert) pairs are sorted by expert id (see `group_by_expert`); each expert with at least one token runs its gated MLP once
 on its tokens' rows (one matmul per projection, through the same kernels as a dense MLP:
 float, packed or quantized as stored), scales them by their gate weights and adds them
 into the output with `index_add_`. Experts are summed in ascending id, as transformers
@@ -48,9 +47,11 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 
 def group_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
-    """(order, counts): `order` [T * k] lists the flattened (token, slot) pairs sorted by
-    expert id (stable: token order within an expert); `counts[e]` how many pairs go to e."""
-    flat = expert_ids.reshape(-1)
+    """(order, counts) for expert ids [T, k]: `order` [k * T] lists the (slot, token) pairs,
+    numbered slot * T + token, sorted by expert id; within an expert by slot, then token
+    (the order in which transformers gathers an expert's rows); `counts[e]` how many pairs
+    go to expert e."""
+    flat = expert_ids.t().reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts).tolist()
     return order, counts
@@ -78,8 +79,8 @@ class SparseMoeBlock(nn.Module):
         take (an expert's row count is that of its tokens, drafts or not)."""
         weights, expert_ids = route(self.gate(x), self.top_k, self.renormalize)
         order, counts = group_by_expert(expert_ids, self.num_experts)
-        tokens = order // self.top_k
-        flat_weights = weights.reshape(-1)
+        tokens = order % x.shape[0]
+        flat_weights = weights.t().reshape(-1)
         out = torch.zeros_like(x)
         start = 0
         for expert, count in zip(self.experts, counts):

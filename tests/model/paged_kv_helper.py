@@ -13,6 +13,7 @@ from kvserve.kv_cache.utils import KVCacheBlockCopy
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.worker.kv_tensors import allocate_kv_caches, copy_kv_blocks
+from helpers.tiny_models import MOE_FAMILIES, tiny_moe_config
 
 VOCAB = 256
 WINDOW = 12
@@ -47,17 +48,8 @@ def tiny_hf_config(family: str):
             layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
-    moe = dict(_COMMON, intermediate_size=32, num_experts_per_tok=2)
-    if family == "qwen3_moe":
-        # Layer 1 dense (mlp_only_layers), of the wider dense width.
-        return transformers.Qwen3MoeConfig(**{**moe, "intermediate_size": 128}, moe_intermediate_size=32,
-                                           num_experts=8, num_hidden_layers=3, head_dim=16, mlp_only_layers=[1],
-                                           decoder_sparse_step=1, norm_topk_prob=True, tie_word_embeddings=False)
-    if family == "mixtral":
-        return transformers.MixtralConfig(**moe, num_local_experts=8, num_hidden_layers=2, head_dim=16,
-                                          sliding_window=WINDOW)
-    if family == "olmoe":
-        return transformers.OlmoeConfig(**moe, num_experts=8, num_hidden_layers=2, norm_topk_prob=False)
+    if family in MOE_FAMILIES:
+        return tiny_moe_config(family, VOCAB, window=WINDOW)
     raise ValueError(family)
 
 
