@@ -76,7 +76,7 @@ def find_llama_server(explicit: str | None = None) -> str | None:
         if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
             raise ValueError(f"--llama-server {explicit}: not an executable file")
         return explicit
-    from kvserve.config import cache_root
+    from kvserve.paths import cache_root
     cached = os.path.join(cache_root(), "llama-server")
     return shutil.which("llama-server") or (cached if os.path.isfile(cached) and os.access(cached, os.X_OK) else None)
 

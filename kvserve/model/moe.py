@@ -6,11 +6,12 @@ all experts' router logits in float32, the top k of it (torch.topk, so ties go t
 transformers breaks them), renormalized to sum to 1 where the family says so (Mixtral
 always, Qwen3-MoE / OLMoE by `norm_topk_prob`).
 
-Dispatch: the (token, expert) pairs are sorted by expert id (see `group_by_expert`); each expert with at least one token runs its gated MLP once
-on its tokens' rows (one matmul per projection, through the same kernels as a dense MLP:
-float, packed or quantized as stored), scales them by their gate weights and adds them
-into the output with `index_add_`. Experts are summed in ascending id, as transformers
-does, so in float32 the sum is formed in the same order.
+Dispatch: the (token, expert) pairs are sorted by expert id (see `group_by_expert`);
+each expert with at least one token runs its gated MLP once on its tokens' rows (one
+matmul per projection, through the same kernels as a dense MLP: float, packed or
+quantized as stored), scales them by their gate weights and adds them into the output
+with `index_add_`. Experts are summed in ascending id and an expert's rows gathered in
+transformers' order, so in float32 the sums are formed in the same order.
 """
 from __future__ import annotations
 
