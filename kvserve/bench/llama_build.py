@@ -1,8 +1,9 @@
-"""Build llama.cpp command-line tools (llama-server, llama-quantize) from the source vendored in
-llama-cpp-python's sdist and cache the binaries under kvserve's cache root.
+"""Build llama.cpp's `llama-quantize` from the source vendored in llama-cpp-python's sdist and cache
+the binary under kvserve's cache root; find cached llama.cpp tools.
 
-The build is optional and slow (10+ minutes on 2 cores): benchmarks and the model zoo call it on
-demand; CI never does. Usage: python3 -m kvserve.bench.llama_build llama-quantize [llama-server]
+The build is optional and slow (10+ minutes on 2 cores): the model zoo calls it on demand; CI never
+does. Usage: python3 -m kvserve.bench.llama_build llama-quantize. (`llama-server`, whose native build
+needs the AMX switch, is built by scripts/build_llama_server.sh.)
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import tarfile
 import tempfile
 
 LLAMA_CPP_PYTHON_VERSION = os.environ.get("LLAMA_CPP_PYTHON_VERSION", "0.3.36")
-KNOWN_TOOLS = ("llama-server", "llama-quantize")
+KNOWN_TOOLS = ("llama-quantize",)
 
 
 class LlamaBuildError(RuntimeError):
@@ -90,7 +91,7 @@ def build_tools(tools: list[str], jobs: int | None = None, force: bool = False) 
 def main(argv: list[str]) -> int:
     force = os.environ.get("FORCE") == "1"
     jobs = int(os.environ["JOBS"]) if os.environ.get("JOBS") else None
-    tools = argv or ["llama-server"]
+    tools = argv or ["llama-quantize"]
     try:
         for tool, path in build_tools(tools, jobs=jobs, force=force).items():
             print(f"{tool}: {path}")

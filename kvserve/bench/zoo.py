@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvserve.bench.model_info import ModelShapes
 from kvserve.config import cache_root
 
 ZOO_PREFIX = "zoo:"
@@ -35,17 +36,10 @@ class ZooError(ValueError):
 
 
 @dataclass(frozen=True)
-class ZooShape:
-    """The sizes of one model family member, as its config.json states them."""
+class ZooShape(ModelShapes):
+    """The sizes of one model family member, as its config.json states them, and its GGUF architecture."""
 
-    architecture: str  # GGUF general.architecture
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
+    architecture: str = "llama"
     tied_embeddings: bool = True
     qkv_bias: bool = False
     rope_theta: float = 10000.0
@@ -57,29 +51,27 @@ class ZooShape:
     note: str = ""
 
     def num_parameters(self) -> int:
-        attention = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
-        return self.num_layers * (attention + mlp) + embeddings
+        """Matrix weights (the LM head's counted as the embedding's when tied)."""
+        return self.matmul_params + (0 if self.tied_embeddings else self.vocab_size * self.hidden_size)
 
 
 # The shipped tokenizer has 49,152 tokens; shapes with fewer (Mistral's 32,000) keep 49,152.
 _SHIPPED_VOCAB = 49152
 
 SHAPES: dict[str, ZooShape] = {
-    "llama-1b": ZooShape("llama", 2048, 8192, 16, 32, 8, 64, 128256, rope_theta=500000.0, note="Llama-3.2-1B"),
-    "llama-3b": ZooShape("llama", 3072, 8192, 28, 24, 8, 128, 128256, rope_theta=500000.0, note="Llama-3.2-3B"),
-    "qwen-0.5b": ZooShape("qwen2", 896, 4864, 24, 14, 2, 64, 151936, qkv_bias=True, rope_theta=1000000.0,
+    "llama-1b": ZooShape(2048, 8192, 16, 32, 8, 64, 128256, architecture="llama", rope_theta=500000.0, note="Llama-3.2-1B"),
+    "llama-3b": ZooShape(3072, 8192, 28, 24, 8, 128, 128256, architecture="llama", rope_theta=500000.0, note="Llama-3.2-3B"),
+    "qwen-0.5b": ZooShape(896, 4864, 24, 14, 2, 64, 151936, architecture="qwen2", qkv_bias=True, rope_theta=1000000.0,
                           rms_norm_eps=1e-6, note="Qwen2.5-0.5B"),
-    "qwen-1.5b": ZooShape("qwen2", 1536, 8960, 28, 12, 2, 128, 151936, qkv_bias=True, rope_theta=1000000.0,
+    "qwen-1.5b": ZooShape(1536, 8960, 28, 12, 2, 128, 151936, architecture="qwen2", qkv_bias=True, rope_theta=1000000.0,
                           rms_norm_eps=1e-6, note="Qwen2.5-1.5B"),
-    "gemma-2b": ZooShape("gemma2", 2304, 9216, 26, 8, 4, 256, 256000, rms_norm_eps=1e-6, sliding_window=4096,
+    "gemma-2b": ZooShape(2304, 9216, 26, 8, 4, 256, 256000, architecture="gemma2", rms_norm_eps=1e-6, sliding_window=4096,
                          attn_softcap=50.0, final_softcap=30.0, note="Gemma-2-2B"),
-    "mistral-7b": ZooShape("llama", 4096, 14336, 32, 32, 8, 128, _SHIPPED_VOCAB, tied_embeddings=False,
+    "mistral-7b": ZooShape(4096, 14336, 32, 32, 8, 128, _SHIPPED_VOCAB, architecture="llama", tied_embeddings=False,
                            rope_theta=1000000.0, note="Mistral-7B (vocabulary 49,152 instead of 32,000)"),
     # Small shapes for tests (written by the gguf package, no llama.cpp needed).
-    "tiny-llama": ZooShape("llama", 256, 512, 2, 4, 2, 64, _SHIPPED_VOCAB, note="test shape"),
-    "tiny-qwen": ZooShape("qwen2", 256, 512, 2, 4, 2, 64, _SHIPPED_VOCAB, qkv_bias=True, note="test shape"),
+    "tiny-llama": ZooShape(256, 512, 2, 4, 2, 64, _SHIPPED_VOCAB, architecture="llama", note="test shape"),
+    "tiny-qwen": ZooShape(256, 512, 2, 4, 2, 64, _SHIPPED_VOCAB, architecture="qwen2", qkv_bias=True, note="test shape"),
 }
 
 # Zoo type name -> llama-quantize's type argument. "f16" is the unquantized source itself.

@@ -71,7 +71,7 @@ def test_tiny_zoo_file_has_the_shape_tokenizer_and_types(zoo_cache, name):
 
 
 def test_padded_vocabulary_is_control_tokens_after_the_shipped_ones(zoo_cache):
-    shape = zoo.ZooShape("llama", 256, 512, 1, 4, 2, 64, vocab_size=49152 + 5)
+    shape = zoo.ZooShape(256, 512, 1, 4, 2, 64, vocab_size=49152 + 5)
     path = zoo.write_random_gguf(shape, str(zoo_cache / "padded.gguf"), "q8_0")
     reader = GGUFFile(path)
     tokens, token_types = reader.get("tokenizer.ggml.tokens"), reader.get("tokenizer.ggml.token_type")
