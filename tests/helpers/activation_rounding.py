@@ -41,15 +41,7 @@ def dithered_matmul_inputs(plain, held, generator: torch.Generator) -> Iterator[
         quant = getattr(held_modules.get(name), "quant_weight", None)
         if quant is None or not hasattr(module, "_matmul"):
             continue
-        half_step = 1.0 / (254.0 if quant.act_bits == 8 else 65534.0)
-
-        def noisy(x, bias=None, module=module, matmul=type(module)._matmul, half_step=half_step):
-            blocks = x.reshape(-1, x.shape[-1] // 32, 32)
-            width = blocks.abs().amax(-1, keepdim=True) * half_step
-            noise = (torch.rand(blocks.shape, generator=generator, dtype=blocks.dtype) * 2 - 1) * width
-            count[0] += 1
-            return matmul(module, (blocks + noise).view(x.shape), bias)
-        module._matmul = noisy
+        module._matmul = _noisy_matmul(module, 1.0 / (254.0 if quant.act_bits == 8 else 65534.0), generator, count)
         wrapped.append(module)
     native, plain._native = plain._native, None
     try:
@@ -58,6 +50,20 @@ def dithered_matmul_inputs(plain, held, generator: torch.Generator) -> Iterator[
         plain._native = native
         for module in wrapped:
             del module._matmul
+
+
+def _noisy_matmul(module, half_step: float, generator: torch.Generator, count: list[int]):
+    """`module._matmul` with its input moved by noise of up to `half_step` of each block's
+    largest magnitude; counts its calls in `count[0]`."""
+    matmul = type(module)._matmul
+
+    def noisy(x, *args, **kwargs):
+        blocks = x.reshape(-1, x.shape[-1] // 32, 32)
+        width = blocks.abs().amax(-1, keepdim=True) * half_step
+        noise = (torch.rand(blocks.shape, generator=generator, dtype=blocks.dtype) * 2 - 1) * width
+        count[0] += 1
+        return matmul(module, (blocks + noise).view(x.shape), *args, **kwargs)
+    return noisy
 
 
 def rounding_bound(plain, held, logits_of: Callable[[object], dict[str, torch.Tensor]],
