@@ -24,7 +24,7 @@ class LlamaBuildError(RuntimeError):
 
 
 def cached_tool_path(tool: str) -> str:
-    from kvserve.config import cache_root
+    from kvserve.paths import cache_root
     return os.path.join(cache_root(), tool)
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvserve.bench.model_info import ModelShapes
-from kvserve.config import cache_root
+from kvserve.paths import cache_root
 
 ZOO_PREFIX = "zoo:"
 _FORMAT_VERSION = 1  # bump when the written source files change, so stale caches are rebuilt
@@ -301,7 +301,7 @@ def _write_metadata(writer, shape: ZooShape, type_name: str) -> None:
 
 def _write_tokenizer(writer, vocab_size: int) -> None:
     """The default model's tokenizer, its vocabulary padded with control tokens to `vocab_size`."""
-    from kvserve.config import default_model_path
+    from kvserve.engine.model_path import default_model_path
     from kvserve.model.gguf_file import GGUFFile
 
     shipped = GGUFFile(default_model_path())
