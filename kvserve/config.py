@@ -71,10 +71,6 @@ class CacheConfig:
             return self.kv_cache_dtype
         return "float16" if weights_quantized else model_dtype
 
-    @property
-    def effective_hash_block_size(self) -> int:
-        return self.hash_block_size or self.block_size
-
 
 @dataclass(frozen=True)
 class SchedulerConfig:

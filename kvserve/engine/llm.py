@@ -53,13 +53,6 @@ class LLM:
             **engine_kwargs)
         self._start(config)
 
-    @classmethod
-    def from_engine_config(cls, engine_config: "EngineConfig") -> "LLM":
-        """An LLM over an already built EngineConfig."""
-        llm = cls.__new__(cls)
-        llm._start(engine_config)
-        return llm
-
     def _start(self, engine_config: "EngineConfig") -> None:
         from kvserve.engine.core import EngineCore
         self.engine_config = engine_config

@@ -146,10 +146,6 @@ class ModelConfig:
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
-    @property
-    def has_sliding_layers(self) -> bool:
-        return "sliding" in self.layer_types
-
     def rope_for_layer(self, layer_idx: int) -> RopeConfig:
         if self.rope_local is not None and self.layer_types[layer_idx] == "sliding":
             return self.rope_local
