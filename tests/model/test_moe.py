@@ -10,8 +10,8 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from kvserve.model.moe import SparseMoeBlock, route
 from helpers.tiny_models import MOE_FAMILIES
-from paged_kv_helper import (VOCAB, PagedRunner, every_token_logits, hf_greedy, load_hf, run_greedy,
-                             run_teacher_forced, save_tiny_model)
+from paged_kv_helper import (PagedRunner, assert_within_activation_rounding, held_weights, hf_greedy,
+                             prompts_of_lengths, run_greedy, tiny_models_with_reference)
 
 # The bound on |our logit - transformers' logit|, relative to the logits' scale (at least 1).
 # Both run the same float32 operations, in the same order outside reductions (the MoE block
@@ -32,19 +32,7 @@ NUM_NEW = 6
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    cache = {}
-
-    def get(family: str):
-        if family not in cache:
-            path = save_tiny_model(family, tmp_path_factory.mktemp(family))
-            cache[family] = (load_hf(path), ModelConfig.from_path(path), path)
-        return cache[family]
-    return get
-
-
-def _prompts(lengths: list[int], seed: int = 0) -> dict[str, list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return {f"r{i}": torch.randint(3, VOCAB, (n,), generator=generator).tolist() for i, n in enumerate(lengths)}
+    return tiny_models_with_reference(tmp_path_factory)
 
 
 @torch.inference_mode()
@@ -77,11 +65,11 @@ def test_moe_matches_transformers_on_paged_kv(models, family):
     margin the two may pick different experts, which no bound on rounding covers. Random
     routers put one of a few hundred decisions that close about every other prompt, so
     the test draws twelve and needs four, one of them long enough for several chunks."""
-    hf, config, _ = models(family)
+    hf, config = models(family)
     assert config.is_moe and config.sparse_layers == ([True, False, True] if family == "qwen3_moe" else [True, True])
     model = load_model(config)
     assert model.native_decoder is None
-    candidates = _prompts([3, 29, 17, 40, 1, 8, 23, 35, 12, 5, 26, 14])
+    candidates = prompts_of_lengths([3, 29, 17, 40, 1, 8, 23, 35, 12, 5, 26, 14])
     expected = {req_id: hf_greedy(hf, prompt, NUM_NEW) for req_id, prompt in candidates.items()}
     prompts = {req_id: prompt for req_id, prompt in candidates.items()
                if _min_router_margin(hf, prompt + expected[req_id][0]) > 2 * MAX_RELATIVE_DIFF}
@@ -100,10 +88,10 @@ def test_stacked_expert_checkpoint_loads_like_per_expert_one(models, tmp_path):
     import shutil
 
     from safetensors.torch import save_file
-    hf, config, path = models("qwen3_moe")
+    hf, config = models("qwen3_moe")
     stacked = {name: tensor.contiguous() for name, tensor in hf.state_dict().items()}
     assert any(name.endswith("mlp.experts.gate_up_proj") for name in stacked)
-    shutil.copy(f"{path}/config.json", tmp_path / "config.json")
+    shutil.copy(f"{config.path}/config.json", tmp_path / "config.json")
     save_file(stacked, str(tmp_path / "model.safetensors"))
     ours = load_model(ModelConfig.from_path(str(tmp_path)))
     reference = load_model(config)
@@ -115,7 +103,7 @@ def test_stacked_expert_checkpoint_loads_like_per_expert_one(models, tmp_path):
 
 def _block_pair(models, family: str, top_k: int | None = None) -> tuple[SparseMoeBlock, torch.nn.Module]:
     """Our first sparse layer's block and transformers' (same weights), optionally at top-k."""
-    hf, config, _ = models(family)
+    hf, config = models(family)
     ours = load_model(config).layers[0].mlp
     theirs = hf.model.layers[0].mlp
     assert isinstance(ours, SparseMoeBlock)
@@ -215,36 +203,20 @@ def test_quantized_gguf_experts_match_dequantized_model(models, tmp_path, family
     routers make every few hundred (llama.cpp's flip alike); a flipped expert is a jump no
     rounding bound covers. The kernels' weight arithmetic is the same at either setting."""
     gguf = pytest.importorskip("gguf")
-    from helpers.activation_rounding import max_deviation, rounding_bound
     from helpers.gguf_writer import write_gguf
     from helpers.kernel_switches import env_kernels
     from kvserve.model import quantized
     kernels = env_kernels(quant_gemm_rows=0, quant_panel_rows=0, quant_act_bits=16)
     if quantized.kernel_isa(kernels) is None:
         pytest.skip("no native kernels")
-    hf, _, _ = models(family)
+    hf, _ = models(family)
     path = str(tmp_path / f"{family}-{qtype_name}.gguf")
     write_gguf(hf, path, getattr(gguf.GGMLQuantizationType, qtype_name))
     config = ModelConfig.from_path(path)
     assert config.architecture == hf.config.architectures[0] and config.is_moe
     held = load_model(config, kernel_config=kernels)
     plain = load_model(ModelConfig.from_path(path, quantization="none", dtype="float32"))
-    plain_modules = dict(plain.named_modules())
-    experts = 0
-    for name, module in held.named_modules():
-        weight = getattr(module, "quant_weight", None)
-        if weight is None:
-            continue
-        assert module.weight is None  # held once
-        experts += ".experts." in name
-        if ".experts." in name:
-            assert weight.source_type == qtype_name  # as stored, not widened
-        torch.testing.assert_close(weight.dequantize(), plain_modules[name].weight, rtol=1e-6, atol=1e-7)
-    assert experts == 2 * config.num_experts * sum(config.sparse_layers)  # gate_up and down of each
-    generator = torch.Generator().manual_seed(1)
-    sequences = {f"r{i}": torch.randint(3, VOCAB, (n,), generator=generator).tolist() for i, n in enumerate([11, 29])}
-    prompt_lens = {"r0": 5, "r1": 23}
-    reference, bound = rounding_bound(plain, held, lambda model: every_token_logits(model, sequences, prompt_lens))
-    logits = run_teacher_forced(PagedRunner(held), sequences, prompt_lens, chunk=8)
-    assert max_deviation(logits, reference) <= bound
-    assert bound < 0.1 * min((ref.amax(-1) - ref.amin(-1)).min().item() for ref in reference.values())
+    experts = {name: weight for name, weight in held_weights(held, plain).items() if ".experts." in name}
+    assert len(experts) == 2 * config.num_experts * sum(config.sparse_layers)  # gate_up and down of each
+    assert {weight.source_type for weight in experts.values()} == {qtype_name}  # as stored, not widened
+    assert_within_activation_rounding(held, plain)
