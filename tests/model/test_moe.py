@@ -9,7 +9,7 @@ import torch
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from kvserve.model.moe import SparseMoeBlock, route
-from helpers.tiny_models import MOE_FAMILIES
+from helpers.tiny_models import MOE_FAMILIES, min_router_margin
 from paged_kv_helper import (PagedRunner, assert_within_activation_rounding, held_weights, hf_greedy,
                              prompts_of_lengths, run_greedy, tiny_models_with_reference)
 
@@ -35,26 +35,6 @@ def models(tmp_path_factory):
     return tiny_models_with_reference(tmp_path_factory)
 
 
-@torch.inference_mode()
-def _min_router_margin(hf, tokens: list[int]) -> float:
-    """The smallest gap, over tokens and sparse layers, between the k-th and (k+1)-th largest
-    router logit of transformers' forward over `tokens`, relative to the router logits' scale."""
-    captured = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, out: captured.append(out[0]))
-             for layer in hf.model.layers if hasattr(layer.mlp, "gate")]
-    try:
-        hf(torch.tensor([tokens]))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    k = hf.config.num_experts_per_tok
-    margins = []
-    for logits in captured:
-        top = logits.float().topk(k + 1, dim=-1).values
-        margins.append(((top[:, k - 1] - top[:, k]) / logits.abs().max().clamp(min=1.0)).min().item())
-    return min(margins)
-
-
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_moe_matches_transformers_on_paged_kv(models, family):
     """A mixed batch (prefill chunks of 11 next to one-token steps) on blocks of 4: the
@@ -72,7 +52,7 @@ def test_moe_matches_transformers_on_paged_kv(models, family):
     candidates = prompts_of_lengths([3, 29, 17, 40, 1, 8, 23, 35, 12, 5, 26, 14])
     expected = {req_id: hf_greedy(hf, prompt, NUM_NEW) for req_id, prompt in candidates.items()}
     prompts = {req_id: prompt for req_id, prompt in candidates.items()
-               if _min_router_margin(hf, prompt + expected[req_id][0]) > 2 * MAX_RELATIVE_DIFF}
+               if min_router_margin(hf, prompt + expected[req_id][0]) > 2 * MAX_RELATIVE_DIFF}
     assert len(prompts) >= 4 and max(map(len, prompts.values())) > 20
     tokens, logits = run_greedy(PagedRunner(model, block_size=4), prompts, NUM_NEW, chunk=11)
     for req_id in prompts:
