@@ -218,24 +218,29 @@ class ResponsesHandler:
                     last_output = request_output
             except asyncio.CancelledError:
                 state.status = "cancelled"
-                self._store(state, conversation)
+                self._update(state, conversation)
                 raise
             except Exception as exc:  # noqa: BLE001 - reported in the stored response
                 error = to_api_error(exc)
                 state.status, state.error = "failed", {"code": error.code or error.error_type,
                                                       "message": error.message}
-                self._store(state, conversation)
+                self._update(state, conversation)
                 return
             if last_output is None:
                 state.status = "cancelled"
-                self._store(state, conversation)
-                return
-            self._full_response(state, conversation, tool_request, {0: last_output})
+                self._update(state, conversation)
+            elif self.store.get(state.id) is not None:
+                self._full_response(state, conversation, tool_request, {0: last_output})
 
         self._store(state, conversation)
         task = asyncio.create_task(run())
         self.store.get(state.id).background_task = task
         return JSONResponse(state.to_dict())
+
+    def _update(self, state: ResponseState, conversation: list[ChatMessage]) -> None:
+        """Store a background response's new state, unless it was deleted meanwhile."""
+        if self.store.get(state.id) is not None:
+            self._store(state, conversation)
 
     async def retrieve(self, response_id: str) -> JSONResponse:
         entry = self.store.get(response_id)
@@ -255,11 +260,11 @@ class ResponsesHandler:
         entry = self.store.get(response_id)
         if entry is None:
             raise not_found(response_id)
-        if entry.background_task is None:
+        if not entry.response.get("background"):
             raise APIError(400, "Only responses created with background=true can be cancelled.",
                            param="response_id", code="not_background")
         task = entry.background_task
-        if not task.done():
+        if task is not None and not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         return JSONResponse(self.store.get(response_id).response)
