@@ -11,13 +11,14 @@ or, streamed, through `kvserve/server/chat_events.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, AsyncIterator, Callable
 
 from kvserve.engine.outputs import CompletionOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import ChatMessage
-from kvserve.server.serving import ServingContext, resolve_max_tokens, run_tokenizer
+from kvserve.server.serving import (ServingContext, merged_outputs, resolve_max_tokens, run_tokenizer, submit_all,
+                                    to_api_error)
 from kvserve.server.structured import ConstraintSource, checked_source
 from kvserve.server.tool_checks import check_tool_messages
 from kvserve.server.tools import (FALLBACK_TOOL_TEMPLATE, ToolCall, ToolRequest, extract_tool_calls,
@@ -66,6 +67,18 @@ async def prepare_chat(ctx: ServingContext, spec: ChatSpec) -> PreparedChat:
     ctx.engine.validator.check_prompt_fits(len(prompt_token_ids), max_tokens)
     ctx.engine.validator.check_sampling_params(params)
     return PreparedChat(prompt_token_ids, params, tool_request)
+
+
+async def start_chat(ctx: ServingContext, build_spec: Callable[[], ChatSpec], request_id: str
+                     ) -> tuple[PreparedChat, AsyncIterator[tuple[int, Any]]]:
+    """Translate (`build_spec`), prepare and submit one chat call: (the prepared call, its
+    outputs); what the request got wrong is raised as an APIError before anything runs."""
+    try:
+        prepared = await prepare_chat(ctx, build_spec())
+    except Exception as exc:  # noqa: BLE001
+        raise to_api_error(exc) from None
+    outputs = merged_outputs(ctx, submit_all(ctx, [(prepared.prompt_token_ids, prepared.params)], request_id))
+    return prepared, outputs
 
 
 def checked_tools(ctx: ServingContext, spec: ChatSpec) -> ToolRequest | None:

@@ -10,11 +10,10 @@ from fastapi import Request
 
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
-from kvserve.server.chat_request import ChatSpec, parsed_message, prepare_chat
+from kvserve.server.chat_request import ChatSpec, parsed_message, start_chat
 from kvserve.server.protocol import ChatCompletionRequest
-from kvserve.server.serving import (ChoiceStreamState, ChunkFormatter, ServingContext, merged_outputs,
-                                    new_id, next_delta, parse_request, respond, submit_all, to_api_error,
-                                    token_logprob_entries, token_text, usage_dict)
+from kvserve.server.serving import (ChoiceStreamState, ChunkFormatter, ServingContext, new_id, next_delta,
+                                    parse_request, respond, token_logprob_entries, token_text, usage_dict)
 from kvserve.server.structured import constraint_from_request
 from kvserve.server.tool_stream import ToolCallStreamer
 from kvserve.server.tools import ToolRequest
@@ -36,13 +35,9 @@ def _build_params(body: ChatCompletionRequest, max_tokens: int,
 async def create_chat_completion(raw_request: Request, ctx: ServingContext):
     """Handle one /v1/chat/completions call (streaming or not)."""
     body = await parse_request(raw_request, ctx, ChatCompletionRequest)
-    try:
-        prepared = await prepare_chat(ctx, chat_spec(body))
-    except Exception as exc:  # noqa: BLE001
-        raise to_api_error(exc) from None
-    tool_request = prepared.tool_request
     response_id = new_id("chatcmpl")
-    outputs = merged_outputs(ctx, submit_all(ctx, [(prepared.prompt_token_ids, prepared.params)], response_id))
+    prepared, outputs = await start_chat(ctx, partial(chat_spec, body), response_id)
+    tool_request = prepared.tool_request
     return await respond(raw_request, outputs, body.stream,
                          partial(_stream_events, ctx, body, response_id, tool_request),
                          partial(_full_response, ctx, body, response_id, tool_request))

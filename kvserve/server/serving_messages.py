@@ -21,11 +21,10 @@ from fastapi.responses import JSONResponse
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.server.chat_events import ArgumentsDelta, CallStarted, ChatEvent, ChatEventReader, TextDelta
-from kvserve.server.chat_request import ChatSpec, count_prompt_tokens, parsed_message, prepare_chat
+from kvserve.server.chat_request import ChatSpec, count_prompt_tokens, parsed_message, start_chat
 from kvserve.server.errors import anthropic_error
 from kvserve.server.protocol_anthropic import CountTokensRequest, MessagesRequest
-from kvserve.server.serving import (ServingContext, merged_outputs, new_id, parse_request, respond, submit_all,
-                                    to_api_error)
+from kvserve.server.serving import ServingContext, new_id, parse_request, respond, to_api_error
 from kvserve.server.tools import ToolCall, ToolRequest
 
 
@@ -67,12 +66,8 @@ def _build_params(body: MessagesRequest, max_tokens: int, constraint: Structured
 async def create_message(raw_request: Request, ctx: ServingContext):
     """Handle one /v1/messages call (streaming or not)."""
     body = await parse_request(raw_request, ctx, MessagesRequest)
-    try:
-        prepared = await prepare_chat(ctx, _spec(body))
-    except Exception as exc:  # noqa: BLE001
-        raise to_api_error(exc) from None
     message_id = new_id("msg").replace("-", "_")
-    outputs = merged_outputs(ctx, submit_all(ctx, [(prepared.prompt_token_ids, prepared.params)], message_id))
+    prepared, outputs = await start_chat(ctx, partial(_spec, body), message_id)
     return await respond(raw_request, outputs, body.stream,
                          partial(_stream_events, ctx, message_id, prepared.tool_request),
                          partial(_full_response, ctx, message_id, prepared.tool_request), sse_done=None)

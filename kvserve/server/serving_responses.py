@@ -27,13 +27,12 @@ from fastapi.responses import JSONResponse
 from kvserve.engine.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.server.chat_events import ArgumentsDelta, CallStarted, ChatEvent, ChatEventReader, TextDelta
-from kvserve.server.chat_request import ChatSpec, parsed_message, prepare_chat
+from kvserve.server.chat_request import ChatSpec, parsed_message, start_chat
 from kvserve.server.errors import APIError
 from kvserve.server.protocol import ChatMessage
 from kvserve.server.protocol_responses import ResponsesRequest, input_messages
 from kvserve.server.response_store import ResponseStore, StoredResponse
-from kvserve.server.serving import (ServingContext, merged_outputs, parse_request, respond, submit_all,
-                                    to_api_error)
+from kvserve.server.serving import ServingContext, parse_request, respond, to_api_error
 from kvserve.server.tools import ToolCall, ToolRequest
 
 
@@ -137,15 +136,10 @@ class ResponsesHandler:
         body = await parse_request(raw_request, ctx, ResponsesRequest)
         try:
             conversation = self._history(body) + input_messages(body.input)
-            spec = ChatSpec(messages=_with_instructions(body.instructions, conversation),
-                            build_params=partial(_build_params, body), max_tokens=body.max_output_tokens,
-                            tools=body.chat_tools(), tool_choice=body.chat_tool_choice(),
-                            parallel_tool_calls=body.parallel_tool_calls, constraint=body.constraint())
-            prepared = await prepare_chat(ctx, spec)
         except Exception as exc:  # noqa: BLE001
             raise to_api_error(exc) from None
         state = ResponseState(body, ctx.served_model_name)
-        outputs = merged_outputs(ctx, submit_all(ctx, [(prepared.prompt_token_ids, prepared.params)], state.id))
+        prepared, outputs = await start_chat(ctx, partial(_spec, body, conversation), state.id)
         if body.background:
             return self._start_background(state, conversation, prepared.tool_request, outputs)
         return await respond(raw_request, outputs, body.stream,
@@ -268,6 +262,13 @@ class ResponsesHandler:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         return JSONResponse(self.store.get(response_id).response)
+
+
+def _spec(body: ResponsesRequest, conversation: list[ChatMessage]) -> ChatSpec:
+    return ChatSpec(messages=_with_instructions(body.instructions, conversation),
+                    build_params=partial(_build_params, body), max_tokens=body.max_output_tokens,
+                    tools=body.chat_tools(), tool_choice=body.chat_tool_choice(),
+                    parallel_tool_calls=body.parallel_tool_calls, constraint=body.constraint())
 
 
 def _with_instructions(instructions: str | None, messages: list[ChatMessage]) -> list[ChatMessage]:

@@ -14,7 +14,7 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
-from helpers.server_process import ServerProcess
+from helpers.server_process import running_server
 
 from kvserve.engine.tokenizer import apply_chat_template
 
@@ -35,11 +35,9 @@ def enum_format(*values: str) -> dict:
 
 @pytest.fixture(scope="module")
 def server():
-    process = ServerProcess("--api-key", API_KEY, "--served-model-name", MODEL, "--max-model-len", "1024",
-                            "--kv-cache-memory", "64MiB")
-    yield process
-    process.stop()
-    process.remove_log()
+    with running_server("--api-key", API_KEY, "--served-model-name", MODEL, "--max-model-len", "1024",
+                        "--kv-cache-memory", "64MiB") as process:
+        yield process
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from helpers.server_process import ServerProcess
+from helpers.server_process import running_server
 
 from kvserve.engine.tokenizer import apply_chat_template
 
@@ -37,11 +37,9 @@ LONG_FORMAT = {"format": {"type": "json_schema", "name": "long", "schema": {
 
 @pytest.fixture(scope="module")
 def server():
-    process = ServerProcess("--api-key", API_KEY, "--served-model-name", MODEL, "--max-model-len", "1024",
-                            "--kv-cache-memory", "64MiB")
-    yield process
-    process.stop()
-    process.remove_log()
+    with running_server("--api-key", API_KEY, "--served-model-name", MODEL, "--max-model-len", "1024",
+                        "--kv-cache-memory", "64MiB") as process:
+        yield process
 
 
 @pytest.fixture(scope="module")
