@@ -120,7 +120,7 @@ def _add_plan_parser(subparsers: Any, load: bool) -> None:
                                                "step-cost model; print replicas, TP size, KV memory, "
                                                "predicted hit rate and latencies.", add_help=load)
     if load:
-        from kvserve.bench.plan_cli import add_plan_arguments
+        from kvserve.planner.cli import add_plan_arguments
         add_plan_arguments(parser)
         _add_common(parser)
 
@@ -168,7 +168,7 @@ def _run_command(args: argparse.Namespace) -> int:
         from kvserve.server.launch import run
         return int(run(args) or 0)
     if args.command == "plan":
-        from kvserve.bench.plan_cli import run_plan
+        from kvserve.planner.cli import run_plan
         return run_plan(args)
     from kvserve.bench.cli import run as run_bench
     return int(run_bench(args) or 0)

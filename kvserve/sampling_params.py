@@ -23,7 +23,7 @@ class StructuredOutputsParams:
     - `grammar`: a Lark or GBNF (llama.cpp EBNF) grammar;
     - `json_object=True`: any JSON object.
 
-    The engine compiles it into a token mask (`kvserve.model.grammar`).
+    The engine compiles it into a token mask (`kvserve.sample.structured.grammar`).
     """
 
     json: dict | str | None = None

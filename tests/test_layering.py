@@ -15,12 +15,14 @@ PACKAGE_DIR = Path(kvserve.__file__).parent
 
 # Top first. Below the top layer, a package imports no other package of its own layer.
 LAYERS = [
-    {"cli", "server", "bench", "testing", "__init__", "__main__"},
+    {"cli", "server", "bench", "planner", "testing", "__init__", "__main__"},
     {"engine"},
     {"worker"},
     {"model", "scheduler"},
+    {"sample"},
     {"messages", "spec_decode"},
     {"kv_cache"},
+    {"native"},
     {"config", "request"},
     {"sampling_params"},
     {"errors"},
@@ -28,9 +30,10 @@ LAYERS = [
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 
 # (importing file, imported top-level package): config builds these configs in
-# EngineConfig.create from the user's knobs.
+# EngineConfig.create from the user's knobs (and EngineConfig's kernel switches
+# default to `native.config.KernelConfig.from_env`).
 ALLOWED_UPWARD = {
-    ("config.py", "model"), ("config.py", "kv_cache"), ("config.py", "spec_decode"),
+    ("config.py", "model"), ("config.py", "kv_cache"), ("config.py", "spec_decode"), ("config.py", "native"),
 }
 
 

@@ -1,4 +1,4 @@
-"""Paged attention alone: the CPU kernel (csrc/paged_attention.c) over a block-paged cache.
+"""Paged attention alone: the CPU kernel (csrc/attention/paged_attention.c) over a block-paged cache.
 
 Decode steps (one query token per request) of `batch` requests with `context` keys
 each, through `layers` separate KV caches (so the caches take the memory a model's
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.model import cpu_kernels
+from kvserve.native import cpu_kernels
 
 
 @dataclass(frozen=True)

@@ -532,8 +532,8 @@ def _run_plan_check(args: argparse.Namespace) -> dict[str, Any]:
     import shlex
 
     from kvserve.bench import plan_check
-    from kvserve.bench.plan import Load, SchedulerShape
-    from kvserve.bench.plan_cli import check_bounds
+    from kvserve.planner.plan import Load, SchedulerShape
+    from kvserve.planner.cli import check_bounds
     check_bounds(args, plan_check.FLAG_BOUNDS, "kvserve bench plan-check")
     load = Load(args.arrival_rate, args.prompt_len, args.len_sigma, args.output_len, args.len_sigma,
                 args.shared_prefix_ratio, args.num_shared_prefixes, args.max_model_len)
@@ -550,7 +550,7 @@ def _run_plan_check(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_allreduce(args: argparse.Namespace) -> dict[str, Any]:
-    from kvserve.bench.interconnect import measure_interconnect
+    from kvserve.planner.interconnect import measure_interconnect
 
     return {"interconnect": measure_interconnect(args.world_size, repeats=args.repeats).as_json()}
 

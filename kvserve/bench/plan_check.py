@@ -16,7 +16,7 @@ With `tp` > 1 the prediction is the one `kvserve plan` makes for TP > 1: a
 one-rank server (torch threads: one rank's share of the cores) is calibrated
 first, all-reduces between `tp` processes are timed on loopback, then the
 `-tp` server is calibrated and replays the trace. The TP server's samples fit
-the TP cost (kvserve/bench/tp_cost.py) and three predictions are scored: the
+the TP cost (kvserve/planner/tp_cost.py) and three predictions are scored: the
 ideal split (one-rank work / tp + the measured collectives), the TP model
 (with the fitted dispatch overhead and work scale), and the TP server's own
 calibration.
@@ -29,10 +29,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserve.bench.calibrate import completion_body, measure
-from kvserve.bench.plan import Load, SchedulerShape, simulate_replica, synthetic_trace
+from kvserve.planner.calibrate import completion_body, measure
+from kvserve.planner.plan import Load, SchedulerShape, simulate_replica, synthetic_trace
 from kvserve.bench.report import LatencyStats, format_table
-from kvserve.bench.trace import TraceRequest, prompt_token_ids, read_trace, write_trace
+from kvserve.planner.trace import TraceRequest, prompt_token_ids, read_trace, write_trace
 
 SERVED_MODEL = "plan-check"
 # `kvserve bench plan-check` flags and their lowest values (see plan_cli.check_bounds).
@@ -142,7 +142,7 @@ def _calibrate_server(config: PlanCheckConfig, vocab_size: int, tp: int, threads
 
 def run(config: PlanCheckConfig) -> dict[str, Any]:
     """Start a server, calibrate, predict, measure, compare (see the module docstring)."""
-    from kvserve.bench.calibrate import CalibratedStepCost
+    from kvserve.planner.calibrate import CalibratedStepCost
     from kvserve.bench.model_info import model_shapes, resolve_model_path
 
     trace = _trace(config)
@@ -191,7 +191,7 @@ def _check_splits(shapes, tp: int) -> None:
 
 def _one_rank_and_link(config: PlanCheckConfig, vocab_size: int) -> dict[str, Any]:
     """The one-rank calibration (one rank's share of the cores) and the measured all-reduce."""
-    from kvserve.bench.interconnect import measure_interconnect
+    from kvserve.planner.interconnect import measure_interconnect
     from kvserve.worker.tp_executor import threads_per_rank
 
     threads = threads_per_rank(config.tp)
@@ -206,9 +206,9 @@ def _tp_predictions(config: PlanCheckConfig, shapes, tp_part: dict[str, Any], at
     `calibration` becomes the one-rank one (what `kvserve plan` scales) and `predicted` the TP
     model's (what `kvserve plan` predicts); the TP server's own calibration and its prediction
     move to `tp_server_calibration` and `predicted_tp_server`."""
-    from kvserve.bench.calibrate import CalibratedStepCost
-    from kvserve.bench.plan import Machine, ModelSpec
-    from kvserve.bench.tp_cost import fit_tp_cost, tp_gap, with_interconnect
+    from kvserve.planner.calibrate import CalibratedStepCost
+    from kvserve.planner.plan import Machine, ModelSpec
+    from kvserve.planner.tp_cost import fit_tp_cost, tp_gap, with_interconnect
 
     one_rank, interconnect = tp_part["one_rank"], tp_part["interconnect"]
     model = ModelSpec.from_shapes(shapes, config.activation_bytes)
@@ -241,15 +241,15 @@ def _roofline_prediction(config: PlanCheckConfig, calibration, kv_tokens: int, t
     """The same trace with the roofline's step cost (`kvserve bench roofline` of this machine, at
     `config.tp` over the measured `interconnect`), and each one-rank calibration sample's measured
     time over the roofline's."""
-    from kvserve.bench.calibrate import roofline_gap
-    from kvserve.bench.plan import StepCost, machine_from_roofline
-    from kvserve.bench.plan_cli import model_spec_from_path
+    from kvserve.planner.calibrate import roofline_gap
+    from kvserve.planner.plan import StepCost, machine_from_roofline
+    from kvserve.planner.cli import model_spec_from_path
 
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[config.roofline_dtype]
     # Memory does not matter here: the KV pool is the server's.
     machine = machine_from_roofline(config.roofline_json, config.roofline_dtype, memory_gib=1.0)
     if interconnect is not None:
-        from kvserve.bench.tp_cost import with_interconnect
+        from kvserve.planner.tp_cost import with_interconnect
         machine = with_interconnect(machine, interconnect)
     model = model_spec_from_path(config.model, dtype_bytes)
     predicted = simulate_replica(StepCost(model, machine, config.tp), kv_tokens, trace, shape=config.shape,

@@ -220,7 +220,7 @@ def _fewer_barriers_ab(core, native, steps: int, rounds: int) -> dict[str, Any] 
 
 
 def _native_split(core, native, steps: int) -> dict[str, Any] | None:
-    """ms per native call by phase and thread (csrc/phase_timer.h) over `steps` more steps,
+    """ms per native call by phase and thread (csrc/decoder/phase_timer.h) over `steps` more steps,
     or None when no step runs the native decoder."""
     if native is None:
         return None

@@ -28,7 +28,7 @@ from kvserve.bench.report import format_table
 DTYPES = ("float32", "bfloat16")
 BATCH_SIZES = (1, 256)
 # Matmul kernels `run(kernels=...)` times shape by shape: torch's F.linear on the plain
-# weight, oneDNN's packed weight (CPU), kvserve's float32 panels (csrc/f32_gemm.c).
+# weight, oneDNN's packed weight (CPU), kvserve's float32 panels (csrc/linear/f32_gemm.c).
 KERNELS = ("torch", "onednn", "f32-panels")
 
 
@@ -96,7 +96,8 @@ def _kernel_linear(kernel: str, weight) -> Callable[[Any], Any] | None:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     if kernel == "f32-panels" and on_cpu and weight.dtype == torch.float32:
-        from kvserve.model import cpu_kernels, native_decoder, quantized
+        from kvserve.model import native_decoder, quantized
+        from kvserve.native import cpu_kernels
 
         isa = native_decoder.f32_gemm_isa()
         if isa is None:

@@ -15,7 +15,7 @@ that many requests have finished: the gateway's retries and health checks
 take over, and requests that still fail are counted, not hidden.
 
 Each policy's run is also written as a request trace (`trace_out`: one JSONL per
-policy, in the format `kvserve plan --trace` reads, see kvserve/bench/trace.py):
+policy, in the format `kvserve plan --trace` reads, see kvserve/planner/trace.py):
 every request's send time, its prompt as the token ids the server saw (the
 chat rendered by a replica's /tokenize after the timed run), the output tokens
 asked for, and its system prompt as `prefix_id` with `prefix_len` the tokens it
@@ -35,7 +35,7 @@ from kvserve.bench.replicas import (GATEWAY_POLICIES, LocalProcess, gateway_avai
                                     start_replica)
 from kvserve.bench.report import LatencyStats, format_table
 from kvserve.bench.serve import RequestResult, stream_one
-from kvserve.bench.trace import TraceRequest, write_trace
+from kvserve.planner.trace import TraceRequest, write_trace
 
 logger = logging.getLogger(__name__)
 

@@ -236,7 +236,7 @@ async def run_async(config: ServeBenchConfig) -> dict[str, Any]:
 def write_run_trace(path: str, results: list[RequestResult]) -> str:
     """The completed requests as a trace: send time, prompt and output tokens (no shared prefix:
     the prompts are independent)."""
-    from kvserve.bench.trace import TraceRequest, write_trace
+    from kvserve.planner.trace import TraceRequest, write_trace
 
     done = sorted((r for r in results if r.ok and r.prompt_tokens and r.output_tokens), key=lambda r: r.sent_s)
     return write_trace(path, [TraceRequest(r.sent_s, r.prompt_tokens, r.output_tokens) for r in done])

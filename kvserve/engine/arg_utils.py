@@ -30,6 +30,7 @@ _VALUE_FLAGS = {
     "node_rank": "node_rank",
     "master_addr": "master_addr",
     "master_port": "master_port",
+    "heartbeat_timeout": "heartbeat_timeout_s",
     "kv_events_config": "kv_events_config",
 }
 
@@ -74,6 +75,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--master-port", type=_positive_int, default=None, metavar="PORT",
                        help="torch.distributed rendezvous port on node 0; PORT+1 carries the engine's "
                             "calls to the other nodes (default 29500)")
+    group.add_argument("--heartbeat-timeout", type=_positive_float, default=None, metavar="SECONDS",
+                       help="across nodes: node 0 notices a rank that died or stopped answering within "
+                            "this many seconds, even while idle (default 10)")
     group.add_argument("--seed", type=int, default=None, help="engine random seed")
     group.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
     group.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -100,6 +104,16 @@ def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":
     """The validated EngineConfig the flags describe."""
     from kvserve.config import EngineConfig
     return EngineConfig.create(**engine_kwargs_from_args(args))
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:

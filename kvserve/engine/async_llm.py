@@ -212,6 +212,7 @@ class AsyncLLM:
         self._live_request_ids: set[str] = set()
         self._stats = EngineLoopStats()
         self._dead_error: BaseException | None = None
+        self._died = threading.Event()
         self._id_counter = itertools.count()
         self._thread = threading.Thread(target=self._run_loop, name="kvserve-engine", daemon=True)
         self._thread.start()
@@ -231,6 +232,17 @@ class AsyncLLM:
     @property
     def dead_error(self) -> BaseException | None:
         return self._dead_error
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError (saying what died: a node and rank, where known) unless the
+        engine can serve; asks the executor itself, so a rank lost while idle shows at once."""
+        self._check_alive()
+        self.engine_core.check_health()
+
+    def wait_until_dead(self, timeout_s: float | None = None) -> bool:
+        """Block until the engine loop has failed (True) or `timeout_s` passed (False); a
+        shutdown asked for is no failure."""
+        return self._died.wait(timeout_s)
 
     def num_in_flight_requests(self) -> int:
         with self._streams_lock:
@@ -360,11 +372,16 @@ class AsyncLLM:
                 if self.engine_core.has_unfinished_requests():
                     self._step()
                 else:
+                    self.engine_core.check_health()  # a rank may die or vanish while idle
                     self._refresh_stats()
         except BaseException as exc:  # noqa: BLE001 - surfaced to every waiting request
-            logger.exception("engine loop failed")
+            if isinstance(exc, EngineDeadError):
+                logger.error("engine loop stopped: %s", exc)
+            else:
+                logger.exception("engine loop failed")
             self._dead_error = exc
             self._fail_all(EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}"))
+            self._died.set()
             self._drain_commands_after_death()
             return
         self._dead_error = EngineDeadError("the engine has been shut down")
@@ -397,7 +414,7 @@ class AsyncLLM:
             self._add_to_engine(command)
         except Exception as exc:  # noqa: BLE001 - one bad request never stops the loop
             logger.info("request %s rejected: %s", command.request_id, exc)
-            self._abort_in_engine([command.request_id])
+            self._abort_in_engine([command.request_id], notify=False)
             self._deliver(command.request_id, exc)
 
     def _add_to_engine(self, command: _AddCommand) -> None:
@@ -408,12 +425,15 @@ class AsyncLLM:
         for child in child_requests:
             self.engine_core.add_request(child)
 
-    def _abort_in_engine(self, request_ids: list[str]) -> None:
+    def _abort_in_engine(self, request_ids: list[str], notify: bool = True) -> None:
+        """Drop the requests from the engine; `notify` ends their streams quietly (an abort
+        from elsewhere), otherwise the caller delivers why."""
         engine_ids = []
         for request_id in request_ids:
             engine_ids.extend(self.output_processor.abort_request(request_id))
             self._live_request_ids.discard(request_id)
-            self._deliver(request_id, _ABORTED)
+            if notify:
+                self._deliver(request_id, _ABORTED)
         if engine_ids:
             self.engine_core.abort_requests(engine_ids)
 

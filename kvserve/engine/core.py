@@ -31,7 +31,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.stats import SchedulerStats
-from kvserve.worker.executor import Executor
+from kvserve.worker.executor import Executor, ExecutorDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +185,11 @@ class EngineCore:
         self.step_timeline.start(scheduler_output.step_seq)
         # With one step in flight at most, `step()` waits for this one right away.
         self.executor.inline_steps = self.max_steps_in_flight == 1
-        self.steps_in_flight.append((scheduler_output, self.executor.execute_model_async(scheduler_output)))
+        try:
+            future = self.executor.execute_model_async(scheduler_output)
+        except ExecutorDeadError as exc:  # found dead as the step was handed over
+            raise self._executor_died(exc) from exc
+        self.steps_in_flight.append((scheduler_output, future))
         return scheduler_output
 
     def process_step(self) -> list[EngineCoreOutput]:
@@ -217,11 +221,12 @@ class EngineCore:
     def _fail_step(self, scheduler_output: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
         logger.error("model step %d failed: %r", scheduler_output.step_seq, exc,
                      exc_info=(type(exc), exc, exc.__traceback__))
+        if isinstance(exc, ExecutorDeadError):
+            raise self._executor_died(exc) from exc
         try:
             self.executor.check_health()
         except Exception as dead:
-            self._is_dead = f"the executor died: {dead}"
-            raise EngineDeadError(self._is_dead) from exc
+            raise self._executor_died(dead) from exc
         req_ids = list(scheduler_output.num_scheduled_tokens)
         finished = self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ERROR) or []
         # Apply an output with no tokens so the step's fence is processed and its frees
@@ -235,6 +240,21 @@ class EngineCore:
     def _check_alive(self) -> None:
         if self._is_dead:
             raise EngineDeadError(self._is_dead)
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError when no more steps can run, e.g. the executor died while idle
+        (the message names the node and rank it lost). Safe to call from any thread."""
+        self._check_alive()
+        try:
+            self.executor.check_health()
+        except ExecutorDeadError as exc:
+            raise self._executor_died(exc) from exc
+
+    def _executor_died(self, exc: BaseException) -> EngineDeadError:
+        """The error for a dead executor, found at submit, at collect or in a health check;
+        every later call raises it too."""
+        self._is_dead = self._is_dead or f"the executor died: {exc}"
+        return EngineDeadError(self._is_dead)
 
     # ---- misc -----------------------------------------------------------------
 

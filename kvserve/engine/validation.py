@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvserve.errors import InvalidRequestError, PromptTooLongError, SamplingParamsError
-from kvserve.model import grammar
+from kvserve.model.tokenizer_files import load_tokenizer
+from kvserve.sample.structured import grammar
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -100,7 +101,7 @@ class RequestValidator:
                        if p.structured_outputs is not None}
         if not constraints or self.model_config is None:
             return
-        compiler = grammar.compiler_for_model(self.model_config)
+        compiler = grammar.compiler_for_model(self.model_config, load_tokenizer)
         for constraint in constraints.values():
             compiler.check(constraint, timeout_s)
 
@@ -110,7 +111,7 @@ class RequestValidator:
         event loop keeps running; raises StructuredOutputError (a compile past the timeout too)."""
         if constraint is None or self.model_config is None:
             return
-        compiler = await asyncio.to_thread(grammar.compiler_for_model, self.model_config)
+        compiler = await asyncio.to_thread(grammar.compiler_for_model, self.model_config, load_tokenizer)
         timeout_s = grammar.compile_timeout_s() if timeout_s is None else timeout_s
         try:
             await asyncio.wait_for(asyncio.wrap_future(compiler.compile_async(constraint)), timeout_s)

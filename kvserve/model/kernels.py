@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.config import KernelConfig
-from kvserve.model import cpu_kernels, native_decoder
+from kvserve.native.config import KernelConfig
+from kvserve.native import cpu_kernels
+from kvserve.model import native_decoder
 from kvserve.model.attention import AttentionBackend, TorchAttentionBackend, select_attention_backend
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class ModelKernels:
     packed_weights: bool = False  # linear weights packed for oneDNN's CPU matmul
     native_decoder: bool = False  # small steps run the whole stack in one call (model/native_decoder.py)
     bf16_isa: str | None = None  # the native decoder's bfloat16-weight matmul path (None: bfloat16 declined)
-    # float32 weights packed into panels for csrc/f32_gemm.c (instead of oneDNN), and its path
+    # float32 weights packed into panels for csrc/linear/f32_gemm.c (instead of oneDNN), and its path
     f32_gemm_isa: str | None = None
     attention_isa: str | None = None  # the paged attention kernel's path (None: no kernel)
     # tensor-parallel ranks of one host: the native decoder all-reduces through shared memory

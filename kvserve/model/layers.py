@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model import cpu_kernels
+from kvserve.native import cpu_kernels
 from kvserve.model.config import RopeConfig
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
-from kvserve.config import KernelConfig
+from kvserve.native.config import KernelConfig
 from kvserve.model.config import ModelConfig, ModelFilesNotFoundError
 from kvserve.model.decoder import DecoderModel
 from kvserve.model.kernels import choose_model_kernels

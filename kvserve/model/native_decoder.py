@@ -1,11 +1,11 @@
-"""The decoder stack of a small step in one native call (csrc/fused_decoder.c).
+"""The decoder stack of a small step in one native call (csrc/decoder/fused_decoder.c).
 
 At batch one a decode step through the torch path makes about ten Python op
 calls per layer, each a dispatch and, for the native kernels, a parallel region
 of its own: for a 135M model that overhead outweighs the matmuls. For steps of
 up to `SMALL_STEP_TOKENS` tokens, or `MAX_TOKENS` where every projection is
-quantized and runs the panel GEMM (csrc/quant_gemm.c) from its `panel_rows`
-on, or is float32 packed into panels (csrc/f32_gemm.c) (batched decode, mixed
+quantized and runs the panel GEMM (csrc/linear/quant_gemm.c) from its `panel_rows`
+on, or is float32 packed into panels (csrc/linear/f32_gemm.c) (batched decode, mixed
 serving steps), `NativeDecoder` hands the whole stack
 (every layer and the final norm) to one C call that reuses the per-op kernels
 inside one parallel region; steps of many tokens split attention by tokens.
@@ -25,7 +25,7 @@ Under tensor parallelism each rank's call runs its shards (QKV and gate/up by
 output rows, O and down by input columns) and sums the O and down outputs over
 the ranks from inside the call: thread 0 all-reduces the buffer the call writes
 those outputs to (`_TensorParallelReduce`: through shared memory where every rank
-is on this host, csrc/shm_all_reduce.c; else a callback into Python over gloo),
+is on this host, csrc/comm/shm_all_reduce.c; else a callback into Python over gloo),
 while the rank's other threads wait at the barrier after it. The
 step stays one call (a split into an attention call and an MLP call per layer
 would enter two parallel regions per layer and keep Python in the layer loop).
@@ -33,7 +33,7 @@ The embedding lookup (vocabulary-sharded, itself all-reduced) and the LM head
 (whose logits the caller gathers) stay outside the call on such ranks.
 
 The call keeps its activations in float32 whatever the model's dtype; a bfloat16
-model's matmuls round their input rows to bfloat16 (csrc/bf16_rows.c, on the
+model's matmuls round their input rows to bfloat16 (csrc/linear/bf16_rows.c, on the
 path `ModelKernels.bf16_isa`), and the output is cast back to bfloat16.
 """
 from __future__ import annotations
@@ -46,13 +46,16 @@ import time
 import torch
 
 from kvserve.kv_cache.interface import CircularBufferSpec
-from kvserve.config import QUANT_ISAS, KernelConfig
-from kvserve.model import cpu_kernels, quantized
+from kvserve.model import quantized
 from kvserve.model.attention import AttentionMetadata
-from kvserve.model.grammar_mask import ISA_CODES as MASK_ISA_CODES
-from kvserve.model.grammar_mask import HeadMask
+from kvserve.sample.structured.grammar_mask import ISA_CODES as MASK_ISA_CODES
+from kvserve.sample.structured.grammar_mask import HeadMask
 from kvserve.model.quantized import ISA_CODES
 from kvserve.model.shm_all_reduce import SharedMemoryAllReduce
+from kvserve.native import cpu_kernels
+from kvserve.native.abi import (ALL_REDUCE_FN, DTYPE_CODES, F32_PANELS, MAX_GROUPS, NativeLayer, NativeLinear, NativeLogits,
+                                NativeModel, NativeStep, NativeTokenMask)
+from kvserve.native.config import QUANT_ISAS, KernelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -62,57 +65,7 @@ logger = logging.getLogger(__name__)
 # and its dense GEMM.
 SMALL_STEP_TOKENS = 8
 MAX_TOKENS = 128
-_MAX_GROUPS = 8  # MAX_GROUPS in fused_decoder.c
-_F32_PANELS = 2  # NativeLinear.w_dtype of float32 weights in csrc/f32_gemm.c's panels (F32_PANELS)
 _PARALLEL_MIN_LAYER_BYTES = 256 * 1024
-
-_i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
-
-
-class _Linear(ctypes.Structure):
-    _fields_ = [("qs", _ptr), ("d", _ptr), ("m", _ptr), ("w", _ptr), ("bias", _ptr), ("out", _i64), ("in_", _i64),
-                ("bits", _i32), ("act_bits", _i32), ("isa", _i32), ("w_dtype", _i32), ("panel_isa", _i32),
-                ("zero_min", _i32)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-                ("input_norm", _ptr), ("post_attention_norm", _ptr), ("pre_feedforward_norm", _ptr),
-                ("post_feedforward_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
-                ("k_cache", _ptr), ("v_cache", _ptr), ("cache_head_stride", _i64), ("block_size", _i64),
-                ("window", _i64), ("group", _i32), ("local_rope", _i32), ("kv_dtype", _i32), ("attention_isa", _i32)]
-
-
-# The all-reduce the call makes under tensor parallelism: (context, float32 buffer, element count)
-# -> 0, or nonzero on failure.
-_ALL_REDUCE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
-                ("head_dim", _i64), ("intermediate", _i64), ("final_norm", _ptr), ("eps", _f32), ("scale", _f32),
-                ("softcap", _f32), ("adds_one", _i32), ("sandwich", _i32), ("gelu", _i32), ("panel_rows", _i32),
-                ("embed", _Linear), ("embed_scale", _f32), ("fewer_barriers", _i32), ("reduce_buffer", _ptr),
-                ("all_reduce", _ALL_REDUCE), ("reduce_ctx", _ptr)]
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [("num_tokens", _i64), ("num_draft_tokens", _i64), ("positions", _ptr), ("table_row", _ptr),
-                ("token_index", _ptr), ("block_table", _ptr * _MAX_GROUPS), ("block_table_stride", _i64 * _MAX_GROUPS),
-                ("slots", _ptr * _MAX_GROUPS), ("cos", _ptr), ("sin", _ptr), ("cos_local", _ptr),
-                ("sin_local", _ptr), ("token_ids", _ptr), ("rope_by_position", _i64)]
-
-
-class _TokenMask(ctypes.Structure):
-    _fields_ = [("bitmask", _ptr), ("logits_row", _ptr), ("num_mask_rows", _i64), ("num_words", _i64),
-                ("ready", _ptr), ("timeout_ns", _i64), ("ready_value", _i32), ("isa", _i32), ("applied", _i32),
-                ("unused", _i32), ("wait_ns", _i64), ("mask_ns", _i64)]
-
-
-class _Logits(ctypes.Structure):
-    _fields_ = [("head", _Linear), ("rows", _ptr), ("num_rows", _i64), ("logits", _ptr),
-                ("mask", ctypes.POINTER(_TokenMask))]
-
 
 # The head waits at most this long for a grammar mask's fill (the mask thread always
 # publishes, even when the fill fails: this bounds a bug, not a normal step).
@@ -138,18 +91,18 @@ def bf16_isa(kernel_config: KernelConfig | None = None) -> str | None:
 
 
 def f32_gemm_isa(kernel_config: KernelConfig | None = None) -> str | None:
-    """The path of the float32 panel matmul (csrc/f32_gemm.c: "avx512": AVX-512F, "avx2":
+    """The path of the float32 panel matmul (csrc/linear/f32_gemm.c: "avx512": AVX-512F, "avx2":
     AVX2 + FMA, "portable"), chosen as `bf16_isa` chooses its own; None without the library."""
     return _widest_isa(kernel_config, "kvserve_f32_gemm_isa_available")
 
 
 def attention_isa(kernel_config: KernelConfig | None = None) -> str | None:
-    """The path of the paged attention kernel (csrc/paged_attention.c: "avx512", "avx2" with
+    """The path of the paged attention kernel (csrc/attention/paged_attention.c: "avx512", "avx2" with
     F16C, "portable"), chosen as `bf16_isa` chooses its own; None without the library."""
     return _widest_isa(kernel_config, "kvserve_attention_isa_available")
 
 
-# The phases of csrc/phase_timer.h, in its order.
+# The phases of csrc/decoder/phase_timer.h, in its order.
 PHASES = ("norms, residual adds, gate activation", "activation rounding", "QKV matmul",
           "attention (Q/K norms, RoPE, K/V write, paged attention)", "O matmul", "gate/up matmul", "down matmul",
           "LM head matmul", "barrier wait",
@@ -158,7 +111,7 @@ PHASES = ("norms, residual adds, gate activation", "activation rounding", "QKV m
 
 @contextlib.contextmanager
 def phase_timing(num_threads: int):
-    """Times the native calls made inside the block by phase (csrc/phase_timer.h) and
+    """Times the native calls made inside the block by phase (csrc/decoder/phase_timer.h) and
     fills the yielded dict on exit: "calls", and "threads", one {phase: seconds} per
     thread. Off outside such a block. Yields an empty dict without the library."""
     lib = cpu_kernels.load_library()
@@ -201,9 +154,9 @@ class _TensorParallelReduce:
         self.error: BaseException | None = None
         self.shared = SharedMemoryAllReduce.connect(tp.group, num_elements) if shared_memory else None
         if self.shared is not None:
-            self.function, self.context = _ALL_REDUCE(self.shared.function), ctypes.addressof(self.shared.context)
+            self.function, self.context = ALL_REDUCE_FN(self.shared.function), ctypes.addressof(self.shared.context)
         else:  # held here: the call keeps only its pointer
-            self.function, self.context = _ALL_REDUCE(self._all_reduce), None
+            self.function, self.context = ALL_REDUCE_FN(self._all_reduce), None
 
     def _all_reduce(self, context: int | None, buffer: int, count: int) -> int:
         try:
@@ -237,7 +190,7 @@ class NativeDecoder:
         self._panel_rows = 0  # steps of this many tokens run the panel GEMM (the weights' own threshold)
         self._all_panel = True  # every projection quantized with a panel path or float32 in panels
         self._gemm_rows = MAX_TOKENS + 1  # steps of this many tokens take the per-op dense GEMM
-        self._layers = (_Layer * len(model.layers))()
+        self._layers = (NativeLayer * len(model.layers))()
         for i, layer in enumerate(model.layers):
             self._describe_layer(self._layers[i], layer)
         self._desc = self._describe_model(model)
@@ -254,7 +207,7 @@ class NativeDecoder:
         self.num_threads = torch.get_num_threads() if self._layer_bytes >= _PARALLEL_MIN_LAYER_BYTES else 1
         self._bound_caches: dict | None = None
         self._bound_tensors: list[torch.Tensor] = []
-        self._step = _Step(rope_by_position=1)  # refilled by every step (the call is synchronous)
+        self._step = NativeStep(rope_by_position=1)  # refilled by every step (the call is synchronous)
         self._rope_tables: list = []
         self._rope_freqs: list = []  # the frequencies the tables pointed at were built for
         self._rope_capacity = 0  # positions the tables pointed at hold
@@ -302,7 +255,7 @@ class NativeDecoder:
                     len(model.layers))
         return decoder
 
-    def _describe_model(self, model) -> _Model:
+    def _describe_model(self, model) -> NativeModel:
         config = model.config
         attn = model.layers[0].self_attn
         if model.tp.size != 1 and any(layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None
@@ -319,14 +272,14 @@ class NativeDecoder:
             raise NativeDeclined(f"hidden size {config.hidden_size} / activation {config.hidden_act}")
         if model.rotary_global.inv_freq.numel() * 2 != attn.head_dim:
             raise NativeDeclined("partial rotary embedding")
-        return _Model(num_layers=len(model.layers), hidden=config.hidden_size, num_heads=attn.num_heads,
+        return NativeModel(num_layers=len(model.layers), hidden=config.hidden_size, num_heads=attn.num_heads,
                       num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, panel_rows=self._panel_rows,
                       intermediate=model.layers[0].mlp.down_proj.shard_input, final_norm=self._norm(model.norm),
                       eps=config.rms_norm_eps, scale=attn.params.scale, softcap=attn.params.softcap or 0.0,
                       adds_one=int(config.norm_adds_one), sandwich=int(config.sandwich_norms),
                       gelu=int(config.hidden_act.startswith("gelu")))
 
-    def _describe_layer(self, desc: _Layer, layer) -> None:
+    def _describe_layer(self, desc: NativeLayer, layer) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         for field, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                               ("down", mlp.down_proj)):
@@ -341,7 +294,7 @@ class NativeDecoder:
         desc.window = attn.sliding_window or 0
         desc.local_rope = int(attn.sliding_window is not None and self.model.rotary_local is not None)
 
-    def _describe_embedding(self, desc: _Linear) -> None:
+    def _describe_embedding(self, desc: NativeLinear) -> None:
         """The embedding table for the call where it gives the rows exactly as
         `DecoderModel.embed` does (quantized or float32 tables of a float32 model, bfloat16
         ones unscaled); else `desc.out` stays 0 and the caller embeds the tokens."""
@@ -356,18 +309,18 @@ class NativeDecoder:
             if (weight is None or weight.device.type != "cpu" or not weight.is_contiguous() or weight.dtype != dtype
                     or (dtype == torch.bfloat16 and model.config.scales_embeddings)):
                 return
-            desc.w, desc.w_dtype, desc.out = self._hold(weight).data_ptr(), cpu_kernels._DTYPE_CODES[dtype], \
+            desc.w, desc.w_dtype, desc.out = self._hold(weight).data_ptr(), DTYPE_CODES[dtype], \
                 weight.shape[0]
         desc.in_ = model.config.hidden_size
         if model.config.scales_embeddings:  # the factor `DecoderModel.embed` multiplies by, in float32
             self._desc.embed_scale = float(torch.tensor(model.config.hidden_size ** 0.5, dtype=torch.float32))
 
-    def _describe_head(self, lm_head) -> _Linear | None:
+    def _describe_head(self, lm_head) -> NativeLinear | None:
         """The LM head for the call, or None (it then runs after it, in torch): float32 models
         only, whose torch LM head gives float32 logits too."""
         if self.model.norm.weight.dtype != torch.float32:
             return None
-        desc = _Linear()
+        desc = NativeLinear()
         state = (self._layer_bytes, self._panel_rows, self._all_panel, self._gemm_rows)
         try:
             self._describe_linear(desc, lm_head)
@@ -378,7 +331,7 @@ class NativeDecoder:
             self._layer_bytes, self._panel_rows, self._all_panel, self._gemm_rows = state
         return desc
 
-    def _describe_linear(self, desc: _Linear, module) -> None:
+    def _describe_linear(self, desc: NativeLinear, module) -> None:
         qw = module.quant_weight
         bias = getattr(module, "bias", None)
         if bias is not None:
@@ -398,8 +351,8 @@ class NativeDecoder:
             desc.out, desc.in_ = qw.out_features, qw.in_features
             self._layer_bytes += qw.nbytes() // len(self.model.layers)
             return
-        if module.panel_weight is not None:  # float32 panels (csrc/f32_gemm.c): every step size
-            desc.w, desc.w_dtype, desc.isa = self._hold(module.panel_weight).data_ptr(), _F32_PANELS, module.panel_isa
+        if module.panel_weight is not None:  # float32 panels (csrc/linear/f32_gemm.c): every step size
+            desc.w, desc.w_dtype, desc.isa = self._hold(module.panel_weight).data_ptr(), F32_PANELS, module.panel_isa
             desc.panel_isa = -1
             self._layer_bytes += module.panel_weight.numel() * 4 // len(self.model.layers)
             desc.out, desc.in_ = module.panel_out, module.panel_weight.shape[1]
@@ -408,7 +361,7 @@ class NativeDecoder:
         if weight is None or not weight.is_contiguous():
             raise NativeDeclined("a projection held only in oneDNN's packed layout")
         if weight.dtype == torch.bfloat16 and self.model.kernels.bf16_isa is not None:
-            desc.w_dtype, desc.isa = cpu_kernels._DTYPE_CODES[weight.dtype], ISA_CODES[self.model.kernels.bf16_isa]
+            desc.w_dtype, desc.isa = DTYPE_CODES[weight.dtype], ISA_CODES[self.model.kernels.bf16_isa]
         elif weight.dtype != torch.float32:
             raise NativeDeclined(f"a projection in {weight.dtype}")
         desc.w = self._hold(weight).data_ptr()
@@ -459,11 +412,11 @@ class NativeDecoder:
         call where it holds the table); None when this step is not one the native call takes. The logits are None
         too when none are asked for or the LM head is not one the call runs.
         `num_draft_tokens` of the tokens (each with a logits row) are speculative drafts: the
-        matmul kernels are those of the step without them (see `quantized.excluding_draft_rows`).
+        matmul kernels are those of the step without them (see `quantized.linear`'s `num_draft_rows`).
         With `head_mask` the head applies that grammar mask once it is filled (see `HeadMask`;
         it sets `head_mask.applied` when it did)."""
         num_tokens = input_ids.shape[0]
-        if not 0 < num_tokens <= self.max_tokens or len(metadata_by_group) > _MAX_GROUPS:
+        if not 0 < num_tokens <= self.max_tokens or len(metadata_by_group) > MAX_GROUPS:
             return None
         if any(isinstance(md.spec, CircularBufferSpec) or md.slot_mapping is None for md in metadata_by_group):
             return None
@@ -511,7 +464,7 @@ class NativeDecoder:
         del keep
         return out.to(self.model.norm.weight.dtype), None if logits is None else logits[:, :self.model.lm_head.vocab_size]
 
-    def _point_at_rope_tables(self, step: _Step, num_positions: int) -> None:
+    def _point_at_rope_tables(self, step: NativeStep, num_positions: int) -> None:
         """Give the call the RoPE cos/sin tables (`RotaryEmbedding.table`, held here while
         pointed at): it reads each token's row by its position."""
         model = self.model
@@ -524,7 +477,7 @@ class NativeDecoder:
         self._rope_tables, self._rope_freqs = tables, [rotary.inv_freq for rotary in rotaries]
         self._rope_capacity = min(t.shape[1] for t in tables)
 
-    def _logits_request(self, rows: torch.Tensor | None, keep: list) -> tuple[_Logits | None, torch.Tensor | None]:
+    def _logits_request(self, rows: torch.Tensor | None, keep: list) -> tuple[NativeLogits | None, torch.Tensor | None]:
         """The LM-head part of the call for the tokens `rows` and the tensor it fills, or
         (None, None) when the call computes no logits."""
         if rows is None or self._head is None or rows.numel() == 0:
@@ -532,10 +485,10 @@ class NativeDecoder:
         rows = _as_int64(rows)
         logits = torch.empty(rows.numel(), self._head.out, dtype=torch.float32)
         keep += [rows, logits]
-        return _Logits(head=self._head, rows=rows.data_ptr(), num_rows=rows.numel(), logits=logits.data_ptr()), logits
+        return NativeLogits(head=self._head, rows=rows.data_ptr(), num_rows=rows.numel(), logits=logits.data_ptr()), logits
 
     @staticmethod
-    def _mask_request(head: _Logits, head_mask: HeadMask | None, keep: list) -> _TokenMask | None:
+    def _mask_request(head: NativeLogits, head_mask: HeadMask | None, keep: list) -> NativeTokenMask | None:
         """Points the head at `head_mask` (None when there is none or it does not fit these logits)."""
         if head_mask is None:
             return None
@@ -544,7 +497,7 @@ class NativeDecoder:
                 or len(set(rows)) != len(rows) or not all(0 <= r < head.num_rows for r in rows)):
             return None
         logits_row = torch.tensor(rows, dtype=torch.int64)
-        mask = _TokenMask(bitmask=bitmask.data_ptr(), logits_row=logits_row.data_ptr(), num_mask_rows=len(rows),
+        mask = NativeTokenMask(bitmask=bitmask.data_ptr(), logits_row=logits_row.data_ptr(), num_mask_rows=len(rows),
                           num_words=bitmask.shape[1], ready=head_mask.ready.data_ptr(), timeout_ns=_MASK_TIMEOUT_NS,
                           ready_value=head_mask.ready_value, isa=MASK_ISA_CODES[head_mask.isa])
         keep += [logits_row, mask]

@@ -2,7 +2,7 @@
 Q5_0, Q5_1, Q5_K, Q6_K).
 
 At load the GGUF blocks are repacked into the one layout the native kernel
-(csrc/quant_linear.c) reads: per row, blocks of 32 columns, each holding 32
+(csrc/linear/quant_linear.c) reads: per row, blocks of 32 columns, each holding 32
 small integers q and float32 `d`, `m` that stand for d * q + m. Q4_0 (m = -8d),
 Q4_1 and Q4_K (whose 6-bit sub-block scales are folded into d and m) become
 4-bit weights, Q8_0 and the five-bit types (Q5_0, Q5_1, Q5_K) 8-bit ones, Q6_K
@@ -23,22 +23,20 @@ Steps of many rows (prefill; `KernelConfig.quant_gemm_rows`,
 320 by default) rebuild the weight densely instead (`dequantize_dense`, bfloat16 on
 CPUs with native bfloat16) and run oneDNN's GEMM, several times faster there; steps
 between (from `KernelConfig.quant_panel_rows`, 4 by default: batched decode, mixed
-serving steps, short prefills) run the panel GEMM of csrc/quant_gemm.c (`panel_linear`), which expands the
+serving steps, short prefills) run the panel GEMM of csrc/linear/quant_gemm.c (`panel_linear`), which expands the
 weight a cache-sized panel at a time. The loader stamps these choices on every weight it holds.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvserve.config import QUANT_ISAS, KernelConfig
-from kvserve.model import cpu_kernels
+from kvserve.native.config import QUANT_ISAS, KernelConfig
+from kvserve.native import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +110,7 @@ class QuantizedWeight:
 
 
 def _native_rows(weight: QuantizedWeight, index: torch.Tensor) -> torch.Tensor | None:
-    """`weight.dequantize(index)` by csrc/quant_linear.c; None without the library. An index
+    """`weight.dequantize(index)` by csrc/linear/quant_linear.c; None without the library. An index
     out of range raises IndexError, as the torch path does."""
     lib = cpu_kernels.load_library()
     if lib is None:
@@ -390,7 +388,7 @@ def panel_isa(weight: QuantizedWeight) -> str:
 
 def panel_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
                  isa: str | None = None) -> torch.Tensor:
-    """x [rows, in] @ W^T (+ bias) by the panel GEMM (csrc/quant_gemm.c): for steps of many
+    """x [rows, in] @ W^T (+ bias) by the panel GEMM (csrc/linear/quant_gemm.c): for steps of many
     rows it expands W once per call, a panel of rows at a time, and multiplies in bfloat16
     (AVX512-BF16) or float32; x float32 or bfloat16 (rows may be strided), the result of
     x's dtype. `isa` (default `panel_isa(weight)`) picks the path."""
@@ -405,40 +403,27 @@ def panel_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     return y
 
 
-_draft_rows = threading.local()  # `num`: draft rows of the step this thread runs
-
-
-@contextlib.contextmanager
-def excluding_draft_rows(num_draft_rows: int):
-    """Within it (on this thread), `linear` chooses its kernel for a step of N rows as for a
-    step of N - `num_draft_rows`: a speculative verify step's rows (its drafts' among them)
-    then go through the kernel, and the activation rounding, that plain decoding of the
-    same sequences would use, so greedy speculative decoding emits exactly its tokens
-    (the panel GEMM and the row kernel round activations differently)."""
-    previous = getattr(_draft_rows, "num", 0)
-    _draft_rows.num = num_draft_rows
-    try:
-        yield
-    finally:
-        _draft_rows.num = previous
-
-
 def _single_row_kernel(weight: QuantizedWeight, isa: str) -> bool:
     """Whether a one-row step takes quant_gemv.c's kernel (as kvserve_quant_single_row_kernel)."""
     return weight.act_bits == 8 and isa == "avx512"
 
 
 def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-           isa: str | None = None) -> torch.Tensor:
+           isa: str | None = None, num_draft_rows: int = 0) -> torch.Tensor:
     """x [..., in] @ W^T (+ bias) with W quantized; x float32 or bfloat16 on the CPU
     (rows may be strided), the result of x's dtype. `isa` overrides the weight's path.
-    Steps of `weight.gemm_rows` rows or more dequantize W and run a dense GEMM instead
-    (rows counted without a verify step's drafts: `excluding_draft_rows`)."""
+    Steps of `weight.gemm_rows` rows or more dequantize W and run a dense GEMM instead.
+
+    `num_draft_rows` of the rows are a speculative verify step's drafts: the kernel is
+    chosen as for a step without them, so the step's rows go through the kernel, and the
+    activation rounding, that plain decoding of the same sequences would use, and greedy
+    speculative decoding emits exactly its tokens (the panel GEMM and the row kernel round
+    activations differently)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     if x2.shape[-1] != weight.in_features:
         raise cpu_kernels.KernelArgumentError(f"input width {x2.shape[-1]}, weight takes {weight.in_features}")
-    plain_rows = x2.shape[0] - getattr(_draft_rows, "num", 0)
+    plain_rows = x2.shape[0] - num_draft_rows
     if isa is None and weight.gemm_rows and plain_rows >= weight.gemm_rows:
         return _dense_linear(x2, weight, bias, weight.gemm_dtype).view(*lead, weight.out_features)
     if isa is None and weight.panel_rows and plain_rows >= weight.panel_rows:
@@ -452,7 +437,7 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
 
 def _row_kernel_linear(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
                        isa: str) -> torch.Tensor:
-    """x2 [rows, in] @ W^T (+ bias) by the row kernel (csrc/quant_linear.c) on path `isa`."""
+    """x2 [rows, in] @ W^T (+ bias) by the row kernel (csrc/linear/quant_linear.c) on path `isa`."""
     x2, bias, y = _kernel_operands(x2, weight, bias)
     code = cpu_kernels.load_library().kvserve_quant_linear(
         x2.data_ptr(), x2.stride(0), x2.shape[0], weight.qs.data_ptr(), weight.d.data_ptr(), weight.m.data_ptr(),

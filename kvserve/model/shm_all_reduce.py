@@ -1,4 +1,4 @@
-"""The tensor-parallel ranks of one host sum through shared memory (csrc/shm_all_reduce.c).
+"""The tensor-parallel ranks of one host sum through shared memory (native/csrc/comm/shm_all_reduce.c).
 
 The native decoder all-reduces its O and down outputs from inside its call, twice per
 layer. Over gloo each of those is a loopback round trip through gloo's threads; on a
@@ -19,20 +19,15 @@ import tempfile
 
 import torch
 
-from kvserve.model import cpu_kernels
+from kvserve.native import build
+from kvserve.native.abi import ShmAllReduce
 
 logger = logging.getLogger(__name__)
 
-_FLAG_STRIDE = 64  # FLAG_STRIDE in csrc/shm_all_reduce.c
+_FLAG_STRIDE = 64  # FLAG_STRIDE in native/csrc/comm/shm_all_reduce.c
 _SHM_DIR = "/dev/shm"
 # A rank waits this long for the others inside one all-reduce (as the TP group's collectives).
 TIMEOUT_S = 600.0
-
-
-class _Context(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("capacity", ctypes.c_int64), ("seq", ctypes.c_int64),
-                ("timeout_ns", ctypes.c_int64), ("rank", ctypes.c_int32), ("world", ctypes.c_int32),
-                ("error", ctypes.c_int32), ("unused", ctypes.c_int32)]
 
 
 class AllReduceError(RuntimeError):
@@ -53,15 +48,15 @@ class SharedMemoryAllReduce:
             self._map = mmap.mmap(f.fileno(), segment_bytes(world, capacity))
         self._anchor = ctypes.c_char.from_buffer(self._map)  # pins the mapping while the context points in
         self.capacity, self.timeout_s = capacity, timeout_s
-        self.context = _Context(base=ctypes.addressof(self._anchor), capacity=capacity, seq=0,
+        self.context = ShmAllReduce(base=ctypes.addressof(self._anchor), capacity=capacity, seq=0,
                                 timeout_ns=int(timeout_s * 1e9), rank=rank, world=world)
-        self.function = ctypes.cast(cpu_kernels.load_library().kvserve_shm_all_reduce, ctypes.c_void_p).value
+        self.function = ctypes.cast(build.load_library().kvserve_shm_all_reduce, ctypes.c_void_p).value
 
     @classmethod
     def connect(cls, group, capacity: int) -> "SharedMemoryAllReduce | None":
         """The segment of the ranks of `group` (torch.distributed; every rank calls this
         together), or None where they are not all on this host or it has no /dev/shm."""
-        lib = cpu_kernels.load_library()
+        lib = build.load_library()
         usable = lib is not None and os.path.isdir(_SHM_DIR) and os.access(_SHM_DIR, os.W_OK)
         rank, world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
         path = _create_segment(world, capacity) if rank == 0 and usable else None
@@ -83,7 +78,7 @@ class SharedMemoryAllReduce:
         """`tensor` (float32, contiguous, CPU) summed over the ranks in place."""
         if tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.device.type != "cpu":
             raise ValueError("the shared-memory all-reduce takes a contiguous float32 CPU tensor")
-        if cpu_kernels.load_library().kvserve_shm_all_reduce(ctypes.byref(self.context), tensor.data_ptr(),
+        if build.load_library().kvserve_shm_all_reduce(ctypes.byref(self.context), tensor.data_ptr(),
                                                              tensor.numel()):
             self.raise_error()
         return tensor

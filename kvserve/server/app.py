@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 import kvserve
 from kvserve.engine.async_llm import AsyncLLM
+from kvserve.errors import EngineDeadError
 from kvserve.server.errors import APIError, install_error_handlers
 from kvserve.server.gateway import add_gateway_routes
 from kvserve.server.kv_cache_routes import add_kv_cache_routes, optional_kv_view
@@ -121,8 +122,10 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
 def _add_routes(app: FastAPI, ctx: ServingContext, model_root: str | None) -> None:
     @app.get("/health")
     async def health() -> Response:
-        if not ctx.engine.is_running:
-            return APIError(503, "the engine is not running", code="engine_unavailable").to_response()
+        try:
+            ctx.engine.check_health()
+        except EngineDeadError as exc:
+            return APIError(503, str(exc), code="engine_unavailable").to_response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")

@@ -3,15 +3,25 @@
 uvicorn owns SIGINT/SIGTERM: it stops accepting connections, lets open ones
 finish (up to `--shutdown-timeout` seconds, then cancels them, which aborts
 their requests), and the app's lifespan then stops the engine loop.
+
+When the engine dies (a lost node or rank, a failed executor), /health and
+every request answer 503 saying what died; with `--exit-on-lost-node` (the
+default) the server then shuts down the same way and exits with code 1, so
+that a supervisor restarts it and a load balancer stops sending it traffic.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import threading
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+# After the engine died, the server answers 503 (naming the cause) this long before it
+# exits, so that a health checker polling it sees why rather than a refused connection.
+DEAD_ENGINE_EXIT_DELAY_S = 2.0
 
 
 def _byte_size(text: str) -> int:
@@ -48,6 +58,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="format of tool calls in the model's output (default: from the chat template)")
     group.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
+    group.add_argument("--exit-on-lost-node", action=argparse.BooleanOptionalAction, default=True,
+                       help="exit (code 1) once the engine is dead, e.g. a node or rank is lost, after "
+                            f"answering 503 for {DEAD_ENGINE_EXIT_DELAY_S:g} s (default on; "
+                            "--no-exit-on-lost-node keeps answering 503)")
     group.add_argument("--headless", action="store_true",
                        help="multi-node TP, nodes 1..K-1: run only this node's ranks (no engine, no server)")
     return parser
@@ -87,12 +101,34 @@ def run(args: Any) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
-    server = uvicorn.Server(config)
+    return serve_until_stopped(uvicorn.Server(config), engine, exit_on_engine_death=args.exit_on_lost_node)
+
+
+def serve_until_stopped(server: Any, engine: Any, *, exit_on_engine_death: bool = True,
+                        exit_delay_s: float = DEAD_ENGINE_EXIT_DELAY_S) -> int:
+    """Run the uvicorn `server` over `engine` (an AsyncLLM) until SIGINT/SIGTERM (returns 0) or,
+    with `exit_on_engine_death`, until `exit_delay_s` after the engine died (returns 1)."""
+    stopped = threading.Event()
+    engine_died = threading.Event()
+
+    def stop_when_the_engine_dies() -> None:
+        while not stopped.is_set():
+            if engine.wait_until_dead(0.2):
+                engine_died.set()
+                logger.error("the engine is dead (%s); exiting in %g s (--no-exit-on-lost-node keeps the "
+                             "server up, answering 503)", engine.dead_error, exit_delay_s)
+                stopped.wait(exit_delay_s)
+                server.should_exit = True
+                return
+
+    if exit_on_engine_death:
+        threading.Thread(target=stop_when_the_engine_dies, name="kvserve-engine-watch", daemon=True).start()
     try:
         server.run()
     finally:
+        stopped.set()
         engine.shutdown()
-    return 0
+    return 1 if engine_died.is_set() else 0
 
 
 def main(argv: list[str] | None = None) -> int:

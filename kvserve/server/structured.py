@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvserve.engine.validation import RequestValidator
 from kvserve.errors import InvalidRequestError
-from kvserve.model.grammar import StructuredOutputError
+from kvserve.sample.structured.grammar import StructuredOutputError
 from kvserve.sampling_params import SamplingParamsError, StructuredOutputsParams
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ import torch
 
 from kvserve.kv_cache.interface import AttentionSpec, KVCacheConfig, KVCacheSpec
 from kvserve.kv_cache.utils import KVCacheBlockCopy
-from kvserve.model import cpu_kernels
+from kvserve.native import cpu_kernels
 
 
 def kv_cache_shape(spec: AttentionSpec, num_blocks: int) -> tuple[int, ...]:

@@ -16,20 +16,22 @@ import os
 import numpy as np
 import torch
 
-from kvserve.config import CacheConfig, KernelConfig, SchedulerConfig
+from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.native.config import KernelConfig
 from kvserve.kv_cache.interface import KVCacheConfig, KVCacheSpec
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from kvserve.model.quantized import holds_quantized_weights
-from kvserve.model.rejection_sampler import verify_drafts
-from kvserve.model.sampler import Sampler, SamplingTensors, argmax_token_ids, make_generator
+from kvserve.model.tokenizer_files import load_tokenizer
+from kvserve.sample.rejection_sampler import verify_drafts
+from kvserve.sample.sampler import Sampler, SamplingTensors, argmax_token_ids, make_generator
 from kvserve.sampling_params import SamplingParams
 from kvserve.messages import ModelRunnerOutput, SchedulerOutput
 from kvserve.worker.draft_model import DraftModelProposer
 from kvserve.worker.input_batch import InputBatch, PreparedBatch
 from kvserve.worker.kv_tensors import allocate_kv_caches, copy_kv_blocks
-from kvserve.worker.logits_constraints import LogitsConstraints, PendingMasks
+from kvserve.sample.logits_constraints import LogitsConstraints, PendingMasks
 from kvserve.worker.prompt_logprobs import PromptLogprobsPlan, gather_prompt_logprobs, plan_prompt_logprobs
 
 logger = logging.getLogger(__name__)
@@ -63,7 +65,7 @@ class ModelRunner:
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.input_batch: InputBatch | None = None
         self.sampler = None
-        self.logits_constraints = LogitsConstraints(model_config, self.device, self.kernel_config)
+        self.logits_constraints = LogitsConstraints(model_config, load_tokenizer, self.device, self.kernel_config)
         # SchedulerOutput does not carry a request's EOS id; min_tokens blocks the
         # model's (the engine's default EOS for every request).
         eos_token_ids = model_config.eos_token_ids
@@ -193,7 +195,6 @@ class ModelRunner:
             self._to_device(prepared.positions),
             self._build_attention_metadata(prepared),
             self.kv_caches,
-            num_draft_tokens=prepared.total_draft_tokens,
         )
         rows = prepared.logits_indices if extra_rows is None else np.concatenate([prepared.logits_indices, extra_rows])
         if not len(rows):
@@ -214,7 +215,6 @@ class ModelRunner:
             self._build_attention_metadata(prepared),
             self.kv_caches,
             self._to_device(prepared.logits_indices),
-            num_draft_tokens=prepared.total_draft_tokens,
             head_mask=None if pending_masks is None else pending_masks.head_mask,
         )
 
@@ -246,7 +246,6 @@ class ModelRunner:
             self._build_attention_metadata(prepared),
             self.kv_caches,
             self._to_device(np.concatenate([prepared.logits_indices, plan.rows])),
-            num_draft_tokens=prepared.total_draft_tokens,
         )
         prompt_logprobs = gather_prompt_logprobs(logits[num_sampled:], plan)
         return (logits[:num_sampled] if num_sampled else None), prompt_logprobs
@@ -316,6 +315,7 @@ class ModelRunner:
                 query_start_loc=query_start_loc, seq_lens=seq_lens,
                 block_table=to_device(block_table), slot_mapping=to_device(slot_mapping),
                 max_query_len=max_query_len, max_seq_len=max_seq_len, spec=spec, req_index=req_index,
+                num_draft_tokens=prepared.total_draft_tokens,
             )
             for spec, block_table, slot_mapping in zip(group_specs, prepared.block_tables,
                                                        prepared.slot_mappings)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kvserve.messages import PromptLogprobsChunk
-from kvserve.model.sampler import gather_logprobs
+from kvserve.sample.sampler import gather_logprobs
 
 # Rows put through log_softmax at once: bounds the extra float32 memory to
 # this many vocabulary-sized rows.

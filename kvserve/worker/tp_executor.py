@@ -15,6 +15,16 @@ the driver's answer carries the `ModelRunnerOutput`. A receiver thread pairs
 the answers with the callers' futures, so `execute_model_async` returns at
 once and the engine can schedule the next step while this one runs.
 
+Heartbeats (across nodes): a rank on this node that dies is seen at once
+(its process exits), a remote rank that dies closes its connection; but a
+node that is stopped (SIGSTOP) or cut off by the network says nothing. So
+while no call is pending the receiver sends every rank a `Heartbeat` each
+T/4 seconds (T: `heartbeat_timeout_s`, `--heartbeat-timeout`) and declares a
+rank lost when it has not answered T/2 seconds after it was sent. Checking
+every T/8 seconds, loss is found at most T/4 + T/8 (the next heartbeat
+leaves) + T/2 + T/8 (the deadline is checked) = T seconds after the last
+answer. A step in flight is not bounded (a long prefill is no failure).
+
 gloo on CPU, NCCL on CUDA: the backend string and the device are the only
 differences between the two paths.
 """
@@ -25,6 +35,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import weakref
 from collections import deque
 from concurrent.futures import Future
@@ -36,7 +47,7 @@ from kvserve.kv_cache.interface import KVCacheConfig, KVCacheSpec
 from kvserve.messages import ModelRunnerOutput, SchedulerOutput
 from kvserve.worker.executor import Executor, ExecutorDeadError
 from kvserve.worker.multinode import NodeLayout, RemoteRankListener, cluster_identity, join_timeout_s
-from kvserve.worker.tp_worker import (DRIVER_RANK, AvailableKVMemory, ExecuteModel, GetKVCacheSpecs,
+from kvserve.worker.tp_worker import (DRIVER_RANK, AvailableKVMemory, ExecuteModel, GetKVCacheSpecs, Heartbeat,
                                       InitializeKVCache, Shutdown, Startup, WorkerCall, WorkerInit, WorkerReply,
                                       distributed_backend, rank_device, worker_main)
 
@@ -118,6 +129,7 @@ class _PendingCall:
         self.call = call
         self.future: Future = Future()
         self.replies: dict[int, WorkerReply] = {}
+        self.sent_at = time.monotonic()
 
 
 class TPExecutor(Executor):
@@ -140,6 +152,11 @@ class TPExecutor(Executor):
         self._dead_reason: str | None = None
         self._pending: deque[_PendingCall] = deque()
         self._pending_changed = threading.Condition(self._lock)
+        # Heartbeats only across nodes: on one node a rank's death is seen from its process.
+        self._heartbeat_timeout_s = engine_config.parallel_config.heartbeat_timeout_s
+        self._heartbeats = self.layout.nnodes > 1
+        self._idle_poll_s = min(IDLE_HEALTH_CHECK_S, self._heartbeat_timeout_s / 8)
+        self._last_answer_at = time.monotonic()
         self._rendezvous_dir = tempfile.mkdtemp(prefix="kvserve-tp-")
         weakref.finalize(self, shutil.rmtree, self._rendezvous_dir, True)
         # By rank; a remote rank (another node) has a connection but no local process.
@@ -252,19 +269,23 @@ class TPExecutor(Executor):
     def _submit(self, worker_call: WorkerCall, send: bool = True) -> Future:
         with self._lock:
             self.check_health()
-            call = _PendingCall(worker_call)
-            self._pending.append(call)
-            self._pending_changed.notify_all()
-            # Sent under the lock so that every rank sees the calls in one order.
-            if send:
-                # Pickled once for all ranks (Connection.recv unpickles what send_bytes sent).
-                message = ForkingPickler.dumps(worker_call)
-                for rank, conn in enumerate(self._conns):
-                    try:
-                        conn.send_bytes(message)
-                    except (BrokenPipeError, OSError) as exc:
-                        self._mark_dead(f"tensor-parallel worker rank {rank} is unreachable: {exc}")
-                        break
+            return self._enqueue(worker_call, send)
+
+    def _enqueue(self, worker_call: WorkerCall, send: bool) -> Future:
+        """(Lock held.) Queue `worker_call` for the receiver and send it to every rank."""
+        call = _PendingCall(worker_call)
+        self._pending.append(call)
+        self._pending_changed.notify_all()
+        # Sent under the lock so that every rank sees the calls in one order.
+        if send:
+            # Pickled once for all ranks (Connection.recv unpickles what send_bytes sent).
+            message = ForkingPickler.dumps(worker_call)
+            for rank, conn in enumerate(self._conns):
+                try:
+                    conn.send_bytes(message)
+                except (BrokenPipeError, OSError) as exc:
+                    self._mark_dead(f"tensor-parallel {self._where(rank)} is unreachable: {exc}")
+                    break
         return call.future
 
     def _receive_loop(self) -> None:
@@ -274,23 +295,26 @@ class TPExecutor(Executor):
         while True:
             with self._lock:
                 while not self._pending and not self._is_shut_down and self._dead_reason is None:
-                    self._pending_changed.wait(timeout=IDLE_HEALTH_CHECK_S)
+                    self._pending_changed.wait(timeout=self._idle_poll_s)
                     self._check_processes()
                     self._check_idle_remote_ranks()
+                    self._send_heartbeat_if_due()
                 if self._is_shut_down or self._dead_reason is not None:
                     return
                 call = self._pending[0]
             waiting = [conn for conn, rank in conns.items() if rank not in call.replies]
-            for ready in wait_for_ready(waiting + list(sentinels), timeout=IDLE_HEALTH_CHECK_S):
+            for ready in wait_for_ready(waiting + list(sentinels), timeout=self._idle_poll_s):
                 if ready in conns:
                     self._take_reply(ready, conns[ready], call)
             if len(call.replies) == self.world_size:
                 with self._lock:
                     self._pending.popleft()
+                    self._last_answer_at = time.monotonic()
                 self._resolve(call)
             else:
                 with self._lock:
                     self._check_processes()
+                    self._check_heartbeat_answered(call)
 
     def _take_reply(self, conn, rank: int, call: _PendingCall) -> None:
         try:
@@ -306,7 +330,7 @@ class TPExecutor(Executor):
             with self._lock:
                 self._check_processes()
                 if self._dead_reason is None:
-                    self._mark_dead(f"lost the connection to tensor-parallel worker rank {rank}")
+                    self._mark_dead(f"lost the connection to tensor-parallel {self._where(rank)}")
 
     def _resolve(self, call: _PendingCall) -> None:
         errors = {rank: reply.error for rank, reply in call.replies.items() if reply.error is not None}
@@ -333,7 +357,7 @@ class TPExecutor(Executor):
             return
         for rank, process in enumerate(self._processes):
             if process is not None and not process.is_alive():
-                reason = (f"tensor-parallel worker rank {rank} (pid {process.pid}) exited "
+                reason = (f"tensor-parallel {self._where(rank)} (pid {process.pid}) exited "
                           f"unexpectedly with exit code {process.exitcode}")
                 replies = self._pending[0].replies.values() if self._pending else ()
                 errors = [reply for reply in replies if reply.error is not None]
@@ -358,6 +382,26 @@ class TPExecutor(Executor):
                 self._mark_dead(f"lost the connection to tensor-parallel {self._where(rank)}: "
                                 "the rank or its node died")
                 return
+
+    def _send_heartbeat_if_due(self) -> None:
+        """(Lock held, no call pending.) Ask every rank whether it is there, T/4 after the last answer."""
+        if (not self._heartbeats or self._pending or self._dead_reason is not None or self._is_shut_down
+                or time.monotonic() - self._last_answer_at < self._heartbeat_timeout_s / 4):
+            return
+        self._enqueue(Heartbeat(), send=True)
+
+    def _check_heartbeat_answered(self, call: _PendingCall) -> None:
+        """(Lock held.) Mark the executor dead when a rank has not answered `call`, a heartbeat,
+        within T/2 of its sending: its node is down, stopped, or cut off."""
+        if not isinstance(call.call, Heartbeat) or self._dead_reason is not None:
+            return
+        deadline_s = self._heartbeat_timeout_s / 2
+        if time.monotonic() - call.sent_at < deadline_s:
+            return
+        silent = min(rank for rank in range(self.world_size) if rank not in call.replies)
+        self._mark_dead(f"lost tensor-parallel {self._where(silent)}: no answer to a heartbeat within "
+                        f"{deadline_s:g} s (the node is down, stopped or unreachable; --heartbeat-timeout "
+                        f"{self._heartbeat_timeout_s:g})")
 
     def _mark_dead(self, reason: str) -> None:
         """(Lock held.) Record why, fail every pending call, and stop the surviving workers

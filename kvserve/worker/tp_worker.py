@@ -71,6 +71,13 @@ class ExecuteModel:
 
 
 @dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Node 0's "still there?" to every rank while no call is pending; answered at once."""
+
+    name = "heartbeat"
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     """Leave the serving loop (no reply)."""
 
@@ -78,7 +85,8 @@ class Shutdown:
 
 
 # One request from the executor to every rank; `name` says which in messages.
-WorkerCall = Union[Startup, GetKVCacheSpecs, AvailableKVMemory, InitializeKVCache, ExecuteModel, Shutdown]
+WorkerCall = Union[Startup, GetKVCacheSpecs, AvailableKVMemory, InitializeKVCache, ExecuteModel, Heartbeat,
+                   Shutdown]
 
 
 @dataclass
@@ -208,6 +216,8 @@ class TPWorker:
             return self.available_kv_memory_bytes()
         if isinstance(call, InitializeKVCache):
             return self.initialize_kv_cache(call.kv_cache_config)
+        if isinstance(call, Heartbeat):
+            return None
         raise TypeError(f"a worker cannot handle {type(call).__name__}")
 
 

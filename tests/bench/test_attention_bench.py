@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.model import cpu_kernels
+from kvserve.native import cpu_kernels
 
 from .test_cli import run_bench
 

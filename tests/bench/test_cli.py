@@ -130,7 +130,7 @@ def test_profile_tiny(tmp_path, capsys, tiny_model_dir):
     # The tiny float32 model's steps run whole in the native decoder (LM head included).
     assert shares[NATIVE_DECODER] > 0 and shares["worker: input preparation / output"] > 0
     assert result["plain_step_ms"] > 0 and result["top_functions_model_step"]
-    split = result["native_split"]  # inside the call, by phase (csrc/phase_timer.h)
+    split = result["native_split"]  # inside the call, by phase (csrc/decoder/phase_timer.h)
     assert split["calls"] >= 1 and split["threads"][0]["QKV matmul"] > 0
     assert result["fewer_barriers_ab"] is None  # not asked for
 

@@ -8,7 +8,7 @@ import transformers
 
 from kvserve.bench.draft_export import kept_layers, write_truncated_gguf
 from kvserve.bench.spec import _draft_config
-from kvserve.config import QUANT_ACT_BITS_ENV
+from kvserve.native.config import QUANT_ACT_BITS_ENV
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from helpers.tiny_models import tiny_llama_config

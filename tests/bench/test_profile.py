@@ -34,7 +34,7 @@ def test_c_function_time_is_split_by_caller_and_matmuls_by_name():
         # A prepacked oneDNN linear reached through torch's op wrappers is still a weight matmul.
         ("~", 0, "<built-in method torch._ops.mkldnn._linear_pointwise>"): entry(1.0, {TORCH_OPS: (1, 1, 1.0, 1.0)}),
         # The native small-batch matmul: its time is its ctypes wrapper's self time.
-        ("/x/kvserve/model/cpu_kernels.py", 300, "small_linear"): entry(0.5),
+        ("/x/kvserve/native/cpu_kernels.py", 300, "small_linear"): entry(0.5),
         ATTENTION: entry(0.0625),
         RUNNER: entry(0.25),
         TORCH_MODULE: entry(0.5),

@@ -93,7 +93,7 @@ class _TokenizingClient:
 def test_route_run_becomes_a_trace_that_kvserve_plan_reads(tmp_path):
     import asyncio
 
-    from kvserve.bench.trace import read_trace, write_trace
+    from kvserve.planner.trace import read_trace, write_trace
 
     config = RouteBenchConfig(num_users=4, num_system_prompts=2, max_tokens=7, system_prompt_words=20)
     chats = {c.user: c for c in conversations(config, "s")}
@@ -159,7 +159,7 @@ def test_route_bench_end_to_end_with_a_killed_replica(tmp_path):
     assert fault["completed"] >= 3
     # Every run's workload is a trace `kvserve plan --trace` reads: all 8 requests, the prompts as the
     # replicas tokenized them (their own prompt counts agree), system prompts as shared prefixes.
-    from kvserve.bench.trace import read_trace
+    from kvserve.planner.trace import read_trace
     trace = read_trace(runs["cache_aware"]["trace_path"])
     assert runs["cache_aware"]["trace_path"].endswith("route.trace.cache_aware.jsonl")
     assert len(trace) == 8 and {r.prefix_id for r in trace} == {"0", "1"}

@@ -64,7 +64,7 @@ def test_poisson_rate_spreads_arrivals_and_chat_endpoint_without_usage_counts_ch
 
 
 def test_the_run_is_written_as_a_trace_that_plan_reads(tmp_path):
-    from kvserve.bench.trace import read_trace
+    from kvserve.planner.trace import read_trace
 
     path = tmp_path / "serve.trace.jsonl"
     with fake_server(fail_request_numbers=frozenset({2})) as server:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve.bench.structured import _mask_figures, format_result
-from kvserve.worker.logits_constraints import MaskStats
+from kvserve.sample.logits_constraints import MaskStats
 
 
 def test_mask_figures_are_per_constrained_token_and_the_hidden_share():

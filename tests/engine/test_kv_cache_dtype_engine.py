@@ -15,7 +15,7 @@ from test_core import random_workload  # noqa: E402
 from tiny_models import save_tiny_model  # noqa: E402
 
 from helpers.native_steps import count_native_steps  # noqa: E402
-from kvserve.model import cpu_kernels  # noqa: E402
+from kvserve.native import cpu_kernels  # noqa: E402
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no native kernels")
 

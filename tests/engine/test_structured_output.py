@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.model.grammar import StructuredOutputError
+from kvserve.sample.structured.grammar import StructuredOutputError
 from kvserve.sampling_params import StructuredOutputsParams as Constraint
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
@@ -151,7 +151,7 @@ def test_native_mask_kernel_gives_the_torch_paths_outputs(llm, monkeypatch):
     """The mask written by the native decoder's LM head, the runner's native bitmask kernel
     after the forward and the torch path (unpacked mask, masked_fill_) give the same tokens
     and logprobs under greedy, seeded sampling with top-k/p and penalties, and n > 1."""
-    from kvserve.worker import logits_constraints
+    from kvserve.sample import logits_constraints
 
     constraints = llm.engine_core.executor.model_runner.logits_constraints
     assert constraints.mask_isa is not None  # the CPU kernels are built in this test environment

@@ -8,7 +8,7 @@ import torch
 from kvserve.kv_cache.interface import (CircularBufferSpec, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
                                         KVCacheTensor, SlidingWindowSpec)
 from kvserve.kv_cache.utils import KVCacheBlockCopy
-from kvserve.model import cpu_kernels
+from kvserve.native import cpu_kernels
 from kvserve.model.attention import (AttentionMetadata, AttentionParams, CpuNativeAttentionBackend,
                                      TorchAttentionBackend, select_attention_backend)
 from kvserve.model.attention import metadata as attention

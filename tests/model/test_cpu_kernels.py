@@ -1,4 +1,4 @@
-"""The native CPU kernels (kvserve/model/cpu_kernels.py) against the torch ops they
+"""The native CPU kernels (kvserve/native/cpu_kernels.py) against the torch ops they
 replace, and the decoder with the kernels off against the decoder with them on."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.config import CPU_KERNELS_ENV, SMALL_BATCH_MATMUL_ENV, KernelConfig
-from kvserve.model import cpu_kernels
+from kvserve.native.config import CPU_KERNELS_ENV, SMALL_BATCH_MATMUL_ENV, KernelConfig
+from kvserve.native import cpu_kernels
 from kvserve.model.config import ModelConfig
 from kvserve.model.kernels import AttentionShape, choose_model_kernels
 from kvserve.model.layers import RMSNorm

@@ -1,4 +1,4 @@
-"""Float32 weights packed into panels (csrc/f32_gemm.c): the kernel against a float64
+"""Float32 weights packed into panels (csrc/linear/f32_gemm.c): the kernel against a float64
 reference on every path this CPU runs (row and panel tails, odd widths, strided rows,
 bias, threads); the native decoder over panel-packed models on steps of 9 to 48 tokens
 and 40 sequences, against the per-op path of the same model and against the plain
@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.config import KernelConfig
-from kvserve.model import cpu_kernels, native_decoder, quantized
+from kvserve.native.config import KernelConfig
+from kvserve.native import cpu_kernels
+from kvserve.model import native_decoder, quantized
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from helpers.native_steps import record_step_sizes

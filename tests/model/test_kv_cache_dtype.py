@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.config import CacheConfig, ConfigError, KernelConfig
+from kvserve.config import CacheConfig, ConfigError
+from kvserve.native.config import KernelConfig
 from kvserve.kv_cache.utils import KVCacheBlockCopy
-from kvserve.model import cpu_kernels
+from kvserve.native import cpu_kernels
 from kvserve.model.loader import load_model
 from paged_kv_helper import VOCAB, PagedRunner, run_greedy, tiny_configs
 

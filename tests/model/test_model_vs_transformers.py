@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from kvserve.kv_cache.utils import KVCacheBlockCopy
-from kvserve.model import cpu_kernels
+from kvserve.native import cpu_kernels
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from paged_kv_helper import VOCAB, WINDOW, PagedRunner, hf_greedy, load_hf, run_greedy, save_tiny_model

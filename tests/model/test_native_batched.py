@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.config import KernelConfig
-from kvserve.model import cpu_kernels, native_decoder, quantized
+from kvserve.native.config import KernelConfig
+from kvserve.native import cpu_kernels
+from kvserve.model import native_decoder, quantized
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from helpers.native_steps import record_step_sizes

@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.config import KernelConfig
+from kvserve.native.config import KernelConfig
 from kvserve.kv_cache.utils import KVCacheBlockCopy
-from kvserve.model import cpu_kernels, native_decoder, quantized
+from kvserve.native import cpu_kernels
+from kvserve.model import native_decoder, quantized
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from paged_kv_helper import VOCAB, PagedRunner, run_greedy, save_tiny_model, tiny_configs
@@ -252,7 +253,7 @@ def test_quantized_lm_head_in_the_call_for_one_and_two_sequences(tmp_path_factor
 
 
 def test_phase_timing_splits_the_call_and_is_off_outside_its_block(configs):
-    """`phase_timing` (csrc/phase_timer.h) counts the calls made inside it and charges
+    """`phase_timing` (csrc/decoder/phase_timer.h) counts the calls made inside it and charges
     each thread's time to phases: every matmul and the attention get some, one thread's
     phases add up to about its wall time; calls outside the block are not counted."""
     model = load_model(configs("llama"))

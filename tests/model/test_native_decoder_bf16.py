@@ -1,4 +1,4 @@
-"""Bfloat16 weights in the native decoder (csrc/bf16_rows.c).
+"""Bfloat16 weights in the native decoder (csrc/linear/bf16_rows.c).
 
 The row kernel on every path this machine runs (AVX512-BF16, AVX2 on widened
 weights, portable C), against a float64 sum of the same bfloat16-rounded
@@ -15,8 +15,9 @@ import dataclasses
 import pytest
 import torch
 
-from kvserve.config import KernelConfig
-from kvserve.model import cpu_kernels, native_decoder
+from kvserve.native.config import KernelConfig
+from kvserve.native import cpu_kernels
+from kvserve.model import native_decoder
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from kvserve.model.quantized import ISA_CODES

@@ -12,10 +12,11 @@ import time
 import pytest
 import torch
 
-from kvserve.config import KernelConfig
-from kvserve.model import cpu_kernels, native_decoder, quantized
+from kvserve.native.config import KernelConfig
+from kvserve.native import cpu_kernels
+from kvserve.model import native_decoder, quantized
 from kvserve.model.config import ModelConfig
-from kvserve.model.grammar_mask import HeadMask, HeadMaskPool, apply_bitmask, isa_available, publish_ready
+from kvserve.sample.structured.grammar_mask import HeadMask, HeadMaskPool, apply_bitmask, isa_available, publish_ready
 from kvserve.model.loader import load_model
 from paged_kv_helper import VOCAB, PagedRunner, load_hf, save_tiny_model
 

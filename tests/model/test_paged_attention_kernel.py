@@ -1,4 +1,4 @@
-"""The paged attention kernel (csrc/paged_attention.c) called directly, against a float64
+"""The paged attention kernel (csrc/attention/paged_attention.c) called directly, against a float64
 reference computed from the cache as stored: every kernel path this CPU runs, float32,
 bfloat16 and float16 caches, GQA ratios, head sizes the vector paths do and do not
 take whole, odd context lengths, scattered blocks with holes (the null block and unused
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from kvserve.model import cpu_kernels
+from kvserve.native import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no native kernels")
 

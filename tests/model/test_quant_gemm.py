@@ -1,4 +1,4 @@
-"""The panel GEMM of many-row steps (csrc/quant_gemm.c via quantized.panel_linear)
+"""The panel GEMM of many-row steps (csrc/linear/quant_gemm.c via quantized.panel_linear)
 against float64 references built from gguf's own dequantization, per GGUF type, on
 every path this CPU runs (AVX512-BF16: bfloat16 panel; AVX2 and portable: float32),
 with row, column and batch tails, strided and bfloat16 inputs, and its routing."""
@@ -11,9 +11,10 @@ import pytest
 import torch
 from test_quant_kernels import K_TYPES, TYPES, gguf_blocks, reference_weight
 
-from kvserve.config import QUANT_PANEL_ROWS_ENV, KernelConfig
+from kvserve.native.config import QUANT_PANEL_ROWS_ENV, KernelConfig
 from kvserve.errors import ConfigError
-from kvserve.model import cpu_kernels, quantized
+from kvserve.native import cpu_kernels
+from kvserve.model import quantized
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None,
                                 reason="the native CPU kernels could not be built (no C compiler?)")

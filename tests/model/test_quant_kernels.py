@@ -1,4 +1,4 @@
-"""The quantized-weight matmul (csrc/quant_linear.c via kvserve/model/quantized.py)
+"""The quantized-weight matmul (csrc/linear/quant_linear.c via kvserve/model/quantized.py)
 against float64 references built from gguf's own dequantization, per GGUF type,
 on every kernel path this CPU runs, with row and column tails, odd shapes,
 strided and bfloat16 inputs."""
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve.config import (QUANT_ACT_BITS_ENV, QUANT_GEMM_DTYPE_ENV, QUANT_GEMM_ROWS_ENV, QUANT_ISA_ENV,
-                            KernelConfig)
+from kvserve.native.config import QUANT_ACT_BITS_ENV, QUANT_GEMM_DTYPE_ENV, QUANT_GEMM_ROWS_ENV, QUANT_ISA_ENV, KernelConfig
 from kvserve.errors import ConfigError
-from kvserve.model import cpu_kernels, quantized
+from kvserve.native import cpu_kernels
+from kvserve.model import quantized
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QType  # noqa: E402

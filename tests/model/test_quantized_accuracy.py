@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from kvserve.config import KernelConfig
+from kvserve.native.config import KernelConfig
 from kvserve.model import quantized
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.config import KernelConfig
-from kvserve.model import cpu_kernels, native_decoder, quantized
+from kvserve.native.config import KernelConfig
+from kvserve.native import cpu_kernels
+from kvserve.model import native_decoder, quantized
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from paged_kv_helper import VOCAB, PagedRunner, load_hf, save_tiny_model

@@ -175,7 +175,7 @@ def test_bad_constraint_raises_before_the_request_is_queued(engine, monkeypatch)
     """AsyncLLM.generate compiles through the engine's RequestValidator first (as LLM and the server do)."""
     from concurrent.futures import Future
 
-    from kvserve.model import grammar
+    from kvserve.sample.structured import grammar
     from kvserve.sampling_params import StructuredOutputsParams
 
     class RefusingCompiler:
@@ -184,7 +184,7 @@ def test_bad_constraint_raises_before_the_request_is_queued(engine, monkeypatch)
             future.set_exception(grammar.StructuredOutputError(params.kind, "unbalanced parenthesis"))
             return future
 
-    monkeypatch.setattr(grammar, "compiler_for_model", lambda model_config: RefusingCompiler())
+    monkeypatch.setattr(grammar, "compiler_for_model", lambda model_config, load_tokenizer: RefusingCompiler())
     bad = SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="(a"))
 
     async def scenario():

@@ -10,7 +10,7 @@ import pytest
 
 from kvserve.engine.validation import RequestValidator
 from kvserve.errors import InvalidRequestError
-from kvserve.model import grammar
+from kvserve.sample.structured import grammar
 from kvserve.sampling_params import StructuredOutputsParams as Constraint
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.structured import ConstraintSource, compile_constraint, constraint_from_request
@@ -80,7 +80,7 @@ def test_compile_timeout_is_a_400_naming_the_field(monkeypatch):
         def compile_async(self, params):
             return self.pool.submit(time.sleep, 1.0)
 
-    monkeypatch.setattr(grammar, "compiler_for_model", lambda model_config: SlowCompiler())
+    monkeypatch.setattr(grammar, "compiler_for_model", lambda model_config, load_tokenizer: SlowCompiler())
     monkeypatch.setenv(grammar.COMPILE_TIMEOUT_ENV, "0.05")
     source = ConstraintSource(Constraint(regex="a"), "guided_regex")
     validator = RequestValidator(max_model_len=64, vocab_size=10, model_config=object())

@@ -155,7 +155,7 @@ def native_vs_torch(rank: int, world_size: int, cases: list[Case]) -> dict[str, 
     through the per-op torch path."""
     import torch
 
-    from kvserve.config import KernelConfig
+    from kvserve.native.config import KernelConfig
     from kvserve.model.config import ModelConfig
     from kvserve.model.loader import load_model
 
@@ -190,7 +190,7 @@ def failing_all_reduce(rank: int, world_size: int, path: str, fail_at: int) -> d
     that none waits for the others). What the step raised, and whether the next steps run."""
     import torch
 
-    from kvserve.config import KernelConfig
+    from kvserve.native.config import KernelConfig
     from kvserve.model.config import ModelConfig
     from kvserve.model.loader import load_model
     from kvserve.model.native_decoder import NativeDecoder

@@ -1,9 +1,11 @@
 """Tensor parallelism across two "nodes" on loopback: separate process trees.
 
 Node 1 is `kvserve serve --headless` in its own process (and session); node 0
-is an EngineCore in this process. The oracle is the same engine at TP=1 with
-the same number of KV blocks: greedy tokens must be identical, with prefix
-hits (partial-block CoW copies) and preemption in play.
+is an EngineCore in this process, or `kvserve serve` in another. The oracle is
+the same engine at TP=1 with the same number of KV blocks: greedy tokens must
+be identical, with prefix hits (partial-block CoW copies) and preemption in
+play. A node lost while idle (killed, or stopped as a partition would leave it)
+turns node 0's /health to 503 within the heartbeat bound.
 """
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 
-from tp_helpers import greedy, make_engine, random_prompts, run_requests, save_tiny_model
-from helpers.server_process import free_port
+from tp_helpers import greedy, make_engine, random_prompts, run_requests, save_tiny_chat_model, save_tiny_model
+from helpers.server_process import CLI_SERVE, ServerProcess, free_port
 from kvserve.config import ConfigError
 from kvserve.engine.core import EngineCoreRequest
 from kvserve.errors import EngineDeadError
@@ -129,6 +132,7 @@ def test_a_killed_remote_rank_stops_the_engine_naming_node_and_rank(model_path, 
             for pid in node1.rank_pids():
                 os.kill(pid, signal.SIGKILL)
             core.add_request(EngineCoreRequest("late", [5, 6, 7, 8], greedy(50)))
+            # Found at submit, at collect or by the idle watch, depending on timing: always this error.
             with pytest.raises(EngineDeadError, match="rank 1 on node 1"):
                 deadline = time.monotonic() + 60
                 while time.monotonic() < deadline:
@@ -209,3 +213,84 @@ def test_bad_layouts_and_ports_are_refused_before_any_rank_starts(model_path):
                            "-tp", "2", "--nnodes", "2", "--node-rank", "0", "--headless"],
                           capture_output=True, text=True, timeout=120)
     assert code.returncode != 0 and "--headless is for nodes 1..K-1" in code.stderr
+
+
+# The test's heartbeat bound T: a lost node is found at most T after its last answer
+# (kvserve/worker/tp_executor.py). 3 s rather than less: a live rank must answer each
+# heartbeat within T/2 = 1.5 s, which a loaded 2-core machine still does.
+HEARTBEAT_S = 3.0
+# /health is polled every 0.05 s and its answer takes scheduling time on a loaded machine.
+HEALTH_POLL_SLACK_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def chat_model_path(tmp_path_factory):
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+
+
+def _serve_node0(model_path: str, port: int, *extra: str) -> ServerProcess:
+    return ServerProcess("--model", model_path, "--device", "cpu", "-tp", "2", "--nnodes", "2", "--node-rank", "0",
+                         "--master-addr", "127.0.0.1", "--master-port", str(port), "--block-size", "4",
+                         "--heartbeat-timeout", str(HEARTBEAT_S), "--served-model-name", "m", *extra,
+                         command=CLI_SERVE, startup_timeout_s=240)
+
+
+def _seconds_until_503(base_url: str, timeout_s: float) -> tuple[float, dict]:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        response = httpx.get(base_url + "/health", timeout=5)
+        if response.status_code == 503:
+            return time.monotonic() - started, response.json()
+        assert response.status_code == 200, response.text
+        time.sleep(0.05)
+    raise AssertionError(f"/health still answers 200 {timeout_s:.0f} s after node 1 was lost")
+
+
+def _complete(base_url: str) -> httpx.Response:
+    return httpx.post(base_url + "/v1/completions", json={"model": "m", "prompt": "Hello", "max_tokens": 3},
+                      timeout=60)
+
+
+def test_health_turns_503_within_the_heartbeat_bound_when_node1_is_killed_while_idle(chat_model_path):
+    port = _two_free_ports()
+    node1 = HeadlessNode(chat_model_path, port, join_timeout_s=240)
+    server = None
+    try:
+        server = _serve_node0(chat_model_path, port)
+        assert _complete(server.base_url).status_code == 200
+        time.sleep(HEARTBEAT_S)  # idle through several heartbeats: a live node is not lost
+        assert httpx.get(server.base_url + "/health").status_code == 200
+        os.killpg(node1.process.pid, signal.SIGKILL)
+        elapsed_s, body = _seconds_until_503(server.base_url, timeout_s=60)
+        assert elapsed_s <= HEARTBEAT_S + HEALTH_POLL_SLACK_S, (elapsed_s, server.log_text())
+        assert body["error"]["code"] == "engine_unavailable" and "rank 1 on node 1" in body["error"]["message"]
+        server.process.wait(30)  # --exit-on-lost-node is the default
+        assert server.process.returncode == 1, server.log_text()
+        assert "exiting in" in server.log_text() and "Traceback" not in server.log_text(), server.log_text()
+    finally:
+        if server is not None:
+            server.stop()
+        node1.kill()
+
+
+def test_a_stopped_node_is_lost_by_heartbeat_within_the_bound(model_path, monkeypatch):
+    """SIGSTOP: the connection stays open and silent, as under a network partition."""
+    monkeypatch.setenv("KVSERVE_NODE_JOIN_TIMEOUT_S", "120")
+    port = _two_free_ports()
+    node1 = HeadlessNode(model_path, port)
+    try:
+        with _node0_engine(model_path, port, heartbeat_timeout_s=HEARTBEAT_S) as core:
+            run_requests(core, _workload()[:2], greedy(4))
+            time.sleep(HEARTBEAT_S)  # idle through several heartbeats: a live node is not lost
+            core.check_health()
+            os.killpg(node1.process.pid, signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            with pytest.raises(EngineDeadError, match="lost tensor-parallel rank 1 on node 1: no answer to a heartbeat"):
+                while time.monotonic() - stopped_at < 60:
+                    core.check_health()
+                    time.sleep(0.05)
+            assert time.monotonic() - stopped_at <= HEARTBEAT_S + HEALTH_POLL_SLACK_S
+            os.killpg(node1.process.pid, signal.SIGCONT)
+        node1.wait()  # node 0 told it to leave; it exits once it runs again
+    finally:
+        node1.kill()

@@ -1,5 +1,5 @@
 """The shared-memory all-reduce of the tensor-parallel ranks of one host
-(kvserve/model/shm_all_reduce.py, csrc/shm_all_reduce.c): the parts' float32 sum in rank
+(kvserve/model/shm_all_reduce.py, csrc/comm/shm_all_reduce.c): the parts' float32 sum in rank
 order on every rank (for two ranks, gloo's sum to the bit) over many calls of changing
 sizes (both slot sets reused), and a clear error, never a hang, when a rank does not come."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from native_tp_ranks import run_ranks, shm_sums
-from kvserve.model import cpu_kernels
+from kvserve.native import cpu_kernels
 from kvserve.model.shm_all_reduce import AllReduceError, SharedMemoryAllReduce, _create_segment
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no native kernels")

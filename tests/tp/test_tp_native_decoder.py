@@ -19,7 +19,8 @@ import pytest
 
 from native_tp_ranks import Case, native_vs_torch, run_ranks
 from tp_helpers import save_tiny_model as save_tp_model
-from kvserve.model import cpu_kernels, quantized
+from kvserve.native import cpu_kernels
+from kvserve.model import quantized
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no native kernels")
 

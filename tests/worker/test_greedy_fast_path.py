@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine_helpers import greedy_params, make_engine, run_checked
-from kvserve.model.sampler import Sampler
+from kvserve.sample.sampler import Sampler
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.worker import model_runner
 from kvserve.worker.input_batch import RequestState

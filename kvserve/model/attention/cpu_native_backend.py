@@ -1,4 +1,4 @@
-"""The native CPU attention backend: the C kernel (csrc/paged_attention.c via
+"""The native CPU attention backend: the C kernel (csrc/attention/paged_attention.c via
 `cpu_kernels`) attends the short queries (decode, small chunks) reading K/V in
 place from the cache and writes this step's K/V; longer prompt chunks, where a
 padded matmul reuses each key across many queries, and ring-buffer groups
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.model import cpu_kernels
+from kvserve.native import cpu_kernels
 from kvserve.model.attention.backend import AttentionParams
 from kvserve.model.attention.metadata import AttentionMetadata, AttentionPlan
 from kvserve.model.attention.torch_backend import TorchAttentionBackend, attend_with_torch, store_with_index_copy

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.model import cpu_kernels
+from kvserve.native import cpu_kernels
 from kvserve.model.attention.backend import AttentionBackend
 from kvserve.model.attention.cpu_native_backend import CpuNativeAttentionBackend
 from kvserve.model.attention.torch_backend import TorchAttentionBackend

@@ -1,0 +1,131 @@
+"""The ABI between Python and the native library, declared once on this side: every
+export's ctypes signature (`SIGNATURES`) and a mirror of every struct the calls share
+(the `Native*` classes, csrc/include/kvserve.h's layout), with the codes the calls
+take for dtypes.
+
+A mismatch here is memory corruption, not an error: `declare` gives every export its
+signature when the library loads.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+_i64, _i32, _f32, _ptr, _int = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+
+# Element types of activations and plain weights (csrc/include/bf16.h); the KV cache may
+# also hold float16, read and written with float32 math.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+KV_DTYPE_CODES = {**DTYPE_CODES, torch.float16: 2}
+# NativeLinear.w_dtype of float32 weights held in csrc/linear/f32_gemm.c's panels.
+F32_PANELS = 2
+# Block tables one step may carry (MAX_GROUPS in csrc/decoder/fused_decoder.c).
+MAX_GROUPS = 8
+
+
+class NativeLinear(ctypes.Structure):
+    """One projection: block-quantized (qs, d, m) or a plain/panel weight `w`."""
+    _fields_ = [("qs", _ptr), ("d", _ptr), ("m", _ptr), ("w", _ptr), ("bias", _ptr), ("out", _i64), ("in_", _i64),
+                ("bits", _i32), ("act_bits", _i32), ("isa", _i32), ("w_dtype", _i32), ("panel_isa", _i32),
+                ("zero_min", _i32)]
+
+
+class NativeLayer(ctypes.Structure):
+    """One decoder layer: its projections, norm weights and KV-cache group."""
+    _fields_ = [("qkv", NativeLinear), ("o", NativeLinear), ("gate_up", NativeLinear), ("down", NativeLinear),
+                ("input_norm", _ptr), ("post_attention_norm", _ptr), ("pre_feedforward_norm", _ptr),
+                ("post_feedforward_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
+                ("k_cache", _ptr), ("v_cache", _ptr), ("cache_head_stride", _i64), ("block_size", _i64),
+                ("window", _i64), ("group", _i32), ("local_rope", _i32), ("kv_dtype", _i32), ("attention_isa", _i32)]
+
+
+# The all-reduce the decoder call makes under tensor parallelism: (context, float32 buffer,
+# element count) -> 0, or nonzero on failure.
+ALL_REDUCE_FN = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+
+
+class NativeModel(ctypes.Structure):
+    """The model-wide shape and options of the decoder call."""
+    _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
+                ("head_dim", _i64), ("intermediate", _i64), ("final_norm", _ptr), ("eps", _f32), ("scale", _f32),
+                ("softcap", _f32), ("adds_one", _i32), ("sandwich", _i32), ("gelu", _i32), ("panel_rows", _i32),
+                ("embed", NativeLinear), ("embed_scale", _f32), ("fewer_barriers", _i32), ("reduce_buffer", _ptr),
+                ("all_reduce", ALL_REDUCE_FN), ("reduce_ctx", _ptr)]
+
+
+class NativeStep(ctypes.Structure):
+    """One step's tokens, positions, block tables and RoPE tables."""
+    _fields_ = [("num_tokens", _i64), ("num_draft_tokens", _i64), ("positions", _ptr), ("table_row", _ptr),
+                ("token_index", _ptr), ("block_table", _ptr * MAX_GROUPS), ("block_table_stride", _i64 * MAX_GROUPS),
+                ("slots", _ptr * MAX_GROUPS), ("cos", _ptr), ("sin", _ptr), ("cos_local", _ptr),
+                ("sin_local", _ptr), ("token_ids", _ptr), ("rope_by_position", _i64)]
+
+
+class NativeTokenMask(ctypes.Structure):
+    """A grammar bitmask the LM head applies once the mask thread publishes it."""
+    _fields_ = [("bitmask", _ptr), ("logits_row", _ptr), ("num_mask_rows", _i64), ("num_words", _i64),
+                ("ready", _ptr), ("timeout_ns", _i64), ("ready_value", _i32), ("isa", _i32), ("applied", _i32),
+                ("unused", _i32), ("wait_ns", _i64), ("mask_ns", _i64)]
+
+
+class NativeLogits(ctypes.Structure):
+    """The LM head the decoder call runs on some of its rows (and their mask)."""
+    _fields_ = [("head", NativeLinear), ("rows", _ptr), ("num_rows", _i64), ("logits", _ptr),
+                ("mask", ctypes.POINTER(NativeTokenMask))]
+
+
+class ShmAllReduce(ctypes.Structure):
+    """One rank's view of the shared-memory all-reduce segment (csrc/comm/shm_all_reduce.c)."""
+    _fields_ = [("base", _ptr), ("capacity", _i64), ("seq", _i64), ("timeout_ns", _i64), ("rank", _i32),
+                ("world", _i32), ("error", _i32), ("unused", _i32)]
+
+
+# export -> (argument types, return type), as csrc/include/kvserve.h declares them.
+SIGNATURES = {
+    "kvserve_paged_attention": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr,
+                                 _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _int, _int, _int, _int], _int),
+    "kvserve_attention_isa_available": ([_int], _int),
+    "kvserve_store_kv": ([_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _int, _int], None),
+    "kvserve_rms_norm": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _f32, _int, _int, _int], None),
+    "kvserve_silu_mul": ([_ptr, _ptr, _i64, _i64, _int, _int], None),
+    "kvserve_rotary": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _int, _int], None),
+    "kvserve_small_linear_supported": ([_int], _int),
+    "kvserve_small_linear": ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _int, _int], _int),
+    "kvserve_quant_isa_available": ([_int], _int),
+    "kvserve_quant_linear": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _int, _int,
+                              _int, _int], _int),
+    "kvserve_quant_dequantize": ([_ptr, _ptr, _ptr, _int, _i64, _i64, _ptr, _int, _int], _int),
+    "kvserve_quant_embed": ([_ptr, _ptr, _ptr, _int, _i64, _i64, _ptr, _i64, _ptr], _int),
+    "kvserve_decoder_forward": ([_ptr, _ptr, _ptr, _ptr, _int], _int),
+    "kvserve_decoder_forward_logits": ([_ptr, _ptr, _ptr, _ptr, _ptr, _int], _int),
+    "kvserve_decoder_profile_enable": ([_int], None),
+    "kvserve_decoder_profile_read": ([_ptr, _int], _i64),
+    "kvserve_quant_activations": ([_ptr, _i64, _i64, _i64, _int, _ptr, _ptr], None),
+    "kvserve_quant_gemm_isa_available": ([_int], _int),
+    "kvserve_quant_gemm": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _int, _int, _int],
+                           _int),
+    "kvserve_bf16_isa_available": ([_int], _int),
+    "kvserve_f32_gemm_isa_available": ([_int], _int),
+    "kvserve_f32_packed_size": ([_i64, _i64], _i64),
+    "kvserve_f32_pack": ([_ptr, _i64, _i64, _i64, _ptr], None),
+    "kvserve_f32_gemm": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _int, _int], _int),
+    "kvserve_bf16_round_rows": ([_ptr, _i64, _i64, _i64, _ptr], None),
+    "kvserve_bf16_linear_rows": ([_ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int, _i64, _i64], None),
+    "kvserve_mask_isa_available": ([_int], _int),
+    "kvserve_apply_token_bitmask": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _int], _int),
+    "kvserve_publish_mask_ready": ([_ptr, _i32], None),
+    "kvserve_mask_token_range": ([_ptr, _ptr, _i64, _i64, _i64, _int], None),
+    "kvserve_shm_all_reduce": ([_ptr, _ptr, _i64], _i32),
+    "kvserve_quant_rows": ([_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _ptr, _i64, _int, _int, _i64, _i64],
+                           None),
+    "kvserve_gemv_partials": ([_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64],
+                              _int),
+}
+
+
+def declare(lib: ctypes.CDLL) -> None:
+    """Gives every export of `lib` its signature (AttributeError where one is missing)."""
+    for name, (argtypes, restype) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype

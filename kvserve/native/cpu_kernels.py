@@ -1,0 +1,250 @@
+"""The Python face of the native CPU kernels (built and loaded by `kvserve.native.build`,
+declared in `kvserve.native.abi`): paged attention (csrc/attention/paged_attention.c),
+the decoder's fused element-wise ops (csrc/decoder/fused_ops.c: residual add + RMSNorm,
+SiLU-gated product, RoPE), the small-batch matmul (csrc/linear/small_linear.c) and the
+float32 matmul over weights packed into panels at load (csrc/linear/f32_gemm.c). The
+matmuls over block-quantized weights (csrc/linear/quant_*.c) are driven by
+kvserve/model/quantized.py, the whole decoder stack of a small step in one call
+(csrc/decoder/fused_decoder.c) by kvserve/model/native_decoder.py, the grammar's token
+bitmask (csrc/grammar/grammar_mask.c) by kvserve/model/grammar_mask.py, and the
+tensor-parallel ranks' all-reduce through shared memory (csrc/comm/shm_all_reduce.c) by
+kvserve/model/shm_all_reduce.py.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+
+import numpy as np
+import torch
+
+from kvserve.native import abi
+from kvserve.native.build import load_library
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_CODES, _KV_DTYPE_CODES = abi.DTYPE_CODES, abi.KV_DTYPE_CODES
+# Paths of the paged attention kernel (csrc/attention/paged_attention.c), quant_linear.c's codes.
+ATTENTION_ISA_CODES = {"portable": 0, "avx2": 1, "avx512": 2}
+
+
+class KernelArgumentError(ValueError):
+    """The native kernel rejected its arguments (a shape it does not handle)."""
+
+
+def supports_dtype(dtype: torch.dtype) -> bool:
+    return dtype in _DTYPE_CODES
+
+
+def supports_kv_dtype(dtype: torch.dtype) -> bool:
+    """Whether the attention kernel and the K/V write take a cache of `dtype`."""
+    return dtype in _KV_DTYPE_CODES
+
+
+def kv_dtype_code(dtype: torch.dtype) -> int:
+    """The kernels' code of a KV-cache dtype (`supports_kv_dtype`)."""
+    return _KV_DTYPE_CODES[dtype]
+
+
+# Limits of the kernels' on-stack buffers (MAX_HEAD_DIM, MAX_GROUP in paged_attention.c,
+# the row buffer of kvserve_rms_norm in fused_ops.c).
+_MAX_HEAD_DIM, _MAX_GROUP, _MAX_NORM_DIM = 256, 32, 8192
+
+
+def supports_shape(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    return (head_dim <= _MAX_HEAD_DIM and num_kv_heads > 0 and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= _MAX_GROUP)
+
+
+def attention_isa_available(isa: str) -> bool:
+    """Whether the attention kernel's path `isa` runs here (this build, this CPU)."""
+    lib = load_library()
+    return lib is not None and bool(lib.kvserve_attention_isa_available(ATTENTION_ISA_CODES[isa]))
+
+
+def widest_attention_isa() -> str:
+    """The widest path of the attention kernel that runs here ("portable" without the library)."""
+    return next((isa for isa in ("avx512", "avx2") if attention_isa_available(isa)), "portable")
+
+
+def takes(*tensors: torch.Tensor) -> bool:
+    """The element-wise kernels can read these tensors as they are: float32 or bfloat16 with
+    contiguous rows. (Device and library are settled once per runner, see `kvserve.model.kernels`.)"""
+    return all(t.dtype in _DTYPE_CODES and t.stride(-1) == 1 for t in tensors)
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, token_index: torch.Tensor,
+                        positions: torch.Tensor, block_table: torch.Tensor, table_row: torch.Tensor,
+                        window: int | None, scale: float, softcap: float | None, isa: str | None = None) -> None:
+    """Writes attention for the tokens `token_index` (rows of q [T, Hq, D]) into the same rows of `out`.
+
+    Token t sits at `positions[t]` of the request whose block ids are row
+    `table_row[t]` of `block_table` (int64); it attends to keys
+    max(0, pos - window + 1)..pos, all of which must already be in `kv_cache`
+    [2, Hkv, blocks, block_size, D] (float32, bfloat16 or float16). Index tensors are
+    int64 and contiguous. `isa`: the kernel's path (None: the widest `attention_isa_available`)."""
+    lib = load_library()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not available")
+    num_tokens = token_index.numel()
+    if num_tokens == 0:
+        return
+    _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+    if q.stride(2) != 1 or out.stride(2) != 1 or not kv_cache.is_contiguous():
+        raise KernelArgumentError("q/out rows and the KV cache must be contiguous in the head dimension")
+    code = lib.kvserve_paged_attention(q.data_ptr(), q.stride(0), q.stride(1),
+              kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), num_blocks * block_size * head_dim,
+              out.data_ptr(), out.stride(0), out.stride(1),
+              token_index.data_ptr(), positions.data_ptr(), block_table.data_ptr(), block_table.stride(0),
+              table_row.data_ptr(), num_tokens, q.shape[1], num_kv_heads, head_dim, block_size,
+              window or 0, scale, softcap or 0.0, _DTYPE_CODES[q.dtype], _KV_DTYPE_CODES[kv_cache.dtype],
+              ATTENTION_ISA_CODES[isa or widest_attention_isa()], _threads())
+    if code == 3:
+        raise KernelArgumentError(f"the {isa} path of the CPU attention kernel does not run on this CPU")
+    if code:
+        raise KernelArgumentError(f"CPU attention kernel rejected its arguments (code {code}): "
+                                  f"{q.shape[1]} heads, {num_kv_heads} KV heads, head size {head_dim}")
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def zeros_on_huge_pages(nbytes: int) -> torch.Tensor:
+    """A zeroed CPU byte buffer whose 2 MiB-aligned part is backed by transparent huge
+    pages where the kernel allows (Linux, THP in "madvise" or "always" mode).
+
+    The paged attention kernel reads KV blocks scattered over a large buffer: on
+    4 KiB pages nearly every block costs a TLB miss (about 15% of its time).
+    Elsewhere this is a plain `torch.zeros`. The zeros come from calloc (numpy), so
+    the OS supplies zeroed pages on first touch: blocks never used take no memory
+    (`kvserve generate` stays small however large the pool)."""
+    if nbytes < 4 * _HUGE_PAGE or not sys.platform.startswith("linux"):
+        return torch.zeros(nbytes, dtype=torch.uint8)
+    raw = torch.from_numpy(np.zeros(nbytes + _HUGE_PAGE, dtype=np.uint8))  # calloc: no pages touched yet
+    start = (-raw.data_ptr()) % _HUGE_PAGE
+    buffer = raw[start:start + nbytes]
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(buffer.data_ptr()), ctypes.c_size_t(nbytes - nbytes % _HUGE_PAGE),
+                     _MADV_HUGEPAGE)  # advice only: a refusal leaves ordinary pages
+    except (OSError, AttributeError):
+        pass
+    return buffer
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+             token_index: torch.Tensor | None) -> None:
+    """Writes k/v [T, Hkv, D] (same strides, rows contiguous) into `kv_cache` [2, Hkv, blocks, block_size, D]
+    at the int64 `slots` of the tokens `token_index` (None: all T, in order)."""
+    _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+    if k.stride() != v.stride() or k.stride(2) != 1 or not kv_cache.is_contiguous() or head_dim > _MAX_HEAD_DIM:
+        raise KernelArgumentError("store_kv needs k/v with equal strides, contiguous rows and a contiguous cache")
+    count = len(slots)
+    load_library().kvserve_store_kv(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), kv_cache[0].data_ptr(),
+                                    kv_cache[1].data_ptr(), num_blocks * block_size * head_dim, slots.data_ptr(),
+                                    token_index.data_ptr() if token_index is not None else None, count,
+                                    num_kv_heads, head_dim, _DTYPE_CODES[k.dtype], _KV_DTYPE_CODES[kv_cache.dtype])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, adds_one: bool,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of x [..., dim] (or of x + residual, stored into residual in place); `weight`
+    is float32. Callers check `takes` and that the rows are contiguous."""
+    dim = x.shape[-1]
+    if dim > _MAX_NORM_DIM:
+        raise KernelArgumentError(f"RMSNorm over {dim} > {_MAX_NORM_DIM} elements")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    rows = x.numel() // dim
+    load_library().kvserve_rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None,
+                                    weight.data_ptr(), out.data_ptr(), rows, dim, dim, eps, int(adds_one),
+                                    _DTYPE_CODES[x.dtype], _threads())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [rows, 2 * width] (contiguous) -> [rows, width]."""
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(rows, width)
+    load_library().kvserve_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width,
+                                    _DTYPE_CODES[gate_up.dtype], _threads())
+    return out
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates x [tokens, heads, dim] in place (rows may be strided views); cos/sin [tokens, 1, dim] contiguous."""
+    tokens, heads, dim = x.shape
+    load_library().kvserve_rotary(x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
+                                  tokens, heads, dim, _DTYPE_CODES[x.dtype], _threads())
+    return x
+
+
+# Up to this many rows the small-batch kernel beats oneDNN's packed matmul (measured on
+# AVX-512 Xeons: 1.2-1.8x at 1-4 rows, slower from 8 on).
+SMALL_LINEAR_MAX_ROWS = 4
+
+
+def small_linear_supported(dtype: torch.dtype) -> bool:
+    """Whether the small-batch matmul kernel exists for `dtype` in this build (AVX-512 for
+    float32, AVX512-BF16 for bfloat16)."""
+    lib = load_library()
+    return lib is not None and dtype in _DTYPE_CODES and bool(lib.kvserve_small_linear_supported(_DTYPE_CODES[dtype]))
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] @ weight[out, in]^T (+ bias) for a few rows, weight in its plain contiguous
+    layout; x rows contiguous, everything of one dtype. Callers check `small_linear_supported`."""
+    out_features, in_features = weight.shape
+    if x.shape[-1] != in_features or x.stride(-1) != 1 or not weight.is_contiguous():
+        raise KernelArgumentError("small_linear needs x rows and the weight contiguous with matching width")
+    rows = x.shape[0]
+    y = x.new_empty(rows, out_features)
+    done = load_library().kvserve_small_linear(
+        x.data_ptr(), x.stride(0), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
+        out_features, in_features, y.data_ptr(), y.stride(0), rows, _DTYPE_CODES[x.dtype], _threads())
+    if not done:
+        raise KernelArgumentError(f"small_linear is not built for {x.dtype} on this CPU")
+    return y
+
+
+# Output rows per panel of csrc/linear/f32_gemm.c (PANEL).
+F32_PANEL = 16
+
+
+def pack_f32_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight [out, in] (rows contiguous) in the panel layout of csrc/linear/f32_gemm.c:
+    [ceil(out / 16), in, 16], the rows past `out` zeros."""
+    out_features, in_features = weight.shape
+    if weight.dtype != torch.float32 or weight.stride(-1) != 1:
+        raise KernelArgumentError("pack_f32_panels needs a float32 weight with contiguous rows")
+    lib = load_library()
+    packed = torch.empty(lib.kvserve_f32_packed_size(out_features, in_features), dtype=torch.float32)
+    lib.kvserve_f32_pack(weight.data_ptr(), weight.stride(0), out_features, in_features, packed.data_ptr())
+    return packed.view(-1, in_features, F32_PANEL)
+
+
+def f32_gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int, isa: int,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ W^T (+ bias) -> [..., out_features] for W held as `pack_f32_panels` made it,
+    on the kernel path `isa` (quant_linear.c's codes); x float32."""
+    in_features = panels.shape[1]
+    if x.dtype != torch.float32 or x.shape[-1] != in_features:
+        raise KernelArgumentError(f"f32_gemm needs float32 rows of {in_features}, got {x.dtype} {tuple(x.shape)}")
+    rows = x.reshape(-1, in_features)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = x.new_empty(rows.shape[0], out_features)
+    if bias is not None:
+        bias = bias.float().contiguous()
+    code = load_library().kvserve_f32_gemm(rows.data_ptr(), rows.stride(0), rows.shape[0], panels.data_ptr(),
+                                           bias.data_ptr() if bias is not None else None, out_features, in_features,
+                                           y.data_ptr(), out_features, isa, _threads())
+    if code:
+        raise KernelArgumentError(f"f32_gemm: kernel path {isa} is not available on this CPU")
+    return y.view(*x.shape[:-1], out_features)
