@@ -15,9 +15,9 @@ separators. What the translation guarantees:
   llguidance whole (its semantics, its unbounded extra keys);
 - an integer without bounds has at most 19 digits, below 9e18 in magnitude (int64 holds
   +-9.22e18); one with a single bound gets the other at +-9e18;
-- a number without bounds is a decimal of at most 16 integer and 16 fraction digits, or
-  one digit, a fraction and an exponent up to 307: always a finite float64; one with a
-  single bound gets the other at +-1e15 (llguidance's range regex).
+- a number without bounds is a decimal of at most 17 digits in all (what a float64
+  round-trips), or one digit, a fraction and an exponent up to 307: always a finite
+  float64; one with a single bound gets the other at +-1e15 (llguidance's range regex).
 
 `json_schema_lark(schema)` returns None where the schema is not an object this module can
 walk (a boolean schema, a `$ref` outside the document); llguidance's JSON compiler then
@@ -30,8 +30,13 @@ from typing import Any
 
 SEPARATORS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 INTEGER_RX = r"/-?(0|[1-9][0-9]{0,17}|[1-8][0-9]{18})/"
-NUMBER_RX = (r"/-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?/"
-             r" | /-?[0-9](\.[0-9]{1,16})?[eE][+-]?(0|[1-9][0-9]?|[12][0-9][0-9]|30[0-7])/")
+# float64 round-trips 17 significant digits: a decimal has at most 17 digits in all (an
+# integer part of k + 1 digits leaves 16 - k for the fraction), or one digit, up to 16
+# fraction digits and an exponent up to 307 (below float64's largest, 1.8e308).
+_DECIMALS = "|".join(["0|[1-9][0-9]{0,16}", "0\\.[0-9]{1,17}"]
+                     + [f"[1-9][0-9]{{{k}}}\\.[0-9]{{1,{16 - k}}}" for k in range(16)])
+NUMBER_RX = (f"/-?({_DECIMALS})/"
+             " | /-?[0-9](\\.[0-9]{1,16})?[eE][+-]?(0|[1-9][0-9]?|[12][0-9][0-9]|30[0-7])/")
 INTEGER_LIMIT = 9 * 10 ** 18
 NUMBER_LIMIT = 1e15
 # Keywords that only annotate a schema.
