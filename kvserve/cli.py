@@ -217,7 +217,9 @@ def run_generate(args: argparse.Namespace) -> int:
             print(json.dumps(_output_as_dict(output), ensure_ascii=False))
         else:
             status.show("thinking...")
-            _stream_to_stdout(llm, request, params, status)
+            output = _stream_to_stdout(llm, request, params, status)
+            if len(output.outputs[0].token_ids) >= params.max_tokens:
+                _dim_note(f"[stopped at --max-tokens {params.max_tokens}]")
     finally:
         status.clear()
         llm.shutdown()
@@ -380,6 +382,12 @@ def _stats_line(output: Any) -> str:
     rate = (num_generated - 1) / decode_s if decode_s > 0 and num_generated > 1 else 0.0
     return (f"[ttft {ttft_ms:.0f} ms | prompt {len(output.prompt_token_ids)} tokens, "
             f"{output.num_cached_tokens} cached | {num_generated} tokens, {rate:.1f} tok/s]")
+
+
+def _dim_note(text: str) -> None:
+    """One line on stderr, dimmed where stderr is a terminal."""
+    sys.stderr.write(f"\033[2m{text}\033[0m\n" if sys.stderr.isatty() else f"{text}\n")
+    sys.stderr.flush()
 
 
 class _Status:
