@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from kvserve.config import default_model_path
+from kvserve.engine.model_path import default_model_path
 from kvserve.engine.llm import LLM
 from kvserve.sampling_params import SamplingParams
 

@@ -10,7 +10,7 @@ import pytest
 from openai.lib._pydantic import to_strict_json_schema
 from pydantic import BaseModel, Field
 
-from kvserve.config import default_model_path
+from kvserve.engine.model_path import default_model_path
 from kvserve.errors import InvalidRequestError
 from kvserve.model.tokenizer_files import load_tokenizer
 from kvserve.sample.structured.grammar import GrammarCompiler
