@@ -58,8 +58,9 @@ async def _prepare(ctx: ServingContext, body: CompletionRequest) -> list[_Prepar
         # engine samples one token, which the response leaves out (`_prompt_only`).
         max_tokens = 1 if _echo_only(body) else resolve_max_tokens(engine, len(token_ids), body.max_tokens)
         params = body.build_sampling_params(max_tokens, body.logprobs, constraint)
-        if body.echo and body.logprobs is not None:
-            params.prompt_logprobs = body.logprobs
+        wanted = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+        if wanted:
+            params = dataclasses.replace(params, prompt_logprobs=max(wanted))  # validated again
         engine.validator.check_prompt_fits(len(token_ids), max_tokens)
         engine.validator.check_sampling_params(params)
         prepared.append(_PreparedPrompt(text, token_ids, params))
@@ -116,13 +117,30 @@ def _full_response(ctx: ServingContext, body: CompletionRequest, prepared: list[
                                             request_output if body.echo else None)
             if body.echo:
                 text = _prompt_text(ctx, prompt) + text
-            choices.append({"index": prompt_index * body.n + completion.index, "text": text,
-                            "logprobs": logprobs, "finish_reason": completion.finish_reason,
-                            "stop_reason": completion.stop_reason})
+            choice = {"index": prompt_index * body.n + completion.index, "text": text,
+                      "logprobs": logprobs, "finish_reason": completion.finish_reason,
+                      "stop_reason": completion.stop_reason}
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = _vllm_prompt_logprobs(request_output, body.prompt_logprobs)
+            choices.append(choice)
     choices.sort(key=lambda c: c["index"])
     return {"id": response_id, "object": "text_completion", "created": int(time.time()),
             "model": ctx.served_model_name, "choices": choices,
             "usage": usage_dict([final_by_index[i] for i in range(len(prepared))])}
+
+
+def _vllm_prompt_logprobs(request_output: RequestOutput, num_top: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` of a choice: per prompt token, null or {token id: {logprob,
+    rank, decoded_token}} holding the prompt token and the top `num_top`."""
+    positions = []
+    for token_id, by_token_id in zip(request_output.prompt_token_ids, request_output.prompt_logprobs or []):
+        if by_token_id is None:
+            positions.append(None)
+            continue
+        positions.append({str(tid): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                     "decoded_token": lp.decoded_token}
+                          for tid, lp in by_token_id.items() if tid == token_id or (lp.rank or 0) <= num_top})
+    return positions
 
 
 def _prompt_text(ctx: ServingContext, prompt: _PreparedPrompt) -> str:

@@ -192,6 +192,24 @@ def test_echo_scores_the_prompt_and_max_tokens_zero_returns_it_alone(client):
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
 
 
+def test_vllm_prompt_logprobs_field(fake_server, client):
+    echoed = client.completions.create(model=MODEL, prompt="Score me please", max_tokens=0, logprobs=0, echo=True)
+    prompt_ids = echoed.choices[0].logprobs.tokens
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL, "prompt": "Score me please", "max_tokens": 1, "prompt_logprobs": 1}
+    reply = httpx.post(fake_server.base_url + "/v1/completions", json=body, headers=headers, timeout=30).json()
+    scored = reply["choices"][0]["prompt_logprobs"]
+    assert len(scored) == len(prompt_ids) == reply["usage"]["prompt_tokens"] and scored[0] is None
+    assert all(len(position) >= 1 and all(set(entry) == {"logprob", "rank", "decoded_token"}
+                                           for entry in position.values()) for position in scored[1:])
+    streamed = httpx.post(fake_server.base_url + "/v1/completions", json={**body, "stream": True}, headers=headers,
+                          timeout=30)
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+    too_many = httpx.post(fake_server.base_url + "/v1/completions", json={**body, "prompt_logprobs": 21},
+                          headers=headers, timeout=30)
+    assert too_many.status_code == 400 and "prompt_logprobs" in too_many.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("echo", [False, True])
 def test_streamed_logprobs_add_up_to_the_full_ones(client, echo):
     kwargs = dict(model=MODEL, prompt="Hi there", max_tokens=6, temperature=0, logprobs=1, echo=echo)
