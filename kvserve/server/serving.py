@@ -335,5 +335,22 @@ def token_logprob_entries(completion: CompletionOutput, start: int, end: int
     return entries
 
 
+def prompt_logprob_entries(request_output: RequestOutput
+                           ) -> list[tuple[int, float | None, list[tuple[int, float, int | None]] | None]]:
+    """`token_logprob_entries` of the prompt tokens: the first (and every token when the
+    request did not ask for prompt logprobs) has logprob and candidates None."""
+    scored = request_output.prompt_logprobs or []
+    entries = []
+    for position, token_id in enumerate(request_output.prompt_token_ids):
+        by_token_id = scored[position] if position < len(scored) else None
+        if by_token_id is None:
+            entries.append((token_id, None, None))
+            continue
+        candidates = sorted(((tid, lp.logprob, lp.rank) for tid, lp in by_token_id.items()), key=lambda c: -c[1])
+        own = by_token_id.get(token_id)
+        entries.append((token_id, float("nan") if own is None else own.logprob, candidates))
+    return entries
+
+
 def token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)

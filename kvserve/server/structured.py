@@ -86,7 +86,51 @@ def _json_schema_of(spec: Any, param: str) -> dict[str, Any]:
         raise InvalidRequestError(f"{param}.schema must be a JSON schema object", f"{param}.schema")
     if not isinstance(spec.get("strict", False), (bool, type(None))):
         raise InvalidRequestError(f"{param}.strict must be a boolean", f"{param}.strict")
-    return spec.get("schema") or {"type": "object"}
+    schema = spec.get("schema") or {"type": "object"}
+    if spec.get("strict"):
+        problem = strict_schema_problem(schema)
+        if problem is not None:
+            raise InvalidRequestError(f"Invalid schema for response_format {name!r}: {problem}", f"{param}.schema")
+    return schema
+
+
+def strict_schema_problem(schema: Any) -> str | None:
+    """What breaks OpenAI's rules for a strict schema, naming where, or None: every object
+    sets `additionalProperties` to false and lists every property in `required`, and the
+    root is an object."""
+    if not isinstance(schema, dict) or schema.get("type") != "object":
+        return "In context=(), schema must be a JSON Schema of 'type: \"object\"'."
+    for path, node in _subschemas(schema, ()):
+        if node.get("type") != "object" and "properties" not in node:
+            continue
+        if node.get("additionalProperties") is not False:
+            return f"In context={path!r}, 'additionalProperties' is required to be supplied and to be false."
+        properties = node.get("properties") or {}
+        required = node.get("required")
+        missing = [key for key in properties if not isinstance(required, list) or key not in required]
+        if missing:
+            return (f"In context={path!r}, 'required' is required to be supplied and to be an array including "
+                    f"every key in properties. Missing {missing[0]!r}.")
+    return None
+
+
+def _subschemas(node: dict, path: tuple) -> Any:
+    """(path, schema) of `node` and every schema nested in it (properties, items, unions, definitions)."""
+    yield path, node
+    for key in ("properties", "$defs", "definitions"):
+        children = node.get(key)
+        if isinstance(children, dict):
+            for name, child in children.items():
+                if isinstance(child, dict):
+                    yield from _subschemas(child, path + (key, name))
+    for key in ("anyOf", "allOf", "oneOf", "prefixItems"):
+        children = node.get(key)
+        if isinstance(children, list):
+            for index, child in enumerate(children):
+                if isinstance(child, dict):
+                    yield from _subschemas(child, path + (key, index))
+    if isinstance(node.get("items"), dict):
+        yield from _subschemas(node["items"], path + ("items",))
 
 
 def _build(fields: Any, field_name: str) -> StructuredOutputsParams:
