@@ -144,3 +144,20 @@ def test_perplexity_from_prompt_logprobs_matches_llama_cpp():
                                                                            prompt_logprobs=0), use_tqdm=False)[0]
     perplexity = math.exp(-sum(_own_logprobs(output, ids)) / (len(ids) - 1))
     assert abs(perplexity / LLAMA_CPP_PERPLEXITY - 1) <= 0.01, perplexity
+
+
+def test_a_constrained_request_in_the_same_step_keeps_its_grammar(float32_llm, text_ids):
+    """A step scoring prompt rows runs the LM head over them too, so the grammar mask is applied
+    after the head instead of inside it: the constrained request still answers from its choices,
+    and the scored prompt is the same as when it runs alone."""
+    from kvserve.sampling_params import StructuredOutputsParams
+
+    prompt = text_ids[:40]
+    alone = _own_logprobs(float32_llm.generate([{"prompt_token_ids": prompt}], SCORE, use_tqdm=False)[0], prompt)
+    choice = SamplingParams(temperature=0, max_tokens=4, structured_outputs=StructuredOutputsParams(
+        choice=["alpha", "beta"]))
+    scored, constrained = float32_llm.generate([{"prompt_token_ids": prompt}, {"prompt_token_ids": text_ids[50:60]}],
+                                               [SCORE, choice], use_tqdm=False)
+    assert constrained.outputs[0].text in ("alpha", "beta") and constrained.outputs[0].finish_reason == "stop"
+    bound = 2 * (30 + 1) * math.sqrt(1536) * 2.0 ** -24 * 40.0  # test_chunked_batched_...'s bound
+    assert max(abs(a - b) for a, b in zip(_own_logprobs(scored, prompt), alone)) <= bound
