@@ -96,6 +96,8 @@ def load(path: str) -> dict[str, QuantizedWeight] | None:
     if not header or header.get("layout_version") != LAYOUT_VERSION:
         logger.info("ignoring repacked-weight cache %s (not of layout version %d)", path, LAYOUT_VERSION)
         return None
+    if hasattr(mmap, "MADV_WILLNEED"):  # start reading a cold file in while the rest of start-up runs
+        mapping.madvise(mmap.MADV_WILLNEED)
     weights = {}
     for name, entry in header["weights"].items():
         tensors = {field: _view(mapping, data_start + spec["offset"], spec) for field, spec in entry["tensors"].items()}
