@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 
 from kvserve.errors import ConfigError
+from kvserve.native.isa import ISAS
 
 # Kernel switches (environment variable -> KernelConfig field), documented in README.md.
 CPU_KERNELS_ENV = "KVSERVE_CPU_KERNELS"
@@ -21,8 +22,8 @@ QUANT_PANEL_ROWS_ENV = "KVSERVE_QUANT_PANEL_ROWS"
 NATIVE_DECODER_ENV = "KVSERVE_NATIVE_DECODER"
 SHM_ALL_REDUCE_ENV = "KVSERVE_SHM_ALL_REDUCE"
 GRAMMAR_MASK_ISA_ENV = "KVSERVE_GRAMMAR_MASK_ISA"
-# The quantized matmul's kernel paths, narrowest first.
-QUANT_ISAS = ("portable", "avx2", "avx512")
+# The quantized matmul's kernel paths, narrowest first (every kernel's: `isa.ISAS`).
+QUANT_ISAS = ISAS
 # KVSERVE_GRAMMAR_MASK_ISA: one of QUANT_ISAS (the grammar-mask kernel's paths), or this.
 GRAMMAR_MASK_TORCH = "torch"
 
