@@ -137,7 +137,8 @@ def _add_env_parser(subparsers: Any) -> None:
 
 def run_env(args: argparse.Namespace) -> int:
     from kvserve.native.report import collect_env, format_env
-    report = collect_env()
+    from kvserve import __version__
+    report = {"kvserve": __version__, **collect_env()}
     print(json.dumps(report, indent=2) if args.json else format_env(report))
     return 0
 

@@ -239,3 +239,37 @@ def assert_pool_whole(scheduler: Scheduler) -> None:
     pool.check_invariants()
     for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
         assert not any(manager.req_to_blocks.values())
+
+
+class FakeBenchRunner:
+    """A benchmark runner (`run(workload) -> ThroughputResult`) that computes nothing, for the
+    compare harness's tests; it can kill its own process as a crashing reference would:
+    `crash_signal` ("SIGSEGV") at load (`crash_on_load`, unless `extra_buffers` is False, as
+    llama.cpp's repacked buffers do) or on its `crash_on_run`-th run (1-based)."""
+
+    def __init__(self, engine: str, seconds_per_run: float = 0.001, crash_signal: str | None = None,
+                 crash_on_run: int | None = None, crash_on_load: bool = False, extra_buffers: bool = True) -> None:
+        self.engine = engine
+        self.seconds_per_run = seconds_per_run
+        self.crash_signal = crash_signal
+        self.crash_on_run = crash_on_run
+        self.num_runs = 0
+        self.load_s = 0.0
+        if crash_on_load and extra_buffers:
+            self._crash()
+
+    def _crash(self) -> None:
+        import os
+        import signal
+        os.kill(os.getpid(), getattr(signal, self.crash_signal or "SIGSEGV"))
+        time.sleep(60)  # a handled or blocked signal must not look like a clean run
+
+    def run(self, workload):
+        from kvserve.bench.references import ThroughputResult
+
+        self.num_runs += 1
+        if self.num_runs == self.crash_on_run:
+            self._crash()
+        time.sleep(self.seconds_per_run)
+        return ThroughputResult(self.engine, workload.name, len(workload.requests), workload.num_prompt_tokens,
+                                workload.num_output_tokens, self.seconds_per_run, self.load_s)

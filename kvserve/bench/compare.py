@@ -18,6 +18,13 @@ unless they crash; vLLM's scheduler through the scheduler benchmark when
 A workload's figure per engine is its run of median time; a ratio is the
 median of the per-round ratios (kvserve against the reference of the same
 round), the quantity that survives a machine whose speed drifts over minutes.
+
+A reference that fails (its child crashes, e.g. llama.cpp's AMX kernels on
+some CPUs, or raises) is never skipped or handicapped silently: each failure
+goes to the result's `reference_failures` (engine, phase, round, workload,
+signal or exit code, the first line of the error, and what was done: retried
+on plain buffers, or left out of the later rounds) and is printed; its
+figures cover only the rounds it completed.
 """
 from __future__ import annotations
 
@@ -27,7 +34,8 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-from kvserve.bench.engine_process import EngineProcess, EngineProcessError, RunnerSpec, generate_peak_rss
+from kvserve.bench.engine_process import (EngineProcess, EngineProcessError, RunnerSpec, failure_record,
+                                          format_failures, generate_peak_rss)
 from kvserve.bench.references import llama_cpp_available
 from kvserve.bench.report import format_table
 from kvserve.bench.throughput import format_results
@@ -63,31 +71,50 @@ def _reference_specs(references, model_path: str, dtype: str, concurrency: int,
     return specs, skipped
 
 
-def _start(spec: RunnerSpec, num_threads: int, workloads: list[Workload], warmup: bool) -> EngineProcess:
+def _start(spec: RunnerSpec, num_threads: int, workloads: list[Workload], warmup: bool,
+           failures: list[dict[str, Any]] | None = None) -> EngineProcess:
     """The engine loaded (and warmed up) in its own process. llama.cpp's repacked buffers crash on
-    some CPUs: then it starts again on its plain CPU buffers."""
+    some CPUs: then it starts again on its plain CPU buffers, and `failures` records it."""
+    phase = "loading"
     try:
         engine = EngineProcess(spec, num_threads)
+        phase = "warm-up"
         if warmup:
             engine.warm_up(Workload("warm-up", workloads[0].requests[:1], "one request"))
         return engine
     except EngineProcessError as error:
         if spec.name != "llama.cpp" or spec.kwargs.get("extra_buffers") is False:
             raise
-        logger.warning("llama.cpp with its default (repacked) buffers failed; retrying on plain CPU "
-                       "buffers: %s", str(error).splitlines()[0])
+        action = "retried on plain CPU buffers (extra_buffers=False)"
+        logger.warning("llama.cpp with its default (repacked) buffers failed: %s; %s",
+                       str(error).splitlines()[0], action)
+        if failures is not None:
+            failures.append(failure_record(spec.name, error, phase, action))
         return _start(RunnerSpec(spec.name, spec.factory, {**spec.kwargs, "extra_buffers": False}),
-                      num_threads, workloads, warmup)
+                      num_threads, workloads, warmup, failures)
 
 
-def _timed_rounds(engines: list[EngineProcess], workloads: list[Workload],
-                  rounds: int) -> dict[tuple[str, str], list[dict]]:
-    """(engine, workload) -> one result per round; engines alternate their order round by round."""
+def _timed_rounds(engines: list[EngineProcess], workloads: list[Workload], rounds: int,
+                  failures: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict]]:
+    """(engine, workload) -> one result per round; engines alternate their order round by round.
+    A reference that fails is recorded in `failures` and runs no more (kvserve's failure raises)."""
     runs: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    running = list(engines)
     for round_index in range(rounds):
-        for engine in (engines if round_index % 2 == 0 else engines[::-1]):
+        for engine in (list(running) if round_index % 2 == 0 else running[::-1]):
             for workload in workloads:
-                runs[engine.name, workload.name].append(engine.run(workload))
+                try:
+                    result = engine.run(workload)
+                except EngineProcessError as error:
+                    if engine is engines[0]:
+                        raise
+                    logger.error("%s failed in round %d: %s; it runs no more rounds", engine.name,
+                                 round_index + 1, str(error).splitlines()[0])
+                    failures.append(failure_record(engine.name, error, "run", "left out of the later rounds",
+                                                   round_index + 1, workload.name))
+                    running.remove(engine)
+                    break
+                runs[engine.name, workload.name].append(result)
     return runs
 
 
@@ -104,19 +131,25 @@ def _facts(engine: EngineProcess, num_threads: int) -> dict[str, Any]:
 
 
 def _run_engines(first: EngineProcess, specs: list[RunnerSpec], workloads: list[Workload], rounds: int,
-                 warmup: bool, num_threads: int) -> tuple[list[dict], dict[str, dict]]:
-    """With `first` started, start every other engine in its own process, run the rounds, stop
-    them all; returns (median runs, facts per engine: load time, threads, peak RSS)."""
+                 warmup: bool, num_threads: int) -> tuple[list[dict], dict[str, dict], list[dict]]:
+    """With `first` (kvserve) started, start every other engine in its own process, run the rounds,
+    stop them all; returns (median runs, facts per engine: load time, threads, peak RSS, and the
+    references' failures). A reference that cannot start is recorded and left out."""
     engines: list[EngineProcess] = [first]
+    failures: list[dict[str, Any]] = []
     try:
         for spec in specs:
-            engines.append(_start(spec, num_threads, workloads, warmup))
-        runs = _timed_rounds(engines, workloads, rounds)
+            try:
+                engines.append(_start(spec, num_threads, workloads, warmup, failures))
+            except EngineProcessError as error:
+                logger.error("%s could not start: %s; it is left out", spec.name, str(error).splitlines()[0])
+                failures.append(failure_record(spec.name, error, "start", "left out of every round"))
+        runs = _timed_rounds(engines, workloads, rounds, failures)
     finally:
         facts = {engine.name: _facts(engine, num_threads) for engine in engines}
         for engine in engines:
             facts[engine.name].update(engine.close())
-    return [_median_run(r) for r in runs.values()], facts
+    return [_median_run(r) for r in runs.values()], facts, failures
 
 
 def run(workloads: list[Workload], model_path: str, *, references=REFERENCES, hf_batch_size: int | None = 32,
@@ -144,7 +177,8 @@ def run(workloads: list[Workload], model_path: str, *, references=REFERENCES, hf
     except BaseException:
         kvserve_engine.close()
         raise
-    results, engines = _run_engines(kvserve_engine, reference_specs, workloads, rounds, warmup, num_threads)
+    results, engines, failures = _run_engines(kvserve_engine, reference_specs, workloads, rounds, warmup,
+                                              num_threads)
     scheduler_comparison = None
     if "vllm-scheduler" in references:
         if importlib.util.find_spec("vllm") is not None:
@@ -164,6 +198,7 @@ def run(workloads: list[Workload], model_path: str, *, references=REFERENCES, hf
         "results": results,
         "ratios": ratios(results),
         "skipped": skipped,
+        "reference_failures": failures,
         "scheduler_comparison": scheduler_comparison,
     }
 
@@ -224,6 +259,7 @@ def format_result(result: dict[str, Any]) -> str:
     text += _format_scheduler_comparison(result.get("scheduler_comparison"))
     for name, why in result["skipped"].items():
         text += f"\nskipped {name}: {why}"
+    text += format_failures(result.get("reference_failures") or [])
     return text
 
 

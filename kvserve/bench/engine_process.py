@@ -15,6 +15,7 @@ import importlib
 import logging
 import multiprocessing
 import resource
+import signal
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,33 @@ _STOP_TIMEOUT_S = 30.0
 
 
 class EngineProcessError(RuntimeError):
-    """The engine's child process failed: it raised (message carries its traceback) or died."""
+    """The engine's child process failed: it raised (message carries its traceback) or died
+    (`exit_code` is then its exit status, negative for the signal that killed it)."""
+
+    def __init__(self, message: str, exit_code: int | None = None) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    @property
+    def signal_name(self) -> str | None:
+        """The signal that killed the child ("SIGSEGV"), or None."""
+        return signal_name(self.exit_code)
+
+
+def signal_name(exit_code: int | None) -> str | None:
+    """"SIGSEGV" for a child's exit status -11 (killed by that signal), else None."""
+    if exit_code is None or exit_code >= 0:
+        return None
+    try:
+        return signal.Signals(-exit_code).name
+    except ValueError:
+        return f"signal {-exit_code}"
+
+
+def describe_exit(exit_code: int | None) -> str:
+    """How a child ended, for messages: "killed by SIGSEGV" or "exit code 1"."""
+    name = signal_name(exit_code)
+    return f"killed by {name}" if name else f"exit code {exit_code}"
 
 
 @dataclass(frozen=True)
@@ -76,6 +103,29 @@ def _child_main(conn, spec: RunnerSpec, num_threads: int) -> None:
             conn.send(("error", traceback.format_exc()))
 
 
+def failure_record(engine: str, error: BaseException, phase: str, action: str,
+                   round_number: int | None = None, workload: str | None = None) -> dict[str, Any]:
+    """One entry of a comparison's `reference_failures`: which engine failed, where, how (the
+    signal or exit code of a child that died), and what was done about it."""
+    exit_code = getattr(error, "exit_code", None)
+    return {"engine": engine, "phase": phase, "round": round_number, "workload": workload,
+            "signal": signal_name(exit_code), "exit_code": exit_code,
+            "error": str(error).strip().splitlines()[0], "action": action}
+
+
+def format_failures(failures: list[dict[str, Any]]) -> str:
+    """One line per failed reference: what happened, where, and what was done about it."""
+    lines = []
+    for f in failures:
+        how = f"killed by {f['signal']}" if f.get("signal") else (
+            f"exited with code {f['exit_code']}" if f.get("exit_code") is not None else "failed")
+        where = f"round {f['round']}" if f.get("round") else f["phase"]
+        if f.get("workload"):
+            where += f", workload {f['workload']}"
+        lines.append(f"\nREFERENCE FAILED: {f['engine']} {how} ({where}): {f['error']}; {f['action']}")
+    return "".join(lines)
+
+
 class EngineProcess:
     """A runner loaded in a spawned child process; `run` sends it a workload and waits."""
 
@@ -99,20 +149,23 @@ class EngineProcess:
         try:
             status, payload = self._conn.recv()
         except (EOFError, ConnectionResetError):
-            self._process.join(5)
-            raise EngineProcessError(f"{self.name}: child process died while {doing} "
-                                     f"(exit code {self._process.exitcode})") from None
+            raise self._died(doing) from None
         if status == "error":
             raise EngineProcessError(f"{self.name}: failed while {doing}:\n{payload}")
         return payload
 
     def _call(self, command: str, workload) -> Any:
+        doing = f"running {getattr(workload, 'name', command)}"
         try:
             self._conn.send((command, workload))
         except (BrokenPipeError, OSError):
-            raise EngineProcessError(f"{self.name}: child process is gone "
-                                     f"(exit code {self._process.exitcode})") from None
-        return self._receive(None, f"running {getattr(workload, 'name', command)}")
+            raise self._died(doing) from None
+        return self._receive(None, doing)
+
+    def _died(self, doing: str) -> EngineProcessError:
+        self._process.join(5)
+        code = self._process.exitcode
+        return EngineProcessError(f"{self.name}: child process died while {doing} ({describe_exit(code)})", code)
 
     def warm_up(self, workload) -> None:
         self._call("warm_up", workload)

@@ -11,12 +11,17 @@ scripts/build_llama_server.sh (cached as <cache root>/llama-server), run with
 `--parallel <concurrency>`; otherwise llama-cpp-python's `python -m
 llama_cpp.server`, which serves one request at a time (said in the result).
 Every server gets the same thread count (torch's).
+
+A reference server that dies (e.g. killed by SIGSEGV in llama.cpp's AMX
+kernels) while starting or during a round is recorded in
+`reference_failures` (engine, phase, round, signal or exit code) and printed,
+and runs no more rounds; its figures and the ratios cover the rounds it
+finished. kvserve's own failure stops the comparison.
 """
 from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import socket
 import statistics
 import subprocess
@@ -27,9 +32,20 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvserve.bench import serve
+from kvserve.bench.engine_process import describe_exit, failure_record, format_failures
 from kvserve.bench.report import format_table
 
 _READY_TIMEOUT_S = 900.0
+# A server whose requests failed is given this long to finish dying before it counts as alive.
+_EXIT_WAIT_S = 5.0
+
+
+class ServerExitedError(RuntimeError):
+    """A server child process ended on its own; `exit_code` is negative for a signal."""
+
+    def __init__(self, message: str, exit_code: int | None) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @dataclass(frozen=True)
@@ -59,9 +75,8 @@ def find_llama_server(explicit: str | None = None) -> str | None:
         if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
             raise ValueError(f"--llama-server {explicit}: not an executable file")
         return explicit
-    from kvserve.config import cache_root
-    cached = os.path.join(cache_root(), "llama-server")
-    return shutil.which("llama-server") or (cached if os.path.isfile(cached) and os.access(cached, os.X_OK) else None)
+    from kvserve.bench.llama_build import find_tool
+    return find_tool("llama-server")
 
 
 def llama_cpp_command(model: str, concurrency: int, threads: int, context_per_slot: int,
@@ -101,7 +116,7 @@ class RunningServer:
         deadline = time.monotonic() + _READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"{self.command.name} server exited ({self.process.returncode}): {self.tail()}")
+                raise self.exited("starting")
             try:
                 if httpx.get(f"{self.url}/v1/models", timeout=2.0, trust_env=False).status_code == 200:
                     return
@@ -109,6 +124,21 @@ class RunningServer:
                 pass
             time.sleep(0.5)
         raise RuntimeError(f"{self.command.name} server not ready after {_READY_TIMEOUT_S:.0f} s: {self.tail()}")
+
+    def exited(self, doing: str) -> ServerExitedError:
+        code = self.process.returncode
+        return ServerExitedError(f"{self.command.name} server died while {doing} ({describe_exit(code)}): "
+                                 f"{self.tail()}", code)
+
+    def check_alive_after(self, result: dict[str, Any], doing: str) -> None:
+        """Raise ServerExitedError when the server died during a run (its requests then failed)."""
+        if result.get("failed"):
+            try:
+                self.process.wait(_EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.process.poll() is not None:
+            raise self.exited(doing)
 
     def tail(self) -> str:
         self.log.seek(0)
@@ -138,8 +168,32 @@ class RunningServer:
 
 def _one_round(command: ServerCommand, config: serve.ServeBenchConfig) -> dict[str, Any]:
     with RunningServer(command) as server:
-        serve.run(replace(config, base_url=server.url, num_prompts=1, max_tokens=4))  # warm-up
-        return serve.run(replace(config, base_url=server.url))
+        server.check_alive_after(serve.run(replace(config, base_url=server.url, num_prompts=1, max_tokens=4)),
+                                 "warming up")
+        result = serve.run(replace(config, base_url=server.url))
+        server.check_alive_after(result, "serving the benchmark")
+        return result
+
+
+def _run_rounds(commands: list[ServerCommand], config: serve.ServeBenchConfig,
+                rounds: int) -> tuple[dict[str, list[dict[str, Any]]], list[dict[str, Any]]]:
+    """Each server's runs, by name, and the references' failures; the first command is kvserve,
+    whose failure raises. Servers alternate their order round by round."""
+    runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in commands}
+    failures: list[dict[str, Any]] = []
+    running = list(commands)
+    for round_index in range(rounds):
+        for command in (list(running) if round_index % 2 == 0 else running[::-1]):
+            try:
+                runs[command.name].append(_one_round(command, config))
+            except ServerExitedError as error:
+                if command is commands[0]:
+                    raise
+                phase = "start" if "while starting" in str(error) else "run"
+                failures.append(failure_record(command.name, error, phase, "left out of the later rounds",
+                                               round_index + 1))
+                running.remove(command)
+    return runs, failures
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -164,15 +218,18 @@ def run(model: str, config: serve.ServeBenchConfig, *, rounds: int = 1, kvserve_
         skipped["llama.cpp"] = "neither llama-server nor llama_cpp.server is installed"
     else:
         commands.append(llama)
-    runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in commands}
-    for round_index in range(rounds):
-        for command in (commands if round_index % 2 == 0 else commands[::-1]):
-            runs[command.name].append(_one_round(command, config))
-    servers = {c.name: {"command": " ".join(shlex.quote(a) for a in c.argv), "note": c.note,
-                        "summary": _summary(runs[c.name]), "rounds": runs[c.name]} for c in commands}
-    return {"model": model, "threads": threads, "rounds": rounds, "servers": servers,
-            "ratios": _ratios(runs) if "llama.cpp" in runs else {}, "skipped": skipped,
+    runs, failures = _run_rounds(commands, config, rounds)
+    return {"model": model, "threads": threads, "rounds": rounds, "servers": _servers(commands, runs),
+            "ratios": _ratios(runs) if runs.get("llama.cpp") else {}, "skipped": skipped,
+            "reference_failures": failures,
             "config": {k: v for k, v in vars(config).items() if k not in ("api_key", "base_url")}}
+
+
+def _servers(commands: list[ServerCommand], runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per server: how it was started, its medians (None when it finished no round) and its rounds."""
+    return {c.name: {"command": " ".join(shlex.quote(a) for a in c.argv), "note": c.note,
+                     "summary": _summary(runs[c.name]) if runs[c.name] else None, "rounds": runs[c.name]}
+            for c in commands}
 
 
 def _ratios(runs: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
@@ -189,7 +246,8 @@ def _ratios(runs: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
 
 def format_result(result: dict[str, Any]) -> str:
     rows = [[name, s["note"], s["summary"]["output_token_throughput"], s["summary"]["tpot_mean_ms"],
-             s["summary"]["ttft_mean_ms"], s["summary"]["failed"]] for name, s in result["servers"].items()]
+             s["summary"]["ttft_mean_ms"], s["summary"]["failed"]] if s["summary"] else
+            [name, s["note"], "no round finished", "-", "-", "-"] for name, s in result["servers"].items()]
     text = format_table(["server", "how", "output tok/s", "TPOT mean ms", "TTFT mean ms", "failed"], rows,
                         title=f"serve-compare: median of {result['rounds']} round(s), {result['threads']} threads")
     if result["ratios"]:
@@ -198,10 +256,10 @@ def format_result(result: dict[str, Any]) -> str:
                  f"TPOT {r['tpot_mean']:.2f}x, TTFT {r['ttft_mean']:.2f}x (below 1 is better for TPOT/TTFT)")
     for name, why in result["skipped"].items():
         text += f"\nskipped {name}: {why}"
-    return text
+    return text + format_failures(result.get("reference_failures") or [])
 
 
 def plot_values(result: dict[str, Any]) -> tuple[list[str], list[float]]:
-    return (list(result["servers"]),
-            [s["summary"]["output_token_throughput"] for s in result["servers"].values()])
+    served = {name: s for name, s in result["servers"].items() if s["summary"]}
+    return list(served), [s["summary"]["output_token_throughput"] for s in served.values()]
 

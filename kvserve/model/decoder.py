@@ -48,8 +48,8 @@ class SelfAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 metadata: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.shard_sizes, dim=-1)
+        num_tokens, num_drafts = hidden.shape[0], metadata.num_draft_tokens
+        q, k, v = self.qkv_proj(hidden, num_drafts).split(self.qkv_proj.shard_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -58,7 +58,7 @@ class SelfAttention(nn.Module):
         q, k = apply_rotary(q, *cos_sin, native=self.native_rotary), apply_rotary(k, *cos_sin,
                                                                                  native=self.native_rotary)
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.params)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return self.o_proj(out.reshape(num_tokens, -1), num_drafts)
 
 
 class GatedMLP(nn.Module):
@@ -74,13 +74,14 @@ class GatedMLP(nn.Module):
         self.is_silu = config.hidden_act in ("silu", "swish")
         self.native = False  # the fused SiLU-gated product kernel (`DecoderModel.use_kernels`)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor, num_draft_rows: int = 0) -> torch.Tensor:
+        """`num_draft_rows` of x's rows are speculative drafts (see `quantized.linear`)."""
+        gate_up = self.gate_up_proj(x, num_draft_rows)
         if self.native and self.is_silu and gate_up.dim() == 2 and gate_up.is_contiguous() \
                 and cpu_kernels.takes(gate_up):
-            return self.down_proj(cpu_kernels.silu_mul(gate_up))
+            return self.down_proj(cpu_kernels.silu_mul(gate_up), num_draft_rows)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act(gate) * up, num_draft_rows)
 
 
 class DecoderLayer(nn.Module):
@@ -110,11 +111,12 @@ class DecoderLayer(nn.Module):
                 hidden = hidden + residual
             attn_out = self.self_attn(self.input_layernorm(hidden), cos_sin, metadata, kv_cache)
             hidden = hidden + self.post_attention_layernorm(attn_out)
-            return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden))), None
+            mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden), metadata.num_draft_tokens)
+            return hidden + self.post_feedforward_layernorm(mlp_out), None
         x, residual = self.input_layernorm.add_and_norm(hidden, residual)
         attn_out = self.self_attn(x, cos_sin, metadata, kv_cache)
         x, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
-        return self.mlp(x), residual
+        return self.mlp(x, metadata.num_draft_tokens), residual
 
 
 class DecoderModel(nn.Module):
@@ -235,34 +237,29 @@ class DecoderModel(nn.Module):
 
     # -- forward --------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata_by_group: list[AttentionMetadata], kv_caches: dict[str, torch.Tensor],
-                num_draft_tokens: int = 0) -> torch.Tensor:
+                attn_metadata_by_group: list[AttentionMetadata], kv_caches: dict[str, torch.Tensor]) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens.
 
         Small steps on the CPU run every layer in one native call where the model and
-        the step qualify (`NativeDecoder`); the others take the per-op path. Where
-        `num_draft_tokens` of the tokens are speculative drafts, every matmul takes the
-        kernel of the step without them (`quantized.excluding_draft_rows`)."""
-        with quantized.excluding_draft_rows(num_draft_tokens):
-            return self._forward(input_ids, positions, attn_metadata_by_group, kv_caches, None, num_draft_tokens)[0]
+        the step qualify (`NativeDecoder`); the others take the per-op path. Where the
+        metadata's `num_draft_tokens` of the tokens are speculative drafts, every matmul
+        takes the kernel of the step without them (see `quantized.linear`)."""
+        return self._forward(input_ids, positions, attn_metadata_by_group, kv_caches, None)[0]
 
     def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        attn_metadata_by_group: list[AttentionMetadata], kv_caches: dict[str, torch.Tensor],
-                       logits_rows: torch.Tensor, num_draft_tokens: int = 0,
-                       head_mask: HeadMask | None = None) -> torch.Tensor:
+                       logits_rows: torch.Tensor, head_mask: HeadMask | None = None) -> torch.Tensor:
         """`compute_logits(forward(...)[logits_rows])`: float32 logits [len(logits_rows), vocab]
         of some of the step's tokens. Where the native call runs the step it runs the LM
         head too, for those rows only, inside its parallel region, and applies `head_mask`
         there when given (setting `head_mask.applied`; never under final soft-capping,
-        which would turn its -inf into a finite value). Each of the `num_draft_tokens`
-        drafts has a logits row (see `forward`)."""
+        which would turn its -inf into a finite value). Each of the metadata's
+        `num_draft_tokens` drafts has a logits row (see `forward`)."""
         if self.config.final_logit_softcapping:
             head_mask = None
-        with quantized.excluding_draft_rows(num_draft_tokens):
-            hidden, logits = self._forward(input_ids, positions, attn_metadata_by_group, kv_caches, logits_rows,
-                                           num_draft_tokens, head_mask)
-            if logits is None:
-                logits = self.lm_head.logits(hidden[logits_rows])
+        hidden, logits = self._forward(input_ids, positions, attn_metadata_by_group, kv_caches, logits_rows, head_mask)
+        if logits is None:
+            logits = self.lm_head.logits(hidden[logits_rows], attn_metadata_by_group[0].num_draft_tokens)
         return self._finish_logits(logits)
 
     @property
@@ -272,8 +269,7 @@ class DecoderModel(nn.Module):
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  attn_metadata_by_group: list[AttentionMetadata], kv_caches: dict[str, torch.Tensor],
-                 logits_rows: torch.Tensor | None, num_draft_tokens: int,
-                 head_mask: HeadMask | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 logits_rows: torch.Tensor | None, head_mask: HeadMask | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden states after the final norm, the LM head's raw logits of `logits_rows` where
         the native call computed them, else None)."""
         group_ids = self._group_ids(attn_metadata_by_group)
@@ -281,7 +277,7 @@ class DecoderModel(nn.Module):
             self._native = NativeDecoder.for_model(self)
         if self._native is not None:
             out = self._native.forward(input_ids, positions, attn_metadata_by_group, kv_caches, group_ids,
-                                       logits_rows, num_draft_tokens, head_mask)
+                                       logits_rows, attn_metadata_by_group[0].num_draft_tokens, head_mask)
             if out is not None:
                 return out
         hidden = self.embed(input_ids)
@@ -311,8 +307,7 @@ class DecoderModel(nn.Module):
         """Like `compute_logits`, but the logits are gathered on tensor-parallel rank 0
         only (every rank must call it); None on the other ranks. `num_draft_tokens` of the
         rows are speculative drafts' (see `forward`)."""
-        with quantized.excluding_draft_rows(num_draft_tokens):
-            logits = self.lm_head.logits_on_driver(hidden)
+        logits = self.lm_head.logits_on_driver(hidden, num_draft_tokens)
         return None if logits is None else self._finish_logits(logits)
 
     def _finish_logits(self, logits: torch.Tensor) -> torch.Tensor:

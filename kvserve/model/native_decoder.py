@@ -50,7 +50,7 @@ from kvserve.model import quantized
 from kvserve.model.attention import AttentionMetadata
 from kvserve.sample.structured.grammar_mask import HeadMask
 from kvserve.model.shm_all_reduce import SharedMemoryAllReduce
-from kvserve.native import cpu_kernels, isa
+from kvserve.native import cpu_kernels, dispatch
 from kvserve.native.isa import ISA_CODES
 from kvserve.native.abi import (ALL_REDUCE_FN, DTYPE_CODES, F32_PANELS, MAX_GROUPS, NativeLayer, NativeLinear, NativeLogits,
                                 NativeModel, NativeStep, NativeTokenMask)
@@ -75,7 +75,7 @@ def _widest_isa(kernel_config: KernelConfig | None, kernel: str) -> str | None:
     """The widest path of `kernel` that this build and CPU run, capped at
     `kernel_config.quant_isa` (KVSERVE_QUANT_ISA); None without the library."""
     config = kernel_config or KernelConfig()
-    return isa.widest(kernel, config.quant_isa) if config.cpu_kernels else None
+    return dispatch.widest(kernel, config.quant_isa) if config.cpu_kernels else None
 
 
 def bf16_isa(kernel_config: KernelConfig | None = None) -> str | None:
@@ -407,7 +407,7 @@ class NativeDecoder:
         call where it holds the table); None when this step is not one the native call takes. The logits are None
         too when none are asked for or the LM head is not one the call runs.
         `num_draft_tokens` of the tokens (each with a logits row) are speculative drafts: the
-        matmul kernels are those of the step without them (see `quantized.excluding_draft_rows`).
+        matmul kernels are those of the step without them (see `quantized.linear`'s `num_draft_rows`).
         With `head_mask` the head applies that grammar mask once it is filled (see `HeadMask`;
         it sets `head_mask.applied` when it did)."""
         num_tokens = input_ids.shape[0]

@@ -156,9 +156,10 @@ class PackableLinearMixin(QuantizedWeightMixin):
         self.panel_isa, self.panel_out = isa, weight.shape[0]
         self.register_parameter("weight", None)
 
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, num_draft_rows: int = 0) -> torch.Tensor:
+        """x @ W^T (+ bias); `num_draft_rows` of x's rows are speculative drafts (see `quantized.linear`)."""
         if self.quant_weight is not None:
-            return quantized.linear(x, self.quant_weight, bias)
+            return quantized.linear(x, self.quant_weight, bias, num_draft_rows=num_draft_rows)
         if self.panel_weight is not None:
             return cpu_kernels.f32_gemm(x, self.panel_weight, self.panel_out, self.panel_isa, bias)
         if self.packed_weight is not None:
@@ -249,8 +250,8 @@ class ColumnParallelLinear(PackableLinearMixin, nn.Module):
     def _part_names(self) -> list[str | None]:
         return list(self.shard_names)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.bias)
+    def forward(self, x: torch.Tensor, num_draft_rows: int = 0) -> torch.Tensor:
+        return self._matmul(x, self.bias, num_draft_rows)
 
 
 class RowParallelLinear(PackableLinearMixin, nn.Module):
@@ -283,8 +284,8 @@ class RowParallelLinear(PackableLinearMixin, nn.Module):
             raise QuantizationError(f"quantized weight of width {weight.in_features}, rank holds {self.shard_input}")
         return weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(self._matmul(x))
+    def forward(self, x: torch.Tensor, num_draft_rows: int = 0) -> torch.Tensor:
+        out = self.tp.all_reduce(self._matmul(x, num_draft_rows=num_draft_rows))
         return out + self.bias if self.bias is not None else out
 
 
@@ -347,11 +348,11 @@ class ParallelLMHead(PackableLinearMixin, VocabParallelEmbedding):
         if tied_to is not None:
             self.weight = tied_to.weight
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = self._matmul(hidden)
+    def logits(self, hidden: torch.Tensor, num_draft_rows: int = 0) -> torch.Tensor:
+        local = self._matmul(hidden, num_draft_rows=num_draft_rows)
         return self.tp.all_gather_last_dim(local)[..., :self.vocab_size]
 
-    def logits_on_driver(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def logits_on_driver(self, hidden: torch.Tensor, num_draft_rows: int = 0) -> torch.Tensor | None:
         """Full-width logits on rank 0 only (the rank that samples); None elsewhere."""
-        gathered = self.tp.gather_last_dim_to_driver(self._matmul(hidden))
+        gathered = self.tp.gather_last_dim_to_driver(self._matmul(hidden, num_draft_rows=num_draft_rows))
         return None if gathered is None else gathered[..., :self.vocab_size]

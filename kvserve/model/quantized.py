@@ -28,17 +28,15 @@ weight a cache-sized panel at a time. The loader stamps these choices on every w
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvserve.native.config import QUANT_ISAS, KernelConfig
-from kvserve.native import cpu_kernels
+from kvserve.native import cpu_kernels, dispatch
 from kvserve.native import isa as isa_table
 
 logger = logging.getLogger(__name__)
@@ -326,13 +324,13 @@ def kernel_isa(kernel_config: KernelConfig | None = None) -> str | None:
         return None
     ceiling = ISA_CODES[config.quant_isa] if config.quant_isa else max(ISA_CODES.values())
     if ceiling not in _isa_choice:
-        _isa_choice[ceiling] = isa_table.widest("quant", QUANT_ISAS[ceiling])
+        _isa_choice[ceiling] = dispatch.widest("quant", QUANT_ISAS[ceiling])
     return _isa_choice[ceiling]
 
 
 def isa_available(isa: str) -> bool:
     """Whether this build and CPU run the kernel path `isa`."""
-    return isa_table.available("quant", isa)
+    return dispatch.available("quant", isa)
 
 
 def dequantize_dense(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -380,7 +378,7 @@ def panel_isa(weight: QuantizedWeight) -> str:
     isa = weight.isa or kernel_isa() or "portable"
     if isa == "avx512" and weight.gemm_dtype == torch.float32:
         isa = "avx2"
-    while isa != "portable" and not isa_table.available("quant_gemm", isa):
+    while isa != "portable" and not dispatch.available("quant_gemm", isa):
         isa = QUANT_ISAS[ISA_CODES[isa] - 1]
     return isa
 
@@ -402,40 +400,27 @@ def panel_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     return y
 
 
-_draft_rows = threading.local()  # `num`: draft rows of the step this thread runs
-
-
-@contextlib.contextmanager
-def excluding_draft_rows(num_draft_rows: int):
-    """Within it (on this thread), `linear` chooses its kernel for a step of N rows as for a
-    step of N - `num_draft_rows`: a speculative verify step's rows (its drafts' among them)
-    then go through the kernel, and the activation rounding, that plain decoding of the
-    same sequences would use, so greedy speculative decoding emits exactly its tokens
-    (the panel GEMM and the row kernel round activations differently)."""
-    previous = getattr(_draft_rows, "num", 0)
-    _draft_rows.num = num_draft_rows
-    try:
-        yield
-    finally:
-        _draft_rows.num = previous
-
-
 def _single_row_kernel(weight: QuantizedWeight, isa: str) -> bool:
     """Whether a one-row step takes quant_gemv.c's kernel (as kvserve_quant_single_row_kernel)."""
     return weight.act_bits == 8 and isa == "avx512"
 
 
 def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-           isa: str | None = None) -> torch.Tensor:
+           isa: str | None = None, num_draft_rows: int = 0) -> torch.Tensor:
     """x [..., in] @ W^T (+ bias) with W quantized; x float32 or bfloat16 on the CPU
     (rows may be strided), the result of x's dtype. `isa` overrides the weight's path.
-    Steps of `weight.gemm_rows` rows or more dequantize W and run a dense GEMM instead
-    (rows counted without a verify step's drafts: `excluding_draft_rows`)."""
+    Steps of `weight.gemm_rows` rows or more dequantize W and run a dense GEMM instead.
+
+    `num_draft_rows` of the rows are a speculative verify step's drafts: the kernel is
+    chosen as for a step without them, so the step's rows go through the kernel, and the
+    activation rounding, that plain decoding of the same sequences would use, and greedy
+    speculative decoding emits exactly its tokens (the panel GEMM and the row kernel round
+    activations differently)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     if x2.shape[-1] != weight.in_features:
         raise cpu_kernels.KernelArgumentError(f"input width {x2.shape[-1]}, weight takes {weight.in_features}")
-    plain_rows = x2.shape[0] - getattr(_draft_rows, "num", 0)
+    plain_rows = x2.shape[0] - num_draft_rows
     if isa is None and weight.gemm_rows and plain_rows >= weight.gemm_rows:
         return _dense_linear(x2, weight, bias, weight.gemm_dtype).view(*lead, weight.out_features)
     if isa is None and weight.panel_rows and plain_rows >= weight.panel_rows:
@@ -480,7 +465,7 @@ def holds_quantized_weights(model_config, device: str | torch.device,
 
 def _file_matrix_types(path: str) -> dict[str, int]:
     """GGUF type name -> count of 2-D tensors of that type in the file."""
-    from kvserve.model.gguf_loader import open_gguf
+    from kvserve.model.gguf_file import open_gguf
     counts: dict[str, int] = {}
     for tensor in open_gguf(path).tensors:
         if len(tensor.shape) == 2:

@@ -41,8 +41,8 @@ import threading
 from dataclasses import dataclass
 from importlib import resources
 
-from kvserve.config import cache_root
 from kvserve.native import abi, isa
+from kvserve.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -221,6 +221,35 @@ def _load_probe() -> ctypes.CDLL | None:
     return lib
 
 
+# A test hook: a hex mask applied to the XCR0 the probe reads, to simulate an OS that
+# enabled less than the CPU offers (the library is then built as it would be there).
+XCR0_MASK_ENV = "KVSERVE_TEST_XCR0_MASK"
+_AMX_STATE = (1 << 17) | (1 << 18)  # XCR0's XTILECFG and XTILEDATA
+
+
+def xcr0_mask_from_env(environ=None) -> int | None:
+    """The test hook's mask (`KVSERVE_TEST_XCR0_MASK`, hex), or None."""
+    raw = (os.environ if environ is None else environ).get(XCR0_MASK_ENV, "").strip()
+    return int(raw, 16) if raw else None
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(xcr0_mask: int | None) -> isa.CpuFeatures | None:
+    lib = load_probe()
+    if lib is None:
+        return None
+    cpuid, xcr0 = int(lib.kvserve_cpuid_features()), int(lib.kvserve_xcr0())
+    if xcr0_mask is not None:
+        xcr0 &= xcr0_mask
+    amx = bool(cpuid & isa.AMX) and xcr0 & _AMX_STATE == _AMX_STATE and bool(lib.kvserve_request_amx_permission())
+    return isa.decide(lib, cpuid, xcr0, amx)
+
+
+def probe_features() -> isa.CpuFeatures | None:
+    """This machine's features (None without a compiler), honouring the test mask."""
+    return _probe(xcr0_mask_from_env())
+
+
 @dataclass(frozen=True)
 class BuildInfo:
     """How the loaded library was built: compiler, flags, path, and the probe's features."""
@@ -240,7 +269,7 @@ def _load() -> ctypes.CDLL | None:
     sources = _sources()
     version = _compiler_version(cc)
     try:
-        features = isa.probe()
+        features = probe_features()
         flags = [*_CFLAGS, *compile_flags(cc, features)]
         target_dir = _cache_dir(*sources, *sources.values(), " ".join(flags), version, _cpu_flags(),
                                 str(features and features.usable))

@@ -19,7 +19,7 @@ import sys
 import numpy as np
 import torch
 
-from kvserve.native import abi
+from kvserve.native import abi, dispatch
 from kvserve.native import isa as isa_table
 from kvserve.native.build import load_library
 
@@ -60,12 +60,12 @@ def supports_shape(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
 
 def attention_isa_available(isa: str) -> bool:
     """Whether the attention kernel's path `isa` runs here (this build, this CPU)."""
-    return isa_table.available("attention", isa)
+    return dispatch.available("attention", isa)
 
 
 def widest_attention_isa() -> str:
     """The widest path of the attention kernel that runs here ("portable" without the library)."""
-    return isa_table.widest("attention") or "portable"
+    return dispatch.widest("attention") or "portable"
 
 
 def takes(*tensors: torch.Tensor) -> bool:

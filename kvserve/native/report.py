@@ -8,8 +8,9 @@ import os
 import platform
 import sys
 
-from kvserve.native import build, isa
+from kvserve.native import build, dispatch, isa
 from kvserve.native.config import KernelConfig
+from kvserve.paths import cache_root
 
 
 def _cpu_model() -> str:
@@ -33,23 +34,21 @@ def _chosen_paths(config: KernelConfig) -> dict[str, str | None]:
     """The path each kernel takes under `config` (None: the kernels are off or unavailable)."""
     if not config.cpu_kernels or build.load_library() is None:
         return {kernel: None for kernel in isa.KERNELS}
-    paths = {kernel: isa.widest(kernel, config.quant_isa) for kernel in isa.KERNELS if kernel != "mask"}
+    paths = {kernel: dispatch.widest(kernel, config.quant_isa) for kernel in isa.KERNELS if kernel != "mask"}
     mask_cap = config.grammar_mask_isa
-    paths["mask"] = None if mask_cap == "torch" else isa.widest("mask", mask_cap)
+    paths["mask"] = None if mask_cap == "torch" else dispatch.widest("mask", mask_cap)
     return paths
 
 
 def collect_env(environ=None) -> dict:
-    """The report as a dict (what `kvserve env --json` prints)."""
-    from kvserve import __version__
-    from kvserve.config import cache_root
+    """The report as a dict (what `kvserve env --json` prints, after the kvserve version)."""
     environ = os.environ if environ is None else environ
     config = KernelConfig.from_env(environ)
-    features = isa.probe()
+    features = build.probe_features()
     info = build.build_info() if config.cpu_kernels else None
     cc = build.compiler()
     return {
-        "kvserve": __version__, "python": sys.version.split()[0], "platform": platform.platform(),
+        "python": sys.version.split()[0], "platform": platform.platform(),
         "torch": _torch_version(), "cpu": _cpu_model(), "machine": platform.machine(),
         "cpu_features": features.describe() if features else None,
         "xcr0": hex(features.xcr0) if features else None,

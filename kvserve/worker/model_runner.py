@@ -192,7 +192,6 @@ class ModelRunner:
             self._to_device(prepared.positions),
             self._build_attention_metadata(prepared),
             self.kv_caches,
-            num_draft_tokens=prepared.total_draft_tokens,
         )
         if not prepared.sampled_req_ids:
             return None
@@ -212,7 +211,6 @@ class ModelRunner:
             self._build_attention_metadata(prepared),
             self.kv_caches,
             self._to_device(prepared.logits_indices),
-            num_draft_tokens=prepared.total_draft_tokens,
             head_mask=None if pending_masks is None else pending_masks.head_mask,
         )
 
@@ -292,6 +290,7 @@ class ModelRunner:
                 query_start_loc=query_start_loc, seq_lens=seq_lens,
                 block_table=to_device(block_table), slot_mapping=to_device(slot_mapping),
                 max_query_len=max_query_len, max_seq_len=max_seq_len, spec=spec, req_index=req_index,
+                num_draft_tokens=prepared.total_draft_tokens,
             )
             for spec, block_table, slot_mapping in zip(group_specs, prepared.block_tables,
                                                        prepared.slot_mappings)

@@ -3,12 +3,17 @@
 It streams `num_tokens` chunks per request: the first after `first_token_delay_s`,
 then one every `inter_token_delay_s`. It records what it sent and how many
 streams were open at once, so tests compare the client's measurements with
-the server's own account.
+the server's own account. Run as a script (`python fake_openai_server.py --port
+P`), it is a server child process that can kill itself with SIGSEGV on a given
+request of a given start, as a crashing reference engine would.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -31,7 +36,8 @@ class FakeServerLog:
 
 
 def build_app(log: FakeServerLog, *, num_tokens: int, first_token_delay_s: float, inter_token_delay_s: float,
-              fail_request_numbers: frozenset[int] = frozenset(), send_usage: bool = True) -> FastAPI:
+              fail_request_numbers: frozenset[int] = frozenset(), send_usage: bool = True,
+              crash_on_request: int | None = None) -> FastAPI:
     app = FastAPI()
     lock = threading.Lock()
 
@@ -68,6 +74,8 @@ def build_app(log: FakeServerLog, *, num_tokens: int, first_token_delay_s: float
             number = len(log.bodies)
             log.bodies.append(body)
             log.arrival_times.append(time.perf_counter())
+        if crash_on_request is not None and number + 1 == crash_on_request:
+            os.kill(os.getpid(), signal.SIGSEGV)
         if number in fail_request_numbers:
             return JSONResponse({"error": {"message": "injected failure", "type": "server_error"}}, status_code=500)
         return StreamingResponse(stream(body, chat), media_type="text/event-stream")
@@ -113,3 +121,33 @@ class FakeServer:
         self._server.should_exit = True
         self._thread.join(timeout=10)
         self._socket.close()
+
+
+def _count_start(count_file: str) -> int:
+    """This start's number (1-based), kept in `count_file` across the processes of a test."""
+    try:
+        with open(count_file) as f:
+            previous = int(f.read() or 0)
+    except FileNotFoundError:
+        previous = 0
+    with open(count_file, "w") as f:
+        f.write(str(previous + 1))
+    return previous + 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="a fake OpenAI streaming server")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--num-tokens", type=int, default=4)
+    parser.add_argument("--count-file", help="counts this server's starts")
+    parser.add_argument("--crash-in-start", type=int, help="on this start (needs --count-file) ...")
+    parser.add_argument("--crash-on-request", type=int, default=1, help="... die by SIGSEGV on this request")
+    args = parser.parse_args()
+    crash = args.count_file is not None and _count_start(args.count_file) == args.crash_in_start
+    app = build_app(FakeServerLog(), num_tokens=args.num_tokens, first_token_delay_s=0.001,
+                    inter_token_delay_s=0.001, crash_on_request=args.crash_on_request if crash else None)
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -53,3 +53,31 @@ def test_serve_compare_ratios_are_medians_of_rounds():
     assert serve_compare._summary(runs["kvserve"])["output_token_throughput"] == 100
     command = serve_compare.llama_cpp_command("m.gguf", 8, 2, 1024, llama_server="/opt/llama-server")
     assert command.argv[command.argv.index("--parallel") + 1] == "8" and "-t" in command.argv
+
+
+def _fake_spec(name: str, **kwargs) -> "compare.RunnerSpec":
+    return compare.RunnerSpec(name, "kvserve.testing:FakeBenchRunner", {"engine": name, **kwargs})
+
+
+def test_a_reference_that_crashes_is_recorded_with_its_signal_and_round_and_said():
+    """A reference child killed by a signal (llama.cpp's AMX kernels do so on some CPUs) is neither
+    skipped nor hidden: the result names the engine, the signal, the round, what was done, and
+    its figures cover only the rounds it finished."""
+    workloads = [ragged_workload(2, 3, 4, 2, vocab_size=64, seed=1)]
+    first = compare._start(_fake_spec("kvserve"), 1, workloads, warmup=False)
+    # llama.cpp crashes at load on its repacked buffers, then in its second run on plain ones.
+    specs = [_fake_spec("llama.cpp", crash_signal="SIGSEGV", crash_on_load=True, crash_on_run=2)]
+    results, facts, failures = compare._run_engines(first, specs, workloads, rounds=3, warmup=False, num_threads=1)
+    assert failures == [
+        {"engine": "llama.cpp", "phase": "loading", "round": None, "workload": None, "signal": "SIGSEGV",
+         "exit_code": -11, "error": failures[0]["error"], "action": "retried on plain CPU buffers (extra_buffers=False)"},
+        {"engine": "llama.cpp", "phase": "run", "round": 2, "workload": workloads[0].name, "signal": "SIGSEGV",
+         "exit_code": -11, "error": failures[1]["error"], "action": "left out of the later rounds"},
+    ]
+    assert "killed by SIGSEGV" in failures[0]["error"]
+    assert facts["llama.cpp"]["runner_kwargs"]["extra_buffers"] is False  # the fallback is in the facts too
+    rounds_run = {r["engine"]: len(r["rounds_elapsed_s"]) for r in results}
+    assert rounds_run == {"kvserve": 3, "llama.cpp": 1}
+    text = compare.format_failures(failures)
+    assert "REFERENCE FAILED: llama.cpp killed by SIGSEGV (round 2, workload" in text
+    assert "REFERENCE FAILED: llama.cpp killed by SIGSEGV (loading)" in text

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from kvserve.cli import main
-from kvserve.native import build, isa
+from kvserve.native import build, dispatch
 
 
 def test_env_json_reports_features_paths_and_versions(capsys, monkeypatch):
@@ -15,7 +15,7 @@ def test_env_json_reports_features_paths_and_versions(capsys, monkeypatch):
     assert {"kvserve", "python", "torch", "cpu", "compiler", "kernel_cache", "kernel_paths", "cpu_features"} <= set(report)
     assert report["torch"].startswith("2.")
     assert report["switches"]["KVSERVE_QUANT_ISA"] == "portable"
-    features = isa.probe()
+    features = build.probe_features()
     if features is not None:
         assert report["cpu_features"] == features.describe()
         assert set(report["cpu_features"]["usable"]) <= set(report["cpu_features"]["cpuid"])
@@ -25,7 +25,7 @@ def test_env_json_reports_features_paths_and_versions(capsys, monkeypatch):
         assert "-march=native" in report["compile_flags"]
         # KVSERVE_QUANT_ISA caps every kernel the model picks a path for; the mask has its own cap
         assert {path for kernel, path in report["kernel_paths"].items() if kernel != "mask"} == {"portable"}
-        assert report["kernel_paths"]["mask"] == isa.widest("mask")
+        assert report["kernel_paths"]["mask"] == dispatch.widest("mask")
 
 
 def test_env_text_names_every_section(capsys, monkeypatch):

@@ -1,7 +1,7 @@
 """Speculative decoding through `LLM` with the default model (quantized, as shipped): greedy
 outputs equal the engine without it (stop strings, n > 1 included; the bench's input-grounded
 chats, whose verify steps of 5 tokens would take the panel GEMM where plain decoding takes the
-row kernel, see `quantized.excluding_draft_rows`), and each completion reports its drafts."""
+row kernel, see `quantized.linear`'s `num_draft_rows`), and each completion reports its drafts."""
 from __future__ import annotations
 
 import pytest

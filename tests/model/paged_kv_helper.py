@@ -206,13 +206,14 @@ class PagedRunner:
             block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
             metadata.append(AttentionMetadata.build(group.kv_cache_spec, query_lens, seq_lens, block_table,
                                                     self.device))
+            metadata[-1].num_draft_tokens = num_draft_tokens
         # The rows the model runner asks for (each request's last token), or every row.
         rows = (torch.arange(len(input_ids)) if every_token else torch.tensor(query_lens).cumsum(0) - 1)
         with torch.inference_mode():
             logits = self.model.forward_logits(torch.tensor(input_ids, device=self.device),
                                                torch.tensor(positions, device=self.device), metadata,
                                                self.kv_caches, rows.to(self.device),
-                                               num_draft_tokens=num_draft_tokens, head_mask=head_mask).cpu()
+                                               head_mask=head_mask).cpu()
         if every_token:
             logits = logits.split(query_lens)
         for req_id, n in schedule.items():
@@ -250,3 +251,35 @@ def run_greedy(runner: PagedRunner, prompts: dict[str, list[int]], max_new_token
                 logits[req_id].append(out[req_id])
                 runner.append(req_id, token)
     return tokens, logits
+
+
+def run_teacher_forced(runner: PagedRunner, sequences: dict[str, list[int]], prompt_lens: dict[str, int],
+                       chunk: int) -> dict[str, torch.Tensor]:
+    """Feed each sequence whole, the same tokens whatever the logits say (teacher forcing):
+    its first `prompt_lens[r]` tokens in steps of up to `chunk`, then one token a step, all
+    requests batched. Returns each request's logits after every step from its prompt's end
+    on, [len - prompt_len + 1, vocab]: row i is the prediction after token prompt_len - 1 + i."""
+    for req_id, tokens in sequences.items():
+        runner.add(req_id, tokens)
+    logits: dict[str, list[torch.Tensor]] = {r: [] for r in sequences}
+    while any(runner.requests[r].num_computed < len(t) for r, t in sequences.items()):
+        schedule = {}
+        for req_id, tokens in sequences.items():
+            done = runner.requests[req_id].num_computed
+            if done < len(tokens):
+                schedule[req_id] = min(chunk, prompt_lens[req_id] - done) if done < prompt_lens[req_id] else 1
+        out = runner.step(schedule)
+        for req_id in schedule:
+            if runner.requests[req_id].num_computed >= prompt_lens[req_id]:
+                logits[req_id].append(out[req_id])
+    return {r: torch.stack(rows) for r, rows in logits.items()}
+
+
+def every_token_logits(model, sequences: dict[str, list[int]], prompt_lens: dict[str, int]) -> dict[str, torch.Tensor]:
+    """The rows `run_teacher_forced` returns, each sequence in one step of all its tokens."""
+    runner = PagedRunner(model)
+    out = {}
+    for req_id, tokens in sequences.items():
+        runner.add(req_id, tokens)
+        out[req_id] = runner.step({req_id: len(tokens)}, every_token=True)[req_id][prompt_lens[req_id] - 1:]
+    return out

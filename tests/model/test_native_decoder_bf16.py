@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from kvserve.native.config import KernelConfig
-from kvserve.native import cpu_kernels
-from kvserve.native import isa as isa_table
+from kvserve.native import cpu_kernels, dispatch
 from kvserve.model import native_decoder
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
@@ -33,7 +32,7 @@ NUM_NEW = 64
 
 
 def _skip_unless_runs(path: str) -> None:
-    if not isa_table.available("bf16", path):
+    if not dispatch.available("bf16", path):
         pytest.skip(f"the {path} bfloat16 path does not run here")
 
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kvserve.native import build, isa
+from kvserve.native import build, dispatch, isa
 from kvserve.native.config import QUANT_ISA_ENV, KernelConfig
 
 pytestmark = pytest.mark.skipif(build.load_probe() is None or not build._is_x86(),
@@ -59,7 +59,7 @@ def test_the_os_never_adds_what_cpuid_lacks():
 
 
 def test_this_machines_probe_is_consistent():
-    features = isa.probe()
+    features = build.probe_features()
     assert features.usable & ~features.cpuid == 0
     if features.has("avx512f"):
         assert features.xcr0 & (SSE_AVX | AVX512_STATE) == SSE_AVX | AVX512_STATE
@@ -72,19 +72,19 @@ def test_this_machines_probe_is_consistent():
 def test_os_disabled_avx512_state_chooses_the_narrower_path(kernel):
     """The probe's decision with this CPU's CPUID but an XCR0 without AVX-512 state (and
     then without AVX state) picks AVX2 (then portable) wherever the wider path exists."""
-    real = isa.probe()
+    real = build.probe_features()
     no_zmm = isa.decide(build.load_probe(), real.cpuid, real.xcr0 & ~AVX512_STATE, real.amx_permitted)
     no_ymm = isa.decide(build.load_probe(), real.cpuid, real.xcr0 & ~(1 << 2), real.amx_permitted)
-    assert isa.widest(kernel, features=no_zmm) == ("avx2" if isa.available(kernel, "avx2") else "portable")
-    assert isa.widest(kernel, features=no_ymm) == "portable"
-    assert not isa.available(kernel, "avx512", features=no_zmm)
+    assert dispatch.widest(kernel, features=no_zmm) == ("avx2" if dispatch.available(kernel, "avx2") else "portable")
+    assert dispatch.widest(kernel, features=no_ymm) == "portable"
+    assert not dispatch.available(kernel, "avx512", features=no_zmm)
 
 
 @pytest.mark.parametrize("xcr0_mask", [~AVX512_STATE, ~(1 << 2), ~AMX_STATE])
 def test_the_compiler_is_never_allowed_what_the_probe_refused(xcr0_mask):
     """-march=native minus the refused sets: the compiler's own predefined macros show no
     instruction set the masked probe did not approve."""
-    real = isa.probe()
+    real = build.probe_features()
     masked = isa.decide(build.load_probe(), real.cpuid, real.xcr0 & xcr0_mask, False)
     cc = build.compiler()
     flags = build.compile_flags(cc, masked)
@@ -100,7 +100,7 @@ def test_the_compiler_is_never_allowed_what_the_probe_refused(xcr0_mask):
 def test_the_unmasked_build_is_plain_native_where_the_os_enabled_everything_native_uses():
     """Where nothing is refused the flags are -march=native alone (the code as before)."""
     cc = build.compiler()
-    features = isa.probe()
+    features = build.probe_features()
     native = build._predefined_isa_macros(cc, ["-march=native"])
     if not build.unapproved(native, features):
         assert build.compile_flags(cc, features) == ["-march=native"]
@@ -112,19 +112,19 @@ def test_each_runnable_path_can_be_forced(ceiling):
     """KVSERVE_QUANT_ISA caps every kernel the model picks a path for; the path forced is
     the one taken where the kernel has it on this machine."""
     from kvserve.model import native_decoder, quantized
-    if not isa.available("quant", ceiling):
+    if not dispatch.available("quant", ceiling):
         pytest.skip(f"this machine does not run the {ceiling} path")
     config = KernelConfig.from_env({QUANT_ISA_ENV: ceiling})
     assert quantized.kernel_isa(config) == ceiling
     for kernel, chosen in (("bf16", native_decoder.bf16_isa(config)), ("f32_gemm", native_decoder.f32_gemm_isa(config)),
                            ("attention", native_decoder.attention_isa(config))):
-        assert chosen == isa.widest(kernel, ceiling)
+        assert chosen == dispatch.widest(kernel, ceiling)
         assert isa.ISA_CODES[chosen] <= isa.ISA_CODES[ceiling]
 
 
 _CHILD = """
 import json, torch
-from kvserve.native import build, cpu_kernels, isa
+from kvserve.native import build, cpu_kernels, dispatch, isa
 from kvserve.model import quantized
 lib = build.load_library()
 info = build.build_info()
@@ -133,7 +133,7 @@ w = torch.randn(64)
 ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
 out = cpu_kernels.rms_norm(x, w, 1e-6, False)
 print(json.dumps({"flags": list(info.flags), "usable": isa.feature_names(info.features.usable),
-                  "paths": {k: isa.widest(k) for k in isa.KERNELS}, "quant": quantized.kernel_isa(),
+                  "paths": {k: dispatch.widest(k) for k in isa.KERNELS}, "quant": quantized.kernel_isa(),
                   "norm_error": float((out - ref).abs().max())}))
 """
 
@@ -142,7 +142,7 @@ print(json.dumps({"flags": list(info.flags), "usable": isa.feature_names(info.fe
 def test_a_library_built_where_the_os_disabled_avx512_runs_the_avx2_paths(tmp_path):
     """End to end: with the test hook masking XCR0's AVX-512 state, the library is built
     without AVX-512 (-mno-avx512f) and every kernel takes its AVX2 path."""
-    env = {**os.environ, isa.XCR0_MASK_ENV: hex(0xFFFFFFFF & ~AVX512_STATE), "KVSERVE_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, build.XCR0_MASK_ENV: hex(0xFFFFFFFF & ~AVX512_STATE), "KVSERVE_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])

@@ -136,3 +136,34 @@ def test_gateway_routes_every_policy_through_kvserve(replicas, policy):
 def test_gateway_rejects_unknown_policy():
     with pytest.raises(ValueError, match="unknown gateway policy"):
         start_gateway(["http://127.0.0.1:1"], "fastest")
+
+
+@gateway_required
+def test_gateway_drops_a_replica_whose_engine_died(tokenizer):
+    """/health turns 503 when a replica's executor dies (e.g. a lost node, found by heartbeat
+    while idle): the gateway's health check marks it unhealthy and routes around it."""
+    engines = [_replica_engine(tokenizer) for _ in range(2)]
+    servers = [ThreadedServer(build_app(engine, MODEL)).__enter__() for engine in engines]
+    gateway = None
+    try:
+        gateway = start_gateway([s.base_url for s in servers], "round_robin")
+        engines[1].engine_core.executor.kill("lost tensor-parallel rank 1 on node 1", when="now")
+        assert httpx.get(servers[1].base_url + "/health").status_code == 503
+        # The gateway checks every 1 s and drops a worker after 2 failures (start_gateway's flags).
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            workers = httpx.get(gateway.url + "/workers").json()["workers"]
+            health = {w["url"]: w["is_healthy"] for w in workers}
+            if health.get(servers[1].base_url) is False:
+                break
+            time.sleep(0.2)
+        assert health == {servers[0].base_url: True, servers[1].base_url: False}, workers
+        before = _served_counts(servers[:1])
+        for i in range(4):
+            _chat(gateway.url, f"still served {i}")
+        assert _served_counts(servers[:1])[0] - before[0] == 4
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        for server in servers:
+            server.__exit__(None, None, None)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from kvserve.cli import build_parser
 from kvserve.engine.arg_utils import engine_kwargs_from_args
 from kvserve.server.launch import add_serve_arguments, served_name
@@ -34,3 +36,15 @@ def test_api_key_from_environment(monkeypatch):
     monkeypatch.setenv("KVSERVE_API_KEY", "from-env")
     parser = add_serve_arguments(argparse.ArgumentParser())
     assert parser.parse_args([]).api_key == "from-env"
+
+
+def test_lost_node_flags():
+    parser = build_parser("serve")
+    defaults = parser.parse_args(["serve"])
+    assert defaults.exit_on_lost_node is True and "heartbeat_timeout_s" not in engine_kwargs_from_args(defaults)
+    args = parser.parse_args(["serve", "--heartbeat-timeout", "2.5", "--no-exit-on-lost-node"])
+    assert args.exit_on_lost_node is False and engine_kwargs_from_args(args)["heartbeat_timeout_s"] == 2.5
+    from kvserve.config import ConfigError, ParallelConfig
+    assert ParallelConfig().heartbeat_timeout_s == 10.0
+    with pytest.raises(ConfigError, match="heartbeat_timeout_s must be > 0"):
+        ParallelConfig(heartbeat_timeout_s=0)

@@ -90,6 +90,9 @@ class AttentionMetadata:
     max_seq_len: int
     spec: KVCacheSpec | None = None
     req_index: torch.Tensor | None = None  # [T] request of each token (None: derived when asked)
+    # Speculative drafts among the step's tokens: every matmul picks its kernel as for the
+    # step without them (`quantized.linear`'s `num_draft_rows`).
+    num_draft_tokens: int = 0
     _plans: dict = field(default_factory=dict, repr=False)
 
     @classmethod

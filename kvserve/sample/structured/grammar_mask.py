@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from kvserve.native.config import GRAMMAR_MASK_TORCH, KernelConfig
-from kvserve.native import cpu_kernels
+from kvserve.native import cpu_kernels, dispatch
 from kvserve.native import isa as isa_table
 
 ISA_CODES = isa_table.ISA_CODES  # the kernel's codes, narrowest first
@@ -35,7 +35,7 @@ ISA_CODES = isa_table.ISA_CODES  # the kernel's codes, narrowest first
 
 def isa_available(isa: str) -> bool:
     """Whether this build and CPU run the kernel path `isa` ("portable", "avx2", "avx512")."""
-    return isa_table.available("mask", isa)
+    return dispatch.available("mask", isa)
 
 
 def choose_mask_isa(kernel_config: KernelConfig, device: torch.device | str) -> str | None:
@@ -44,7 +44,7 @@ def choose_mask_isa(kernel_config: KernelConfig, device: torch.device | str) -> 
     cap = kernel_config.grammar_mask_isa
     if torch.device(device).type != "cpu" or not kernel_config.cpu_kernels or cap == GRAMMAR_MASK_TORCH:
         return None
-    return isa_table.widest("mask", cap)
+    return dispatch.widest("mask", cap)
 
 
 def kernel_takes(logits: torch.Tensor) -> bool:
