@@ -61,7 +61,7 @@ def _kvserve_area(filename: str) -> str | None:
         return None
     if relative.startswith("model/attention"):
         return "attention"
-    if relative.startswith("model/sampler"):
+    if relative.startswith("sample/"):
         return "sampling"
     if relative.startswith("model/"):
         return "model: other ops (norms, rope, activations, embedding)"

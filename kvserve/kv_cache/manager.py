@@ -100,8 +100,9 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The request's longest prefix hit and its length in tokens. Never the whole
-        prompt (the last token is computed to get logits); changes nothing."""
-        if not self.enable_caching:
+        prompt (the last token is computed to get logits), and none for a request that
+        must compute its prompt (`Request.reads_prefix_cache`); changes nothing."""
+        if not self.enable_caching or not request.reads_prefix_cache:
             return self.empty_kv_cache_blocks, 0
         # Hashes cover complete hash units only; a request built without this
         # cache's hasher has none and can never hit.
