@@ -159,6 +159,7 @@ def dequantize_tensor(tensor: Any, rows: tuple[int, int] | None = None) -> np.nd
 def iter_gguf_tensors(path: str, num_heads: int, num_kv_heads: int,
                       select: Callable[[str], tuple[int, int, int] | None] | None = None,
                       keep_quantized: Callable[[str], bool] | None = None,
+                      skip: Callable[[str], bool] | None = None,
                       ) -> Iterator[tuple[str, Any]]:
     """Yield (HF name, float32 array) for every model tensor of the file.
 
@@ -167,7 +168,7 @@ def iter_gguf_tensors(path: str, num_heads: int, num_kv_heads: int,
     cut before dequantizing; column slices after. Where `keep_quantized(hf_name)`
     and the native kernels take the tensor's type (and a column slice falls on
     block boundaries) the tensor comes as a `QuantizedWeight` instead, not
-    dequantized.
+    dequantized. Tensors for which `skip(hf_name)` holds are not read at all.
     """
     reader = open_gguf(path)
     arch = _field_value(reader, "general.architecture")
@@ -179,6 +180,8 @@ def iter_gguf_tensors(path: str, num_heads: int, num_kv_heads: int,
         name = gguf_hf_name(tensor.name, arch)
         if name is None:
             logger.debug("skipping GGUF tensor %s", tensor.name)
+            continue
+        if skip is not None and skip(name):
             continue
         full_rows = int(tensor.shape[-1])
         part = select(name) if select is not None else None
