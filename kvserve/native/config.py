@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 
 from kvserve.errors import ConfigError
+from kvserve.native.isa import ISAS
 
 # Kernel switches (environment variable -> KernelConfig field), documented in README.md.
 CPU_KERNELS_ENV = "KVSERVE_CPU_KERNELS"
@@ -22,8 +23,8 @@ NATIVE_DECODER_ENV = "KVSERVE_NATIVE_DECODER"
 SHM_ALL_REDUCE_ENV = "KVSERVE_SHM_ALL_REDUCE"
 GRAMMAR_MASK_ISA_ENV = "KVSERVE_GRAMMAR_MASK_ISA"
 REPACK_CACHE_ENV = "KVSERVE_REPACK_CACHE"
-# The quantized matmul's kernel paths, narrowest first.
-QUANT_ISAS = ("portable", "avx2", "avx512")
+# The quantized matmul's kernel paths, narrowest first (every kernel's: `isa.ISAS`).
+QUANT_ISAS = ISAS
 # KVSERVE_GRAMMAR_MASK_ISA: one of QUANT_ISAS (the grammar-mask kernel's paths), or this.
 GRAMMAR_MASK_TORCH = "torch"
 
