@@ -29,6 +29,14 @@ from kvserve.model.quantized import QuantizedWeight, gemm_dtype, kernel_isa, kee
 
 logger = logging.getLogger(__name__)
 
+# Other families' names of the same modules: Mixtral's MoE block and expert projections.
+_RENAMES = ((re.compile(r"\.block_sparse_moe\."), ".mlp."),
+            (re.compile(r"\.experts\.(\d+)\.w1\."), r".experts.\1.gate_proj."),
+            (re.compile(r"\.experts\.(\d+)\.w3\."), r".experts.\1.up_proj."),
+            (re.compile(r"\.experts\.(\d+)\.w2\."), r".experts.\1.down_proj."))
+# transformers 5's in-memory layout of a layer's experts, stacked: gate_up [E, 2I, hidden], down [E, hidden, I].
+_STACKED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)$")
+
 _FUSED_PARTS = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                 "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
 
@@ -205,7 +213,7 @@ def load_weights(model: DecoderModel, tensors: Iterator[tuple[str, torch.Tensor]
         module.quant_weight = weight
         module.register_parameter("weight", None)
         loaded.update(f"{module_name}.weight" + (f":{part}" if part else "") for part in module._part_names())
-    for name, tensor in tensors:
+    for name, tensor in _split_stacked_experts(tensors):
         if name == "rope_freq_factors":
             model.rotary_global.set_freq_factors(tensor)
             continue
@@ -228,9 +236,29 @@ def load_weights(model: DecoderModel, tensors: Iterator[tuple[str, torch.Tensor]
     _check_complete(model, loaded)
 
 
+def _split_stacked_experts(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass tensors through, with stacked expert tensors (`_STACKED_EXPERTS`) cut into
+    each expert's gate, up and down projections under their per-expert names."""
+    for name, tensor in tensors:
+        match = _STACKED_EXPERTS.fullmatch(name)
+        if match is None or isinstance(tensor, QuantizedWeight) or tensor.dim() != 3:
+            yield name, tensor
+            continue
+        prefix, kind = match.groups()
+        for expert, part in enumerate(tensor.unbind(0)):
+            if kind == "down_proj":
+                yield f"{prefix}.{expert}.down_proj.weight", part
+            else:
+                gate, up = part.chunk(2, dim=0)
+                yield f"{prefix}.{expert}.gate_proj.weight", gate
+                yield f"{prefix}.{expert}.up_proj.weight", up
+
+
 def _route(name: str) -> tuple[str, str, str | None] | None:
     """HF tensor name -> (module name, 'weight'|'bias', fused shard or None)."""
     name = re.sub(r"^model\.", "", name)
+    for pattern, replacement in _RENAMES:
+        name = pattern.sub(replacement, name)
     if name.startswith("language_model."):
         name = name.removeprefix("language_model.").removeprefix("model.")
     if "rotary_emb" in name:
@@ -258,8 +286,14 @@ def _check_complete(model: DecoderModel, loaded: set[str]) -> None:
     for layer_idx in range(model.config.num_layers):
         prefix = f"layers.{layer_idx}"
         expected += [f"{prefix}.self_attn.qkv_proj.weight:{s}" for s in "qkv"]
-        expected += [f"{prefix}.self_attn.o_proj.weight", f"{prefix}.mlp.down_proj.weight",
-                     f"{prefix}.mlp.gate_up_proj.weight:gate", f"{prefix}.mlp.gate_up_proj.weight:up"]
+        expected.append(f"{prefix}.self_attn.o_proj.weight")
+        if model.config.sparse_layers[layer_idx]:
+            expected.append(f"{prefix}.mlp.gate.weight")
+            mlps = [f"{prefix}.mlp.experts.{e}" for e in range(model.config.num_experts)]
+        else:
+            mlps = [f"{prefix}.mlp"]
+        for mlp in mlps:
+            expected += [f"{mlp}.down_proj.weight", f"{mlp}.gate_up_proj.weight:gate", f"{mlp}.gate_up_proj.weight:up"]
     expected += ["embed_tokens.weight", "norm.weight"]
     if not model.config.tie_word_embeddings:
         expected.append("lm_head.weight")

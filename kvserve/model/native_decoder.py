@@ -168,6 +168,14 @@ class _TensorParallelReduce:
         raise error if error is not None else RuntimeError("the native decoder's all-reduce failed")
 
 
+def _check_layers_covered(config) -> None:
+    """Raise NativeDeclined for layers the one-call decoder does not implement."""
+    if config.is_moe:
+        raise NativeDeclined("mixture-of-experts layers (the per-op path runs them)")
+    if (config.qk_norm and not config.qk_norm_per_head) or config.clip_qkv is not None:
+        raise NativeDeclined("a Q/K norm over the whole projection or clipped Q/K/V")
+
+
 def _ptr_of(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -179,6 +187,7 @@ class NativeDecoder:
     quantized or plain projection weights) so none is freed under it."""
 
     def __init__(self, model) -> None:
+        _check_layers_covered(model.config)
         self.model = model
         self._keep: list[torch.Tensor] = []
         self._layer_bytes = 0  # weight bytes of one layer's projections

@@ -464,11 +464,12 @@ def holds_quantized_weights(model_config, device: str | torch.device,
 
 
 def _file_matrix_types(path: str) -> dict[str, int]:
-    """GGUF type name -> count of 2-D tensors of that type in the file."""
+    """GGUF type name -> count of matrices (2-D tensors and 3-D stacks of experts) of that
+    type in the file."""
     from kvserve.model.gguf_file import open_gguf
     counts: dict[str, int] = {}
     for tensor in open_gguf(path).tensors:
-        if len(tensor.shape) == 2:
+        if len(tensor.shape) in (2, 3):
             counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
     return counts
 
