@@ -225,3 +225,19 @@ def test_projection_wide_qk_norm_refuses_tensor_parallelism(models):
     _, config = models("olmoe")
     with pytest.raises(ValueError, match="tensor parallelism"):
         load_model(config, tp_rank=0, tp_size=2)
+
+
+def test_tensor_parallel_checks_name_what_does_not_split(models):
+    """Before any process starts: an expert width the ranks do not divide, or OLMoE's Q/K norm
+    over all heads, is a one-line configuration error."""
+    import dataclasses
+
+    from kvserve.config import ConfigError
+    from kvserve.worker.tp_executor import check_model_splits
+    _, qwen = models("qwen3_moe")
+    check_model_splits(qwen, 2)
+    with pytest.raises(ConfigError, match="expert width of 33"):
+        check_model_splits(dataclasses.replace(qwen, moe_intermediate_size=33), 2)
+    _, olmoe = models("olmoe")
+    with pytest.raises(ConfigError, match="all heads"):
+        check_model_splits(olmoe, 2)
