@@ -267,8 +267,8 @@ def _load() -> ctypes.CDLL | None:
         logger.warning("no C compiler found: CPU attention and norms use the slower torch path")
         return None
     sources = _sources()
-    version = _compiler_version(cc)
     try:
+        version = _compiler_version(cc)
         features = probe_features()
         flags = [*_CFLAGS, *compile_flags(cc, features)]
         target_dir = _cache_dir(*sources, *sources.values(), " ".join(flags), version, _cpu_flags(),
@@ -281,12 +281,20 @@ def _load() -> ctypes.CDLL | None:
         logger.warning("building the CPU kernels failed, using the torch path: %s", detail.strip()[-500:])
         return None
     abi.check_layout(lib)  # a mismatch is a bug in this package: loud, never a fallback
-    _loaded["info"] = BuildInfo(cc, version.splitlines()[0] if version else "", tuple(flags), path, features)
-    logger.info("native kernels: %s built with %s; CPU features %s%s", path, " ".join(flags[len(_CFLAGS):]),
-                " ".join(isa.feature_names(features.usable)) if features else "unknown",
-                f" (CPUID also has, not enabled by the OS: {' '.join(isa.feature_names(features.cpuid & ~features.usable))})"
-                if features and features.cpuid & ~features.usable else "")
+    info = BuildInfo(cc, version.splitlines()[0] if version else "", tuple(flags), path, features)
+    _loaded["info"] = info
+    _log_build(info)
     return lib
+
+
+def _log_build(info: BuildInfo) -> None:
+    """Once per process, at INFO: the library, the flags beyond the fixed ones, the features."""
+    features = info.features
+    refused = features.cpuid & ~features.usable if features else 0
+    logger.info("native kernels: %s built with %s; CPU features %s%s", info.path,
+                " ".join(info.flags[len(_CFLAGS):]),
+                " ".join(isa.feature_names(features.usable)) if features else "unknown",
+                f" (CPUID also has, not enabled by the OS: {' '.join(isa.feature_names(refused))})" if refused else "")
 
 
 def load_library() -> ctypes.CDLL | None:

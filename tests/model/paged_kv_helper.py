@@ -98,8 +98,12 @@ def tiny_configs(tmp_path_factory):
 
 
 def load_hf(path: str):
+    """transformers' model of `path` in float32, eager attention; a mixture of experts runs
+    its experts one by one (the eager loop, not the grouped matmul, which rejects float64)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager").eval()
+    if getattr(model.config, "num_experts_per_tok", None):
+        model.set_experts_implementation("eager")
     return model
 
 
