@@ -30,6 +30,10 @@ class _StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
+# The base of every API's request models (Responses and Messages too).
+StrictModel = _StrictModel
+
+
 class StreamOptions(_StrictModel):
     """`stream_options`: `include_usage` adds a final chunk with token usage."""
 
