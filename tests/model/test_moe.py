@@ -100,7 +100,7 @@ def _router(hf_block):
 def _set_router(ours: SparseMoeBlock, theirs, weight: torch.Tensor) -> None:
     for router in (ours.gate, _router(theirs)):
         router.weight.copy_(weight)
-        if router.bias is not None:
+        if getattr(router, "bias", None) is not None:
             router.bias.zero_()
 
 
