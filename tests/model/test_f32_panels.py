@@ -13,6 +13,7 @@ from kvserve.native import cpu_kernels
 from kvserve.model import native_decoder, quantized
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
+from helpers.kernel_switches import env_kernels
 from helpers.native_steps import record_step_sizes
 from paged_kv_helper import PagedRunner, assert_same_greedy, random_prompts, run_greedy, tiny_configs
 
@@ -148,8 +149,8 @@ def test_weights_held_once_and_long_steps_per_op(configs, step_sizes):
     ours = run_greedy(PagedRunner(model, block_size=4), prompts, 2, chunk=1000)
     assert step_sizes == [1]
     _assert_same(ours, run_greedy(PagedRunner(_model(config, "plain"), block_size=4), prompts, 2, chunk=1000))
-    onednn = load_model(config)
+    onednn = load_model(config, kernel_config=env_kernels())
     if torch.backends.mkldnn.is_available():  # the oneDNN layout stays on request
         assert onednn.pack_linear_weights(panels=False) and onednn.layers[0].self_attn.qkv_proj.panel_weight is None
-    off = load_model(config, kernel_config=KernelConfig(packed_weights=False))
+    off = load_model(config, kernel_config=env_kernels(packed_weights=False))
     assert off.kernels.f32_gemm_isa is None

@@ -12,6 +12,7 @@ from kvserve.native.config import KernelConfig
 from kvserve.kv_cache.utils import KVCacheBlockCopy
 from kvserve.native import cpu_kernels
 from kvserve.model.loader import load_model
+from helpers.kernel_switches import env_kernels
 from paged_kv_helper import VOCAB, PagedRunner, run_greedy, tiny_configs
 
 from helpers.native_steps import count_native_steps
@@ -55,9 +56,9 @@ def test_native_decoder_over_16bit_cache_matches_per_op_path(configs, monkeypatc
     native_steps = count_native_steps(monkeypatch)
     config = configs(family)
     prompts = _prompts([5, 19, 30], seed=1)
-    ours = _run(load_model(config, kv_cache_dtype=kv_dtype), kv_dtype, prompts, chunk=2)
+    ours = _run(load_model(config, kv_cache_dtype=kv_dtype, kernel_config=env_kernels()), kv_dtype, prompts, chunk=2)
     assert native_steps[0] >= NUM_NEW - 2
-    per_op = load_model(config, kv_cache_dtype=kv_dtype)
+    per_op = load_model(config, kv_cache_dtype=kv_dtype, kernel_config=env_kernels())
     per_op._native = None  # decided: no native decoder
     ref = _run(per_op, kv_dtype, prompts, chunk=2)
     assert ours[0] == ref[0]
@@ -94,7 +95,7 @@ def test_torch_attention_over_16bit_cache_matches_native_kernels(configs, family
     K/V values that float32 sums in another order put on either side of a 16-bit step."""
     config = configs(family)
     prompts = _prompts([7, 22], seed=2)
-    ours = _run(load_model(config, kv_cache_dtype=kv_dtype), kv_dtype, prompts, chunk=3)
+    ours = _run(load_model(config, kv_cache_dtype=kv_dtype, kernel_config=env_kernels()), kv_dtype, prompts, chunk=3)
     torch_only = load_model(config, kernel_config=KernelConfig(cpu_kernels=False), kv_cache_dtype=kv_dtype)
     assert torch_only.kernels.attention.name == "torch"
     ref = _run(torch_only, kv_dtype, prompts, chunk=3)
@@ -109,8 +110,8 @@ def test_16bit_cache_stays_close_to_float32_cache(configs, kv_dtype):
     float32 cache's (float16 keeps 11 bits, bfloat16 8)."""
     config = configs("llama")
     prompts = _prompts([12, 30], seed=3)
-    ours = _run(load_model(config, kv_cache_dtype=kv_dtype), kv_dtype, prompts, chunk=64)
-    ref = _run(load_model(config), torch.float32, prompts, chunk=64)
+    ours = _run(load_model(config, kv_cache_dtype=kv_dtype, kernel_config=env_kernels()), kv_dtype, prompts, chunk=64)
+    ref = _run(load_model(config, kernel_config=env_kernels()), torch.float32, prompts, chunk=64)
     # Compare the first step's logits (later steps may follow different tokens).
     first = [(ours[1][req][0] - ref[1][req][0]).abs().max().item() for req in ref[1]]
     assert max(first) <= (0.1 if kv_dtype == torch.bfloat16 else 0.02)
@@ -139,9 +140,9 @@ def test_prefix_hit_with_copy_on_write_block_on_16bit_cache(configs, monkeypatch
 
     native_steps = count_native_steps(monkeypatch)
     config = configs("llama")
-    ours = run(load_model(config, kv_cache_dtype=kv_dtype))
+    ours = run(load_model(config, kv_cache_dtype=kv_dtype, kernel_config=env_kernels()))
     assert native_steps[0] > 16
-    per_op = load_model(config, kv_cache_dtype=kv_dtype)
+    per_op = load_model(config, kv_cache_dtype=kv_dtype, kernel_config=env_kernels())
     per_op._native = None
     ref = run(per_op)
     assert ours[0] == ref[0]

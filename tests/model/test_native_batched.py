@@ -11,6 +11,7 @@ from kvserve.native import cpu_kernels
 from kvserve.model import native_decoder, quantized
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
+from helpers.kernel_switches import env_kernels
 from helpers.native_steps import record_step_sizes
 from paged_kv_helper import PagedRunner, assert_same_greedy, load_hf, random_prompts, run_greedy, save_tiny_model
 
@@ -85,13 +86,13 @@ def test_forty_sequences_decoding_together(gguf_path, step_sizes, family, qtype)
 
 def test_steps_past_the_limit_and_plain_weights_are_declined(gguf_path, step_sizes, tmp_path):
     path = gguf_path("llama", QType.Q4_1)
-    decoder = native_decoder.NativeDecoder.for_model(load_model(ModelConfig.from_path(path)))
+    decoder = native_decoder.NativeDecoder.for_model(load_model(ModelConfig.from_path(path), kernel_config=env_kernels()))
     assert decoder.max_tokens == native_decoder.MAX_TOKENS
     prompts = {"long": random_prompts(1, seed=3)["r0"] * 10}  # > 128 tokens in one chunk: the torch path
     ours = _run(path, prompts, 2, chunk=1000, native=True)
     assert step_sizes == [1]  # only the decode step after the prompt
     _assert_same(ours, _run(path, prompts, 2, chunk=1000, native=False))
-    no_panel = load_model(ModelConfig.from_path(path), kernel_config=KernelConfig(quant_panel_rows=0))
+    no_panel = load_model(ModelConfig.from_path(path), kernel_config=env_kernels(quant_panel_rows=0))
     assert native_decoder.NativeDecoder.for_model(no_panel).max_tokens == native_decoder.SMALL_STEP_TOKENS
-    plain = load_model(ModelConfig.from_path(save_tiny_model("llama", tmp_path / "llama")))
+    plain = load_model(ModelConfig.from_path(save_tiny_model("llama", tmp_path / "llama")), kernel_config=env_kernels())
     assert native_decoder.NativeDecoder.for_model(plain).max_tokens == native_decoder.SMALL_STEP_TOKENS

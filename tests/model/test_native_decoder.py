@@ -16,6 +16,7 @@ from kvserve.native import cpu_kernels
 from kvserve.model import native_decoder, quantized
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
+from helpers.kernel_switches import env_kernels
 from paged_kv_helper import VOCAB, PagedRunner, run_greedy, save_tiny_model, tiny_configs
 
 from helpers.native_steps import count_native_steps
@@ -68,13 +69,14 @@ def test_native_matches_torch_path_for_64_greedy_steps(configs, native_steps, fa
     be shared out (3 threads: more than the 2 KV heads, so one thread has none)."""
     config = configs(family)
     prompts = _prompts([5, 19, 30], seed=1)  # 30 + 64 tokens exceed the window (12) many times
-    model = load_model(config)
+    model = load_model(config, kernel_config=env_kernels())
     if threads:
         model._native = native_decoder.NativeDecoder.for_model(model)
         model._native.num_threads = threads
     ours = run_greedy(PagedRunner(model, block_size=4), prompts, NUM_NEW, chunk=chunk)
     assert native_steps[0] >= NUM_NEW - 2  # the step that ends a prompt samples the first token
-    ref = run_greedy(PagedRunner(_torch_path(load_model(config)), block_size=4), prompts, NUM_NEW, chunk=chunk)
+    ref = run_greedy(PagedRunner(_torch_path(load_model(config, kernel_config=env_kernels())), block_size=4), prompts,
+                     NUM_NEW, chunk=chunk)
     _assert_same(ours, ref)
 
 
@@ -93,9 +95,9 @@ def test_prefix_hit_with_copy_on_write_block(configs, native_steps, family):
         return run_greedy(runner, {"b": base[:16] + tail, "c": base[:18] + tail}, 16, chunk=3)
 
     config = configs(family)
-    ours = run(load_model(config))
+    ours = run(load_model(config, kernel_config=env_kernels()))
     assert native_steps[0] > 16
-    _assert_same(ours, run(_torch_path(load_model(config))))
+    _assert_same(ours, run(_torch_path(load_model(config, kernel_config=env_kernels()))))
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
@@ -103,7 +105,7 @@ def test_the_call_embeds_the_tokens_itself(configs, native_steps, family):
     """Float32 tables (Gemma's scaled ones too) are read inside the call, RoPE rows too (the
     64-step test above checks the result); an id outside the table is an IndexError, as
     on the per-op path, and nothing runs."""
-    model = load_model(configs(family))
+    model = load_model(configs(family), kernel_config=env_kernels())
     decoder = native_decoder.NativeDecoder.for_model(model)
     assert decoder._desc.embed.out == model.embed_tokens.weight.shape[0]
     assert (decoder._desc.embed_scale != 0.0) == model.config.scales_embeddings
@@ -116,18 +118,19 @@ def test_the_call_embeds_the_tokens_itself(configs, native_steps, family):
 def test_circular_buffer_steps_are_declined_and_still_match(configs, native_steps, family):
     config = configs(family)
     prompts = _prompts([25, 7], seed=3)
-    ours = run_greedy(PagedRunner(load_model(config), sliding_window_kv="circular"), prompts, 24, chunk=2)
+    ours = run_greedy(PagedRunner(load_model(config, kernel_config=env_kernels()), sliding_window_kv="circular"), prompts,
+                      24, chunk=2)
     if family == "mistral":  # every layer windowed: every group a ring
         assert native_steps[0] == 0
-    ref = run_greedy(PagedRunner(_torch_path(load_model(config)), sliding_window_kv="circular"), prompts, 24,
-                     chunk=2)
+    ref = run_greedy(PagedRunner(_torch_path(load_model(config, kernel_config=env_kernels())),
+                                 sliding_window_kv="circular"), prompts, 24, chunk=2)
     _assert_same(ours, ref)
 
 
 def test_switch_and_packed_weights_are_declined(configs, native_steps):
     config = configs("llama")
-    assert load_model(config).kernels.native_decoder
-    assert native_decoder.NativeDecoder.for_model(load_model(config)) is not None
+    assert load_model(config, kernel_config=env_kernels()).kernels.native_decoder
+    assert native_decoder.NativeDecoder.for_model(load_model(config, kernel_config=env_kernels())) is not None
     switched_off = load_model(config, kernel_config=KernelConfig.from_env({"KVSERVE_NATIVE_DECODER": "0"}))
     assert not switched_off.kernels.native_decoder
     run_greedy(PagedRunner(switched_off), _prompts([4]), 3, chunk=8)
@@ -136,7 +139,7 @@ def test_switch_and_packed_weights_are_declined(configs, native_steps):
                       kernel_config=KernelConfig(cpu_kernels=False))  # bfloat16: test_native_decoder_bf16.py
     assert not bf16.kernels.native_decoder and native_decoder.NativeDecoder.for_model(bf16) is None
     if torch.backends.mkldnn.is_available():
-        packed = load_model(config)
+        packed = load_model(config, kernel_config=env_kernels())
         packed.pack_linear_weights(keep_plain=False, panels=False)
         assert native_decoder.NativeDecoder.for_model(packed) is None
 
@@ -198,7 +201,7 @@ def test_lm_head_runs_inside_the_native_call(configs, monkeypatch, family, threa
     """The logits of the sampled rows come out of the native call (the torch LM head runs
     only for the steps it declines: here the prefills) and equal the torch LM head's, with
     greedy tokens identical for 64 steps; an untied head, a tied one, Gemma's soft-capping."""
-    model = load_model(configs(family))
+    model = load_model(configs(family), kernel_config=env_kernels())
     torch_head_rows, head_type = [0], type(model.lm_head)
     logits = head_type.logits
 
@@ -213,19 +216,20 @@ def test_lm_head_runs_inside_the_native_call(configs, monkeypatch, family, threa
     prompts = _prompts([17, 30], seed=5)
     ours = run_greedy(PagedRunner(model, block_size=4), prompts, NUM_NEW, chunk=16)
     assert torch_head_rows[0] == 4  # the two prefill steps (32 and 15 tokens), two rows each
-    ref = run_greedy(PagedRunner(_torch_path(load_model(configs(family))), block_size=4), prompts, NUM_NEW, chunk=16)
+    ref = run_greedy(PagedRunner(_torch_path(load_model(configs(family), kernel_config=env_kernels())), block_size=4),
+                     prompts, NUM_NEW, chunk=16)
     _assert_same(ours, ref)
 
 
 def test_lm_head_stays_outside_when_the_native_call_cannot_take_it(configs):
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN packing here")
-    model = load_model(configs("llama"))
+    model = load_model(configs("llama"), kernel_config=env_kernels())
     model.lm_head.pack_weight(keep_plain=False)  # held only in oneDNN's layout
     decoder = native_decoder.NativeDecoder.for_model(model)
     assert decoder is not None and decoder._head is None
     model._native = decoder
-    ref_model = _torch_path(load_model(configs("llama")))
+    ref_model = _torch_path(load_model(configs("llama"), kernel_config=env_kernels()))
     prompts = _prompts([6], seed=6)
     _assert_same(run_greedy(PagedRunner(model), prompts, 8, chunk=8),
                  run_greedy(PagedRunner(ref_model), prompts, 8, chunk=8))
@@ -256,7 +260,7 @@ def test_phase_timing_splits_the_call_and_is_off_outside_its_block(configs):
     """`phase_timing` (csrc/decoder/phase_timer.h) counts the calls made inside it and charges
     each thread's time to phases: every matmul and the attention get some, one thread's
     phases add up to about its wall time; calls outside the block are not counted."""
-    model = load_model(configs("llama"))
+    model = load_model(configs("llama"), kernel_config=env_kernels())
     model._native = native_decoder.NativeDecoder.for_model(model)
     model._native.num_threads = 2  # the tiny layers would run on one thread
     runner = PagedRunner(model)

@@ -21,6 +21,7 @@ from kvserve.model import native_decoder
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from kvserve.model.quantized import ISA_CODES
+from helpers.kernel_switches import env_kernels
 from paged_kv_helper import VOCAB, PagedRunner, run_greedy, save_tiny_model
 
 from helpers.native_steps import count_native_steps
@@ -104,7 +105,7 @@ def _float32_with_bf16_projections(config: ModelConfig, isa: str):
 def _oracle(config: ModelConfig):
     """The torch path in float32 on bfloat16-rounded projection weights, each projection's
     input rounded to bfloat16: the native call's arithmetic, op by op."""
-    model = load_model(config)
+    model = load_model(config, kernel_config=env_kernels())
     model._native = None
     for parent, name, module in _projections(model):
         module.weight.data = module.weight.data.to(torch.bfloat16).float()
@@ -169,7 +170,7 @@ def test_bf16_model_runs_natively_close_to_the_oracle(paths, monkeypatch, family
     of the oracle's (with the same bfloat16 KV cache and final rounding)."""
     native_steps = count_native_steps(monkeypatch)
     config = ModelConfig.from_path(paths(family), dtype="bfloat16")
-    model = load_model(config)
+    model = load_model(config, kernel_config=env_kernels())
     assert model.kernels.native_decoder and model.kernels.bf16_isa == native_decoder.bf16_isa()
     prompts = _prompts([5, 19], seed=2)
     ours = run_greedy(PagedRunner(_float32_logits(model), block_size=4), prompts, 16, chunk=2)
@@ -192,7 +193,7 @@ def test_bf16_declined_without_a_path_and_packed_weights_keep_a_plain_copy(paths
     config = ModelConfig.from_path(paths("llama"), dtype="bfloat16")
     off = load_model(config, kernel_config=KernelConfig(cpu_kernels=False))
     assert not off.kernels.native_decoder and native_decoder.NativeDecoder.for_model(off) is None
-    model = load_model(config)
+    model = load_model(config, kernel_config=env_kernels())
     if torch.backends.mkldnn.is_available() and model.pack_linear_weights():
         assert model.layers[0].mlp.down_proj.weight is not None  # the native decoder reads it
         assert native_decoder.NativeDecoder.for_model(model) is not None
