@@ -60,8 +60,9 @@ def save_tiny_model(family: str, path) -> str:
 
 
 def assert_same_greedy(ours, ref, max_diff: float) -> None:
-    """Two `run_greedy` results: the same tokens, and logits within `max_diff` of the
-    reference's scale (at least 1)."""
+    """Two `run_greedy` results (`ours` made to follow `ref`'s tokens where the two paths'
+    arithmetic differs): the same tokens, and logits within `max_diff` of the reference's
+    scale (at least 1)."""
     (tokens, logits), (ref_tokens, ref_logits) = ours, ref
     assert tokens == ref_tokens
     for req_id in ref_logits:
@@ -227,10 +228,13 @@ class PagedRunner:
         copy_kv_blocks(self.kv_caches, self.kv_cache_config, copies)
 
 
-def run_greedy(runner: PagedRunner, prompts: dict[str, list[int]], max_new_tokens: int,
-               chunk: int) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
+def run_greedy(runner: PagedRunner, prompts: dict[str, list[int]], max_new_tokens: int, chunk: int,
+               follow: dict[str, list[int]] | None = None) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
     """A minimal continuous batch: every step gives each prefilling request up to
-    `chunk` prompt tokens and each decoding request one token; greedy throughout."""
+    `chunk` prompt tokens and each decoding request one token; greedy throughout, or, with
+    `follow` (another path's tokens), teacher forced: each request is fed those tokens
+    whatever its own logits say, so that two paths that differ in float order are compared
+    on the same sequences (a near-tie between them is no failure)."""
     for req_id, prompt in prompts.items():
         if req_id not in runner.requests:
             runner.add(req_id, prompt)
@@ -246,7 +250,7 @@ def run_greedy(runner: PagedRunner, prompts: dict[str, list[int]], max_new_token
         for req_id in schedule:
             req = runner.requests[req_id]
             if req.num_computed == len(req.tokens):
-                token = int(out[req_id].argmax())
+                token = int(out[req_id].argmax()) if follow is None else follow[req_id][len(tokens[req_id])]
                 tokens[req_id].append(token)
                 logits[req_id].append(out[req_id])
                 runner.append(req_id, token)
@@ -260,7 +264,10 @@ def run_teacher_forced(runner: PagedRunner, sequences: dict[str, list[int]], pro
     requests batched. Returns each request's logits after every step from its prompt's end
     on, [len - prompt_len + 1, vocab]: row i is the prediction after token prompt_len - 1 + i."""
     for req_id, tokens in sequences.items():
-        runner.add(req_id, tokens)
+        if req_id in runner.requests:  # added before, e.g. on shared blocks
+            runner.requests[req_id].tokens = list(tokens)
+        else:
+            runner.add(req_id, tokens)
     logits: dict[str, list[torch.Tensor]] = {r: [] for r in sequences}
     while any(runner.requests[r].num_computed < len(t) for r, t in sequences.items()):
         schedule = {}
@@ -283,3 +290,4 @@ def every_token_logits(model, sequences: dict[str, list[int]], prompt_lens: dict
         runner.add(req_id, tokens)
         out[req_id] = runner.step({req_id: len(tokens)}, every_token=True)[req_id][prompt_lens[req_id] - 1:]
     return out
+
