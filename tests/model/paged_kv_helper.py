@@ -105,6 +105,27 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int],
     return out.sequences[0, len(prompt):].tolist(), [step[0].float() for step in out.logits]
 
 
+@torch.inference_mode()
+def hf_forced_logits(model, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
+    """transformers' logits after `prompt` and each prefix of `tokens` (another path's tokens,
+    teacher forced: one forward pass), as `hf_greedy` and `run_greedy` list them."""
+    ids = torch.tensor([list(prompt) + list(tokens[:-1])])
+    rows = model(ids, attention_mask=torch.ones_like(ids)).logits[0, len(prompt) - 1:].float()
+    return list(rows)
+
+
+def assert_hf_logits_close(model, prompts: dict[str, list[int]], tokens: dict[str, list[int]],
+                           logits: dict[str, list[torch.Tensor]], max_diff: float) -> None:
+    """`run_greedy`'s `tokens` and `logits` against transformers' logits on the same tokens
+    (teacher forcing: a near-tie another float order breaks the other way is no failure):
+    every row within `max_diff`."""
+    for req_id, prompt in prompts.items():
+        ref = hf_forced_logits(model, prompt, tokens[req_id])
+        assert len(ref) == len(logits[req_id]), req_id
+        for ours, theirs in zip(logits[req_id], ref):
+            assert (ours - theirs).abs().max().item() < max_diff, req_id
+
+
 @dataclass
 class _Request:
     tokens: list[int]
