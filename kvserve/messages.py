@@ -103,15 +103,27 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobsChunk:
+    """Prompt logprobs one step computed for one request: `entries[i]` scores prompt
+    token `first_index + i` (its `sampled_token_id`) given the tokens before it."""
+
+    first_index: int
+    entries: list[TokenLogprobs]
+
+
+@dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
     """Tokens sampled in one step. `sampled_token_ids[i]` is empty for a request
     whose prefill chunk did not reach its last prompt token. `logprobs[i]`
-    (when requested) has one entry per sampled token of request i."""
+    (when requested) has one entry per sampled token of request i;
+    `prompt_logprobs[req_id]` the prompt positions this step scored for a request
+    that asked for them (`SamplingParams.prompt_logprobs`)."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     req_id_to_index: dict[str, int] = field(default_factory=dict)
     logprobs: list[list[TokenLogprobs]] | None = None
+    prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None
 
     def __post_init__(self) -> None:
         if not self.req_id_to_index:
@@ -127,7 +139,9 @@ class EngineCoreOutput:
     """What one step did for one request, for the engine front-end.
 
     `finish_reason` is "stop", "length" or "abort" once the request finished;
-    `stop_reason` the stop token id that ended it, if any. With speculative
+    `stop_reason` the stop token id that ended it, if any. `prompt_logprobs`
+    (on the output that carries the first sampled token of a request that asked
+    for them) scores prompt tokens 1 .. n-1, one entry each. With speculative
     decoding, `num_draft_tokens` drafts were verified in this step and
     `num_accepted_tokens` of them accepted.
     """
@@ -140,6 +154,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

@@ -86,6 +86,11 @@ class Request:
         self.last_sched_seq = 0
         # Speculative decoding: the draft tokens of the step in flight, if any.
         self.spec_token_ids: list[int] = []
+        # SamplingParams.prompt_logprobs: prompt tokens 1 .. n-1 scored so far (filled by
+        # position, chunk by chunk), until they go out with the first sampled token.
+        self.prompt_logprobs: list[Any] | None = None
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * max(self.num_prompt_tokens - 1, 0)
         self.block_hashes: list[Any] = []
         self._block_hasher = block_hasher
         self.update_block_hashes()
@@ -93,6 +98,12 @@ class Request:
     @property
     def max_tokens(self) -> int | None:
         return self.sampling_params.max_tokens
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """False while the request still needs its prompt logprobs: those need every prompt
+        position's logits, so its prompt is computed whole (as vLLM does)."""
+        return self.prompt_logprobs is None
 
     @property
     def output_token_ids(self) -> list[int]:

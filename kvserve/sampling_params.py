@@ -67,7 +67,10 @@ class SamplingParams:
     temperature 0 means greedy. top_k <= 0 or None disables top-k; top_p 1.0
     and min_p 0.0 disable those filters. `stop` strings are matched by the
     detokenizer and are not part of the returned text. `logprobs=N` returns
-    the sampled token's logprob plus the top N.
+    the sampled token's logprob plus the top N; `prompt_logprobs=N` returns each
+    prompt token's logprob given the ones before it, plus the top N there (the
+    first prompt token has none: None in its place). A request asking for prompt
+    logprobs computes its whole prompt (no prefix-cache hit).
     """
 
     n: int = 1
@@ -85,6 +88,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
@@ -131,6 +135,10 @@ class SamplingParams:
             fail("repetition_penalty", "must be in (0, 10]")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             fail("logprobs", "must be an integer in [0, 20]")
+        if self.prompt_logprobs is not None and (
+                isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
+                or not 0 <= self.prompt_logprobs <= 20):
+            fail("prompt_logprobs", "must be an integer in [0, 20]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "must hold non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -17,7 +17,7 @@ from kvserve.bench.cli_output import FORMATTERS
 from kvserve.bench.report import bar_plot, default_output_path, environment_info, run_tag, write_json
 
 SUBCOMMANDS = ("roofline", "throughput", "serve", "serve-compare", "prefix", "compare", "profile", "host", "scheduler",
-               "kv", "attention", "structured", "route", "spec", "plan-check", "allreduce")
+               "kv", "attention", "structured", "route", "spec", "plan-check", "allreduce", "zoo")
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -38,6 +38,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark `args.bench_command`; returns the exit code."""
     name = args.bench_command
+    if name == "zoo":
+        return _run_zoo(args)
+    _resolve_zoo_model(args)
     environment = environment_info()
     result = _RUNNERS[name](args)
     environment["load_average_1m_end"] = _load_average()
@@ -62,6 +65,28 @@ def run(args: argparse.Namespace) -> int:
             lines = {"batched ceiling": result["ceilings"]["batched_tokens_per_s"],
                      "single-stream ceiling": result["ceilings"]["single_stream_tokens_per_s"]}
         print(f"plot: {bar_plot(png_path, labels, values, title=title, ylabel=ylabel, reference_lines=lines)}")
+    return 0
+
+
+def _resolve_zoo_model(args: argparse.Namespace) -> None:
+    """Replace a `--model zoo:NAME` by the zoo file's path, building it first when not cached."""
+    from kvserve.bench import zoo
+    if zoo.is_zoo_name(getattr(args, "model", None)):
+        print(f"zoo model {args.model}: ", end="", flush=True)
+        args.model = zoo.resolve_zoo_model(args.model)
+        print(args.model, flush=True)
+
+
+def _run_zoo(args: argparse.Namespace) -> int:
+    from kvserve.bench import zoo
+    result = zoo.build_many(args.names, all_standard=args.all)
+    if "models" in result:
+        for row in result["models"]:
+            print(f"{row['shape']:<12} {row['like']:<48} {row['parameters'] / 1e9:6.2f}B  "
+                  f"cached: {', '.join(row['cached']) or '-'}")
+        print(f"\ntypes: {', '.join(zoo.QUANT_TYPES)}; cache: {zoo.zoo_dir()}")
+    for name, built in result.get("built", {}).items():
+        print(f"zoo:{name}  {built['path']}  {built['bytes'] / 2**20:.0f} MiB")
     return 0
 
 
@@ -204,6 +229,13 @@ def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
                         help="then time ROUNDS alternating rounds of --steps steps each with the native call's "
                              "fewer barriers a layer (the default) and without (NativeDecoder.fewer_barriers)")
     _add_engine_arguments(parser)
+
+
+def _add_zoo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("names", nargs="*", metavar="SHAPE-TYPE",
+                        help="zoo models to build, e.g. llama-1b-q4_k_m (none: list the zoo)")
+    parser.add_argument("--all", action="store_true",
+                        help="build every full-size shape in the standard types (tens of GB, hours on 2 cores)")
 
 
 def _add_host_arguments(parser: argparse.ArgumentParser) -> None:
@@ -574,6 +606,7 @@ _COMMANDS = {
     "route": (_add_route_arguments, "N replicas behind SGLang's Model Gateway: hit rate, TTFT, spread per policy"),
     "plan-check": (_add_plan_check_arguments, "`kvserve plan`'s calibrated prediction against a measured run"),
     "allreduce": (_add_allreduce_arguments, "gloo all-reduce latency and bandwidth between local processes"),
+    "zoo": (_add_zoo_arguments, "list or build the random-weight GGUF models that --model zoo:SHAPE-TYPE names"),
 }
 
 _NAMED_RUNS = ("compare", "serve-compare")

@@ -15,7 +15,7 @@ import tempfile
 
 import numpy as np
 
-from kvserve.config import cache_root
+from kvserve.paths import cache_root
 
 # GGUF tensor type and `general.file_type` (llama_ftype) per dtype name.
 _TARGETS = {"float32": ("F32", 0), "float16": ("F16", 1), "bfloat16": ("BF16", 32)}

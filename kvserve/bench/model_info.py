@@ -47,7 +47,7 @@ class ModelShapes:
 
 def resolve_model_path(model: str | None) -> str:
     """kvserve's own resolution (default GGUF when None), with a clear error when missing."""
-    from kvserve.config import resolve_model_path as resolve
+    from kvserve.engine.model_path import resolve_model_path as resolve
 
     return resolve(model)
 

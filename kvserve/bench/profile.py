@@ -28,6 +28,7 @@ from typing import Any
 
 from kvserve.bench.report import format_table
 from kvserve.bench.workloads import random_token_ids
+from kvserve.engine.create_config import create_engine_config
 
 # Weight matmuls, whichever kernel the model picks (F.linear, addmm, oneDNN's _linear_pointwise, ...).
 _MATMUL_OP = re.compile(r"linear|addmm|matmul|bmm|\bmm\b")
@@ -60,7 +61,7 @@ def _kvserve_area(filename: str) -> str | None:
         return None
     if relative.startswith("model/attention"):
         return "attention"
-    if relative.startswith("model/sampler"):
+    if relative.startswith("sample/"):
         return "sampling"
     if relative.startswith("model/"):
         return "model: other ops (norms, rope, activations, embedding)"
@@ -136,11 +137,10 @@ def run(*, batch_size: int = 32, context_len: int = 256, steps: int = 16, seed: 
         **engine_kwargs: Any) -> dict[str, Any]:
     """Profile `steps` decode steps of `batch_size` requests at about `context_len` tokens of context;
     then, with `ab_fewer_barriers` rounds, A/B the native call's fewer barriers a layer."""
-    from kvserve.config import EngineConfig
     from kvserve.engine.core import EngineCore
 
     engine_kwargs.setdefault("max_num_seqs", batch_size)
-    config = EngineConfig.create(**engine_kwargs)
+    config = create_engine_config(**engine_kwargs)
     core = EngineCore(config)
     try:
         runner = getattr(core.executor, "model_runner", None)  # None: tensor-parallel workers run the model

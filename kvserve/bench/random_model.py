@@ -25,7 +25,7 @@ def write_random_model(output_dir: str, *, num_heads: int = 8, num_kv_heads: int
     import transformers
 
     from kvserve.bench.model_info import model_shapes, resolve_model_path
-    from kvserve.config import default_model_path
+    from kvserve.engine.model_path import default_model_path
     from kvserve.engine.tokenizer import load_tokenizer
 
     if num_heads % num_kv_heads:

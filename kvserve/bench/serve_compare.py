@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import socket
 import statistics
 import subprocess
@@ -76,9 +75,8 @@ def find_llama_server(explicit: str | None = None) -> str | None:
         if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
             raise ValueError(f"--llama-server {explicit}: not an executable file")
         return explicit
-    from kvserve.config import cache_root
-    cached = os.path.join(cache_root(), "llama-server")
-    return shutil.which("llama-server") or (cached if os.path.isfile(cached) and os.access(cached, os.X_OK) else None)
+    from kvserve.bench.llama_build import find_tool
+    return find_tool("llama-server")
 
 
 def llama_cpp_command(model: str, concurrency: int, threads: int, context_per_slot: int,

@@ -82,7 +82,7 @@ def _draft_config(speculative_config: dict | str | None, model: str | None, draf
                   draft_dir: str) -> dict[str, Any]:
     """`speculative_config` (JSON text or dict) with method draft_model and the cut draft's path."""
     from kvserve.bench.draft_export import write_truncated_gguf
-    from kvserve.config import resolve_model_path
+    from kvserve.engine.model_path import resolve_model_path
 
     config = json.loads(speculative_config) if isinstance(speculative_config, str) else dict(speculative_config or {})
     config.setdefault("num_speculative_tokens", DEFAULT_SPECULATIVE_CONFIG["num_speculative_tokens"])

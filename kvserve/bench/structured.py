@@ -138,7 +138,7 @@ def _backend_figures(backend: Any, tokenizer: Any, batch: int, rounds: int) -> d
 
 def run_backends(model: str | None = None, batch: int = 32, rounds: int = 5) -> list[dict[str, Any]]:
     """Compile and mask timings of each importable grammar back-end on the model's vocabulary."""
-    from kvserve.config import resolve_model_path
+    from kvserve.engine.model_path import resolve_model_path
     from kvserve.model.config import ModelConfig
     from kvserve.model.tokenizer_files import load_tokenizer
 

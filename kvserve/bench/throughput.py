@@ -14,7 +14,7 @@ from kvserve.bench.workloads import Workload, fixed_workload
 
 
 class KvserveRunner:
-    """`kvserve.LLM` built from engine keyword arguments (those of `EngineConfig.create`)."""
+    """`kvserve.LLM` built from engine keyword arguments (those of `create_engine_config`)."""
 
     name = "kvserve"
 

@@ -1,17 +1,18 @@
 """Engine flags shared by `kvserve generate`, `chat`, `serve` and `bench`.
 
 Flags default to None and only the ones given are passed on, so the defaults
-live in one place: `EngineConfig.create`.
+live in one place: `create_engine_config`.
 """
 from __future__ import annotations
 
 import argparse
 from typing import TYPE_CHECKING, Any
+from kvserve.engine.create_config import create_engine_config
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
 
-# argparse dest -> EngineConfig.create keyword, for flags whose value passes through.
+# argparse dest -> create_engine_config keyword, for flags whose value passes through.
 _VALUE_FLAGS = {
     "model": "model",
     "dtype": "dtype",
@@ -90,7 +91,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """Keyword arguments for `EngineConfig.create` / `LLM(...)` from parsed flags."""
+    """Keyword arguments for `create_engine_config` / `LLM(...)` from parsed flags."""
     kwargs = {key: getattr(args, dest) for dest, key in _VALUE_FLAGS.items()
               if getattr(args, dest, None) is not None}
     if getattr(args, "no_prefix_caching", False):
@@ -102,8 +103,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":
     """The validated EngineConfig the flags describe."""
-    from kvserve.config import EngineConfig
-    return EngineConfig.create(**engine_kwargs_from_args(args))
+    return create_engine_config(**engine_kwargs_from_args(args))
 
 
 def _positive_float(text: str) -> float:

@@ -217,12 +217,6 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._run_loop, name="kvserve-engine", daemon=True)
         self._thread.start()
 
-    @classmethod
-    def from_args(cls, args: Any, **kwargs: Any) -> "AsyncLLM":
-        """Build from parsed `kvserve serve` arguments (engine flags included)."""
-        from kvserve.engine.arg_utils import engine_config_from_args
-        return cls(engine_config_from_args(args), **kwargs)
-
     # ----- public API (event-loop side) -----
 
     @property

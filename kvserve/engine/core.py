@@ -31,7 +31,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.stats import SchedulerStats
-from kvserve.worker.executor import Executor, ExecutorDeadError
+from kvserve.worker.executor import Executor, ExecutorDeadError, UniProcExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +59,21 @@ class EngineCoreRequest:
     cache_salt: str | None = None
 
 
+def default_executor_class(engine_config: EngineConfig) -> type[Executor]:
+    """One runner in this process, or `-tp N` ranks in their own processes."""
+    if engine_config.parallel_config.tensor_parallel_size == 1:
+        return UniProcExecutor
+    from kvserve.worker.tp_executor import TPExecutor  # imports the rank workers, and torch
+    return TPExecutor
+
+
 class EngineCore:
     """Owns the scheduler and the executor; `step()` advances every request by one step."""
 
     def __init__(self, engine_config: EngineConfig,
                  executor_class: Callable[[EngineConfig], Executor] | None = None) -> None:
         self.engine_config = engine_config
-        executor = (executor_class or Executor.get_class(engine_config))(engine_config)
+        executor = (executor_class or default_executor_class(engine_config))(engine_config)
         try:
             kv_cache_config = _initialize_kv_cache(engine_config, executor)
             scheduler = Scheduler(engine_config.scheduler_config, kv_cache_config, engine_config.cache_config)

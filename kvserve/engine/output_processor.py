@@ -67,6 +67,7 @@ class _RequestState:
     final_only: bool
     sequences: list[_SequenceState] = field(default_factory=list)
     num_cached_tokens: int = 0
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -169,6 +170,9 @@ class OutputProcessor:
         """Update one sequence; True when a stop string ended it before the core did."""
         if core_output.num_cached_tokens:
             state.num_cached_tokens = max(state.num_cached_tokens, core_output.num_cached_tokens)
+        if core_output.prompt_logprobs is not None and state.prompt_logprobs is None:
+            # The first prompt token has no context to be scored in: None, as vLLM returns.
+            state.prompt_logprobs = [None] + [self._position_logprobs(entry) for entry in core_output.prompt_logprobs]
         if core_output.new_token_ids and state.metrics.first_token_time is None:
             state.metrics.first_token_time = now
         if core_output.num_draft_tokens:
@@ -196,13 +200,19 @@ class OutputProcessor:
 
     def _append_logprobs(self, seq: _SequenceState, token_logprobs: Sequence[TokenLogprobs]) -> None:
         for entry in token_logprobs:
-            position: PositionLogprobs = {}
-            for rank, (token_id, logprob) in enumerate(zip(entry.top_token_ids, entry.top_logprobs), 1):
-                position[token_id] = Logprob(logprob, rank, self._decode_token(token_id))
-            position[entry.sampled_token_id] = Logprob(
-                entry.sampled_logprob, entry.sampled_rank, self._decode_token(entry.sampled_token_id))
-            seq.logprobs.append(position)
+            seq.logprobs.append(self._position_logprobs(entry))
             seq.cumulative_logprob += entry.sampled_logprob
+
+    def _position_logprobs(self, entry: TokenLogprobs | None) -> PositionLogprobs | None:
+        """The top candidates, then the position's own token (sampled or prompt)."""
+        if entry is None:
+            return None
+        position: PositionLogprobs = {}
+        for rank, (token_id, logprob) in enumerate(zip(entry.top_token_ids, entry.top_logprobs), 1):
+            position[token_id] = Logprob(logprob, rank, self._decode_token(token_id))
+        position[entry.sampled_token_id] = Logprob(
+            entry.sampled_logprob, entry.sampled_rank, self._decode_token(entry.sampled_token_id))
+        return position
 
     def _decode_token(self, token_id: int) -> str:
         text = self._decoded_token_cache.get(token_id)
@@ -216,7 +226,7 @@ class OutputProcessor:
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             outputs=completions, finished=finished, num_cached_tokens=state.num_cached_tokens,
-            metrics=state.metrics)
+            metrics=state.metrics, prompt_logprobs=state.prompt_logprobs)
 
     @staticmethod
     def _make_completion(seq: _SequenceState, request_finished: bool) -> CompletionOutput:

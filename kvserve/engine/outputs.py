@@ -95,6 +95,9 @@ class RequestOutput:
     """The state of one request after an engine step (or at its end).
 
     `num_cached_tokens` counts prompt tokens served from the prefix cache.
+    `prompt_logprobs` (with `SamplingParams.prompt_logprobs`, once the prompt is
+    computed) has one entry per prompt token: None for the first, then a dict of
+    that prompt token and the top candidates at its position.
     """
 
     request_id: str
@@ -104,6 +107,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def num_generated_tokens(self) -> int:

@@ -42,10 +42,6 @@ class KVCacheBlocks:
     def get_block_ids(self) -> tuple[list[int], ...]:
         return tuple([block.block_id for block in group] for group in self.blocks)
 
-    def get_unhashed_block_ids(self) -> list[int]:
-        """Ids of group 0's blocks that carry no prefix-cache key."""
-        return [block.block_id for block in self.blocks[0] if block.block_hash is None]
-
     def is_empty(self) -> bool:
         return not any(self.blocks)
 
@@ -104,8 +100,9 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The request's longest prefix hit and its length in tokens. Never the whole
-        prompt (the last token is computed to get logits); changes nothing."""
-        if not self.enable_caching:
+        prompt (the last token is computed to get logits), and none for a request that
+        must compute its prompt (`Request.reads_prefix_cache`); changes nothing."""
+        if not self.enable_caching or not request.reads_prefix_cache:
             return self.empty_kv_cache_blocks, 0
         # Hashes cover complete hash units only; a request built without this
         # cache's hasher has none and can never hit.

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.model.errors import ModelConfigError, ModelFilesNotFoundError, UnsupportedArchitectureError
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
@@ -35,18 +37,6 @@ _ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralF
 _MULTIMODAL_TEXT_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
-
-
-class ModelConfigError(ValueError):
-    """The model's files or config cannot be used; the message says why."""
-
-
-class UnsupportedArchitectureError(ModelConfigError):
-    """The model's architecture is not one kvserve implements."""
-
-
-class ModelFilesNotFoundError(ModelConfigError):
-    """The model path, its config.json or its weight files are missing."""
 
 
 @dataclass(frozen=True)
@@ -155,10 +145,6 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
-
-    @property
-    def has_sliding_layers(self) -> bool:
-        return "sliding" in self.layer_types
 
     def rope_for_layer(self, layer_idx: int) -> RopeConfig:
         if self.rope_local is not None and self.layer_types[layer_idx] == "sliding":

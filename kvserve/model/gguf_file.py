@@ -9,6 +9,7 @@ ndarray views of one read-only mmap. Little-endian GGUF v2/v3 only.
 """
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
@@ -178,3 +179,13 @@ def file_identity(path: str) -> tuple[str, int, int]:
     path = os.path.abspath(path)
     stat = os.stat(path)
     return path, stat.st_size, stat.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=2)
+def _open_reader(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    return GGUFFile(path)
+
+
+def open_gguf(path: str) -> GGUFFile:
+    """The file's metadata and tensor views (memory-mapped, cached per path, size and mtime)."""
+    return _open_reader(*file_identity(path))

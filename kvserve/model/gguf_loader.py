@@ -3,7 +3,6 @@ dequantized and renamed to Hugging Face names (llama.cpp's Q/K row permutation u
 """
 from __future__ import annotations
 
-import functools
 import logging
 import re
 import struct
@@ -12,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from kvserve.model.gguf_file import GGUFFile, file_identity
+from kvserve.model.errors import ModelConfigError, UnsupportedArchitectureError
+from kvserve.model.gguf_file import GGUFFile, open_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -55,23 +55,12 @@ _BLOCK_TENSORS = {
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-@functools.lru_cache(maxsize=2)
-def _open_reader(path: str, size: int, mtime_ns: int) -> GGUFFile:
-    return GGUFFile(path)
-
-
-def open_gguf(path: str) -> GGUFFile:
-    """The file's metadata and tensor views (memory-mapped, cached per path, size and mtime)."""
-    return _open_reader(*file_identity(path))
-
-
 def _field_value(reader: GGUFFile, key: str) -> Any:
     return reader.get(key)
 
 
 def read_gguf_hf_config(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """Return (config.json-like dict, ModelConfig overrides) from a GGUF file's metadata."""
-    from kvserve.model.config import ModelConfigError, UnsupportedArchitectureError
     try:
         reader = open_gguf(path)
     except (OSError, ValueError, struct.error) as exc:

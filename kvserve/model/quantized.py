@@ -468,7 +468,7 @@ def holds_quantized_weights(model_config, device: str | torch.device,
 
 def _file_matrix_types(path: str) -> dict[str, int]:
     """GGUF type name -> count of 2-D tensors of that type in the file."""
-    from kvserve.model.gguf_loader import open_gguf
+    from kvserve.model.gguf_file import open_gguf
     counts: dict[str, int] = {}
     for tensor in open_gguf(path).tensors:
         if len(tensor.shape) == 2:

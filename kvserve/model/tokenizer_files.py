@@ -18,7 +18,7 @@ import tempfile
 import threading
 from typing import Any
 
-from kvserve.config import cache_root
+from kvserve.paths import cache_root
 
 logger = logging.getLogger(__name__)
 

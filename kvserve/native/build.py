@@ -27,7 +27,7 @@ import tempfile
 import threading
 from importlib import resources
 
-from kvserve.config import cache_root
+from kvserve.paths import cache_root
 from kvserve.native import abi
 
 logger = logging.getLogger(__name__)

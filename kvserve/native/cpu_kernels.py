@@ -6,7 +6,7 @@ float32 matmul over weights packed into panels at load (csrc/linear/f32_gemm.c).
 matmuls over block-quantized weights (csrc/linear/quant_*.c) are driven by
 kvserve/model/quantized.py, the whole decoder stack of a small step in one call
 (csrc/decoder/fused_decoder.c) by kvserve/model/native_decoder.py, the grammar's token
-bitmask (csrc/grammar/grammar_mask.c) by kvserve/model/grammar_mask.py, and the
+bitmask (csrc/grammar/grammar_mask.c) by kvserve/sample/structured/grammar_mask.py, and the
 tensor-parallel ranks' all-reduce through shared memory (csrc/comm/shm_all_reduce.c) by
 kvserve/model/shm_all_reduce.py.
 """

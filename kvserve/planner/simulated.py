@@ -14,7 +14,7 @@ from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.kv_cache.interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
-from kvserve.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from kvserve.messages import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput, TokenLogprobs
 from kvserve.scheduler.scheduler import Scheduler
 
 
@@ -178,7 +178,7 @@ class FakeModelRunner:
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
-        req_ids, sampled, logprobs = [], [], []
+        req_ids, sampled, logprobs, prompt_logprobs = [], [], [], {}
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             state = self.states[req_id]
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
@@ -189,6 +189,9 @@ class FakeModelRunner:
             num_slots = len(state.block_ids[0]) * self.block_size if self.block_size else None
             if num_slots is not None and state.num_computed_tokens + num_tokens > num_slots:
                 raise AssertionError(f"request {req_id} scheduled past its {num_slots} KV slots")
+            chunk = self._prompt_logprobs_chunk(state, num_tokens)
+            if chunk is not None:
+                prompt_logprobs[req_id] = chunk
             state.num_computed_tokens += num_tokens
             tokens = []
             if state.num_computed_tokens == len(state.token_ids) + len(drafts):
@@ -203,7 +206,17 @@ class FakeModelRunner:
             logprobs.append([self.logprobs_for(req_id, t) for t in tokens] if state.wants_logprobs else [])
         wants_any_logprobs = any(self.states[r].wants_logprobs for r in req_ids)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
-                                 logprobs=logprobs if wants_any_logprobs else None)
+                                 logprobs=logprobs if wants_any_logprobs else None,
+                                 prompt_logprobs=prompt_logprobs or None)
+
+    @staticmethod
+    def _prompt_logprobs_chunk(state: "_FakeRequestState", num_tokens: int) -> PromptLogprobsChunk | None:
+        """The prompt tokens a chunk scores, with the fixed logprobs of `_fake_logprobs`."""
+        start = state.num_computed_tokens
+        end = min(start + num_tokens, state.prompt_len - 1)
+        if state.sampling_params.prompt_logprobs is None or len(state.token_ids) > state.prompt_len or end <= start:
+            return None
+        return PromptLogprobsChunk(start + 1, [_fake_logprobs(t) for t in state.token_ids[start + 1:end + 1]])
 
     def logprobs_for(self, request_id: str, token_id: int) -> TokenLogprobs:
         """The logprobs reported with a sampled token (a fixed function of the token)."""

@@ -109,9 +109,3 @@ def prompt_token_ids(requests: list[TraceRequest], vocab_size: int, seed: int = 
         unique = [_FIRST_TOKEN_ID + rng.randrange(span) for _ in range(request.prompt_len - len(prefix))]
         prompts.append(prefix + unique)
     return prompts
-
-
-def rescale_arrivals(requests: list[TraceRequest], factor: float) -> list[TraceRequest]:
-    """The same requests arriving `factor` times as fast (factor 2 halves every gap)."""
-    return [TraceRequest(r.arrival_s / factor, r.prompt_len, r.output_len, r.prefix_id, r.prefix_len,
-                         r.prompt_token_ids) for r in requests]

@@ -52,7 +52,10 @@ def drain_ready(
 
 
 class DeferredBlockFrees:
-    """Step sequence numbers and the queue of block lists waiting on a fence.
+    """Step sequence numbers and the queue of block lists waiting on a fence: the
+    scheduler's fence state (`Scheduler` keeps it in these fields, under the names the
+    seed's contract fixes: `defer_block_free`, `deferred_frees`, `sched_step_seq`,
+    `processed_step_seq`).
 
     Ordering rule: a parked list is freed **as-is**, in one `free_blocks`
     call, exactly as the immediate path would have freed it. Callers park
@@ -66,11 +69,11 @@ class DeferredBlockFrees:
     an empty step.
     """
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
+    def __init__(self, defer_block_free: bool) -> None:
+        self.defer_block_free = defer_block_free
         self.sched_step_seq = 0
         self.processed_step_seq = 0
-        self.queue: deque[tuple[int, list[Any]]] = deque()
+        self.deferred_frees: deque[tuple[int, list[Any]]] = deque()
 
     def next_step_seq(self) -> int:
         """The sequence number the step being scheduled gets if it is non-empty."""
@@ -90,15 +93,15 @@ class DeferredBlockFrees:
 
     def is_fenced(self, last_sched_seq: int) -> bool:
         """Whether blocks last referenced by step `last_sched_seq` must wait."""
-        return self.enabled and last_sched_seq > self.processed_step_seq
+        return self.defer_block_free and last_sched_seq > self.processed_step_seq
 
-    def free_or_defer(self, block_pool: _FreesBlocks, blocks: list[Any], fence_seq: int) -> None:
-        free_or_defer(block_pool, self.queue, blocks, fence_seq,
-                      self.processed_step_seq, self.enabled)
+    def free_or_defer_blocks(self, block_pool: _FreesBlocks, blocks: list[Any], fence_seq: int) -> None:
+        free_or_defer(block_pool, self.deferred_frees, blocks, fence_seq,
+                      self.processed_step_seq, self.defer_block_free)
 
-    def drain(self, block_pool: _FreesBlocks) -> int:
-        return drain_ready(block_pool, self.queue, self.processed_step_seq)
+    def drain_ready_blocks(self, block_pool: _FreesBlocks) -> int:
+        return drain_ready(block_pool, self.deferred_frees, self.processed_step_seq)
 
     @property
     def num_deferred_blocks(self) -> int:
-        return sum(len(blocks) for _, blocks in self.queue)
+        return sum(len(blocks) for _, blocks in self.deferred_frees)

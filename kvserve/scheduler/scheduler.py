@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import deque
 from collections.abc import Iterable
 
 from kvserve.config import CacheConfig, SchedulerConfig
@@ -41,7 +40,7 @@ from kvserve.scheduler.update import apply_sampled_tokens
 logger = logging.getLogger(__name__)
 
 
-class Scheduler:
+class Scheduler(DeferredBlockFrees):
     """Decides, step by step, which requests run how many tokens on which KV blocks.
 
     Owns the request queues (`waiting`, `running`, `requests` by id) and the
@@ -49,7 +48,8 @@ class Scheduler:
     `max_num_batched_tokens`, at most `max_num_seqs` requests run, no request
     is scheduled past `max_tokens` / `max_model_len` (in-flight outputs
     counted), and no block is returned to the pool while a step that
-    references it is unprocessed (when `defer_block_free` is on).
+    references it is unprocessed (when `defer_block_free` is on; the fence
+    state is `DeferredBlockFrees`' fields).
     """
 
     def __init__(
@@ -95,45 +95,16 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self._ignored_outputs: list[EngineCoreOutput] = []
-        self._fences = DeferredBlockFrees(enabled=scheduler_config.should_defer_block_free)
+        DeferredBlockFrees.__init__(self, scheduler_config.should_defer_block_free)
         self.pause_state = PauseState.UNPAUSED
         self.num_preemptions = 0
         spec_config = scheduler_config.speculative_config
         self.speculator = Speculator(spec_config) if spec_config is not None else None
 
-    # -- fence state, exposed under the names the seed's tests use -----------
-
-    @property
-    def defer_block_free(self) -> bool:
-        return self._fences.enabled
-
-    @defer_block_free.setter
-    def defer_block_free(self, enabled: bool) -> None:
-        self._fences.enabled = enabled
-
-    @property
-    def deferred_frees(self) -> deque[tuple[int, list[KVCacheBlock]]]:
-        return self._fences.queue
-
-    @property
-    def sched_step_seq(self) -> int:
-        return self._fences.sched_step_seq
-
-    @sched_step_seq.setter
-    def sched_step_seq(self, seq: int) -> None:
-        self._fences.sched_step_seq = seq
-
-    @property
-    def processed_step_seq(self) -> int:
-        return self._fences.processed_step_seq
-
-    @processed_step_seq.setter
-    def processed_step_seq(self, seq: int) -> None:
-        self._fences.processed_step_seq = seq
-
     def _free_cow_retained_blocks(self, blocks: list[KVCacheBlock], fence_seq: int) -> None:
         """Release the CoW endpoints retained for the copy done in step `fence_seq`:
-        now if that step is processed (or deferral is off), else as-is behind the fence."""
+        now if that step is processed (or deferral is off), else as-is behind the fence.
+        Reads only the seed's fields, as the seed's tests call it on a stand-in scheduler."""
         free_or_defer(self.kv_cache_manager.block_pool, self.deferred_frees, blocks,
                       fence_seq, self.processed_step_seq, self.defer_block_free)
 
@@ -185,8 +156,8 @@ class Scheduler:
             if not plan.preempted_req_ids:
                 self._schedule_waiting(plan)
         copies, retained = self.kv_cache_manager.take_kv_cache_block_copies()
-        self._free_cow_retained_blocks(retained, fence_seq=self._fences.next_step_seq())
-        step_seq = self._fences.mark_scheduled() if plan.num_scheduled_tokens else self.sched_step_seq
+        self._free_cow_retained_blocks(retained, fence_seq=self.next_step_seq())
+        step_seq = self.mark_scheduled() if plan.num_scheduled_tokens else self.sched_step_seq
         output = build_scheduler_output(plan, step_seq, self.kv_cache_manager.get_block_ids,
                                         self.finished_req_ids, copies)
         self.finished_req_ids = set()
@@ -303,7 +274,7 @@ class Scheduler:
             if new_blocks is not None:
                 return new_blocks
             victim = pick_victim(self.running, self.policy)
-            if self._fences.is_fenced(victim.last_sched_seq):
+            if self.is_fenced(victim.last_sched_seq):
                 return None
             self._preempt(victim, plan)
             if victim is request:
@@ -395,7 +366,7 @@ class Scheduler:
         """Apply one step's sampled tokens (steps strictly in order); returns the
         per-request outputs, finished requests included."""
         if scheduler_output.num_scheduled_tokens:
-            self._fences.mark_processed(scheduler_output.step_seq)
+            self.mark_processed(scheduler_output.step_seq)
         self._drain_deferred_frees()
         outputs, stopped = apply_sampled_tokens(self, scheduler_output, model_runner_output)
         if stopped:
@@ -449,9 +420,9 @@ class Scheduler:
 
     def _free_request_blocks(self, request: Request) -> None:
         """Free now, or park the blocks (eviction order) behind the newest step."""
-        if self._fences.is_fenced(request.last_sched_seq):
+        if self.is_fenced(request.last_sched_seq):
             blocks = self.kv_cache_manager.pop_blocks_for_free(request)
-            self._fences.free_or_defer(self.kv_cache_manager.block_pool, blocks, self.sched_step_seq)
+            self.free_or_defer_blocks(self.kv_cache_manager.block_pool, blocks, self.sched_step_seq)
         else:
             self.kv_cache_manager.free(request)
 
@@ -482,10 +453,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
 
-    def has_pending_frees(self) -> bool:
-        """Whether deferred block lists still wait on a fence."""
-        return bool(self.deferred_frees)
-
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
@@ -498,7 +465,7 @@ class Scheduler:
             prefix_cache_queries=queries,
             prefix_cache_hits=hits,
             num_preemptions=self.num_preemptions,
-            num_deferred_blocks=self._fences.num_deferred_blocks,
+            num_deferred_blocks=self.num_deferred_blocks,
             sched_step_seq=self.sched_step_seq,
             processed_step_seq=self.processed_step_seq,
             spec_decoding_stats=self.speculator.take_stats() if self.speculator is not None else None,

@@ -1,11 +1,15 @@
 """Applying one step's `ModelRunnerOutput` to the requests it scheduled."""
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from kvserve.request import Request, RequestStatus
-from kvserve.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from kvserve.messages import (EngineCoreOutput, ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput,
+                               TokenLogprobs)
 from kvserve.scheduler.stop import check_stop
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from kvserve.scheduler.scheduler import Scheduler
@@ -29,6 +33,7 @@ def apply_sampled_tokens(
     index_by_req_id = model_runner_output.req_id_to_index
     sampled_token_ids = model_runner_output.sampled_token_ids
     all_logprobs = model_runner_output.logprobs
+    prompt_chunks = model_runner_output.prompt_logprobs or {}
     for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
         request = requests.get(req_id)
         if request is None:
@@ -37,6 +42,8 @@ def apply_sampled_tokens(
         drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
         if drafts and request.last_sched_seq == scheduler_output.step_seq:
             request.spec_token_ids = []  # else they are a later step's, still in flight
+        if req_id in prompt_chunks:
+            _store_prompt_logprobs(request, prompt_chunks[req_id])
         index = index_by_req_id.get(req_id)
         sampled = sampled_token_ids[index] if index is not None else None
         if not sampled:
@@ -60,8 +67,26 @@ def apply_sampled_tokens(
             new_logprobs = all_logprobs[index][:len(new_token_ids)]
         outputs.append(EngineCoreOutput(req_id, new_token_ids, finish_reason, request.stop_reason,
                                         new_logprobs, max(request.num_cached_tokens, 0),
-                                        num_drafts, num_accepted))
+                                        num_drafts, num_accepted, _take_prompt_logprobs(request)))
     return outputs, stopped
+
+
+def _store_prompt_logprobs(request: Request, chunk: PromptLogprobsChunk) -> None:
+    """Keep a step's prompt logprobs by position (a chunk recomputed after a preemption
+    overwrites the same positions)."""
+    if request.prompt_logprobs is not None:
+        start = chunk.first_index - 1
+        request.prompt_logprobs[start:start + len(chunk.entries)] = chunk.entries
+
+
+def _take_prompt_logprobs(request: Request) -> list[TokenLogprobs] | None:
+    """The request's prompt logprobs, once: with its first sampled token (every prompt
+    position has been computed by then: a request needing them takes no prefix-cache hit)."""
+    taken, request.prompt_logprobs = request.prompt_logprobs, None
+    if taken is not None and any(entry is None for entry in taken):
+        logger.error("request %s: prompt logprobs missing at prompt positions %s", request.request_id,
+                     [i + 1 for i, entry in enumerate(taken) if entry is None][:8])
+    return taken
 
 
 def _roll_back_rejected(scheduler: "Scheduler", request: Request, drafts: list[int] | None,

@@ -17,13 +17,15 @@ from fastapi.responses import JSONResponse, Response
 import kvserve
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.errors import EngineDeadError
-from kvserve.server.errors import APIError, install_error_handlers
+from kvserve.server.errors import APIError, error_response, install_error_handlers
 from kvserve.server.gateway import add_gateway_routes
 from kvserve.server.kv_cache_routes import add_kv_cache_routes, optional_kv_view
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.serving import ServingContext
 from kvserve.server.serving_chat import create_chat_completion
 from kvserve.server.serving_completions import create_completion
+from kvserve.server.serving_messages import add_messages_routes
+from kvserve.server.serving_responses import ResponsesHandler
 from kvserve.server.serving_tokenize import add_tokenize_routes
 from kvserve.server.web_page import add_page_routes
 
@@ -37,19 +39,22 @@ _PROTECTED_PATH_PREFIXES = ("/v1", "/kv-cache")
 
 
 class _ApiKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on every /v1 and /kv-cache route."""
+    """Requires the API key on every /v1 and /kv-cache route: `Authorization: Bearer <key>`
+    (OpenAI's header) or `x-api-key: <key>` (Anthropic's)."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._bearer = f"Bearer {api_key}".encode()
+        self._key = api_key.encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PATH_PREFIXES):
             headers = dict(scope.get("headers") or [])
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
-                message = "missing API key" if not given else "invalid API key"
-                response = APIError(401, message, code="invalid_api_key").to_response()
+            bearer = headers.get(b"authorization", b"")
+            key = headers.get(b"x-api-key", b"")
+            if not (hmac.compare_digest(bearer, self._bearer) or hmac.compare_digest(key, self._key)):
+                message = "missing API key" if not (bearer or key) else "invalid API key"
+                response = error_response(scope["path"], APIError(401, message, code="invalid_api_key"))
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -69,7 +74,7 @@ class _BodyLimitMiddleware:
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await self._too_large().to_response()(scope, receive, send)
+            await error_response(scope["path"], self._too_large())(scope, receive, send)
             return
         received = 0
 
@@ -119,6 +124,14 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
     return app
 
 
+def add_responses_routes(app: FastAPI, handler: ResponsesHandler) -> None:
+    """POST /v1/responses, GET / DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel."""
+    app.post("/v1/responses")(handler.create)
+    app.get("/v1/responses/{response_id}")(handler.retrieve)
+    app.delete("/v1/responses/{response_id}")(handler.delete)
+    app.post("/v1/responses/{response_id}/cancel")(handler.cancel)
+
+
 def _add_routes(app: FastAPI, ctx: ServingContext, model_root: str | None) -> None:
     @app.get("/health")
     async def health() -> Response:
@@ -151,3 +164,6 @@ def _add_routes(app: FastAPI, ctx: ServingContext, model_root: str | None) -> No
     @app.post("/v1/chat/completions")
     async def chat_completions(raw_request: Request):
         return await create_chat_completion(raw_request, ctx)
+
+    add_responses_routes(app, ResponsesHandler(ctx))
+    add_messages_routes(app, ctx)

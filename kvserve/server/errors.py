@@ -1,7 +1,8 @@
-"""Errors in the OpenAI shape: `{"error": {"message", "type", "param", "code"}}`.
+"""Errors in the OpenAI shape: `{"error": {"message", "type", "param", "code"}}`, and under
+/v1/messages in Anthropic's: `{"type": "error", "error": {"type", "message"}}`.
 
 Every failure the server reports goes through `APIError` so clients (the
-official `openai` package included) see the status and shape they expect.
+official `openai` and `anthropic` packages included) see the status and shape they expect.
 """
 from __future__ import annotations
 
@@ -51,6 +52,37 @@ class APIError(Exception):
         return JSONResponse(self.to_dict(), status_code=self.status, headers=self.headers)
 
 
+# Routes answered in Anthropic's error shape.
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
+_ANTHROPIC_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    499: "invalid_request_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error(error: APIError) -> tuple[int, dict]:
+    """(status, body) of `error` as Anthropic answers it; "busy" (503) is Anthropic's 529 overloaded."""
+    status = 529 if error.status == 503 else error.status
+    kind = _ANTHROPIC_TYPE_BY_STATUS.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return status, {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def error_response(path: str, error: APIError) -> JSONResponse:
+    """`error` in the shape of the API that `path` belongs to."""
+    if not path.startswith(ANTHROPIC_PATH_PREFIX):
+        return error.to_response()
+    status, body = anthropic_error(error)
+    return JSONResponse(body, status_code=status, headers=error.headers)
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -96,18 +128,18 @@ def install_error_handlers(app: FastAPI) -> None:
     """Route every exception the app can raise to an OpenAI-shaped response."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.to_response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return from_validation_error(exc).to_response()
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(request.url.path, from_validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail)).to_response()
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(request.url.path, APIError(exc.status_code, str(exc.detail)))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error while serving a request")
-        return APIError(500, f"internal error: {type(exc).__name__}").to_response()
+        return error_response(request.url.path, APIError(500, f"internal error: {type(exc).__name__}"))

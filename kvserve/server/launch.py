@@ -95,7 +95,7 @@ def run(args: Any) -> int:
 
     if getattr(args, "headless", False):
         from kvserve.engine.arg_utils import engine_config_from_args
-        from kvserve.worker.multinode import run_headless
+        from kvserve.worker.headless import run_headless
         return run_headless(engine_config_from_args(args))
     app, engine = build_from_args(args)
     config = uvicorn.Config(app, host=args.host, port=args.port,

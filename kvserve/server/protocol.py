@@ -30,6 +30,10 @@ class _StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
+# The base of every API's request models (Responses and Messages too).
+StrictModel = _StrictModel
+
+
 class StreamOptions(_StrictModel):
     """`stream_options`: `include_usage` adds a final chunk with token usage."""
 
@@ -129,11 +133,16 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: StrictStr | None = None
+    # vLLM's extension: each choice gets `prompt_logprobs` ({token id: {logprob, rank,
+    # decoded_token}} per prompt token, null for the first).
+    prompt_logprobs: int | None = None
 
     def check_supported(self) -> None:
         self._check_common_unsupported()
         if self.suffix:
             raise UnsupportedFeatureError("suffix", "suffix (insertion) is not supported by kvserve")
+        if self.prompt_logprobs is not None and self.stream:
+            raise UnsupportedFeatureError("prompt_logprobs", "prompt_logprobs is not supported when streaming")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of single prompts (text or token ids)."""

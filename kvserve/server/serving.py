@@ -228,12 +228,13 @@ async def collect_until_disconnect(raw_request: Request, outputs: AsyncIterator[
 
 async def respond(raw_request: Request, outputs: AsyncIterator[tuple[int, Any]], stream: bool,
                   make_events: Callable[[AsyncIterator[tuple[int, Any]]], AsyncIterator[str]],
-                  make_full_response: Callable[[dict[int, Any]], dict]) -> Response:
-    """Answer a call: its outputs streamed as the SSE events `make_events` builds, or once
-    all are final, the JSON `make_full_response` builds from them by prompt index (an
-    empty 499 when the client hung up first)."""
+                  make_full_response: Callable[[dict[int, Any]], dict],
+                  sse_done: str | None = SSE_DONE) -> Response:
+    """Answer a call: its outputs streamed as the SSE events `make_events` builds (then
+    `sse_done`, if any), or once all are final, the JSON `make_full_response` builds from
+    them by prompt index (an empty 499 when the client hung up first)."""
     if stream:
-        return await _streaming_response(outputs, make_events)
+        return await _streaming_response(outputs, make_events, sse_done)
     try:
         final_by_index = await collect_until_disconnect(raw_request, outputs)
     except Exception as exc:  # noqa: BLE001
@@ -245,7 +246,8 @@ async def respond(raw_request: Request, outputs: AsyncIterator[tuple[int, Any]],
 
 async def _streaming_response(
         outputs: AsyncIterator[tuple[int, Any]],
-        make_events: Callable[[AsyncIterator[tuple[int, Any]]], AsyncIterator[str]]) -> StreamingResponse:
+        make_events: Callable[[AsyncIterator[tuple[int, Any]]], AsyncIterator[str]],
+        sse_done: str | None = SSE_DONE) -> StreamingResponse:
     """An SSE response whose events `make_events` builds from the call's outputs.
 
     The first output is awaited before the headers go out, so an error the
@@ -257,7 +259,7 @@ async def _streaming_response(
         first = None
     except Exception as exc:  # noqa: BLE001
         raise to_api_error(exc) from None
-    events = _sse_body(make_events(_prepend(first, outputs)), outputs)
+    events = _sse_body(make_events(_prepend(first, outputs)), outputs, sse_done)
     return StreamingResponse(events, media_type="text/event-stream")
 
 
@@ -269,8 +271,10 @@ async def _prepend(first: tuple[int, Any] | None,
         yield item
 
 
-async def _sse_body(events: AsyncIterator[str], outputs: AsyncIterator[Any]) -> AsyncIterator[str]:
-    """`events`, an in-band error event if they raise, then [DONE]; `outputs` closed in any case."""
+async def _sse_body(events: AsyncIterator[str], outputs: AsyncIterator[Any],
+                    sse_done: str | None) -> AsyncIterator[str]:
+    """`events`, an in-band error event if they raise, then `sse_done` ([DONE]); `outputs`
+    closed in any case."""
     try:
         async for event in events:
             yield event
@@ -280,7 +284,8 @@ async def _sse_body(events: AsyncIterator[str], outputs: AsyncIterator[Any]) -> 
     finally:
         await events.aclose()  # type: ignore[attr-defined]
         await outputs.aclose()  # type: ignore[attr-defined]
-    yield SSE_DONE
+    if sse_done:
+        yield sse_done
 
 
 async def _wait_for_disconnect(raw_request: Request) -> None:
@@ -327,6 +332,23 @@ def token_logprob_entries(completion: CompletionOutput, start: int, end: int
         candidates = [(tid, lp.logprob, lp.rank) for tid, lp in by_token_id.items()]
         candidates.sort(key=lambda c: -c[1])
         entries.append((token_id, float("nan") if sampled is None else sampled.logprob, candidates))
+    return entries
+
+
+def prompt_logprob_entries(request_output: RequestOutput
+                           ) -> list[tuple[int, float | None, list[tuple[int, float, int | None]] | None]]:
+    """`token_logprob_entries` of the prompt tokens: the first (and every token when the
+    request did not ask for prompt logprobs) has logprob and candidates None."""
+    scored = request_output.prompt_logprobs or []
+    entries = []
+    for position, token_id in enumerate(request_output.prompt_token_ids):
+        by_token_id = scored[position] if position < len(scored) else None
+        if by_token_id is None:
+            entries.append((token_id, None, None))
+            continue
+        candidates = sorted(((tid, lp.logprob, lp.rank) for tid, lp in by_token_id.items()), key=lambda c: -c[1])
+        own = by_token_id.get(token_id)
+        entries.append((token_id, float("nan") if own is None else own.logprob, candidates))
     return entries
 
 

@@ -9,61 +9,35 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
-from kvserve.server.errors import bad_request
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+from kvserve.server.chat_request import ChatSpec, parsed_message, start_chat
 from kvserve.server.protocol import ChatCompletionRequest
-from kvserve.server.serving import (ChoiceStreamState, ChunkFormatter, ServingContext, merged_outputs,
-                                    new_id, next_delta, parse_request, resolve_max_tokens, respond,
-                                    run_tokenizer, submit_all, to_api_error, token_logprob_entries,
-                                    token_text, usage_dict)
-from kvserve.server.structured import checked_constraint
-from kvserve.server.tool_checks import check_tool_messages
+from kvserve.server.serving import (ChoiceStreamState, ChunkFormatter, ServingContext, new_id, next_delta,
+                                    parse_request, respond, token_logprob_entries, token_text, usage_dict)
+from kvserve.server.structured import constraint_from_request
 from kvserve.server.tool_stream import ToolCallStreamer
-from kvserve.server.tools import (FALLBACK_TOOL_TEMPLATE, ToolCall, ToolRequest, extract_tool_calls,
-                                  parse_tool_request, parser_for_template, template_messages,
-                                  template_supports_tools)
+from kvserve.server.tools import ToolRequest
 
 
-async def _render_prompt(ctx: ServingContext, body: ChatCompletionRequest,
-                         tool_request: ToolRequest | None) -> list[int]:
-    from kvserve.engine.tokenizer import apply_chat_template
-    conversation = template_messages(body.messages)  # raises UnsupportedFeatureError for non-text parts
-    text_len = sum(len(message["content"]) for message in conversation)
-    tools = tool_request.rendered_tools if tool_request is not None else None
-    template = None
-    uses_tools = tools or any(m.role == "tool" or m.tool_calls for m in body.messages)
-    if uses_tools and not template_supports_tools(ctx.engine.tokenizer.chat_template):
-        template = FALLBACK_TOOL_TEMPLATE
-    try:
-        token_ids = await run_tokenizer(text_len, apply_chat_template, ctx.engine.tokenizer,
-                                        conversation, add_generation_prompt=body.add_generation_prompt,
-                                        chat_template=template, tools=tools)
-    except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
-        raise bad_request(f"the chat template rejected the messages: {exc}",
-                          param="messages") from None
-    return list(token_ids)
+def chat_spec(body: ChatCompletionRequest) -> ChatSpec:
+    """The shared translation of a Chat Completions request."""
+    return ChatSpec(messages=body.messages, build_params=partial(_build_params, body),
+                    max_tokens=body.requested_max_tokens(), tools=body.tools or [],
+                    tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
+                    constraint=constraint_from_request(body), add_generation_prompt=body.add_generation_prompt)
+
+
+def _build_params(body: ChatCompletionRequest, max_tokens: int,
+                  constraint: StructuredOutputsParams | None) -> SamplingParams:
+    return body.build_sampling_params(max_tokens, body.num_logprobs(), constraint)
 
 
 async def create_chat_completion(raw_request: Request, ctx: ServingContext):
     """Handle one /v1/chat/completions call (streaming or not)."""
     body = await parse_request(raw_request, ctx, ChatCompletionRequest)
-    try:
-        check_tool_messages(body.messages)
-        tool_request = parse_tool_request(
-            body, ctx.tool_call_parser or parser_for_template(ctx.engine.tokenizer.chat_template))
-        prompt_token_ids = await _render_prompt(ctx, body, tool_request)
-        max_tokens = resolve_max_tokens(ctx.engine, len(prompt_token_ids),
-                                        body.requested_max_tokens())
-        tool_grammar = tool_request.forcing_grammar() if tool_request is not None else None
-        params = body.build_sampling_params(max_tokens, body.num_logprobs(),
-                                            await checked_constraint(ctx, body, tool_grammar))
-        if tool_request is not None and tool_request.parses_calls and tool_request.parser == "mistral":
-            params.skip_special_tokens = False  # [TOOL_CALLS] is a special token
-        ctx.engine.validator.check_prompt_fits(len(prompt_token_ids), max_tokens)
-        ctx.engine.validator.check_sampling_params(params)
-    except Exception as exc:  # noqa: BLE001
-        raise to_api_error(exc) from None
     response_id = new_id("chatcmpl")
-    outputs = merged_outputs(ctx, submit_all(ctx, [(prompt_token_ids, params)], response_id))
+    prepared, outputs = await start_chat(ctx, partial(chat_spec, body), response_id)
+    tool_request = prepared.tool_request
     return await respond(raw_request, outputs, body.stream,
                          partial(_stream_events, ctx, body, response_id, tool_request),
                          partial(_full_response, ctx, body, response_id, tool_request))
@@ -88,16 +62,9 @@ def _full_response(ctx: ServingContext, body: ChatCompletionRequest, response_id
             "usage": usage_dict([request_output])}
 
 
-def _parsed_calls(completion: CompletionOutput, tool_request: ToolRequest | None) -> tuple[str, list[ToolCall]]:
-    if tool_request is None or not tool_request.parses_calls:
-        return completion.text, []
-    content, calls = extract_tool_calls(tool_request.parser, completion.text)
-    return content, calls if tool_request.parallel else calls[:1]
-
-
 def _message(completion: CompletionOutput, tool_request: ToolRequest | None) -> tuple[dict, str | None]:
     """The assistant message and finish reason of a finished choice ("tool_calls" when it called)."""
-    content, calls = _parsed_calls(completion, tool_request)
+    content, calls = parsed_message(completion, tool_request)
     if not calls:
         return {"role": "assistant", "content": completion.text}, completion.finish_reason
     finish_reason = "tool_calls" if completion.finish_reason == "stop" else completion.finish_reason

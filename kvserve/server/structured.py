@@ -55,22 +55,28 @@ def constraint_from_request(body: "CompletionRequest | ChatCompletionRequest") -
 
 
 def _from_response_format(response_format: Any) -> ConstraintSource | None:
-    kind = response_format.type
+    return format_constraint(response_format.type, response_format.json_schema, "response_format",
+                             "response_format.json_schema")
+
+
+def format_constraint(kind: Any, json_schema: Any, param: str, schema_param: str) -> ConstraintSource | None:
+    """The constraint of an OpenAI output format (`response_format` in Chat Completions,
+    `text.format` in Responses): `kind` "text", "json_object" or "json_schema" with
+    `json_schema` {name, schema, strict, description}; errors name `param` / `schema_param`."""
     if kind == "text":
         return None
     if kind == "json_object":
-        return ConstraintSource(StructuredOutputsParams(json_object=True), "response_format")
+        return ConstraintSource(StructuredOutputsParams(json_object=True), param)
     if kind == "json_schema":
-        schema = _json_schema_of(response_format.json_schema)
-        return ConstraintSource(StructuredOutputsParams(json=schema), "response_format.json_schema")
-    raise InvalidRequestError(f"response_format type {kind!r} is not one of 'text', 'json_object', "
-                              "'json_schema'", "response_format.type")
+        schema = _json_schema_of(json_schema, schema_param)
+        return ConstraintSource(StructuredOutputsParams(json=schema), schema_param)
+    raise InvalidRequestError(f"{param} type {kind!r} is not one of 'text', 'json_object', "
+                              "'json_schema'", f"{param}.type")
 
 
-def _json_schema_of(spec: Any) -> dict[str, Any]:
+def _json_schema_of(spec: Any, param: str) -> dict[str, Any]:
     """The schema of `response_format.json_schema` ({name, schema, strict, description}, as
     OpenAI defines it: `name` required; without `schema`, any JSON object)."""
-    param = "response_format.json_schema"
     if not isinstance(spec, dict):
         raise InvalidRequestError(f"{param} must be an object with a 'name' and a 'schema'", param)
     name = spec.get("name")
@@ -80,7 +86,51 @@ def _json_schema_of(spec: Any) -> dict[str, Any]:
         raise InvalidRequestError(f"{param}.schema must be a JSON schema object", f"{param}.schema")
     if not isinstance(spec.get("strict", False), (bool, type(None))):
         raise InvalidRequestError(f"{param}.strict must be a boolean", f"{param}.strict")
-    return spec.get("schema") or {"type": "object"}
+    schema = spec.get("schema") or {"type": "object"}
+    if spec.get("strict"):
+        problem = strict_schema_problem(schema)
+        if problem is not None:
+            raise InvalidRequestError(f"Invalid schema for response_format {name!r}: {problem}", f"{param}.schema")
+    return schema
+
+
+def strict_schema_problem(schema: Any) -> str | None:
+    """What breaks OpenAI's rules for a strict schema, naming where, or None: every object
+    sets `additionalProperties` to false and lists every property in `required`, and the
+    root is an object."""
+    if not isinstance(schema, dict) or schema.get("type") != "object":
+        return "In context=(), schema must be a JSON Schema of 'type: \"object\"'."
+    for path, node in _subschemas(schema, ()):
+        if node.get("type") != "object" and "properties" not in node:
+            continue
+        if node.get("additionalProperties") is not False:
+            return f"In context={path!r}, 'additionalProperties' is required to be supplied and to be false."
+        properties = node.get("properties") or {}
+        required = node.get("required")
+        missing = [key for key in properties if not isinstance(required, list) or key not in required]
+        if missing:
+            return (f"In context={path!r}, 'required' is required to be supplied and to be an array including "
+                    f"every key in properties. Missing {missing[0]!r}.")
+    return None
+
+
+def _subschemas(node: dict, path: tuple) -> Any:
+    """(path, schema) of `node` and every schema nested in it (properties, items, unions, definitions)."""
+    yield path, node
+    for key in ("properties", "$defs", "definitions"):
+        children = node.get(key)
+        if isinstance(children, dict):
+            for name, child in children.items():
+                if isinstance(child, dict):
+                    yield from _subschemas(child, path + (key, name))
+    for key in ("anyOf", "allOf", "oneOf", "prefixItems"):
+        children = node.get(key)
+        if isinstance(children, list):
+            for index, child in enumerate(children):
+                if isinstance(child, dict):
+                    yield from _subschemas(child, path + (key, index))
+    if isinstance(node.get("items"), dict):
+        yield from _subschemas(node["items"], path + ("items",))
 
 
 def _build(fields: Any, field_name: str) -> StructuredOutputsParams:
@@ -108,7 +158,13 @@ async def checked_constraint(ctx: "ServingContext", body: "CompletionRequest | C
                              ) -> StructuredOutputsParams | None:
     """The request's constraint (or the grammar forcing its tool calls), compiled so that it
     is known good, or None."""
-    source = constraint_from_request(body)
+    return await checked_source(ctx, constraint_from_request(body), tool_grammar)
+
+
+async def checked_source(ctx: "ServingContext", source: ConstraintSource | None, tool_grammar: str | None = None
+                         ) -> StructuredOutputsParams | None:
+    """`source` (or the grammar forcing tool calls, which excludes it), compiled so that it is
+    known good, or None."""
     if tool_grammar is not None:
         if source is not None:
             raise InvalidRequestError(f"tool_choice 'required' or a named function cannot be combined with "

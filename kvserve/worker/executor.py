@@ -4,8 +4,9 @@ The engine talks to an `Executor` only through `SchedulerOutput` ->
 `ModelRunnerOutput`. `UniProcExecutor` runs one `ModelRunner` in this process
 on a single worker thread, so `execute_model_async` lets the engine schedule
 step N+1 while step N runs (torch releases the GIL inside its kernels). A
-multi-process tensor-parallel executor plugs in behind the same interface:
-`Executor.create` picks the class from `parallel_config.tensor_parallel_size`.
+multi-process tensor-parallel executor (`tp_executor.TPExecutor`) plugs in behind
+the same interface; the engine picks the class from
+`parallel_config.tensor_parallel_size` (`kvserve.engine.core.default_executor_class`).
 """
 from __future__ import annotations
 
@@ -44,17 +45,6 @@ class Executor:
         # Set by the engine while it waits for each step as soon as it submits it: an
         # executor may then run the step on the calling thread (see UniProcExecutor).
         self.inline_steps = False
-
-    @staticmethod
-    def get_class(engine_config: "EngineConfig") -> type["Executor"]:
-        if engine_config.parallel_config.tensor_parallel_size == 1:
-            return UniProcExecutor
-        from kvserve.worker.tp_executor import TPExecutor
-        return TPExecutor
-
-    @classmethod
-    def create(cls, engine_config: "EngineConfig") -> "Executor":
-        return cls.get_class(engine_config)(engine_config)
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         raise NotImplementedError

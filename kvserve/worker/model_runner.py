@@ -32,6 +32,7 @@ from kvserve.worker.draft_model import DraftModelProposer
 from kvserve.worker.input_batch import InputBatch, PreparedBatch
 from kvserve.worker.kv_tensors import allocate_kv_caches, copy_kv_blocks
 from kvserve.sample.logits_constraints import LogitsConstraints, PendingMasks
+from kvserve.worker.prompt_logprobs import PromptLogprobsPlan, gather_prompt_logprobs, plan_prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -177,25 +178,28 @@ class ModelRunner:
         if self.drafter is not None:
             draft_token_ids = self.drafter.fill_placeholders(scheduler_output.scheduled_spec_decode_tokens)
         prepared = batch.prepare(scheduler_output, self._failed_req_ids, draft_token_ids)
-        sampled_token_ids, logprobs_by_req = self._forward_and_sample(prepared) if prepared.num_reqs else ({}, {})
+        sampled_token_ids, logprobs_by_req, prompt_logprobs = (
+            self._forward_and_sample(prepared) if prepared.num_reqs else ({}, {}, {}))
         if self.drafter is not None and prepared.num_reqs:
             self.drafter.propose(batch, prepared, sampled_token_ids, scheduler_output.draft_proposal_req_ids,
                                  self.kv_caches, self._build_attention_metadata)
         skipped = [rid for rid in scheduler_output.num_scheduled_tokens if rid in self._failed_req_ids]
-        return self._make_output(prepared.req_ids + skipped, sampled_token_ids, logprobs_by_req)
+        return self._make_output(prepared.req_ids + skipped, sampled_token_ids, logprobs_by_req, prompt_logprobs)
 
-    def _forward_sampled_rows(self, prepared: PreparedBatch) -> torch.Tensor | None:
-        """Run the model over the step; the hidden rows of the requests to sample
-        (None when no request reached its last token)."""
+    def _forward_sampled_rows(self, prepared: PreparedBatch, extra_rows: np.ndarray | None = None
+                              ) -> torch.Tensor | None:
+        """Run the model over the step; the hidden rows of the requests to sample, then
+        those of `extra_rows` (None when there are none of either)."""
         hidden = self.model.forward(
             self._to_device(prepared.input_ids),
             self._to_device(prepared.positions),
             self._build_attention_metadata(prepared),
             self.kv_caches,
         )
-        if not prepared.sampled_req_ids:
+        rows = prepared.logits_indices if extra_rows is None else np.concatenate([prepared.logits_indices, extra_rows])
+        if not len(rows):
             return None
-        return hidden[self._to_device(prepared.logits_indices)]
+        return hidden[self._to_device(rows)]
 
     def _forward_sampled_logits(self, prepared: PreparedBatch,
                                 pending_masks: PendingMasks | None = None) -> torch.Tensor | None:
@@ -214,16 +218,37 @@ class ModelRunner:
             head_mask=None if pending_masks is None else pending_masks.head_mask,
         )
 
-    def _forward_and_sample(self, prepared: PreparedBatch) -> tuple[dict[str, list[int]], dict]:
+    def _forward_and_sample(self, prepared: PreparedBatch) -> tuple[dict[str, list[int]], dict, dict]:
         """Run the model; for each request that reached its last token, sample one
-        token or verify its drafts (then 1 to 1 + drafts tokens)."""
+        token or verify its drafts (then 1 to 1 + drafts tokens). Also returns the
+        prompt logprobs the step computed, by request (`PromptLogprobsChunk`)."""
         pending_masks = self._start_masks(prepared)
-        logits = self._forward_sampled_logits(prepared, pending_masks)
+        prompt_plan = plan_prompt_logprobs(prepared, self.input_batch.states)
+        prompt_logprobs = {}
+        if prompt_plan is None:
+            logits = self._forward_sampled_logits(prepared, pending_masks)
+        else:
+            logits, prompt_logprobs = self._forward_scoring_prompts(prepared, prompt_plan)
         if logits is None:
-            return {}, {}
+            return {}, {}, prompt_logprobs
         sampled_token_ids, logprobs_by_req = self._sample(logits, prepared, pending_masks)
         self._record_sampled(sampled_token_ids)
-        return sampled_token_ids, logprobs_by_req
+        return sampled_token_ids, logprobs_by_req, prompt_logprobs
+
+    def _forward_scoring_prompts(self, prepared: PreparedBatch, plan: PromptLogprobsPlan
+                                 ) -> tuple[torch.Tensor | None, dict]:
+        """`_forward_sampled_logits` with the logits of the plan's prompt rows too (the LM
+        head runs on both sets of rows at once; the grammar masks are applied after it)."""
+        num_sampled = len(prepared.logits_indices)
+        logits = self.model.forward_logits(
+            self._to_device(prepared.input_ids),
+            self._to_device(prepared.positions),
+            self._build_attention_metadata(prepared),
+            self.kv_caches,
+            self._to_device(np.concatenate([prepared.logits_indices, plan.rows])),
+        )
+        prompt_logprobs = gather_prompt_logprobs(logits[num_sampled:], plan)
+        return (logits[:num_sampled] if num_sampled else None), prompt_logprobs
 
     def _start_masks(self, prepared: PreparedBatch) -> PendingMasks | None:
         """Start filling the step's grammar masks, to overlap them with its forward."""
@@ -319,12 +344,13 @@ class ModelRunner:
 
     @staticmethod
     def _make_output(req_ids: list[str], sampled_token_ids: dict[str, list[int]],
-                     logprobs_by_req: dict) -> ModelRunnerOutput:
+                     logprobs_by_req: dict, prompt_logprobs: dict | None = None) -> ModelRunnerOutput:
         tokens = [list(sampled_token_ids.get(rid, [])) for rid in req_ids]
         logprobs = None
         if logprobs_by_req:
             logprobs = [list(logprobs_by_req.get(rid, [])) for rid in req_ids]
-        return ModelRunnerOutput(req_ids=list(req_ids), sampled_token_ids=tokens, logprobs=logprobs)
+        return ModelRunnerOutput(req_ids=list(req_ids), sampled_token_ids=tokens, logprobs=logprobs,
+                                 prompt_logprobs=prompt_logprobs or None)
 
 
 def _free_ram_bytes() -> int:

@@ -26,6 +26,7 @@ from kvserve.kv_cache.interface import KVCacheConfig
 from kvserve.messages import SchedulerOutput
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.input_batch import PreparedBatch
+from kvserve.worker.prompt_logprobs import gather_prompt_logprobs, plan_prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -137,15 +138,23 @@ PAD_TOKEN = -2
 class TPModelRunner(ModelRunner):
     """A ModelRunner for one rank: the driver samples and broadcasts the tokens."""
 
-    def _forward_and_sample(self, prepared: PreparedBatch) -> tuple[dict[str, list[int]], dict]:
+    def _forward_and_sample(self, prepared: PreparedBatch) -> tuple[dict[str, list[int]], dict, dict]:
         pending_masks = self._start_masks(prepared) if self.tp_rank == DRIVER_RANK else None
-        sampled_hidden = self._forward_sampled_rows(prepared)
-        # Every rank derives the same batch from the same SchedulerOutput, so all
-        # take this branch together and the collectives below line up.
-        if sampled_hidden is None:
-            return {}, {}
+        # Every rank derives the same batch (and prompt-scoring plan) from the same
+        # SchedulerOutput, so all take these branches together and the collectives line up.
+        prompt_plan = plan_prompt_logprobs(prepared, self.input_batch.states)
+        hidden_rows = self._forward_sampled_rows(prepared, None if prompt_plan is None else prompt_plan.rows)
+        if hidden_rows is None:
+            return {}, {}, {}
+        logits = self.model.compute_logits_on_driver(hidden_rows, prepared.total_draft_tokens)
+        prompt_logprobs = {}
+        if prompt_plan is not None and logits is not None:
+            num_sampled = len(prepared.logits_indices)
+            prompt_logprobs = gather_prompt_logprobs(logits[num_sampled:], prompt_plan)
+            logits = logits[:num_sampled]
         sampled_req_ids = prepared.sampled_req_ids
-        logits = self.model.compute_logits_on_driver(sampled_hidden, prepared.total_draft_tokens)
+        if not sampled_req_ids:
+            return {}, {}, prompt_logprobs
         # One row per request: its 1 to 1 + drafts tokens, padded with PAD_TOKEN. -1
         # tells the other ranks that the driver's sampling failed, so that they fail
         # the step too instead of waiting in the broadcast.
@@ -169,7 +178,7 @@ class TPModelRunner(ModelRunner):
         sampled_token_ids = {req_id: [t for t in row if t != PAD_TOKEN]
                              for req_id, row in zip(sampled_req_ids, token_ids.tolist())}
         self._record_sampled(sampled_token_ids)
-        return sampled_token_ids, logprobs_by_req
+        return sampled_token_ids, logprobs_by_req, prompt_logprobs
 
 
 class TPWorker:

@@ -19,7 +19,7 @@ ENGINE_FLAGS = ["--kv-cache-memory", "32MiB", "--max-model-len", "256", "--dtype
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A random 2-layer Llama saved like a Hugging Face checkpoint, with the default model's tokenizer."""
-    from kvserve.config import default_model_path
+    from kvserve.engine.model_path import default_model_path
     from kvserve.engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_path())

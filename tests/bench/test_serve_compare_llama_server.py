@@ -47,7 +47,7 @@ def test_a_missing_llama_server_is_a_clear_error(tmp_path):
 @pytest.mark.skipif(serve_compare.find_llama_server() is None,
                     reason="no llama-server binary (scripts/build_llama_server.sh builds one; not part of CI)")
 def test_serve_compare_runs_both_servers_on_the_default_model():
-    from kvserve.config import default_model_path
+    from kvserve.engine.model_path import default_model_path
 
     config = serve.ServeBenchConfig(endpoint="chat", num_prompts=4, prompt_words=16, max_tokens=8, concurrency=2,
                                     timeout_s=300.0)

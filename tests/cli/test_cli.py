@@ -29,6 +29,21 @@ def test_generate_streams_a_coherent_answer():
     print(f"\nkvserve generate: first token after {first_s:.1f} s, done after {total_s:.1f} s")
 
 
+def test_generate_says_when_it_stops_at_max_tokens():
+    """One line on stderr (plain in a pipe, dim on a terminal), only when --max-tokens cut the answer."""
+    result = run_kvserve("generate", "Write a long story about a dragon.", "--temperature", "0",
+                         "--max-tokens", "3", timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "[stopped at --max-tokens 3]\n"
+    assert result.stdout.strip()
+    session = PtySession("generate", "Write a long story about a dragon.", "--max-tokens", "3")
+    try:
+        session.expect(re.escape("\x1b[2m[stopped at --max-tokens 3]\x1b[0m"))
+        assert session.wait() == 0
+    finally:
+        session.close()
+
+
 def test_generate_json_equals_streamed_text():
     result = run_kvserve("generate", QUESTION, *GREEDY, "--json", timeout=300)
     assert result.returncode == 0, result.stderr

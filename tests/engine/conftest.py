@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.config import default_model_path
+from kvserve.engine.model_path import default_model_path
 from kvserve.engine.tokenizer import load_tokenizer
 from frontend_tokenizers import make_byte_fallback_tokenizer
 

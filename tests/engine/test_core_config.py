@@ -4,8 +4,9 @@ import os
 import pytest
 
 from kvserve.config import ConfigError
-from kvserve.config import (ModelNotFoundError, default_model_path, parse_memory_size,
-                                   resolve_model_path)
+from kvserve.config import parse_memory_size
+from kvserve.engine.model_path import ModelNotFoundError, default_model_path, resolve_model_path
+from kvserve.engine.create_config import create_engine_config
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -55,14 +56,14 @@ def test_engine_config_create_validates(tmp_path):
     from kvserve.config import EngineConfig
 
     path = save_tiny_model("llama", tmp_path / "llama")
-    config = EngineConfig.create(model=path, kv_cache_memory="1MiB", max_model_len=128, device="cpu")
+    config = create_engine_config(model=path, kv_cache_memory="1MiB", max_model_len=128, device="cpu")
     assert config.max_model_len == 128 and config.cache_config.kv_cache_memory_bytes == 1 << 20
     assert config.scheduler_config.async_scheduling and config.cache_config.enable_prefix_caching
     with pytest.raises(ConfigError, match="exceeds the model's context length"):
         EngineConfig(config.model_config, config.cache_config,
                      type(config.scheduler_config)(max_model_len=4096), config.parallel_config)
     with pytest.raises(ConfigError, match="device"):
-        EngineConfig.create(model=path, device="tpu")
+        create_engine_config(model=path, device="tpu")
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="no CUDA device"):
-            EngineConfig.create(model=path, device="cuda")
+            create_engine_config(model=path, device="cuda")

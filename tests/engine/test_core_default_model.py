@@ -3,17 +3,18 @@ import os
 
 import pytest
 
-from kvserve.config import EngineConfig, default_model_path
+from kvserve.engine.model_path import default_model_path
 from kvserve.engine.core import EngineCore, EngineCoreRequest
 from kvserve.engine.tokenizer import apply_chat_template
 from kvserve.sampling_params import SamplingParams
+from kvserve.engine.create_config import create_engine_config
 
 QUESTIONS = ["What is the capital of France?", "Name the largest planet of the solar system."]
 
 
 @pytest.fixture(scope="module")
 def default_core():
-    core = EngineCore(EngineConfig.create(kv_cache_memory="32MiB", max_model_len=512, max_num_seqs=4,
+    core = EngineCore(create_engine_config(kv_cache_memory="32MiB", max_model_len=512, max_num_seqs=4,
                                           device="cpu"))
     yield core
     core.shutdown()

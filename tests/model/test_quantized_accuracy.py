@@ -26,7 +26,7 @@ CHUNK = 256
 
 def _default_model_path() -> str | None:
     try:
-        from kvserve.config import default_model_path
+        from kvserve.engine.model_path import default_model_path
         return default_model_path()
     except Exception:  # the model package is not installed
         return None

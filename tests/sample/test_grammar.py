@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from kvserve.config import default_model_path
+from kvserve.engine.model_path import default_model_path
 from kvserve.sample.structured.grammar import GrammarCompiler, StructuredOutputError, grammar_source
 from kvserve.sample.structured.grammar_mask import apply_bitmask
 from kvserve.model.tokenizer_files import load_tokenizer

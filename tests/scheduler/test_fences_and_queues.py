@@ -15,39 +15,39 @@ class RecordingPool:
 
 
 def test_fences_free_as_is_oldest_first_and_stop_at_the_first_unmet_fence():
-    fences, pool = DeferredBlockFrees(enabled=True), RecordingPool()
+    fences, pool = DeferredBlockFrees(defer_block_free=True), RecordingPool()
     for _ in range(3):
         fences.mark_scheduled()
-    fences.free_or_defer(pool, ["a2", "a1"], fence_seq=2)
-    fences.free_or_defer(pool, ["b3", "b2", "b1"], fence_seq=3)
-    fences.free_or_defer(pool, ["c"], fence_seq=1)  # met, but queued behind an unmet fence
+    fences.free_or_defer_blocks(pool, ["a2", "a1"], fence_seq=2)
+    fences.free_or_defer_blocks(pool, ["b3", "b2", "b1"], fence_seq=3)
+    fences.free_or_defer_blocks(pool, ["c"], fence_seq=1)  # met, but queued behind an unmet fence
     assert pool.calls == [] and fences.num_deferred_blocks == 6
     fences.mark_processed(1)
-    assert fences.drain(pool) == 0  # the head (fence 2) is unmet: nothing passes it
+    assert fences.drain_ready_blocks(pool) == 0  # the head (fence 2) is unmet: nothing passes it
     fences.mark_processed(2)
-    assert fences.drain(pool) == 2
+    assert fences.drain_ready_blocks(pool) == 2
     assert pool.calls == [["a2", "a1"]]
     fences.mark_processed(3)
-    assert fences.drain(pool) == 4
+    assert fences.drain_ready_blocks(pool) == 4
     assert pool.calls == [["a2", "a1"], ["b3", "b2", "b1"], ["c"]]
-    assert not fences.queue
+    assert not fences.deferred_frees
 
 
 def test_fences_frees_at_once_when_met_or_disabled_and_skips_empty_lists():
-    fences, pool = DeferredBlockFrees(enabled=True), RecordingPool()
+    fences, pool = DeferredBlockFrees(defer_block_free=True), RecordingPool()
     fences.mark_scheduled()
     fences.mark_processed(1)
-    fences.free_or_defer(pool, ["x"], fence_seq=1)
-    fences.free_or_defer(pool, [], fence_seq=5)
-    assert pool.calls == [["x"]] and not fences.queue
+    fences.free_or_defer_blocks(pool, ["x"], fence_seq=1)
+    fences.free_or_defer_blocks(pool, [], fence_seq=5)
+    assert pool.calls == [["x"]] and not fences.deferred_frees
     assert not fences.is_fenced(1) and fences.is_fenced(2)
-    fences.enabled = False
-    fences.free_or_defer(pool, ["y"], fence_seq=9)
+    fences.defer_block_free = False
+    fences.free_or_defer_blocks(pool, ["y"], fence_seq=9)
     assert pool.calls[-1] == ["y"] and not fences.is_fenced(9)
 
 
 def test_outputs_must_be_applied_in_step_order():
-    fences = DeferredBlockFrees(enabled=True)
+    fences = DeferredBlockFrees(defer_block_free=True)
     fences.mark_scheduled()
     fences.mark_scheduled()
     with pytest.raises(RuntimeError):

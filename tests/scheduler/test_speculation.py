@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.config import ConfigError, EngineConfig
+from kvserve.config import ConfigError
 from kvserve.scheduler.speculation import Speculator
 from kvserve.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 from kvserve.spec_decode.ngram import propose_ngram
 from kvserve.testing import FakeModelRunner, StepDriver, create_requests, create_scheduler
+from kvserve.engine.create_config import create_engine_config
 
 from oracle import assert_pool_whole, assert_results_match
 
@@ -39,7 +40,7 @@ def test_engine_config_takes_vllm_dicts_and_json():
     config = SpeculativeConfig.from_value('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
     assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (3, 2, 4)
     with pytest.raises(ConfigError, match="speculative_config"):
-        EngineConfig.create(model="/nonexistent", speculative_config={"method": "x"})
+        create_engine_config(model="/nonexistent", speculative_config={"method": "x"})
 
 
 def _spec_scheduler(**kwargs):

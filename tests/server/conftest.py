@@ -9,7 +9,7 @@ import pytest
 import uvicorn
 from helpers.server_process import free_port
 
-from kvserve.config import default_model_path
+from kvserve.engine.model_path import default_model_path
 from kvserve.engine.tokenizer import load_tokenizer
 
 

@@ -169,6 +169,47 @@ def test_logprobs_and_echo(client):
     assert all(len(t.top_logprobs) == 2 for t in content)
 
 
+def test_echo_scores_the_prompt_and_max_tokens_zero_returns_it_alone(client):
+    prompt = "Score this prompt"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, logprobs=1, echo=True)
+    lp = full.choices[0].logprobs
+    num_prompt = full.usage.prompt_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(x, float) for x in lp.token_logprobs[1:])  # prompt tokens scored, then the 2 sampled
+    assert all(top for top in lp.top_logprobs[1:])
+    only = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, temperature=0, logprobs=1, echo=True)
+    choice = only.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert only.usage.completion_tokens == 0 and only.usage.prompt_tokens == num_prompt
+    assert choice.logprobs.tokens == lp.tokens[:num_prompt]
+    assert choice.logprobs.token_logprobs == lp.token_logprobs[:num_prompt]
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, temperature=0, logprobs=1,
+                                              echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == prompt
+    assert [x for c in streamed if c.choices and c.choices[0].logprobs
+            for x in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs[:num_prompt]
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+
+
+def test_vllm_prompt_logprobs_field(fake_server, client):
+    echoed = client.completions.create(model=MODEL, prompt="Score me please", max_tokens=0, logprobs=0, echo=True)
+    prompt_ids = echoed.choices[0].logprobs.tokens
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL, "prompt": "Score me please", "max_tokens": 1, "prompt_logprobs": 1}
+    reply = httpx.post(fake_server.base_url + "/v1/completions", json=body, headers=headers, timeout=30).json()
+    scored = reply["choices"][0]["prompt_logprobs"]
+    assert len(scored) == len(prompt_ids) == reply["usage"]["prompt_tokens"] and scored[0] is None
+    assert all(len(position) >= 1 and all(set(entry) == {"logprob", "rank", "decoded_token"}
+                                           for entry in position.values()) for position in scored[1:])
+    streamed = httpx.post(fake_server.base_url + "/v1/completions", json={**body, "stream": True}, headers=headers,
+                          timeout=30)
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+    too_many = httpx.post(fake_server.base_url + "/v1/completions", json={**body, "prompt_logprobs": 21},
+                          headers=headers, timeout=30)
+    assert too_many.status_code == 400 and "prompt_logprobs" in too_many.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("echo", [False, True])
 def test_streamed_logprobs_add_up_to_the_full_ones(client, echo):
     kwargs = dict(model=MODEL, prompt="Hi there", max_tokens=6, temperature=0, logprobs=1, echo=echo)

@@ -18,6 +18,7 @@ import openai
 import pytest
 from helpers.server_process import ServerProcess
 from pydantic import BaseModel, Field
+from typing import Literal
 
 MODEL = "smollm2"
 # The longest output the schemas here allow, in tokens: a string of maxLength 20 is at most
@@ -60,6 +61,52 @@ def chat(client, **kwargs):
     kwargs.setdefault("max_tokens", 80)
     kwargs.setdefault("temperature", 0)
     return client.chat.completions.create(model=MODEL, **kwargs)
+
+
+class CityFacts(BaseModel):
+    continent: Literal["Africa", "America", "Asia", "Europe", "Oceania"]
+    capital: bool
+    population: int
+
+
+CITIES = ["Paris", "Berlin", "Madrid", "Rome", "Lyon", "Tokyo", "Osaka", "Cairo", "Lagos", "Sydney",
+          "Toronto", "Ottawa", "Lima", "Quito", "Oslo", "Bergen", "Munich", "Delhi", "Mumbai", "Seoul"]
+
+
+def test_parse_finishes_within_40_tokens_for_20_prompts(client, tokenizer):
+    """The grammar bounds every free part of CityFacts: the enum and the boolean are a choice
+    among fixed texts, the integer has at most 19 digits (int64's bound, with no bound in the
+    schema), no whitespace is free and no other key can appear. So the longest output the
+    grammar allows, in this tokenizer's tokens (one per digit) plus EOS, fits 40 tokens: which
+    of them the model picks does not matter. (Before the bound the model wrote digits until
+    max_tokens; the fixed texts are assumed written in the tokenizer's own tokens, as a model
+    trained on them does.)"""
+    assert len(tokenizer.encode("1" * 19, add_special_tokens=False)) == 19
+    longest = max(len(tokenizer.encode(json.dumps({"continent": c, "capital": b, "population": 10 ** 18}),
+                                       add_special_tokens=False))
+                  for c in CityFacts.model_json_schema()["properties"]["continent"]["enum"] for b in (True, False))
+    assert longest + 1 <= 40
+    for city in CITIES:
+        reply = client.beta.chat.completions.parse(
+            model=MODEL, response_format=CityFacts, max_tokens=40, temperature=0,
+            messages=[{"role": "user", "content": f"Describe {city} as JSON: its continent, whether it is a "
+                                                  "capital, its population."}])
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", (city, choice.message.content)
+        assert reply.usage.completion_tokens <= 40
+        assert isinstance(choice.message.parsed, CityFacts)
+        assert list(json.loads(choice.message.content)) == ["continent", "capital", "population"]
+
+
+def test_strict_schema_breaking_openai_rules_is_a_400(client):
+    plain = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}, "required": ["name"]}
+    with pytest.raises(openai.BadRequestError, match="additionalProperties"):
+        chat(client, response_format={"type": "json_schema",
+                                      "json_schema": {"name": "p", "schema": plain, "strict": True}})
+    reply = chat(client, max_tokens=BOUNDED_OUTPUT_TOKENS, response_format={"type": "json_schema", "json_schema": {
+        "name": "p", "schema": {**plain, "additionalProperties": False}, "strict": True}})
+    assert reply.choices[0].finish_reason == "stop"
+    assert set(json.loads(reply.choices[0].message.content)) == {"name"}
 
 
 def test_parse_with_a_pydantic_model(client):

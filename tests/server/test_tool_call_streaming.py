@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from kvserve.server.tool_stream import ToolCallStreamer, json_value_end, read_call_header
+from kvserve.engine.create_config import create_engine_config
 from server.conftest import ThreadedServer
 
 MODEL = "smollm2"
@@ -116,10 +117,9 @@ def test_json_scanning_helpers():
 
 @pytest.fixture(scope="module")
 def engine():
-    from kvserve.config import EngineConfig
     from kvserve.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM(EngineConfig.create(max_model_len=1024, kv_cache_memory="48MiB"))
+    engine = AsyncLLM(create_engine_config(max_model_len=1024, kv_cache_memory="48MiB"))
     yield engine
     engine.shutdown()
 

@@ -2,7 +2,7 @@
 
 It loads `/`, asks for the API key, sends a chat through the page, streams
 the answer token by token, and its KV numbers change and agree with `/kv-cache`.
-scripts/setup.sh installs chromium and playwright: this test fails, never
+`scripts/setup.sh --test` installs chromium and playwright: this test fails, never
 skips, when they are missing. KVSERVE_PAGE_SCREENSHOT=path saves a screenshot.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ API_KEY = "page-key"
 
 def chromium_path() -> str:
     path = os.environ.get("KVSERVE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-    assert path, "chromium is not installed: run scripts/setup.sh (apt-get install chromium)"
+    assert path, "chromium is not installed: run `bash scripts/setup.sh --test` (apt-get install chromium)"
     return path
 
 

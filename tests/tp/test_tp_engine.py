@@ -97,3 +97,28 @@ def test_tp2_outputs_equal_tp1(kind, tmp_path):
         assert lp.top_token_ids == expected_lp.top_token_ids
         assert lp.sampled_token_id == expected_lp.sampled_token_id
         assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(lp.top_logprobs, expected_lp.top_logprobs))
+
+
+def test_tp2_prompt_logprobs_equal_tp1(tmp_path):
+    """Prompt logprobs through chunked prefill (a 60-token prompt in 48-token steps, batched with
+    a short one): the driver scores the prompt rows every rank computed; values agree to the same
+    rounding as the sampled tokens' logprobs above."""
+    path = save_tiny_model("llama_gqa", tmp_path / "llama")
+    prompts = random_prompts(2, 10, 60, seed=3)
+    prompts[0] = (prompts[0] * 6)[:60]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    scored = {}
+    for tp_size, kv_bytes in ((1, KV_BYTES_TP1), (2, KV_BYTES_TP2)):
+        with make_engine(path, tp_size, kv_cache_memory=kv_bytes, **ENGINE_SETTINGS) as core:
+            for i, prompt in enumerate(prompts):
+                core.add_request(EngineCoreRequest(str(i), prompt, params))
+            outputs = []
+            while core.has_unfinished_requests():
+                outputs.extend(out for out in core.step() if out.prompt_logprobs is not None)
+        scored[tp_size] = {out.request_id: out.prompt_logprobs for out in outputs}
+    for req_id, prompt in enumerate(prompts):
+        got, expected = scored[2][str(req_id)], scored[1][str(req_id)]
+        assert [e.sampled_token_id for e in got] == prompt[1:] == [e.sampled_token_id for e in expected]
+        for entry, expected_entry in zip(got, expected):
+            assert math.isclose(entry.sampled_logprob, expected_entry.sampled_logprob, abs_tol=1e-4)
+            assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(entry.top_logprobs, expected_entry.top_logprobs))

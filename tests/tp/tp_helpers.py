@@ -11,9 +11,9 @@ import torch
 import transformers
 from helpers.tiny_models import random_token_prompts, tiny_gemma2_config, tiny_llama_config
 
-from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore, EngineCoreRequest
 from kvserve.sampling_params import SamplingParams
+from kvserve.engine.create_config import create_engine_config
 
 VOCAB_SIZE = 250  # not a multiple of 4: the vocabulary shards are padded
 
@@ -38,7 +38,7 @@ def make_engine(model_path: str, tensor_parallel_size: int, **overrides) -> Engi
     kwargs = dict(kv_cache_memory="8MiB", block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
                   device="cpu", async_scheduling=True, tensor_parallel_size=tensor_parallel_size)
     kwargs.update(overrides)
-    return EngineCore(EngineConfig.create(model=model_path, **kwargs))
+    return EngineCore(create_engine_config(model=model_path, **kwargs))
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -67,7 +67,7 @@ def run_requests(core: EngineCore, prompts: list[list[int]], params, first_id: i
 def save_tiny_chat_model(path) -> str:
     """A tiny random Llama (one KV head, so replicated at TP=2) that carries the default
     model's tokenizer and chat template, for tests through the text front-ends."""
-    from kvserve.config import default_model_path
+    from kvserve.engine.model_path import default_model_path
     from kvserve.engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_path())

@@ -1,11 +1,11 @@
 """Drive the real scheduler + ModelRunner + model through EngineCore in tests."""
 from __future__ import annotations
 
-from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore, EngineCoreRequest
 from kvserve.sampling_params import SamplingParams
 from kvserve.testing import assert_pool_whole as assert_scheduler_pool_whole
 from kvserve.worker.executor import UniProcExecutor
+from kvserve.engine.create_config import create_engine_config
 
 
 class RecordingExecutor(UniProcExecutor):
@@ -32,7 +32,7 @@ def make_engine(model_path: str, **overrides) -> EngineCore:
     kwargs = dict(kv_cache_memory="8MiB", block_size=4, max_num_seqs=8, max_num_batched_tokens=256,
                   device="cpu", async_scheduling=True)
     kwargs.update(overrides)
-    return EngineCore(EngineConfig.create(model=model_path, **kwargs), executor_class=RecordingExecutor)
+    return EngineCore(create_engine_config(model=model_path, **kwargs), executor_class=RecordingExecutor)
 
 
 def greedy_params(max_tokens: int, **kwargs) -> SamplingParams:

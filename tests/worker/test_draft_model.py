@@ -21,9 +21,10 @@ import transformers
 
 from engine_helpers import RecordingExecutor, assert_pool_whole, greedy_params, run_checked, run_to_completion
 from tiny_models import random_prompts, save_tiny_model
-from kvserve.config import ConfigError, EngineConfig
+from kvserve.config import ConfigError
 from kvserve.engine.core import EngineCore
 from kvserve.sampling_params import SamplingParams
+from kvserve.engine.create_config import create_engine_config
 
 SETTINGS = dict(kv_cache_memory="8MiB", block_size=4, max_num_seqs=8, device="cpu",
                 max_num_batched_tokens=40, hash_block_size=2)
@@ -72,7 +73,7 @@ def _engine(model: str, draft: str | None, k: int = 3, **overrides) -> EngineCor
     spec = None if draft is None else {"model": draft, "num_speculative_tokens": k, "min_acceptance_rate": 0.0,
                                        "draft_token_cost": 0.0,
                                        "disable_by_batch_size": 64}
-    config = EngineConfig.create(model=model, speculative_config=spec, **{**SETTINGS, **overrides})
+    config = create_engine_config(model=model, speculative_config=spec, **{**SETTINGS, **overrides})
     core = EngineCore(config, executor_class=HeldBlocksExecutor)
     core.executor.scheduler = core.scheduler
     return core
@@ -146,16 +147,16 @@ def test_draft_with_another_vocabulary_is_refused(paths, tmp_path):
                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
     transformers.LlamaForCausalLM(config).save_pretrained(str(tmp_path / "other"), safe_serialization=True)
     with pytest.raises(ConfigError, match="vocabulary of 300 tokens"):
-        EngineConfig.create(model=paths["llama"], device="cpu",
+        create_engine_config(model=paths["llama"], device="cpu",
                             speculative_config={"method": "draft_model", "model": str(tmp_path / "other")})
 
 
 def test_draft_model_config_errors(paths):
     with pytest.raises(ConfigError, match='needs "model"'):
-        EngineConfig.create(model=paths["llama"], device="cpu", speculative_config={"method": "draft_model"})
+        create_engine_config(model=paths["llama"], device="cpu", speculative_config={"method": "draft_model"})
     with pytest.raises(ConfigError, match="tensor_parallel_size 1"):
-        EngineConfig.create(model=paths["llama"], device="cpu", tensor_parallel_size=2,
+        create_engine_config(model=paths["llama"], device="cpu", tensor_parallel_size=2,
                             speculative_config={"model": paths["exact"]})
     with pytest.raises(ConfigError, match="does not exist|not found|no config"):
-        EngineConfig.create(model=paths["llama"], device="cpu",
+        create_engine_config(model=paths["llama"], device="cpu",
                             speculative_config={"model": paths["llama"] + "-missing"})

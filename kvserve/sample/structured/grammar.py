@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.sample.structured.json_grammar import json_schema_lark
 
 if TYPE_CHECKING:
     import torch
@@ -68,9 +69,12 @@ def grammar_source(params: StructuredOutputsParams) -> str:
     kind = params.kind
     try:
         if kind in ("json", "json_object"):
+            # Keys keep their order: properties are emitted in the schema's order.
             schema = params.json if kind == "json" else {"type": "object"}
-            text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
-            json.loads(text)
+            text = schema if isinstance(schema, str) else json.dumps(schema)
+            lark = json_schema_lark(json.loads(text))
+            if lark is not None:
+                return llguidance.LLMatcher.grammar_from_lark(lark)
             return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_COMPILE_OPTIONS)
         if kind == "regex":
             # \d means an ASCII digit here, as users of Python's re on digits expect.
