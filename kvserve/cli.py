@@ -1,4 +1,4 @@
-"""The `kvserve` command: generate, chat, serve, run-batch, bench.
+"""The `kvserve` command: generate, chat, serve, run-batch, bench, plan, env.
 
 Argument parsing only; the work happens in the engine, server and bench
 packages, imported when their command runs so that `kvserve generate` starts
@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from kvserve.engine.arg_utils import add_engine_arguments, engine_kwargs_from_args
 
-COMMANDS = ("generate", "chat", "serve", "run-batch", "bench", "plan")
+COMMANDS = ("generate", "chat", "serve", "run-batch", "bench", "plan", "env")
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -49,6 +49,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _add_run_batch_parser(subparsers, load=command == "run-batch")
     _add_bench_parser(subparsers, load=command == "bench")
     _add_plan_parser(subparsers, load=command == "plan")
+    _add_env_parser(subparsers)
     return parser
 
 
@@ -139,6 +140,23 @@ def _add_plan_parser(subparsers: Any, load: bool) -> None:
         _add_common(parser)
 
 
+def _add_env_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser("env", help="the CPU features, kernel paths, compiler and versions found here",
+                                   description="Print what this machine offers the native kernels (CPU features "
+                                               "by CPUID and as the OS enabled them), the path each kernel takes, "
+                                               "the compiler and flags, the kernel cache, Python and torch.")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_common(parser)
+
+
+def run_env(args: argparse.Namespace) -> int:
+    from kvserve.native.report import collect_env, format_env
+    from kvserve import __version__
+    report = {"kvserve": __version__, **collect_env()}
+    print(json.dumps(report, indent=2) if args.json else format_env(report))
+    return 0
+
+
 def _version() -> str:
     from kvserve import __version__
     return f"kvserve {__version__}"
@@ -187,6 +205,8 @@ def _run_command(args: argparse.Namespace) -> int:
     if args.command == "plan":
         from kvserve.planner.cli import run_plan
         return run_plan(args)
+    if args.command == "env":
+        return run_env(args)
     from kvserve.bench.cli import run as run_bench
     return int(run_bench(args) or 0)
 

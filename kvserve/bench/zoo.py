@@ -2,7 +2,7 @@
 
 `zoo:<shape>-<type>` (for example `zoo:llama-1b-q4_k_m`) names a model: a GGUF of the shape's
 architecture and sizes with random weights, the default model's tokenizer (its vocabulary padded
-with control tokens up to the shape's vocabulary size), quantized to `<type>` by llama.cpp's own
+with unused tokens up to the shape's vocabulary size), quantized to `<type>` by llama.cpp's own
 `llama-quantize` (built once from llama-cpp-python's sdist, see `kvserve.bench.llama_build`).
 Speed does not depend on the weights' values, so a random model decodes at the speed of a trained
 one of its shape and type. Files are cached under <cache root>/zoo and built on first use:
@@ -28,7 +28,7 @@ from kvserve.bench.model_info import ModelShapes
 from kvserve.paths import cache_root
 
 ZOO_PREFIX = "zoo:"
-_FORMAT_VERSION = 1  # bump when the written source files change, so stale caches are rebuilt
+_FORMAT_VERSION = 2  # bump when the written source files change, so stale caches are rebuilt
 
 
 class ZooError(ValueError):
@@ -300,7 +300,9 @@ def _write_metadata(writer, shape: ZooShape, type_name: str) -> None:
 
 
 def _write_tokenizer(writer, vocab_size: int) -> None:
-    """The default model's tokenizer, its vocabulary padded with control tokens to `vocab_size`."""
+    """The default model's tokenizer, its vocabulary padded to `vocab_size` with normal tokens that
+    no merge produces (as special tokens, tens of thousands of them would slow tokenizer loading
+    far beyond a real vocabulary's)."""
     from kvserve.engine.model_path import default_model_path
     from kvserve.model.gguf_file import GGUFFile
 
@@ -309,12 +311,12 @@ def _write_tokenizer(writer, vocab_size: int) -> None:
     token_types = list(shipped.get("tokenizer.ggml.token_type"))
     if vocab_size < len(tokens):
         raise ZooError(f"vocabulary {vocab_size} is smaller than the shipped tokenizer's {len(tokens)}")
-    control = int(__import__("gguf").TokenType.CONTROL)
+    normal = int(__import__("gguf").TokenType.NORMAL)
     padding = vocab_size - len(tokens)
     writer.add_tokenizer_model(shipped.get("tokenizer.ggml.model"))
     writer.add_tokenizer_pre(shipped.get("tokenizer.ggml.pre"))
-    writer.add_token_list(tokens + [f"<|zoo_pad_{i}|>" for i in range(padding)])
-    writer.add_token_types(token_types + [control] * padding)
+    writer.add_token_list(tokens + [f"[zoo-pad-{i}]" for i in range(padding)])
+    writer.add_token_types(token_types + [normal] * padding)
     writer.add_token_merges(shipped.get("tokenizer.ggml.merges"))
     for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
                      ("unknown_token_id", writer.add_unk_token_id), ("padding_token_id", writer.add_pad_token_id)):

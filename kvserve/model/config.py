@@ -27,14 +27,22 @@ ARCHITECTURE_FAMILIES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "OlmoeForCausalLM": "olmoe",
 }
 
 # config.json files without "architectures" (e.g. a bare config) still name a model_type.
 _ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                               "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                               "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                               "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                               "olmoe": "OlmoeForCausalLM"}
 
 _MULTIMODAL_TEXT_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
+# Families whose Q/K norm spans the whole projection (all heads) instead of each head.
+_PROJECTION_QK_NORM_FAMILIES = ("olmoe",)
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 
@@ -99,6 +107,18 @@ class ModelConfig:
     hidden_act: str = "silu"
     attention_bias: bool = False
     qk_norm: bool = False
+    # OLMoE normalizes Q and K over the whole projection, the others per head.
+    qk_norm_per_head: bool = True
+    clip_qkv: float | None = None
+    # Mixture of experts (all 0 for dense models): the router picks `num_experts_per_tok` of
+    # `num_experts` experts of width `moe_intermediate_size` per token, on the layers flagged
+    # in `sparse_layers` (the others run a dense MLP of `intermediate_size`).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    # Renormalize the top-k softmax probabilities to sum to 1 (Mixtral always does).
+    norm_topk_prob: bool = False
+    sparse_layers: list[bool] = field(default_factory=list)
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     query_pre_attn_scalar: float | None = None
@@ -122,6 +142,13 @@ class ModelConfig:
             raise ModelConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.max_model_len < 1:
             raise ModelConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not self.sparse_layers:
+            self.sparse_layers = [self.num_experts > 0] * self.num_layers
+        if len(self.sparse_layers) != self.num_layers:
+            raise ModelConfigError(f"{len(self.sparse_layers)} sparse-layer flags for {self.num_layers} layers")
+        if any(self.sparse_layers) and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelConfigError(f"num_experts_per_tok must be in 1..{self.num_experts}, "
+                                   f"got {self.num_experts_per_tok}")
 
     # -- family switches -------------------------------------------------------------
     @property
@@ -141,6 +168,11 @@ class ModelConfig:
     @property
     def scales_embeddings(self) -> bool:
         return self.is_gemma
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether some layer runs a mixture of experts instead of one MLP."""
+        return any(self.sparse_layers)
 
     @property
     def attention_scale(self) -> float:
@@ -223,7 +255,9 @@ class ModelConfig:
             hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or (
                 "gelu_pytorch_tanh" if is_gemma else "silu"),
             attention_bias=bool(hf.get("attention_bias", family == "qwen2")),
-            qk_norm=family in ("qwen3", "gemma3"),
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe", "olmoe"),
+            qk_norm_per_head=family not in _PROJECTION_QK_NORM_FAMILIES,
+            clip_qkv=hf.get("clip_qkv") if family == "olmoe" else None,
             attn_logit_softcapping=hf.get("attn_logit_softcapping") if family == "gemma2" else None,
             final_logit_softcapping=hf.get("final_logit_softcapping") if is_gemma else None,
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if is_gemma else None,
@@ -231,6 +265,7 @@ class ModelConfig:
         )
         if family == "gemma3" and hf.get("attn_logit_softcapping"):
             kwargs["attn_logit_softcapping"] = hf["attn_logit_softcapping"]
+        kwargs.update(_parse_experts(hf, family, num_layers))
         kwargs.update(overrides)
         return cls(**kwargs)
 
@@ -254,9 +289,26 @@ def _parse_rope(hf: dict[str, Any], family: str) -> tuple[RopeConfig, RopeConfig
     return rope, None
 
 
+def _parse_experts(hf: dict[str, Any], family: str, num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of a config.json (none for dense families)."""
+    if family not in ("qwen3_moe", "mixtral", "olmoe"):
+        return {}
+    num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    if family == "qwen3_moe":
+        step = int(hf.get("decoder_sparse_step") or 1)
+        dense = set(hf.get("mlp_only_layers") or [])
+        sparse = [i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)]
+        width = int(hf.get("moe_intermediate_size") or hf["intermediate_size"])
+    else:
+        sparse, width = [num_experts > 0] * num_layers, int(hf["intermediate_size"])
+    return dict(num_experts=num_experts, num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0),
+                moe_intermediate_size=width, sparse_layers=sparse,
+                norm_topk_prob=family == "mixtral" or bool(hf.get("norm_topk_prob", False)))
+
+
 def _parse_layer_types(hf: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, list[str]]:
     window = hf.get("sliding_window")
-    if family == "qwen2" or family == "qwen3":
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
         if not hf.get("use_sliding_window", False):
             window = None
     layer_types = hf.get("layer_types")
@@ -269,7 +321,7 @@ def _parse_layer_types(hf: dict[str, Any], family: str, num_layers: int) -> tupl
     elif window and family == "gemma3":
         pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
         kinds = ["full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers)]
-    elif window and family in ("qwen2", "qwen3"):
+    elif window and family in ("qwen2", "qwen3", "qwen3_moe"):
         first_full = int(hf.get("max_window_layers", num_layers))
         kinds = ["sliding" if i >= first_full else "full" for i in range(num_layers)]
     elif window:

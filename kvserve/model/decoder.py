@@ -1,7 +1,9 @@
 """One decoder-only transformer with per-family switches (ModelConfig decides):
 Llama / Mistral / Qwen2 (QKV bias) / Qwen3 (Q/K norm) / Gemma-2 / Gemma-3
 (sandwich norms, (1+w) RMSNorm, GeGLU, embedding scaling, soft-capping,
-interleaved sliding-window layers, Gemma-3's local RoPE base)."""
+interleaved sliding-window layers, Gemma-3's local RoPE base), and the
+mixtures of experts Qwen3-MoE / Mixtral / OLMoE (Q/K norm over the whole
+projection), whose sparse layers run a `moe.SparseMoeBlock` as their MLP."""
 from __future__ import annotations
 
 import torch
@@ -15,6 +17,7 @@ from kvserve.model.attention import AttentionBackend, AttentionMetadata, Attenti
 from kvserve.model.config import ModelConfig
 from kvserve.sample.structured.grammar_mask import HeadMask
 from kvserve.model.kernels import AttentionShape, ModelKernels
+from kvserve.model.moe import SparseMoeBlock
 from kvserve.model.layers import RMSNorm, RotaryEmbedding, activation, apply_rotary
 from kvserve.model.native_decoder import NativeDecoder
 from kvserve.model.parallel import (ColumnParallelLinear, PackableLinearMixin, ParallelLMHead, RowParallelLinear,
@@ -36,9 +39,15 @@ class SelfAttention(nn.Module):
                                              tp, shard_names=["q", "k", "v"], replicas=[1, kv_replicas, kv_replicas])
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, False, tp)
         self.q_norm = self.k_norm = None
+        self.qk_norm_per_head = config.qk_norm_per_head
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_adds_one)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_adds_one)
+            if not config.qk_norm_per_head and tp.size > 1:
+                raise ValueError(f"{config.architecture}: its Q/K norm spans all heads, which tensor "
+                                 "parallelism does not support yet")
+            q_width, k_width = (self.head_dim, self.head_dim) if config.qk_norm_per_head else (q_size, kv_size)
+            self.q_norm = RMSNorm(q_width, config.rms_norm_eps, config.norm_adds_one)
+            self.k_norm = RMSNorm(k_width, config.rms_norm_eps, config.norm_adds_one)
+        self.clip_qkv = config.clip_qkv
         self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == "sliding" else None
         self.params = AttentionParams(scale=config.attention_scale, softcap=config.attn_logit_softcapping,
                                       sliding_window=self.sliding_window)
@@ -50,10 +59,14 @@ class SelfAttention(nn.Module):
                 metadata: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         num_tokens, num_drafts = hidden.shape[0], metadata.num_draft_tokens
         q, k, v = self.qkv_proj(hidden, num_drafts).split(self.qkv_proj.shard_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *cos_sin, native=self.native_rotary), apply_rotary(k, *cos_sin,
                                                                                  native=self.native_rotary)
@@ -64,9 +77,9 @@ class SelfAttention(nn.Module):
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused in one projection."""
 
-    def __init__(self, config: ModelConfig, tp: TPContext) -> None:
+    def __init__(self, config: ModelConfig, tp: TPContext, intermediate_size: int | None = None) -> None:
         super().__init__()
-        size = config.intermediate_size
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], False, tp,
                                                  shard_names=["gate", "up"])
         self.down_proj = RowParallelLinear(size, config.hidden_size, False, tp)
@@ -76,12 +89,21 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, num_draft_rows: int = 0) -> torch.Tensor:
         """`num_draft_rows` of x's rows are speculative drafts (see `quantized.linear`)."""
+        return self.down_proj(self._gated(x, num_draft_rows), num_draft_rows)
+
+    def partial_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum of the output, not all-reduced and without the down
+        projection's bias (an expert of a `SparseMoeBlock`, which reduces once for all)."""
+        return self.down_proj._matmul(self._gated(x, 0))
+
+    def _gated(self, x: torch.Tensor, num_draft_rows: int) -> torch.Tensor:
+        """act(gate(x)) * up(x): the down projection's input."""
         gate_up = self.gate_up_proj(x, num_draft_rows)
         if self.native and self.is_silu and gate_up.dim() == 2 and gate_up.is_contiguous() \
                 and cpu_kernels.takes(gate_up):
-            return self.down_proj(cpu_kernels.silu_mul(gate_up), num_draft_rows)
+            return cpu_kernels.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up, num_draft_rows)
+        return self.act(gate) * up
 
 
 class DecoderLayer(nn.Module):
@@ -91,7 +113,10 @@ class DecoderLayer(nn.Module):
         super().__init__()
         eps, plus_one = config.rms_norm_eps, config.norm_adds_one
         self.self_attn = SelfAttention(config, layer_idx, tp)
-        self.mlp = GatedMLP(config, tp)
+        if config.sparse_layers[layer_idx]:
+            self.mlp = SparseMoeBlock(config, tp, lambda width: GatedMLP(config, tp, width))
+        else:
+            self.mlp = GatedMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, plus_one)
         # Llama family: the norm before the MLP. Gemma: the norm after attention.
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, plus_one)

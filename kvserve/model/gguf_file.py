@@ -189,3 +189,9 @@ def _open_reader(path: str, size: int, mtime_ns: int) -> GGUFFile:
 def open_gguf(path: str) -> GGUFFile:
     """The file's metadata and tensor views (memory-mapped, cached per path, size and mtime)."""
     return _open_reader(*file_identity(path))
+
+
+def release_gguf_mappings() -> None:
+    """Forget the open readers, so that the mappings of files whose weights are loaded (and whose
+    pages would otherwise stay resident in this process) go once nothing else holds them."""
+    _open_reader.cache_clear()

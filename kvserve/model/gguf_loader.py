@@ -3,6 +3,7 @@ dequantized and renamed to Hugging Face names (llama.cpp's Q/K row permutation u
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import struct
@@ -24,7 +25,14 @@ GGUF_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
+# llama.cpp writes Mixtral as "llama" with experts.
+_LLAMA_WITH_EXPERTS = "MixtralForCausalLM"
+# Whether llama.cpp renormalizes the top-k gate weights, where the file does not say
+# (`expert_weights_norm`): Qwen3-MoE and Mixtral do, OLMoE does not.
+_NORM_TOPK_DEFAULT = {"qwen3moe": True, "llama": True, "olmoe": False}
 
 # llama.cpp interleaves the two rotary halves of Q and K rows; HF keeps them split.
 _PERMUTED_ARCHS = ("llama", "mistral")
@@ -43,6 +51,9 @@ _METADATA_KEYS = {
     "vocab_size": "vocab_size",
     "attn_logit_softcapping": "attn_logit_softcapping",
     "final_logit_softcapping": "final_logit_softcapping",
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
 }
 
 _BLOCK_TENSORS = {
@@ -51,7 +62,10 @@ _BLOCK_TENSORS = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate_inp": "mlp.gate",
 }
+# Experts stacked in one 3-D tensor [experts, rows, columns] -> each expert's projection.
+_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -74,6 +88,16 @@ def read_gguf_hf_config(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
         value = _field_value(reader, f"{arch}.{key}")
         if value is not None:
             hf[hf_key] = value
+    names = {t.name for t in reader.tensors}
+    overrides: dict[str, Any] = {}
+    if hf.get("num_experts"):
+        if arch == "llama":
+            hf["architectures"] = [_LLAMA_WITH_EXPERTS]
+        norm = _field_value(reader, f"{arch}.expert_weights_norm")
+        hf["norm_topk_prob"] = bool(_NORM_TOPK_DEFAULT.get(arch, True) if norm is None else norm)
+        # A layer is sparse where the file has its router.
+        overrides["sparse_layers"] = [f"blk.{i}.ffn_gate_inp.weight" in names
+                                      for i in range(int(hf["num_hidden_layers"]))]
     if "vocab_size" not in hf:
         tokens = reader.fields.get("tokenizer.ggml.tokens")
         hf["vocab_size"] = tokens.count if tokens is not None else 0
@@ -83,14 +107,13 @@ def read_gguf_hf_config(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
         hf["query_pre_attn_scalar"] = hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
     if arch == "gemma2":
         hf["query_pre_attn_scalar"] = hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
-    names = {t.name for t in reader.tensors}
     hf["tie_word_embeddings"] = "output.weight" not in names
     hf["attention_bias"] = "blk.0.attn_q.bias" in names
     eos = _field_value(reader, "tokenizer.ggml.eos_token_id")
     eot = _field_value(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = [int(e) for e in (eos, eot) if e is not None]
-    overrides = {"eos_token_ids": list(dict.fromkeys(eos_ids)),
-                 "bos_token_id": _field_value(reader, "tokenizer.ggml.bos_token_id")}
+    overrides.update(eos_token_ids=list(dict.fromkeys(eos_ids)),
+                     bos_token_id=_field_value(reader, "tokenizer.ggml.bos_token_id"))
     return hf, overrides
 
 
@@ -121,6 +144,21 @@ def gguf_hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if match and match.group(2) in block_tensors:
         return f"model.layers.{match.group(1)}.{block_tensors[match.group(2)]}.{suffix}"
     return None
+
+
+def _named_tensors(reader: GGUFFile, arch: str) -> Iterator[tuple[Any, str | None]]:
+    """(tensor, HF name or None) for every tensor of the file; a stack of experts comes as
+    one 2-D view per expert, named as that expert's projection."""
+    for tensor in reader.tensors:
+        stem, _, suffix = tensor.name.rpartition(".")
+        match = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
+        if match is None or match.group(2) not in _EXPERT_TENSORS or len(tensor.shape) != 3:
+            yield tensor, gguf_hf_name(tensor.name, arch)
+            continue
+        prefix = f"model.layers.{match.group(1)}.mlp.experts"
+        for expert in range(int(tensor.shape[2])):
+            name = f"{prefix}.{expert}.{_EXPERT_TENSORS[match.group(2)]}.{suffix}"
+            yield dataclasses.replace(tensor, name=name, shape=tensor.shape[:2], data=tensor.data[expert]), name
 
 
 def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -159,6 +197,7 @@ def dequantize_tensor(tensor: Any, rows: tuple[int, int] | None = None) -> np.nd
 def iter_gguf_tensors(path: str, num_heads: int, num_kv_heads: int,
                       select: Callable[[str], tuple[int, int, int] | None] | None = None,
                       keep_quantized: Callable[[str], bool] | None = None,
+                      skip: Callable[[str], bool] | None = None,
                       ) -> Iterator[tuple[str, Any]]:
     """Yield (HF name, float32 array) for every model tensor of the file.
 
@@ -167,18 +206,19 @@ def iter_gguf_tensors(path: str, num_heads: int, num_kv_heads: int,
     cut before dequantizing; column slices after. Where `keep_quantized(hf_name)`
     and the native kernels take the tensor's type (and a column slice falls on
     block boundaries) the tensor comes as a `QuantizedWeight` instead, not
-    dequantized.
+    dequantized. Tensors for which `skip(hf_name)` holds are not read at all.
     """
     reader = open_gguf(path)
     arch = _field_value(reader, "general.architecture")
     norm_minus_one = arch in ("gemma2", "gemma3")
-    for tensor in reader.tensors:
+    for tensor, name in _named_tensors(reader, arch):
         if tensor.name == "rope_freqs.weight":
             yield "rope_freq_factors", dequantize_tensor(tensor)
             continue
-        name = gguf_hf_name(tensor.name, arch)
         if name is None:
             logger.debug("skipping GGUF tensor %s", tensor.name)
+            continue
+        if skip is not None and skip(name):
             continue
         full_rows = int(tensor.shape[-1])
         part = select(name) if select is not None else None

@@ -81,5 +81,16 @@ def choose_model_kernels(kernel_config: KernelConfig, device: torch.device | str
         native_decoder=native and kernel_config.native_decoder and (dtype == torch.float32 or bf16 is not None),
         bf16_isa=bf16, f32_gemm_isa=f32, attention_isa=attention_isa if attention.name == "cpu_native" else None,
         shm_all_reduce=native and kernel_config.shm_all_reduce)
-    logger.debug("model kernels: %s", kernels.describe())
+    _log_once(kernels.describe())
     return kernels
+
+
+_logged: set[str] = set()
+
+
+def _log_once(description: str) -> None:
+    """The chosen kernels at INFO the first time a process chooses them (TP ranks and
+    draft models that choose the same do not repeat it), at DEBUG after that."""
+    level = logging.DEBUG if description in _logged else logging.INFO
+    _logged.add(description)
+    logger.log(level, "model kernels: %s", description)

@@ -19,13 +19,23 @@ import torch
 
 from kvserve.native.config import KernelConfig
 from kvserve.model.config import ModelConfig, ModelFilesNotFoundError
+from kvserve.model import repack_cache
 from kvserve.model.decoder import DecoderModel
+from kvserve.model.gguf_file import release_gguf_mappings
 from kvserve.model.kernels import choose_model_kernels
 from kvserve.model.parallel import (ColumnParallelLinear, QuantizedWeightMixin, RowParallelLinear,
                                     VocabParallelEmbedding)
 from kvserve.model.quantized import QuantizedWeight, gemm_dtype, kernel_isa, keeps_quantized
 
 logger = logging.getLogger(__name__)
+
+# Other families' names of the same modules: Mixtral's MoE block and expert projections.
+_RENAMES = ((re.compile(r"\.block_sparse_moe\."), ".mlp."),
+            (re.compile(r"\.experts\.(\d+)\.w1\."), r".experts.\1.gate_proj."),
+            (re.compile(r"\.experts\.(\d+)\.w3\."), r".experts.\1.up_proj."),
+            (re.compile(r"\.experts\.(\d+)\.w2\."), r".experts.\1.down_proj."))
+# transformers 5's in-memory layout of a layer's experts, stacked: gate_up [E, 2I, hidden], down [E, hidden, I].
+_STACKED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)$")
 
 _FUSED_PARTS = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                 "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
@@ -42,17 +52,24 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", tp
     model = DecoderModel(model_config, tp_rank, tp_size, tp_group)
     # With tensor parallelism each rank reads only its slice of the sharded tensors.
     select = shard_selector(model) if tp_size > 1 else None
+    cache_file, cached = None, None
     if model_config.is_gguf:
         from kvserve.model.gguf_loader import iter_gguf_tensors
         quantize = keeps_quantized(model_config, device, kernel_config)
+        if quantize and kernel_config.repack_cache:
+            cache_file = repack_cache.cache_path(model_config.path, tp_rank, tp_size)
+            cached = repack_cache.load(cache_file)
         tensors = ((name, array if isinstance(array, QuantizedWeight) else torch.from_numpy(np.ascontiguousarray(array)))
                    for name, array in iter_gguf_tensors(model_config.path, model_config.num_heads,
                                                         model_config.num_kv_heads, select=select,
-                                                        keep_quantized=_is_matrix_weight if quantize else None))
+                                                        keep_quantized=_is_matrix_weight if quantize else None,
+                                                        skip=_held_in(cached)))
     else:
         tensors = iter_safetensors(model_config.path, select)
-    load_weights(model, tensors)
-    _finish_quantized(model, kernel_config, log=tp_rank == 0)
+    load_weights(model, tensors, preloaded=cached)
+    _finish_quantized(model, kernel_config, log=tp_rank == 0, cache_file=None if cached else cache_file)
+    if model_config.is_gguf:
+        release_gguf_mappings()
     rotaries = [r for r in (model.rotary_global, model.rotary_local) if r is not None]
     inv_freqs = [r.inv_freq for r in rotaries]
     model.to(device=device, dtype=model_config.torch_dtype)
@@ -69,21 +86,36 @@ def _is_matrix_weight(name: str) -> bool:
     return name.endswith(("_proj.weight", "embed_tokens.weight", "lm_head.weight"))
 
 
-def _finish_quantized(model: DecoderModel, kernel_config: KernelConfig, log: bool) -> None:
-    """Stack the quantized parts each module received and stamp the kernel path, activation
-    rounding and dense-GEMM choice on them; the tied LM head shares the embedding's quantized table. Logs what is held."""
+def _held_in(cached: dict[str, QuantizedWeight] | None) -> Callable[[str], bool] | None:
+    """For checkpoint names: whether the repacked-weight cache already holds that weight."""
+    if not cached:
+        return None
+
+    def held(name: str) -> bool:
+        target = _route(name)
+        return target is not None and target[1] == "weight" and target[0] in cached
+    return held
+
+
+def _finish_quantized(model: DecoderModel, kernel_config: KernelConfig, log: bool, cache_file: str | None) -> None:
+    """Stack the quantized parts each module received (and, given `cache_file`, save them there and
+    hold them as views of its mapping) and stamp the kernel path, activation rounding and dense-GEMM
+    choice on them; the tied LM head shares the embedding's quantized table. Logs what is held."""
     held: dict[str, int] = {}
     isa = kernel_isa(kernel_config)
     dense = gemm_dtype(kernel_config)
-    for module in model.modules():
-        if isinstance(module, QuantizedWeightMixin):
-            module.finish_quantized()
-            if module.quant_weight is not None:
-                module.quant_weight = dataclasses.replace(module.quant_weight, isa=isa,
-                                                          act_bits=kernel_config.quant_act_bits,
-                                                          gemm_rows=kernel_config.quant_gemm_rows, gemm_dtype=dense,
-                                                          panel_rows=kernel_config.quant_panel_rows)
-                held[module.quant_weight.source_type] = held.get(module.quant_weight.source_type, 0) + 1
+    modules = [(name, module) for name, module in model.named_modules() if isinstance(module, QuantizedWeightMixin)]
+    for _, module in modules:
+        module.finish_quantized()
+    if cache_file is not None:
+        _hold_from_cache(modules, cache_file, model.config.path)
+    for _, module in modules:
+        if module.quant_weight is not None:
+            module.quant_weight = dataclasses.replace(module.quant_weight, isa=isa,
+                                                      act_bits=kernel_config.quant_act_bits,
+                                                      gemm_rows=kernel_config.quant_gemm_rows, gemm_dtype=dense,
+                                                      panel_rows=kernel_config.quant_panel_rows)
+            held[module.quant_weight.source_type] = held.get(module.quant_weight.source_type, 0) + 1
     if model.config.tie_word_embeddings and model.embed_tokens.quant_weight is not None:
         model.lm_head.quant_weight = model.embed_tokens.quant_weight
         model.lm_head.register_parameter("weight", None)
@@ -92,6 +124,24 @@ def _finish_quantized(model: DecoderModel, kernel_config: KernelConfig, log: boo
                        if kernel_config.quant_gemm_rows else "no dense GEMM")
         logger.info("weights held quantized as stored (%s) on the %s kernel path; %s",
                     ", ".join(f"{count} x {name}" for name, count in sorted(held.items())), isa, dense_steps)
+
+
+def _hold_from_cache(modules: list[tuple[str, QuantizedWeightMixin]], cache_file: str, source: str) -> None:
+    """Save the modules' repacked weights to `cache_file` and swap each for its view of the file's
+    mapping (the private copies go); on a write error keep the copies and say so."""
+    weights = {name: module.quant_weight for name, module in modules if module.quant_weight is not None}
+    if not weights:
+        return
+    try:
+        repack_cache.save(cache_file, weights, source)
+    except OSError as error:
+        logger.warning("could not cache the repacked weights at %s (%s): every start repacks them", cache_file, error)
+        return
+    mapped = repack_cache.load(cache_file)
+    for name, module in modules:
+        if mapped is not None and name in mapped:
+            module.quant_weight = mapped[name]
+    logger.info("repacked weights cached at %s", cache_file)
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -152,11 +202,18 @@ def shard_selector(model: DecoderModel) -> Callable[[str], TensorSlice | None]:
     return select
 
 
-def load_weights(model: DecoderModel, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy every checkpoint tensor into its place; complain about missing ones."""
+def load_weights(model: DecoderModel, tensors: Iterator[tuple[str, torch.Tensor]],
+                 preloaded: dict[str, QuantizedWeight] | None = None) -> None:
+    """Copy every checkpoint tensor into its place (`preloaded`: module name -> quantized weight
+    already repacked, from the cache); complain about missing ones."""
     loaded: set[str] = set()
     modules = dict(model.named_modules())
-    for name, tensor in tensors:
+    for module_name, weight in (preloaded or {}).items():
+        module = modules[module_name]
+        module.quant_weight = weight
+        module.register_parameter("weight", None)
+        loaded.update(f"{module_name}.weight" + (f":{part}" if part else "") for part in module._part_names())
+    for name, tensor in _split_stacked_experts(tensors):
         if name == "rope_freq_factors":
             model.rotary_global.set_freq_factors(tensor)
             continue
@@ -179,9 +236,29 @@ def load_weights(model: DecoderModel, tensors: Iterator[tuple[str, torch.Tensor]
     _check_complete(model, loaded)
 
 
+def _split_stacked_experts(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass tensors through, with stacked expert tensors (`_STACKED_EXPERTS`) cut into
+    each expert's gate, up and down projections under their per-expert names."""
+    for name, tensor in tensors:
+        match = _STACKED_EXPERTS.fullmatch(name)
+        if match is None or isinstance(tensor, QuantizedWeight) or tensor.dim() != 3:
+            yield name, tensor
+            continue
+        prefix, kind = match.groups()
+        for expert, part in enumerate(tensor.unbind(0)):
+            if kind == "down_proj":
+                yield f"{prefix}.{expert}.down_proj.weight", part
+            else:
+                gate, up = part.chunk(2, dim=0)
+                yield f"{prefix}.{expert}.gate_proj.weight", gate
+                yield f"{prefix}.{expert}.up_proj.weight", up
+
+
 def _route(name: str) -> tuple[str, str, str | None] | None:
     """HF tensor name -> (module name, 'weight'|'bias', fused shard or None)."""
     name = re.sub(r"^model\.", "", name)
+    for pattern, replacement in _RENAMES:
+        name = pattern.sub(replacement, name)
     if name.startswith("language_model."):
         name = name.removeprefix("language_model.").removeprefix("model.")
     if "rotary_emb" in name:
@@ -209,8 +286,14 @@ def _check_complete(model: DecoderModel, loaded: set[str]) -> None:
     for layer_idx in range(model.config.num_layers):
         prefix = f"layers.{layer_idx}"
         expected += [f"{prefix}.self_attn.qkv_proj.weight:{s}" for s in "qkv"]
-        expected += [f"{prefix}.self_attn.o_proj.weight", f"{prefix}.mlp.down_proj.weight",
-                     f"{prefix}.mlp.gate_up_proj.weight:gate", f"{prefix}.mlp.gate_up_proj.weight:up"]
+        expected.append(f"{prefix}.self_attn.o_proj.weight")
+        if model.config.sparse_layers[layer_idx]:
+            expected.append(f"{prefix}.mlp.gate.weight")
+            mlps = [f"{prefix}.mlp.experts.{e}" for e in range(model.config.num_experts)]
+        else:
+            mlps = [f"{prefix}.mlp"]
+        for mlp in mlps:
+            expected += [f"{mlp}.down_proj.weight", f"{mlp}.gate_up_proj.weight:gate", f"{mlp}.gate_up_proj.weight:up"]
     expected += ["embed_tokens.weight", "norm.weight"]
     if not model.config.tie_word_embeddings:
         expected.append("lm_head.weight")

@@ -48,14 +48,13 @@ import torch
 from kvserve.kv_cache.interface import CircularBufferSpec
 from kvserve.model import quantized
 from kvserve.model.attention import AttentionMetadata
-from kvserve.sample.structured.grammar_mask import ISA_CODES as MASK_ISA_CODES
 from kvserve.sample.structured.grammar_mask import HeadMask
-from kvserve.model.quantized import ISA_CODES
 from kvserve.model.shm_all_reduce import SharedMemoryAllReduce
-from kvserve.native import cpu_kernels
+from kvserve.native import cpu_kernels, dispatch
+from kvserve.native.isa import ISA_CODES
 from kvserve.native.abi import (ALL_REDUCE_FN, DTYPE_CODES, F32_PANELS, MAX_GROUPS, NativeLayer, NativeLinear, NativeLogits,
                                 NativeModel, NativeStep, NativeTokenMask)
-from kvserve.native.config import QUANT_ISAS, KernelConfig
+from kvserve.native.config import KernelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -72,34 +71,30 @@ _PARALLEL_MIN_LAYER_BYTES = 256 * 1024
 _MASK_TIMEOUT_NS = 2_000_000_000
 
 
-def _widest_isa(kernel_config: KernelConfig | None, available: str) -> str | None:
-    """The widest path that this build and CPU run (the library's `available(code)`), capped
-    at `kernel_config.quant_isa` (KVSERVE_QUANT_ISA); None without the library."""
+def _widest_isa(kernel_config: KernelConfig | None, kernel: str) -> str | None:
+    """The widest path of `kernel` that this build and CPU run, capped at
+    `kernel_config.quant_isa` (KVSERVE_QUANT_ISA); None without the library."""
     config = kernel_config or KernelConfig()
-    lib = cpu_kernels.load_library() if config.cpu_kernels else None
-    if lib is None:
-        return None
-    ceiling = ISA_CODES[config.quant_isa] if config.quant_isa else max(ISA_CODES.values())
-    return QUANT_ISAS[max(code for code in ISA_CODES.values() if code <= ceiling and getattr(lib, available)(code))]
+    return dispatch.widest(kernel, config.quant_isa) if config.cpu_kernels else None
 
 
 def bf16_isa(kernel_config: KernelConfig | None = None) -> str | None:
     """The path of the native decoder's bfloat16-weight matmul ("avx512": AVX512-BF16, "avx2",
     "portable"): the widest this build and CPU run, capped at `kernel_config.quant_isa`
     (KVSERVE_QUANT_ISA caps it as it caps the quantized kernel); None without the library."""
-    return _widest_isa(kernel_config, "kvserve_bf16_isa_available")
+    return _widest_isa(kernel_config, "bf16")
 
 
 def f32_gemm_isa(kernel_config: KernelConfig | None = None) -> str | None:
     """The path of the float32 panel matmul (csrc/linear/f32_gemm.c: "avx512": AVX-512F, "avx2":
     AVX2 + FMA, "portable"), chosen as `bf16_isa` chooses its own; None without the library."""
-    return _widest_isa(kernel_config, "kvserve_f32_gemm_isa_available")
+    return _widest_isa(kernel_config, "f32_gemm")
 
 
 def attention_isa(kernel_config: KernelConfig | None = None) -> str | None:
     """The path of the paged attention kernel (csrc/attention/paged_attention.c: "avx512", "avx2" with
     F16C, "portable"), chosen as `bf16_isa` chooses its own; None without the library."""
-    return _widest_isa(kernel_config, "kvserve_attention_isa_available")
+    return _widest_isa(kernel_config, "attention")
 
 
 # The phases of csrc/decoder/phase_timer.h, in its order.
@@ -173,6 +168,14 @@ class _TensorParallelReduce:
         raise error if error is not None else RuntimeError("the native decoder's all-reduce failed")
 
 
+def _check_layers_covered(config) -> None:
+    """Raise NativeDeclined for layers the one-call decoder does not implement."""
+    if config.is_moe:
+        raise NativeDeclined("mixture-of-experts layers (the per-op path runs them)")
+    if (config.qk_norm and not config.qk_norm_per_head) or config.clip_qkv is not None:
+        raise NativeDeclined("a Q/K norm over the whole projection or clipped Q/K/V")
+
+
 def _ptr_of(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -184,6 +187,7 @@ class NativeDecoder:
     quantized or plain projection weights) so none is freed under it."""
 
     def __init__(self, model) -> None:
+        _check_layers_covered(model.config)
         self.model = model
         self._keep: list[torch.Tensor] = []
         self._layer_bytes = 0  # weight bytes of one layer's projections
@@ -343,8 +347,8 @@ class NativeDecoder:
             desc.qs, desc.d, desc.m = (self._hold(t).data_ptr() for t in (qw.qs, qw.d, qw.m))
             desc.bits, desc.act_bits = qw.bits, qw.act_bits
             desc.zero_min = int(not bool(qw.m.any()))  # Q8_0: 4 bytes a block the row kernels need not read
-            desc.isa = quantized.ISA_CODES[qw.isa or quantized.kernel_isa() or "portable"]
-            desc.panel_isa = quantized.ISA_CODES[quantized.panel_isa(qw)] if qw.panel_rows else -1
+            desc.isa = ISA_CODES[qw.isa or quantized.kernel_isa() or "portable"]
+            desc.panel_isa = ISA_CODES[quantized.panel_isa(qw)] if qw.panel_rows else -1
             self._panel_rows = max(self._panel_rows, qw.panel_rows)
             self._all_panel &= qw.panel_rows > 0
             self._gemm_rows = min(self._gemm_rows, qw.gemm_rows or self._gemm_rows)
@@ -396,7 +400,7 @@ class NativeDecoder:
             desc.cache_head_stride = num_blocks * block_size * head_dim
             desc.block_size = block_size
             desc.kv_dtype = cpu_kernels.kv_dtype_code(cache.dtype)
-            desc.attention_isa = cpu_kernels.ATTENTION_ISA_CODES[self.model.kernels.attention_isa or "portable"]
+            desc.attention_isa = ISA_CODES[self.model.kernels.attention_isa or "portable"]
             desc.group = group
         self._bound_caches, self._bound_tensors = kv_caches, caches  # held: never freed under the call
         return True
@@ -499,7 +503,7 @@ class NativeDecoder:
         logits_row = torch.tensor(rows, dtype=torch.int64)
         mask = NativeTokenMask(bitmask=bitmask.data_ptr(), logits_row=logits_row.data_ptr(), num_mask_rows=len(rows),
                           num_words=bitmask.shape[1], ready=head_mask.ready.data_ptr(), timeout_ns=_MASK_TIMEOUT_NS,
-                          ready_value=head_mask.ready_value, isa=MASK_ISA_CODES[head_mask.isa])
+                          ready_value=head_mask.ready_value, isa=ISA_CODES[head_mask.isa])
         keep += [logits_row, mask]
         head.mask = ctypes.pointer(mask)
         return mask

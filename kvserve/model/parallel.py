@@ -298,7 +298,8 @@ class VocabParallelEmbedding(QuantizedWeightMixin, nn.Module):
         self.vocab_size = vocab_size
         self.shard_vocab = -(-vocab_size // tp.size)
         self.vocab_start = tp.rank * self.shard_vocab
-        self.weight = nn.Parameter(torch.zeros(self.shard_vocab, hidden_size), requires_grad=False)
+        # Not zeros: a quantized table replaces it untouched (zeroing would make its pages resident).
+        self.weight = nn.Parameter(torch.empty(self.shard_vocab, hidden_size), requires_grad=False)
 
     def shard_rows(self, shard: str | None = None) -> tuple[int, int]:
         """(first row, row count) of the checkpoint matrix this rank keeps (the last may be short)."""
@@ -312,6 +313,7 @@ class VocabParallelEmbedding(QuantizedWeightMixin, nn.Module):
         if rows.shape[0] != count:
             raise ValueError(f"embedding: expected {self.vocab_size} rows, got {tuple(full.shape)}")
         self.weight.data[:count].copy_(rows)
+        self.weight.data[count:].zero_()  # the padded vocabulary
 
     def _rank_rows(self, weight: QuantizedWeight, shard: str | None) -> QuantizedWeight:
         start, count = self.shard_rows()

@@ -36,11 +36,12 @@ import numpy as np
 import torch
 
 from kvserve.native.config import QUANT_ISAS, KernelConfig
-from kvserve.native import cpu_kernels
+from kvserve.native import cpu_kernels, dispatch
+from kvserve.native import isa as isa_table
 
 logger = logging.getLogger(__name__)
 
-ISA_CODES = {name: code for code, name in enumerate(QUANT_ISAS)}  # the kernel's codes, narrowest first
+ISA_CODES = isa_table.ISA_CODES  # the kernel's codes, narrowest first
 BLOCK = 32
 GROUP_COLS = 128  # columns of one 64-byte group of 4-bit blocks
 
@@ -319,20 +320,17 @@ def kernel_isa(kernel_config: KernelConfig | None = None) -> str | None:
     config = kernel_config or KernelConfig()
     if not config.cpu_kernels:
         return None
-    lib = cpu_kernels.load_library()
-    if lib is None:
+    if cpu_kernels.load_library() is None:
         return None
     ceiling = ISA_CODES[config.quant_isa] if config.quant_isa else max(ISA_CODES.values())
     if ceiling not in _isa_choice:
-        best = max(code for code in ISA_CODES.values() if code <= ceiling and lib.kvserve_quant_isa_available(code))
-        _isa_choice[ceiling] = QUANT_ISAS[best]
+        _isa_choice[ceiling] = dispatch.widest("quant", QUANT_ISAS[ceiling])
     return _isa_choice[ceiling]
 
 
 def isa_available(isa: str) -> bool:
     """Whether this build and CPU run the kernel path `isa`."""
-    lib = cpu_kernels.load_library()
-    return lib is not None and bool(lib.kvserve_quant_isa_available(ISA_CODES[isa]))
+    return dispatch.available("quant", isa)
 
 
 def dequantize_dense(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -380,8 +378,7 @@ def panel_isa(weight: QuantizedWeight) -> str:
     isa = weight.isa or kernel_isa() or "portable"
     if isa == "avx512" and weight.gemm_dtype == torch.float32:
         isa = "avx2"
-    lib = cpu_kernels.load_library()
-    while isa != "portable" and not lib.kvserve_quant_gemm_isa_available(ISA_CODES[isa]):
+    while isa != "portable" and not dispatch.available("quant_gemm", isa):
         isa = QUANT_ISAS[ISA_CODES[isa] - 1]
     return isa
 
@@ -467,11 +464,12 @@ def holds_quantized_weights(model_config, device: str | torch.device,
 
 
 def _file_matrix_types(path: str) -> dict[str, int]:
-    """GGUF type name -> count of 2-D tensors of that type in the file."""
+    """GGUF type name -> count of matrices (2-D tensors and 3-D stacks of experts) of that
+    type in the file."""
     from kvserve.model.gguf_file import open_gguf
     counts: dict[str, int] = {}
     for tensor in open_gguf(path).tensors:
-        if len(tensor.shape) == 2:
+        if len(tensor.shape) in (2, 3):
             counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
     return counts
 

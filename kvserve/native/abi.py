@@ -12,7 +12,10 @@ import ctypes
 
 import torch
 
+from kvserve.native import isa
+
 _i64, _i32, _f32, _ptr, _int = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+_u64 = ctypes.c_uint64
 
 # Element types of activations and plain weights (csrc/include/bf16.h); the KV cache may
 # also hold float16, read and written with float32 math.
@@ -81,18 +84,25 @@ class ShmAllReduce(ctypes.Structure):
                 ("world", _i32), ("error", _i32), ("unused", _i32)]
 
 
-# export -> (argument types, return type), as csrc/include/kvserve.h declares them.
+# export -> (argument types, return type), as csrc/include/kvserve.h declares them
+# (tests/native/test_abi.py checks this table against the header).
 SIGNATURES = {
+    "kvserve_cpuid_features": ([], _u64),
+    "kvserve_xcr0": ([], _u64),
+    "kvserve_request_amx_permission": ([], _int),
+    "kvserve_os_enabled_features": ([_u64, _u64, _int], _u64),
+    "kvserve_usable_features": ([], _u64),
+    "kvserve_isa_requirement": ([_int, _int], _i64),
+    "kvserve_isa_available": ([_int, _int], _int),
+    "kvserve_abi_layout": ([_ptr, _i64], _i64),
     "kvserve_paged_attention": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr,
                                  _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _int, _int, _int, _int], _int),
-    "kvserve_attention_isa_available": ([_int], _int),
     "kvserve_store_kv": ([_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _int, _int], None),
     "kvserve_rms_norm": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _f32, _int, _int, _int], None),
     "kvserve_silu_mul": ([_ptr, _ptr, _i64, _i64, _int, _int], None),
     "kvserve_rotary": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _int, _int], None),
     "kvserve_small_linear_supported": ([_int], _int),
     "kvserve_small_linear": ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _int, _int], _int),
-    "kvserve_quant_isa_available": ([_int], _int),
     "kvserve_quant_linear": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _int, _int,
                               _int, _int], _int),
     "kvserve_quant_dequantize": ([_ptr, _ptr, _ptr, _int, _i64, _i64, _ptr, _int, _int], _int),
@@ -102,17 +112,13 @@ SIGNATURES = {
     "kvserve_decoder_profile_enable": ([_int], None),
     "kvserve_decoder_profile_read": ([_ptr, _int], _i64),
     "kvserve_quant_activations": ([_ptr, _i64, _i64, _i64, _int, _ptr, _ptr], None),
-    "kvserve_quant_gemm_isa_available": ([_int], _int),
     "kvserve_quant_gemm": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _int, _int, _int],
                            _int),
-    "kvserve_bf16_isa_available": ([_int], _int),
-    "kvserve_f32_gemm_isa_available": ([_int], _int),
     "kvserve_f32_packed_size": ([_i64, _i64], _i64),
     "kvserve_f32_pack": ([_ptr, _i64, _i64, _i64, _ptr], None),
     "kvserve_f32_gemm": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _int, _int], _int),
     "kvserve_bf16_round_rows": ([_ptr, _i64, _i64, _i64, _ptr], None),
     "kvserve_bf16_linear_rows": ([_ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int, _i64, _i64], None),
-    "kvserve_mask_isa_available": ([_int], _int),
     "kvserve_apply_token_bitmask": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _int], _int),
     "kvserve_publish_mask_ready": ([_ptr, _i32], None),
     "kvserve_mask_token_range": ([_ptr, _ptr, _i64, _i64, _i64, _int], None),
@@ -122,6 +128,44 @@ SIGNATURES = {
     "kvserve_gemv_partials": ([_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64],
                               _int),
 }
+
+
+# The exports of the probe built alone (csrc/cpu/features.c, `build.load_probe`).
+PROBE_EXPORTS = ("kvserve_cpuid_features", "kvserve_xcr0", "kvserve_request_amx_permission",
+                 "kvserve_os_enabled_features", "kvserve_usable_features", "kvserve_isa_requirement",
+                 "kvserve_isa_available")
+
+# The structs csrc/cpu/abi_layout.c reports, in its order, and the constants after them.
+LAYOUT_STRUCTS = (NativeLinear, NativeLayer, NativeModel, NativeStep, NativeTokenMask, NativeLogits, ShmAllReduce)
+LAYOUT_CONSTANTS = {"MAX_GROUPS": MAX_GROUPS, "F32_PANELS": F32_PANELS, "ISA_COUNT": len(isa.ISAS),
+                    "KV_KERNEL_COUNT": len(isa.KERNELS)}
+
+
+class AbiMismatchError(RuntimeError):
+    """The library's struct layout or constants differ from this module's mirrors."""
+
+
+def expected_layout() -> list[tuple[str, int]]:
+    """(what, value) in csrc/cpu/abi_layout.c's order, as ctypes lays the mirrors out."""
+    entries = []
+    for struct in LAYOUT_STRUCTS:
+        entries.append((f"sizeof({struct.__name__})", ctypes.sizeof(struct)))
+        entries += [(f"offsetof({struct.__name__}, {name})", getattr(struct, name).offset)
+                    for name, *_ in struct._fields_]
+    return entries + list(LAYOUT_CONSTANTS.items())
+
+
+def check_layout(lib: ctypes.CDLL) -> None:
+    """Raises `AbiMismatchError` unless the library reports the layout `expected_layout` gives."""
+    expected = expected_layout()
+    capacity = len(expected) + 64
+    reported = (ctypes.c_int64 * capacity)()
+    count = lib.kvserve_abi_layout(reported, capacity)
+    wrong = [f"{what}: C {reported[i]}, Python {value}" for i, (what, value) in enumerate(expected)
+             if i < count and reported[i] != value]
+    if count != len(expected) or wrong:
+        raise AbiMismatchError(f"the native library's ABI differs from kvserve/native/abi.py ({count} layout entries, "
+                               f"{len(expected)} expected): {'; '.join(wrong[:5]) or 'a struct gained or lost a field'}")
 
 
 def declare(lib: ctypes.CDLL) -> None:

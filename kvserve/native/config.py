@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 
 from kvserve.errors import ConfigError
+from kvserve.native.isa import ISAS
 
 # Kernel switches (environment variable -> KernelConfig field), documented in README.md.
 CPU_KERNELS_ENV = "KVSERVE_CPU_KERNELS"
@@ -21,8 +22,9 @@ QUANT_PANEL_ROWS_ENV = "KVSERVE_QUANT_PANEL_ROWS"
 NATIVE_DECODER_ENV = "KVSERVE_NATIVE_DECODER"
 SHM_ALL_REDUCE_ENV = "KVSERVE_SHM_ALL_REDUCE"
 GRAMMAR_MASK_ISA_ENV = "KVSERVE_GRAMMAR_MASK_ISA"
-# The quantized matmul's kernel paths, narrowest first.
-QUANT_ISAS = ("portable", "avx2", "avx512")
+REPACK_CACHE_ENV = "KVSERVE_REPACK_CACHE"
+# The quantized matmul's kernel paths, narrowest first (every kernel's: `isa.ISAS`).
+QUANT_ISAS = ISAS
 # KVSERVE_GRAMMAR_MASK_ISA: one of QUANT_ISAS (the grammar-mask kernel's paths), or this.
 GRAMMAR_MASK_TORCH = "torch"
 
@@ -49,6 +51,8 @@ class KernelConfig:
     through shared memory (model/shm_all_reduce.py) rather than through gloo.
     `grammar_mask_isa`: cap the grammar-mask kernel's path (None: the widest the CPU
     runs; "torch": no kernel, torch's masked_fill_).
+    `repack_cache`: write a GGUF's weights, repacked for the quantized kernels, once to the
+    cache and map them on later loads (model/repack_cache.py); off, every load repacks.
     """
 
     cpu_kernels: bool = True
@@ -62,6 +66,7 @@ class KernelConfig:
     native_decoder: bool = True
     shm_all_reduce: bool = True
     grammar_mask_isa: str | None = None
+    repack_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.quant_isa is not None and self.quant_isa not in QUANT_ISAS:
@@ -100,7 +105,8 @@ class KernelConfig:
                    quant_panel_rows=int(panel_rows),
                    native_decoder=_switched_on(env, NATIVE_DECODER_ENV),
                    shm_all_reduce=_switched_on(env, SHM_ALL_REDUCE_ENV),
-                   grammar_mask_isa=env.get(GRAMMAR_MASK_ISA_ENV, "").strip().lower() or None)
+                   grammar_mask_isa=env.get(GRAMMAR_MASK_ISA_ENV, "").strip().lower() or None,
+                   repack_cache=_switched_on(env, REPACK_CACHE_ENV))
 
 
 def _switched_on(env, name: str) -> bool:

@@ -19,14 +19,15 @@ import sys
 import numpy as np
 import torch
 
-from kvserve.native import abi
+from kvserve.native import abi, dispatch
+from kvserve.native import isa as isa_table
 from kvserve.native.build import load_library
 
 logger = logging.getLogger(__name__)
 
 _DTYPE_CODES, _KV_DTYPE_CODES = abi.DTYPE_CODES, abi.KV_DTYPE_CODES
-# Paths of the paged attention kernel (csrc/attention/paged_attention.c), quant_linear.c's codes.
-ATTENTION_ISA_CODES = {"portable": 0, "avx2": 1, "avx512": 2}
+# Paths of the paged attention kernel (csrc/attention/paged_attention.c): every kernel's codes.
+ATTENTION_ISA_CODES = isa_table.ISA_CODES
 
 
 class KernelArgumentError(ValueError):
@@ -59,13 +60,12 @@ def supports_shape(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
 
 def attention_isa_available(isa: str) -> bool:
     """Whether the attention kernel's path `isa` runs here (this build, this CPU)."""
-    lib = load_library()
-    return lib is not None and bool(lib.kvserve_attention_isa_available(ATTENTION_ISA_CODES[isa]))
+    return dispatch.available("attention", isa)
 
 
 def widest_attention_isa() -> str:
     """The widest path of the attention kernel that runs here ("portable" without the library)."""
-    return next((isa for isa in ("avx512", "avx2") if attention_isa_available(isa)), "portable")
+    return dispatch.widest("attention") or "portable"
 
 
 def takes(*tensors: torch.Tensor) -> bool:

@@ -140,7 +140,14 @@ class ModelRunner:
         bytes_per_token = sum(spec.page_size_bytes // spec.block_size
                               for spec in self.get_kv_cache_specs().values())
         wanted = self.scheduler_config.max_num_seqs * self.max_model_len * bytes_per_token
-        return int(min(wanted, CPU_DEFAULT_KV_CAP_BYTES, _free_ram_bytes() // 4))
+        free = _free_ram_bytes()
+        chosen, bound = default_cpu_kv_bytes(wanted, free)
+        if self.tp_rank == 0:
+            logger.info("KV cache size by default: %.0f MiB, %s (%d sequences x %d tokens want %.0f MiB; cap %.0f MiB; "
+                        "%.0f MiB free); --kv-cache-memory sets it", chosen / 2**20, bound,
+                        self.scheduler_config.max_num_seqs, self.max_model_len, wanted / 2**20,
+                        CPU_DEFAULT_KV_CAP_BYTES / 2**20, free / 2**20)
+        return chosen
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self.kv_cache_config = kv_cache_config
@@ -353,7 +360,28 @@ class ModelRunner:
                                  prompt_logprobs=prompt_logprobs or None)
 
 
+def default_cpu_kv_bytes(wanted: int, free: int) -> tuple[int, str]:
+    """The CPU KV pool's default size and what bounds it: `wanted` (every sequence at full
+    length), at most CPU_DEFAULT_KV_CAP_BYTES and a quarter of the `free` memory (the weights,
+    activations and other processes need the rest)."""
+    chosen = int(min(wanted, CPU_DEFAULT_KV_CAP_BYTES, free // 4))
+    if chosen == wanted:
+        return chosen, "every sequence at full length"
+    if chosen == CPU_DEFAULT_KV_CAP_BYTES:
+        return chosen, "the default cap"
+    return chosen, "a quarter of the free memory"
+
+
 def _free_ram_bytes() -> int:
+    """Memory the machine can give without swapping: MemAvailable (free pages plus reclaimable
+    cache, such as the pages of mapped weight files), else the free pages."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):

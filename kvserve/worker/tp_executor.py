@@ -92,6 +92,13 @@ def check_model_splits(model_config: ModelConfig, tp_size: int) -> None:
     intermediate_size = model_config.intermediate_size
     if intermediate_size % tp_size:
         problems.append(f"an MLP width of {intermediate_size}")
+    # (The planner passes model shapes, which have no experts or Q/K norm.)
+    expert_width = getattr(model_config, "moe_intermediate_size", 0)
+    if expert_width % tp_size:
+        problems.append(f"an expert width of {expert_width}")
+    if tp_size > 1 and not getattr(model_config, "qk_norm_per_head", True):
+        raise ConfigError(f"{model_config.architecture} normalizes Q and K over all heads, which tensor "
+                          "parallelism does not support yet; run it with tensor_parallel_size 1")
     if problems:
         raise ConfigError(f"tensor_parallel_size {tp_size} does not divide the model's {' and '.join(problems)}; "
                           "it must divide the attention heads and the MLP width, and divide or be a multiple of the KV heads")

@@ -70,13 +70,13 @@ def test_tiny_zoo_file_has_the_shape_tokenizer_and_types(zoo_cache, name):
     assert len(tokens) == shape.vocab_size and len(set(tokens)) == len(tokens)
 
 
-def test_padded_vocabulary_is_control_tokens_after_the_shipped_ones(zoo_cache):
+def test_padded_vocabulary_is_normal_tokens_after_the_shipped_ones(zoo_cache):
     shape = zoo.ZooShape(256, 512, 1, 4, 2, 64, vocab_size=49152 + 5)
     path = zoo.write_random_gguf(shape, str(zoo_cache / "padded.gguf"), "q8_0")
     reader = GGUFFile(path)
     tokens, token_types = reader.get("tokenizer.ggml.tokens"), reader.get("tokenizer.ggml.token_type")
-    assert tokens[-5:] == [f"<|zoo_pad_{i}|>" for i in range(5)]
-    assert token_types[-5:] == [int(gguf.TokenType.CONTROL)] * 5
+    assert tokens[-5:] == [f"[zoo-pad-{i}]" for i in range(5)]
+    assert token_types[-5:] == [int(gguf.TokenType.NORMAL)] * 5
     embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
     values = gguf.quants.dequantize(np.asarray(embedding.data), embedding.tensor_type)
     assert values.shape == (49157, 256)

@@ -16,12 +16,18 @@ def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 _GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
                "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps",
+               "mlp.experts.up_proj": "ffn_up_exps", "mlp.experts.down_proj": "ffn_down_exps"}
 # Gemma's sandwich norms under llama.cpp's names.
 _GEMMA_GGUF_NAMES = {**_GGUF_NAMES, "post_attention_layernorm": "post_attention_norm",
                      "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 _GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                  "lm_head.weight": "output.weight"}
+
+
+# transformers model_type -> llama.cpp architecture (Mixtral is "llama" with experts).
+_GGUF_ARCHS = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
 
 
 def _gguf_name(hf_name: str, arch: str) -> str:
@@ -30,6 +36,23 @@ def _gguf_name(hf_name: str, arch: str) -> str:
     names = _GEMMA_GGUF_NAMES if arch == "gemma2" else _GGUF_NAMES
     parts = hf_name.split(".")  # model.layers.N.<module...>.weight|bias
     return f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.{parts[-1]}"
+
+
+def _stacked_experts(state: dict) -> dict:
+    """transformers 5 holds a layer's experts as gate_up [E, 2I, hidden] and down [E, hidden, I];
+    llama.cpp stores gate, up and down as separate 3-D stacks (named here as the HF-style
+    `mlp.experts.{gate,up,down}_proj.weight` that `_gguf_name` maps)."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            out[name.replace("gate_up_proj", "gate_proj.weight")] = gate
+            out[name.replace("gate_up_proj", "up_proj.weight")] = up
+        elif name.endswith("mlp.experts.down_proj"):
+            out[name + ".weight"] = tensor
+        else:
+            out[name] = tensor
+    return out
 
 
 def _write_metadata(writer, cfg, arch: str) -> None:
@@ -47,8 +70,16 @@ def _write_metadata(writer, cfg, arch: str) -> None:
     if getattr(cfg, "head_dim", None):
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
-    if arch == "gemma2":
+    if getattr(cfg, "num_experts_per_tok", None):
+        writer.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if getattr(cfg, "moe_intermediate_size", None):
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if hasattr(cfg, "norm_topk_prob"):
+            writer.add_expert_weights_norm(cfg.norm_topk_prob)
+    if getattr(cfg, "sliding_window", None):
         writer.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
         writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
 
@@ -56,16 +87,17 @@ def _write_metadata(writer, cfg, arch: str) -> None:
 def write_gguf(hf_model, path: str, qtype: QType, tokenizer_model: str | None = None) -> None:
     """Write a transformers model as llama.cpp's converter would; matrices stored as `qtype`.
 
-    llama.cpp conventions reproduced here: Llama Q/K rows permuted, Gemma norm
-    weights stored as (1 + w), tied output matrix omitted. `tokenizer_model`
+    llama.cpp conventions reproduced here: Llama (and Mixtral) Q/K rows permuted, Gemma norm
+    weights stored as (1 + w), tied output matrix omitted, experts stacked into 3-D tensors,
+    routers in float32. `tokenizer_model`
     "no_vocab" lets llama.cpp itself load the file (token ids only, no text)."""
     cfg = hf_model.config
-    arch = cfg.model_type
+    arch = _GGUF_ARCHS.get(cfg.model_type, cfg.model_type)
     writer = gguf.GGUFWriter(path, arch)
     _write_metadata(writer, cfg, arch)
     if tokenizer_model is not None:
         writer.add_tokenizer_model(tokenizer_model)
-    for name, tensor in hf_model.state_dict().items():
+    for name, tensor in _stacked_experts(hf_model.state_dict()).items():
         if "rotary" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         array = tensor.float().numpy()
@@ -75,7 +107,7 @@ def write_gguf(hf_model, path: str, qtype: QType, tokenizer_model: str | None = 
             array = _llama_cpp_permute(array, cfg.num_key_value_heads)
         if arch == "gemma2" and "norm" in name:
             array = array + 1.0
-        if array.ndim == 1 or qtype == QType.F32:
+        if array.ndim == 1 or qtype == QType.F32 or name.endswith("mlp.gate.weight"):  # routers stay float
             writer.add_tensor(_gguf_name(name, arch), array)
         else:
             writer.add_tensor(_gguf_name(name, arch), gguf.quants.quantize(array, qtype), raw_dtype=qtype)

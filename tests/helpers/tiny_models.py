@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import torch
 import transformers
 
 
@@ -26,6 +27,51 @@ def tiny_gemma2_config(vocab_size: int, tie_word_embeddings: bool) -> transforme
         sliding_window=12, query_pre_attn_scalar=16, attn_logit_softcapping=50.0,
         final_logit_softcapping=30.0, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
         pad_token_id=0, tie_word_embeddings=tie_word_embeddings)
+
+
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
+
+
+def tiny_moe_config(family: str, vocab_size: int, window: int | None = 12):
+    """Tiny mixture-of-experts configs: 8 experts of width 32, top-2, hidden 64, head size 16.
+    Qwen3-MoE: three layers, the middle one dense (`mlp_only_layers`, width 128), top-k
+    renormalized; Mixtral: sliding window `window` (None: none) on every layer; OLMoE: Q/K norm over the
+    whole projection, top-k not renormalized."""
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=32, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0, num_experts_per_tok=2,
+                  tie_word_embeddings=False)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**{**common, "intermediate_size": 128}, moe_intermediate_size=32,
+                                           num_experts=8, num_hidden_layers=3, head_dim=16, mlp_only_layers=[1],
+                                           decoder_sparse_step=1, norm_topk_prob=True)
+    if family == "mixtral":
+        return transformers.MixtralConfig(**common, num_local_experts=8, num_hidden_layers=2, head_dim=16,
+                                          sliding_window=window)
+    if family == "olmoe":
+        return transformers.OlmoeConfig(**common, num_experts=8, num_hidden_layers=2, norm_topk_prob=False)
+    raise ValueError(family)
+
+
+@torch.inference_mode()
+def min_router_margin(hf_model, tokens: list[int]) -> float:
+    """The smallest gap, over tokens and sparse layers, between the k-th and (k+1)-th largest
+    router logit of a transformers MoE model's forward over `tokens`, relative to the router
+    logits' scale (at least 1): how far rounding must move them to change a routing decision."""
+    captured = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, out: captured.append(out[0]))
+             for layer in hf_model.model.layers if hasattr(layer.mlp, "gate")]
+    try:
+        hf_model(torch.tensor([tokens]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    k = hf_model.config.num_experts_per_tok
+    margins = []
+    for logits in captured:
+        top = logits.float().topk(k + 1, dim=-1).values
+        margins.append(((top[:, k - 1] - top[:, k]) / logits.abs().max().clamp(min=1.0)).min().item())
+    return min(margins)
 
 
 def random_token_prompts(vocab_size: int, num_prompts: int, min_len: int, max_len: int, seed: int = 0,

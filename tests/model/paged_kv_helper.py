@@ -13,6 +13,7 @@ from kvserve.kv_cache.utils import KVCacheBlockCopy
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.worker.kv_tensors import allocate_kv_caches, copy_kv_blocks
+from helpers.tiny_models import MOE_FAMILIES, tiny_moe_config
 
 VOCAB = 256
 WINDOW = 12
@@ -47,6 +48,8 @@ def tiny_hf_config(family: str):
             layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    if family in MOE_FAMILIES:
+        return tiny_moe_config(family, VOCAB, window=WINDOW)
     raise ValueError(family)
 
 
@@ -77,6 +80,12 @@ def random_prompts(count: int, seed: int) -> dict[str, list[int]]:
     return {f"r{i}": torch.randint(3, VOCAB, (n,), generator=generator).tolist() for i, n in enumerate(lengths)}
 
 
+def prompts_of_lengths(lengths: list[int], seed: int = 0) -> dict[str, list[int]]:
+    """Prompts "r0".. of random tokens (no special ids), of the given lengths."""
+    generator = torch.Generator().manual_seed(seed)
+    return {f"r{i}": torch.randint(3, VOCAB, (n,), generator=generator).tolist() for i, n in enumerate(lengths)}
+
+
 def tiny_configs(tmp_path_factory):
     """A getter family -> `ModelConfig` of its tiny model, each saved once under
     `tmp_path_factory` (for a module-scoped fixture)."""
@@ -90,8 +99,12 @@ def tiny_configs(tmp_path_factory):
 
 
 def load_hf(path: str):
+    """transformers' model of `path` in float32, eager attention; a mixture of experts runs
+    its experts one by one (the eager loop, not the grouped matmul, which rejects float64)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager").eval()
+    if getattr(model.config, "num_experts_per_tok", None):
+        model.set_experts_implementation("eager")
     return model
 
 
@@ -312,3 +325,47 @@ def every_token_logits(model, sequences: dict[str, list[int]], prompt_lens: dict
         out[req_id] = runner.step({req_id: len(tokens)}, every_token=True)[req_id][prompt_lens[req_id] - 1:]
     return out
 
+
+def tiny_models_with_reference(tmp_path_factory):
+    """A getter family -> (transformers model, `ModelConfig`) of its tiny model, saved once
+    under `tmp_path_factory` (for a module-scoped fixture)."""
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            path = save_tiny_model(family, tmp_path_factory.mktemp(family))
+            cache[family] = (load_hf(path), ModelConfig.from_path(path))
+        return cache[family]
+    return get
+
+
+def held_weights(held, plain) -> dict:
+    """The quantized weights of `held` by module name, each checked to be held once and to
+    hold the same values as `plain`'s (the same file dequantized: Q/K rows un-permuted
+    alike, fused parts in order)."""
+    plain_modules = dict(plain.named_modules())
+    weights = {}
+    for name, module in held.named_modules():
+        weight = getattr(module, "quant_weight", None)
+        if weight is None:
+            continue
+        assert module.weight is None  # held once
+        torch.testing.assert_close(weight.dequantize(), plain_modules[name].weight, rtol=1e-6, atol=1e-7)
+        weights[name] = weight
+    return weights
+
+
+def assert_within_activation_rounding(held, plain) -> None:
+    """Teacher-forced logits of `held` (quantized weights; prefill chunks of 8, then one-token
+    steps) within the activation-rounding bound (tests/helpers/activation_rounding.py) of
+    `plain`'s, a bound that still tells wrong weights apart."""
+    from helpers.activation_rounding import max_deviation, quantized_half_steps, rounding_bound
+    generator = torch.Generator().manual_seed(1)
+    sequences = {f"r{i}": torch.randint(3, VOCAB, (n,), generator=generator).tolist() for i, n in enumerate([11, 29])}
+    prompt_lens = {"r0": 5, "r1": 23}  # then 6 one-token steps each
+    reference, bound = rounding_bound(plain, quantized_half_steps(plain, held),
+                                      lambda model: every_token_logits(model, sequences, prompt_lens))
+    logits = run_teacher_forced(PagedRunner(held), sequences, prompt_lens, chunk=8)
+    assert max_deviation(logits, reference) <= bound
+    # The bound is a small part of the logits' range.
+    assert bound < 0.1 * min((ref.amax(-1) - ref.amin(-1)).min().item() for ref in reference.values())

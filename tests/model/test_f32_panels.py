@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.native import cpu_kernels
+from kvserve.native import cpu_kernels, dispatch
+from kvserve.native import isa as isa_table
 from kvserve.model import native_decoder, quantized
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
@@ -18,8 +19,7 @@ from paged_kv_helper import PagedRunner, assert_same_greedy, random_prompts, run
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no native kernels")
 
-PATHS = [isa for isa, code in quantized.ISA_CODES.items()
-         if cpu_kernels.load_library() is not None and cpu_kernels.load_library().kvserve_f32_gemm_isa_available(code)]
+PATHS = [path for path in isa_table.ISAS if dispatch.available("f32_gemm", path)]
 FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"]
 # The per-op path of the same packed model runs the same kernel on the same rows: only
 # the element-wise steps may round differently. Against plain weights (MKL's sums in

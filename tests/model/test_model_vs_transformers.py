@@ -11,8 +11,8 @@ from kvserve.native import cpu_kernels
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from helpers.kernel_switches import env_kernels
-from paged_kv_helper import (VOCAB, WINDOW, PagedRunner, assert_hf_logits_close, hf_greedy, load_hf, run_greedy,
-                             save_tiny_model)
+from paged_kv_helper import (WINDOW, PagedRunner, assert_hf_logits_close, hf_greedy, prompts_of_lengths, run_greedy,
+                             tiny_models_with_reference)
 
 FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"]
 # Same float32 math in a different order: a float32 sum of n <= 128 products is off by at most
@@ -24,19 +24,7 @@ NUM_NEW = 6
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    cache = {}
-
-    def get(family: str):
-        if family not in cache:
-            path = save_tiny_model(family, tmp_path_factory.mktemp(family))
-            cache[family] = (load_hf(path), ModelConfig.from_path(path))
-        return cache[family]
-    return get
-
-
-def _prompts(lengths: list[int], seed: int = 0) -> dict[str, list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return {f"r{i}": torch.randint(3, VOCAB, (n,), generator=generator).tolist() for i, n in enumerate(lengths)}
+    return tiny_models_with_reference(tmp_path_factory)
 
 
 def _check_against_hf(hf, prompts, tokens, logits) -> None:
@@ -49,7 +37,7 @@ def test_mixed_batch_chunked_prefill_matches_transformers(models, family):
     hf, config = models(family)
     model = load_model(config, kernel_config=env_kernels())
     # 29 and 40 exceed the sliding window (12); chunk 11 splits them over several steps.
-    prompts = _prompts([3, 29, 17, 40, 1])
+    prompts = prompts_of_lengths([3, 29, 17, 40, 1])
     tokens, logits = run_greedy(PagedRunner(model, block_size=4), prompts, NUM_NEW, chunk=11)
     _check_against_hf(hf, prompts, tokens, logits)
 
@@ -58,7 +46,7 @@ def test_mixed_batch_chunked_prefill_matches_transformers(models, family):
 def test_long_single_chunk_prefill_matches_transformers(models, family):
     """Whole 40+ token prompts in one step (the attention backend's long-query path)."""
     hf, config = models(family)
-    prompts = _prompts([45, 38, 2], seed=7)
+    prompts = prompts_of_lengths([45, 38, 2], seed=7)
     tokens, logits = run_greedy(PagedRunner(load_model(config, kernel_config=env_kernels()), block_size=8), prompts, 3, chunk=64)
     _check_against_hf(hf, prompts, tokens, logits)
 
@@ -67,10 +55,10 @@ def test_long_single_chunk_prefill_matches_transformers(models, family):
 def test_prefix_reuse_and_cow_copy_match_transformers(models, family):
     hf, config = models(family)
     runner = PagedRunner(load_model(config, kernel_config=env_kernels()), block_size=4)
-    base = _prompts([22], seed=1)["r0"]
+    base = prompts_of_lengths([22], seed=1)["r0"]
     run_greedy(runner, {"a": base}, 1, chunk=64)
     shared = runner.requests["a"].block_ids
-    tail = _prompts([9], seed=2)["r0"]
+    tail = prompts_of_lengths([9], seed=2)["r0"]
 
     # Full-block reuse: 16 cached tokens = 4 whole blocks of every group.
     runner.add("b", base[:16] + tail, shared_blocks=[t[:4] for t in shared], num_computed=16)
@@ -90,7 +78,7 @@ def test_prefix_blocks_filled_in_the_same_step_match_transformers(models, family
     blocks that another request of the same step is writing."""
     hf, config = models(family)
     runner = PagedRunner(load_model(config, kernel_config=env_kernels()), block_size=4)
-    base, tail = _prompts([22], seed=5)["r0"], _prompts([9], seed=6)["r0"]
+    base, tail = prompts_of_lengths([22], seed=5)["r0"], prompts_of_lengths([9], seed=6)["r0"]
     runner.add("a", base)
     shared = runner.reserve("a", len(base))
     runner.add("b", base[:16] + tail, shared_blocks=[t[:4] for t in shared], num_computed=16)
@@ -105,7 +93,7 @@ def test_circular_buffer_kv_matches_transformers(models, family):
     runner = PagedRunner(load_model(config, kernel_config=env_kernels()), block_size=4, sliding_window_kv="circular")
     # Ring = ceil(12 / 4) + 1 = 4 blocks (16 slots): a 20-token chunk wraps the ring within one step.
     assert any(type(s).__name__ == "CircularBufferSpec" for s in runner.specs.values())
-    prompts = _prompts([45, 7, 30], seed=3)
+    prompts = prompts_of_lengths([45, 7, 30], seed=3)
     tokens, logits = run_greedy(runner, prompts, NUM_NEW + 10, chunk=20)
     assert 45 + NUM_NEW + 10 > 4 * 4 + WINDOW
     _check_against_hf(hf, prompts, tokens, logits)
@@ -124,7 +112,7 @@ def test_hybrid_model_declares_two_kv_groups(models):
 
 def test_bfloat16_model_tracks_float32(models):
     hf, config = models("llama")
-    prompts = _prompts([13, 21], seed=4)
+    prompts = prompts_of_lengths([13, 21], seed=4)
     config_bf16 = ModelConfig.from_path(config.path, dtype="bfloat16")
     _, logits32 = run_greedy(PagedRunner(load_model(config, kernel_config=env_kernels())), prompts, 1, chunk=64)
     _, logits16 = run_greedy(PagedRunner(load_model(config_bf16, kernel_config=env_kernels())), prompts, 1, chunk=64)
@@ -158,7 +146,7 @@ def test_packed_cpu_weights_match_transformers(models, family, layout):
         assert qkv.weight is None and model.lm_head.weight is None
         assert (qkv.panel_weight is not None) == panels
     assert model.embed_tokens.weight is not None
-    prompts = _prompts([3, 29, 17], seed=5)
+    prompts = prompts_of_lengths([3, 29, 17], seed=5)
     tokens, logits = run_greedy(PagedRunner(model, block_size=4), prompts, NUM_NEW, chunk=11)
     _check_against_hf(hf, prompts, tokens, logits)
 
@@ -171,7 +159,7 @@ def test_packed_bfloat16_weights_match_plain_bfloat16(models, keep_plain):
         pytest.skip("the bfloat16 small-batch matmul kernel is not built on this CPU")
     _, config = models("llama")
     config_bf16 = ModelConfig.from_path(config.path, dtype="bfloat16")
-    prompts = _prompts([13, 21], seed=6)
+    prompts = prompts_of_lengths([13, 21], seed=6)
     packed, plain = load_model(config_bf16, kernel_config=env_kernels()), load_model(config_bf16, kernel_config=env_kernels())
     assert packed.pack_linear_weights(keep_plain=keep_plain)
     # The per-op matmuls compared, not the native decoder (test_native_decoder_bf16.py).
@@ -202,7 +190,7 @@ def test_prompt_chunks_of_mixed_length_pack_and_match_transformers(models, famil
     assert sorted(sub.token_index.shape[1] for sub in plan.sub_batches) == [4, 150]
 
     hf, config = models(family)
-    prompts = _prompts([300, 154], seed=11)
+    prompts = prompts_of_lengths([300, 154], seed=11)
     tokens, logits = run_greedy(PagedRunner(load_model(config, kernel_config=env_kernels()), block_size=4,
                                             num_blocks=1024), prompts, 3,
                                 chunk=150)
@@ -223,7 +211,7 @@ def test_bfloat16_matches_transformers_in_bfloat16(models, family):
     hf16 = transformers.AutoModelForCausalLM.from_pretrained(
         config.path, dtype=torch.bfloat16, attn_implementation="eager").eval()
     ours = load_model(ModelConfig.from_path(config.path, dtype="bfloat16"), kernel_config=env_kernels())
-    prompts = _prompts([13, 21, 6], seed=9)
+    prompts = prompts_of_lengths([13, 21, 6], seed=9)
     _, logits = run_greedy(PagedRunner(ours, block_size=4), prompts, 1, chunk=64)
     for req_id, prompt in prompts.items():
         _, (ref16,) = hf_greedy(hf16, prompt, 1)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.native import cpu_kernels
+from kvserve.native import cpu_kernels, dispatch
+from kvserve.native import isa as isa_table
 from kvserve.model import native_decoder, quantized
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
@@ -20,8 +21,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QType  # noqa: E402
 from helpers.gguf_writer import write_gguf  # noqa: E402
 
-PANEL_PATHS = [isa for isa in quantized.ISA_CODES
-               if cpu_kernels.load_library().kvserve_quant_gemm_isa_available(quantized.ISA_CODES[isa])]
+PANEL_PATHS = [path for path in isa_table.ISAS if dispatch.available("quant_gemm", path)]
 # Native and per-op steps of 9-63 tokens run the same panel GEMM on the same rows; the
 # element-wise float32 kernels are shared too: only rounding-level differences.
 MAX_LOGIT_DIFF = 1e-4

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvserve.native.config import KernelConfig
-from kvserve.native import cpu_kernels
+from kvserve.native import cpu_kernels, dispatch
 from kvserve.model import native_decoder
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
@@ -35,9 +35,9 @@ ISAS = ["avx512", "avx2", "portable"]
 NUM_NEW = 64
 
 
-def _skip_unless_runs(isa: str) -> None:
-    if not cpu_kernels.load_library().kvserve_bf16_isa_available(ISA_CODES[isa]):
-        pytest.skip(f"the {isa} bfloat16 path does not run here")
+def _skip_unless_runs(path: str) -> None:
+    if not dispatch.available("bf16", path):
+        pytest.skip(f"the {path} bfloat16 path does not run here")
 
 
 def _rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, isa: str,

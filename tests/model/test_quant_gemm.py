@@ -13,14 +13,13 @@ from test_quant_kernels import K_TYPES, TYPES, gguf_blocks, reference_weight
 
 from kvserve.native.config import QUANT_PANEL_ROWS_ENV, KernelConfig
 from kvserve.errors import ConfigError
-from kvserve.native import cpu_kernels
+from kvserve.native import cpu_kernels, dispatch
+from kvserve.native import isa as isa_table
 from kvserve.model import quantized
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None,
                                 reason="the native CPU kernels could not be built (no C compiler?)")
-PATHS = [isa for isa in quantized.ISA_CODES
-         if cpu_kernels.load_library() and cpu_kernels.load_library().kvserve_quant_gemm_isa_available(
-             quantized.ISA_CODES[isa])]
+PATHS = [path for path in isa_table.ISAS if dispatch.available("quant_gemm", path)]
 
 
 def bf16_rounded(a: np.ndarray) -> np.ndarray:

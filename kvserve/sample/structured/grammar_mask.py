@@ -26,16 +26,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvserve.native.config import GRAMMAR_MASK_TORCH, QUANT_ISAS, KernelConfig
-from kvserve.native import cpu_kernels
+from kvserve.native.config import GRAMMAR_MASK_TORCH, KernelConfig
+from kvserve.native import cpu_kernels, dispatch
+from kvserve.native import isa as isa_table
 
-ISA_CODES = {name: code for code, name in enumerate(QUANT_ISAS)}  # the kernel's codes, narrowest first
+ISA_CODES = isa_table.ISA_CODES  # the kernel's codes, narrowest first
 
 
 def isa_available(isa: str) -> bool:
     """Whether this build and CPU run the kernel path `isa` ("portable", "avx2", "avx512")."""
-    lib = cpu_kernels.load_library()
-    return lib is not None and bool(lib.kvserve_mask_isa_available(ISA_CODES[isa]))
+    return dispatch.available("mask", isa)
 
 
 def choose_mask_isa(kernel_config: KernelConfig, device: torch.device | str) -> str | None:
@@ -44,10 +44,7 @@ def choose_mask_isa(kernel_config: KernelConfig, device: torch.device | str) -> 
     cap = kernel_config.grammar_mask_isa
     if torch.device(device).type != "cpu" or not kernel_config.cpu_kernels or cap == GRAMMAR_MASK_TORCH:
         return None
-    if cpu_kernels.load_library() is None:
-        return None
-    ceiling = ISA_CODES[cap] if cap else len(QUANT_ISAS) - 1
-    return next(isa for isa in reversed(QUANT_ISAS[:ceiling + 1]) if isa_available(isa))
+    return dispatch.widest("mask", cap)
 
 
 def kernel_takes(logits: torch.Tensor) -> bool:

@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kvserve.h"
 
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 32
@@ -28,8 +29,6 @@
  * costs tens of microseconds on a virtual machine, about what a core reads 256 KiB in. */
 #define PARALLEL_MIN_BYTES (256 * 1024)
 #define KEY_CHUNK 16 /* keys whose scores the AVX-512 path reduces together */
-
-enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
 static inline void load_row(const void *base, int64_t offset, int dtype, int64_t dim, float *dst) {
     if (dtype == F32) {
@@ -114,9 +113,7 @@ static void values_portable(const Args *a, const Keys *k, const float *inv_sum, 
 
 /* ---------------------------------------------------------------- AVX2 + F16C */
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define HAVE_AVX2_PATH 1
+#if KV_HAVE_AVX2_FMA_F16C
 
 static inline __m256 load8(const void *base, int64_t offset, int dtype) {
     if (dtype == F32) return _mm256_loadu_ps((const float *)base + offset);
@@ -161,15 +158,11 @@ static inline __attribute__((always_inline)) void values_avx2(const Args *a, con
         for (int64_t i = 0; i < dim; i += 8)
             _mm256_storeu_ps(acc[g] + i, _mm256_mul_ps(_mm256_loadu_ps(acc[g] + i), _mm256_set1_ps(inv_sum[g])));
 }
-#else
-#define HAVE_AVX2_PATH 0
 #endif
 
 /* ---------------------------------------------------------------- AVX-512 */
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define HAVE_AVX512_PATH 1
+#if KV_HAVE_AVX512F
 #define VEC 16
 
 static inline __m512 load16(const void *base, int64_t offset, int dtype) {
@@ -310,8 +303,6 @@ static inline __attribute__((always_inline)) void values_avx512(const Args *a, c
                                                                  const int64_t dim, float (*acc)[MAX_HEAD_DIM]) {
     for (int64_t g0 = 0; g0 < k->group; g0 += VALUE_SUB(dim)) values_sub_avx512(a, k, inv_sum, dim, g0, acc);
 }
-#else
-#define HAVE_AVX512_PATH 0
 #endif
 
 /* ---------------------------------------------------------------- one item */
@@ -330,8 +321,8 @@ static void key_offsets(const Args *a, const int64_t *table, int64_t lo, int64_t
 
 /* The item's path: the vector ones need whole vectors of head_dim. */
 static int item_path(const Args *a) {
-    if (a->isa >= ISA_AVX512 && HAVE_AVX512_PATH && a->head_dim % 16 == 0) return ISA_AVX512;
-    if (a->isa >= ISA_AVX2 && HAVE_AVX2_PATH && a->head_dim % 8 == 0) return ISA_AVX2;
+    if (a->isa >= ISA_AVX512 && KV_HAVE_AVX512F && a->head_dim % 16 == 0) return ISA_AVX512;
+    if (a->isa >= ISA_AVX2 && KV_HAVE_AVX2_FMA_F16C && a->head_dim % 8 == 0) return ISA_AVX2;
     return ISA_PORTABLE;
 }
 
@@ -356,10 +347,10 @@ static inline __attribute__((always_inline)) void attend_item(const Args *a, int
                 kv_head * a->cache_head_stride, offsets);
     const Keys keys = {offsets, pos - lo + 1, group, scores};
     const float(*q)[MAX_HEAD_DIM] = (const float(*)[MAX_HEAD_DIM])qf;
-#if HAVE_AVX512_PATH
+#if KV_HAVE_AVX512F
     if (path == ISA_AVX512) scores_avx512(a, q, &keys, dim);
 #endif
-#if HAVE_AVX2_PATH
+#if KV_HAVE_AVX2_FMA_F16C
     if (path == ISA_AVX2) scores_avx2(a, q, &keys, dim);
 #endif
     if (path == ISA_PORTABLE) scores_portable(a, q, &keys, dim);
@@ -367,7 +358,7 @@ static inline __attribute__((always_inline)) void attend_item(const Args *a, int
         float *s = scores + g * keys.num_keys;
         if (a->softcap > 0.f)
             for (int64_t j = 0; j < keys.num_keys; j++) s[j] = tanhf(s[j] / a->softcap) * a->softcap;
-#if HAVE_AVX512_PATH
+#if KV_HAVE_AVX512F
         if (path == ISA_AVX512) {
             inv_sum[g] = softmax_avx512(s, keys.num_keys);
             continue;
@@ -375,10 +366,10 @@ static inline __attribute__((always_inline)) void attend_item(const Args *a, int
 #endif
         inv_sum[g] = softmax_portable(s, keys.num_keys);
     }
-#if HAVE_AVX512_PATH
+#if KV_HAVE_AVX512F
     if (path == ISA_AVX512) values_avx512(a, &keys, inv_sum, dim, acc);
 #endif
-#if HAVE_AVX2_PATH
+#if KV_HAVE_AVX2_FMA_F16C
     if (path == ISA_AVX2) values_avx2(a, &keys, inv_sum, dim, acc);
 #endif
     if (path == ISA_PORTABLE) values_portable(a, &keys, inv_sum, dim, acc);
@@ -395,19 +386,6 @@ static void attend_range(const Args *a, int64_t item, float *scores, int64_t *of
     }
 }
 
-/* Whether path `isa` runs here (this build and this CPU). */
-int kvserve_attention_isa_available(int isa) {
-    if (isa == ISA_PORTABLE) return 1;
-#if HAVE_AVX2_PATH
-    if (isa == ISA_AVX2)
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-#endif
-#if HAVE_AVX512_PATH
-    if (isa == ISA_AVX512) return __builtin_cpu_supports("avx512f");
-#endif
-    return 0;
-}
-
 /* Returns 0 on success, a positive code for arguments the kernel cannot take. */
 int kvserve_paged_attention(const void *q, int64_t q_token_stride, int64_t q_head_stride,
                             const void *k_cache, const void *v_cache, int64_t cache_head_stride,
@@ -420,7 +398,7 @@ int kvserve_paged_attention(const void *q, int64_t q_token_stride, int64_t q_hea
     if (head_dim > MAX_HEAD_DIM || num_kv_heads <= 0 || num_heads % num_kv_heads != 0
         || num_heads / num_kv_heads > MAX_GROUP)
         return 1;
-    if (!kvserve_attention_isa_available(isa)) return 3;
+    if (!kvserve_isa_available(KV_KERNEL_ATTENTION, isa)) return 3;
     Args a = {q, q_token_stride, q_head_stride, k_cache, v_cache, cache_head_stride, out, out_token_stride,
               out_head_stride, token_index, positions, block_table, block_table_stride, table_row,
               num_heads, num_kv_heads, head_dim, block_size, window, scale, softcap, q_dtype, kv_dtype, isa};

@@ -19,18 +19,10 @@
 #include <string.h>
 #include <time.h>
 
+#include "kvserve.h"
+
 #define FLAG_STRIDE 64
 
-/* One rank's view of the segment (filled by shm_all_reduce.py). */
-typedef struct {
-    char *base;         /* the mapped segment */
-    int64_t capacity;   /* floats per slot */
-    int64_t seq;        /* this rank's all-reduces so far */
-    int64_t timeout_ns; /* waits no longer than this for the other ranks */
-    int32_t rank, world;
-    int32_t error;      /* out: the latest failure's code (below), sticky: a failed segment is out of step */
-    int32_t unused;
-} ShmAllReduce;
 
 static _Atomic int64_t *rank_flag(const ShmAllReduce *c, int r) {
     return (_Atomic int64_t *)(c->base + (int64_t)r * FLAG_STRIDE);

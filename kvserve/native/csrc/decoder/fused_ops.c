@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kvserve.h"
 
 static inline float get(const void *base, int64_t i, int dtype) {
     return dtype == F32 ? ((const float *)base)[i] : bf16_value(((const uint16_t *)base)[i]);

@@ -12,43 +12,18 @@
  * `kvserve_mask_token_range` while they are still in its cache, from a bitmask that
  * another thread fills while the layers run: that thread publishes it through a ready
  * flag (`kvserve_publish_mask_ready`), which the head waits for (`kvserve_wait_mask_ready`).
- * Built with the other kernels by kvserve/native/cpu_kernels.py.
+ * Built with the other kernels by kvserve/native/build.py.
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, sched_yield under -std=c11 */
 #include <sched.h>
 #include <stdint.h>
 #include <time.h>
 
-enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
-
-#if defined(__AVX512F__)
-#define HAVE_AVX512 1
-#else
-#define HAVE_AVX512 0
-#endif
-#if defined(__AVX2__)
-#define HAVE_AVX2 1
-#else
-#define HAVE_AVX2 0
-#endif
-#if HAVE_AVX512 || HAVE_AVX2
-#include <immintrin.h>
-#endif
+#include "kvserve.h"
 
 /* -inf as float32 bits: the library is built with -ffast-math, which may assume no
  * infinities in float arithmetic, so the value is stored as an integer pattern. */
 #define NEG_INF_BITS 0xFF800000u
-
-int kvserve_mask_isa_available(int isa) {
-    if (isa == ISA_PORTABLE) return 1;
-#if HAVE_AVX2
-    if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2");
-#endif
-#if HAVE_AVX512
-    if (isa == ISA_AVX512) return __builtin_cpu_supports("avx512f");
-#endif
-    return 0;
-}
 
 static void fill_neg_inf(uint32_t *out, int64_t count) {
     for (int64_t i = 0; i < count; i++) out[i] = NEG_INF_BITS;
@@ -74,7 +49,7 @@ static void mask_words_portable(uint32_t *row, const uint32_t *words, int64_t fu
     }
 }
 
-#if HAVE_AVX2
+#if KV_HAVE_AVX2
 /* A blend and a plain store: AVX2's masked store (vpmaskmovd) is microcoded and several
  * times slower on some CPUs (AMD Zen). */
 __attribute__((target("avx2"))) static void mask_words_avx2(uint32_t *row, const uint32_t *words,
@@ -96,7 +71,7 @@ __attribute__((target("avx2"))) static void mask_words_avx2(uint32_t *row, const
 }
 #endif
 
-#if HAVE_AVX512
+#if KV_HAVE_AVX512F
 __attribute__((target("avx512f"))) static void mask_words_avx512(uint32_t *row, const uint32_t *words,
                                                                   int64_t full_words) {
     const __m512i neg_inf = _mm512_set1_epi32((int)NEG_INF_BITS);
@@ -112,10 +87,10 @@ __attribute__((target("avx512f"))) static void mask_words_avx512(uint32_t *row, 
 
 /* Masks the first `count` words of a row. */
 static void mask_words(uint32_t *row, const uint32_t *words, int64_t count, int isa) {
-#if HAVE_AVX512
+#if KV_HAVE_AVX512F
     if (isa == ISA_AVX512) { mask_words_avx512(row, words, count); return; }
 #endif
-#if HAVE_AVX2
+#if KV_HAVE_AVX2
     if (isa == ISA_AVX2) { mask_words_avx2(row, words, count); return; }
 #endif
     (void)isa;
@@ -148,7 +123,7 @@ void kvserve_mask_token_range(float *logits_row, const int32_t *words, int64_t n
 int kvserve_apply_token_bitmask(float *logits, int64_t logits_stride, int64_t width, const int32_t *bitmask,
                                 int64_t bitmask_stride, int64_t num_words, const int64_t *row_index,
                                 int64_t rows, int isa) {
-    if (!kvserve_mask_isa_available(isa)) return -1;
+    if (!kvserve_isa_available(KV_KERNEL_MASK, isa)) return -1;
     for (int64_t r = 0; r < rows; r++)
         kvserve_mask_token_range(logits + (row_index ? row_index[r] : r) * logits_stride, bitmask + r * bitmask_stride,
                                  num_words, 0, width, isa);
@@ -183,7 +158,7 @@ int32_t kvserve_wait_mask_ready(const int32_t *ready, int32_t value, int64_t tim
             break;
         }
         if (spins < 256) {
-#if HAVE_AVX2 || HAVE_AVX512
+#if KV_HAVE_AVX2 || KV_HAVE_AVX512F
             _mm_pause();
 #endif
             continue;

@@ -7,7 +7,7 @@
  * the same products, so only the order of the float32 sums differs between them:
  * AVX512-BF16 dot products (vdpbf16ps, 32 columns at a time), AVX2 + FMA on
  * weights widened to float32 (8 columns), and plain C. The caller picks one
- * among those this build and CPU run (kvserve_bf16_isa_available); the codes
+ * among those this build and CPU run (kvserve_isa_available(KV_KERNEL_BF16, isa)); the codes
  * are quant_linear.c's, so one switch (KVSERVE_QUANT_ISA) caps both.
  *
  * Each call covers output rows row_begin..row_end on the calling thread: the
@@ -18,8 +18,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
-
-enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+#include "kvserve.h"
 
 #define TILE_ROWS 4
 #define TILE_BATCH 4
@@ -27,33 +26,6 @@ enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
 #define INLINE static inline __attribute__((always_inline))
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#define HAVE_AVX512_BF16 1
-#else
-#define HAVE_AVX512_BF16 0
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-#define HAVE_AVX2 1
-#else
-#define HAVE_AVX2 0
-#endif
-#if HAVE_AVX512_BF16 || HAVE_AVX2
-#include <immintrin.h>
-#endif
-
-/* Whether this build and this CPU run the given path. */
-int kvserve_bf16_isa_available(int isa) {
-    if (isa == ISA_PORTABLE) return 1;
-#if HAVE_AVX2
-    if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#endif
-#if HAVE_AVX512_BF16
-    if (isa == ISA_AVX512)
-        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512bf16");
-#endif
-    return 0;
-}
 
 /* xb [batch, in] = x rounded to bfloat16 (x rows x_stride floats apart). */
 void kvserve_bf16_round_rows(const float *x, int64_t x_stride, int64_t batch, int64_t in, uint16_t *xb) {
@@ -75,7 +47,7 @@ static void tile_portable(const uint16_t *w, int64_t in, const uint16_t *xb, int
         }
 }
 
-#if HAVE_AVX2
+#if KV_HAVE_AVX2_FMA
 INLINE __m256 widen8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
@@ -122,7 +94,7 @@ __attribute__((noinline)) static void tile_avx2(const uint16_t *w, int64_t in, c
 }
 #endif
 
-#if HAVE_AVX512_BF16
+#if KV_HAVE_AVX512_BF16
 #include "bf16_tile.h"
 
 __attribute__((noinline)) static void tile_avx512(const uint16_t *w, int64_t in, const uint16_t *xb, int rows,
@@ -137,10 +109,10 @@ __attribute__((noinline)) static void tile_avx512(const uint16_t *w, int64_t in,
 #endif
 
 static TileFn tile_for(int isa) {
-#if HAVE_AVX512_BF16
+#if KV_HAVE_AVX512_BF16
     if (isa == ISA_AVX512) return tile_avx512;
 #endif
-#if HAVE_AVX2
+#if KV_HAVE_AVX2_FMA
     if (isa >= ISA_AVX2) return tile_avx2;
 #endif
     (void)isa;
@@ -149,7 +121,7 @@ static TileFn tile_for(int isa) {
 
 /* Rows row_begin..row_end of y [batch, out] (rows y_stride apart) = xb W^T + bias, with
  * xb [batch, in] bfloat16 (kvserve_bf16_round_rows), W [out, in] bfloat16 contiguous,
- * bias float32 or NULL; `isa` must be one kvserve_bf16_isa_available accepts. */
+ * bias float32 or NULL; `isa` must be one kvserve_isa_available(KV_KERNEL_BF16, isa) accepts. */
 void kvserve_bf16_linear_rows(const uint16_t *xb, int64_t batch, const uint16_t *w, const float *bias, int64_t in,
                               float *y, int64_t y_stride, int isa, int64_t row_begin, int64_t row_end) {
     const TileFn tile = tile_for(isa);

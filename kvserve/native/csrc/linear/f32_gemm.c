@@ -25,40 +25,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kvserve.h"
+
 #define PANEL 16 /* output rows per panel */
 #define MR 8     /* tokens of one micro-tile (AVX-512) */
 #define NP 3     /* panels of one micro-tile (AVX-512) */
 #define MR_AVX2 6
 #define PARALLEL_MIN_MACS (1 << 20)
 
-enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
-
 #define INLINE static inline __attribute__((always_inline))
-
-#if defined(__AVX512F__)
-#define HAVE_AVX512 1
-#else
-#define HAVE_AVX512 0
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-#define HAVE_AVX2 1
-#else
-#define HAVE_AVX2 0
-#endif
-#if HAVE_AVX512 || HAVE_AVX2
-#include <immintrin.h>
-#endif
-
-int kvserve_bf16_isa_available(int isa); /* bf16_rows.c */
-
-/* Whether this build and this CPU run the given path: the portable and AVX2 + FMA ones
- * wherever bf16_rows.c's do (the same checks), the AVX-512 one with AVX-512F. */
-int kvserve_f32_gemm_isa_available(int isa) {
-#if HAVE_AVX512
-    if (isa == ISA_AVX512) return __builtin_cpu_supports("avx512f");
-#endif
-    return isa == ISA_AVX512 ? 0 : kvserve_bf16_isa_available(isa);
-}
 
 /* Floats of the packed form of an [out, in] weight. */
 int64_t kvserve_f32_packed_size(int64_t out, int64_t in) { return (out + PANEL - 1) / PANEL * PANEL * in; }
@@ -102,7 +77,7 @@ INLINE void prefetch_k(const GemmIn *g, int64_t k) {
     }
 }
 
-#if HAVE_AVX512
+#if KV_HAVE_AVX512F
 INLINE void micro_avx512(const GemmIn *g, int64_t t0, int64_t p0, int mt, int np, float tile[MR][NP * PANEL]) {
     __m512 acc[MR][NP];
     for (int t = 0; t < mt; t++)
@@ -135,7 +110,7 @@ static void tile_avx512(const GemmIn *g, int64_t t0, int64_t p0, int mt, int np,
 }
 #endif
 
-#if HAVE_AVX2
+#if KV_HAVE_AVX2_FMA
 /* One panel (two 8-lane vectors) x up to MR_AVX2 tokens: 12 accumulators of 16 registers. */
 INLINE void micro_avx2(const GemmIn *g, int64_t t0, int64_t p, int mt, float tile[MR][NP * PANEL]) {
     __m256 lo[MR_AVX2], hi[MR_AVX2];
@@ -187,10 +162,10 @@ static void tile_portable(const GemmIn *g, int64_t t0, int64_t p0, int mt, int n
 }
 
 static void tile_sums(const GemmIn *g, int64_t t0, int64_t p0, int mt, int np, int isa, float tile[MR][NP * PANEL]) {
-#if HAVE_AVX512
+#if KV_HAVE_AVX512F
     if (isa == ISA_AVX512) { tile_avx512(g, t0, p0, mt, np, tile); return; }
 #endif
-#if HAVE_AVX2
+#if KV_HAVE_AVX2_FMA
     if (isa == ISA_AVX2) { tile_avx2(g, t0, p0, mt, np, tile); return; }
 #endif
     (void)isa;
@@ -235,7 +210,7 @@ void kvserve_f32_gemm_rows(const float *x, int64_t x_stride, int64_t batch, cons
  * available (nothing written). */
 int kvserve_f32_gemm(const float *x, int64_t x_stride, int64_t batch, const float *packed, const float *bias,
                      int64_t out, int64_t in, float *y, int64_t y_stride, int isa, int num_threads) {
-    if (!kvserve_f32_gemm_isa_available(isa)) return -2;
+    if (!kvserve_isa_available(KV_KERNEL_F32_GEMM, isa)) return -2;
     const int64_t panels = (out + PANEL - 1) / PANEL;
     if (batch * out * in < PARALLEL_MIN_MACS || panels < 2) num_threads = 1;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)

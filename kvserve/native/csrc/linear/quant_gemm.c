@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kvserve.h"
 
 #define QBLOCK 32
 #define PANEL_ROWS 16 /* weight rows expanded together; threads split whole panels */
@@ -33,41 +34,7 @@
 #define NB_NARROW 2   /* ... on the AVX2 and portable paths */
 #define PARALLEL_MIN_MACS (1 << 20)
 
-enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
-
 #define INLINE static inline __attribute__((always_inline))
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#define HAVE_BF16 1
-#else
-#define HAVE_BF16 0
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-#define HAVE_AVX2 1
-#else
-#define HAVE_AVX2 0
-#endif
-#if HAVE_BF16 || HAVE_AVX2
-#include <immintrin.h>
-#endif
-
-/* Row r of a quantized weight as float32 values (quant_linear.c). */
-void kvserve_quant_row_values(const uint8_t *qs, const float *d, const float *m, int bits, int64_t in, int64_t r,
-                              float *v);
-
-int kvserve_quant_isa_available(int isa); /* quant_linear.c */
-
-/* Whether this build and this CPU run the given path of this kernel: the AVX2 and
- * portable ones wherever the integer kernel's do, the AVX-512 one with AVX512-BF16. */
-int kvserve_quant_gemm_isa_available(int isa) {
-    if (isa != ISA_AVX512) return HAVE_AVX2 || isa == ISA_PORTABLE ? kvserve_quant_isa_available(isa) : 0;
-#if HAVE_BF16
-    if (isa == ISA_AVX512)
-        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512bf16");
-#endif
-    return 0;
-}
 
 /* Bytes of one element of the panel and of the prepared activations on path `isa`. */
 static int64_t element_of(int isa) { return isa == ISA_AVX512 ? 2 : 4; }
@@ -81,7 +48,7 @@ typedef struct {
 
 /* ---- panel expansion ------------------------------------------------------------------ */
 
-#if HAVE_BF16
+#if KV_HAVE_AVX512_BF16
 /* 32 values d * q + m (q: 32 lanes of int32 in two halves) as bfloat16 at dst. */
 INLINE void store_block_bf16(__m512i q_lo, __m512i q_hi, float d, float m, uint16_t *dst) {
     const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
@@ -140,7 +107,7 @@ static void expand_panel(const GemmWeight *w, int64_t row, int64_t out, int isa,
             kvserve_quant_row_values(w->qs, w->d, w->m, w->bits, in, row + r, (float *)panel + r * in);
             continue;
         }
-#if HAVE_BF16
+#if KV_HAVE_AVX512_BF16
         row_bf16(w, row + r, (uint16_t *)panel + r * in);
 #endif
     }
@@ -148,7 +115,7 @@ static void expand_panel(const GemmWeight *w, int64_t row, int64_t out, int isa,
 
 /* ---- micro-kernels: sums[r][b] = panel row r . activation row b ---------------------- */
 
-#if HAVE_BF16
+#if KV_HAVE_AVX512_BF16
 INLINE void micro_bf16(const uint16_t *wp, const uint16_t *xp, int batch, int64_t in, float sums[MR][NB]) {
     __m512 acc[MR][NB];
     for (int r = 0; r < MR; r++)
@@ -178,7 +145,7 @@ static void micro_bf16_dispatch(const uint16_t *wp, const uint16_t *xp, int batc
 }
 #endif
 
-#if HAVE_AVX2
+#if KV_HAVE_AVX2_FMA
 INLINE float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -213,10 +180,10 @@ static void micro_portable(const float *wp, const float *xp, int batch, int64_t 
 }
 
 static void micro(const void *wp, const void *xp, int batch, int64_t in, int isa, float sums[MR][NB]) {
-#if HAVE_BF16
+#if KV_HAVE_AVX512_BF16
     if (isa == ISA_AVX512) { micro_bf16_dispatch(wp, xp, batch, in, sums); return; }
 #endif
-#if HAVE_AVX2
+#if KV_HAVE_AVX2_FMA
     if (isa == ISA_AVX2) {
         if (batch == 2) micro_avx2(wp, xp, 2, in, sums);
         else micro_avx2(wp, xp, 1, in, sums);
@@ -309,7 +276,7 @@ int kvserve_quant_gemm(const void *x, int64_t x_stride, int64_t batch, const uin
                        const float *m, int bits, int64_t out, int64_t in, const void *bias, void *y, int64_t y_stride,
                        int dtype, int isa, int num_threads) {
     if (in % QBLOCK || (bits != 4 && bits != 8 && bits != 16) || batch < 0 || out < 0) return -1;
-    if (!kvserve_quant_gemm_isa_available(isa)) return -2;
+    if (!kvserve_isa_available(KV_KERNEL_QUANT_GEMM, isa)) return -2;
     void *xa = malloc((size_t)(batch * in * element_of(isa)) + 64);
     if (!xa) return -3;
     const int64_t panels = (out + PANEL_ROWS - 1) / PANEL_ROWS;

@@ -19,8 +19,9 @@
 #include <omp.h>
 #include <stdint.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
+#include "kvserve.h"
+
+#if KV_HAVE_AVX512_VNNI
 
 #define QBLOCK 32
 #define GROUP_COLS 128

@@ -35,6 +35,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kvserve.h"
 
 #define QBLOCK 32
 #define GROUP_COLS 128 /* columns of one 64-byte group of 4-bit blocks */
@@ -42,32 +43,7 @@
 #define TILE_BATCH 4
 #define PARALLEL_MIN_BYTES (256 * 1024)
 
-enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
-
 #define INLINE static inline __attribute__((always_inline))
-
-/* The single-row kernels (quant_gemv.c): 1 when they took the call. */
-int kvserve_gemv_rows(const int8_t *qx, const float *scales, int64_t batch, const uint8_t *qs, const float *d,
-                      const float *m, int bits, int64_t in, const float *bias, float *y, int64_t y_stride,
-                      int64_t row_begin, int64_t row_end);
-int kvserve_gemv(const int8_t *qx, const float *scales, int64_t batch, const uint8_t *qs, const float *d,
-                 const float *m, int bits, int64_t in, const float *bias, float *y, int64_t y_stride, int64_t out,
-                 int num_threads);
-int kvserve_quantize_row8(const float *x, int64_t in, int8_t *qx, float *dx, float *sx);
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#define HAVE_AVX512 1
-#else
-#define HAVE_AVX512 0
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-#define HAVE_AVX2 1
-#else
-#define HAVE_AVX2 0
-#endif
-#if HAVE_AVX512 || HAVE_AVX2
-#include <immintrin.h>
-#endif
 
 /* One quantized weight matrix (see the header comment). */
 typedef struct {
@@ -87,20 +63,6 @@ typedef struct {
 } QAct;
 
 static int64_t row_bytes_of(int bits, int64_t in) { return bits == 4 ? in / 2 : bits == 8 ? in : 2 * in; }
-
-/* Whether this build and this CPU run the given path. */
-int kvserve_quant_isa_available(int isa) {
-    if (isa == ISA_PORTABLE) return 1;
-#if HAVE_AVX2
-    if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#endif
-#if HAVE_AVX512
-    if (isa == ISA_AVX512)
-        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-#endif
-    return 0;
-}
 
 /* ---- activations ------------------------------------------------------------------ */
 
@@ -178,7 +140,7 @@ static float dot_portable(const QWeight *w, int64_t row, const QAct *a, int64_t 
 }
 
 /* ---- AVX2 path ---------------------------------------------------------------------- */
-#if HAVE_AVX2
+#if KV_HAVE_AVX2_FMA
 INLINE __m256i nibbles_block(__m128i bytes) { /* 16 bytes of a GGUF-order block -> 32 quants */
     const __m128i low = _mm_set1_epi8(15);
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
@@ -274,7 +236,7 @@ static void tile_avx2(const QWeight *w, int64_t row, int rows, const QAct *a, in
 #endif
 
 /* ---- AVX-512 VNNI path -------------------------------------------------------------- */
-#if HAVE_AVX512
+#if KV_HAVE_AVX512_VNNI
 /* 16 lanes: the first eight take lane `lo` of v, the last eight lane `lo + 1`. */
 INLINE __m512 spread_pair(__m128 v, int lo) {
     const __m512i idx = lo ? _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2)
@@ -439,10 +401,10 @@ static void tile_avx512_dispatch(const QWeight *w, int64_t row, int rows, const 
 
 static void tile_sums(const QWeight *w, int64_t row, int rows, const QAct *a, int64_t b0, int batch, int isa,
                       float sums[TILE_ROWS][TILE_BATCH]) {
-#if HAVE_AVX512
+#if KV_HAVE_AVX512_VNNI
     if (isa == ISA_AVX512) { tile_avx512_dispatch(w, row, rows, a, b0, batch, sums); return; }
 #endif
-#if HAVE_AVX2
+#if KV_HAVE_AVX2_FMA
     if (isa == ISA_AVX2) { tile_avx2(w, row, rows, a, b0, batch, sums); return; }
 #endif
     (void)isa;
@@ -475,7 +437,7 @@ int kvserve_quant_linear(const void *x, int64_t x_stride, int64_t batch, const u
     if (in % QBLOCK || (bits != 4 && bits != 8 && bits != 16) || (act_bits != 8 && act_bits != 16) ||
         (bits == 16 && act_bits != 16) || batch < 0 || out < 0)
         return -1;
-    if (!kvserve_quant_isa_available(isa)) return -2;
+    if (!kvserve_isa_available(KV_KERNEL_QUANT, isa)) return -2;
     const int64_t nb = in / QBLOCK;
     const int element = dtype == F32 ? 4 : 2;
     void *qx = malloc((size_t)(batch * in * (act_bits / 8)) + 64);

@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "kvserve.h"
 
 #define TILE_ROWS 4 /* output rows per tile */
 #define TILE_BATCH 4 /* rows of x per pass over a tile */
@@ -26,8 +27,7 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#if KV_HAVE_AVX512F
 
 /* sums[r][b] = W[r, :] . x[b, :] for `rows` weight rows and `batch` x rows (both
  * constants after inlining, so the accumulators live in registers). Prefetches
@@ -53,30 +53,25 @@ INLINE void tile_f32(const float *w, int64_t in, const float *x, int64_t x_strid
         for (int b = 0; b < batch; b++) sums[r][b] = _mm512_reduce_add_ps(acc[r][b]);
 }
 
-#if defined(__AVX512BF16__)
-#define HAVE_BF16 1
+#if KV_HAVE_AVX512_BF16
 #include "bf16_tile.h"
 #endif
-#endif /* __AVX512F__ */
-
-#ifndef HAVE_BF16
-#define HAVE_BF16 0
-#endif
+#endif /* KV_HAVE_AVX512F */
 
 /* Whether this build has the kernel for the dtype (else the caller keeps oneDNN). */
 int kvserve_small_linear_supported(int dtype) {
-#if defined(__AVX512F__)
-    return dtype == F32 || (dtype == BF16 && HAVE_BF16);
+#if KV_HAVE_AVX512F
+    return dtype == F32 || (dtype == BF16 && KV_HAVE_AVX512_BF16);
 #else
     (void)dtype;
     return 0;
 #endif
 }
 
-#if defined(__AVX512F__)
+#if KV_HAVE_AVX512F
 INLINE void tile_sums(const void *w, int64_t row, int64_t in, const void *x, int64_t x_stride, int rows, int batch,
                       int dtype, float sums[TILE_ROWS][TILE_BATCH]) {
-#if HAVE_BF16
+#if KV_HAVE_AVX512_BF16
     if (dtype == BF16) {
         bf16_tile_avx512((const uint16_t *)w + row * in, in, (const uint16_t *)x, x_stride, rows, batch, sums);
         return;
@@ -118,7 +113,7 @@ static void store_tile(float sums[TILE_ROWS][TILE_BATCH], int64_t row, int rows,
 int kvserve_small_linear(const void *x, int64_t x_stride, const void *w, const void *bias, int64_t out, int64_t in,
                          void *y, int64_t y_stride, int64_t batch, int dtype, int num_threads) {
     if (!kvserve_small_linear_supported(dtype)) return 0;
-#if defined(__AVX512F__)
+#if KV_HAVE_AVX512F
     const int64_t full_tiles = out / TILE_ROWS;
     const int64_t tiles = full_tiles + (out % TILE_ROWS);
     const int element = dtype == F32 ? 4 : 2;
@@ -149,7 +144,7 @@ int kvserve_small_linear(const void *x, int64_t x_stride, const void *w, const v
 int kvserve_small_linear_rows(const void *x, int64_t x_stride, const void *w, const void *bias, int64_t in, void *y,
                               int64_t y_stride, int64_t batch, int dtype, int64_t row_begin, int64_t row_end) {
     if (!kvserve_small_linear_supported(dtype)) return 0;
-#if defined(__AVX512F__)
+#if KV_HAVE_AVX512F
     const int element = dtype == F32 ? 4 : 2;
     float sums[TILE_ROWS][TILE_BATCH];
     for (int64_t row = row_begin; row < row_end;) {
