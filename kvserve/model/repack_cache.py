@@ -99,10 +99,15 @@ def load(path: str) -> dict[str, QuantizedWeight] | None:
     if hasattr(mmap, "MADV_WILLNEED"):  # start reading a cold file in while the rest of start-up runs
         mapping.madvise(mmap.MADV_WILLNEED)
     weights = {}
-    for name, entry in header["weights"].items():
-        tensors = {field: _view(mapping, data_start + spec["offset"], spec) for field, spec in entry["tensors"].items()}
-        weights[name] = QuantizedWeight(tensors["qs"], tensors["d"], tensors["m"], entry["bits"], entry["in_features"],
-                                        entry["source_type"])
+    try:
+        for name, entry in header["weights"].items():
+            tensors = {field: _view(mapping, data_start + spec["offset"], spec)
+                       for field, spec in entry["tensors"].items()}
+            weights[name] = QuantizedWeight(tensors["qs"], tensors["d"], tensors["m"], entry["bits"],
+                                            entry["in_features"], entry["source_type"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:  # a damaged (e.g. truncated) file
+        logger.warning("ignoring damaged repacked-weight cache %s (%s)", path, error)
+        return None
     return weights
 
 
@@ -127,8 +132,9 @@ def _evict_stale(directory: str) -> None:
         try:
             with open(path, "rb") as f:
                 head = f.read(16)
-                header_len = struct.unpack("<Q", head[8:16])[0] if len(head) == 16 else 0
-                header, _ = _read_header(head + f.read(header_len))
+                valid = len(head) == 16 and head[:8] == _MAGIC
+                header_len = struct.unpack("<Q", head[8:16])[0] if valid else 0
+                header, _ = _read_header(head + f.read(min(header_len, os.path.getsize(path))))
             source = (header or {}).get("source", {})
             stale = (header is None or header.get("layout_version") != LAYOUT_VERSION
                      or not os.path.isfile(source.get("path", ""))

@@ -49,7 +49,7 @@ def test_saved_weights_load_back_bit_for_bit(cache_dir, tmp_path):
     assert all(_same(weights[name], loaded[name]) for name in weights)
 
 
-def test_other_versions_and_garbage_are_ignored(cache_dir, tmp_path, monkeypatch):
+def test_other_versions_garbage_and_truncated_files_are_ignored(cache_dir, tmp_path, monkeypatch):
     source = tmp_path / "model.gguf"
     source.write_bytes(b"GGUF")
     path = repack_cache.cache_path(str(source))
@@ -59,6 +59,10 @@ def test_other_versions_and_garbage_are_ignored(cache_dir, tmp_path, monkeypatch
     assert repack_cache.load(path) is None
     with open(path, "wb") as f:
         f.write(b"not a cache file")
+    assert repack_cache.load(path) is None
+    monkeypatch.setattr(repack_cache, "LAYOUT_VERSION", repack_cache.LAYOUT_VERSION - 1)
+    repack_cache.save(path, {"w": weight}, str(source))
+    os.truncate(path, os.path.getsize(path) - 8)  # the header promises bytes the file lacks
     assert repack_cache.load(path) is None
 
 
