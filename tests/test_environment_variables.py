@@ -1,5 +1,5 @@
-"""Every KVSERVE_* environment variable the package reads is documented in README.md, and
-the kernel switches are read in one place only (`KernelConfig.from_env`)."""
+"""Every KVSERVE_* environment variable the package reads has its row in the one table of
+docs/kernels.md, and the kernel switches are read in one place only (`KernelConfig.from_env`)."""
 from __future__ import annotations
 
 import pathlib
@@ -12,7 +12,7 @@ from kvserve.native.config import (CPU_KERNELS_ENV, CPU_PACKED_WEIGHTS_ENV, GRAM
                                    SMALL_BATCH_MATMUL_ENV, KernelConfig)
 
 PACKAGE = pathlib.Path(kvserve.__file__).parent
-README = PACKAGE.parent / "README.md"
+ENVIRONMENT_TABLE = PACKAGE.parent / "docs" / "kernels.md"
 KERNEL_SWITCHES = (CPU_KERNELS_ENV, SMALL_BATCH_MATMUL_ENV, CPU_PACKED_WEIGHTS_ENV, QUANT_ISA_ENV, QUANT_ACT_BITS_ENV,
                    QUANT_GEMM_ROWS_ENV, QUANT_GEMM_DTYPE_ENV, GRAMMAR_MASK_ISA_ENV, SHM_ALL_REDUCE_ENV)
 
@@ -21,12 +21,17 @@ def _python_sources() -> dict[pathlib.Path, str]:
     return {path: path.read_text() for path in PACKAGE.rglob("*.py")}
 
 
-def test_every_environment_variable_is_documented_in_the_readme():
+def _table_rows() -> set[str]:
+    """The variables of docs/kernels.md's table: the first cell of each row."""
+    return set(re.findall(r"^\| `(KVSERVE_[A-Z0-9_]+)` \|", ENVIRONMENT_TABLE.read_text(), flags=re.M))
+
+
+def test_every_environment_variable_has_its_row_in_the_table():
     names = {name for text in _python_sources().values() for name in re.findall(r"KVSERVE_[A-Z0-9_]+", text)}
     assert set(KERNEL_SWITCHES) <= names  # the scan sees what it should
-    readme = README.read_text()
-    missing = sorted(name for name in names if not re.search(rf"\b{name}\b", readme))
-    assert not missing, f"undocumented in README.md: {missing}"
+    rows = _table_rows()
+    assert not sorted(names - rows), f"no row in docs/kernels.md's table: {sorted(names - rows)}"
+    assert not sorted(rows - names), f"rows for variables nothing reads: {sorted(rows - names)}"
 
 
 def test_kernel_switches_are_read_only_by_kernel_config():

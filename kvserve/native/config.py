@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from kvserve.errors import ConfigError
 from kvserve.native.isa import ISAS
 
-# Kernel switches (environment variable -> KernelConfig field), documented in README.md.
+# Kernel switches (environment variable -> KernelConfig field), documented in docs/kernels.md.
 CPU_KERNELS_ENV = "KVSERVE_CPU_KERNELS"
 SMALL_BATCH_MATMUL_ENV = "KVSERVE_SMALL_BATCH_MATMUL"
 CPU_PACKED_WEIGHTS_ENV = "KVSERVE_CPU_PACKED_WEIGHTS"

@@ -43,7 +43,7 @@ def add_plan_arguments(parser) -> None:
     replica.add_argument("--max-num-batched-tokens", type=int, default=8192)
     load = parser.add_argument_group("load and SLO")
     load.add_argument("--trace", default=None, metavar="JSONL",
-                      help="a recorded fleet-wide trace instead of the synthetic load (format in README)")
+                      help="a recorded fleet-wide trace instead of the synthetic load (format in docs/capacity_planning.md)")
     load.add_argument("--policy", default="round_robin", choices=ROUTING_POLICIES,
                       help="with --trace: how the gateway spreads it while sizing the fleet")
     load.add_argument("--routing-policies", default="round_robin,cache_aware",

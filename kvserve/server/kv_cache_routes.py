@@ -1,6 +1,6 @@
 """`GET /kv-cache` (JSON) and `GET /kv-cache/stream` (SSE): the engine's KV view.
 
-The JSON shape is a contract documented in the README: per group
+The JSON shape is a contract documented in docs/server.md: per group
 `num_blocks == blocks_in_use + blocks_cached + blocks_free`, counts from the
 block pool itself, request ids but never prompt or output text.
 """
@@ -40,7 +40,7 @@ def _group_json(group: KVGroupSnapshot) -> dict[str, Any]:
 
 
 def kv_view_to_json(view: EngineKVView) -> dict[str, Any]:
-    """The README's `/kv-cache` document for an `EngineKVView`."""
+    """The `/kv-cache` document (docs/server.md) for an `EngineKVView`."""
     cache = view.kv_cache
     pool = cache.pool
     return {

@@ -3,7 +3,7 @@
 Metrics vLLM documents carry vLLM's names and labels (`vllm:...`, with
 `model_name` and `engine`), so a vLLM Grafana dashboard or autoscaler reads
 kvserve unchanged; kvserve's own figures are `kvserve_...` extensions (the
-README lists both). Engine-wide figures are read at scrape time by a custom
+docs/server.md lists both). Engine-wide figures are read at scrape time by a custom
 collector from the engine loop's stats and, when the engine has one, its KV
 view (blocks per state per group); per-request latencies and token counts are
 observed by `RequestTimer` as outputs stream out.

@@ -176,7 +176,7 @@ def test_route_bench_end_to_end_with_a_killed_replica(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not gateway_available(), reason="sglang-router is not installed")
 def test_gateway_forwards_the_clients_api_key_to_a_keyed_replica(tmp_path):
-    """README's N-hosts recipe with --api-key: health checks pass on the open /health, and the
+    """docs/replicas.md's N-hosts recipe with --api-key: health checks pass on the open /health, and the
     client's bearer key reaches the replica through the gateway."""
     import httpx
 

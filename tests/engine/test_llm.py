@@ -10,6 +10,7 @@ import transformers
 
 from kvserve import LLM, SamplingParams
 from kvserve.sampling_params import SamplingParamsError
+from helpers.greedy_check import assert_greedy_continuations
 
 PROMPTS = [
     "The quick brown fox",
@@ -52,14 +53,6 @@ def llm(request, tiny_llama_dir):
     engine.shutdown()
 
 
-@torch.inference_mode()
-def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt_ids])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
-
-
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
@@ -75,7 +68,7 @@ def test_single_prompt_matches_transformers(llm, reference_model):
     output = llm.generate(PROMPTS[0], greedy(16), use_tqdm=False)[0]
     prompt_ids = llm.get_tokenizer().encode(PROMPTS[0])
     assert output.prompt_token_ids == prompt_ids
-    assert output.outputs[0].token_ids == reference_greedy(reference_model, prompt_ids, 16)
+    assert_greedy_continuations(reference_model, [prompt_ids], [output.outputs[0].token_ids], 16)
     assert output.outputs[0].finish_reason == "length"
     tokenizer = llm.get_tokenizer()
     full_text = tokenizer.decode(prompt_ids + output.outputs[0].token_ids, skip_special_tokens=True)
@@ -89,8 +82,7 @@ def test_batch_matches_transformers_in_input_order(llm, reference_model):
     tokenizer = llm.get_tokenizer()
     for prompt, output, n in zip(PROMPTS, outputs, max_tokens):
         assert output.prompt == prompt
-        expected = reference_greedy(reference_model, tokenizer.encode(prompt), n)
-        assert output.outputs[0].token_ids == expected
+        assert_greedy_continuations(reference_model, [tokenizer.encode(prompt)], [output.outputs[0].token_ids], n)
     assert_no_blocks_held(llm)
 
 
@@ -99,7 +91,7 @@ def test_token_id_prompts(llm, reference_model):
     outputs = llm.generate(prompts, greedy(8), use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
         assert output.prompt is None and output.prompt_token_ids == prompt
-        assert output.outputs[0].token_ids == reference_greedy(reference_model, prompt, 8)
+        assert_greedy_continuations(reference_model, [prompt], [output.outputs[0].token_ids], 8)
     # One prompt as a list of ids, a tensor, or a dict: the same request.
     single = [llm.generate(p, greedy(8), use_tqdm=False)[0].outputs[0].token_ids
               for p in (prompts[0], torch.tensor(prompts[0]), {"prompt_token_ids": prompts[0]})]
@@ -114,7 +106,7 @@ def test_chat_uses_the_template(llm, reference_model):
     expected_ids = list(expected_ids["input_ids"] if hasattr(expected_ids, "keys") else expected_ids)
     assert output.prompt_token_ids == expected_ids
     assert output.prompt.endswith("<|im_start|>assistant\n")
-    assert output.outputs[0].token_ids == reference_greedy(reference_model, expected_ids, 6)
+    assert_greedy_continuations(reference_model, [expected_ids], [output.outputs[0].token_ids], 6)
     two = llm.chat([conversation, conversation + [{"role": "assistant", "content": "Hello"},
                                                   {"role": "user", "content": "Bye"}]],
                    greedy(3), use_tqdm=False)
@@ -189,8 +181,9 @@ def test_n_greedy_children_equal_single_greedy(tiny_llama_dir, reference_model):
     with LLM(tiny_llama_dir, **ENGINE_KWARGS) as engine:
         prompt_ids = list(range(100, 153))
         result = engine.generate(prompt_ids, greedy(6, n=4), use_tqdm=False)[0]
-        expected = reference_greedy(reference_model, prompt_ids, 6)
-        assert [c.token_ids for c in result.outputs] == [expected] * 4
+        # The same path for every child: the same tokens, greedy under the reference.
+        assert [c.token_ids for c in result.outputs] == [result.outputs[0].token_ids] * 4
+        assert_greedy_continuations(reference_model, [prompt_ids], [result.outputs[0].token_ids], 6)
 
 
 def test_n_seeded_children_differ_and_reproduce(tiny_llama_dir):

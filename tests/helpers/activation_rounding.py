@@ -1,12 +1,13 @@
-"""A bound, derived from the rounding itself, on how far a model whose quantized matmuls
-round their activations per block (int8 or int16, csrc/quant_linear.c) may move the logits
-away from the same weights run in float32.
+"""A bound, derived from the rounding itself, on how far a model whose matmuls round their
+inputs (quantized weights: per block to int8 or int16, csrc/linear/quant_linear.c; bfloat16
+weights: to bfloat16) may move the logits away from the same weights run in float32.
 
 The derivation. The kernel rounds each activation x of a block of 32 to a multiple of
 s = amax / 127 (int16: amax / 32767); the error is at most s / 2 (amax / 254, amax / 65534)
 and, for values off the grid, spread evenly over [-s/2, s/2]: the classic model of
 quantization noise, which holds here because the activations are not multiples of a
-common step. How much such errors at every matmul's input move the logits depends on the
+common step. Rounding to bfloat16 is the same with s one ulp of x (2**-7 relative to
+x's power of two). How much such errors at every matmul's input move the logits depends on the
 model (attention and the gated MLP amplify them, a random model with a large init a lot),
 so it is not guessed: the float32 reference is run again `runs` times with each of those
 inputs moved by independent noise drawn evenly from exactly that interval, each run one
@@ -29,56 +30,75 @@ DRAW_MARGIN = 2.0
 
 
 @contextlib.contextmanager
-def dithered_matmul_inputs(plain, held, generator: torch.Generator) -> Iterator[list[int]]:
-    """Within it, every matmul of `plain` (float weights) whose module in `held` keeps its
-    weight quantized gets its input moved by uniform noise of half that weight's rounding
-    step per block of 32. Yields a one-element list counting the matmuls so perturbed. The
-    per-op path only: `plain`'s native decoder is switched off while inside."""
-    held_modules = dict(held.named_modules())
+def dithered_inputs(model, half_steps: dict, generator: torch.Generator) -> Iterator[list[int]]:
+    """Within it, every module of `model` that is a key of `half_steps` gets each element of
+    its matmul's input moved by uniform noise of up to `half_steps[module](x)` (a tensor of
+    x's shape). Yields a one-element list counting the matmuls so perturbed. The per-op path
+    only: `model`'s native decoder is switched off while inside."""
     count = [0]
-    wrapped = []
-    for name, module in plain.named_modules():
-        quant = getattr(held_modules.get(name), "quant_weight", None)
-        if quant is None or not hasattr(module, "_matmul"):
-            continue
-        module._matmul = _noisy_matmul(module, 1.0 / (254.0 if quant.act_bits == 8 else 65534.0), generator, count)
-        wrapped.append(module)
-    native, plain._native = plain._native, None
+    for module, half_step in half_steps.items():
+        module._matmul = _noisy_matmul(module, half_step, generator, count)
+    native, model._native = model._native, None
     try:
         yield count
     finally:
-        plain._native = native
-        for module in wrapped:
+        model._native = native
+        for module in half_steps:
             del module._matmul
 
 
-def _noisy_matmul(module, half_step: float, generator: torch.Generator, count: list[int]):
-    """`module._matmul` with its input moved by noise of up to `half_step` of each block's
-    largest magnitude; counts its calls in `count[0]`."""
+def quantized_half_steps(plain, held) -> dict:
+    """The modules of `plain` (float weights) whose module in `held` keeps its weight
+    quantized, each with half its activation rounding step: per block of 32, amax / 254
+    (int8) or amax / 65534 (int16)."""
+    held_modules = dict(held.named_modules())
+    steps = {}
+    for name, module in plain.named_modules():
+        quant = getattr(held_modules.get(name), "quant_weight", None)
+        if quant is not None and hasattr(module, "_matmul"):
+            steps[module] = _block_half_step(254.0 if quant.act_bits == 8 else 65534.0)
+    return steps
+
+
+def _block_half_step(divisor: float):
+    def half_step(x: torch.Tensor) -> torch.Tensor:
+        blocks = x.reshape(-1, x.shape[-1] // 32, 32)
+        return (blocks.abs().amax(-1, keepdim=True) / divisor).expand(blocks.shape).reshape(x.shape)
+    return half_step
+
+
+def bfloat16_half_step(x: torch.Tensor) -> torch.Tensor:
+    """Half a bfloat16 ulp of each element (8 significant bits): 2**(floor(log2|x|) - 8)."""
+    exponent = torch.frexp(x.float())[1]  # |x| = m * 2**e, 0.5 <= m < 1
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float32), exponent - 9).masked_fill(x == 0, 0.0)
+
+
+def _noisy_matmul(module, half_step, generator: torch.Generator, count: list[int]):
+    """`module._matmul` with its input x moved by uniform noise of up to `half_step(x)`;
+    counts its calls in `count[0]`."""
     matmul = type(module)._matmul
 
     def noisy(x, *args, **kwargs):
-        blocks = x.reshape(-1, x.shape[-1] // 32, 32)
-        width = blocks.abs().amax(-1, keepdim=True) * half_step
-        noise = (torch.rand(blocks.shape, generator=generator, dtype=blocks.dtype) * 2 - 1) * width
+        noise = (torch.rand(x.shape, generator=generator, dtype=torch.float32) * 2 - 1) * half_step(x)
         count[0] += 1
-        return matmul(module, (blocks + noise).view(x.shape), *args, **kwargs)
+        return matmul(module, (x.float() + noise).to(x.dtype), *args, **kwargs)
     return noisy
 
 
-def rounding_bound(plain, held, logits_of: Callable[[object], dict[str, torch.Tensor]],
+def rounding_bound(plain, half_steps: dict, logits_of: Callable[[object], dict[str, torch.Tensor]],
                    runs: int = ROUNDING_RUNS, seed: int = 0) -> tuple[dict[str, torch.Tensor], float]:
-    """(the float32 reference's logits `logits_of(plain)`, the bound on any logit's distance
-    from them for `held`'s activation rounding, derived as the module docstring says).
+    """(the reference's logits `logits_of(plain)`, the bound on any logit's distance from them
+    for rounding each input of the matmuls in `half_steps` (see `quantized_half_steps`,
+    `bfloat16_half_step`) to the nearest step, derived as the module docstring says).
     `logits_of` runs a model on fixed tokens (teacher forcing)."""
     reference = logits_of(plain)
     generator = torch.Generator().manual_seed(seed)
     worst = 0.0
-    with dithered_matmul_inputs(plain, held, generator) as perturbed:
+    with dithered_inputs(plain, half_steps, generator) as perturbed:
         for _ in range(runs):
             draw = logits_of(plain)
             worst = max(worst, max((draw[r] - reference[r]).abs().max().item() for r in reference))
-    assert perturbed[0] > 0, "no quantized matmul of the held model was found in the reference"
+    assert perturbed[0] > 0, "none of the rounded matmuls ran in the reference"
     scale = max(ref.abs().max().item() for ref in reference.values())
     return reference, DRAW_MARGIN * worst + 1e-5 * scale
 

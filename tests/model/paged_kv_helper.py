@@ -63,8 +63,9 @@ def save_tiny_model(family: str, path) -> str:
 
 
 def assert_same_greedy(ours, ref, max_diff: float) -> None:
-    """Two `run_greedy` results: the same tokens, and logits within `max_diff` of the
-    reference's scale (at least 1)."""
+    """Two `run_greedy` results (`ours` made to follow `ref`'s tokens where the two paths'
+    arithmetic differs): the same tokens, and logits within `max_diff` of the reference's
+    scale (at least 1)."""
     (tokens, logits), (ref_tokens, ref_logits) = ours, ref
     assert tokens == ref_tokens
     for req_id in ref_logits:
@@ -115,6 +116,27 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int],
                          min_new_tokens=max_new_tokens, output_logits=True, return_dict_in_generate=True,
                          eos_token_id=None, pad_token_id=0)
     return out.sequences[0, len(prompt):].tolist(), [step[0].float() for step in out.logits]
+
+
+@torch.inference_mode()
+def hf_forced_logits(model, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
+    """transformers' logits after `prompt` and each prefix of `tokens` (another path's tokens,
+    teacher forced: one forward pass), as `hf_greedy` and `run_greedy` list them."""
+    ids = torch.tensor([list(prompt) + list(tokens[:-1])])
+    rows = model(ids, attention_mask=torch.ones_like(ids)).logits[0, len(prompt) - 1:].float()
+    return list(rows)
+
+
+def assert_hf_logits_close(model, prompts: dict[str, list[int]], tokens: dict[str, list[int]],
+                           logits: dict[str, list[torch.Tensor]], max_diff: float) -> None:
+    """`run_greedy`'s `tokens` and `logits` against transformers' logits on the same tokens
+    (teacher forcing: a near-tie another float order breaks the other way is no failure):
+    every row within `max_diff`."""
+    for req_id, prompt in prompts.items():
+        ref = hf_forced_logits(model, prompt, tokens[req_id])
+        assert len(ref) == len(logits[req_id]), req_id
+        for ours, theirs in zip(logits[req_id], ref):
+            assert (ours - theirs).abs().max().item() < max_diff, req_id
 
 
 @dataclass
@@ -240,10 +262,13 @@ class PagedRunner:
         copy_kv_blocks(self.kv_caches, self.kv_cache_config, copies)
 
 
-def run_greedy(runner: PagedRunner, prompts: dict[str, list[int]], max_new_tokens: int,
-               chunk: int) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
+def run_greedy(runner: PagedRunner, prompts: dict[str, list[int]], max_new_tokens: int, chunk: int,
+               follow: dict[str, list[int]] | None = None) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
     """A minimal continuous batch: every step gives each prefilling request up to
-    `chunk` prompt tokens and each decoding request one token; greedy throughout."""
+    `chunk` prompt tokens and each decoding request one token; greedy throughout, or, with
+    `follow` (another path's tokens), teacher forced: each request is fed those tokens
+    whatever its own logits say, so that two paths that differ in float order are compared
+    on the same sequences (a near-tie between them is no failure)."""
     for req_id, prompt in prompts.items():
         if req_id not in runner.requests:
             runner.add(req_id, prompt)
@@ -259,7 +284,7 @@ def run_greedy(runner: PagedRunner, prompts: dict[str, list[int]], max_new_token
         for req_id in schedule:
             req = runner.requests[req_id]
             if req.num_computed == len(req.tokens):
-                token = int(out[req_id].argmax())
+                token = int(out[req_id].argmax()) if follow is None else follow[req_id][len(tokens[req_id])]
                 tokens[req_id].append(token)
                 logits[req_id].append(out[req_id])
                 runner.append(req_id, token)
@@ -273,7 +298,10 @@ def run_teacher_forced(runner: PagedRunner, sequences: dict[str, list[int]], pro
     requests batched. Returns each request's logits after every step from its prompt's end
     on, [len - prompt_len + 1, vocab]: row i is the prediction after token prompt_len - 1 + i."""
     for req_id, tokens in sequences.items():
-        runner.add(req_id, tokens)
+        if req_id in runner.requests:  # added before, e.g. on shared blocks
+            runner.requests[req_id].tokens = list(tokens)
+        else:
+            runner.add(req_id, tokens)
     logits: dict[str, list[torch.Tensor]] = {r: [] for r in sequences}
     while any(runner.requests[r].num_computed < len(t) for r, t in sequences.items()):
         schedule = {}
@@ -331,11 +359,12 @@ def assert_within_activation_rounding(held, plain) -> None:
     """Teacher-forced logits of `held` (quantized weights; prefill chunks of 8, then one-token
     steps) within the activation-rounding bound (tests/helpers/activation_rounding.py) of
     `plain`'s, a bound that still tells wrong weights apart."""
-    from helpers.activation_rounding import max_deviation, rounding_bound
+    from helpers.activation_rounding import max_deviation, quantized_half_steps, rounding_bound
     generator = torch.Generator().manual_seed(1)
     sequences = {f"r{i}": torch.randint(3, VOCAB, (n,), generator=generator).tolist() for i, n in enumerate([11, 29])}
     prompt_lens = {"r0": 5, "r1": 23}  # then 6 one-token steps each
-    reference, bound = rounding_bound(plain, held, lambda model: every_token_logits(model, sequences, prompt_lens))
+    reference, bound = rounding_bound(plain, quantized_half_steps(plain, held),
+                                      lambda model: every_token_logits(model, sequences, prompt_lens))
     logits = run_teacher_forced(PagedRunner(held), sequences, prompt_lens, chunk=8)
     assert max_deviation(logits, reference) <= bound
     # The bound is a small part of the logits' range.

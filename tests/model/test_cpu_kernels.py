@@ -15,6 +15,7 @@ from kvserve.model.kernels import AttentionShape, choose_model_kernels
 from kvserve.model.layers import RMSNorm
 from kvserve.model.loader import load_model
 from kvserve.model.parallel import ColumnParallelLinear, TPContext, cpu_weight_packing_supported
+from helpers.kernel_switches import env_kernels
 from paged_kv_helper import PagedRunner, run_greedy, save_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None,
@@ -76,7 +77,7 @@ def test_decoder_without_kernels_matches_decoder_with_them(tmp_path, monkeypatch
     """The torch path (CUDA, KVSERVE_CPU_KERNELS=0) and the kernel path agree on greedy tokens."""
     config = ModelConfig.from_path(save_tiny_model("llama", tmp_path), dtype=dtype)
     prompts = {"a": list(range(3, 40)), "b": list(range(50, 61)), "c": [7, 8]}
-    native = load_model(config)
+    native = load_model(config, kernel_config=env_kernels())
     assert native.kernels.attention.name == "cpu_native" and native.kernels.native_ops
     with_kernels = run_greedy(PagedRunner(native, block_size=4), prompts, 5, chunk=64)
     portable = load_model(config, kernel_config=KernelConfig(cpu_kernels=False))

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.native.config import KernelConfig
 from kvserve.native import cpu_kernels, dispatch
 from kvserve.native import isa as isa_table
 from kvserve.model import native_decoder, quantized
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
+from helpers.kernel_switches import env_kernels
 from helpers.native_steps import record_step_sizes
 from paged_kv_helper import PagedRunner, assert_same_greedy, random_prompts, run_greedy, tiny_configs
 
@@ -93,7 +93,7 @@ def step_sizes(monkeypatch):
 
 def _model(config: ModelConfig, mode: str, isa: str | None = None, threads: int | None = None):
     """mode "native": panels, native decoder; "per-op": panels, torch path; "plain": no packing."""
-    model = load_model(config, kernel_config=KernelConfig(quant_isa=isa))
+    model = load_model(config, kernel_config=env_kernels(**({"quant_isa": isa} if isa else {})))
     if mode != "plain":
         assert model.pack_linear_weights()
     if mode != "native":
@@ -105,6 +105,8 @@ def _model(config: ModelConfig, mode: str, isa: str | None = None, threads: int 
 
 
 def _assert_same(ours, ref) -> None:
+    """`ours` ran following `ref`'s greedy tokens (teacher forcing: a near-tie between two
+    float orders is no failure)."""
     assert_same_greedy(ours, ref, MAX_LOGIT_DIFF)
 
 
@@ -113,27 +115,30 @@ def test_mixed_steps_match_per_op_and_plain_weights(configs, step_sizes, family)
     """12 requests, prompt chunks of 4: steps of up to 48 tokens mixing prefill chunks and
     decodes, then 12-token decode steps; two threads share out panels and attention."""
     config, prompts = configs(family), random_prompts(12, seed=1)
-    ours = run_greedy(PagedRunner(_model(config, "native", threads=2), block_size=4), prompts, 20, chunk=4)
+    ref = run_greedy(PagedRunner(_model(config, "per-op"), block_size=4), prompts, 20, chunk=4)
+    ours = run_greedy(PagedRunner(_model(config, "native", threads=2), block_size=4), prompts, 20, chunk=4, follow=ref[0])
     assert max(step_sizes) > 16 and sum(size > 8 for size in step_sizes) >= 16
-    _assert_same(ours, run_greedy(PagedRunner(_model(config, "per-op"), block_size=4), prompts, 20, chunk=4))
-    _assert_same(ours, run_greedy(PagedRunner(_model(config, "plain"), block_size=4), prompts, 20, chunk=4))
+    _assert_same(ours, ref)
+    plain = run_greedy(PagedRunner(_model(config, "plain"), block_size=4), prompts, 20, chunk=4, follow=ref[0])
+    _assert_same(ours, plain)
 
 
 @pytest.mark.parametrize("isa", PATHS)
-def test_every_path_for_64_greedy_steps(configs, step_sizes, isa):
+def test_every_path_over_64_steps(configs, step_sizes, isa):
     config, prompts = configs("qwen2"), random_prompts(10, seed=4)  # qwen2: QKV bias
-    ours = run_greedy(PagedRunner(_model(config, "native", isa=isa), block_size=4), prompts, 64, chunk=5)
+    ref = run_greedy(PagedRunner(_model(config, "plain"), block_size=4), prompts, 64, chunk=5)
+    ours = run_greedy(PagedRunner(_model(config, "native", isa=isa), block_size=4), prompts, 64, chunk=5, follow=ref[0])
     assert sum(size > 8 for size in step_sizes) >= 60
-    _assert_same(ours, run_greedy(PagedRunner(_model(config, "plain"), block_size=4), prompts, 64, chunk=5))
+    _assert_same(ours, ref)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_forty_sequences_decoding_together(configs, step_sizes, family):
     config, prompts = configs(family), random_prompts(40, seed=2)
-    runner = PagedRunner(_model(config, "native"), block_size=4, num_blocks=2048)  # gemma2: two groups' blocks
-    ours = run_greedy(runner, prompts, 12, chunk=1)
-    assert step_sizes.count(40) >= 14 and max(step_sizes) == 40
     ref = run_greedy(PagedRunner(_model(config, "plain"), block_size=4, num_blocks=2048), prompts, 12, chunk=1)
+    runner = PagedRunner(_model(config, "native"), block_size=4, num_blocks=2048)  # gemma2: two groups' blocks
+    ours = run_greedy(runner, prompts, 12, chunk=1, follow=ref[0])
+    assert step_sizes.count(40) >= 14 and max(step_sizes) == 40
     _assert_same(ours, ref)
 
 
@@ -145,11 +150,12 @@ def test_weights_held_once_and_long_steps_per_op(configs, step_sizes):
     assert model.embed_tokens.weight is not None  # the embedding keeps its table (tied or not)
     assert native_decoder.NativeDecoder.for_model(model).max_tokens == native_decoder.MAX_TOKENS
     prompts = {"long": random_prompts(1, seed=3)["r0"] * 10}  # > 128 tokens in one chunk: the per-op path
-    ours = run_greedy(PagedRunner(model, block_size=4), prompts, 2, chunk=1000)
+    ref = run_greedy(PagedRunner(_model(config, "plain"), block_size=4), prompts, 2, chunk=1000)
+    ours = run_greedy(PagedRunner(model, block_size=4), prompts, 2, chunk=1000, follow=ref[0])
     assert step_sizes == [1]
-    _assert_same(ours, run_greedy(PagedRunner(_model(config, "plain"), block_size=4), prompts, 2, chunk=1000))
-    onednn = load_model(config)
+    _assert_same(ours, ref)
+    onednn = load_model(config, kernel_config=env_kernels())
     if torch.backends.mkldnn.is_available():  # the oneDNN layout stays on request
         assert onednn.pack_linear_weights(panels=False) and onednn.layers[0].self_attn.qkv_proj.panel_weight is None
-    off = load_model(config, kernel_config=KernelConfig(packed_weights=False))
+    off = load_model(config, kernel_config=env_kernels(packed_weights=False))
     assert off.kernels.f32_gemm_isa is None

@@ -12,6 +12,7 @@ from kvserve.native.config import KernelConfig
 from kvserve.kv_cache.utils import KVCacheBlockCopy
 from kvserve.native import cpu_kernels
 from kvserve.model.loader import load_model
+from helpers.kernel_switches import env_kernels
 from paged_kv_helper import VOCAB, PagedRunner, run_greedy, tiny_configs
 
 from helpers.native_steps import count_native_steps
@@ -31,10 +32,12 @@ def _prompts(lengths: list[int], seed: int) -> dict[str, list[int]]:
     return {f"r{i}": torch.randint(3, VOCAB, (n,), generator=generator).tolist() for i, n in enumerate(lengths)}
 
 
-def _run(model, kv_dtype, prompts, chunk):
+def _run(model, kv_dtype, prompts, chunk, follow=None):
+    """`run_greedy` over a cache of `kv_dtype`; `follow`: another run's tokens (teacher
+    forcing: two paths whose float order differs are compared on the same sequences)."""
     runner = PagedRunner(model, block_size=4, kv_dtype=kv_dtype)
     assert all(cache.dtype == kv_dtype for cache in runner.kv_caches.values())
-    return run_greedy(runner, prompts, NUM_NEW, chunk=chunk)
+    return run_greedy(runner, prompts, NUM_NEW, chunk=chunk, follow=follow)
 
 
 def _assert_close_logits(ours, ref, kv_dtype) -> None:
@@ -51,16 +54,16 @@ def _assert_close_logits(ours, ref, kv_dtype) -> None:
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3"])
 def test_native_decoder_over_16bit_cache_matches_per_op_path(configs, monkeypatch, family, kv_dtype):
     """Both paths round K/V to the cache dtype the same way and read it with the same kernel:
-    greedy tokens identical, logits close (sliding windows, soft-capping, GQA, Q/K norms)."""
+    fed the same tokens, logits close (sliding windows, soft-capping, GQA, Q/K norms)."""
     native_steps = count_native_steps(monkeypatch)
     config = configs(family)
     prompts = _prompts([5, 19, 30], seed=1)
-    ours = _run(load_model(config, kv_cache_dtype=kv_dtype), kv_dtype, prompts, chunk=2)
-    assert native_steps[0] >= NUM_NEW - 2
-    per_op = load_model(config, kv_cache_dtype=kv_dtype)
+    per_op = load_model(config, kv_cache_dtype=kv_dtype, kernel_config=env_kernels())
     per_op._native = None  # decided: no native decoder
     ref = _run(per_op, kv_dtype, prompts, chunk=2)
-    assert ours[0] == ref[0]
+    ours = _run(load_model(config, kv_cache_dtype=kv_dtype, kernel_config=env_kernels()), kv_dtype, prompts, chunk=2,
+                follow=ref[0])
+    assert native_steps[0] >= NUM_NEW - 2
     _assert_close_logits(ours, ref, kv_dtype)
 
 
@@ -75,13 +78,12 @@ def test_narrower_attention_paths_in_the_native_decoder_over_float16_cache(confi
     prompts = _prompts([5, 19, 30], seed=4)
     model = load_model(config, kernel_config=kernel_config, kv_cache_dtype=torch.float16)
     assert model.kernels.attention_isa == isa and model.kernels.attention.isa == isa
-    ours = _run(model, torch.float16, prompts, chunk=2)
-    assert native_steps[0] >= NUM_NEW - 2
-    assert {layer.attention_isa for layer in model._native._layers} == {cpu_kernels.ATTENTION_ISA_CODES[isa]}
     per_op = load_model(config, kernel_config=kernel_config, kv_cache_dtype=torch.float16)
     per_op._native = None
     ref = _run(per_op, torch.float16, prompts, chunk=2)
-    assert ours[0] == ref[0]
+    ours = _run(model, torch.float16, prompts, chunk=2, follow=ref[0])
+    assert native_steps[0] >= NUM_NEW - 2
+    assert {layer.attention_isa for layer in model._native._layers} == {cpu_kernels.ATTENTION_ISA_CODES[isa]}
     _assert_close_logits(ours, ref, torch.float16)
 
 
@@ -94,11 +96,11 @@ def test_torch_attention_over_16bit_cache_matches_native_kernels(configs, family
     K/V values that float32 sums in another order put on either side of a 16-bit step."""
     config = configs(family)
     prompts = _prompts([7, 22], seed=2)
-    ours = _run(load_model(config, kv_cache_dtype=kv_dtype), kv_dtype, prompts, chunk=3)
     torch_only = load_model(config, kernel_config=KernelConfig(cpu_kernels=False), kv_cache_dtype=kv_dtype)
     assert torch_only.kernels.attention.name == "torch"
     ref = _run(torch_only, kv_dtype, prompts, chunk=3)
-    assert ours[0] == ref[0]
+    ours = _run(load_model(config, kv_cache_dtype=kv_dtype, kernel_config=env_kernels()), kv_dtype, prompts, chunk=3,
+                follow=ref[0])
     _assert_close_logits(ours, ref, kv_dtype)
 
 
@@ -109,8 +111,8 @@ def test_16bit_cache_stays_close_to_float32_cache(configs, kv_dtype):
     float32 cache's (float16 keeps 11 bits, bfloat16 8)."""
     config = configs("llama")
     prompts = _prompts([12, 30], seed=3)
-    ours = _run(load_model(config, kv_cache_dtype=kv_dtype), kv_dtype, prompts, chunk=64)
-    ref = _run(load_model(config), torch.float32, prompts, chunk=64)
+    ours = _run(load_model(config, kv_cache_dtype=kv_dtype, kernel_config=env_kernels()), kv_dtype, prompts, chunk=64)
+    ref = _run(load_model(config, kernel_config=env_kernels()), torch.float32, prompts, chunk=64)
     # Compare the first step's logits (later steps may follow different tokens).
     first = [(ours[1][req][0] - ref[1][req][0]).abs().max().item() for req in ref[1]]
     assert max(first) <= (0.1 if kv_dtype == torch.bfloat16 else 0.02)
@@ -123,7 +125,7 @@ def test_prefix_hit_with_copy_on_write_block_on_16bit_cache(configs, monkeypatch
     """A partial-block hit on a 16-bit cache: the copy-on-write block holds the source's
     bits, and the requests decoding from the shared and copied blocks get the per-op
     path's tokens on the native one."""
-    def run(model):
+    def run(model, follow=None):
         runner = PagedRunner(model, block_size=4, kv_dtype=kv_dtype)
         base, tail = _prompts([22], seed=1)["r0"], _prompts([9], seed=2)["r0"]
         run_greedy(runner, {"a": base}, 1, chunk=64)
@@ -135,16 +137,15 @@ def test_prefix_hit_with_copy_on_write_block_on_16bit_cache(configs, monkeypatch
         runner.add("c", base[:18] + tail, shared_blocks=[t[:4] + [own[g]] for g, t in enumerate(shared)],
                    num_computed=18)
         runner.add("b", base[:16] + tail, shared_blocks=[t[:4] for t in shared], num_computed=16)
-        return run_greedy(runner, {"b": base[:16] + tail, "c": base[:18] + tail}, 16, chunk=3)
+        return run_greedy(runner, {"b": base[:16] + tail, "c": base[:18] + tail}, 16, chunk=3, follow=follow)
 
     native_steps = count_native_steps(monkeypatch)
     config = configs("llama")
-    ours = run(load_model(config, kv_cache_dtype=kv_dtype))
-    assert native_steps[0] > 16
-    per_op = load_model(config, kv_cache_dtype=kv_dtype)
+    per_op = load_model(config, kv_cache_dtype=kv_dtype, kernel_config=env_kernels())
     per_op._native = None
     ref = run(per_op)
-    assert ours[0] == ref[0]
+    ours = run(load_model(config, kv_cache_dtype=kv_dtype, kernel_config=env_kernels()), follow=ref[0])
+    assert native_steps[0] > 16
     _assert_close_logits(ours, ref, kv_dtype)
 
 

@@ -10,10 +10,14 @@ from kvserve.kv_cache.utils import KVCacheBlockCopy
 from kvserve.native import cpu_kernels
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
-from paged_kv_helper import WINDOW, PagedRunner, hf_greedy, prompts_of_lengths, run_greedy, tiny_models_with_reference
+from helpers.kernel_switches import env_kernels
+from paged_kv_helper import (WINDOW, PagedRunner, assert_hf_logits_close, hf_greedy, prompts_of_lengths, run_greedy,
+                             tiny_models_with_reference)
 
 FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"]
-# Same float32 math in a different order: differences are rounding only.
+# Same float32 math in a different order: a float32 sum of n <= 128 products is off by at most
+# n * 2**-24 (8e-6) of their magnitudes; a few layers, norms and the softmax compound that, on
+# logits of order 10 (a range of about 11 on the tiny Llama): 1e-4, far below a real difference.
 MAX_LOGIT_DIFF = 1e-4
 NUM_NEW = 6
 
@@ -24,17 +28,14 @@ def models(tmp_path_factory):
 
 
 def _check_against_hf(hf, prompts, tokens, logits) -> None:
-    for req_id, prompt in prompts.items():
-        ref_tokens, ref_logits = hf_greedy(hf, prompt, len(tokens[req_id]))
-        assert tokens[req_id] == ref_tokens, req_id
-        for ours, ref in zip(logits[req_id], ref_logits):
-            assert (ours - ref).abs().max().item() < MAX_LOGIT_DIFF
+    """Against transformers fed our greedy tokens (teacher forcing, not its own greedy run)."""
+    assert_hf_logits_close(hf, prompts, tokens, logits, MAX_LOGIT_DIFF)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mixed_batch_chunked_prefill_matches_transformers(models, family):
     hf, config = models(family)
-    model = load_model(config)
+    model = load_model(config, kernel_config=env_kernels())
     # 29 and 40 exceed the sliding window (12); chunk 11 splits them over several steps.
     prompts = prompts_of_lengths([3, 29, 17, 40, 1])
     tokens, logits = run_greedy(PagedRunner(model, block_size=4), prompts, NUM_NEW, chunk=11)
@@ -46,14 +47,14 @@ def test_long_single_chunk_prefill_matches_transformers(models, family):
     """Whole 40+ token prompts in one step (the attention backend's long-query path)."""
     hf, config = models(family)
     prompts = prompts_of_lengths([45, 38, 2], seed=7)
-    tokens, logits = run_greedy(PagedRunner(load_model(config), block_size=8), prompts, 3, chunk=64)
+    tokens, logits = run_greedy(PagedRunner(load_model(config, kernel_config=env_kernels()), block_size=8), prompts, 3, chunk=64)
     _check_against_hf(hf, prompts, tokens, logits)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3"])
 def test_prefix_reuse_and_cow_copy_match_transformers(models, family):
     hf, config = models(family)
-    runner = PagedRunner(load_model(config), block_size=4)
+    runner = PagedRunner(load_model(config, kernel_config=env_kernels()), block_size=4)
     base = prompts_of_lengths([22], seed=1)["r0"]
     run_greedy(runner, {"a": base}, 1, chunk=64)
     shared = runner.requests["a"].block_ids
@@ -76,7 +77,7 @@ def test_prefix_blocks_filled_in_the_same_step_match_transformers(models, family
     """The KV manager caches blocks when it allocates them, so a request may hit
     blocks that another request of the same step is writing."""
     hf, config = models(family)
-    runner = PagedRunner(load_model(config), block_size=4)
+    runner = PagedRunner(load_model(config, kernel_config=env_kernels()), block_size=4)
     base, tail = prompts_of_lengths([22], seed=5)["r0"], prompts_of_lengths([9], seed=6)["r0"]
     runner.add("a", base)
     shared = runner.reserve("a", len(base))
@@ -89,7 +90,7 @@ def test_prefix_blocks_filled_in_the_same_step_match_transformers(models, family
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3"])
 def test_circular_buffer_kv_matches_transformers(models, family):
     hf, config = models(family)
-    runner = PagedRunner(load_model(config), block_size=4, sliding_window_kv="circular")
+    runner = PagedRunner(load_model(config, kernel_config=env_kernels()), block_size=4, sliding_window_kv="circular")
     # Ring = ceil(12 / 4) + 1 = 4 blocks (16 slots): a 20-token chunk wraps the ring within one step.
     assert any(type(s).__name__ == "CircularBufferSpec" for s in runner.specs.values())
     prompts = prompts_of_lengths([45, 7, 30], seed=3)
@@ -100,7 +101,7 @@ def test_circular_buffer_kv_matches_transformers(models, family):
 
 def test_hybrid_model_declares_two_kv_groups(models):
     _, config = models("gemma2")
-    model = load_model(config)
+    model = load_model(config, kernel_config=env_kernels())
     specs = model.kv_cache_specs(16, torch.float32)
     kinds = {type(spec).__name__ for spec in specs.values()}
     assert kinds == {"FullAttentionSpec", "SlidingWindowSpec"}
@@ -113,8 +114,8 @@ def test_bfloat16_model_tracks_float32(models):
     hf, config = models("llama")
     prompts = prompts_of_lengths([13, 21], seed=4)
     config_bf16 = ModelConfig.from_path(config.path, dtype="bfloat16")
-    _, logits32 = run_greedy(PagedRunner(load_model(config)), prompts, 1, chunk=64)
-    _, logits16 = run_greedy(PagedRunner(load_model(config_bf16)), prompts, 1, chunk=64)
+    _, logits32 = run_greedy(PagedRunner(load_model(config, kernel_config=env_kernels())), prompts, 1, chunk=64)
+    _, logits16 = run_greedy(PagedRunner(load_model(config_bf16, kernel_config=env_kernels())), prompts, 1, chunk=64)
     for req_id in prompts:
         ref = logits32[req_id][0]
         # bf16 keeps ~3 significant digits; compare relative to the logit scale.
@@ -136,7 +137,7 @@ def test_packed_cpu_weights_match_transformers(models, family, layout):
             panels and cpu_kernels.load_library() is None):
         pytest.skip("the native matmul kernel is not built on this CPU")
     hf, config = models(family)
-    model = load_model(config)
+    model = load_model(config, kernel_config=env_kernels())
     assert model.pack_linear_weights(keep_plain=keep_plain, panels=panels)
     qkv = model.layers[0].self_attn.qkv_proj
     if keep_plain:
@@ -159,7 +160,7 @@ def test_packed_bfloat16_weights_match_plain_bfloat16(models, keep_plain):
     _, config = models("llama")
     config_bf16 = ModelConfig.from_path(config.path, dtype="bfloat16")
     prompts = prompts_of_lengths([13, 21], seed=6)
-    packed, plain = load_model(config_bf16), load_model(config_bf16)
+    packed, plain = load_model(config_bf16, kernel_config=env_kernels()), load_model(config_bf16, kernel_config=env_kernels())
     assert packed.pack_linear_weights(keep_plain=keep_plain)
     # The per-op matmuls compared, not the native decoder (test_native_decoder_bf16.py).
     packed._native = plain._native = None
@@ -190,7 +191,8 @@ def test_prompt_chunks_of_mixed_length_pack_and_match_transformers(models, famil
 
     hf, config = models(family)
     prompts = prompts_of_lengths([300, 154], seed=11)
-    tokens, logits = run_greedy(PagedRunner(load_model(config), block_size=4, num_blocks=1024), prompts, 3,
+    tokens, logits = run_greedy(PagedRunner(load_model(config, kernel_config=env_kernels()), block_size=4,
+                                            num_blocks=1024), prompts, 3,
                                 chunk=150)
     _check_against_hf(hf, prompts, tokens, logits)
 
@@ -208,7 +210,7 @@ def test_bfloat16_matches_transformers_in_bfloat16(models, family):
     hf32, config = models(family)
     hf16 = transformers.AutoModelForCausalLM.from_pretrained(
         config.path, dtype=torch.bfloat16, attn_implementation="eager").eval()
-    ours = load_model(ModelConfig.from_path(config.path, dtype="bfloat16"))
+    ours = load_model(ModelConfig.from_path(config.path, dtype="bfloat16"), kernel_config=env_kernels())
     prompts = prompts_of_lengths([13, 21, 6], seed=9)
     _, logits = run_greedy(PagedRunner(ours, block_size=4), prompts, 1, chunk=64)
     for req_id, prompt in prompts.items():

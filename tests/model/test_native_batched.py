@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.native.config import KernelConfig
 from kvserve.native import cpu_kernels, dispatch
 from kvserve.native import isa as isa_table
 from kvserve.model import native_decoder, quantized
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
+from helpers.kernel_switches import env_kernels
 from helpers.native_steps import record_step_sizes
 from paged_kv_helper import PagedRunner, assert_same_greedy, load_hf, random_prompts, run_greedy, save_tiny_model
 
@@ -48,17 +48,20 @@ def step_sizes(monkeypatch):
 
 
 def _run(path: str, prompts, new_tokens: int, chunk: int, native: bool, isa: str | None = None,
-         threads: int | None = None):
-    model = load_model(ModelConfig.from_path(path), kernel_config=KernelConfig(quant_isa=isa))
+         threads: int | None = None, follow=None):
+    """`run_greedy` on the model at `path`, native or per-op; `follow`: another run's tokens."""
+    model = load_model(ModelConfig.from_path(path), kernel_config=env_kernels(**({"quant_isa": isa} if isa else {})))
     if not native:
         model._native = None  # decided: the torch path
     elif threads:
         model._native = native_decoder.NativeDecoder.for_model(model)
         model._native.num_threads = threads
-    return run_greedy(PagedRunner(model, block_size=4), prompts, new_tokens, chunk=chunk)
+    return run_greedy(PagedRunner(model, block_size=4), prompts, new_tokens, chunk=chunk, follow=follow)
 
 
 def _assert_same(ours, ref) -> None:
+    """`ours` ran following `ref`'s greedy tokens (teacher forcing: a near-tie between two
+    float orders is no failure)."""
     assert_same_greedy(ours, ref, MAX_LOGIT_DIFF)
 
 
@@ -69,29 +72,32 @@ def test_batched_and_mixed_steps_match_the_torch_path(gguf_path, step_sizes, isa
     decode steps over cached context; threads 2 share out panels and attention tokens."""
     path = gguf_path("llama", QType.Q4_1)
     prompts = random_prompts(12, seed=1)
-    ours = _run(path, prompts, 24, chunk=4, native=True, isa=isa, threads=2)
+    ref = _run(path, prompts, 24, chunk=4, native=False, isa=isa)
+    ours = _run(path, prompts, 24, chunk=4, native=True, isa=isa, threads=2, follow=ref[0])
     assert max(step_sizes) > 16 and sum(size > 8 for size in step_sizes) >= 20
-    _assert_same(ours, _run(path, prompts, 24, chunk=4, native=False, isa=isa))
+    _assert_same(ours, ref)
 
 
 @pytest.mark.parametrize("family,qtype", [("llama", QType.Q8_0), ("qwen2", QType.Q4_0)])
 def test_forty_sequences_decoding_together(gguf_path, step_sizes, family, qtype):
     path = gguf_path(family, qtype)
     prompts = random_prompts(40, seed=2)
-    ours = _run(path, prompts, 12, chunk=1, native=True)  # chunk 1: one token per request and step
+    ref = _run(path, prompts, 12, chunk=1, native=False)
+    ours = _run(path, prompts, 12, chunk=1, native=True, follow=ref[0])  # chunk 1: one token per request and step
     assert step_sizes.count(40) >= 14 and max(step_sizes) == 40  # until the shortest request ends
-    _assert_same(ours, _run(path, prompts, 12, chunk=1, native=False))
+    _assert_same(ours, ref)
 
 
 def test_steps_past_the_limit_and_plain_weights_are_declined(gguf_path, step_sizes, tmp_path):
     path = gguf_path("llama", QType.Q4_1)
-    decoder = native_decoder.NativeDecoder.for_model(load_model(ModelConfig.from_path(path)))
+    decoder = native_decoder.NativeDecoder.for_model(load_model(ModelConfig.from_path(path), kernel_config=env_kernels()))
     assert decoder.max_tokens == native_decoder.MAX_TOKENS
     prompts = {"long": random_prompts(1, seed=3)["r0"] * 10}  # > 128 tokens in one chunk: the torch path
-    ours = _run(path, prompts, 2, chunk=1000, native=True)
+    ref = _run(path, prompts, 2, chunk=1000, native=False)
+    ours = _run(path, prompts, 2, chunk=1000, native=True, follow=ref[0])
     assert step_sizes == [1]  # only the decode step after the prompt
-    _assert_same(ours, _run(path, prompts, 2, chunk=1000, native=False))
-    no_panel = load_model(ModelConfig.from_path(path), kernel_config=KernelConfig(quant_panel_rows=0))
+    _assert_same(ours, ref)
+    no_panel = load_model(ModelConfig.from_path(path), kernel_config=env_kernels(quant_panel_rows=0))
     assert native_decoder.NativeDecoder.for_model(no_panel).max_tokens == native_decoder.SMALL_STEP_TOKENS
-    plain = load_model(ModelConfig.from_path(save_tiny_model("llama", tmp_path / "llama")))
+    plain = load_model(ModelConfig.from_path(save_tiny_model("llama", tmp_path / "llama")), kernel_config=env_kernels())
     assert native_decoder.NativeDecoder.for_model(plain).max_tokens == native_decoder.SMALL_STEP_TOKENS

@@ -18,6 +18,7 @@ from kvserve.model import native_decoder, quantized
 from kvserve.model.config import ModelConfig
 from kvserve.sample.structured.grammar_mask import HeadMask, HeadMaskPool, apply_bitmask, isa_available, publish_ready
 from kvserve.model.loader import load_model
+from helpers.kernel_switches import env_kernels
 from paged_kv_helper import VOCAB, PagedRunner, load_hf, save_tiny_model
 
 from helpers.native_steps import count_native_steps
@@ -59,7 +60,7 @@ def _bitmask(rows: int, words: int, seed: int) -> torch.Tensor:
 
 
 def _runner(config: ModelConfig, num_requests: int, threads: int | None, act_bits: int | None = None) -> PagedRunner:
-    kernel_config = KernelConfig() if act_bits is None else KernelConfig(quant_act_bits=act_bits)
+    kernel_config = env_kernels() if act_bits is None else env_kernels(quant_act_bits=act_bits)
     model = load_model(config, kernel_config=kernel_config)
     model._native = native_decoder.NativeDecoder.for_model(model)
     if threads:

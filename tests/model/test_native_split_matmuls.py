@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 
-from helpers.activation_rounding import max_deviation, rounding_bound
+from helpers.activation_rounding import max_deviation, quantized_half_steps, rounding_bound
 from helpers.kernel_switches import env_kernels
 from helpers.native_steps import count_native_steps
 from kvserve.model import native_decoder, quantized
@@ -99,7 +99,8 @@ def test_logits_match_the_per_op_path(gguf_path, monkeypatch):
     per_op = run_teacher_forced(PagedRunner(per_op_model), sequences, prompt_lens, chunk=3)
     assert native_steps[0] == NUM_NEW + 4
     plain = load_model(ModelConfig.from_path(gguf_path, quantization="none", dtype="float32"))
-    reference, bound = rounding_bound(plain, per_op_model, lambda m: every_token_logits(m, sequences, prompt_lens))
+    reference, bound = rounding_bound(plain, quantized_half_steps(plain, per_op_model),
+                                      lambda m: every_token_logits(m, sequences, prompt_lens))
     assert max_deviation(split, reference) <= bound
     assert max_deviation(per_op, reference) <= bound
     assert max_deviation(split, per_op) <= 2 * bound

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.native.config import KernelConfig
 from kvserve.native import cpu_kernels
 from kvserve.model import native_decoder, quantized
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
+from helpers.kernel_switches import env_kernels
 from paged_kv_helper import VOCAB, PagedRunner, load_hf, save_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None or quantized.kernel_isa() is None,
@@ -38,7 +38,7 @@ def gguf_path(tmp_path_factory):
 
 
 def _runner(path: str, native: bool, act_bits: int) -> PagedRunner:
-    model = load_model(ModelConfig.from_path(path), kernel_config=KernelConfig(quant_act_bits=act_bits))
+    model = load_model(ModelConfig.from_path(path), kernel_config=env_kernels(quant_act_bits=act_bits))
     if native:
         model._native = native_decoder.NativeDecoder.for_model(model)
         model._native.num_threads = 2  # rows and attention shared out as on a bigger model

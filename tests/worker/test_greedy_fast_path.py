@@ -11,7 +11,8 @@ from kvserve.sample.sampler import Sampler
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.worker import model_runner
 from kvserve.worker.input_batch import RequestState
-from tiny_models import load_reference, random_prompts, reference_greedy, save_tiny_model
+from helpers.greedy_check import assert_greedy_continuations
+from tiny_models import load_reference, random_prompts, save_tiny_model
 
 MAX_TOKENS = 10
 PROMPTS = random_prompts(3, 3, 20, seed=5)
@@ -20,7 +21,7 @@ PROMPTS = random_prompts(3, 3, 20, seed=5)
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     path = save_tiny_model("llama", tmp_path_factory.mktemp("llama"))
-    return path, reference_greedy(load_reference(path), PROMPTS, MAX_TOKENS)
+    return path, load_reference(path)
 
 
 @pytest.fixture
@@ -53,12 +54,13 @@ def _run(path, params, async_scheduling=True):
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_plain_greedy_takes_the_fast_path_with_the_full_paths_tokens(tiny_llama, calls, async_scheduling):
-    path, expected = tiny_llama
-    assert _run(path, greedy_params(MAX_TOKENS), async_scheduling) == expected
+    path, reference = tiny_llama
+    fast = _run(path, greedy_params(MAX_TOKENS), async_scheduling)
+    assert_greedy_continuations(reference, PROMPTS, fast, MAX_TOKENS)
     assert calls["fast"] > 0 and calls["sampler"] == 0
     calls["fast"] = 0
-    # logprobs need the full sampler; greedy tokens stay the same
-    assert _run(path, greedy_params(MAX_TOKENS, logprobs=2), async_scheduling) == expected
+    # logprobs need the full sampler: the argmax of the same logits, so the same tokens
+    assert _run(path, greedy_params(MAX_TOKENS, logprobs=2), async_scheduling) == fast
     assert calls["fast"] == 0 and calls["sampler"] > 0
 
 
@@ -91,7 +93,7 @@ def test_min_tokens_keeps_the_full_sampler_until_reached(tiny_llama, calls):
 
 def test_one_request_needing_logprobs_sends_the_step_to_the_full_sampler(tiny_llama, calls):
     """A mixed batch: the plain request's tokens are the same whichever path its step took."""
-    path, expected = tiny_llama
+    path, reference = tiny_llama
     params = [greedy_params(MAX_TOKENS, logprobs=1), greedy_params(MAX_TOKENS), greedy_params(MAX_TOKENS)]
-    assert _run(path, params) == expected
+    assert_greedy_continuations(reference, PROMPTS, _run(path, params), MAX_TOKENS)
     assert calls["sampler"] > 0
