@@ -3,6 +3,7 @@ in float32; routing edge cases on one MoE block against transformers' block; GGU
 held quantized as stored against the same file dequantized, under teacher forcing."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -249,3 +250,36 @@ def test_tensor_parallel_checks_name_what_does_not_split(models):
     _, olmoe = models("olmoe")
     with pytest.raises(ConfigError, match="all heads"):
         check_model_splits(olmoe, 2)
+
+
+@pytest.mark.parametrize("qtype_name", ["Q4_K", "Q6_K"])
+def test_k_quant_expert_stacks_are_held_per_expert_as_stored(tmp_path, qtype_name):
+    """A stacked 3-D K-quant expert tensor (random blocks with finite scales: gguf-py cannot
+    quantize K types) comes out of the GGUF reader as one quantized weight per expert, each
+    dequantizing to gguf-py's values for that expert's slice (to float32 rounding), with no widening."""
+    gguf = pytest.importorskip("gguf")
+    from kvserve.model.gguf_loader import iter_gguf_tensors
+    from kvserve.model.quantized import QuantizedWeight
+    qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
+    block_bytes, scale_at = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}[qtype_name]
+    num_experts, rows, cols = 3, 8, 512
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (num_experts, rows, cols // 256, block_bytes), dtype=np.uint8)
+    for offset in scale_at:  # the f16 super-block scales (Q4_K: d and dmin; Q6_K: d)
+        raw[..., offset:offset + 2] = np.array([0.01], np.float16).view(np.uint8)
+    raw = raw.reshape(num_experts, rows, -1)
+    path = str(tmp_path / "experts.gguf")
+    writer = gguf.GGUFWriter(path, "qwen3moe")
+    writer.add_tensor("blk.0.ffn_gate_exps.weight", raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    held = dict(iter_gguf_tensors(path, 4, 2, keep_quantized=lambda name: True))
+    assert sorted(held) == [f"model.layers.0.mlp.experts.{e}.gate_proj.weight" for e in range(num_experts)]
+    for expert in range(num_experts):
+        weight = held[f"model.layers.0.mlp.experts.{expert}.gate_proj.weight"]
+        assert isinstance(weight, QuantizedWeight) and weight.source_type == qtype_name
+        assert weight.bits == (4 if qtype_name == "Q4_K" else 16)  # as stored: Q6_K's own 16-bit form
+        expected = gguf.quants.dequantize(raw[expert], qtype)
+        np.testing.assert_allclose(weight.dequantize().numpy(), expected, rtol=1e-6, atol=1e-7)
