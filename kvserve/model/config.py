@@ -30,6 +30,7 @@ ARCHITECTURE_FAMILIES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 # config.json files without "architectures" (e.g. a bare config) still name a model_type.
@@ -37,7 +38,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralF
                                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                                "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                               "olmoe": "OlmoeForCausalLM"}
+                               "olmoe": "OlmoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 _MULTIMODAL_TEXT_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 
@@ -63,6 +64,7 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     partial_rotary_factor: float = 1.0
+    truncate: bool = True  # YaRN: round the correction range to whole dimensions (gpt-oss: not)
 
     @classmethod
     def from_hf(cls, params: dict[str, Any] | None, default_theta: float) -> "RopeConfig":
@@ -73,7 +75,7 @@ class RopeConfig:
         known = {k: params[k] for k in (
             "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
             "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
-            "partial_rotary_factor") if params.get(k) is not None}
+            "partial_rotary_factor", "truncate") if params.get(k) is not None}
         return cls(theta=float(params.get("rope_theta", default_theta)), rope_type=rope_type, **known)
 
 
@@ -119,6 +121,16 @@ class ModelConfig:
     # Renormalize the top-k softmax probabilities to sum to 1 (Mixtral always does).
     norm_topk_prob: bool = False
     sparse_layers: list[bool] = field(default_factory=list)
+    # gpt-oss: a softmax over the top-k router logits (not over all experts), a router bias,
+    # biased experts with a clamped SwiGLU ((up + 1) * g * sigmoid(alpha g), g and up
+    # clamped at `swiglu_limit`), attention sinks and an output-projection bias.
+    softmax_after_topk: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    attention_sinks: bool = False
+    o_proj_bias: bool = False
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     query_pre_attn_scalar: float | None = None
@@ -291,6 +303,12 @@ def _parse_rope(hf: dict[str, Any], family: str) -> tuple[RopeConfig, RopeConfig
 
 def _parse_experts(hf: dict[str, Any], family: str, num_layers: int) -> dict[str, Any]:
     """The mixture-of-experts fields of a config.json (none for dense families)."""
+    if family == "gpt_oss":
+        return dict(num_experts=int(hf["num_local_experts"]), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                    moe_intermediate_size=int(hf["intermediate_size"]), sparse_layers=[True] * num_layers,
+                    softmax_after_topk=True, router_bias=True, expert_bias=True,
+                    swiglu_limit=float(hf.get("swiglu_limit", 7.0)), swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+                    attention_sinks=True, o_proj_bias=True)
     if family not in ("qwen3_moe", "mixtral", "olmoe"):
         return {}
     num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)

@@ -37,7 +37,7 @@ class SelfAttention(nn.Module):
         q_size, kv_size = config.num_heads * self.head_dim, config.num_kv_heads * self.head_dim
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_size, kv_size, kv_size], config.attention_bias,
                                              tp, shard_names=["q", "k", "v"], replicas=[1, kv_replicas, kv_replicas])
-        self.o_proj = RowParallelLinear(q_size, config.hidden_size, False, tp)
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, config.o_proj_bias, tp)
         self.q_norm = self.k_norm = None
         self.qk_norm_per_head = config.qk_norm_per_head
         if config.qk_norm:
@@ -49,8 +49,14 @@ class SelfAttention(nn.Module):
             self.k_norm = RMSNorm(k_width, config.rms_norm_eps, config.norm_adds_one)
         self.clip_qkv = config.clip_qkv
         self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == "sliding" else None
+        self.sinks = None
+        if config.attention_sinks:
+            if tp.size > 1:
+                raise ValueError(f"{config.architecture}: attention sinks under tensor parallelism are not "
+                                 "supported yet")
+            self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
         self.params = AttentionParams(scale=config.attention_scale, softcap=config.attn_logit_softcapping,
-                                      sliding_window=self.sliding_window)
+                                      sliding_window=self.sliding_window, sinks=self.sinks)
         # Set by `DecoderModel.use_kernels` (the runner's choice).
         self.backend: AttentionBackend = ModelKernels.torch_only().attention
         self.native_rotary = False
@@ -77,14 +83,19 @@ class SelfAttention(nn.Module):
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused in one projection."""
 
-    def __init__(self, config: ModelConfig, tp: TPContext, intermediate_size: int | None = None) -> None:
+    def __init__(self, config: ModelConfig, tp: TPContext, intermediate_size: int | None = None,
+                 expert: bool = False) -> None:
         super().__init__()
         size = intermediate_size or config.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], False, tp,
+        bias = expert and config.expert_bias
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], bias, tp,
                                                  shard_names=["gate", "up"])
-        self.down_proj = RowParallelLinear(size, config.hidden_size, False, tp)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias, tp)
         self.act = activation(config.hidden_act)
-        self.is_silu = config.hidden_act in ("silu", "swish")
+        # gpt-oss's experts: (up + 1) * g * sigmoid(alpha g), g and up clamped at the limit.
+        self.swiglu_limit = config.swiglu_limit if expert else None
+        self.swiglu_alpha = config.swiglu_alpha
+        self.is_silu = config.hidden_act in ("silu", "swish") and self.swiglu_limit is None
         self.native = False  # the fused SiLU-gated product kernel (`DecoderModel.use_kernels`)
 
     def forward(self, x: torch.Tensor, num_draft_rows: int = 0) -> torch.Tensor:
@@ -94,7 +105,8 @@ class GatedMLP(nn.Module):
     def partial_forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the output, not all-reduced and without the down
         projection's bias (an expert of a `SparseMoeBlock`, which reduces once for all)."""
-        return self.down_proj._matmul(self._gated(x, 0))
+        bias = self.down_proj.bias if self.down_proj.tp.rank == 0 else None  # added once, on one rank
+        return self.down_proj._matmul(self._gated(x, 0), bias)
 
     def _gated(self, x: torch.Tensor, num_draft_rows: int) -> torch.Tensor:
         """act(gate(x)) * up(x): the down projection's input."""
@@ -103,6 +115,9 @@ class GatedMLP(nn.Module):
                 and cpu_kernels.takes(gate_up):
             return cpu_kernels.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
+        if self.swiglu_limit is not None:
+            gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(-self.swiglu_limit, self.swiglu_limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * self.swiglu_alpha))
         return self.act(gate) * up
 
 
@@ -114,7 +129,7 @@ class DecoderLayer(nn.Module):
         eps, plus_one = config.rms_norm_eps, config.norm_adds_one
         self.self_attn = SelfAttention(config, layer_idx, tp)
         if config.sparse_layers[layer_idx]:
-            self.mlp = SparseMoeBlock(config, tp, lambda width: GatedMLP(config, tp, width))
+            self.mlp = SparseMoeBlock(config, tp, lambda width: GatedMLP(config, tp, width, expert=True))
         else:
             self.mlp = GatedMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, plus_one)

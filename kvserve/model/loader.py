@@ -33,9 +33,12 @@ logger = logging.getLogger(__name__)
 _RENAMES = ((re.compile(r"\.block_sparse_moe\."), ".mlp."),
             (re.compile(r"\.experts\.(\d+)\.w1\."), r".experts.\1.gate_proj."),
             (re.compile(r"\.experts\.(\d+)\.w3\."), r".experts.\1.up_proj."),
-            (re.compile(r"\.experts\.(\d+)\.w2\."), r".experts.\1.down_proj."))
-# transformers 5's in-memory layout of a layer's experts, stacked: gate_up [E, 2I, hidden], down [E, hidden, I].
-_STACKED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)$")
+            (re.compile(r"\.experts\.(\d+)\.w2\."), r".experts.\1.down_proj."),
+            (re.compile(r"\.mlp\.router\."), ".mlp.gate."))
+# A layer's experts stacked in one tensor: transformers 5's in-memory layout, gate_up [E, 2I, hidden]
+# (gate rows, then up rows) and down [E, hidden, I]; gpt-oss's checkpoints, gate_up [E, hidden, 2I]
+# (gate and up columns interleaved), down [E, I, hidden], and their biases [E, 2I] / [E, hidden].
+_STACKED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)(_bias)?$")
 
 _FUSED_PARTS = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                 "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
@@ -213,7 +216,7 @@ def load_weights(model: DecoderModel, tensors: Iterator[tuple[str, torch.Tensor]
         module.quant_weight = weight
         module.register_parameter("weight", None)
         loaded.update(f"{module_name}.weight" + (f":{part}" if part else "") for part in module._part_names())
-    for name, tensor in _split_stacked_experts(tensors):
+    for name, tensor in _split_stacked_experts(tensors, interleaved=model.config.family == "gpt_oss"):
         if name == "rope_freq_factors":
             model.rotary_global.set_freq_factors(tensor)
             continue
@@ -236,22 +239,28 @@ def load_weights(model: DecoderModel, tensors: Iterator[tuple[str, torch.Tensor]
     _check_complete(model, loaded)
 
 
-def _split_stacked_experts(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _split_stacked_experts(tensors: Iterator[tuple[str, torch.Tensor]],
+                           interleaved: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass tensors through, with stacked expert tensors (`_STACKED_EXPERTS`) cut into
-    each expert's gate, up and down projections under their per-expert names."""
+    each expert's gate, up and down projections under their per-expert names;
+    `interleaved`: gpt-oss's layout (see `_STACKED_EXPERTS`)."""
     for name, tensor in tensors:
         match = _STACKED_EXPERTS.fullmatch(name)
-        if match is None or isinstance(tensor, QuantizedWeight) or tensor.dim() != 3:
+        is_bias = match is not None and match.group(3) is not None
+        if match is None or isinstance(tensor, QuantizedWeight) or tensor.dim() != (2 if is_bias else 3):
             yield name, tensor
             continue
-        prefix, kind = match.groups()
+        prefix, kind = match.group(1), match.group(2)
+        param = "bias" if is_bias else "weight"
         for expert, part in enumerate(tensor.unbind(0)):
+            if interleaved and not is_bias:
+                part = part.t()  # gpt-oss stores x @ W: [in, out]
             if kind == "down_proj":
-                yield f"{prefix}.{expert}.down_proj.weight", part
-            else:
-                gate, up = part.chunk(2, dim=0)
-                yield f"{prefix}.{expert}.gate_proj.weight", gate
-                yield f"{prefix}.{expert}.up_proj.weight", up
+                yield f"{prefix}.{expert}.down_proj.{param}", part
+                continue
+            gate, up = (part[0::2], part[1::2]) if interleaved else part.chunk(2, dim=0)
+            yield f"{prefix}.{expert}.gate_proj.{param}", gate
+            yield f"{prefix}.{expert}.up_proj.{param}", up
 
 
 def _route(name: str) -> tuple[str, str, str | None] | None:

@@ -36,10 +36,15 @@ class Router(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+          softmax_after_topk: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate weights [T, k] in the logits' dtype, expert ids [T, k] int64): softmax over
     every expert in float32, its top k (torch.topk's order, ties included), renormalized
-    to sum to 1 when `renormalize`."""
+    to sum to 1 when `renormalize`; with `softmax_after_topk` (gpt-oss) the top k of the
+    logits, then a softmax over those k."""
+    if softmax_after_topk:
+        logits, ids = torch.topk(router_logits, top_k, dim=-1)
+        return torch.softmax(logits, dim=-1), ids
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -72,13 +77,14 @@ class SparseMoeBlock(nn.Module):
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
-        self.gate = Router(config.hidden_size, config.num_experts)
+        self.softmax_after_topk = config.softmax_after_topk
+        self.gate = Router(config.hidden_size, config.num_experts, bias=config.router_bias)
         self.experts = nn.ModuleList(expert_factory(config.moe_intermediate_size) for _ in range(config.num_experts))
 
     def forward(self, x: torch.Tensor, num_draft_rows: int = 0) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]. Drafts do not change which kernel an expert's rows
         take (an expert's row count is that of its tokens, drafts or not)."""
-        weights, expert_ids = route(self.gate(x), self.top_k, self.renormalize)
+        weights, expert_ids = route(self.gate(x), self.top_k, self.renormalize, self.softmax_after_topk)
         order, counts = group_by_expert(expert_ids, self.num_experts)
         tokens = order % x.shape[0]
         flat_weights = weights.t().reshape(-1)

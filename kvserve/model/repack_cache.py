@@ -96,8 +96,7 @@ def load(path: str) -> dict[str, QuantizedWeight] | None:
     if not header or header.get("layout_version") != LAYOUT_VERSION:
         logger.info("ignoring repacked-weight cache %s (not of layout version %d)", path, LAYOUT_VERSION)
         return None
-    if hasattr(mmap, "MADV_WILLNEED"):  # start reading a cold file in while the rest of start-up runs
-        mapping.madvise(mmap.MADV_WILLNEED)
+    _populate(mapping)
     weights = {}
     try:
         for name, entry in header["weights"].items():
@@ -109,6 +108,19 @@ def load(path: str) -> dict[str, QuantizedWeight] | None:
         logger.warning("ignoring damaged repacked-weight cache %s (%s)", path, error)
         return None
     return weights
+
+
+_MADV_POPULATE_READ = 22  # Linux 5.14+: map every page now, read-only (no copy), in one pass
+
+
+def _populate(mapping: mmap.mmap) -> None:
+    """Map the file's pages now rather than fault them in one at a time during the first steps (a
+    4 KiB fault each, about 0.4 s per 1.6 GB); where the kernel lacks that, ask for read-ahead."""
+    try:
+        mapping.madvise(_MADV_POPULATE_READ)
+    except (OSError, ValueError):
+        if hasattr(mmap, "MADV_WILLNEED"):
+            mapping.madvise(mmap.MADV_WILLNEED)
 
 
 def _read_header(buffer) -> tuple[dict | None, int]:

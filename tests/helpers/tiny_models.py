@@ -29,14 +29,15 @@ def tiny_gemma2_config(vocab_size: int, tie_word_embeddings: bool) -> transforme
         pad_token_id=0, tie_word_embeddings=tie_word_embeddings)
 
 
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 
 
 def tiny_moe_config(family: str, vocab_size: int, window: int | None = 12):
     """Tiny mixture-of-experts configs: 8 experts of width 32, top-2, hidden 64, head size 16.
     Qwen3-MoE: three layers, the middle one dense (`mlp_only_layers`, width 128), top-k
     renormalized; Mixtral: sliding window `window` (None: none) on every layer; OLMoE: Q/K norm over the
-    whole projection, top-k not renormalized."""
+    whole projection, top-k not renormalized; gpt-oss: sliding (`window`) and full layers
+    alternating (all full without a window), attention sinks, biased clamped-SwiGLU experts."""
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=32, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0, num_experts_per_tok=2,
@@ -50,6 +51,10 @@ def tiny_moe_config(family: str, vocab_size: int, window: int | None = 12):
                                           sliding_window=window)
     if family == "olmoe":
         return transformers.OlmoeConfig(**common, num_experts=8, num_hidden_layers=2, norm_topk_prob=False)
+    if family == "gpt_oss":
+        kinds = ["sliding_attention", "full_attention"] if window else ["full_attention"] * 2
+        return transformers.GptOssConfig(**common, num_local_experts=8, num_hidden_layers=2, head_dim=16,
+                                         sliding_window=window or 512, layer_types=kinds)  # (unused when all full)
     raise ValueError(family)
 
 
@@ -59,8 +64,9 @@ def min_router_margin(hf_model, tokens: list[int]) -> float:
     router logit of a transformers MoE model's forward over `tokens`, relative to the router
     logits' scale (at least 1): how far rounding must move them to change a routing decision."""
     captured = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, out: captured.append(out[0]))
-             for layer in hf_model.model.layers if hasattr(layer.mlp, "gate")]
+    routers = [getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None) for layer in hf_model.model.layers]
+    hooks = [router.register_forward_hook(lambda _m, _i, out: captured.append(out[0]))
+             for router in routers if router is not None]
     try:
         hf_model(torch.tensor([tokens]))
     finally:

@@ -62,12 +62,17 @@ DECLINED_FEATURES = {
     "mixture of experts, top-k as is; Q/K norm over the whole projection": (
         "olmoe", {}, lambda c: c.is_moe and not c.norm_topk_prob and not c.qk_norm_per_head),
     "clipped Q/K/V": ("olmoe", {"clip_qkv": 0.5}, lambda c: c.clip_qkv),
+    "gpt-oss: attention sinks, softmax after top-k, router bias, biased clamped-SwiGLU experts, O bias": (
+        "gpt_oss", {}, lambda c: c.attention_sinks and c.softmax_after_topk and c.router_bias and c.expert_bias
+        and c.swiglu_limit and c.swiglu_alpha and c.o_proj_bias and not c.rope.truncate),
 }
 # The ModelConfig fields each row above reads (a new field must join a row or NOT_FEATURES).
 FEATURE_FIELDS = {"num_kv_heads", "tie_word_embeddings", "attention_bias", "qk_norm", "rope", "sliding_window",
                   "layer_types", "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
                   "hidden_act", "rope_local", "head_dim", "family", "num_experts", "num_experts_per_tok",
-                  "moe_intermediate_size", "norm_topk_prob", "sparse_layers", "qk_norm_per_head", "clip_qkv"}
+                  "moe_intermediate_size", "norm_topk_prob", "sparse_layers", "qk_norm_per_head", "clip_qkv",
+                  "softmax_after_topk", "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha",
+                  "attention_sinks", "o_proj_bias"}
 # Identity, sizes and token ids: the same arithmetic on both paths whatever their value.
 NOT_FEATURES = {"path", "is_gguf", "architecture", "model_type", "num_layers", "hidden_size", "intermediate_size",
                 "num_heads", "vocab_size", "max_position_embeddings", "max_model_len", "dtype", "quantization",

@@ -88,21 +88,28 @@ def _block_pair(models, family: str, top_k: int | None = None) -> tuple[SparseMo
     theirs = hf.model.layers[0].mlp
     assert isinstance(ours, SparseMoeBlock)
     if top_k is not None:
-        ours.top_k = theirs.gate.top_k = top_k
+        ours.top_k = _router(theirs).top_k = top_k
     return ours, theirs
+
+
+def _router(hf_block):
+    return getattr(hf_block, "gate", None) or hf_block.router  # gpt-oss calls it the router
 
 
 @torch.inference_mode()
 def _set_router(ours: SparseMoeBlock, theirs, weight: torch.Tensor) -> None:
-    ours.gate.weight.copy_(weight)
-    theirs.gate.weight.copy_(weight)
+    for router in (ours.gate, _router(theirs)):
+        router.weight.copy_(weight)
+        if getattr(router, "bias", None) is not None:
+            router.bias.zero_()
 
 
 @torch.inference_mode()
 def _both(ours: SparseMoeBlock, theirs, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(our output, transformers' output, transformers' expert ids) for x [T, hidden]."""
-    _, _, ids = theirs.gate(x)
-    return ours(x), theirs(x.unsqueeze(0))[0], ids
+    _, _, ids = _router(theirs)(x)
+    out = theirs(x.unsqueeze(0))
+    return ours(x), (out[0] if isinstance(out, tuple) else out)[0], ids  # gpt-oss adds the router scores
 
 
 def _assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
@@ -119,14 +126,14 @@ def test_gate_ties_break_as_transformers(models, family):
     x = torch.randn(7, ours.gate.weight.shape[1], generator=torch.Generator().manual_seed(3))
     num_experts = ours.num_experts
     _set_router(ours, theirs, torch.zeros(num_experts, x.shape[1]))
-    weights, ids = route(ours.gate(x), ours.top_k, ours.renormalize)
+    weights, ids = route(ours.gate(x), ours.top_k, ours.renormalize, ours.softmax_after_topk)
     out, ref, ref_ids = _both(ours, theirs, x)
     assert torch.equal(ids, ref_ids)
     assert torch.equal(ids, torch.topk(torch.full((7, num_experts), 1.0 / num_experts), ours.top_k).indices)
     _assert_close(out, ref)
     rows = torch.randn(num_experts // 2, x.shape[1], generator=torch.Generator().manual_seed(4))
     _set_router(ours, theirs, torch.cat([rows, rows]))  # expert e and e + E/2 tie exactly
-    _, ids = route(ours.gate(x), ours.top_k, ours.renormalize)
+    _, ids = route(ours.gate(x), ours.top_k, ours.renormalize, ours.softmax_after_topk)
     out, ref, ref_ids = _both(ours, theirs, x)
     assert torch.equal(ids, ref_ids)
     assert ((ids[:, 0] - ids[:, 1]).abs() == num_experts // 2).all()  # each token's pick is a tied pair
@@ -158,10 +165,11 @@ def test_experts_no_token_picks_are_never_read(models, family, top_k):
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_renormalization_follows_the_family(models, family):
-    """Mixtral and this Qwen3-MoE renormalize the top-k weights to sum to 1; OLMoE does not."""
+    """Mixtral and this Qwen3-MoE renormalize the top-k weights to sum to 1, gpt-oss takes a
+    softmax over them; OLMoE does not."""
     ours, _ = _block_pair(models, family)
     x = torch.randn(5, ours.gate.weight.shape[1], generator=torch.Generator().manual_seed(7))
-    weights, _ = route(ours.gate(x), ours.top_k, ours.renormalize)
+    weights, _ = route(ours.gate(x), ours.top_k, ours.renormalize, ours.softmax_after_topk)
     sums = weights.sum(-1)
     if family == "olmoe":
         assert (sums < 1 - 1e-3).all()

@@ -24,6 +24,9 @@ class AttentionParams:
     scale: float
     softcap: float | None = None  # tanh soft-capping of the scores (Gemma-2)
     sliding_window: int | None = None  # None: full attention
+    # gpt-oss: one learned logit per query head [heads] that joins each softmax's denominator
+    # (a key no value belongs to); None: no sink.
+    sinks: torch.Tensor | None = None
 
 
 class AttentionBackend(ABC):

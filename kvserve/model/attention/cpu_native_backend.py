@@ -27,7 +27,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
 
     def plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor, params: AttentionParams) -> AttentionPlan:
         # A cache the kernel cannot read in place (a non-contiguous view in a test) takes the torch path.
-        native = kv_cache.is_contiguous()
+        native = kv_cache.is_contiguous() and params.sinks is None  # the kernel has no sinks
         return metadata.plan(kv_cache.shape[3], params.sliding_window, native)
 
     def store(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> None:

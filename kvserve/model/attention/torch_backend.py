@@ -31,7 +31,7 @@ def attend_with_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
     """The plan's fresh prompts and sub-batches, written into `out` (allocated when None;
     rows of tokens the plan leaves to another path are kept as they are)."""
     num_kv_heads, block_size, head_dim = kv_cache.shape[1], kv_cache.shape[3], kv_cache.shape[4]
-    scale, softcap = params.scale, params.softcap
+    scale, softcap, sinks = params.scale, params.softcap, params.sinks
     if kv_cache.dtype != k.dtype:
         # This step's K/V as the cache holds them: a token attends to the same values whether
         # its keys come from this step or from the cache (and as the native kernel reads them).
@@ -39,7 +39,7 @@ def attend_with_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
     for start, length in plan.fresh_prompts:
         out = q.new_empty(q.shape) if out is None else out
         end = start + length
-        out[start:end] = _causal_prompt(q[start:end], k[start:end], v[start:end], scale, softcap, plan.window)
+        out[start:end] = _causal_prompt(q[start:end], k[start:end], v[start:end], scale, softcap, plan.window, sinks)
     for sub in plan.sub_batches:
         n, num_blocks = sub.key_blocks.shape
         # One gather for K and V of every request of the sub-batch: [2, Hkv, n, keys, D], in the
@@ -49,7 +49,7 @@ def attend_with_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
         if sub.new_keys:
             keys = torch.cat([keys, _rows(k, sub).permute(2, 0, 1, 3)], dim=2)
             values = torch.cat([values, _rows(v, sub).permute(2, 0, 1, 3)], dim=2)
-        attended = _attend(_rows(q, sub), keys, values, sub.mask, scale, softcap)
+        attended = _attend(_rows(q, sub), keys, values, sub.mask, scale, softcap, sinks)
         if sub.is_whole_batch:
             out = attended.reshape(q.shape)
         else:
@@ -59,10 +59,10 @@ def attend_with_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
 
 
 def _causal_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float | None,
-                   window: int | None) -> torch.Tensor:
+                   window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One prompt attending to itself: q [L, Hq, D], k/v [L, Hkv, D] -> [L, Hq, D]."""
     length = q.shape[0]
-    if not softcap and (window is None or window >= length):
+    if not softcap and sinks is None and (window is None or window >= length):
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                              is_causal=True, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
@@ -70,7 +70,8 @@ def _causal_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     mask = pos[None, :] <= pos[:, None]
     if window:
         mask &= pos[:, None] - pos[None, :] < window
-    return _attend(q[None], k.permute(1, 0, 2)[:, None], v.permute(1, 0, 2)[:, None], mask[None], scale, softcap)[0]
+    return _attend(q[None], k.permute(1, 0, 2)[:, None], v.permute(1, 0, 2)[:, None], mask[None], scale, softcap,
+                   sinks)[0]
 
 
 def _rows(x: torch.Tensor, sub: AttentionSubBatch) -> torch.Tensor:
@@ -94,14 +95,15 @@ _SDPA_MIN_QUERY_LEN = 32
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-            softcap: float | None) -> torch.Tensor:
+            softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [n, Lq, Hq, D]; k/v: [Hkv, n, Lk, D]; mask: [n, Lq, Lk] -> [n, Lq, Hq, D].
 
-    GQA without repeating K/V: the query heads of one KV head form the rows of one matmul."""
+    GQA without repeating K/V: the query heads of one KV head form the rows of one matmul.
+    `sinks` [Hq]: a logit per query head joining every softmax (its probability dropped)."""
     n, lq, hq, d = q.shape
     hkv = k.shape[0]
     group = hq // hkv
-    if not softcap and lq >= _SDPA_MIN_QUERY_LEN:
+    if not softcap and sinks is None and lq >= _SDPA_MIN_QUERY_LEN:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(0, 1), v.transpose(0, 1),
                                              attn_mask=mask[:, None], scale=scale, enable_gqa=True)
         return out.transpose(1, 2)
@@ -111,6 +113,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(hkv, n, group, lq, -1).masked_fill(~mask[None, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(hkv, n, group * lq, -1)
+    if sinks is not None:
+        sink = sinks.float().view(hkv, 1, group, 1, 1).expand(hkv, n, group, lq, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        probs = probs.to(v.dtype).reshape(hkv, n, group * lq, -1)
+    else:
+        probs = torch.softmax(scores, dim=-1).to(v.dtype).view(hkv, n, group * lq, -1)
     out = torch.matmul(probs, v)  # [Hkv, n, group*Lq, D]
     return out.view(hkv, n, group, lq, d).permute(1, 3, 0, 2, 4).reshape(n, lq, hq, d)
