@@ -191,7 +191,7 @@ def test_bf16_model_runs_natively_close_to_the_oracle(paths, monkeypatch, family
     native_steps = count_native_steps(monkeypatch)
     config = ModelConfig.from_path(paths(family), dtype="bfloat16")
     model = load_model(config, kernel_config=env_kernels())
-    assert model.kernels.native_decoder and model.kernels.bf16_isa == native_decoder.bf16_isa()
+    assert model.kernels.native_decoder and model.kernels.bf16_isa == native_decoder.bf16_isa(env_kernels())
     prompts = _prompts([5, 19], seed=2)
     oracle = _oracle(config)
     oracle.layers.float()
