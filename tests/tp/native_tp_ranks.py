@@ -81,14 +81,20 @@ class Case:
 
 @dataclass
 class Outcome:
-    """What one rank saw in one case: greedy tokens of both paths by request, the largest
+    """What one rank saw in one case: greedy tokens of both paths by request (quantized
+    weights: the torch path is fed the native path's tokens, teacher forced), the largest
     logits difference relative to the torch path's scale (at least 1), the steps the
     native call ran and the all-reduces it made (through shared memory: `shm`), the
-    model's layers."""
+    model's layers. Quantized weights only: `rounding_bound`, what int8 activation rounding
+    allows any logit to move from the float32 model's (`reference_deviation`: native path,
+    torch path), and `max_logit_diff`, the largest absolute difference of the two paths."""
 
     tokens: dict = field(default_factory=dict)
     torch_tokens: dict = field(default_factory=dict)
     max_rel_logit_diff: float = 0.0
+    max_logit_diff: float = 0.0
+    rounding_bound: float | None = None
+    reference_deviation: tuple[float, float] = (0.0, 0.0)
     native_steps: int = 0
     native_all_reduces: int = 0
     num_layers: int = 0
@@ -103,13 +109,15 @@ def _prompts(lengths, seed: int) -> dict[str, list[int]]:
     return {f"r{i}": torch.randint(3, VOCAB, (n,), generator=generator).tolist() for i, n in enumerate(lengths)}
 
 
-def _greedy(case: Case, model) -> tuple[dict, dict]:
+def _greedy(case: Case, model, follow: dict | None = None) -> tuple[dict, dict]:
     from kvserve.kv_cache.utils import KVCacheBlockCopy
     from model.paged_kv_helper import PagedRunner, run_greedy
 
     runner = PagedRunner(model, block_size=4)
     if not case.prefix_hit:
-        return run_greedy(runner, _prompts(case.lengths, seed=1), case.max_new_tokens, chunk=case.chunk)
+        return run_greedy(runner, _prompts(case.lengths, seed=1), case.max_new_tokens, chunk=case.chunk,
+                          follow=follow)
+    assert follow is None, "the prefix-hit case runs on float32 weights"
     base, tail = _prompts([22], seed=1)["r0"], _prompts([9], seed=2)["r0"]
     run_greedy(runner, {"a": base}, 1, chunk=64)
     shared = runner.requests["a"].block_ids
@@ -162,7 +170,11 @@ def native_vs_torch(rank: int, world_size: int, cases: list[Case]) -> dict[str, 
     outcomes = {}
     for case in cases:
         config = ModelConfig.from_path(case.path)
-        kernels = KernelConfig(quant_isa=case.quant_isa, shm_all_reduce=case.shm)
+        quantized = case.path.endswith(".gguf")
+        # Quantized: every step on the int8 row kernel (no bfloat16 panel or dense GEMM, another
+        # model of error), so that both paths are int8 roundings of the same float32 model.
+        row_kernel = dict(quant_panel_rows=0, quant_gemm_rows=0) if quantized else {}
+        kernels = KernelConfig(quant_isa=case.quant_isa, shm_all_reduce=case.shm, **row_kernel)
         outcome = Outcome()
         model = load_model(config, tp_rank=rank, tp_size=world_size, kernel_config=kernels)
         outcome.num_layers = len(model.layers)
@@ -176,13 +188,40 @@ def native_vs_torch(rank: int, world_size: int, cases: list[Case]) -> dict[str, 
             torch.distributed.all_reduce = all_reduce
         reference = load_model(config, tp_rank=rank, tp_size=world_size, kernel_config=kernels)
         reference._native = None  # decided: the per-op path
-        outcome.torch_tokens, ref_logits = _greedy(case, reference)
+        outcome.torch_tokens, ref_logits = _greedy(case, reference, outcome.tokens if quantized else None)
         for req_id, rows in ref_logits.items():
             for a, b in zip(logits[req_id], rows):
                 diff = (a - b).abs().max().item() / max(1.0, b.abs().max().item())
                 outcome.max_rel_logit_diff = max(outcome.max_rel_logit_diff, diff)
+                outcome.max_logit_diff = max(outcome.max_logit_diff, (a - b).abs().max().item())
+        if quantized:
+            _against_float32(case, rank, world_size, kernels, reference, outcome, logits, ref_logits)
         outcomes[case.name] = outcome
     return outcomes
+
+
+def _against_float32(case: Case, rank: int, world_size: int, kernels, held, outcome: Outcome,
+                     logits: dict, ref_logits: dict) -> None:
+    """Both paths' logits (fed the same tokens) against this rank's shard of the float32 model
+    (the GGUF dequantized), within the bound int8 activation rounding allows
+    (tests/helpers/activation_rounding.py), into `outcome`."""
+    import torch
+
+    from helpers.activation_rounding import max_deviation, quantized_half_steps, rounding_bound
+    from kvserve.model.config import ModelConfig
+    from kvserve.model.loader import load_model
+    from model.paged_kv_helper import every_token_logits
+
+    prompts = _prompts(case.lengths, seed=1)
+    sequences = {r: prompt + outcome.tokens[r][:-1] for r, prompt in prompts.items()}
+    prompt_lens = {r: len(prompt) for r, prompt in prompts.items()}
+    plain = load_model(ModelConfig.from_path(case.path, quantization="none", dtype="float32"), tp_rank=rank,
+                       tp_size=world_size, kernel_config=kernels)
+    plain._native = None  # decided: the per-op path, in float32
+    reference, outcome.rounding_bound = rounding_bound(
+        plain, quantized_half_steps(plain, held), lambda m: every_token_logits(m, sequences, prompt_lens))
+    outcome.reference_deviation = (max_deviation({r: torch.stack(rows) for r, rows in logits.items()}, reference),
+                                   max_deviation({r: torch.stack(rows) for r, rows in ref_logits.items()}, reference))
 
 
 def failing_all_reduce(rank: int, world_size: int, path: str, fail_at: int) -> dict:

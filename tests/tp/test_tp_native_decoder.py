@@ -24,11 +24,18 @@ from kvserve.model import quantized
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no native kernels")
 
-# Same kernels on the same shards; the all-reduces sum the same two partial results in
-# the same order on both paths. Only the float32 plain-weight matmul may sum in another
-# order (the native small-batch kernel against MKL): rounding only.
+# Float32 weights: the same kernels on the same shards; the all-reduces sum the same two
+# partial results in the same order on both paths. Only the float32 plain-weight matmul may
+# sum in another order (the native small-batch kernel against MKL): a few float32 ulps
+# (2**-24 relative) per sum over a hidden size of 64, 2 layers, far below 1e-4 relative.
+# Quantized weights: no fixed bound. Both paths round each matmul's input to int8 per block,
+# but what they round comes out of float code of different order (RMSNorm, RoPE, attention in
+# C against torch), so an input within float32 rounding of the middle between two int8 steps
+# rounds one step apart (measured: 1.5e-2 relative on an Intel Xeon, 0 on AMD Zen 5). Both are
+# then fed the same tokens (teacher forcing: a near-tie is no failure) and each must lie
+# within the bound that int8 rounding allows of the float32 model
+# (tests/helpers/activation_rounding.py), so the two within twice that bound of each other.
 MAX_LOGIT_DIFF = 1e-4
-MAX_QUANT_LOGIT_DIFF = 1e-5  # the same integer kernels on the same rows
 NUM_NEW = 64
 # family[/variant]: "gloo" all-reduces through gloo instead of shared memory
 DEFAULT_CASES = ("gemma2/threads", "qwen3/prefix_hit", "gguf_q8_0", "llama/gloo")
@@ -85,11 +92,15 @@ def slow_outcomes(tmp_path_factory):
 def _check(outcomes: dict, name: str) -> None:
     if name not in outcomes:
         pytest.skip(f"{name}: the kernel path does not run here")
-    max_diff = MAX_QUANT_LOGIT_DIFF if name.startswith("gguf_") else MAX_LOGIT_DIFF
     ranks = outcomes[name]
     for rank, outcome in enumerate(ranks):
         assert outcome.tokens == outcome.torch_tokens, f"rank {rank}"
-        assert outcome.max_rel_logit_diff <= max_diff, f"rank {rank}"
+        if name.startswith("gguf_"):
+            bound = outcome.rounding_bound
+            assert bound is not None and max(outcome.reference_deviation) <= bound, (rank, outcome)
+            assert outcome.max_logit_diff <= 2 * bound, (rank, outcome)
+        else:
+            assert outcome.max_rel_logit_diff <= MAX_LOGIT_DIFF, f"rank {rank}"
         # Every decode step ran natively (the step that ends a prompt samples the first token),
         # each all-reducing twice per layer from inside the call.
         assert outcome.native_steps >= min(len(t) for t in outcome.tokens.values()) - 1, f"rank {rank}"
