@@ -301,6 +301,10 @@ class LogitsConstraints:
                 logger.warning("request %s: %s; it can only end", state.req_id, exc)
                 state.grammar = FailedGrammar(str(exc))
         for token_id in state.grammar_backlog:
-            state.grammar.consume_token(token_id)
+            was_healthy = not state.grammar.is_error()
+            if not state.grammar.consume_token(token_id) and was_healthy:
+                # A token sampled outside its mask: from here the request can only end (EOS).
+                logger.warning("request %s: sampled token %d does not fit its grammar: %s", state.req_id,
+                               token_id, state.grammar.get_error())
         state.grammar_backlog.clear()
         return state.grammar

@@ -148,3 +148,25 @@ def test_error_matcher_allows_only_eos(compiler):
     matcher.consume_token(12345)
     assert matcher.is_error()
     assert allowed_ids(compiler.fill_bitmasks([matcher])[0]) == {EOS}
+
+
+def test_a_sampled_token_the_grammar_rejects_is_logged_once(compiler, tokenizer, caplog):
+    """A token outside its mask leaves the matcher allowing only EOS, so the request ends with
+    finish_reason "stop" and text its grammar rejects: that is never silent."""
+    from types import SimpleNamespace
+
+    from kvserve.sample.logits_constraints import LogitsConstraints
+
+    constraints = LogitsConstraints(None, lambda config: tokenizer)
+    constraints._compiler = compiler
+    params = SamplingParams(structured_outputs=Constraint(json={"enum": ["red", "green"]}))
+    state = SimpleNamespace(req_id="r", sampling_params=params, grammar=None, grammar_backlog=[], output_token_ids=[])
+    good = tokenizer.encode('"', add_special_tokens=False)
+    state.grammar_backlog.extend(good)
+    with caplog.at_level("WARNING", logger="kvserve.sample.logits_constraints"):
+        assert not constraints._matcher(state).is_error()
+        assert not caplog.records
+        state.grammar_backlog.extend([12345, EOS])  # then EOS, the only token its mask now allows
+        assert constraints._matcher(state).is_error()
+    assert len(caplog.records) == 1
+    assert caplog.records[0].getMessage().startswith("request r: sampled token 12345 does not fit its grammar: ")

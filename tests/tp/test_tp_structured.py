@@ -33,6 +33,20 @@ def _generate(model: str, tensor_parallel_size: int) -> list:
         return [output.outputs[0] for output in llm.chat(PROMPTS, params, use_tqdm=False)]
 
 
+def _assert_tokens_fit(model: str, constraint: StructuredOutputsParams, token_ids: list[int]) -> None:
+    """Every token, the final EOS included, is one the constraint allowed where it was sampled,
+    replayed on a fresh matcher: a failure here is a mask the engine did not apply, one after
+    it is the text (detokenization)."""
+    from kvserve.model.tokenizer_files import load_tokenizer
+    from kvserve.sample.structured.grammar import GrammarCompiler
+
+    tokenizer = load_tokenizer(model)
+    matcher = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id]).new_matcher(constraint)
+    for position, token_id in enumerate(token_ids):
+        assert matcher.consume_token(token_id), (position, token_ids, matcher.get_error())
+    assert token_ids[-1] == tokenizer.eos_token_id and matcher.is_stopped(), token_ids
+
+
 def test_constrained_outputs_at_tp2_equal_tp1_and_are_valid(tmp_path):
     model = save_tiny_chat_model(tmp_path / "chat_model")
     expected = _generate(model, 1)
@@ -40,6 +54,7 @@ def test_constrained_outputs_at_tp2_equal_tp1_and_are_valid(tmp_path):
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
     pick, call = got
     assert pick.finish_reason == "stop", pick
+    _assert_tokens_fit(model, StructuredOutputsParams(json=PICK), pick.token_ids)
     jsonschema.validate(json.loads(pick.text), PICK)
     assert call.finish_reason == "stop", call
     content, calls = extract_tool_calls("hermes", call.text)
