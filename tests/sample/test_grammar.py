@@ -170,3 +170,37 @@ def test_a_sampled_token_the_grammar_rejects_is_logged_once(compiler, tokenizer,
         assert constraints._matcher(state).is_error()
     assert len(caplog.records) == 1
     assert caplog.records[0].getMessage().startswith("request r: sampled token 12345 does not fit its grammar: ")
+
+
+def test_a_matcher_that_fails_computing_its_mask_is_logged_and_allows_only_eos(compiler, caplog):
+    class FailingMatcher:  # llguidance's matcher when computing the mask hits a parser limit
+        error = ""
+
+        def is_error(self):
+            return bool(self.error)
+
+        def get_error(self):
+            return self.error
+
+        def unsafe_compute_mask_ptr(self, pointer, num_bytes):
+            self.error = "parser limit"
+
+    with caplog.at_level("WARNING", logger="kvserve.sample.structured.grammar"):
+        bitmask = compiler.fill_bitmasks([FailingMatcher()])
+    assert allowed_ids(bitmask[0]) == {EOS}
+    assert [r.getMessage() for r in caplog.records] == [
+        "a grammar failed while computing its mask; its request can only end: parser limit"]
+
+
+def test_a_mask_that_allows_no_token_allows_eos_instead(compiler, caplog):
+    class NothingMatcher:  # a healthy matcher whose mask comes out empty
+        def is_error(self):
+            return False
+
+        def unsafe_compute_mask_ptr(self, pointer, num_bytes):
+            pass  # leaves the zeroed row as it is
+
+    with caplog.at_level("WARNING", logger="kvserve.sample.structured.grammar"):
+        bitmask = compiler.fill_bitmasks([NothingMatcher()])
+    assert allowed_ids(bitmask[0]) == {EOS}
+    assert [r.getMessage() for r in caplog.records] == ["a grammar allows no token at all; its request can only end"]

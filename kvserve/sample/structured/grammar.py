@@ -153,8 +153,8 @@ class GrammarCompiler:
 
     def fill_bitmasks(self, matchers: list[Any], out: "torch.Tensor | None" = None) -> "torch.Tensor":
         """[len(matchers), ceil(vocab/32)] int32 allowed-token bits (written into `out`, a
-        contiguous tensor of that shape, when given); a matcher in an error state allows
-        only the EOS tokens (the request then ends)."""
+        contiguous tensor of that shape, when given); a matcher in an error state, or one that
+        allows no token, allows only the EOS tokens (the request then ends; logged)."""
         import torch
 
         words = (self.vocab_size + 31) // 32
@@ -170,8 +170,16 @@ class GrammarCompiler:
             matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), words * 4)
         elif healthy:
             self._executor.unsafe_compute_mask_ptr(healthy, bitmask.data_ptr(), words * 4, len(matchers))
+        empty_rows = set()
+        for matcher, row in healthy:
+            if matcher.is_error():  # computing this mask failed (e.g. a parser limit): never silent
+                logger.warning("a grammar failed while computing its mask; its request can only end: %s",
+                               matcher.get_error())
+            elif not bool(bitmask[row].any()):  # else the sampler takes token 0 (often a hidden special token)
+                logger.warning("a grammar allows no token at all; its request can only end")
+                empty_rows.add(row)
         for row, matcher in enumerate(matchers):
-            if matcher.is_error():
+            if matcher.is_error() or row in empty_rows:
                 bitmask[row].zero_()
                 for eos in self.eos_token_ids:
                     bitmask[row, eos // 32] |= _bit(eos % 32)
