@@ -14,7 +14,7 @@ PACKAGE_DIR = os.path.dirname(os.path.abspath(kvserve.__file__))
 ATTENTION = (os.path.join(PACKAGE_DIR, "model", "attention.py"), 10, "paged_attention")
 LAYERS = (os.path.join(PACKAGE_DIR, "model", "layers.py"), 20, "forward")
 RUNNER = (os.path.join(PACKAGE_DIR, "worker", "model_runner.py"), 30, "execute_model")
-SAMPLER = (os.path.join(PACKAGE_DIR, "model", "sampler.py"), 40, "sample")
+SAMPLER = (os.path.join(PACKAGE_DIR, "sample", "sampler.py"), 40, "sample")
 TORCH_MODULE = ("/site-packages/torch/nn/modules/module.py", 1, "_call_impl")
 TORCH_OPS = ("/site-packages/torch/_ops.py", 2, "__call__")
 
