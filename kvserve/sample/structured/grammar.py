@@ -171,11 +171,14 @@ class GrammarCompiler:
         elif healthy:
             self._executor.unsafe_compute_mask_ptr(healthy, bitmask.data_ptr(), words * 4, len(matchers))
         empty_rows = set()
+        # One check for all rows (the fill runs every constrained step); an empty row would make
+        # the sampler take token 0, often a hidden special token.
+        allows_some = bitmask.any(dim=1).tolist() if healthy else []
         for matcher, row in healthy:
             if matcher.is_error():  # computing this mask failed (e.g. a parser limit): never silent
                 logger.warning("a grammar failed while computing its mask; its request can only end: %s",
                                matcher.get_error())
-            elif not bool(bitmask[row].any()):  # else the sampler takes token 0 (often a hidden special token)
+            elif not allows_some[row]:
                 logger.warning("a grammar allows no token at all; its request can only end")
                 empty_rows.add(row)
         for row, matcher in enumerate(matchers):
