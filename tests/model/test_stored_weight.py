@@ -38,7 +38,14 @@ pytestmark = pytest.mark.skipif(build.load_library() is None, reason="no C compi
 U = 2.0 ** -24
 # Bytes of a block that hold its quants (zeroed to find the block's minimum/offset part).
 QUANT_BYTES = {"Q4_0": slice(2, 18), "Q4_1": slice(4, 20), "Q8_0": slice(2, 34), "Q4_K": slice(16, 144),
-               "Q6_K": slice(0, 192)}
+               "Q6_K": slice(0, 192), "Q5_0": slice(2, 22), "Q5_1": slice(4, 24), "Q5_K": slice(16, 176),
+               "Q3_K": slice(0, 96), "Q2_K": slice(16, 80), "IQ4_NL": slice(2, 18), "IQ4_XS": slice(8, 136),
+               "MXFP4": slice(1, 17)}
+# Types gguf-py does not quantize are random bytes but for their f16 scales: (first byte, how
+# many f16 values, range). A signed range where the quants are signed (the sign of d matters).
+F16_SCALES = {"Q4_K": (0, 2, 0.001, 0.02), "Q6_K": (208, 1, 0.0005, 0.005), "Q5_K": (0, 2, 0.001, 0.02),
+              "Q3_K": (108, 1, -0.02, 0.02), "Q2_K": (80, 2, 0.001, 0.02), "IQ4_NL": (0, 1, -0.02, 0.02),
+              "IQ4_XS": (0, 1, -0.002, 0.002)}
 TYPES = tuple(QUANT_BYTES)
 PATHS = [isa for isa in ISAS if dispatch.available("quant", isa)]
 
@@ -55,13 +62,9 @@ def _random_blocks(type_name: str, rows: int, in_features: int, rng: np.random.G
     block_cols, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (rows, in_features // block_cols, block_bytes), dtype=np.uint8)
 
-    def f16(count_shape, low, high):
-        return rng.uniform(low, high, count_shape).astype(np.float16).view(np.uint8).reshape(*count_shape[:-1], -1)
-
-    if type_name == "Q4_K":
-        blocks[..., 0:4] = f16((rows, blocks.shape[1], 2), 0.001, 0.02)  # d, dmin
-    elif type_name == "Q6_K":
-        blocks[..., 208:210] = f16((rows, blocks.shape[1], 1), 0.0005, 0.005)
+    first, count, low, high = F16_SCALES[type_name]
+    scales = rng.uniform(low, high, (rows, blocks.shape[1], count)).astype(np.float16)
+    blocks[..., first:first + 2 * count] = scales.view(np.uint8).reshape(rows, blocks.shape[1], 2 * count)
     return blocks.reshape(rows, -1)
 
 
