@@ -153,18 +153,6 @@ def test_linear_matches_the_float64_product_of_the_rounded_activations(type_name
 
 
 @pytest.mark.parametrize("isa", PATHS)
-@pytest.mark.parametrize("type_name", [name for name in TYPES if gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][0] == 32])
-def test_an_odd_count_of_32_column_blocks(type_name, isa):
-    """160 columns: five blocks, so a path that takes blocks in pairs ends with one alone."""
-    weight = _weight(type_name, 9, 160, seed=11)
-    x = torch.randn(5, 160, generator=torch.Generator().manual_seed(11))
-    expected, bound = _oracle_and_bound(weight, x)
-    y = stored_weight.linear(x, weight, isa=isa)
-    assert np.all(np.abs(y.double().numpy() - expected) <= bound)
-    assert torch.equal(y[3], stored_weight.linear(x[3:4], weight, isa=isa)[0])
-
-
-@pytest.mark.parametrize("isa", PATHS)
 @pytest.mark.parametrize("type_name", TYPES)
 def test_each_row_gets_its_batch_one_sums_whatever_the_batch_and_range(type_name, isa):
     """Rows computed in a batch of 17, in any row range, are bit for bit the batch-one rows
