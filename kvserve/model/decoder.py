@@ -10,13 +10,14 @@ import torch
 from torch import nn
 
 from kvserve.kv_cache.interface import (CircularBufferSpec, FullAttentionSpec, KVCacheConfig, KVCacheSpec,
-                                        SlidingWindowSpec)
+                                        SlidingWindowSpec, StateSpec)
 from kvserve.native import cpu_kernels
 from kvserve.model import native_decoder, quantized
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, AttentionParams, is_windowed
 from kvserve.model.config import ModelConfig
 from kvserve.sample.structured.grammar_mask import HeadMask
 from kvserve.model.kernels import AttentionShape, ModelKernels
+from kvserve.model.linear_attention.gated_deltanet import STATE_DTYPE, GatedDeltaNet
 from kvserve.model.moe import SparseMoeBlock
 from kvserve.model.layers import RMSNorm, RotaryEmbedding, activation, apply_rotary
 from kvserve.model.native_decoder import NativeDecoder
@@ -35,7 +36,10 @@ class SelfAttention(nn.Module):
         # Fewer KV heads than ranks: each rank keeps a replica of the one its queries use.
         self.num_kv_heads, kv_replicas = kv_heads_per_rank(config.num_kv_heads, tp)
         q_size, kv_size = config.num_heads * self.head_dim, config.num_kv_heads * self.head_dim
-        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_size, kv_size, kv_size], config.attention_bias,
+        # Qwen3-Next: each head's query rows are followed by as many rows of its output gate.
+        self.output_gate = config.attn_output_gate
+        q_rows = 2 * q_size if self.output_gate else q_size
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_rows, kv_size, kv_size], config.attention_bias,
                                              tp, shard_names=["q", "k", "v"], replicas=[1, kv_replicas, kv_replicas])
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, config.o_proj_bias, tp)
         self.q_norm = self.k_norm = None
@@ -65,6 +69,10 @@ class SelfAttention(nn.Module):
                 metadata: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         num_tokens, num_drafts = hidden.shape[0], metadata.num_draft_tokens
         q, k, v = self.qkv_proj(hidden, num_drafts).split(self.qkv_proj.shard_sizes, dim=-1)
+        gate = None
+        if self.output_gate:
+            q_and_gate = q.reshape(num_tokens, self.num_heads, 2 * self.head_dim)
+            q, gate = q_and_gate[..., :self.head_dim].contiguous(), q_and_gate[..., self.head_dim:]
         if self.q_norm is not None and not self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -77,6 +85,8 @@ class SelfAttention(nn.Module):
         q, k = apply_rotary(q, *cos_sin, native=self.native_rotary), apply_rotary(k, *cos_sin,
                                                                                  native=self.native_rotary)
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.params)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(num_tokens, -1), num_drafts)
 
 
@@ -122,14 +132,23 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block; with sandwich norms (Gemma) the attention and MLP outputs are normalized too."""
+    """Pre-norm block; with sandwich norms (Gemma) the attention and MLP outputs are normalized too.
+
+    The token mixer is attention (`self_attn`) or, on "linear_attention" layers, a Gated
+    DeltaNet (`linear_attn`, None on attention layers) that keeps a state per request."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TPContext) -> None:
         super().__init__()
         eps, plus_one = config.rms_norm_eps, config.norm_adds_one
-        self.self_attn = SelfAttention(config, layer_idx, tp)
+        self.linear_attn = None
+        if config.layer_types[layer_idx] == "linear_attention":
+            self.linear_attn = GatedDeltaNet(config, tp)
+        else:
+            self.self_attn = SelfAttention(config, layer_idx, tp)
         if config.sparse_layers[layer_idx]:
-            self.mlp = SparseMoeBlock(config, tp, lambda width: GatedMLP(config, tp, width, expert=True))
+            shared = (GatedMLP(config, tp, config.shared_expert_intermediate_size)
+                      if config.shared_expert_intermediate_size else None)
+            self.mlp = SparseMoeBlock(config, tp, lambda width: GatedMLP(config, tp, width, expert=True), shared)
         else:
             self.mlp = GatedMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, plus_one)
@@ -140,12 +159,23 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, plus_one)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, plus_one)
 
+    @property
+    def sliding_window(self) -> int | None:
+        return None if self.linear_attn is not None else self.self_attn.sliding_window
+
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                metadata: AttentionMetadata, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+                metadata, kv_cache, num_draft_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(output, residual): the layer's result is output + residual (residual None: output alone).
 
         Pre-norm layers hand the residual add on to the next norm, which fuses it
-        (`RMSNorm.add_and_norm`); sandwich-norm layers return their sum whole."""
+        (`RMSNorm.add_and_norm`); sandwich-norm layers return their sum whole. A Gated
+        DeltaNet layer gets its group's `StateMetadata` and its state tensors instead of
+        attention metadata and a KV tensor."""
+        if self.linear_attn is not None:
+            x, residual = self.input_layernorm.add_and_norm(hidden, residual)
+            mixed = self.linear_attn(x, metadata, kv_cache)
+            x, residual = self.post_attention_layernorm.add_and_norm(mixed, residual)
+            return self.mlp(x, num_draft_tokens), residual
         if self.sandwich:
             if residual is not None:
                 hidden = hidden + residual
@@ -162,7 +192,8 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """The whole model: embeddings, decoder layers, final norm, LM head.
 
-    KV-cache layer names are `model.layers.{i}.self_attn.attn`. Call
+    KV-cache layer names are `model.layers.{i}.self_attn.attn` (`model.layers.{i}.linear_attn`
+    for Gated DeltaNet layers, whose group is a state group). Call
     `bind_kv_cache_config` once the KV-cache layout is known so each layer
     reads the metadata of its own group.
     """
@@ -181,7 +212,8 @@ class DecoderModel(nn.Module):
         self.rotary_global = RotaryEmbedding(config.head_dim, config.rope, max_pos)
         self.rotary_local = (RotaryEmbedding(config.head_dim, config.rope_local, max_pos)
                              if config.rope_local is not None else None)
-        self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(config.num_layers)]
+        self.layer_names = [f"model.layers.{i}." + ("linear_attn" if layer.linear_attn is not None else "self_attn.attn")
+                            for i, layer in enumerate(self.layers)]
         self.layer_group_ids: list[int] | None = None
         self.kernels = ModelKernels.torch_only()
         # The one-call path for small steps: False until the first forward builds it
@@ -190,13 +222,18 @@ class DecoderModel(nn.Module):
 
     # -- KV cache -------------------------------------------------------------------
     def kv_cache_specs(self, block_size: int, kv_dtype=None, sliding_window_kv: str = "sliding") -> dict[str, KVCacheSpec]:
-        """Layer name -> KV spec (full, sliding window, or circular buffer for windowed layers)."""
+        """Layer name -> KV spec (full, sliding window, or circular buffer for windowed layers;
+        a state for Gated DeltaNet layers, float32 whatever `kv_dtype`: see `gated_deltanet`)."""
         if sliding_window_kv not in ("sliding", "circular"):
             raise ValueError(f"sliding_window_kv must be 'sliding' or 'circular', got {sliding_window_kv!r}")
         dtype = kv_dtype if kv_dtype is not None else self.config.torch_dtype
-        num_kv_heads = self.layers[0].self_attn.num_kv_heads
+        num_kv_heads = self.attention_shape.num_kv_heads
         specs: dict[str, KVCacheSpec] = {}
         for name, layer in zip(self.layer_names, self.layers):
+            if layer.linear_attn is not None:
+                specs[name] = StateSpec(block_size=block_size, shapes=layer.linear_attn.state_shapes,
+                                        dtype=STATE_DTYPE)
+                continue
             window = layer.self_attn.sliding_window
             common = dict(block_size=block_size, num_kv_heads=num_kv_heads, head_size=self.config.head_dim,
                           dtype=dtype)
@@ -226,13 +263,13 @@ class DecoderModel(nn.Module):
         if len(metadata_by_group) == 1:
             return [0] * len(self.layers)
         # Unbound hybrid model: match each layer to the group whose spec has its kind.
-        kinds = [md.spec is not None and is_windowed(md.spec) for md in metadata_by_group]
-        return [kinds.index(layer.self_attn.sliding_window is not None) for layer in self.layers]
+        kinds = [_group_kind(md) for md in metadata_by_group]
+        return [kinds.index(_layer_kind(layer)) for layer in self.layers]
 
     @property
     def attention_shape(self) -> AttentionShape:
         """This rank's attention heads and head size."""
-        attn = self.layers[0].self_attn
+        attn = next(layer.self_attn for layer in self.layers if layer.linear_attn is None)
         return AttentionShape(attn.num_heads, attn.num_kv_heads, attn.head_dim)
 
     def use_kernels(self, kernels: ModelKernels) -> None:
@@ -299,7 +336,7 @@ class DecoderModel(nn.Module):
             head_mask = None
         hidden, logits = self._forward(input_ids, positions, attn_metadata_by_group, kv_caches, logits_rows, head_mask)
         if logits is None:
-            logits = self.lm_head.logits(hidden[logits_rows], attn_metadata_by_group[0].num_draft_tokens)
+            logits = self.lm_head.logits(hidden[logits_rows], _attention_metadata(attn_metadata_by_group).num_draft_tokens)
         return self._finish_logits(logits)
 
     @property
@@ -321,14 +358,16 @@ class DecoderModel(nn.Module):
             if out is not None:
                 return out
         hidden = self.embed(input_ids)
-        num_positions = max(md.max_seq_len for md in attn_metadata_by_group)
+        num_drafts = _attention_metadata(attn_metadata_by_group).num_draft_tokens
+        num_positions = max(md.max_seq_len for md in attn_metadata_by_group if isinstance(md, AttentionMetadata))
         global_cos_sin = self.rotary_global.cos_sin(positions, hidden.dtype, num_positions)
         local_cos_sin = (self.rotary_local.cos_sin(positions, hidden.dtype, num_positions)
                          if self.rotary_local is not None else global_cos_sin)
         residual = None
         for layer, name, group_id in zip(self.layers, self.layer_names, group_ids):
-            cos_sin = local_cos_sin if layer.self_attn.sliding_window is not None else global_cos_sin
-            hidden, residual = layer(hidden, residual, cos_sin, attn_metadata_by_group[group_id], kv_caches[name])
+            cos_sin = local_cos_sin if layer.sliding_window is not None else global_cos_sin
+            hidden, residual = layer(hidden, residual, cos_sin, attn_metadata_by_group[group_id], kv_caches[name],
+                                     num_drafts)
         return self.norm.add_and_norm(hidden, residual)[0], None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -356,3 +395,21 @@ class DecoderModel(nn.Module):
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+def _attention_metadata(metadata_by_group: list) -> AttentionMetadata:
+    """The step's first attention group's metadata (state groups' metadata carries no drafts
+    or positions)."""
+    return next(md for md in metadata_by_group if isinstance(md, AttentionMetadata))
+
+
+def _group_kind(metadata) -> str:
+    if not isinstance(metadata, AttentionMetadata):
+        return "state"
+    return "windowed" if metadata.spec is not None and is_windowed(metadata.spec) else "full"
+
+
+def _layer_kind(layer: DecoderLayer) -> str:
+    if layer.linear_attn is not None:
+        return "state"
+    return "windowed" if layer.self_attn.sliding_window is not None else "full"

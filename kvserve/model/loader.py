@@ -23,6 +23,7 @@ from kvserve.model import repack_cache
 from kvserve.model.decoder import DecoderModel
 from kvserve.model.gguf_file import release_gguf_mappings
 from kvserve.model.kernels import choose_model_kernels
+from kvserve.model.linear_attention.gated_deltanet import split_checkpoint_tensor
 from kvserve.model.parallel import (ColumnParallelLinear, QuantizedWeightMixin, RowParallelLinear,
                                     VocabParallelEmbedding)
 from kvserve.model.quantized import QuantizedWeight, gemm_dtype, kernel_isa, keeps_quantized
@@ -41,7 +42,10 @@ _RENAMES = ((re.compile(r"\.block_sparse_moe\."), ".mlp."),
 _STACKED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)(_bias)?$")
 
 _FUSED_PARTS = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-                "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+                "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+                # Gated DeltaNet (`gated_deltanet.split_checkpoint_tensor` makes these parts)
+                **{f"in_proj_{part}": ("in_proj_qkvz", part) for part in "qkvz"},
+                **{f"in_proj_{part}": ("in_proj_ba", part) for part in "ba"}}
 
 
 def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", tp_rank: int = 0, tp_size: int = 1,
@@ -216,6 +220,8 @@ def load_weights(model: DecoderModel, tensors: Iterator[tuple[str, torch.Tensor]
         module.quant_weight = weight
         module.register_parameter("weight", None)
         loaded.update(f"{module_name}.weight" + (f":{part}" if part else "") for part in module._part_names())
+    if "linear_attention" in model.config.layer_types:
+        tensors = (part for name, tensor in tensors for part in split_checkpoint_tensor(name, tensor, model.config))
     for name, tensor in _split_stacked_experts(tensors, interleaved=model.config.family == "gpt_oss"):
         if name == "rope_freq_factors":
             model.rotary_global.set_freq_factors(tensor)
@@ -294,11 +300,20 @@ def _check_complete(model: DecoderModel, loaded: set[str]) -> None:
     expected = []
     for layer_idx in range(model.config.num_layers):
         prefix = f"layers.{layer_idx}"
-        expected += [f"{prefix}.self_attn.qkv_proj.weight:{s}" for s in "qkv"]
-        expected.append(f"{prefix}.self_attn.o_proj.weight")
+        if model.config.layer_types[layer_idx] == "linear_attention":
+            mixer = f"{prefix}.linear_attn"
+            expected += [f"{mixer}.in_proj_qkvz.weight:{s}" for s in "qkvz"]
+            expected += [f"{mixer}.in_proj_ba.weight:{s}" for s in "ba"]
+            expected += [f"{mixer}.{name}" for name in ("conv1d.weight", "dt_bias", "A_log", "out_proj.weight")]
+        else:
+            expected += [f"{prefix}.self_attn.qkv_proj.weight:{s}" for s in "qkv"]
+            expected.append(f"{prefix}.self_attn.o_proj.weight")
         if model.config.sparse_layers[layer_idx]:
             expected.append(f"{prefix}.mlp.gate.weight")
             mlps = [f"{prefix}.mlp.experts.{e}" for e in range(model.config.num_experts)]
+            if model.config.shared_expert_intermediate_size:
+                expected.append(f"{prefix}.mlp.shared_expert_gate.weight")
+                mlps.append(f"{prefix}.mlp.shared_expert")
         else:
             mlps = [f"{prefix}.mlp"]
         for mlp in mlps:

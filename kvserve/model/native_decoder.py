@@ -172,6 +172,8 @@ def _check_layers_covered(config) -> None:
     """Raise NativeDeclined for layers the one-call decoder does not implement."""
     if config.is_moe:
         raise NativeDeclined("mixture-of-experts layers (the per-op path runs them)")
+    if "linear_attention" in config.layer_types:
+        raise NativeDeclined("Gated DeltaNet layers (the per-op path runs them)")
     if (config.qk_norm and not config.qk_norm_per_head) or config.clip_qkv is not None:
         raise NativeDeclined("a Q/K norm over the whole projection or clipped Q/K/V")
 
