@@ -52,8 +52,7 @@ _MULTIMODAL_TEXT_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "Gemma3ForCa
 # Hybrids of Gated DeltaNet layers and gated full-attention layers (Qwen3-Next, Qwen3.5): (1 + w)
 # RMSNorms, per-head Q/K norms, a sigmoid gate on the attention output, partial RoPE.
 GATED_DELTANET_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
-# Layer kinds: attention ("full", "sliding") and recurrent ("linear_attention": Gated DeltaNet).
-LAYER_KINDS = ("full", "sliding", "linear_attention")
+
 
 # Families whose Q/K norm spans the whole projection (all heads) instead of each head.
 _PROJECTION_QK_NORM_FAMILIES = ("olmoe",)
@@ -172,8 +171,6 @@ class ModelConfig:
             self.layer_types = ["full"] * self.num_layers
         if len(self.layer_types) != self.num_layers:
             raise ModelConfigError(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
-        if any(kind not in LAYER_KINDS for kind in self.layer_types):
-            raise ModelConfigError(f"unknown layer kinds {sorted(set(self.layer_types) - set(LAYER_KINDS))}")
         if "linear_attention" in self.layer_types and not (
                 self.linear_num_key_heads and self.linear_num_value_heads % self.linear_num_key_heads == 0
                 and self.linear_key_head_dim and self.linear_value_head_dim and self.linear_conv_kernel_dim > 1):

@@ -300,11 +300,9 @@ def _check_complete(model: DecoderModel, loaded: set[str]) -> None:
     expected = []
     for layer_idx in range(model.config.num_layers):
         prefix = f"layers.{layer_idx}"
-        if model.config.layer_types[layer_idx] == "linear_attention":
-            mixer = f"{prefix}.linear_attn"
-            expected += [f"{mixer}.in_proj_qkvz.weight:{s}" for s in "qkvz"]
-            expected += [f"{mixer}.in_proj_ba.weight:{s}" for s in "ba"]
-            expected += [f"{mixer}.{name}" for name in ("conv1d.weight", "dt_bias", "A_log", "out_proj.weight")]
+        layer = model.layers[layer_idx]
+        if layer.is_state_layer:
+            expected += layer.mixer.checkpoint_weight_names(f"{prefix}.{layer.mixer_name}")
         else:
             expected += [f"{prefix}.self_attn.qkv_proj.weight:{s}" for s in "qkv"]
             expected.append(f"{prefix}.self_attn.o_proj.weight")

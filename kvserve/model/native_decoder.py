@@ -172,8 +172,6 @@ def _check_layers_covered(config) -> None:
     """Raise NativeDeclined for layers the one-call decoder does not implement."""
     if config.is_moe:
         raise NativeDeclined("mixture-of-experts layers (the per-op path runs them)")
-    if "linear_attention" in config.layer_types:
-        raise NativeDeclined("Gated DeltaNet layers (the per-op path runs them)")
     if (config.qk_norm and not config.qk_norm_per_head) or config.clip_qkv is not None:
         raise NativeDeclined("a Q/K norm over the whole projection or clipped Q/K/V")
 
@@ -263,6 +261,8 @@ class NativeDecoder:
 
     def _describe_model(self, model) -> NativeModel:
         config = model.config
+        if model.has_state_layers:
+            raise NativeDeclined("recurrent-state layers")
         attn = model.layers[0].self_attn
         if model.tp.size != 1 and any(layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None
                                       for layer in model.layers):

@@ -14,21 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.kv_cache.interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, StateSpec
-from kvserve.model.attention import AttentionMetadata
+from kvserve.model.attention import AttentionMetadata, StateMetadata
 from kvserve.worker.kv_tensors import kv_cache_shape
-
-try:
-    from kvserve.model.attention.metadata import StateMetadata
-except ImportError:  # until the state group's metadata lands (#29)
-    @dataclass
-    class StateMetadata:
-        query_start_loc: torch.Tensor
-        seq_lens: torch.Tensor
-        read_slot: torch.Tensor
-        write_req: torch.Tensor
-        write_after: torch.Tensor
-        write_slot: torch.Tensor
-
 
 @dataclass
 class _Request:
@@ -53,7 +40,7 @@ class HybridRunner:
         self.kv_caches = {n: torch.zeros(kv_cache_shape(specs[n], num_blocks)) for n in attention}
         self.kv_caches.update({n: tuple(torch.zeros(num_blocks, *shape) for shape in specs[n].shapes)
                                for n in states})
-        self.attention_spec = specs[attention[0]]
+        self.attention_spec, self.state_spec = specs[attention[0]], specs[states[0]]
         self.num_blocks, self.next_block, self.next_slot = num_blocks, 1, 0
         self.requests: dict[str, _Request] = {}
 
@@ -114,7 +101,8 @@ class HybridRunner:
         as_long = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
         state = StateMetadata(query_start_loc=as_long([0, *torch.tensor(query_lens).cumsum(0).tolist()]),
                               seq_lens=as_long(seq_lens), read_slot=as_long(read), write_req=as_long(write_req),
-                              write_after=as_long(write_after), write_slot=as_long(write_slot))
+                              write_after=as_long(write_after), write_slot=as_long(write_slot),
+                              max_query_len=max(query_lens), max_seq_len=max(seq_lens), spec=self.state_spec)
         rows = torch.tensor(query_lens).cumsum(0) - 1
         with torch.inference_mode():
             logits = self.model.forward_logits(torch.tensor(input_ids), torch.tensor(positions), [attention, state],

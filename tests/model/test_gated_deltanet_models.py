@@ -125,7 +125,7 @@ def test_state_specs_and_config(models):
     sizes is refused with a clear error."""
     _, config = models("qwen3_next")
     specs = load_model(config).kv_cache_specs(4, torch.bfloat16)
-    states = [spec for name, spec in specs.items() if name.endswith("linear_attn")]
+    states = [spec for name, spec in specs.items() if name.endswith("linear_attn.state")]
     assert len(states) == 3 and all(isinstance(s, StateSpec) for s in states)
     conv_dim = 2 * 2 * 16 + 4 * 8
     assert states[0].shapes == ((3, conv_dim), (4, 16, 8)) and states[0].dtype == torch.float32

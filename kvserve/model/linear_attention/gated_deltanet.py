@@ -27,7 +27,9 @@ from torch import nn
 from kvserve.model.config import ModelConfig
 from kvserve.model.linear_attention.causal_conv import causal_conv1d, state_after
 from kvserve.model.linear_attention.gated_delta import gated_delta_chunked, gated_delta_step
+from kvserve.model.attention.metadata import StateMetadata
 from kvserve.model.parallel import ColumnParallelLinear, RowParallelLinear, TPContext
+from kvserve.model.state_layers import StateMixer, read_states, register_state_layer
 
 STATE_DTYPE = torch.float32
 _L2_EPS = 1e-6  # inside the square root, as Qwen3-Next's reference
@@ -47,10 +49,13 @@ class GatedRMSNorm(nn.Module):
         return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
 
 
-class GatedDeltaNet(nn.Module):
+@register_state_layer("linear_attention", "linear_attn")
+class GatedDeltaNet(StateMixer):
     """One Gated DeltaNet layer (see the module docstring)."""
 
-    def __init__(self, config: ModelConfig, tp: TPContext) -> None:
+    state_dtype = STATE_DTYPE
+
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPContext) -> None:
         super().__init__()
         if tp.size > 1:
             raise ValueError(f"{config.architecture}: Gated DeltaNet layers under tensor parallelism are not "
@@ -77,7 +82,15 @@ class GatedDeltaNet(nn.Module):
         """One request's state tensors: the convolution's inputs and the delta rule's state."""
         return (self.conv_width - 1, self.conv_dim), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
 
-    def forward(self, hidden: torch.Tensor, metadata, state_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def checkpoint_weight_names(self, prefix: str) -> list[str]:
+        """The fused projections' parts, then the rest."""
+        return ([f"{prefix}.in_proj_qkvz.weight:{part}" for part in "qkvz"]
+                + [f"{prefix}.in_proj_ba.weight:{part}" for part in "ba"]
+                + [f"{prefix}.{name}" for name in ("conv1d.weight", "dt_bias", "A_log", "norm.weight",
+                                                    "out_proj.weight")])
+
+    def forward(self, hidden: torch.Tensor, metadata: StateMetadata,
+                state_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """hidden [T, hidden] of the step's requests (`metadata`: a `StateMetadata`) -> [T, hidden];
         `state_cache`: the layer's (conv, recurrent) slots [num_blocks, *shape], read at
         `read_slot` and written at `write_slot` as the metadata says."""
@@ -87,11 +100,11 @@ class GatedDeltaNet(nn.Module):
         q, k, v, z = self.in_proj_qkvz(hidden).split(self.split_sizes, dim=-1)
         b, a = self.in_proj_ba(hidden).split(self.num_v_heads, dim=-1)
         mixed, padded = causal_conv1d(torch.cat((q, k, v), dim=-1), self.conv1d.weight[:, 0],
-                                      _read_slots(conv_cache, read), starts)
+                                      read_states(conv_cache, read), starts)
         q, k, v = self._heads(mixed)
         beta = torch.sigmoid(b.float())
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        out, delta_states = self._delta_rule(q, k, v, g, beta, _read_slots(delta_cache, read), metadata, starts)
+        out, delta_states = self._delta_rule(q, k, v, g, beta, read_states(delta_cache, read), metadata, starts)
         self._write_states(metadata, padded, delta_states, conv_cache, delta_cache, starts)
         out = self.norm(out.to(hidden.dtype), z.reshape(-1, self.num_v_heads, self.head_v_dim))
         return self.out_proj(out.reshape(hidden.shape[0], -1))
@@ -143,15 +156,6 @@ class GatedDeltaNet(nn.Module):
         for req, after, slot in writes:
             conv_cache[slot] = state_after(padded, starts, req, after, self.conv_width)
             delta_cache[slot] = delta_states[(req, after)]
-
-
-def _read_slots(cache: torch.Tensor, read_slot: torch.Tensor) -> torch.Tensor:
-    """Each request's state [B, *shape] (float32): its slot's, or zeros where the slot is -1."""
-    states = cache.index_select(0, read_slot.clamp(min=0).to(cache.device)).to(STATE_DTYPE)
-    fresh = (read_slot < 0).to(cache.device)
-    if bool(fresh.any()):
-        states[fresh] = 0
-    return states
 
 
 def split_checkpoint_tensor(name: str, tensor: torch.Tensor, config: ModelConfig) -> list[tuple[str, torch.Tensor]]:
