@@ -174,13 +174,104 @@ GGUF_INLINE void tile256(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE
         for (int b = 0; b < BATCH; b++) sums[r][b] = hsum256(acc[r][b]) + mins[r][b];
 }
 
-/* Tiles of four rows take a variant per batch size; the rest go a pair at a time. */
-#define TILE_CASES(FN, VNNI)                                                                        \
+#if KV_HAVE_AVX512_VNNI
+/* AVX512-VNNI: two groups (64 columns) per 512-bit vector, the group of an odd count last
+ * through the 256-bit step. Quants of 32-column types come from two blocks. */
+GGUF_INLINE __m512i join256(__m256i low, __m256i high) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+}
+
+GGUF_INLINE __m512 join_ps(float low, float high) {
+    return _mm512_insertf32x8(_mm512_set1_ps(low), _mm256_set1_ps(high), 1);
+}
+
+GGUF_INLINE void tile512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH], const int ROWS,
+                         const int BATCH) {
+    const int64_t nb = t->in / GROUP;
+    __m512 acc[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
+    float mins[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
+    for (int r = 0; r < ROWS; r++)
+        for (int b = 0; b < BATCH; b++) {
+            acc[r][b] = _mm512_setzero_ps();
+            mins[r][b] = 0.0f;
+        }
+    BlockHead ha[GGUF_TILE_ROWS], hb[GGUF_TILE_ROWS]; /* the blocks of groups at and at + 1 */
+    for (int64_t at = 0; at + 1 < nb; at += 2) {
+        const int ga = (int)(at % GROUPS), gb = (int)((at + 1) % GROUPS);
+        __m512i u[GGUF_TILE_ROWS], sub16[GGUF_TILE_ROWS], min16[GGUF_TILE_ROWS];
+        __m512 scale[GGUF_TILE_ROWS], min_scale[GGUF_TILE_ROWS];
+        __mmask64 negative[GGUF_TILE_ROWS];
+        for (int r = 0; r < ROWS; r++) {
+            const uint8_t *row = t->w + r * t->row_bytes;
+            const uint8_t *block_a = row + at / GROUPS * BLOCK_BYTES, *block_b = row + (at + 1) / GROUPS * BLOCK_BYTES;
+            if (ga == 0) block_head(block_a, &ha[r]);
+            if (GROUPS == 1) block_head(block_b, &hb[r]);
+            const BlockHead *b_head = GROUPS == 1 ? &hb[r] : &ha[r];
+            const __m512i q = join256(group_quants256(block_a, ga), group_quants256(block_b, gb));
+            negative[r] = _mm512_movepi8_mask(q);
+            u[r] = QUANTS_SIGNED ? _mm512_abs_epi8(q) : q;
+            scale[r] = join_ps(ha[r].scale[ga], b_head->scale[gb]);
+            sub16[r] = SCALES_PER_16 ? join256(halves16(ha[r].sub[2 * ga], ha[r].sub[2 * ga + 1]),
+                                               halves16(b_head->sub[2 * gb], b_head->sub[2 * gb + 1]))
+                                     : _mm512_setzero_si512();
+            min16[r] = MINS == MINS_PER_16 ? join256(halves16(ha[r].min[2 * ga], ha[r].min[2 * ga + 1]),
+                                                     halves16(b_head->min[2 * gb], b_head->min[2 * gb + 1]))
+                                           : _mm512_setzero_si512();
+            min_scale[r] = MINS == MINS_PER_16 ? join_ps(ha[r].min_scale, b_head->min_scale) : _mm512_setzero_ps();
+            if (MINS == MINS_PER_32)
+                for (int b = 0; b < BATCH; b++) {
+                    mins[r][b] += ha[r].offset[ga] * t->sx[b * nb + at];
+                    mins[r][b] += b_head->offset[gb] * t->sx[b * nb + at + 1];
+                }
+        }
+        for (int b = 0; b < BATCH; b++) {
+            const __m512i x = _mm512_loadu_si512(t->qx + b * t->in + at * GROUP);
+            const __m512 dx = join_ps(t->dx[b * nb + at], t->dx[b * nb + at + 1]);
+            __m512i xpairs = _mm512_setzero_si512();
+            if (MINS == MINS_PER_16) xpairs = _mm512_maddubs_epi16(_mm512_set1_epi8(1), x);
+            for (int r = 0; r < ROWS; r++) {
+                const __m512i xs = QUANTS_SIGNED ? _mm512_mask_sub_epi8(x, negative[r], _mm512_setzero_si512(), x) : x;
+                const __m512i s = SCALES_PER_16
+                                      ? _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(u[r], xs), sub16[r])
+                                      : _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[r], xs);
+                acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale[r], dx), acc[r][b]);
+                if (MINS == MINS_PER_16)
+                    acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(xpairs, min16[r])),
+                                                _mm512_mul_ps(min_scale[r], dx), acc[r][b]);
+            }
+        }
+    }
+    float tail[GGUF_TILE_ROWS][GGUF_TILE_BATCH] = {{0.0f}};
+    if (nb % 2) { /* the last group alone (32-column types only: K-types have 8 per block) */
+        GgufTile last = *t;
+        last.blocks = 1;
+        last.in = GROUP;
+        last.w += (nb - 1) * BLOCK_BYTES;
+        for (int r = 0; r < ROWS; r++)
+            for (int b = 0; b < BATCH; b++) {
+                GgufTile one = last;
+                float sum[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
+                one.w += r * t->row_bytes;
+                one.qx = t->qx + b * t->in + (nb - 1) * GROUP;
+                one.dx = t->dx + b * nb + nb - 1;
+                one.sx = t->sx + b * nb + nb - 1;
+                tile256(&one, sum, 1, 1, 1);
+                tail[r][b] = sum[0][0];
+            }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int b = 0; b < BATCH; b++) sums[r][b] = _mm512_reduce_add_ps(acc[r][b]) + mins[r][b] + tail[r][b];
+}
+#endif
+
+/* Tiles of four rows take a variant per batch size; the others go one (row, activation row)
+ * pair at a time, with the same operations. */
+#define TILE_CASES(FN, KERNEL, ...)                                                                 \
     static void FN(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH]) {               \
-        if (t->rows == 4 && t->batch == 1) { tile256(t, sums, 4, 1, VNNI); return; }                \
-        if (t->rows == 4 && t->batch == 2) { tile256(t, sums, 4, 2, VNNI); return; }                \
-        if (t->rows == 4 && t->batch == 3) { tile256(t, sums, 4, 3, VNNI); return; }                \
-        if (t->rows == 4 && t->batch == 4) { tile256(t, sums, 4, 4, VNNI); return; }                \
+        if (t->rows == 4 && t->batch == 1) { KERNEL(t, sums, 4, 1 __VA_ARGS__); return; }           \
+        if (t->rows == 4 && t->batch == 2) { KERNEL(t, sums, 4, 2 __VA_ARGS__); return; }           \
+        if (t->rows == 4 && t->batch == 3) { KERNEL(t, sums, 4, 3 __VA_ARGS__); return; }           \
+        if (t->rows == 4 && t->batch == 4) { KERNEL(t, sums, 4, 4 __VA_ARGS__); return; }           \
         for (int r = 0; r < t->rows; r++)                                                           \
             for (int b = 0; b < t->batch; b++) {                                                    \
                 GgufTile one = *t;                                                                  \
@@ -190,14 +281,14 @@ GGUF_INLINE void tile256(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE
                 one.dx += b * (t->in / GROUP);                                                      \
                 one.sx += b * (t->in / GROUP);                                                      \
                 one.rows = one.batch = 1;                                                           \
-                tile256(&one, sum, 1, 1, VNNI);                                                     \
+                KERNEL(&one, sum, 1, 1 __VA_ARGS__);                                                \
                 sums[r][b] = sum[0][0];                                                             \
             }                                                                                       \
     }
 
-TILE_CASES(tile_avx2, 0)
+TILE_CASES(tile_avx2, tile256, , 0)
 #if KV_HAVE_AVX512_VNNI
-TILE_CASES(tile_vnni, 1)
+TILE_CASES(tile_vnni, tile512)
 #endif
 #undef TILE_CASES
 #pragma GCC pop_options
