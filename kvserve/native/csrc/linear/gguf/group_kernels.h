@@ -126,11 +126,38 @@ GGUF_INLINE __m256i group_sums(__m256i u, __m256i x, __m256i sub16, int vnni) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), SCALES_PER_16 ? sub16 : _mm256_set1_epi16(1));
 }
 
+/* Group g of the blocks block[r] (heads h[r]), activation block `at`, into acc (and mins). */
+GGUF_INLINE void step256(const GgufTile *t, const uint8_t *const block[], const BlockHead h[], int g, int64_t at,
+                         __m256 acc[][GGUF_TILE_BATCH], float mins[][GGUF_TILE_BATCH], const int ROWS,
+                         const int BATCH, int vnni) {
+    const int64_t nb = t->in / GROUP;
+    __m256i u[GGUF_TILE_ROWS], q[GGUF_TILE_ROWS], sub16[GGUF_TILE_ROWS], min16[GGUF_TILE_ROWS];
+    for (int r = 0; r < ROWS; r++) {
+        q[r] = group_quants256(block[r], g);
+        u[r] = QUANTS_SIGNED ? _mm256_abs_epi8(q[r]) : q[r];
+        sub16[r] = SCALES_PER_16 ? halves16(h[r].sub[2 * g], h[r].sub[2 * g + 1]) : _mm256_setzero_si256();
+        min16[r] = MINS == MINS_PER_16 ? halves16(h[r].min[2 * g], h[r].min[2 * g + 1]) : _mm256_setzero_si256();
+    }
+    for (int b = 0; b < BATCH; b++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(t->qx + b * t->in + at * GROUP));
+        const float dxb = t->dx[b * nb + at];
+        __m256i xpairs = _mm256_setzero_si256(); /* MINS_PER_16: sums of pairs of qx */
+        if (MINS == MINS_PER_16) xpairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), x);
+        for (int r = 0; r < ROWS; r++) {
+            __m256i s = group_sums(u[r], QUANTS_SIGNED ? _mm256_sign_epi8(x, q[r]) : x, sub16[r], vnni);
+            acc[r][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(h[r].scale[g] * dxb), acc[r][b]);
+            if (MINS == MINS_PER_16)
+                acc[r][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(xpairs, min16[r])),
+                                            _mm256_set1_ps(h[r].min_scale * dxb), acc[r][b]);
+            if (MINS == MINS_PER_32) mins[r][b] += h[r].offset[g] * t->sx[b * nb + at];
+        }
+    }
+}
+
 /* A tile with ROWS x BATCH constant (the accumulators stay in registers). Each (row,
  * activation row) pair takes the same float operations whatever the tile's shape. */
 GGUF_INLINE void tile256(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH], const int ROWS,
                          const int BATCH, int vnni) {
-    const int64_t nb = t->in / GROUP;
     __m256 acc[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
     float mins[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
     for (int r = 0; r < ROWS; r++)
@@ -139,36 +166,13 @@ GGUF_INLINE void tile256(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE
             mins[r][b] = 0.0f;
         }
     BlockHead h[GGUF_TILE_ROWS];
+    const uint8_t *block[GGUF_TILE_ROWS];
     for (int64_t k = 0; k < t->blocks; k++) {
-        const uint8_t *block[GGUF_TILE_ROWS];
         for (int r = 0; r < ROWS; r++) {
             block[r] = t->w + r * t->row_bytes + k * BLOCK_BYTES;
             block_head(block[r], &h[r]);
         }
-        for (int g = 0; g < GROUPS; g++) {
-            const int64_t at = k * GROUPS + g;
-            __m256i u[GGUF_TILE_ROWS], q[GGUF_TILE_ROWS], sub16[GGUF_TILE_ROWS], min16[GGUF_TILE_ROWS];
-            for (int r = 0; r < ROWS; r++) {
-                q[r] = group_quants256(block[r], g);
-                u[r] = QUANTS_SIGNED ? _mm256_abs_epi8(q[r]) : q[r];
-                sub16[r] = SCALES_PER_16 ? halves16(h[r].sub[2 * g], h[r].sub[2 * g + 1]) : _mm256_setzero_si256();
-                min16[r] = MINS == MINS_PER_16 ? halves16(h[r].min[2 * g], h[r].min[2 * g + 1]) : _mm256_setzero_si256();
-            }
-            for (int b = 0; b < BATCH; b++) {
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(t->qx + b * t->in + at * GROUP));
-                const float dxb = t->dx[b * nb + at];
-                __m256i xpairs = _mm256_setzero_si256(); /* MINS_PER_16: sums of pairs of qx */
-                if (MINS == MINS_PER_16) xpairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), x);
-                for (int r = 0; r < ROWS; r++) {
-                    __m256i s = group_sums(u[r], QUANTS_SIGNED ? _mm256_sign_epi8(x, q[r]) : x, sub16[r], vnni);
-                    acc[r][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(h[r].scale[g] * dxb), acc[r][b]);
-                    if (MINS == MINS_PER_16)
-                        acc[r][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(xpairs, min16[r])),
-                                                    _mm256_set1_ps(h[r].min_scale * dxb), acc[r][b]);
-                    if (MINS == MINS_PER_32) mins[r][b] += h[r].offset[g] * t->sx[b * nb + at];
-                }
-            }
-        }
+        for (int g = 0; g < GROUPS; g++) step256(t, block, h, g, k * GROUPS + g, acc, mins, ROWS, BATCH, vnni);
     }
     for (int r = 0; r < ROWS; r++)
         for (int b = 0; b < BATCH; b++) sums[r][b] = hsum256(acc[r][b]) + mins[r][b];
@@ -241,56 +245,28 @@ GGUF_INLINE void tile512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE
             }
         }
     }
-    float tail[GGUF_TILE_ROWS][GGUF_TILE_BATCH] = {{0.0f}};
-    if (nb % 2) { /* the last group alone (32-column types only: K-types have 8 per block) */
-        GgufTile last = *t;
-        last.blocks = 1;
-        last.in = GROUP;
-        last.w += (nb - 1) * BLOCK_BYTES;
-        for (int r = 0; r < ROWS; r++)
-            for (int b = 0; b < BATCH; b++) {
-                GgufTile one = last;
-                float sum[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
-                one.w += r * t->row_bytes;
-                one.qx = t->qx + b * t->in + (nb - 1) * GROUP;
-                one.dx = t->dx + b * nb + nb - 1;
-                one.sx = t->sx + b * nb + nb - 1;
-                tile256(&one, sum, 1, 1, 1);
-                tail[r][b] = sum[0][0];
-            }
+    __m256 last[GGUF_TILE_ROWS][GGUF_TILE_BATCH]; /* the last group of an odd count */
+    for (int r = 0; r < ROWS; r++)
+        for (int b = 0; b < BATCH; b++) last[r][b] = _mm256_setzero_ps();
+    if (nb % 2) { /* 32-column types only: K-types have 8 groups per block */
+        const uint8_t *block[GGUF_TILE_ROWS];
+        for (int r = 0; r < ROWS; r++) {
+            block[r] = t->w + r * t->row_bytes + (nb - 1) * BLOCK_BYTES;
+            block_head(block[r], &ha[r]);
+        }
+        step256(t, block, ha, 0, nb - 1, last, mins, ROWS, BATCH, 1);
     }
     for (int r = 0; r < ROWS; r++)
-        for (int b = 0; b < BATCH; b++) sums[r][b] = _mm512_reduce_add_ps(acc[r][b]) + mins[r][b] + tail[r][b];
+        for (int b = 0; b < BATCH; b++) sums[r][b] = _mm512_reduce_add_ps(acc[r][b]) + hsum256(last[r][b]) + mins[r][b];
 }
 #endif
 
-/* Tiles of four rows take a variant per batch size; the others go one (row, activation row)
- * pair at a time, with the same operations. */
-#define TILE_CASES(FN, KERNEL, ...)                                                                 \
-    static void FN(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH]) {               \
-        if (t->rows == 4 && t->batch == 1) { KERNEL(t, sums, 4, 1 __VA_ARGS__); return; }           \
-        if (t->rows == 4 && t->batch == 2) { KERNEL(t, sums, 4, 2 __VA_ARGS__); return; }           \
-        if (t->rows == 4 && t->batch == 3) { KERNEL(t, sums, 4, 3 __VA_ARGS__); return; }           \
-        if (t->rows == 4 && t->batch == 4) { KERNEL(t, sums, 4, 4 __VA_ARGS__); return; }           \
-        for (int r = 0; r < t->rows; r++)                                                           \
-            for (int b = 0; b < t->batch; b++) {                                                    \
-                GgufTile one = *t;                                                                  \
-                float sum[GGUF_TILE_ROWS][GGUF_TILE_BATCH];                                         \
-                one.w += r * t->row_bytes;                                                          \
-                one.qx += b * t->in;                                                                \
-                one.dx += b * (t->in / GROUP);                                                      \
-                one.sx += b * (t->in / GROUP);                                                      \
-                one.rows = one.batch = 1;                                                           \
-                KERNEL(&one, sum, 1, 1 __VA_ARGS__);                                                \
-                sums[r][b] = sum[0][0];                                                             \
-            }                                                                                       \
-    }
-
-TILE_CASES(tile_avx2, tile256, , 0)
+#define TILE256_AVX2(t, sums, R, B) tile256(t, sums, R, B, 0)
+GGUF_TILE_VARIANTS(tile_avx2, TILE256_AVX2)
+#undef TILE256_AVX2
 #if KV_HAVE_AVX512_VNNI
-TILE_CASES(tile_vnni, tile512)
+GGUF_TILE_VARIANTS(tile_vnni, tile512)
 #endif
-#undef TILE_CASES
 #pragma GCC pop_options
 #endif /* KV_HAVE_AVX2_FMA */
 
