@@ -88,12 +88,6 @@ GGUF_INLINE void gguf_tile32_avx512(const GgufTile *t, float sums[GGUF_TILE_ROWS
 #endif
 
 #if KV_HAVE_AVX2_FMA
-GGUF_INLINE float gguf_sum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 /* One block per step: vpmaddubsw of |v| against the activations signed by v (pairs stay
  * within int16: 2 * 128 * 127), vpmaddwd to int32 lanes, times d dx (and m sx in lane 0). */
 GGUF_INLINE void gguf_tile32_avx2(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH], const int R,
