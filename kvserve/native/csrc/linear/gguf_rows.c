@@ -87,8 +87,8 @@ static void rows_of(const GgufType *type, GgufTileFn tile, const int8_t *qx, con
                     int64_t row_end) {
     const int64_t nb32 = in / GGUF_QBLOCK, row_bytes = in / type->block_cols * type->block_bytes;
     float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
-    for (int64_t row = row_begin; row < row_end; row += GGUF_TILE_ROWS) {
-        const int rows = row_end - row < GGUF_TILE_ROWS ? (int)(row_end - row) : GGUF_TILE_ROWS;
+    for (int64_t row = row_begin; row < row_end;) {
+        const int rows = row_end - row >= GGUF_TILE_ROWS ? GGUF_TILE_ROWS : 1;
         for (int64_t b0 = 0; b0 < batch; b0 += GGUF_TILE_BATCH) {
             GgufTile t = {w + row * row_bytes, row_bytes, in / type->block_cols, qx + b0 * in,
                           scales + b0 * nb32, scales + batch * nb32 + b0 * nb32, in, rows,
@@ -101,6 +101,7 @@ static void rows_of(const GgufType *type, GgufTileFn tile, const int8_t *qx, con
                 for (int b = 0; b < t.batch; b++)
                     y[(b0 + b) * y_stride + row + r] = sums[r][b] + (bias ? bias[row + r] : 0.0f);
         }
+        row += rows;
     }
 }
 
