@@ -10,12 +10,18 @@ holds `num_blocks` pages of the largest page size among them. Block id b is
 page b of every layer tensor of the group that holds it. The cost of one
 block id is therefore the sum over tensor slots of their page size, and
 `num_blocks = budget // that`. With one group this is one tensor per layer.
+
+Recurrent-state groups (`StateSpec`) share tensors only among themselves, not with
+attention groups: an attention layer's block b is not one contiguous page (its
+layout puts heads outermost, `[2, heads, blocks, block_size, head_size]`), so a
+state slot carved from the same buffer would overlap other blocks' K/V. Their
+pages add to the cost of a block id instead.
 """
 from __future__ import annotations
 
 from math import gcd, lcm
 
-from kvserve.kv_cache.interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, KVCacheTensor
+from kvserve.kv_cache.interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, KVCacheTensor, StateSpec
 
 
 def group_layers_by_spec(layer_specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
@@ -46,16 +52,18 @@ def get_kv_cache_config(layer_specs: dict[str, KVCacheSpec], available_memory_by
     if not layer_specs:
         raise ValueError("no KV-cache layers")
     groups = group_layers_by_spec(layer_specs)
-    slot_page_sizes = _tensor_slot_page_sizes(groups)
-    bytes_per_block = sum(slot_page_sizes)
+    # Attention groups and state groups each share tensor slots among themselves (module docstring).
+    kinds = [[g for g in groups if isinstance(g.kv_cache_spec, StateSpec) == is_state] for is_state in (False, True)]
+    kinds = [kind for kind in kinds if kind]
+    bytes_per_block = sum(sum(_tensor_slot_page_sizes(kind)) for kind in kinds)
     if num_blocks is None:
         num_blocks = available_memory_bytes // bytes_per_block
     if num_blocks < 2:
         raise ValueError(f"KV-cache budget of {available_memory_bytes} bytes holds {num_blocks} blocks of "
                          f"{bytes_per_block} bytes; at least 2 are needed")
     tensors = [KVCacheTensor(size=page_size * num_blocks,
-                             shared_by=[group.layer_names[slot] for group in groups if len(group.layer_names) > slot])
-               for slot, page_size in enumerate(slot_page_sizes)]
+                             shared_by=[group.layer_names[slot] for group in kind if len(group.layer_names) > slot])
+               for kind in kinds for slot, page_size in enumerate(_tensor_slot_page_sizes(kind))]
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
 
 

@@ -50,3 +50,15 @@ def test_budget_too_small_is_an_error():
         get_kv_cache_config({"a": FULL}, available_memory_bytes=2048)
     with pytest.raises(ValueError):
         get_kv_cache_config({}, available_memory_bytes=10**6)
+
+
+def test_state_groups_do_not_share_tensors_with_attention_groups():
+    """A state slot cannot alias an attention block's scattered bytes (heads outermost), so
+    state layers share tensors only with state layers; a block id pays both kinds' pages."""
+    from kvserve.kv_cache.interface import StateSpec
+    state = StateSpec(block_size=16, shapes=((3, 40), (2, 8, 8)), dtype="float32")  # (120 + 128) * 4 = 992 B
+    layer_specs = {"s0": state, "s1": state, "a": FULL, "s2": state, "b": SWA}
+    config = get_kv_cache_config(layer_specs, available_memory_bytes=10**6)
+    assert [t.shared_by for t in config.kv_cache_tensors] == [["a", "b"], ["s0"], ["s1"], ["s2"]]
+    assert config.num_blocks == 10**6 // (2048 + 3 * 992)
+    _check_tensors_fit(config, layer_specs)
