@@ -178,7 +178,7 @@ GGUF_INLINE void tile256(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE
         for (int b = 0; b < BATCH; b++) sums[r][b] = hsum256(acc[r][b]) + mins[r][b];
 }
 
-#if KV_HAVE_AVX512_VNNI
+#if KV_HAVE_AVX512_VNNI && !defined(AVX512_TILE)
 /* AVX512-VNNI: two groups (64 columns) per 512-bit vector, the group of an odd count last
  * through the 256-bit step. Quants of 32-column types come from two blocks. */
 GGUF_INLINE __m512i join256(__m256i low, __m256i high) {
@@ -264,15 +264,19 @@ GGUF_INLINE void tile512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE
 #define TILE256_AVX2(t, sums, R, B) tile256(t, sums, R, B, 0)
 GGUF_TILE_VARIANTS(tile_avx2, TILE256_AVX2)
 #undef TILE256_AVX2
-#if KV_HAVE_AVX512_VNNI
+#if KV_HAVE_AVX512_VNNI && !defined(AVX512_TILE)
 GGUF_TILE_VARIANTS(tile_vnni, tile512)
 #endif
 #pragma GCC pop_options
 #endif /* KV_HAVE_AVX2_FMA */
 
-/* The type's entry for gguf_rows.c's table (the portable tile: the framework's, by dot_block). */
+/* The type's entry for gguf_rows.c's table (the portable tile: the framework's, by dot_block).
+ * A type with its own AVX512-VNNI tile defines AVX512_TILE (its name) before including this. */
+#ifndef AVX512_TILE
+#define AVX512_TILE tile_vnni
+#endif
 #define GGUF_BLOCK_TYPE(NAME, TYPE) \
     const GgufType NAME = {TYPE, BLOCK_COLS, BLOCK_BYTES, dequantize_blocks, dot_block, \
-                           {NULL, GGUF_AVX2(tile_avx2), GGUF_AVX512(tile_vnni)}};
+                           {NULL, GGUF_AVX2(tile_avx2), GGUF_AVX512(AVX512_TILE)}};
 
 #endif /* KVSERVE_GGUF_GROUP_KERNELS_H */
