@@ -23,6 +23,8 @@
  *   static void block_head(const uint8_t *block, BlockHead *h);          the block's scales
  *   static void group_quants(const uint8_t *block, int g, int8_t q[32]);  group g's quants
  *   static __m256i group_quants256(const uint8_t *block, int g);          the same (AVX2 builds)
+ * and, where it brings its own AVX512-VNNI tile (the types that matter most do: their layouts
+ * decode 64 columns at a time), AVX512_TILE, that tile's name, defined after the include. */
  */
 #ifndef KVSERVE_GGUF_GROUP_KERNELS_H
 #define KVSERVE_GGUF_GROUP_KERNELS_H
