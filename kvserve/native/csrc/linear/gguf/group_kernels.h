@@ -24,7 +24,7 @@
  *   static void group_quants(const uint8_t *block, int g, int8_t q[32]);  group g's quants
  *   static __m256i group_quants256(const uint8_t *block, int g);          the same (AVX2 builds)
  * and, where it brings its own AVX512-VNNI tile (the types that matter most do: their layouts
- * decode 64 columns at a time), AVX512_TILE, that tile's name, defined after the include. */
+ * decode 64 columns at a time), AVX512_TILE, that tile's name, defined after the include.
  */
 #ifndef KVSERVE_GGUF_GROUP_KERNELS_H
 #define KVSERVE_GGUF_GROUP_KERNELS_H
@@ -179,6 +179,17 @@ GGUF_INLINE void tile256(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE
     for (int r = 0; r < ROWS; r++)
         for (int b = 0; b < BATCH; b++) sums[r][b] = hsum256(acc[r][b]) + mins[r][b];
 }
+
+#if KV_HAVE_AVX512_VNNI
+/* For the super-block tiles of the K types: the dx of groups 2c and 2c + 1 of super-block k,
+ * 8 lanes each, for each of the tile's B activation rows. */
+GGUF_INLINE void super_block_dx(const GgufTile *t, int64_t k, const int B, __m512 dxs[][4]) {
+    for (int b = 0; b < B; b++) {
+        const __m256 dx = _mm256_loadu_ps(t->dx + b * (t->in / GROUP) + k * GROUPS);
+        for (int c = 0; c < 4; c++) dxs[b][c] = gguf_spread2(dx, 2 * c, 2 * c + 1);
+    }
+}
+#endif
 
 #if KV_HAVE_AVX512_VNNI && !defined(AVX512_TILE)
 /* AVX512-VNNI: two groups (64 columns) per 512-bit vector, the group of an odd count last

@@ -41,7 +41,6 @@ static __m256i group_quants256(const uint8_t *block, int g) {
 GGUF_INLINE void iq4_xs_vnni(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH], const int R,
                              const int B) {
     static const int8_t magnitudes[16] = {127, 104, 83, 65, 49, 35, 22, 10, 1, 13, 25, 38, 53, 69, 89, 113};
-    const int64_t nb = t->in / GROUP;
     const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)magnitudes));
     const __m256i low_shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     const __m256i high_shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
@@ -50,10 +49,7 @@ GGUF_INLINE void iq4_xs_vnni(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_
         for (int b = 0; b < B; b++) acc[r][b] = _mm512_setzero_ps();
     for (int64_t k = 0; k < t->blocks; k++) {
         __m512 dxs[GGUF_TILE_BATCH][4];
-        for (int b = 0; b < B; b++) {
-            const __m256 dx = _mm256_loadu_ps(t->dx + b * nb + k * GROUPS);
-            for (int c = 0; c < 4; c++) dxs[b][c] = gguf_spread2(dx, 2 * c, 2 * c + 1);
-        }
+        super_block_dx(t, k, B, dxs);
         for (int r = 0; r < R; r++) {
             const uint8_t *block = t->w + r * t->row_bytes + k * BLOCK_BYTES;
             uint32_t low;

@@ -41,18 +41,16 @@ static __m256i group_quants256(const uint8_t *block, int g) {
  * lane's sum(qx) times dx, shared by the tile's rows, times the lane's 16-column minimum.
  * Per super-block: d times the first, less dmin times the second. */
 GGUF_INLINE void q2_k_vnni(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH], const int R, const int B) {
-    const int64_t nb = t->in / GROUP;
     const __m512i lane_sub = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
     __m512 acc[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
     for (int r = 0; r < R; r++)
         for (int b = 0; b < B; b++) acc[r][b] = _mm512_setzero_ps();
     for (int64_t k = 0; k < t->blocks; k++) {
         __m512 dxs[GGUF_TILE_BATCH][4], xsums[GGUF_TILE_BATCH][4]; /* xsums: dx sum(qx) per lane */
+        super_block_dx(t, k, B, dxs);
         for (int b = 0; b < B; b++) {
-            const __m256 dx = _mm256_loadu_ps(t->dx + b * nb + k * GROUPS);
             const int8_t *x = t->qx + b * t->in + k * BLOCK_COLS;
             for (int c = 0; c < 4; c++) {
-                dxs[b][c] = gguf_spread2(dx, 2 * c, 2 * c + 1);
                 const __m512i lane_sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1),
                                                               _mm512_loadu_si512(x + 64 * c));
                 xsums[b][c] = _mm512_mul_ps(_mm512_cvtepi32_ps(lane_sums), dxs[b][c]);

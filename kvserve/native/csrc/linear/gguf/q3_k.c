@@ -56,18 +56,16 @@ GGUF_INLINE __m512i q3_k_scales(const uint8_t *s) {
  * sum(qx) per lane (sums shared by the tile's rows), times each 16 columns' scale, then dx;
  * per super-block times d. */
 GGUF_INLINE void q3_k_vnni(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH], const int R, const int B) {
-    const int64_t nb = t->in / GROUP;
     __m512 acc[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
     for (int r = 0; r < R; r++)
         for (int b = 0; b < B; b++) acc[r][b] = _mm512_setzero_ps();
     for (int64_t k = 0; k < t->blocks; k++) {
         __m512 dxs[GGUF_TILE_BATCH][4];
         __m512i offsets[GGUF_TILE_BATCH][4]; /* 4 sum(qx) over each lane's 4 columns */
+        super_block_dx(t, k, B, dxs);
         for (int b = 0; b < B; b++) {
-            const __m256 dx = _mm256_loadu_ps(t->dx + b * nb + k * GROUPS);
             const int8_t *x = t->qx + b * t->in + k * BLOCK_COLS;
             for (int c = 0; c < 4; c++) {
-                dxs[b][c] = gguf_spread2(dx, 2 * c, 2 * c + 1);
                 offsets[b][c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(4),
                                                     _mm512_loadu_si512(x + 64 * c));
             }

@@ -50,11 +50,8 @@ GGUF_INLINE void q5_k_vnni(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TI
     for (int r = 0; r < R; r++)
         for (int b = 0; b < B; b++) acc[r][b] = _mm512_setzero_ps();
     for (int64_t k = 0; k < t->blocks; k++) {
-        __m512 dxs[GGUF_TILE_BATCH][4]; /* dx of groups 2c and 2c + 1, 8 lanes each */
-        for (int b = 0; b < B; b++) {
-            const __m256 dx = _mm256_loadu_ps(t->dx + b * nb + k * GROUPS);
-            for (int c = 0; c < 4; c++) dxs[b][c] = gguf_spread2(dx, 2 * c, 2 * c + 1);
-        }
+        __m512 dxs[GGUF_TILE_BATCH][4];
+        super_block_dx(t, k, B, dxs);
         for (int r = 0; r < R; r++) {
             const uint8_t *block = t->w + r * t->row_bytes + k * BLOCK_BYTES;
             uint64_t scale_word, min_word;
