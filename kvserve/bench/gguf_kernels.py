@@ -66,6 +66,9 @@ def run(types: tuple[str, ...] = ("Q4_K", "Q6_K"), out_features: int = 2048, in_
     if unknown:
         raise ValueError(f"no benchmark weights for {unknown}; known: {sorted(_F16_FIELDS)}")
     isas = isas or (dispatch.widest("quant"),)
+    strange = [isa for isa in isas if isa not in ISA_CODES]
+    if strange:
+        raise ValueError(f"unknown kernel path(s) {strange}; known: {list(ISA_CODES)}")
     missing = [isa for isa in isas if not dispatch.available("quant", isa)]
     if missing:
         raise ValueError(f"kernel path(s) {missing} do not run on this CPU")
