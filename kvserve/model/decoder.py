@@ -1,16 +1,18 @@
 """One decoder-only transformer with per-family switches (ModelConfig decides):
 Llama / Mistral / Qwen2 (QKV bias) / Qwen3 (Q/K norm) / Gemma-2 / Gemma-3
 (sandwich norms, (1+w) RMSNorm, GeGLU, embedding scaling, soft-capping,
-interleaved sliding-window layers, Gemma-3's local RoPE base), and the
+interleaved sliding-window layers, Gemma-3's local RoPE base), the
 mixtures of experts Qwen3-MoE / Mixtral / OLMoE (Q/K norm over the whole
-projection), whose sparse layers run a `moe.SparseMoeBlock` as their MLP."""
+projection), whose sparse layers run a `moe.SparseMoeBlock` as their MLP, and
+the Granite 4 hybrids, whose "mamba" layers run a `Mamba2Mixer` over a state
+slot per request instead of attention."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from kvserve.kv_cache.interface import (CircularBufferSpec, FullAttentionSpec, KVCacheConfig, KVCacheSpec,
-                                        SlidingWindowSpec)
+                                        SlidingWindowSpec, StateSpec)
 from kvserve.native import cpu_kernels
 from kvserve.model import native_decoder, quantized
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, AttentionParams, is_windowed
@@ -18,6 +20,7 @@ from kvserve.model.config import ModelConfig
 from kvserve.sample.structured.grammar_mask import HeadMask
 from kvserve.model.kernels import AttentionShape, ModelKernels
 from kvserve.model.moe import SparseMoeBlock
+from kvserve.model.linear_attention.mamba2_mixer import STATE_DTYPE, Mamba2Mixer
 from kvserve.model.layers import RMSNorm, RotaryEmbedding, activation, apply_rotary
 from kvserve.model.native_decoder import NativeDecoder
 from kvserve.model.parallel import (ColumnParallelLinear, PackableLinearMixin, ParallelLMHead, RowParallelLinear,
@@ -55,6 +58,7 @@ class SelfAttention(nn.Module):
                 raise ValueError(f"{config.architecture}: attention sinks under tensor parallelism are not "
                                  "supported yet")
             self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
+        self.use_rope = config.use_rope
         self.params = AttentionParams(scale=config.attention_scale, softcap=config.attn_logit_softcapping,
                                       sliding_window=self.sliding_window, sinks=self.sinks)
         # Set by `DecoderModel.use_kernels` (the runner's choice).
@@ -74,8 +78,9 @@ class SelfAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *cos_sin, native=self.native_rotary), apply_rotary(k, *cos_sin,
-                                                                                 native=self.native_rotary)
+        if self.use_rope:
+            q = apply_rotary(q, *cos_sin, native=self.native_rotary)
+            k = apply_rotary(k, *cos_sin, native=self.native_rotary)
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.params)
         return self.o_proj(out.reshape(num_tokens, -1), num_drafts)
 
@@ -127,11 +132,17 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TPContext) -> None:
         super().__init__()
         eps, plus_one = config.rms_norm_eps, config.norm_adds_one
-        self.self_attn = SelfAttention(config, layer_idx, tp)
+        # A layer mixes tokens by attention or, for "mamba" layers, by a state-space scan.
+        is_mamba = config.layer_types[layer_idx] == "mamba"
+        self.self_attn = None if is_mamba else SelfAttention(config, layer_idx, tp)
+        self.mamba = Mamba2Mixer(config, tp) if is_mamba else None
         if config.sparse_layers[layer_idx]:
             self.mlp = SparseMoeBlock(config, tp, lambda width: GatedMLP(config, tp, width, expert=True))
         else:
             self.mlp = GatedMLP(config, tp)
+        # Granite: a shared expert beside the routed ones, and the residual branches scaled.
+        self.shared_mlp = GatedMLP(config, tp, config.shared_expert_size) if config.shared_expert_size else None
+        self.residual_multiplier = config.residual_multiplier
         self.input_layernorm = RMSNorm(config.hidden_size, eps, plus_one)
         # Llama family: the norm before the MLP. Gemma: the norm after attention.
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, plus_one)
@@ -154,9 +165,20 @@ class DecoderLayer(nn.Module):
             mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden), metadata.num_draft_tokens)
             return hidden + self.post_feedforward_layernorm(mlp_out), None
         x, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        attn_out = self.self_attn(x, cos_sin, metadata, kv_cache)
-        x, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
-        return self.mlp(x, metadata.num_draft_tokens), residual
+        if self.mamba is not None:
+            mixed = self.mamba(x, metadata, kv_cache)
+        else:
+            mixed = self.self_attn(x, cos_sin, metadata, kv_cache)
+        if self.residual_multiplier != 1.0:
+            mixed = mixed * self.residual_multiplier
+        x, residual = self.post_attention_layernorm.add_and_norm(mixed, residual)
+        num_drafts = getattr(metadata, "num_draft_tokens", 0)
+        out = self.mlp(x, num_drafts)
+        if self.shared_mlp is not None:
+            out = out + self.shared_mlp(x, num_drafts)
+        if self.residual_multiplier != 1.0:
+            out = out * self.residual_multiplier
+        return out, residual
 
 
 class DecoderModel(nn.Module):
@@ -181,7 +203,8 @@ class DecoderModel(nn.Module):
         self.rotary_global = RotaryEmbedding(config.head_dim, config.rope, max_pos)
         self.rotary_local = (RotaryEmbedding(config.head_dim, config.rope_local, max_pos)
                              if config.rope_local is not None else None)
-        self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(config.num_layers)]
+        self.layer_names = [f"model.layers.{i}." + ("mamba" if kind == "mamba" else "self_attn.attn")
+                            for i, kind in enumerate(config.layer_types)]
         self.layer_group_ids: list[int] | None = None
         self.kernels = ModelKernels.torch_only()
         # The one-call path for small steps: False until the first forward builds it
@@ -194,9 +217,12 @@ class DecoderModel(nn.Module):
         if sliding_window_kv not in ("sliding", "circular"):
             raise ValueError(f"sliding_window_kv must be 'sliding' or 'circular', got {sliding_window_kv!r}")
         dtype = kv_dtype if kv_dtype is not None else self.config.torch_dtype
-        num_kv_heads = self.layers[0].self_attn.num_kv_heads
+        num_kv_heads = self.attention_shape.num_kv_heads
         specs: dict[str, KVCacheSpec] = {}
         for name, layer in zip(self.layer_names, self.layers):
+            if layer.mamba is not None:
+                specs[name] = StateSpec(block_size=block_size, shapes=layer.mamba.state_shapes, dtype=STATE_DTYPE)
+                continue
             window = layer.self_attn.sliding_window
             common = dict(block_size=block_size, num_kv_heads=num_kv_heads, head_size=self.config.head_dim,
                           dtype=dtype)
@@ -226,13 +252,15 @@ class DecoderModel(nn.Module):
         if len(metadata_by_group) == 1:
             return [0] * len(self.layers)
         # Unbound hybrid model: match each layer to the group whose spec has its kind.
-        kinds = [md.spec is not None and is_windowed(md.spec) for md in metadata_by_group]
-        return [kinds.index(layer.self_attn.sliding_window is not None) for layer in self.layers]
+        kinds = [_kind_of_spec(getattr(md, "spec", None)) for md in metadata_by_group]
+        return [kinds.index(_kind_of_layer(layer)) for layer in self.layers]
 
     @property
     def attention_shape(self) -> AttentionShape:
         """This rank's attention heads and head size."""
-        attn = self.layers[0].self_attn
+        attn = next((layer.self_attn for layer in self.layers if layer.self_attn is not None), None)
+        if attn is None:  # no attention layer at all (a pure state-space stack)
+            return AttentionShape(self.config.num_heads, self.config.num_kv_heads, self.config.head_dim)
         return AttentionShape(attn.num_heads, attn.num_kv_heads, attn.head_dim)
 
     def use_kernels(self, kernels: ModelKernels) -> None:
@@ -321,13 +349,14 @@ class DecoderModel(nn.Module):
             if out is not None:
                 return out
         hidden = self.embed(input_ids)
-        num_positions = max(md.max_seq_len for md in attn_metadata_by_group)
+        num_positions = max((md.max_seq_len for md in attn_metadata_by_group if isinstance(md, AttentionMetadata)),
+                            default=1)
         global_cos_sin = self.rotary_global.cos_sin(positions, hidden.dtype, num_positions)
         local_cos_sin = (self.rotary_local.cos_sin(positions, hidden.dtype, num_positions)
                          if self.rotary_local is not None else global_cos_sin)
         residual = None
         for layer, name, group_id in zip(self.layers, self.layer_names, group_ids):
-            cos_sin = local_cos_sin if layer.self_attn.sliding_window is not None else global_cos_sin
+            cos_sin = local_cos_sin if _kind_of_layer(layer) == "sliding" else global_cos_sin
             hidden, residual = layer(hidden, residual, cos_sin, attn_metadata_by_group[group_id], kv_caches[name])
         return self.norm.add_and_norm(hidden, residual)[0], None
 
@@ -337,6 +366,8 @@ class DecoderModel(nn.Module):
         hidden = self.embed_tokens(input_ids).to(self.norm.weight.dtype)
         if self.config.scales_embeddings:
             hidden = hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype)
+        if self.config.embedding_multiplier != 1.0:
+            hidden = hidden * self.config.embedding_multiplier
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -352,7 +383,22 @@ class DecoderModel(nn.Module):
 
     def _finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
         logits = logits.float()
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+def _kind_of_layer(layer: DecoderLayer) -> str:
+    """"state", "sliding" or "full": which kind of KV-cache group serves the layer."""
+    if layer.self_attn is None:
+        return "state"
+    return "sliding" if layer.self_attn.sliding_window is not None else "full"
+
+
+def _kind_of_spec(spec: KVCacheSpec | None) -> str:
+    if isinstance(spec, StateSpec):
+        return "state"
+    return "sliding" if spec is not None and is_windowed(spec) else "full"

@@ -125,6 +125,23 @@ class AttentionMetadata:
         return self._plans[key]
 
 
+@dataclass
+class StateMetadata:
+    """One state group's view of a step (stand-in for #29's interface until the KV side lands).
+
+    `query_start_loc` [B+1], `seq_lens` [B]; `read_slot` [B]: the slot holding each request's
+    state before this step (-1: zeros); after token `write_after[i]` (1..query_len) of request
+    `write_req[i]`, its state goes to slot `write_slot[i]`."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    read_slot: torch.Tensor
+    write_req: torch.Tensor
+    write_after: torch.Tensor
+    write_slot: torch.Tensor
+    num_draft_tokens: int = 0
+
+
 def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(request index, position) of every flat token."""
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
