@@ -280,18 +280,18 @@ def _granite_tensors(tensors: Iterator[tuple[str, torch.Tensor]],
     """Granite's tensors under the names `_route` knows (`_GRANITE_NAMES`), the shared expert's
     fused gate/up cut in two; `shared_is_mlp`: a model without routed experts, whose shared
     MLP is the layer's MLP."""
+    shared = ".mlp." if shared_is_mlp else ".shared_mlp."
     for name, tensor in tensors:
         for pattern, replacement in _GRANITE_NAMES:
             name = pattern.sub(replacement, name)
-        if shared_is_mlp:
-            name = name.replace(".shared_mlp.", ".mlp.")
         match = _SHARED_GATE_UP.fullmatch(name)
         if match is None or isinstance(tensor, QuantizedWeight):
-            yield name, tensor
+            yield name.replace(".shared_mlp.", shared), tensor
             continue
         gate, up = tensor.chunk(2, dim=0)
-        yield f"{match.group(1)}.gate_proj.{match.group(2)}", gate
-        yield f"{match.group(1)}.up_proj.{match.group(2)}", up
+        module = match.group(1).replace(".shared_mlp", shared.rstrip("."))
+        yield f"{module}.gate_proj.{match.group(2)}", gate
+        yield f"{module}.up_proj.{match.group(2)}", up
 
 
 def _route(name: str) -> tuple[str, str, str | None] | None:
