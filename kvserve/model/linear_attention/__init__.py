@@ -1,1 +1,2 @@
-"""Linear-attention and state-space token mixers: layers that keep a fixed-size state per request."""
+"""Linear-attention and state-space token mixers that keep a fixed-size recurrent state per
+request (Gated DeltaNet, Mamba-2) and the short causal convolution in front of them."""
