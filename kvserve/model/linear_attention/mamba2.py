@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvserve.model.linear_attention.causal_conv import causal_conv1d, state_after
+
 # Prefill tokens per SSD chunk: the intra-chunk part costs O(chunk^2) per head, the
 # inter-chunk recurrence one state update per chunk.
 SSD_CHUNK = 64
@@ -73,14 +75,6 @@ class Mamba2Params:
         return F.softplus(dt_raw.float() + self.dt_bias).clamp(self.dt_min, self.dt_max)
 
 
-def _conv_window(window: torch.Tensor, params: Mamba2Params) -> torch.Tensor:
-    """silu(sum_k window[..., k, :] * w[:, k] + b) for windows [..., K, conv_dim]."""
-    out = (window * params.conv_weight.t()).sum(dim=-2)
-    if params.conv_bias is not None:
-        out = out + params.conv_bias
-    return F.silu(out)
-
-
 def _split_xbc(shape: Mamba2Shape, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [..., H, P], B [..., H, N], C [..., H, N] (B and C repeated over their group's heads)."""
     lead = xbc.shape[:-1]
@@ -101,13 +95,15 @@ def decode_step(shape: Mamba2Shape, params: Mamba2Params, xbc: torch.Tensor, dt_
     """One token for each of B requests: xbc [B, conv_dim] (the conv's input), dt_raw [B, H],
     conv_state [B, K-1, conv_dim], ssm_state [B, H, P, N] -> (y [B, H*P] float32 before the
     gated norm, D skip included; new conv state; new SSM state)."""
-    window = torch.cat([conv_state.float(), xbc.float().unsqueeze(1)], dim=1)  # [B, K, conv_dim]
-    x, b, c = _split_xbc(shape, _conv_window(window, params))
+    one_each = list(range(len(xbc) + 1))
+    conv, padded = causal_conv1d(xbc.float(), params.conv_weight, conv_state.float(), one_each, params.conv_bias)
+    x, b, c = _split_xbc(shape, conv)
     dt = params.time_step(dt_raw)  # [B, H]
     decay = torch.exp(dt * params.A)[:, :, None, None]
     state = ssm_state.float() * decay + (dt[:, :, None] * x)[..., None] * b[:, :, None, :]
     y = (state @ c.unsqueeze(-1)).squeeze(-1) + params.D[:, None] * x
-    return y.reshape(len(xbc), shape.inner_size), window[:, 1:].contiguous(), state
+    new_conv = padded.reshape(len(xbc), shape.conv_kernel, shape.conv_dim)[:, 1:].contiguous()
+    return y.reshape(len(xbc), shape.inner_size), new_conv, state
 
 
 def prefill(shape: Mamba2Shape, params: Mamba2Params, xbc: torch.Tensor, dt_raw: torch.Tensor,
@@ -124,13 +120,12 @@ def prefill(shape: Mamba2Shape, params: Mamba2Params, xbc: torch.Tensor, dt_raw:
     if list(write_after) != sorted(set(write_after)) or (write_after and not 1 <= write_after[0] <= write_after[-1]
                                                           <= length):
         raise ValueError(f"write_after {write_after} must ascend within 1..{length}")
-    k1 = shape.conv_kernel - 1
-    inputs = torch.cat([conv_state.float(), xbc.float()])  # [K-1+L, conv_dim]
-    windows = inputs.unfold(0, shape.conv_kernel, 1).transpose(1, 2)  # [L, K, conv_dim]
-    x, b, c = _split_xbc(shape, _conv_window(windows, params))
+    conv, padded = causal_conv1d(xbc.float(), params.conv_weight, conv_state.float()[None], [0, length],
+                                 params.conv_bias)
+    x, b, c = _split_xbc(shape, conv)
     dt = params.time_step(dt_raw)
-    conv_snapshots = torch.stack([inputs[t:t + k1] for t in write_after]) if write_after else inputs.new_zeros(
-        (0, k1, shape.conv_dim))
+    conv_snapshots = torch.stack([state_after(padded, [0, length], 0, t, shape.conv_kernel) for t in write_after]) \
+        if write_after else padded.new_zeros((0, shape.conv_kernel - 1, shape.conv_dim))
     ys, snapshots = [], []
     state = ssm_state.float()
     start = 0
