@@ -270,7 +270,7 @@ class DecoderModel(nn.Module):
         for module in self.modules():
             if isinstance(module, SelfAttention):
                 module.backend, module.native_rotary = kernels.attention, kernels.native_ops
-            elif isinstance(module, (RMSNorm, GatedMLP)):
+            elif isinstance(module, (RMSNorm, GatedMLP, Mamba2Mixer)):
                 module.native = kernels.native_ops
 
     def pack_linear_weights(self, keep_plain: bool | None = None, panels: bool | None = None) -> bool:

@@ -10,7 +10,9 @@ import transformers
 
 from kvserve.kv_cache.interface import FullAttentionSpec, StateSpec
 from kvserve.model.config import ModelConfig
+from kvserve.model.kernels import ModelKernels
 from kvserve.model.loader import load_model
+from kvserve.native import cpu_kernels
 from helpers.tiny_models import min_router_margin, tiny_granite_hybrid_config
 from hybrid_runner import HybridRunner
 from paged_kv_helper import hf_forced_logits, hf_greedy, load_hf, prompts_of_lengths
@@ -110,12 +112,18 @@ def test_config_and_kv_specs(models):
     assert state.page_size_bytes == (3 * 192 + 8 * 16 * 16) * 4
 
 
-@pytest.mark.parametrize("variant", ["moe", "dense_rope"])
-def test_hybrid_matches_transformers_with_chunked_prefill(models, variant):
+@pytest.mark.parametrize("variant,native", [("moe", True), ("dense_rope", True), ("dense_rope", False)])
+def test_hybrid_matches_transformers_with_chunked_prefill(models, variant, native):
     """A mixed batch, prompts in chunks of 5 over blocks of 4 (snapshots inside chunks),
-    next to one-token steps: greedy tokens equal transformers', logits within the bound."""
+    next to one-token steps: greedy tokens equal transformers', logits within the bound;
+    decode steps through the C Mamba-2 step (`native`, its widest path here) or torch."""
     hf, config = models(variant)
     model = load_model(config)
+    if not native:
+        model.use_kernels(ModelKernels.torch_only())
+    elif cpu_kernels.load_library() is None:
+        pytest.skip("no native kernels")
+    assert all(layer.mamba.native == native for layer in model.layers if layer.mamba is not None)
     assert model.native_decoder is None
     prompts, expected = _reference(hf, prompts_of_lengths([3, 29, 17, 40, 1, 8, 23, 12]), variant == "moe")
     assert len(prompts) >= 4 and max(map(len, prompts.values())) > 20

@@ -146,3 +146,45 @@ def test_prefill_rejects_snapshot_offsets_out_of_order():
         prefill(SHAPE, _params(SHAPE, 0), xbc, dt_raw, conv0, ssm0, [5, 3])
     with pytest.raises(ValueError, match="write_after"):
         prefill(SHAPE, _params(SHAPE, 0), xbc, dt_raw, conv0, ssm0, [9])
+
+
+NATIVE_PATHS = [isa for isa in ("portable", "avx2", "avx512")]
+
+
+@pytest.mark.parametrize("isa", NATIVE_PATHS)
+def test_native_decode_step_matches_torch_reference(isa):
+    """The C step (csrc/ssm/mamba2_step.c) on each path this machine runs, against the torch
+    step: 12 tokens for 3 requests, from a zero state (slot -1), a state in another slot, and
+    a state updated in place; outputs and states within twice the step's bound (each is within
+    the bound of the float64 loop). A state size of 20 leaves a tail after 16 and 8 lanes."""
+    from kvserve.native import cpu_kernels, dispatch
+    if cpu_kernels.load_library() is None or not dispatch.available("mamba2", isa):
+        pytest.skip(f"no {isa} path here")
+    shape = Mamba2Shape(num_heads=6, head_dim=4, state_size=20, n_groups=3, conv_kernel=4)
+    params = _params(shape, 9)
+    runs = [_inputs(shape, 12, seed) for seed in (10, 11, 12)]
+    conv_cache = torch.zeros(8, *shape.state_shapes[0])
+    ssm_cache = torch.zeros(8, *shape.state_shapes[1])
+    conv_cache[2], ssm_cache[2] = runs[1][2], runs[1][3]
+    conv_cache[5], ssm_cache[5] = runs[2][2], runs[2][3]
+    read, write = torch.tensor([-1, 2, 5]), torch.tensor([1, 3, 5])
+    conv = torch.stack([torch.zeros_like(runs[0][2]), runs[1][2], runs[2][2]])
+    ssm = torch.stack([torch.zeros_like(runs[0][3]), runs[1][3], runs[2][3]])
+    weight = params.conv_weight.contiguous()
+    for t in range(12):
+        xbc = torch.stack([run[0][t] for run in runs])
+        dt_raw = torch.stack([run[1][t] for run in runs])
+        y_native = cpu_kernels.mamba2_decode_step(xbc, dt_raw, conv_cache, ssm_cache, read, write, weight,
+                                                  params.conv_bias, params.dt_bias, params.A, params.D,
+                                                  (params.dt_min, params.dt_max), shape.n_groups, isa=isa)
+        y, conv, ssm = decode_step(shape, params, xbc, dt_raw, conv, ssm)
+        read = write
+        gamma = 2 * _gamma(_depth(shape, params, dt_raw, t + 1, 1))
+        # Magnitudes: the float64 loop on |terms| over the tokens so far, for each request.
+        for i, (xs, dts, conv0, ssm0) in enumerate(runs):
+            mag_y, _, mag_ssm = _reference(shape, params, xs[:t + 1], dts[:t + 1],
+                                           conv0 if i else torch.zeros_like(conv0),
+                                           ssm0 if i else torch.zeros_like(ssm0), magnitudes=True)
+            assert ((y_native[i] - y[i]).abs().double() <= gamma * mag_y[-1]).all()
+            assert ((ssm_cache[write[i]] - ssm[i]).abs().double() <= gamma * mag_ssm[-1]).all()
+            assert torch.equal(conv_cache[write[i]], conv[i])

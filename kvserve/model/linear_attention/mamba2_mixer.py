@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.native import cpu_kernels, dispatch
 from kvserve.model.config import ModelConfig
 from kvserve.model.linear_attention import mamba2
 from kvserve.model.parallel import ColumnParallelLinear, RowParallelLinear, TPContext
@@ -64,6 +65,8 @@ class Mamba2Mixer(nn.Module):
         self.norm = GatedRMSNorm(inner, cfg.n_groups, config.rms_norm_eps)
         self.out_proj = RowParallelLinear(inner, config.hidden_size, cfg.proj_bias, tp)
         self.dt_range = (cfg.dt_min, cfg.dt_max)
+        self.native = False  # the C decode step (`DecoderModel.use_kernels`: the runner's choice)
+        self._params: mamba2.Mamba2Params | None = None
 
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -71,16 +74,21 @@ class Mamba2Mixer(nn.Module):
         return self.shape.state_shapes
 
     def params(self) -> mamba2.Mamba2Params:
-        """The SSM parameters in float32 (as the kernels take them)."""
-        bias = self.conv1d.bias
-        return mamba2.Mamba2Params(conv_weight=self.conv1d.weight.float()[:, 0], conv_bias=None if bias is None else
-                                   bias.float(), dt_bias=self.dt_bias.float(), A=-torch.exp(self.A_log.float()),
-                                   D=self.D.float(), dt_min=self.dt_range[0], dt_max=self.dt_range[1])
+        """The SSM parameters in float32, contiguous (as the kernels take them), made once:
+        the weights do not change after loading."""
+        if self._params is None:
+            bias = self.conv1d.bias
+            self._params = mamba2.Mamba2Params(
+                conv_weight=self.conv1d.weight.float()[:, 0].contiguous(),
+                conv_bias=None if bias is None else bias.float().contiguous(), dt_bias=self.dt_bias.float(),
+                A=-torch.exp(self.A_log.float()), D=self.D.float(), dt_min=self.dt_range[0], dt_max=self.dt_range[1])
+        return self._params
 
     def forward(self, hidden: torch.Tensor, metadata, state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inner, heads = self.shape.inner_size, self.shape.num_heads
         gate, xbc, dt = self.in_proj(hidden).split([inner, self.shape.conv_dim, heads], dim=-1)
-        y = scan_requests(self.shape, self.params(), xbc, dt, metadata, state)
+        native = self.native and hidden.device.type == "cpu" and all(t.dtype == torch.float32 for t in state)
+        y = scan_requests(self.shape, self.params(), xbc, dt, metadata, state, native)
         return self.out_proj(self.norm(y, gate))
 
 
@@ -94,10 +102,30 @@ def _start_states(state: tuple[torch.Tensor, torch.Tensor], read_slot: torch.Ten
     return conv, ssm
 
 
+def _native_decodes(shape: mamba2.Mamba2Shape, params: mamba2.Mamba2Params, xbc: torch.Tensor, dt: torch.Tensor,
+                    read_slot: torch.Tensor, writes: list[list[tuple[int, int]]],
+                    state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The C step for one-token requests (rows of xbc/dt), each reading `read_slot` and writing
+    its first write's slot; its other writes (a snapshot at a block boundary) copied from there."""
+    first = torch.tensor([req_writes[0][1] for req_writes in writes], device=xbc.device)
+    y = cpu_kernels.mamba2_decode_step(xbc.float().contiguous(), dt.float().contiguous(), state[0], state[1],
+                                       read_slot, first, params.conv_weight, params.conv_bias, params.dt_bias,
+                                       params.A, params.D, (params.dt_min, params.dt_max), shape.n_groups,
+                                       isa=dispatch.widest("mamba2"))
+    extra = [(primary, slot) for primary, req_writes in zip(first.tolist(), writes) for _, slot in req_writes[1:]]
+    if extra:
+        sources = torch.tensor([source for source, _ in extra], device=xbc.device)
+        slots = torch.tensor([slot for _, slot in extra], device=xbc.device)
+        for cache in state:
+            cache.index_copy_(0, slots, cache.index_select(0, sources))
+    return y
+
+
 def scan_requests(shape: mamba2.Mamba2Shape, params: mamba2.Mamba2Params, xbc: torch.Tensor, dt: torch.Tensor,
-                  metadata, state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """The SSM output [T, H*P] (float32) of a flat batch: one-token requests stepped together,
-    longer ones scanned one by one; every state the metadata asks for written to its slot."""
+                  metadata, state: tuple[torch.Tensor, torch.Tensor], native: bool = False) -> torch.Tensor:
+    """The SSM output [T, H*P] (float32) of a flat batch: one-token requests stepped together
+    (with `native`, by the C step), longer ones scanned one by one; every state the metadata asks
+    for written to its slot."""
     starts = metadata.query_start_loc.tolist()
     query_lens = [end - start for start, end in zip(starts, starts[1:])]
     writes: dict[int, list[tuple[int, int]]] = {}
@@ -107,7 +135,12 @@ def scan_requests(shape: mamba2.Mamba2Shape, params: mamba2.Mamba2Params, xbc: t
     read_slot = metadata.read_slot.long()
     y = torch.zeros(len(xbc), shape.inner_size, dtype=torch.float32, device=xbc.device)
     decodes = [req for req, length in enumerate(query_lens) if length == 1]
-    if decodes:
+    if decodes and native and all(writes.get(req) for req in decodes):
+        rows = torch.tensor([starts[req] for req in decodes], device=xbc.device)
+        reads = read_slot[torch.tensor(decodes, device=xbc.device)]
+        y.index_copy_(0, rows, _native_decodes(shape, params, xbc.index_select(0, rows), dt.index_select(0, rows),
+                                               reads, [writes[req] for req in decodes], state))
+    elif decodes:
         rows = torch.tensor([starts[req] for req in decodes], device=xbc.device)
         conv0, ssm0 = _start_states(state, read_slot[torch.tensor(decodes, device=xbc.device)])
         y_rows, conv1, ssm1 = mamba2.decode_step(shape, params, xbc.index_select(0, rows), dt.index_select(0, rows),
