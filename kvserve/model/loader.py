@@ -325,14 +325,13 @@ def _check_complete(model: DecoderModel, loaded: set[str]) -> None:
     expected = []
     for layer_idx in range(model.config.num_layers):
         prefix = f"layers.{layer_idx}"
-        if model.layers[layer_idx].mamba is not None:
-            mixer = f"{prefix}.mamba"
-            expected += [f"{mixer}.{name}" for name in ("in_proj.weight", "conv1d.weight", "dt_bias", "A_log", "D", "norm.weight",
-                                                        "out_proj.weight")]
+        layer = model.layers[layer_idx]
+        if layer.is_state_layer:
+            expected += layer.mixer.checkpoint_weight_names(f"{prefix}.{layer.mixer_name}")
         else:
             expected += [f"{prefix}.self_attn.qkv_proj.weight:{s}" for s in "qkv"]
             expected.append(f"{prefix}.self_attn.o_proj.weight")
-        if model.layers[layer_idx].shared_mlp is not None:
+        if layer.shared_mlp is not None:
             expected += [f"{prefix}.shared_mlp.{name}" for name in ("down_proj.weight", "gate_up_proj.weight:gate",
                                                                   "gate_up_proj.weight:up")]
         if model.config.sparse_layers[layer_idx]:

@@ -95,7 +95,8 @@ class HybridRunner:
         state = StateMetadata(
             query_start_loc=attention.query_start_loc, seq_lens=attention.seq_lens,
             read_slot=torch.tensor(read_slot), write_req=torch.tensor([w[0] for w in writes]),
-            write_after=torch.tensor([w[1] for w in writes]), write_slot=torch.tensor([w[2] for w in writes]))
+            write_after=torch.tensor([w[1] for w in writes]), write_slot=torch.tensor([w[2] for w in writes]),
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens), spec=self.specs[self.state_layers[0]])
         rows = torch.tensor(query_lens).cumsum(0) - 1
         with torch.inference_mode():
             logits = self.model.forward_logits(torch.tensor(input_ids), torch.tensor(positions), [attention, state],

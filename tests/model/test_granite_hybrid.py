@@ -106,7 +106,7 @@ def test_config_and_kv_specs(models):
     assert not config.use_rope and config.attention_scale == 0.25
     specs = load_model(config).kv_cache_specs(4)
     assert isinstance(specs["model.layers.1.self_attn.attn"], FullAttentionSpec)
-    state = specs["model.layers.0.mamba"]
+    state = specs["model.layers.0.mamba.state"]
     # conv state: the last 3 inputs of 128 + 2 * 2 * 16 conv channels; SSM state: heads x channels x state.
     assert isinstance(state, StateSpec) and state.shapes == ((3, 192), (8, 16, 16))
     assert state.page_size_bytes == (3 * 192 + 8 * 16 * 16) * 4
@@ -123,7 +123,7 @@ def test_hybrid_matches_transformers_with_chunked_prefill(models, variant, nativ
         model.use_kernels(ModelKernels.torch_only())
     elif cpu_kernels.load_library() is None:
         pytest.skip("no native kernels")
-    assert all(layer.mamba.native == native for layer in model.layers if layer.mamba is not None)
+    assert all(layer.mixer.native == native for layer in model.layers if layer.is_state_layer)
     assert model.native_decoder is None
     prompts, expected = _reference(hf, prompts_of_lengths([3, 29, 17, 40, 1, 8, 23, 12]), variant == "moe")
     assert len(prompts) >= 4 and max(map(len, prompts.values())) > 20

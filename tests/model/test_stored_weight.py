@@ -7,12 +7,16 @@ The bound of the row kernel. It quantizes x per 32 columns to int8, x ~ dx * qx
 so activation rounding is not part of the comparison. A type's kernel splits each weight
 value as w = A - B: A the part that scales the quant (d * sc * q, summed as integers
 against qx, exactly), B the block's minimum or offset (times sx = dx * sum qx). Every output
-is a float32 sum of T terms (the per-32-column scale terms and minimum terms: T <= 2 in / 32
-+ 2 per 256 columns), each a product of at most four rounded float32 factors, so each term
-carries a relative error of at most 4u (u = 2^-24) and any summation order of T terms adds
-at most (T - 1) u times the sum of their magnitudes. The oracle's dequantized w is ggml's
-float32 value, which differs from the exact A - B by at most 3u (|A| + |B|) (d * sc, * q,
-- m). So |kernel - oracle| <= (T + 7) u S with S = sum_i (|A_i| + |B_i|) |xq_i|. S is taken
+is a float32 sum of terms, each a product of at most four rounded float32 factors (a relative
+error of at most 4u, u = 2^-24), and the sum's error is at most u times the sum over terms of
+|term| times the additions it passes through. Per 32 columns there are at most two terms (the
+scale term and the minimum term; per 16 columns for Q2_K's minimums, Q3_K and Q6_K's scales,
+still at most two additions per 32 columns in one lane): T <= 2 in / 32 + 2 per 256 columns
+in all. A term passes through at most T - 1 additions in a scalar sum; the vector tiles keep
+8 lanes, each a chain of at most T additions, then add the lanes (3), the separately summed
+minimum terms and the bias (2): at most T + 5. The oracle's dequantized w is ggml's float32
+value, which differs from the exact A - B by at most 3u (|A| + |B|) (d * sc, * q, - m). So
+|kernel - oracle| <= (T + 12) u S with S = sum_i (|A_i| + |B_i|) |xq_i|. S is taken
 from the blocks themselves without a second decoder: B is the value of the same block with
 its quant bytes zeroed (w0), A = w - w0, and |A| + |B| <= |w - w0| + |w0| for every type
 (for types with no B, w0 is some value and the sum only grows). The float64 oracle's own
@@ -38,7 +42,14 @@ pytestmark = pytest.mark.skipif(build.load_library() is None, reason="no C compi
 U = 2.0 ** -24
 # Bytes of a block that hold its quants (zeroed to find the block's minimum/offset part).
 QUANT_BYTES = {"Q4_0": slice(2, 18), "Q4_1": slice(4, 20), "Q8_0": slice(2, 34), "Q4_K": slice(16, 144),
-               "Q6_K": slice(0, 192)}
+               "Q6_K": slice(0, 192), "Q5_0": slice(2, 22), "Q5_1": slice(4, 24), "Q5_K": slice(16, 176),
+               "Q3_K": slice(0, 96), "Q2_K": slice(16, 80), "IQ4_NL": slice(2, 18), "IQ4_XS": slice(8, 136),
+               "MXFP4": slice(1, 17)}
+# Types gguf-py does not quantize are random bytes but for their f16 scales: (first byte, how
+# many f16 values, range). A signed range where the quants are signed (the sign of d matters).
+F16_SCALES = {"Q4_K": (0, 2, 0.001, 0.02), "Q6_K": (208, 1, 0.0005, 0.005), "Q5_K": (0, 2, 0.001, 0.02),
+              "Q3_K": (108, 1, -0.02, 0.02), "Q2_K": (80, 2, 0.001, 0.02), "IQ4_NL": (0, 1, -0.02, 0.02),
+              "IQ4_XS": (0, 1, -0.002, 0.002)}
 TYPES = tuple(QUANT_BYTES)
 PATHS = [isa for isa in ISAS if dispatch.available("quant", isa)]
 
@@ -55,13 +66,9 @@ def _random_blocks(type_name: str, rows: int, in_features: int, rng: np.random.G
     block_cols, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (rows, in_features // block_cols, block_bytes), dtype=np.uint8)
 
-    def f16(count_shape, low, high):
-        return rng.uniform(low, high, count_shape).astype(np.float16).view(np.uint8).reshape(*count_shape[:-1], -1)
-
-    if type_name == "Q4_K":
-        blocks[..., 0:4] = f16((rows, blocks.shape[1], 2), 0.001, 0.02)  # d, dmin
-    elif type_name == "Q6_K":
-        blocks[..., 208:210] = f16((rows, blocks.shape[1], 1), 0.0005, 0.005)
+    first, count, low, high = F16_SCALES[type_name]
+    scales = rng.uniform(low, high, (rows, blocks.shape[1], count)).astype(np.float16)
+    blocks[..., first:first + 2 * count] = scales.view(np.uint8).reshape(rows, blocks.shape[1], 2 * count)
     return blocks.reshape(rows, -1)
 
 
@@ -125,7 +132,7 @@ def _oracle_and_bound(weight: StoredWeight, x: torch.Tensor) -> tuple[np.ndarray
                            gguf.GGMLQuantizationType[weight.type_name]).astype(np.float64)
     magnitude = np.abs(xq) @ (np.abs(w - w0) + np.abs(w0)).T
     terms = 2 * weight.in_features // 32 + 2 * weight.in_features // 256
-    return xq @ w.T, (terms + 7) * U * magnitude
+    return xq @ w.T, (terms + 12) * U * magnitude
 
 
 @pytest.mark.parametrize("isa", PATHS)

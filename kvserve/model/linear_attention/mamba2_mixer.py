@@ -16,8 +16,7 @@ from kvserve.native import cpu_kernels, dispatch
 from kvserve.model.config import ModelConfig
 from kvserve.model.linear_attention import mamba2
 from kvserve.model.parallel import ColumnParallelLinear, RowParallelLinear, TPContext
-
-STATE_DTYPE = torch.float32
+from kvserve.model.state_layers import StateMixer, read_states, register_state_layer
 
 
 class GatedRMSNorm(nn.Module):
@@ -45,10 +44,13 @@ class DepthwiseConv(nn.Module):
         self.bias = nn.Parameter(torch.zeros(channels), requires_grad=False) if bias else None
 
 
-class Mamba2Mixer(nn.Module):
+@register_state_layer("mamba", "mamba")
+class Mamba2Mixer(StateMixer):
     """One Mamba-2 layer: [T, hidden] -> [T, hidden] over the requests' state slots."""
 
-    def __init__(self, config: ModelConfig, tp: TPContext) -> None:
+    state_dtype = torch.float32  # whatever the model's dtype: the recurrence accumulates in it
+
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPContext) -> None:
         super().__init__()
         if tp.size > 1:
             raise ValueError(f"{config.architecture}: Mamba-2 layers under tensor parallelism are not supported yet")
@@ -95,11 +97,7 @@ class Mamba2Mixer(nn.Module):
 def _start_states(state: tuple[torch.Tensor, torch.Tensor], read_slot: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of the slots `read_slot` [n] holds, zeros where it is -1."""
-    fresh = read_slot < 0
-    conv, ssm = (cache.index_select(0, read_slot.clamp(min=0)) for cache in state)
-    if bool(fresh.any()):
-        conv[fresh], ssm[fresh] = 0, 0
-    return conv, ssm
+    return read_states(state[0], read_slot), read_states(state[1], read_slot)
 
 
 def _native_decodes(shape: mamba2.Mamba2Shape, params: mamba2.Mamba2Params, xbc: torch.Tensor, dt: torch.Tensor,

@@ -30,6 +30,14 @@ static const GgufType *const TYPES[] = {
     &gguf_q8_0,
     &gguf_q4_k,
     &gguf_q6_k,
+    &gguf_q5_0,
+    &gguf_q5_1,
+    &gguf_q5_k,
+    &gguf_q3_k,
+    &gguf_q2_k,
+    &gguf_iq4_nl,
+    &gguf_iq4_xs,
+    &gguf_mxfp4,
 };
 
 static const GgufType *type_of(int type) {

@@ -100,5 +100,6 @@ GGUF_INLINE float gguf_f16(const uint8_t *p) { return f16_value((uint16_t)(p[0] 
 /* ---- the types (one file each) --------------------------------------------------- */
 
 extern const GgufType gguf_q4_0, gguf_q4_1, gguf_q8_0, gguf_q4_k, gguf_q6_k;
+extern const GgufType gguf_q5_0, gguf_q5_1, gguf_q5_k, gguf_q3_k, gguf_q2_k, gguf_iq4_nl, gguf_iq4_xs, gguf_mxfp4;
 
 #endif
