@@ -58,6 +58,25 @@ def tiny_moe_config(family: str, vocab_size: int, window: int | None = 12):
     raise ValueError(family)
 
 
+# The bound on |kvserve's logit - transformers' logit| for `tiny_granite_hybrid_config`, relative
+# to the logits' scale (at least 1), both in float32.
+# Both run the same float32 operations outside reductions; the reductions may be ordered
+# differently: matmuls (blocked by row count), paged attention, and the SSM, which
+# transformers scans in chunks of 256 tokens (a prompt) or one token (a step) and we in
+# chunks of 64 cut at snapshot points. Reordering a float32 sum of n terms moves it by at most
+# gamma_n * sum|terms|, gamma_n ~ n * 2**-24 (Higham 3.1); the widest reduction here has
+# n = 128 terms (the output projection), gamma = 7.6e-6. An SSD decay weight exp(S) is
+# computed from a sum S of up to 64 log-decays, which float32 sums to a relative error
+# gamma_64, so the weight errs by exp(S) |S| gamma_64 <= gamma_64 / e: one more such stage.
+# A logit lies at the end of at most 12 reduction stages per layer (in_proj, conv, the
+# chunk's sums, C.h, the chunk states, decay weights, the gated norm, out_proj, router,
+# expert gate/up and down, shared gate/up and down: counted as 12 of the widest) over 4
+# layers plus the LM head: 49 stages. With RMSNorm rescaling every layer's input and sum|terms|
+# about the size of the result for these random weights (a large init range), the errors add
+# to at most 49 * 7.6e-6 = 3.7e-4 of the logits' scale.
+GRANITE_HYBRID_BOUND = 3.7e-4
+
+
 def tiny_granite_hybrid_config(vocab_size: int, experts: bool = True, rope: bool = False):
     """A tiny Granite 4 hybrid (GraniteMoeHybridForCausalLM): four layers, Mamba-2 (8 heads of
     16 channels, 2 groups, state 16, conv 4) except the second (attention, 4 heads of 16, 2 KV

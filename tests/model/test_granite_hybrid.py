@@ -13,28 +13,15 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.kernels import ModelKernels
 from kvserve.model.loader import load_model
 from kvserve.native import cpu_kernels
-from helpers.tiny_models import min_router_margin, tiny_granite_hybrid_config
+from helpers.tiny_models import GRANITE_HYBRID_BOUND, min_router_margin, tiny_granite_hybrid_config
 from hybrid_runner import HybridRunner
 from paged_kv_helper import hf_forced_logits, hf_greedy, load_hf, prompts_of_lengths
 
 VOCAB = 256
 NUM_NEW = 6
-# The bound on |our logit - transformers' logit|, relative to the logits' scale (at least 1).
-# Both run the same float32 operations outside reductions; the reductions may be ordered
-# differently: matmuls (blocked by row count), paged attention, and the SSM, which
-# transformers scans in chunks of 256 tokens (a prompt) or one token (a step) and we in
-# chunks of 64 cut at snapshot points. Reordering a float32 sum of n terms moves it by at most
-# gamma_n * sum|terms|, gamma_n ~ n * 2**-24 (Higham 3.1); the widest reduction here has
-# n = 128 terms (the output projection), gamma = 7.6e-6. An SSD decay weight exp(S) is
-# computed from a sum S of up to 64 log-decays, which float32 sums to a relative error
-# gamma_64, so the weight errs by exp(S) |S| gamma_64 <= gamma_64 / e: one more such stage.
-# A logit lies at the end of at most 12 reduction stages per layer (in_proj, conv, the
-# chunk's sums, C.h, the chunk states, decay weights, the gated norm, out_proj, router,
-# expert gate/up and down, shared gate/up and down: counted as 12 of the widest) over 4
-# layers plus the LM head: 49 stages. With RMSNorm rescaling every layer's input and sum|terms|
-# about the size of the result for these random weights (a large init range), the errors add
-# to at most 49 * 7.6e-6 = 3.7e-4 of the logits' scale.
-MAX_RELATIVE_DIFF = 3.7e-4
+# The bound on |our logit - transformers' logit| relative to the logits' scale, derived where
+# the tiny config is defined (helpers/tiny_models.py).
+MAX_RELATIVE_DIFF = GRANITE_HYBRID_BOUND
 
 
 @pytest.fixture(scope="module")
