@@ -94,10 +94,11 @@ def test_granite_engine_matches_transformers_with_prefix_hits(model_and_prompts,
 
 
 def test_granite_engine_preemption_matches_transformers(model_and_prompts):
-    """A pool too small for every request at once: requests are preempted, drop their state
-    and recompute it, under async scheduling."""
+    """A pool of 24 blocks (each an attention page and a page of each state layer) for up to 8
+    requests of up to 40 tokens, no prefix caching: requests are preempted, drop their state and
+    recompute it from zeros, under async scheduling."""
     path, prompts, expected = model_and_prompts
-    core = make_engine(path, kv_cache_memory="600KiB", async_scheduling=True)
+    core = make_engine(path, kv_cache_memory="800KiB", async_scheduling=True, enable_prefix_caching=False)
     try:
         _check(core, prompts, expected)
         assert core.get_stats().num_preemptions > 0
