@@ -58,10 +58,9 @@ class SelfAttention(nn.Module):
         self.clip_qkv = config.clip_qkv
         self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == "sliding" else None
         self.sinks = None
+        self.tp_rank, self.total_heads = tp.rank, config.num_heads
         if config.attention_sinks:
-            if tp.size > 1:
-                raise ValueError(f"{config.architecture}: attention sinks under tensor parallelism are not "
-                                 "supported yet")
+            # One logit per query head: a rank keeps those of its own heads.
             self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
         self.use_rope = config.use_rope
         self.params = AttentionParams(scale=config.attention_scale, softcap=config.attn_logit_softcapping,
@@ -69,6 +68,15 @@ class SelfAttention(nn.Module):
         # Set by `DecoderModel.use_kernels` (the runner's choice).
         self.backend: AttentionBackend = ModelKernels.torch_only().attention
         self.native_rotary = False
+
+    def load_weight(self, param_kind: str, tensor: torch.Tensor, shard: str | None) -> None:
+        """The checkpoint's `sinks` [all query heads]: this rank's heads' part."""
+        if param_kind != "sinks" or self.sinks is None:
+            raise ValueError(f"attention has no parameter {param_kind!r}")
+        if tensor.shape != (self.total_heads,):
+            raise ValueError(f"shape mismatch for sinks: model ({self.total_heads},), checkpoint {tuple(tensor.shape)}")
+        first = self.tp_rank * self.num_heads
+        self.sinks.data.copy_(tensor[first:first + self.num_heads])
 
     def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 metadata: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:

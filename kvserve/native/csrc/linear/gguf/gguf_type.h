@@ -23,6 +23,7 @@
 #define KVSERVE_GGUF_TYPE_H
 
 #include <stdint.h>
+#include <string.h>
 
 #include "bf16.h"
 #include "kvserve.h"
@@ -48,7 +49,7 @@ typedef struct {
     const int8_t *qx;     /* the tile's first activation row; the next ones `in` apart */
     const float *dx, *sx; /* its scales and dx * sum(qx); the next rows in / 32 apart */
     int64_t in;           /* columns */
-    int rows, batch;      /* 1..GGUF_TILE_ROWS, 1..GGUF_TILE_BATCH */
+    int rows, batch;      /* GGUF_TILE_ROWS or 1, 1..GGUF_TILE_BATCH */
 } GgufTile;
 
 /* sums[r][b] = sum over the row of W[r] . x[b] (minimums and offsets included). */
@@ -80,6 +81,45 @@ typedef struct {
 #define GGUF_AVX512(fn) NULL
 #endif
 
+/* A tile function `name` running BODY(t, sums, R, B) with the tile's rows (R: 4 or 1) and
+ * batch (B: 1..4) as constants, so that its accumulators live in registers. */
+#define GGUF_TILE_VARIANTS(name, BODY)                                                   \
+    static void name(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH]) {  \
+        const int one = t->rows == 1;                                                    \
+        switch (t->batch) {                                                              \
+        case 1: if (one) BODY(t, sums, 1, 1); else BODY(t, sums, GGUF_TILE_ROWS, 1); return; \
+        case 2: if (one) BODY(t, sums, 1, 2); else BODY(t, sums, GGUF_TILE_ROWS, 2); return; \
+        case 3: if (one) BODY(t, sums, 1, 3); else BODY(t, sums, GGUF_TILE_ROWS, 3); return; \
+        default: if (one) BODY(t, sums, 1, 4); else BODY(t, sums, GGUF_TILE_ROWS, 4); return; \
+        }                                                                                \
+    }
+
+#if KV_HAVE_AVX2_FMA
+/* The sum of the 8 float lanes of a ymm accumulator, in one fixed order. */
+GGUF_INLINE float gguf_sum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+#if KV_HAVE_AVX512_VNNI
+/* The sum of the 8 + 8 float lanes of a zmm accumulator, in one fixed order. */
+GGUF_INLINE float gguf_sum512(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+/* Sixteen lanes: lanes 0-7 take element `a` of v, lanes 8-15 element `b`. */
+GGUF_INLINE __m512 gguf_spread2(__m256 v, int a, int b) {
+    const __m512i idx = _mm512_set_epi32(b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a);
+    return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(v));
+}
+
+/* 32 bytes of nibbles -> 64 quants: the low nibbles (lanes 0-31), then the high ones. */
+GGUF_INLINE __m512i gguf_nibbles64(__m256i bytes) {
+    const __m512i wide = _mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1);
+    return _mm512_and_si512(wide, _mm512_set1_epi8(15));
+}
+#endif
+
 /* ---- shared by the K-quant types -------------------------------------------------- */
 
 /* The 6-bit scales and minimums of the eight sub-blocks of a Q4_K / Q5_K super-block,
@@ -95,7 +135,27 @@ GGUF_INLINE void gguf_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
     }
 }
 
-GGUF_INLINE float gguf_f16(const uint8_t *p) { return f16_value((uint16_t)(p[0] | (p[1] << 8))); }
+/* An f16 field of a block (exact: every half is a float). */
+GGUF_INLINE float gguf_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    return f16_value(h);
+#endif
+}
+
+/* gguf_k_scales as two 8-byte words: the scales (byte j: sub-block j), then the minimums. */
+GGUF_INLINE void gguf_k_scale_words(const uint8_t *s, uint64_t *scales, uint64_t *mins) {
+    uint32_t a, b, c;
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    const uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, two = 0x03030303u;
+    *scales = (a & six) | (uint64_t)((c & four) | (((a >> 6) & two) << 4)) << 32;
+    *mins = (b & six) | (uint64_t)(((c >> 4) & four) | (((b >> 6) & two) << 4)) << 32;
+}
 
 /* ---- the types (one file each) --------------------------------------------------- */
 

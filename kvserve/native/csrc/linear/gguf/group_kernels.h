@@ -23,6 +23,8 @@
  *   static void block_head(const uint8_t *block, BlockHead *h);          the block's scales
  *   static void group_quants(const uint8_t *block, int g, int8_t q[32]);  group g's quants
  *   static __m256i group_quants256(const uint8_t *block, int g);          the same (AVX2 builds)
+ * and, where it brings its own AVX512-VNNI tile (the types that matter most do: their layouts
+ * decode 64 columns at a time), AVX512_TILE, that tile's name, defined after the include.
  */
 #ifndef KVSERVE_GGUF_GROUP_KERNELS_H
 #define KVSERVE_GGUF_GROUP_KERNELS_H
@@ -126,11 +128,38 @@ GGUF_INLINE __m256i group_sums(__m256i u, __m256i x, __m256i sub16, int vnni) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), SCALES_PER_16 ? sub16 : _mm256_set1_epi16(1));
 }
 
+/* Group g of the blocks block[r] (heads h[r]), activation block `at`, into acc (and mins). */
+GGUF_INLINE void step256(const GgufTile *t, const uint8_t *const block[], const BlockHead h[], int g, int64_t at,
+                         __m256 acc[][GGUF_TILE_BATCH], float mins[][GGUF_TILE_BATCH], const int ROWS,
+                         const int BATCH, int vnni) {
+    const int64_t nb = t->in / GROUP;
+    __m256i u[GGUF_TILE_ROWS], q[GGUF_TILE_ROWS], sub16[GGUF_TILE_ROWS], min16[GGUF_TILE_ROWS];
+    for (int r = 0; r < ROWS; r++) {
+        q[r] = group_quants256(block[r], g);
+        u[r] = QUANTS_SIGNED ? _mm256_abs_epi8(q[r]) : q[r];
+        sub16[r] = SCALES_PER_16 ? halves16(h[r].sub[2 * g], h[r].sub[2 * g + 1]) : _mm256_setzero_si256();
+        min16[r] = MINS == MINS_PER_16 ? halves16(h[r].min[2 * g], h[r].min[2 * g + 1]) : _mm256_setzero_si256();
+    }
+    for (int b = 0; b < BATCH; b++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(t->qx + b * t->in + at * GROUP));
+        const float dxb = t->dx[b * nb + at];
+        __m256i xpairs = _mm256_setzero_si256(); /* MINS_PER_16: sums of pairs of qx */
+        if (MINS == MINS_PER_16) xpairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), x);
+        for (int r = 0; r < ROWS; r++) {
+            __m256i s = group_sums(u[r], QUANTS_SIGNED ? _mm256_sign_epi8(x, q[r]) : x, sub16[r], vnni);
+            acc[r][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(h[r].scale[g] * dxb), acc[r][b]);
+            if (MINS == MINS_PER_16)
+                acc[r][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(xpairs, min16[r])),
+                                            _mm256_set1_ps(h[r].min_scale * dxb), acc[r][b]);
+            if (MINS == MINS_PER_32) mins[r][b] += h[r].offset[g] * t->sx[b * nb + at];
+        }
+    }
+}
+
 /* A tile with ROWS x BATCH constant (the accumulators stay in registers). Each (row,
  * activation row) pair takes the same float operations whatever the tile's shape. */
 GGUF_INLINE void tile256(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH], const int ROWS,
                          const int BATCH, int vnni) {
-    const int64_t nb = t->in / GROUP;
     __m256 acc[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
     float mins[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
     for (int r = 0; r < ROWS; r++)
@@ -139,73 +168,128 @@ GGUF_INLINE void tile256(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE
             mins[r][b] = 0.0f;
         }
     BlockHead h[GGUF_TILE_ROWS];
+    const uint8_t *block[GGUF_TILE_ROWS];
     for (int64_t k = 0; k < t->blocks; k++) {
-        const uint8_t *block[GGUF_TILE_ROWS];
         for (int r = 0; r < ROWS; r++) {
             block[r] = t->w + r * t->row_bytes + k * BLOCK_BYTES;
             block_head(block[r], &h[r]);
         }
-        for (int g = 0; g < GROUPS; g++) {
-            const int64_t at = k * GROUPS + g;
-            __m256i u[GGUF_TILE_ROWS], q[GGUF_TILE_ROWS], sub16[GGUF_TILE_ROWS], min16[GGUF_TILE_ROWS];
-            for (int r = 0; r < ROWS; r++) {
-                q[r] = group_quants256(block[r], g);
-                u[r] = QUANTS_SIGNED ? _mm256_abs_epi8(q[r]) : q[r];
-                sub16[r] = SCALES_PER_16 ? halves16(h[r].sub[2 * g], h[r].sub[2 * g + 1]) : _mm256_setzero_si256();
-                min16[r] = MINS == MINS_PER_16 ? halves16(h[r].min[2 * g], h[r].min[2 * g + 1]) : _mm256_setzero_si256();
-            }
-            for (int b = 0; b < BATCH; b++) {
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(t->qx + b * t->in + at * GROUP));
-                const float dxb = t->dx[b * nb + at];
-                __m256i xpairs = _mm256_setzero_si256(); /* MINS_PER_16: sums of pairs of qx */
-                if (MINS == MINS_PER_16) xpairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), x);
-                for (int r = 0; r < ROWS; r++) {
-                    __m256i s = group_sums(u[r], QUANTS_SIGNED ? _mm256_sign_epi8(x, q[r]) : x, sub16[r], vnni);
-                    acc[r][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(h[r].scale[g] * dxb), acc[r][b]);
-                    if (MINS == MINS_PER_16)
-                        acc[r][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(xpairs, min16[r])),
-                                                    _mm256_set1_ps(h[r].min_scale * dxb), acc[r][b]);
-                    if (MINS == MINS_PER_32) mins[r][b] += h[r].offset[g] * t->sx[b * nb + at];
-                }
-            }
-        }
+        for (int g = 0; g < GROUPS; g++) step256(t, block, h, g, k * GROUPS + g, acc, mins, ROWS, BATCH, vnni);
     }
     for (int r = 0; r < ROWS; r++)
         for (int b = 0; b < BATCH; b++) sums[r][b] = hsum256(acc[r][b]) + mins[r][b];
 }
 
-/* Tiles of four rows take a variant per batch size; the rest go a pair at a time. */
-#define TILE_CASES(FN, VNNI)                                                                        \
-    static void FN(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH]) {               \
-        if (t->rows == 4 && t->batch == 1) { tile256(t, sums, 4, 1, VNNI); return; }                \
-        if (t->rows == 4 && t->batch == 2) { tile256(t, sums, 4, 2, VNNI); return; }                \
-        if (t->rows == 4 && t->batch == 3) { tile256(t, sums, 4, 3, VNNI); return; }                \
-        if (t->rows == 4 && t->batch == 4) { tile256(t, sums, 4, 4, VNNI); return; }                \
-        for (int r = 0; r < t->rows; r++)                                                           \
-            for (int b = 0; b < t->batch; b++) {                                                    \
-                GgufTile one = *t;                                                                  \
-                float sum[GGUF_TILE_ROWS][GGUF_TILE_BATCH];                                         \
-                one.w += r * t->row_bytes;                                                          \
-                one.qx += b * t->in;                                                                \
-                one.dx += b * (t->in / GROUP);                                                      \
-                one.sx += b * (t->in / GROUP);                                                      \
-                one.rows = one.batch = 1;                                                           \
-                tile256(&one, sum, 1, 1, VNNI);                                                     \
-                sums[r][b] = sum[0][0];                                                             \
-            }                                                                                       \
-    }
-
-TILE_CASES(tile_avx2, 0)
 #if KV_HAVE_AVX512_VNNI
-TILE_CASES(tile_vnni, 1)
+/* For the super-block tiles of the K types: the dx of groups 2c and 2c + 1 of super-block k,
+ * 8 lanes each, for each of the tile's B activation rows. */
+GGUF_INLINE void super_block_dx(const GgufTile *t, int64_t k, const int B, __m512 dxs[][4]) {
+    for (int b = 0; b < B; b++) {
+        const __m256 dx = _mm256_loadu_ps(t->dx + b * (t->in / GROUP) + k * GROUPS);
+        for (int c = 0; c < 4; c++) dxs[b][c] = gguf_spread2(dx, 2 * c, 2 * c + 1);
+    }
+}
 #endif
-#undef TILE_CASES
+
+#if KV_HAVE_AVX512_VNNI && !defined(AVX512_TILE)
+/* AVX512-VNNI: two groups (64 columns) per 512-bit vector, the group of an odd count last
+ * through the 256-bit step. Quants of 32-column types come from two blocks. */
+GGUF_INLINE __m512i join256(__m256i low, __m256i high) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+}
+
+GGUF_INLINE __m512 join_ps(float low, float high) {
+    return _mm512_insertf32x8(_mm512_set1_ps(low), _mm256_set1_ps(high), 1);
+}
+
+GGUF_INLINE void tile512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH], const int ROWS,
+                         const int BATCH) {
+    const int64_t nb = t->in / GROUP;
+    __m512 acc[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
+    float mins[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
+    for (int r = 0; r < ROWS; r++)
+        for (int b = 0; b < BATCH; b++) {
+            acc[r][b] = _mm512_setzero_ps();
+            mins[r][b] = 0.0f;
+        }
+    BlockHead ha[GGUF_TILE_ROWS], hb[GGUF_TILE_ROWS]; /* the blocks of groups at and at + 1 */
+    for (int64_t at = 0; at + 1 < nb; at += 2) {
+        const int ga = (int)(at % GROUPS), gb = (int)((at + 1) % GROUPS);
+        __m512i u[GGUF_TILE_ROWS], sub16[GGUF_TILE_ROWS], min16[GGUF_TILE_ROWS];
+        __m512 scale[GGUF_TILE_ROWS], min_scale[GGUF_TILE_ROWS];
+        __mmask64 negative[GGUF_TILE_ROWS];
+        for (int r = 0; r < ROWS; r++) {
+            const uint8_t *row = t->w + r * t->row_bytes;
+            const uint8_t *block_a = row + at / GROUPS * BLOCK_BYTES, *block_b = row + (at + 1) / GROUPS * BLOCK_BYTES;
+            if (ga == 0) block_head(block_a, &ha[r]);
+            if (GROUPS == 1) block_head(block_b, &hb[r]);
+            const BlockHead *b_head = GROUPS == 1 ? &hb[r] : &ha[r];
+            const __m512i q = join256(group_quants256(block_a, ga), group_quants256(block_b, gb));
+            negative[r] = _mm512_movepi8_mask(q);
+            u[r] = QUANTS_SIGNED ? _mm512_abs_epi8(q) : q;
+            scale[r] = join_ps(ha[r].scale[ga], b_head->scale[gb]);
+            sub16[r] = SCALES_PER_16 ? join256(halves16(ha[r].sub[2 * ga], ha[r].sub[2 * ga + 1]),
+                                               halves16(b_head->sub[2 * gb], b_head->sub[2 * gb + 1]))
+                                     : _mm512_setzero_si512();
+            min16[r] = MINS == MINS_PER_16 ? join256(halves16(ha[r].min[2 * ga], ha[r].min[2 * ga + 1]),
+                                                     halves16(b_head->min[2 * gb], b_head->min[2 * gb + 1]))
+                                           : _mm512_setzero_si512();
+            min_scale[r] = MINS == MINS_PER_16 ? join_ps(ha[r].min_scale, b_head->min_scale) : _mm512_setzero_ps();
+            if (MINS == MINS_PER_32)
+                for (int b = 0; b < BATCH; b++) {
+                    mins[r][b] += ha[r].offset[ga] * t->sx[b * nb + at];
+                    mins[r][b] += b_head->offset[gb] * t->sx[b * nb + at + 1];
+                }
+        }
+        for (int b = 0; b < BATCH; b++) {
+            const __m512i x = _mm512_loadu_si512(t->qx + b * t->in + at * GROUP);
+            const __m512 dx = join_ps(t->dx[b * nb + at], t->dx[b * nb + at + 1]);
+            __m512i xpairs = _mm512_setzero_si512();
+            if (MINS == MINS_PER_16) xpairs = _mm512_maddubs_epi16(_mm512_set1_epi8(1), x);
+            for (int r = 0; r < ROWS; r++) {
+                const __m512i xs = QUANTS_SIGNED ? _mm512_mask_sub_epi8(x, negative[r], _mm512_setzero_si512(), x) : x;
+                const __m512i s = SCALES_PER_16
+                                      ? _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(u[r], xs), sub16[r])
+                                      : _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[r], xs);
+                acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale[r], dx), acc[r][b]);
+                if (MINS == MINS_PER_16)
+                    acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(xpairs, min16[r])),
+                                                _mm512_mul_ps(min_scale[r], dx), acc[r][b]);
+            }
+        }
+    }
+    __m256 last[GGUF_TILE_ROWS][GGUF_TILE_BATCH]; /* the last group of an odd count */
+    for (int r = 0; r < ROWS; r++)
+        for (int b = 0; b < BATCH; b++) last[r][b] = _mm256_setzero_ps();
+    if (nb % 2) { /* 32-column types only: K-types have 8 groups per block */
+        const uint8_t *block[GGUF_TILE_ROWS];
+        for (int r = 0; r < ROWS; r++) {
+            block[r] = t->w + r * t->row_bytes + (nb - 1) * BLOCK_BYTES;
+            block_head(block[r], &ha[r]);
+        }
+        step256(t, block, ha, 0, nb - 1, last, mins, ROWS, BATCH, 1);
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int b = 0; b < BATCH; b++) sums[r][b] = _mm512_reduce_add_ps(acc[r][b]) + hsum256(last[r][b]) + mins[r][b];
+}
+#endif
+
+#define TILE256_AVX2(t, sums, R, B) tile256(t, sums, R, B, 0)
+GGUF_TILE_VARIANTS(tile_avx2, TILE256_AVX2)
+#undef TILE256_AVX2
+#if KV_HAVE_AVX512_VNNI && !defined(AVX512_TILE)
+GGUF_TILE_VARIANTS(tile_vnni, tile512)
+#endif
 #pragma GCC pop_options
 #endif /* KV_HAVE_AVX2_FMA */
 
-/* The type's entry for gguf_rows.c's table (the portable tile: the framework's, by dot_block). */
+/* The type's entry for gguf_rows.c's table (the portable tile: the framework's, by dot_block).
+ * A type with its own AVX512-VNNI tile defines AVX512_TILE (its name) before including this. */
+#ifndef AVX512_TILE
+#define AVX512_TILE tile_vnni
+#endif
 #define GGUF_BLOCK_TYPE(NAME, TYPE) \
     const GgufType NAME = {TYPE, BLOCK_COLS, BLOCK_BYTES, dequantize_blocks, dot_block, \
-                           {NULL, GGUF_AVX2(tile_avx2), GGUF_AVX512(tile_vnni)}};
+                           {NULL, GGUF_AVX2(tile_avx2), GGUF_AVX512(AVX512_TILE)}};
 
 #endif /* KVSERVE_GGUF_GROUP_KERNELS_H */
