@@ -29,7 +29,7 @@ from kvserve.model.errors import ModelConfigError
 from kvserve.model.loader import load_model
 from helpers.tiny_models import GATED_DELTANET_FAMILIES, min_router_margin, tiny_gated_deltanet_config
 from paged_kv_helper import hf_forced_logits, hf_greedy, load_hf, prompts_of_lengths
-from state_runner import HybridRunner
+from hybrid_runner import HybridRunner, run_greedy
 
 MAX_RELATIVE_DIFF = 5e-4
 NUM_NEW = 6
@@ -81,7 +81,7 @@ def test_matches_transformers_with_chunked_prefill(models, family):
     model = load_model(config)
     assert model.native_decoder is None
     prompts = prompts_of_lengths([3, 29, 17, 40, 1, 8, 23, 12])
-    tokens, logits = HybridRunner(model).run_greedy(prompts, NUM_NEW, chunk=7)
+    tokens, logits = run_greedy(HybridRunner(model), prompts, NUM_NEW, chunk=7)
     compared = 0
     for req_id, prompt in prompts.items():
         _assert_close(logits[req_id], hf_forced_logits(hf, prompt, tokens[req_id]))
@@ -95,28 +95,27 @@ def test_matches_transformers_with_chunked_prefill(models, family):
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
 def test_restart_from_snapshot_and_from_zeros(models, family):
     """A request sharing 16 tokens of another's prompt starts from that one's snapshot after
-    token 16 (a prefix hit: attention blocks shared, the state copied into its own slot); a
-    preempted request recomputes from zeros. Both continue as transformers does, and the
+    token 16 (a prefix hit: attention blocks shared, the snapshot read, its own slots written);
+    a preempted request recomputes from zeros. Both continue as transformers does, and the
     snapshot the first request wrote is left as it was."""
     hf, config = models(family)
     runner = HybridRunner(load_model(config))
     prompts = prompts_of_lengths([21, 9], seed=3)
     first = prompts["r0"]
     hit = first[:16] + prompts["r1"]
-    runner.run_greedy({"a": first}, NUM_NEW, chunk=6)
+    run_greedy(runner, {"a": first}, NUM_NEW, chunk=6)
     snapshot_slot = runner.requests["a"].snapshots[16]
-    snapshot = [tensor[snapshot_slot].clone() for _, tensors in runner._state_caches() for tensor in tensors]
+    snapshot = [tensor[snapshot_slot].clone() for name in runner.state_layers for tensor in runner.kv_caches[name]]
     assert all(t.abs().max() > 0 for t in snapshot)
-    runner.add("b", hit, from_snapshot=("a", 16))
-    tokens, logits = runner.run_greedy({"b": hit}, NUM_NEW, chunk=5)
+    runner.add("b", hit, hit_from="a", hit_tokens=16)
+    tokens, logits = run_greedy(runner, {"b": hit}, NUM_NEW, chunk=5)
     _assert_close(logits["b"], hf_forced_logits(hf, hit, tokens["b"]))
-    after = [tensor[snapshot_slot] for _, tensors in runner._state_caches() for tensor in tensors]
+    after = [tensor[snapshot_slot] for name in runner.state_layers for tensor in runner.kv_caches[name]]
     assert all(torch.equal(a, b) for a, b in zip(snapshot, after))
-    # Preempted: its prompt and output so far are recomputed from zeros, then it goes on.
-    runner.drop_state("b")
+    # Preempted: its prompt and output so far are recomputed from zeros (a new running slot), then it goes on.
     recomputed = hit + tokens["b"]
-    more_tokens, more_logits = runner.run_greedy({"b": recomputed}, NUM_NEW, chunk=5)
-    _assert_close(more_logits["b"], hf_forced_logits(hf, recomputed, more_tokens["b"]))
+    more_tokens, more_logits = run_greedy(runner, {"b again": recomputed}, NUM_NEW, chunk=5)
+    _assert_close(more_logits["b again"], hf_forced_logits(hf, recomputed, more_tokens["b again"]))
 
 
 def test_state_specs_and_config(models):
