@@ -108,25 +108,3 @@ class HybridRunner:
     def append(self, req_id: str, token: int) -> None:
         self.requests[req_id].tokens.append(token)
 
-
-def run_greedy(runner: HybridRunner, prompts: dict[str, list[int]], max_new_tokens: int,
-               chunk: int) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
-    """Greedy continuous batching: each step gives every prefilling request up to `chunk` prompt
-    tokens and every decoding one a token (requests not yet in `runner` are added first).
-    (tokens, logits) per request."""
-    for req_id, prompt in prompts.items():
-        if req_id not in runner.requests:
-            runner.add(req_id, prompt)
-    tokens = {r: [] for r in prompts}
-    logits = {r: [] for r in prompts}
-    while any(len(t) < max_new_tokens for t in tokens.values()):
-        schedule = {r: min(chunk, len(runner.requests[r].tokens) - runner.requests[r].num_computed)
-                    for r in prompts if len(tokens[r]) < max_new_tokens}
-        out = runner.step(schedule)
-        for req_id in schedule:
-            req = runner.requests[req_id]
-            if req.num_computed == len(req.tokens):
-                tokens[req_id].append(int(out[req_id].argmax()))
-                logits[req_id].append(out[req_id])
-                runner.append(req_id, tokens[req_id][-1])
-    return tokens, logits

@@ -28,8 +28,8 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.errors import ModelConfigError
 from kvserve.model.loader import load_model
 from helpers.tiny_models import GATED_DELTANET_FAMILIES, min_router_margin, tiny_gated_deltanet_config
-from paged_kv_helper import hf_forced_logits, hf_greedy, load_hf, prompts_of_lengths
-from hybrid_runner import HybridRunner, run_greedy
+from paged_kv_helper import hf_forced_logits, hf_greedy, load_hf, prompts_of_lengths, run_greedy
+from hybrid_runner import HybridRunner
 
 MAX_RELATIVE_DIFF = 5e-4
 NUM_NEW = 6

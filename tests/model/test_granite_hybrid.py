@@ -14,8 +14,8 @@ from kvserve.model.kernels import ModelKernels
 from kvserve.model.loader import load_model
 from kvserve.native import cpu_kernels
 from helpers.tiny_models import GRANITE_HYBRID_BOUND, min_router_margin, tiny_granite_hybrid_config
-from hybrid_runner import HybridRunner, run_greedy
-from paged_kv_helper import hf_forced_logits, hf_greedy, load_hf, prompts_of_lengths
+from hybrid_runner import HybridRunner
+from paged_kv_helper import hf_forced_logits, hf_greedy, load_hf, prompts_of_lengths, run_greedy
 
 VOCAB = 256
 NUM_NEW = 6
