@@ -119,3 +119,11 @@ def test_three_turn_chat_same_tokens_with_prefix_caching_on_and_off(monkeypatch,
             break  # an earlier near-tie parted the conversations
         tie = _first_near_tie(reference, prompt_on, on)
         assert on[:tie + 1] == off[:tie + 1] or tie < len(on) and on[:tie] == off[:tie]
+
+
+def test_speculative_decoding_is_refused_for_state_layers(monkeypatch):
+    """A rejected draft would stay in the recurrent state: the engine refuses to start."""
+    from kvserve.spec_decode.config import SpeculativeConfig
+    with pytest.raises(ValueError, match="speculative decoding is not supported for models with recurrent-state"):
+        make_toy_engine(monkeypatch, RecordingExecutor,
+                        speculative_config=SpeculativeConfig(num_speculative_tokens=2))
