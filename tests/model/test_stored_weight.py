@@ -13,10 +13,10 @@ error of at most 4u, u = 2^-24), and the sum's error is at most u times the sum 
 scale term and the minimum term; per 16 columns for Q2_K's minimums, Q3_K and Q6_K's scales,
 still at most two additions per 32 columns in one lane): T <= 2 in / 32 + 2 per 256 columns
 in all. A term passes through at most T - 1 additions in a scalar sum; the vector tiles keep
-8 lanes, each a chain of at most T additions, then add the lanes (3), the separately summed
-minimum terms and the bias (2): at most T + 5. The oracle's dequantized w is ggml's float32
-value, which differs from the exact A - B by at most 3u (|A| + |B|) (d * sc, * q, - m). So
-|kernel - oracle| <= (T + 12) u S with S = sum_i (|A_i| + |B_i|) |xq_i|. S is taken
+8 or 16 lanes, each a chain of at most T additions, then add the lanes (at most 4 levels), the
+separately summed minimum terms and the bias (2): at most T + 6. The oracle's dequantized w is
+ggml's float32 value, which differs from the exact A - B by at most 3u (|A| + |B|) (d * sc,
+* q, - m). So |kernel - oracle| <= (T + 13) u S with S = sum_i (|A_i| + |B_i|) |xq_i|. S is taken
 from the blocks themselves without a second decoder: B is the value of the same block with
 its quant bytes zeroed (w0), A = w - w0, and |A| + |B| <= |w - w0| + |w0| for every type
 (for types with no B, w0 is some value and the sum only grows). The float64 oracle's own
@@ -132,7 +132,7 @@ def _oracle_and_bound(weight: StoredWeight, x: torch.Tensor) -> tuple[np.ndarray
                            gguf.GGMLQuantizationType[weight.type_name]).astype(np.float64)
     magnitude = np.abs(xq) @ (np.abs(w - w0) + np.abs(w0)).T
     terms = 2 * weight.in_features // 32 + 2 * weight.in_features // 256
-    return xq @ w.T, (terms + 12) * U * magnitude
+    return xq @ w.T, (terms + 13) * U * magnitude
 
 
 def _odd_width(type_name: str) -> int:

@@ -19,10 +19,20 @@ GGUF_EXACT static void dequantize_q6_k(const uint8_t *blocks, int64_t n, float *
     for (int64_t b = 0; b < n; b++) {
         const uint8_t *blk = blocks + b * BYTES;
         const float d = gguf_f16(blk + 208);
-        for (int k = 0; k < 16; k++) {
-            const float scale = d * (float)(int8_t)blk[192 + k];
-            for (int i = 0; i < 16; i++) out[b * COLS + k * 16 + i] = scale * (float)q6_value(blk, k * 16 + i);
-        }
+        float scale[16];
+        for (int k = 0; k < 16; k++) scale[k] = d * (float)(int8_t)blk[192 + k];
+        /* column 128 h + 32 s + l: the loops run over l, so the compiler vectorizes them */
+        for (int h = 0; h < 2; h++)
+#pragma GCC unroll 4
+            for (int s = 0; s < 4; s++) {
+                const uint8_t *ql = blk + 64 * h + 32 * (s & 1), *qh = blk + 128 + 32 * h;
+                float *o = out + b * COLS + 128 * h + 32 * s;
+                const float *sc = scale + 8 * h + 2 * s;
+                for (int l = 0; l < 32; l++) {
+                    const int low = s < 2 ? ql[l] & 15 : ql[l] >> 4;
+                    o[l] = sc[l / 16] * (float)((low | (((qh[l] >> (2 * s)) & 3) << 4)) - 32);
+                }
+            }
     }
 }
 
