@@ -135,6 +135,18 @@ def test_state_specs_and_config(models):
     del hf["linear_num_key_heads"]
     with pytest.raises((ModelConfigError, KeyError)):
         ModelConfig.from_hf_dict(hf)
+    # transformers 4.x's layout (Qwen3-Next's hub config): RoPE and its partial factor at the top
+    # level, the layer pattern as an interval.
+    hf = tiny_gated_deltanet_config("qwen3_next", VOCAB).to_dict()
+    for key in ("rope_parameters", "layer_types"):
+        del hf[key]
+    hf.update(architectures=["Qwen3NextForCausalLM"], rope_theta=5e6, partial_rotary_factor=0.5,
+              full_attention_interval=2)
+    legacy = ModelConfig.from_hf_dict(hf)
+    assert legacy.rope.theta == 5e6 and legacy.rope.partial_rotary_factor == 0.5
+    assert legacy.layer_types == ["linear_attention", "full"] * 2
+    del hf["partial_rotary_factor"]
+    assert ModelConfig.from_hf_dict(hf).rope.partial_rotary_factor == 0.25
     hf = tiny_gated_deltanet_config("qwen3_5", VOCAB).to_dict()
     hf.update(architectures=["Qwen3_5ForCausalLM"], layer_types=["linear_attention", "mamba", "full_attention",
                                                                  "linear_attention"])
