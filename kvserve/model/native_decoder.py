@@ -175,6 +175,10 @@ def _check_layers_covered(config) -> None:
     """Raise NativeDeclined for layers the one-call decoder does not implement."""
     if config.is_moe:
         raise NativeDeclined("mixture-of-experts layers (the per-op path runs them)")
+    if config.mamba is not None or config.shared_expert_size or not config.use_rope:
+        raise NativeDeclined("Mamba-2 layers, a shared expert or attention without RoPE (the per-op path runs them)")
+    if (config.embedding_multiplier, config.residual_multiplier, config.logits_scaling) != (1.0, 1.0, 1.0):
+        raise NativeDeclined("Granite's embedding, residual or logits scaling")
     if (config.qk_norm and not config.qk_norm_per_head) or config.clip_qkv is not None:
         raise NativeDeclined("a Q/K norm over the whole projection or clipped Q/K/V")
 
@@ -191,6 +195,8 @@ class NativeDecoder:
 
     def __init__(self, model) -> None:
         _check_layers_covered(model.config)
+        if model.has_state_layers:  # before any layer is described: state layers have no self_attn
+            raise NativeDeclined("recurrent-state layers")
         self.model = model
         self._keep: list[torch.Tensor] = []
         self._layer_bytes = 0  # weight bytes of one layer's projections
@@ -264,8 +270,6 @@ class NativeDecoder:
 
     def _describe_model(self, model) -> NativeModel:
         config = model.config
-        if model.has_state_layers:
-            raise NativeDeclined("recurrent-state layers")
         attn = model.layers[0].self_attn
         if model.tp.size != 1 and any(layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None
                                       for layer in model.layers):
