@@ -18,7 +18,7 @@ from kvserve.bench.cli_output import FORMATTERS
 from kvserve.bench.report import bar_plot, default_output_path, environment_info, run_tag, write_json
 
 SUBCOMMANDS = ("roofline", "throughput", "serve", "serve-compare", "prefix", "compare", "profile", "host", "scheduler",
-               "kv", "attention", "structured", "route", "spec", "plan-check", "allreduce", "zoo")
+               "kv", "attention", "gguf", "structured", "route", "spec", "plan-check", "allreduce", "zoo")
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -258,6 +258,16 @@ def _run_attention(args: argparse.Namespace) -> dict[str, Any]:
                          layers=args.layers, repeats=args.repeats, threads=args.threads)
 
 
+def _run_gguf(args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.bench import gguf_kernels
+
+    return gguf_kernels.run(types=tuple(name.upper() for name in name_list(args.types)), out_features=args.out_features,
+                            in_features=args.in_features, batch_sizes=tuple(int_list(args.batch_sizes)),
+                            threads=tuple(int_list(args.threads)),
+                            isas=tuple(name_list(args.isas)) if args.isas else None,
+                            footprint_mb=args.footprint_mb, repeats=args.repeats)
+
+
 def _run_structured(args: argparse.Namespace) -> dict[str, Any]:
     from kvserve.bench import structured
 
@@ -334,6 +344,7 @@ _RUNNERS = {
     "serve-compare": _run_serve_compare, "prefix": _run_prefix,
     "compare": _run_compare, "profile": _run_profile, "host": _run_host, "scheduler": _run_scheduler, "kv": _run_kv,
     "attention": _run_attention,
+    "gguf": _run_gguf,
     "structured": _run_structured,
     "spec": _run_spec,
     "route": _run_route,

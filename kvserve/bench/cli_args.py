@@ -178,6 +178,19 @@ def _add_attention_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="kernel threads (default: torch's)")
 
 
+def _add_gguf_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--types", default="Q4_K,Q6_K", help="comma-separated GGUF block types")
+    parser.add_argument("--out-features", type=int, default=2048)
+    parser.add_argument("--in-features", type=int, default=8192)
+    parser.add_argument("--batch-sizes", default="1", help="comma-separated activation rows per call")
+    parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    parser.add_argument("--isas", default=None,
+                        help="comma-separated kernel paths: avx512, avx2, portable (default: the widest here)")
+    parser.add_argument("--footprint-mb", type=int, default=256,
+                        help="copies of the matrix cycled through, together this size (above the caches)")
+    parser.add_argument("--repeats", type=int, default=10, help="sweeps timed; the median is reported")
+
+
 def _add_structured_arguments(parser: argparse.ArgumentParser) -> None:
     _add_engine_arguments(parser)
     parser.add_argument("--batch", type=int, default=32, help="matchers / requests at once (default 32)")
@@ -282,6 +295,7 @@ COMMANDS = {
     "scheduler": (_add_scheduler_arguments, "microseconds per scheduler step at many running requests"),
     "kv": (_add_kv_arguments, "KV-cache allocate/free and prefix-hit operations per second"),
     "attention": (_add_attention_arguments, "the paged attention kernel alone: us per layer, K/V GB/s, GFLOP/s"),
+    "gguf": (_add_gguf_arguments, "the as-stored GGUF matmul kernels alone: weight GB/s against the read bound"),
     "structured": (_add_structured_arguments, "grammar back-ends (compile, mask per token) and constrained throughput"),
     "spec": (_add_spec_arguments, "speculative decoding on vs off: input-grounded and unrelated chats"),
     "route": (_add_route_arguments, "N replicas behind SGLang's Model Gateway: hit rate, TTFT, spread per policy"),

@@ -105,6 +105,7 @@ FORMATTERS = {
     "scheduler": (_format_scheduler, None),
     "kv": (_format_kv, None),
     "attention": (_lazy_formatter("attention"), None),
+    "gguf": (_lazy_formatter("gguf_kernels"), None),
     "structured": (_lazy_formatter("structured"), None),
     "spec": (_lazy_formatter("spec"), None),
     "route": (_lazy_formatter("route"), None),

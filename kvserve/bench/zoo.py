@@ -76,8 +76,8 @@ SHAPES: dict[str, ZooShape] = {
 
 # Zoo type name -> llama-quantize's type argument. "f16" is the unquantized source itself.
 QUANT_TYPES = {"q4_k_m": "Q4_K_M", "q4_k_s": "Q4_K_S", "q4_0": "Q4_0", "q4_1": "Q4_1", "q5_k_m": "Q5_K_M",
-               "q5_0": "Q5_0", "q5_1": "Q5_1", "q6_k": "Q6_K", "q8_0": "Q8_0", "iq4_xs": "IQ4_XS",
-               "iq4_nl": "IQ4_NL", "f16": "F16"}
+               "q5_0": "Q5_0", "q5_1": "Q5_1", "q3_k_m": "Q3_K_M", "q2_k": "Q2_K", "q6_k": "Q6_K", "q8_0": "Q8_0",
+               "iq4_xs": "IQ4_XS", "iq4_nl": "IQ4_NL", "f16": "F16"}
 # The types the issue benchmarks on; `kvserve bench zoo --all` builds these for every full shape.
 STANDARD_TYPES = ("q4_k_m", "q4_0", "q8_0", "q6_k", "iq4_xs")
 # Types the gguf package quantizes itself (every matrix in that type): no llama-quantize needed.

@@ -11,7 +11,9 @@ group at a time. Hit lookup differs by variant:
     (CoW) hits are allowed only when every group is full attention; otherwise
     hits are multiples of the scheduler block size (the LCM of the block
     sizes). A circular-buffer group holds no reusable tokens, so its layers
-    could not attend to a hit prefix: any such group makes the hit 0.
+    could not attend to a hit prefix: any such group makes the hit 0. A state
+    group serves a length when the snapshot at that boundary is cached, so the
+    agreement lands on the longest boundary every group serves.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from kvserve.kv_cache.single_type_manager import (
     CircularBufferManager,
     FullAttentionManager,
     SingleTypeKVCacheManager,
+    StateManager,
     get_manager_for_kv_cache_spec,
 )
 from kvserve.kv_cache.utils import BlockHash, KVCacheBlock
@@ -41,6 +44,7 @@ class KVCacheCoordinator:
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             get_manager_for_kv_cache_spec(group.kv_cache_spec, self.block_pool, group_id, enable_caching)
             for group_id, group in enumerate(kv_cache_config.kv_cache_groups))
+        self._state_managers = [m for m in self.single_type_managers if isinstance(m, StateManager)]
 
     def find_longest_cache_hit(self, block_hashes: list[BlockHash],
                                max_cache_hit_length: int) -> tuple[tuple[list[KVCacheBlock], ...], int]:
@@ -69,6 +73,12 @@ class KVCacheCoordinator:
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         for manager in self.single_type_managers:
             manager.cache_blocks(request, num_computed_tokens)
+
+    def cache_state_snapshots(self, request: Any, num_processed_tokens: int) -> None:
+        """Register the state groups' snapshots up to the processed tokens: before
+        `remove_skipped_blocks` releases them, and before a request's blocks are freed."""
+        for manager in self._state_managers:
+            manager.cache_blocks(request, min(num_processed_tokens, request.num_tokens))
 
     def free(self, request_id: str) -> None:
         """Free the request's blocks now, in the order `pop_blocks_for_free` gives.

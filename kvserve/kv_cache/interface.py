@@ -1,4 +1,4 @@
-"""KV-cache specs (one per attention kind) and the cache layout config.
+"""KV-cache specs (one per attention kind, and recurrent states) and the cache layout config.
 
 Specs accept a torch dtype (or its name) without importing torch: only the
 dtype's item size is read.
@@ -96,6 +96,43 @@ class CircularBufferSpec(AttentionSpec):
     def blocks_per_request(self) -> int:
         # One spare block so the block being written never holds in-window tokens.
         return cdiv(self.sliding_window, self.block_size) + 1
+
+
+@dataclass(frozen=True)
+class StateSpec(KVCacheSpec):
+    """A recurrent layer's fixed-size state (Gated DeltaNet, Mamba-2): one slot per block id.
+
+    `shapes` are the shapes of one layer's state tensors without the slot
+    dimension (e.g. a conv state and a recurrent state), all of `dtype`.
+    `block_size` is the number of prompt tokens between two state snapshots
+    (equal to the attention groups' block size): the state after token
+    (i + 1) * block_size of a request lives in block i of its table. A request
+    keeps only its running state and the snapshots not yet handed to the
+    prefix cache, so its footprint does not grow with its length.
+    """
+
+    shapes: tuple[tuple[int, ...], ...] = ()
+    dtype: Any = "float32"
+
+    def __post_init__(self) -> None:
+        if not self.shapes or any(not shape or min(shape) <= 0 for shape in self.shapes):
+            raise ValueError(f"StateSpec needs non-empty positive shapes, got {self.shapes!r}")
+
+    @property
+    def slot_sizes(self) -> tuple[int, ...]:
+        """Elements of one slot of each state tensor."""
+        return tuple(_num_elements(shape) for shape in self.shapes)
+
+    @property
+    def page_size_bytes(self) -> int:
+        return sum(self.slot_sizes) * dtype_size_bytes(self.dtype)
+
+
+def _num_elements(shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
 
 
 @dataclass

@@ -131,7 +131,10 @@ class KVCacheManager:
         num_slots = min(num_local_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         request_id = request.request_id
         # Count processed tokens only: an in-flight step still reads the window.
-        self.coordinator.remove_skipped_blocks(request_id, num_local_computed - request.num_in_flight_tokens)
+        num_processed = num_local_computed - request.num_in_flight_tokens
+        if self.enable_caching:
+            self.coordinator.cache_state_snapshots(request, num_processed)
+        self.coordinator.remove_skipped_blocks(request_id, num_processed)
         num_required = self.coordinator.get_num_blocks_to_allocate(request_id, num_slots, hit_blocks,
                                                                    num_new_computed_tokens)
         if num_required > self.block_pool.get_num_free_blocks():
@@ -150,14 +153,22 @@ class KVCacheManager:
 
     # ------------------------------------------------------------ freeing
 
+    def _cache_state_snapshots(self, request: Request) -> None:
+        """Register the request's processed state snapshots before its blocks go (state
+        groups register only what is processed, so the last step's would be lost)."""
+        if self.enable_caching:
+            self.coordinator.cache_state_snapshots(request, request.num_computed_tokens - request.num_in_flight_tokens)
+
     def free(self, request: Request) -> None:
         """Return the request's blocks to the pool now: per group, tail first."""
+        self._cache_state_snapshots(request)
         self.coordinator.free(request.request_id)
 
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
         """Forget the request's blocks without freeing them; they come back in
         eviction order (each group reversed, groups concatenated), ready to be
         passed to `block_pool.free_blocks` as-is later."""
+        self._cache_state_snapshots(request)
         return self.coordinator.pop_blocks_for_free(request.request_id)
 
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:

@@ -31,6 +31,7 @@ from kvserve.kv_cache.interface import (
     FullAttentionSpec,
     KVCacheSpec,
     SlidingWindowSpec,
+    StateSpec,
     cdiv,
 )
 from kvserve.kv_cache.utils import BlockHash, KVCacheBlock, make_block_hash_with_group_id
@@ -56,6 +57,8 @@ class SingleTypeKVCacheManager(ABC):
         self._cow_num_tokens: dict[int, int] = {}
         # request id -> (table index of the hit tail block, hit tokens inside it)
         self._partial_hit_reqs: dict[str, tuple[int, int]] = {}
+        # Cached blocks adopted by prefix hits so far (null placeholders not counted).
+        self.num_hit_blocks = 0
 
     @property
     def supports_partial_hits(self) -> bool:
@@ -106,6 +109,7 @@ class SingleTypeKVCacheManager(ABC):
             assert not new_computed_blocks, "hits can only be adopted on a request's first allocation"
             return
         self.block_pool.touch(new_computed_blocks)
+        self.num_hit_blocks += sum(1 for block in new_computed_blocks if not block.is_null)
         self.req_to_blocks[request_id].extend(new_computed_blocks)
         num_full_hit_blocks = num_hit_tokens // self.block_size
         self.num_cached_block[request_id] = min(num_full_hit_blocks, len(new_computed_blocks))
@@ -314,10 +318,98 @@ class CircularBufferManager(SingleTypeKVCacheManager):
         return ring
 
 
+class StateManager(SingleTypeKVCacheManager):
+    """Recurrent-state layers: block i of a request's table holds the state after
+    its token (i + 1) * block_size, and the block of its last token the running
+    state (read and updated in place by the next step while it stays in that block).
+
+    * Footprint: a step allocates a block for each block-size boundary it crosses
+      (the snapshots, when caching) and one for its running state (without
+      caching, the boundary entries are the null block). Once the steps up to a
+      boundary are processed its snapshot is registered in the prefix cache and
+      every block before the one holding the processed running state is released
+      (tail first, shown as the null block), so a request holds O(1) blocks
+      beyond those its steps in flight write.
+    * Hits: a state needs only the snapshot at the hit's end; the hit is the
+      longest aligned boundary whose snapshot is cached. The request reads that
+      block and writes its running state into a block of its own, so a cached
+      snapshot is never written.
+    * Registration waits for processing (unlike the attention groups, which
+      register blocks when they allocate them): a request admitted in the same
+      step must not read a snapshot a step in flight has not written yet.
+    """
+
+    def __init__(self, kv_cache_spec: StateSpec, block_pool: BlockPool, kv_cache_group_id: int,
+                 enable_caching: bool) -> None:
+        super().__init__(kv_cache_spec, block_pool, kv_cache_group_id, enable_caching)
+        # Leading table entries already released (all null).
+        self._num_released: dict[str, int] = {}
+
+    def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_length: int,
+                               alignment: int) -> tuple[list[KVCacheBlock], int]:
+        step = max(alignment, self.block_size)
+        end = max_length - max_length % step
+        while end > 0:
+            block = self._lookup(block_hashes, end)
+            if block is not None:
+                return [self.null_block] * (end // self.block_size - 1) + [block], end
+            end -= step
+        return [], 0
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: list[KVCacheBlock], num_hit_tokens: int) -> int:
+        num_held = len(self.req_to_blocks[request_id]) if request_id in self.req_to_blocks else 0
+        num_new = max(cdiv(num_tokens, self.block_size) - num_held - len(new_computed_blocks), 0)
+        if not self.enable_caching:
+            num_new = min(num_new, 1)
+        num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0 and not block.is_null)
+        return num_new + num_revived
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        table = self.req_to_blocks[request_id]
+        self.num_cached_block.setdefault(request_id, 0)
+        num_new = cdiv(num_tokens, self.block_size) - len(table)
+        if num_new <= 0:
+            return []
+        if self.enable_caching:
+            new_blocks = self.block_pool.get_new_blocks(num_new)
+        else:
+            new_blocks = [self.null_block] * (num_new - 1) + self.block_pool.get_new_blocks(1)
+        table.extend(new_blocks)
+        return new_blocks
+
+    def remove_skipped_blocks(self, request_id: str, num_processed_tokens: int) -> None:
+        """Release every block before the one holding the state after the processed
+        tokens: no step in flight reads or writes them (steps start at or after
+        the processed tokens and write only later boundaries)."""
+        table = self.req_to_blocks.get(request_id)
+        if not table:
+            return
+        keep_from = min(max(cdiv(num_processed_tokens, self.block_size) - 1, 0), len(table))
+        num_released = self._num_released.get(request_id, 0)
+        if keep_from <= num_released:
+            return
+        released = [table[i] for i in range(keep_from - 1, num_released - 1, -1) if not table[i].is_null]
+        table[num_released:keep_from] = [self.null_block] * (keep_from - num_released)
+        self._num_released[request_id] = keep_from
+        self.block_pool.free_blocks(released)
+
+    def cache_blocks(self, request: Any, num_tokens: int) -> None:
+        """Register the snapshots of processed boundaries only (see the class docstring)."""
+        num_processed = request.num_computed_tokens - request.num_in_flight_tokens
+        super().cache_blocks(request, min(num_tokens, num_processed))
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Forget the request; its real blocks in allocation order (every null dropped)."""
+        self._num_released.pop(request_id, None)
+        return [block for block in super().pop_blocks_for_free(request_id) if not block.is_null]
+
+
 _MANAGER_BY_SPEC_TYPE: dict[type, type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
     SlidingWindowSpec: SlidingWindowManager,
     CircularBufferSpec: CircularBufferManager,
+    StateSpec: StateManager,
 }
 
 

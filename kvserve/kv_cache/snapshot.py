@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from kvserve.kv_cache.block_pool import BlockPool
-from kvserve.kv_cache.interface import CircularBufferSpec, KVCacheSpec, SlidingWindowSpec
+from kvserve.kv_cache.interface import CircularBufferSpec, KVCacheSpec, SlidingWindowSpec, StateSpec
 from kvserve.kv_cache.utils import get_group_id
 
 DEFAULT_EVICTION_HEAD_LEN = 16
@@ -67,7 +67,9 @@ class KVCacheSnapshot:
 
 
 def kv_cache_kind(spec: KVCacheSpec) -> str:
-    """"full", "sliding_window" or "circular_buffer"."""
+    """"full", "sliding_window", "circular_buffer" or "state" (recurrent layers)."""
+    if isinstance(spec, StateSpec):
+        return "state"
     if isinstance(spec, CircularBufferSpec):
         return "circular_buffer"
     if isinstance(spec, SlidingWindowSpec):

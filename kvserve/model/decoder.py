@@ -3,18 +3,23 @@ Llama / Mistral / Qwen2 (QKV bias) / Qwen3 (Q/K norm) / Gemma-2 / Gemma-3
 (sandwich norms, (1+w) RMSNorm, GeGLU, embedding scaling, soft-capping,
 interleaved sliding-window layers, Gemma-3's local RoPE base), and the
 mixtures of experts Qwen3-MoE / Mixtral / OLMoE (Q/K norm over the whole
-projection), whose sparse layers run a `moe.SparseMoeBlock` as their MLP."""
+projection), whose sparse layers run a `moe.SparseMoeBlock` as their MLP.
+Layers whose type is a recurrent-state kind (`state_layers.STATE_LAYER_KINDS`)
+run that mixer in place of self-attention, over a `StateSpec` KV group."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from kvserve.kv_cache.interface import (CircularBufferSpec, FullAttentionSpec, KVCacheConfig, KVCacheSpec,
-                                        SlidingWindowSpec)
+                                        SlidingWindowSpec, StateSpec)
 from kvserve.native import cpu_kernels
 from kvserve.model import native_decoder, quantized
-from kvserve.model.attention import AttentionBackend, AttentionMetadata, AttentionParams, is_windowed
+from kvserve.model.attention import AttentionBackend, AttentionMetadata, AttentionParams, StateMetadata, is_windowed
 from kvserve.model.config import ModelConfig
+from kvserve.model.errors import ModelConfigError
+from kvserve.model.state_layers import STATE_LAYER_KINDS
+from kvserve.model import toy_recurrent  # noqa: F401 - registers the test-only "toy_recurrent" layer type
 from kvserve.sample.structured.grammar_mask import HeadMask
 from kvserve.model.kernels import AttentionShape, ModelKernels
 from kvserve.model.moe import SparseMoeBlock
@@ -127,7 +132,18 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TPContext) -> None:
         super().__init__()
         eps, plus_one = config.rms_norm_eps, config.norm_adds_one
-        self.self_attn = SelfAttention(config, layer_idx, tp)
+        layer_type = config.layer_types[layer_idx]
+        state_kind = STATE_LAYER_KINDS.get(layer_type)
+        if state_kind is not None:
+            self.mixer_name = state_kind.module_name
+            setattr(self, self.mixer_name, state_kind.mixer_class(config, layer_idx, tp))
+        elif layer_type in ("full", "sliding"):
+            self.mixer_name = "self_attn"
+            self.self_attn = SelfAttention(config, layer_idx, tp)
+        else:
+            raise ModelConfigError(f"unsupported layer type {layer_type!r}")
+        self.is_state_layer = state_kind is not None
+        self.sliding_window = None if self.is_state_layer else self.self_attn.sliding_window
         if config.sparse_layers[layer_idx]:
             self.mlp = SparseMoeBlock(config, tp, lambda width: GatedMLP(config, tp, width, expert=True))
         else:
@@ -149,14 +165,25 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             if residual is not None:
                 hidden = hidden + residual
-            attn_out = self.self_attn(self.input_layernorm(hidden), cos_sin, metadata, kv_cache)
+            attn_out = self._mix(self.input_layernorm(hidden), cos_sin, metadata, kv_cache)
             hidden = hidden + self.post_attention_layernorm(attn_out)
             mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden), metadata.num_draft_tokens)
             return hidden + self.post_feedforward_layernorm(mlp_out), None
         x, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        attn_out = self.self_attn(x, cos_sin, metadata, kv_cache)
+        attn_out = self._mix(x, cos_sin, metadata, kv_cache)
         x, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
         return self.mlp(x, metadata.num_draft_tokens), residual
+
+    @property
+    def mixer(self) -> nn.Module:
+        """The token mixer: `self_attn`, or the layer's state mixer."""
+        return getattr(self, self.mixer_name)
+
+    def _mix(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+             metadata: AttentionMetadata | StateMetadata, kv_cache) -> torch.Tensor:
+        if self.is_state_layer:
+            return self.mixer(x, metadata, kv_cache)
+        return self.self_attn(x, cos_sin, metadata, kv_cache)
 
 
 class DecoderModel(nn.Module):
@@ -181,7 +208,8 @@ class DecoderModel(nn.Module):
         self.rotary_global = RotaryEmbedding(config.head_dim, config.rope, max_pos)
         self.rotary_local = (RotaryEmbedding(config.head_dim, config.rope_local, max_pos)
                              if config.rope_local is not None else None)
-        self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(config.num_layers)]
+        self.layer_names = [f"model.layers.{i}.{layer.mixer_name}." + ("state" if layer.is_state_layer else "attn")
+                            for i, layer in enumerate(self.layers)]
         self.layer_group_ids: list[int] | None = None
         self.kernels = ModelKernels.torch_only()
         # The one-call path for small steps: False until the first forward builds it
@@ -190,13 +218,19 @@ class DecoderModel(nn.Module):
 
     # -- KV cache -------------------------------------------------------------------
     def kv_cache_specs(self, block_size: int, kv_dtype=None, sliding_window_kv: str = "sliding") -> dict[str, KVCacheSpec]:
-        """Layer name -> KV spec (full, sliding window, or circular buffer for windowed layers)."""
+        """Layer name -> KV spec (full, sliding window, or circular buffer for windowed layers;
+        a `StateSpec` with the mixer's state shapes for recurrent layers)."""
         if sliding_window_kv not in ("sliding", "circular"):
             raise ValueError(f"sliding_window_kv must be 'sliding' or 'circular', got {sliding_window_kv!r}")
         dtype = kv_dtype if kv_dtype is not None else self.config.torch_dtype
-        num_kv_heads = self.layers[0].self_attn.num_kv_heads
         specs: dict[str, KVCacheSpec] = {}
         for name, layer in zip(self.layer_names, self.layers):
+            if layer.is_state_layer:
+                mixer = layer.mixer
+                specs[name] = StateSpec(block_size=block_size, shapes=tuple(tuple(s) for s in mixer.state_shapes),
+                                        dtype=mixer.state_dtype or self.config.torch_dtype)
+                continue
+            num_kv_heads = layer.self_attn.num_kv_heads
             window = layer.self_attn.sliding_window
             common = dict(block_size=block_size, num_kv_heads=num_kv_heads, head_size=self.config.head_dim,
                           dtype=dtype)
@@ -226,13 +260,19 @@ class DecoderModel(nn.Module):
         if len(metadata_by_group) == 1:
             return [0] * len(self.layers)
         # Unbound hybrid model: match each layer to the group whose spec has its kind.
-        kinds = [md.spec is not None and is_windowed(md.spec) for md in metadata_by_group]
-        return [kinds.index(layer.self_attn.sliding_window is not None) for layer in self.layers]
+        kinds = [_layer_kind(md.spec) for md in metadata_by_group]
+        return [kinds.index("state" if layer.is_state_layer else "sliding" if layer.sliding_window is not None
+                            else "full") for layer in self.layers]
 
     @property
     def attention_shape(self) -> AttentionShape:
-        """This rank's attention heads and head size."""
-        attn = self.layers[0].self_attn
+        """This rank's attention heads and head size (of its first attention layer; a model of
+        state layers only reports the configured shape)."""
+        attn = next((layer.self_attn for layer in self.layers if not layer.is_state_layer), None)
+        if attn is None:
+            config = self.config
+            return AttentionShape(config.num_heads // self.tp.size, max(config.num_kv_heads // self.tp.size, 1),
+                                  config.head_dim)
         return AttentionShape(attn.num_heads, attn.num_kv_heads, attn.head_dim)
 
     def use_kernels(self, kernels: ModelKernels) -> None:
@@ -327,9 +367,13 @@ class DecoderModel(nn.Module):
                          if self.rotary_local is not None else global_cos_sin)
         residual = None
         for layer, name, group_id in zip(self.layers, self.layer_names, group_ids):
-            cos_sin = local_cos_sin if layer.self_attn.sliding_window is not None else global_cos_sin
+            cos_sin = local_cos_sin if layer.sliding_window is not None else global_cos_sin
             hidden, residual = layer(hidden, residual, cos_sin, attn_metadata_by_group[group_id], kv_caches[name])
         return self.norm.add_and_norm(hidden, residual)[0], None
+
+    @property
+    def has_state_layers(self) -> bool:
+        return any(layer.is_state_layer for layer in self.layers)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings [T, hidden] in the model's dtype, scaled where the family
@@ -356,3 +400,9 @@ class DecoderModel(nn.Module):
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+def _layer_kind(spec: KVCacheSpec | None) -> str:
+    if isinstance(spec, StateSpec):
+        return "state"
+    return "sliding" if spec is not None and is_windowed(spec) else "full"

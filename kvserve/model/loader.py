@@ -369,8 +369,12 @@ def _check_complete(model: DecoderModel, loaded: set[str]) -> None:
     expected = []
     for layer_idx in range(model.config.num_layers):
         prefix = f"layers.{layer_idx}"
-        expected += [f"{prefix}.self_attn.qkv_proj.weight:{s}" for s in "qkv"]
-        expected.append(f"{prefix}.self_attn.o_proj.weight")
+        layer = model.layers[layer_idx]
+        if layer.is_state_layer:
+            expected += layer.mixer.checkpoint_weight_names(f"{prefix}.{layer.mixer_name}")
+        else:
+            expected += [f"{prefix}.self_attn.qkv_proj.weight:{s}" for s in "qkv"]
+            expected.append(f"{prefix}.self_attn.o_proj.weight")
         if model.config.sparse_layers[layer_idx]:
             expected.append(f"{prefix}.mlp.gate.weight")
             mlps = [f"{prefix}.mlp.experts.{e}" for e in range(model.config.num_experts)]

@@ -263,6 +263,8 @@ class NativeDecoder:
 
     def _describe_model(self, model) -> NativeModel:
         config = model.config
+        if model.has_state_layers:
+            raise NativeDeclined("recurrent-state layers")
         attn = model.layers[0].self_attn
         if model.tp.size != 1 and any(layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None
                                       for layer in model.layers):

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvserve.model import stored_weight
+from kvserve.model.stored_weight import StoredWeight
 from kvserve.native.config import QUANT_ISAS, KernelConfig
 from kvserve.native import cpu_kernels, dispatch
 from kvserve.native import isa as isa_table
@@ -405,17 +407,20 @@ def _single_row_kernel(weight: QuantizedWeight, isa: str) -> bool:
     return weight.act_bits == 8 and isa == "avx512"
 
 
-def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: QuantizedWeight | StoredWeight, bias: torch.Tensor | None = None,
            isa: str | None = None, num_draft_rows: int = 0) -> torch.Tensor:
     """x [..., in] @ W^T (+ bias) with W quantized; x float32 or bfloat16 on the CPU
     (rows may be strided), the result of x's dtype. `isa` overrides the weight's path.
     Steps of `weight.gemm_rows` rows or more dequantize W and run a dense GEMM instead.
+    A `StoredWeight` (GGUF blocks as the file holds them) runs `stored_weight.linear`.
 
     `num_draft_rows` of the rows are a speculative verify step's drafts: the kernel is
     chosen as for a step without them, so the step's rows go through the kernel, and the
     activation rounding, that plain decoding of the same sequences would use, and greedy
     speculative decoding emits exactly its tokens (the panel GEMM and the row kernel round
     activations differently)."""
+    if isinstance(weight, StoredWeight):
+        return stored_weight.linear(x, weight, bias, isa, num_draft_rows)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     if x2.shape[-1] != weight.in_features:

@@ -129,6 +129,11 @@ SIGNATURES = {
     "kvserve_shm_all_reduce": ([_ptr, _ptr, _i64], _i32),
     "kvserve_quant_rows": ([_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _ptr, _i64, _int, _int, _i64, _i64],
                            None),
+    "kvserve_gguf_supported": ([_int, _int], _int),
+    "kvserve_gguf_row_bytes": ([_int, _i64], _i64),
+    "kvserve_gguf_rows": ([_ptr, _ptr, _i64, _ptr, _int, _i64, _ptr, _ptr, _i64, _int, _i64, _i64], None),
+    "kvserve_gguf_linear": ([_ptr, _i64, _i64, _ptr, _int, _i64, _ptr, _ptr, _i64, _int], _int),
+    "kvserve_gguf_dequantize": ([_ptr, _int, _i64, _ptr, _i64, _ptr, _int], _int),
     "kvserve_gemv_partials": ([_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64],
                               _int),
 }

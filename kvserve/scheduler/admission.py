@@ -11,6 +11,7 @@ from kvserve.kv_cache.interface import (
     KVCacheConfig,
     KVCacheSpec,
     SlidingWindowSpec,
+    StateSpec,
     cdiv,
 )
 
@@ -22,6 +23,10 @@ def num_blocks_for_tokens(spec: KVCacheSpec, num_tokens: int, max_chunk_tokens: 
     if isinstance(spec, CircularBufferSpec):
         return spec.blocks_per_request
     full = cdiv(num_tokens, spec.block_size)
+    if isinstance(spec, StateSpec):
+        # The running state's block, the snapshots of the chunk in flight and of the
+        # chunk being scheduled, and the block those chunks start from.
+        return min(full, cdiv(2 * max_chunk_tokens, spec.block_size) + 2)
     if isinstance(spec, SlidingWindowSpec):
         in_window = cdiv(spec.sliding_window - 1 + 2 * max_chunk_tokens, spec.block_size) + 1
         return min(full, in_window)

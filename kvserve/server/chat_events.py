@@ -12,8 +12,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.engine.outputs import CompletionOutput
+from kvserve.server.harmony_reply import HarmonyStreamer
 from kvserve.server.tool_stream import ToolCallStreamer
 from kvserve.server.tools import ToolCall, ToolRequest
+
+ReplyStreamer = ToolCallStreamer | HarmonyStreamer
+
+
+def reply_streamer(tool_request: ToolRequest | None) -> ReplyStreamer | None:
+    """What reads a streamed reply into deltas, or None when its text is passed on as it comes."""
+    if tool_request is None or not tool_request.parses_reply:
+        return None
+    if tool_request.parser == "harmony":
+        return HarmonyStreamer(tool_request.parses_calls)
+    return ToolCallStreamer(tool_request.parser, tool_request.parallel)
 
 
 @dataclass(frozen=True)
@@ -63,8 +75,7 @@ class ChatEventReader:
     """The events of one streamed completion, from its cumulative outputs."""
 
     def __init__(self, tool_request: ToolRequest | None) -> None:
-        parses_calls = tool_request is not None and tool_request.parses_calls
-        self._streamer = ToolCallStreamer(tool_request.parser, tool_request.parallel) if parses_calls else None
+        self._streamer = reply_streamer(tool_request)
         self._text_sent = 0
         self.message = StreamedMessage()
         self.finished = False
@@ -91,7 +102,10 @@ class ChatEventReader:
 
 
 def _events_of(delta: dict) -> list[ChatEvent]:
-    """The events of one Chat Completions delta from `ToolCallStreamer`."""
+    """The events of one Chat Completions delta from a `ReplyStreamer` (reasoning is not
+    passed on: these APIs get the answer only)."""
+    if "reasoning_content" in delta:
+        return []
     if "content" in delta:
         return [TextDelta(delta["content"])] if delta["content"] else []
     events: list[ChatEvent] = []

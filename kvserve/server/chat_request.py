@@ -16,6 +16,8 @@ from typing import Any, AsyncIterator, Callable
 from kvserve.engine.outputs import CompletionOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.server.errors import bad_request
+from kvserve.server.harmony import STOP_TOKENS, render_harmony
+from kvserve.server.harmony_reply import parse_reply
 from kvserve.server.protocol import ChatMessage
 from kvserve.server.serving import (ServingContext, merged_outputs, resolve_max_tokens, run_tokenizer, submit_all,
                                     to_api_error)
@@ -43,6 +45,8 @@ class ChatSpec:
     add_generation_prompt: bool = True
     # Text the answer continues (Anthropic's prefilled last assistant turn).
     assistant_prefix: str = ""
+    # low / medium / high, for a model that reasons (harmony's system message says it).
+    reasoning_effort: str | None = None
 
 
 @dataclass
@@ -64,6 +68,8 @@ async def prepare_chat(ctx: ServingContext, spec: ChatSpec) -> PreparedChat:
     params = spec.build_params(max_tokens, await checked_source(ctx, spec.constraint, tool_grammar))
     if tool_request is not None and tool_request.parses_calls and tool_request.parser == "mistral":
         params.skip_special_tokens = False  # [TOOL_CALLS] is a special token
+    if tool_request is not None and tool_request.parser == "harmony":
+        _read_by_channel(ctx, params)
     ctx.engine.validator.check_prompt_fits(len(prompt_token_ids), max_tokens)
     ctx.engine.validator.check_sampling_params(params)
     return PreparedChat(prompt_token_ids, params, tool_request)
@@ -81,11 +87,32 @@ async def start_chat(ctx: ServingContext, build_spec: Callable[[], ChatSpec], re
     return prepared, outputs
 
 
+def _read_by_channel(ctx: ServingContext, params: SamplingParams) -> None:
+    """A harmony reply keeps its channel tokens in the text and stops at `<|return|>` or `<|call|>`."""
+    token_ids = ctx.harmony_token_ids()
+    if token_ids is None:
+        raise bad_request("--tool-call-parser harmony needs a model whose tokenizer has the harmony tokens")
+    params.skip_special_tokens = False
+    params.stop_token_ids = list(dict.fromkeys([*params.stop_token_ids, *(token_ids[t] for t in STOP_TOKENS)]))
+
+
+def speaks_harmony(ctx: ServingContext) -> bool:
+    """Whether chats are rendered and read in harmony (asked for, or the tokenizer has its tokens)."""
+    if ctx.tool_call_parser is not None:
+        return ctx.tool_call_parser == "harmony"
+    return ctx.harmony_token_ids() is not None
+
+
 def checked_tools(ctx: ServingContext, spec: ChatSpec) -> ToolRequest | None:
-    """The call's tool request, its tools and the conversation's tool turns checked."""
+    """The call's tool request, its tools and the conversation's tool turns checked. A harmony
+    model always gets one (its reply is read by channel), with no tools when the call has none."""
     check_tool_messages(spec.messages)
-    parser = ctx.tool_call_parser or parser_for_template(ctx.engine.tokenizer.chat_template)
-    return parse_tool_request(spec, parser)
+    parser = "harmony" if speaks_harmony(ctx) else (
+        ctx.tool_call_parser or parser_for_template(ctx.engine.tokenizer.chat_template))
+    tool_request = parse_tool_request(spec, parser)
+    if tool_request is None and parser == "harmony":
+        return ToolRequest([], "none", None, True, parser)
+    return tool_request
 
 
 async def count_prompt_tokens(ctx: ServingContext, spec: ChatSpec) -> int:
@@ -96,6 +123,8 @@ async def count_prompt_tokens(ctx: ServingContext, spec: ChatSpec) -> int:
 async def render_prompt(ctx: ServingContext, spec: ChatSpec, tool_request: ToolRequest | None) -> list[int]:
     """The conversation's prompt token ids (the tools rendered when the call may use them)."""
     from kvserve.engine.tokenizer import apply_chat_template
+    if tool_request is not None and tool_request.parser == "harmony":
+        return await _render_harmony(ctx, spec, tool_request)
     conversation = template_messages(spec.messages)  # raises UnsupportedFeatureError for non-text parts
     text_len = sum(len(message["content"]) for message in conversation) + len(spec.assistant_prefix)
     tools = tool_request.rendered_tools if tool_request is not None else None
@@ -116,9 +145,25 @@ async def render_prompt(ctx: ServingContext, spec: ChatSpec, tool_request: ToolR
     return token_ids
 
 
+async def _render_harmony(ctx: ServingContext, spec: ChatSpec, tool_request: ToolRequest) -> list[int]:
+    text = render_harmony(spec.messages, tool_request.rendered_tools, spec.reasoning_effort,
+                          spec.add_generation_prompt) + spec.assistant_prefix
+    return list(await run_tokenizer(len(text), ctx.engine.tokenizer.encode, text, add_special_tokens=False))
+
+
+def parsed_reply(completion: CompletionOutput, tool_request: ToolRequest | None) -> tuple[str, str, list[ToolCall]]:
+    """(reasoning, content, tool calls) of a finished completion; no calls unless the call may
+    make them, reasoning only from a model that writes it on its own channel (harmony)."""
+    if tool_request is None or not tool_request.parses_reply:
+        return "", completion.text, []
+    if tool_request.parser == "harmony":
+        reasoning, content, calls = parse_reply(completion.text, tool_request.parses_calls)
+    else:
+        reasoning, (content, calls) = "", extract_tool_calls(tool_request.parser, completion.text)
+    return reasoning, content, calls if tool_request.parallel else calls[:1]
+
+
 def parsed_message(completion: CompletionOutput, tool_request: ToolRequest | None) -> tuple[str, list[ToolCall]]:
-    """(content, tool calls) of a finished completion; no calls unless the call may make them."""
-    if tool_request is None or not tool_request.parses_calls:
-        return completion.text, []
-    content, calls = extract_tool_calls(tool_request.parser, completion.text)
-    return content, calls if tool_request.parallel else calls[:1]
+    """(content, tool calls) of a finished completion (its reasoning left out)."""
+    _, content, calls = parsed_reply(completion, tool_request)
+    return content, calls

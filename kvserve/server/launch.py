@@ -37,6 +37,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     if "--model" not in parser._option_string_actions:  # noqa: SLF001 - argparse has no public query
         from kvserve.engine.arg_utils import add_engine_arguments
         add_engine_arguments(parser)
+    from kvserve.server.tools import PARSERS
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default 127.0.0.1: local only)")
@@ -54,8 +55,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="largest request body accepted, e.g. 4MiB (default 4MiB)")
     group.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="seconds open requests may run after SIGINT/SIGTERM (default 10)")
-    group.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
-                       help="format of tool calls in the model's output (default: from the chat template)")
+    group.add_argument("--tool-call-parser", default=None, choices=list(PARSERS),
+                       help="format of tool calls in the model's output (default: harmony when the tokenizer has its "
+                            "tokens, else from the chat template)")
     group.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
     group.add_argument("--exit-on-lost-node", action=argparse.BooleanOptionalAction, default=True,

@@ -173,6 +173,8 @@ class ChatMessage(_StrictModel):
     name: StrictStr | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: StrictStr | None = None
+    # An assistant turn's chain of thought, as the server returned it (vLLM's field).
+    reasoning_content: StrictStr | None = None
 
     def text(self) -> str:
         """The content as plain text; non-text parts are unsupported."""
@@ -204,6 +206,8 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    # How long a reasoning model (gpt-oss) thinks: low, medium or high.
+    reasoning_effort: StrictStr | None = None
 
     def check_supported(self) -> None:
         self._check_common_unsupported()

@@ -22,6 +22,7 @@ from kvserve.engine.async_llm import AsyncLLM, RequestHandle
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import APIError, from_validation_error, to_api_error
+from kvserve.server.harmony import harmony_token_ids
 from kvserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -37,8 +38,18 @@ class ServingContext:
     served_model_name: str
     metrics: ServerMetrics
     created_s: int = field(default_factory=lambda: int(time.time()))
-    # Tool-call format (kvserve/server/tools.py); None: picked from the chat template.
+    # Tool-call format (kvserve/server/tools.py); None: harmony when the tokenizer has its
+    # tokens, else picked from the chat template.
     tool_call_parser: str | None = None
+    _harmony_ids: dict[str, int] | None = field(default=None, init=False, repr=False)
+    _harmony_probed: bool = field(default=False, init=False, repr=False)
+
+    def harmony_token_ids(self) -> dict[str, int] | None:
+        """The ids of the harmony tokens when the model speaks harmony (gpt-oss), else None."""
+        if not self._harmony_probed:
+            self._harmony_ids = harmony_token_ids(self.engine.tokenizer)
+            self._harmony_probed = True
+        return self._harmony_ids
 
 
 async def parse_body(raw_request: Request, model_cls: type[ModelT]) -> ModelT:

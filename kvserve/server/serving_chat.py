@@ -10,12 +10,12 @@ from fastapi import Request
 
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
-from kvserve.server.chat_request import ChatSpec, parsed_message, start_chat
+from kvserve.server.chat_events import ReplyStreamer, reply_streamer
+from kvserve.server.chat_request import ChatSpec, parsed_reply, start_chat
 from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.server.serving import (ChoiceStreamState, ChunkFormatter, ServingContext, new_id, next_delta,
                                     parse_request, respond, token_logprob_entries, token_text, usage_dict)
 from kvserve.server.structured import constraint_from_request
-from kvserve.server.tool_stream import ToolCallStreamer
 from kvserve.server.tools import ToolRequest
 
 
@@ -24,7 +24,8 @@ def chat_spec(body: ChatCompletionRequest) -> ChatSpec:
     return ChatSpec(messages=body.messages, build_params=partial(_build_params, body),
                     max_tokens=body.requested_max_tokens(), tools=body.tools or [],
                     tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
-                    constraint=constraint_from_request(body), add_generation_prompt=body.add_generation_prompt)
+                    constraint=constraint_from_request(body), add_generation_prompt=body.add_generation_prompt,
+                    reasoning_effort=body.reasoning_effort)
 
 
 def _build_params(body: ChatCompletionRequest, max_tokens: int,
@@ -63,13 +64,17 @@ def _full_response(ctx: ServingContext, body: ChatCompletionRequest, response_id
 
 
 def _message(completion: CompletionOutput, tool_request: ToolRequest | None) -> tuple[dict, str | None]:
-    """The assistant message and finish reason of a finished choice ("tool_calls" when it called)."""
-    content, calls = parsed_message(completion, tool_request)
+    """The assistant message and finish reason of a finished choice ("tool_calls" when it called);
+    `reasoning_content` when the model wrote its reasoning apart (harmony's analysis channel)."""
+    reasoning, content, calls = parsed_reply(completion, tool_request)
+    message: dict = {"role": "assistant"}
+    if reasoning:
+        message["reasoning_content"] = reasoning
     if not calls:
-        return {"role": "assistant", "content": completion.text}, completion.finish_reason
+        return {**message, "content": content}, completion.finish_reason
     finish_reason = "tool_calls" if completion.finish_reason == "stop" else completion.finish_reason
-    return ({"role": "assistant", "content": content or None,
-             "tool_calls": [call.to_openai() for call in calls]}, finish_reason)
+    return {**message, "content": content or None,
+            "tool_calls": [call.to_openai() for call in calls]}, finish_reason
 
 
 def _logprob_value(value: float) -> float:
@@ -100,13 +105,13 @@ async def _stream_events(ctx: ServingContext, body: ChatCompletionRequest, respo
                          outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
     chunk = ChunkFormatter(response_id, "chat.completion.chunk", ctx.served_model_name, body.include_usage)
     states: dict[int, ChoiceStreamState] = {}
-    streamers: dict[int, ToolCallStreamer] = {}
+    streamers: dict[int, ReplyStreamer] = {}
     last_output = None
     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                   "logprobs": None, "finish_reason": None} for i in range(body.n)])
     async for _, request_output in outputs:
         last_output = request_output
-        if tool_request is not None and tool_request.parses_calls:
+        if tool_request is not None and tool_request.parses_reply:
             for choices in _tool_stream_chunks(request_output, tool_request, streamers):
                 yield chunk(choices)
             continue
@@ -137,14 +142,15 @@ def _delta_choices(ctx: ServingContext, body: ChatCompletionRequest, request_out
 
 
 def _tool_stream_chunks(request_output: RequestOutput, tool_request: ToolRequest,
-                        streamers: dict[int, ToolCallStreamer]) -> list[list[dict]]:
-    """With tools, each choice's text goes through its `ToolCallStreamer`: content that
-    cannot become a call, then each call's id, type and name, then its arguments as they
-    are generated; the finish reason last ("tool_calls" when it called)."""
+                        streamers: dict[int, ReplyStreamer]) -> list[list[dict]]:
+    """With tools (or harmony's channels), each choice's text goes through its reply streamer:
+    reasoning, content that cannot become a call, then each call's id, type and name, then its
+    arguments as they are generated; the finish reason last ("tool_calls" when it called)."""
     chunks = []
     for completion in request_output.outputs:
-        streamer = streamers.setdefault(completion.index,
-                                        ToolCallStreamer(tool_request.parser, tool_request.parallel))
+        if completion.index not in streamers:
+            streamers[completion.index] = reply_streamer(tool_request)
+        streamer = streamers[completion.index]
         if streamer.finished:
             continue
         finished = completion.finish_reason is not None

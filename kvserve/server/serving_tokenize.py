@@ -12,7 +12,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field, StrictInt, StrictStr
 
+from kvserve.server.chat_request import speaks_harmony
 from kvserve.server.errors import bad_request, to_api_error
+from kvserve.server.harmony import render_harmony
 from kvserve.server.protocol import ChatMessage, _StrictModel
 from kvserve.server.serving import ServingContext, parse_request, run_tokenizer
 
@@ -49,8 +51,11 @@ async def _token_ids(ctx: ServingContext, body: TokenizeRequest) -> list[int]:
         return list(await run_tokenizer(len(body.prompt), tokenizer.encode, body.prompt,
                                         add_special_tokens=add_special))
     from kvserve.engine.tokenizer import render_chat_template
-    conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
-    text = render_chat_template(tokenizer, conversation, body.add_generation_prompt)
+    if speaks_harmony(ctx):
+        text = render_harmony(body.messages, None, None, body.add_generation_prompt)
+    else:
+        conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+        text = render_chat_template(tokenizer, conversation, body.add_generation_prompt)
     return list(tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
 
 

@@ -168,7 +168,7 @@ def read_calls(text: str, pos: int, opener: str, args_keys: tuple[str, ...]) -> 
         pos = close
 
 
-def _held_back_prefix(text: str, marker: str) -> int:
+def held_back_prefix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that starts `marker` (it may become the marker)."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-size:]):
@@ -197,7 +197,7 @@ def snapshot(parser: str, text: str, final: bool) -> Snapshot:
             return Snapshot("", calls)
         if final:
             return Snapshot(text)
-        safe = text[:len(text) - _held_back_prefix(text, marker)]
+        safe = text[:len(text) - held_back_prefix(text, marker)]
         return Snapshot(safe.rstrip(_WHITESPACE))
     content = text[:found].rstrip(_WHITESPACE)
     if parser == "hermes":

@@ -5,7 +5,10 @@ Formats (`--tool-call-parser`, else picked from the chat template):
   SmolLM, Hermes); also the built-in fallback template's format;
 - `llama3_json`: a bare `{"name": ..., "parameters": {...}}` object, calls separated by `;`,
   optionally after `<|python_tag|>`;
-- `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}`.
+- `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}`;
+- `harmony`: gpt-oss's channels (kvserve/server/harmony.py renders the prompt,
+  kvserve/server/harmony_reply.py reads the reply); picked when the tokenizer has the
+  harmony tokens, and then the reply is always read by channel, tools or not.
 
 `tool_choice` `required` or a named function becomes a grammar (llguidance Lark with
 embedded JSON schemas) so that any model answers with calls whose arguments fit the
@@ -20,9 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.errors import InvalidRequestError
+from kvserve.server.harmony import harmony_forcing_grammar
 from kvserve.server.tool_checks import check_tools
 
-PARSERS = ("hermes", "llama3_json", "mistral")
+PARSERS = ("hermes", "llama3_json", "mistral", "harmony")
 # Compact JSON inside tool-call grammars, as for other JSON constraints.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -101,12 +105,19 @@ class ToolRequest:
     def parses_calls(self) -> bool:
         return self.choice != "none" and bool(self.tools)
 
+    @property
+    def parses_reply(self) -> bool:
+        """Whether the reply is read rather than passed on as text (calls, or harmony's channels)."""
+        return self.parses_calls or self.parser == "harmony"
+
     def forcing_grammar(self) -> str | None:
         """A Lark grammar that admits only well-formed calls, for `required` and a named function."""
         if self.choice not in ("required", "named"):
             return None
         functions = [t["function"] for t in self.tools
                      if self.choice == "required" or t["function"]["name"] == self.named_function]
+        if self.parser == "harmony":
+            return harmony_forcing_grammar(functions)
         args_key = "parameters" if self.parser == "llama3_json" else "arguments"
         call_schemas = [{"type": "object", "properties": {
             "name": {"const": f["name"]}, args_key: f.get("parameters") or {"type": "object"}},

@@ -18,8 +18,8 @@ import torch
 
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.native.config import KernelConfig
-from kvserve.kv_cache.interface import KVCacheConfig, KVCacheSpec
-from kvserve.model.attention import AttentionMetadata
+from kvserve.kv_cache.interface import KVCacheConfig, KVCacheSpec, StateSpec
+from kvserve.model.attention import AttentionMetadata, StateMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from kvserve.model.quantized import holds_quantized_weights
@@ -121,6 +121,10 @@ class ModelRunner:
         if self.drafter is not None:
             specs.update(self.drafter.kv_cache_specs(self.cache_config.block_size,
                                                      self.cache_config.sliding_window_kv))
+        if self.scheduler_config.speculative_config is not None and any(
+                isinstance(spec, StateSpec) for spec in specs.values()):
+            # A rejected draft would leave its tokens in the recurrent state.
+            raise ValueError("speculative decoding is not supported for models with recurrent-state layers")
         return specs
 
     def available_kv_memory_bytes(self) -> int:
@@ -318,6 +322,9 @@ class ModelRunner:
         max_seq_len = int(prepared.seq_lens.max())
         group_specs = [group.kv_cache_spec for group in self.kv_cache_config.kv_cache_groups]
         return [
+            StateMetadata.build(spec, prepared.num_scheduled_tokens, prepared.num_computed_tokens, block_table,
+                                self.device)
+            if isinstance(spec, StateSpec) else
             AttentionMetadata(
                 query_start_loc=query_start_loc, seq_lens=seq_lens,
                 block_table=to_device(block_table), slot_mapping=to_device(slot_mapping),

@@ -8,6 +8,7 @@ from kvserve.kv_cache.interface import (
     KVCacheGroupSpec,
     KVCacheSpec,
     SlidingWindowSpec,
+    StateSpec,
 )
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.request import Request
@@ -25,6 +26,10 @@ def sliding_spec(block_size: int = 4, window: int = 8) -> SlidingWindowSpec:
 def circular_spec(block_size: int = 4, window: int = 8) -> CircularBufferSpec:
     return CircularBufferSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype="float32",
                               sliding_window=window)
+
+
+def state_spec(block_size: int = 4) -> StateSpec:
+    return StateSpec(block_size=block_size, shapes=((2,), (3, 2)), dtype="float32")
 
 
 def make_manager(specs: list[KVCacheSpec] | None = None, num_blocks: int = 11, hash_block_size: int | None = None,

@@ -4,11 +4,11 @@ plan), `backend` (the interface a layer calls), `torch_backend` and
 choice). The KV tensors themselves belong to the worker (`kvserve.worker.kv_tensors`)."""
 from kvserve.model.attention.backend import AttentionBackend, AttentionParams
 from kvserve.model.attention.cpu_native_backend import CpuNativeAttentionBackend
-from kvserve.model.attention.metadata import (AttentionMetadata, AttentionPlan, compute_slot_mapping, is_windowed,
-                                              token_positions)
+from kvserve.model.attention.metadata import (AttentionMetadata, AttentionPlan, StateMetadata, compute_slot_mapping,
+                                              is_windowed, token_positions)
 from kvserve.model.attention.selector import select_attention_backend
 from kvserve.model.attention.torch_backend import TorchAttentionBackend
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "AttentionParams", "AttentionPlan", "CpuNativeAttentionBackend",
-           "TorchAttentionBackend", "compute_slot_mapping", "is_windowed", "select_attention_backend",
+           "StateMetadata", "TorchAttentionBackend", "compute_slot_mapping", "is_windowed", "select_attention_backend",
            "token_positions"]

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.kv_cache.interface import CircularBufferSpec, KVCacheSpec, SlidingWindowSpec
+from kvserve.kv_cache.interface import CircularBufferSpec, KVCacheSpec, SlidingWindowSpec, StateSpec, cdiv
 
 
 @dataclass
@@ -123,6 +123,89 @@ class AttentionMetadata:
         if key not in self._plans:
             self._plans[key] = _build_plan(self, block_size, sliding_window, native)
         return self._plans[key]
+
+
+@dataclass
+class StateMetadata:
+    """One recurrent-state group's view of a step (the runner builds one per state group).
+
+    State layers keep their state in slots: slot id = block id of the group, one
+    row of each of the layer's state tensors `[num_blocks, *shape]`.
+    - `query_start_loc` [B+1] int64: token offsets of each request in the flat batch;
+      `seq_lens` [B]: context length including this step's tokens.
+    - `read_slot` [B] int64: the slot holding each request's state before its first
+      token of this step; -1: start from zeros (a fresh prompt, or a recompute).
+    - `write_req`, `write_after`, `write_slot` [W] int64: after token `write_after`
+      (1..query_len) of request `write_req`'s tokens in this step, store the state in
+      `write_slot`. Every request has one write at its query_len (its running
+      state); a step crossing block-size boundaries also writes the snapshot at
+      each boundary whose block is held (the ones prefix caching keeps).
+    A slot being written is never read by another request of the same step, nor by a
+    step still in flight (the KV manager's fences). A request may read and write the
+    same slot (its running state, updated in place): read it before writing.
+    Build with `StateMetadata.build`.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    read_slot: torch.Tensor
+    write_req: torch.Tensor
+    write_after: torch.Tensor
+    write_slot: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    spec: StateSpec | None = None
+    num_draft_tokens: int = 0  # always 0: speculative decoding does not run with state layers
+
+    @classmethod
+    def build(cls, spec: StateSpec, query_lens, num_computed_tokens, block_table,
+              device: torch.device | str = "cpu") -> "StateMetadata":
+        """Metadata from per-request query lengths, tokens computed before the step and the
+        group's block table rows ([B, max_blocks], block i holding the state after token
+        (i + 1) * block_size; 0 = the null block: nothing held there)."""
+        query_lens = [int(n) for n in query_lens]
+        num_computed = [int(n) for n in num_computed_tokens]
+        table = torch.as_tensor(block_table, dtype=torch.int64).cpu()
+        read_slot, writes = state_slots(spec.block_size, query_lens, num_computed, table)
+        query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+        query_start_loc[1:] = torch.tensor(query_lens, dtype=torch.int64).cumsum(0)
+        seq_lens = [n + q for n, q in zip(num_computed, query_lens)]
+        write_columns = torch.tensor(writes, dtype=torch.int64).reshape(-1, 3).t()
+        return cls(query_start_loc=query_start_loc.to(device),
+                   seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+                   read_slot=torch.tensor(read_slot, dtype=torch.int64, device=device),
+                   write_req=write_columns[0].to(device), write_after=write_columns[1].to(device),
+                   write_slot=write_columns[2].to(device), max_query_len=max(query_lens, default=0),
+                   max_seq_len=max(seq_lens, default=0), spec=spec)
+
+    def writes_of(self, request: int) -> list[tuple[int, int]]:
+        """(after token, slot) of request `request`'s writes, in token order."""
+        mask = self.write_req == request
+        return list(zip(self.write_after[mask].tolist(), self.write_slot[mask].tolist()))
+
+
+def state_slots(block_size: int, query_lens: list[int], num_computed: list[int],
+                block_table: torch.Tensor) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """(read slot per request, [(request, after token, slot)] writes): see `StateMetadata`."""
+    read_slot, writes = [], []
+    for req, (start, query_len) in enumerate(zip(num_computed, query_lens)):
+        row = block_table[req]
+        read_slot.append(_held_slot(row, cdiv(start, block_size) - 1, req) if start > 0 else -1)
+        end = start + query_len
+        for boundary in range(start // block_size + 1, end // block_size + 1):
+            slot = int(row[boundary - 1]) if boundary - 1 < len(row) else 0
+            if slot and boundary * block_size < end:
+                writes.append((req, boundary * block_size - start, slot))
+        if query_len:
+            writes.append((req, query_len, _held_slot(row, cdiv(end, block_size) - 1, req)))
+    return read_slot, writes
+
+
+def _held_slot(row: torch.Tensor, index: int, req: int) -> int:
+    slot = int(row[index]) if index < len(row) else 0
+    if slot <= 0:
+        raise ValueError(f"state group: request {req} holds no block at table index {index}")
+    return slot
 
 
 def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -220,6 +220,17 @@ int kvserve_quant_gemm(const void *x, int64_t x_stride, int64_t batch, const uin
                        const float *m, int bits, int64_t out, int64_t in, const void *bias, void *y, int64_t y_stride,
                        int dtype, int isa, int num_threads);
 
+/* ---- linear/gguf_rows.c: GGUF block types as stored (types: csrc/linear/gguf/) -------------- */
+
+int kvserve_gguf_supported(int type, int isa);
+int64_t kvserve_gguf_row_bytes(int type, int64_t in);
+void kvserve_gguf_rows(const int8_t *qx, const float *scales, int64_t batch, const uint8_t *w, int type, int64_t in,
+                       const float *bias, float *y, int64_t y_stride, int isa, int64_t row_begin, int64_t row_end);
+int kvserve_gguf_linear(const float *x, int64_t x_stride, int64_t batch, const uint8_t *w, int type, int64_t in,
+                        const float *bias, float *y, int64_t out, int isa);
+int kvserve_gguf_dequantize(const uint8_t *w, int type, int64_t in, const int64_t *rows, int64_t n, void *dst,
+                            int dtype);
+
 /* ---- linear/bf16_rows.c ------------------------------------------------------------------------ */
 
 void kvserve_bf16_round_rows(const float *x, int64_t x_stride, int64_t batch, int64_t in, uint16_t *xb);

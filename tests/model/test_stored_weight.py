@@ -1,0 +1,225 @@
+"""GGUF blocks computed as stored (csrc/linear/gguf_rows.c, kvserve/model/stored_weight.py):
+dequantization against gguf-py's (an independent implementation of ggml's formulas), and
+the row kernel on every path this machine runs against a float64 product.
+
+The bound of the row kernel. It quantizes x per 32 columns to int8, x ~ dx * qx
+(kvserve_quant_activations); the oracle takes those same rounded activations xq = dx * qx,
+so activation rounding is not part of the comparison. A type's kernel splits each weight
+value as w = A - B: A the part that scales the quant (d * sc * q, summed as integers
+against qx, exactly), B the block's minimum or offset (times sx = dx * sum qx). Every output
+is a float32 sum of terms, each a product of at most four rounded float32 factors (a relative
+error of at most 4u, u = 2^-24), and the sum's error is at most u times the sum over terms of
+|term| times the additions it passes through. Per 32 columns there are at most two terms (the
+scale term and the minimum term; per 16 columns for Q2_K's minimums, Q3_K and Q6_K's scales,
+still at most two additions per 32 columns in one lane): T <= 2 in / 32 + 2 per 256 columns
+in all. A term passes through at most T - 1 additions in a scalar sum; the vector tiles keep
+8 lanes, each a chain of at most T additions, then add the lanes (3), the separately summed
+minimum terms and the bias (2): at most T + 5. The oracle's dequantized w is ggml's float32
+value, which differs from the exact A - B by at most 3u (|A| + |B|) (d * sc, * q, - m). So
+|kernel - oracle| <= (T + 12) u S with S = sum_i (|A_i| + |B_i|) |xq_i|. S is taken
+from the blocks themselves without a second decoder: B is the value of the same block with
+its quant bytes zeroed (w0), A = w - w0, and |A| + |B| <= |w - w0| + |w0| for every type
+(for types with no B, w0 is some value and the sum only grows). The float64 oracle's own
+error (2^-53 relative per operation) is far below and not counted.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+
+from kvserve.model import quantized, stored_weight
+from kvserve.model.stored_weight import StoredWeight, StoredWeightError
+from kvserve.native import build, dispatch
+from kvserve.native.isa import ISA_CODES, ISAS
+
+pytestmark = pytest.mark.skipif(build.load_library() is None, reason="no C compiler for the native kernels")
+
+U = 2.0 ** -24
+# Bytes of a block that hold its quants (zeroed to find the block's minimum/offset part).
+QUANT_BYTES = {"Q4_0": slice(2, 18), "Q4_1": slice(4, 20), "Q8_0": slice(2, 34), "Q4_K": slice(16, 144),
+               "Q6_K": slice(0, 192), "Q5_0": slice(2, 22), "Q5_1": slice(4, 24), "Q5_K": slice(16, 176),
+               "Q3_K": slice(0, 96), "Q2_K": slice(16, 80), "IQ4_NL": slice(2, 18), "IQ4_XS": slice(8, 136),
+               "MXFP4": slice(1, 17)}
+# Types gguf-py does not quantize are random bytes but for their f16 scales: (first byte, how
+# many f16 values, range). A signed range where the quants are signed (the sign of d matters).
+F16_SCALES = {"Q4_K": (0, 2, 0.001, 0.02), "Q6_K": (208, 1, 0.0005, 0.005), "Q5_K": (0, 2, 0.001, 0.02),
+              "Q3_K": (108, 1, -0.02, 0.02), "Q2_K": (80, 2, 0.001, 0.02), "IQ4_NL": (0, 1, -0.02, 0.02),
+              "IQ4_XS": (0, 1, -0.002, 0.002)}
+TYPES = tuple(QUANT_BYTES)
+PATHS = [isa for isa in ISAS if dispatch.available("quant", isa)]
+
+
+def _random_blocks(type_name: str, rows: int, in_features: int, rng: np.random.Generator) -> np.ndarray:
+    """rows x in_features of `type_name` as uint8 [rows, row bytes]: quantized by gguf-py where it
+    can quantize the type, else random bytes with finite, moderate f16 scales."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    values = rng.standard_normal((rows, in_features)).astype(np.float32)
+    try:
+        return quants.quantize(values, qtype)
+    except NotImplementedError:
+        pass
+    block_cols, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows, in_features // block_cols, block_bytes), dtype=np.uint8)
+
+    first, count, low, high = F16_SCALES[type_name]
+    scales = rng.uniform(low, high, (rows, blocks.shape[1], count)).astype(np.float16)
+    blocks[..., first:first + 2 * count] = scales.view(np.uint8).reshape(rows, blocks.shape[1], 2 * count)
+    return blocks.reshape(rows, -1)
+
+
+def _weight(type_name: str, rows: int, in_features: int, seed: int = 0, **options) -> StoredWeight:
+    return stored_weight.from_gguf_blocks(type_name, _random_blocks(type_name, rows, in_features,
+                                                                    np.random.default_rng(seed)), in_features, **options)
+
+
+def _gguf_py(weight: StoredWeight) -> np.ndarray:
+    return quants.dequantize(weight.blocks.numpy(), gguf.GGMLQuantizationType[weight.type_name])
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_dequantize_is_gguf_py_bit_for_bit(type_name):
+    weight = _weight(type_name, 7, 512)
+    expected = torch.from_numpy(_gguf_py(weight))
+    assert torch.equal(weight.dequantize().view(torch.int32), expected.view(torch.int32))
+    index = torch.tensor([6, 0, 3, 3])
+    assert torch.equal(weight.dequantize(index), expected[index])
+    assert torch.equal(weight.dequantize(dtype=torch.bfloat16), expected.to(torch.bfloat16))
+
+
+def test_dequantize_refuses_a_row_out_of_range():
+    weight = _weight("Q4_0", 3, 64)
+    with pytest.raises(IndexError):
+        weight.dequantize(torch.tensor([3]))
+    with pytest.raises(IndexError):
+        weight.dequantize(torch.tensor([-1]))
+
+
+def test_row_bytes_and_bad_shapes():
+    assert stored_weight.row_bytes("Q4_K", 512) == 2 * 144
+    assert stored_weight.row_bytes("Q6_K", 256) == 210
+    with pytest.raises(StoredWeightError):
+        stored_weight.row_bytes("Q4_K", 100)
+    with pytest.raises(StoredWeightError):
+        stored_weight.from_gguf_blocks("F16", np.zeros((2, 64), np.uint8), 32)
+    with pytest.raises(StoredWeightError):
+        stored_weight.from_gguf_blocks("Q8_0", np.zeros((2, 35), np.uint8), 32)
+
+
+def _quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """qx int8 [batch, in] and the scales [2, batch, in / 32] (dx, then dx * sum qx) the kernel makes."""
+    batch, in_features = x.shape
+    qx = torch.empty(batch, in_features, dtype=torch.int8)
+    scales = torch.empty(2, batch, in_features // 32, dtype=torch.float32)
+    build.load_library().kvserve_quant_activations(x.data_ptr(), x.stride(0), batch, in_features, 8, qx.data_ptr(),
+                                                   scales.data_ptr())
+    return qx, scales
+
+
+def _oracle_and_bound(weight: StoredWeight, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """float64 W xq^T with xq the int8-rounded activations, and the bound of the header."""
+    qx, scales = _quantized_activations(x)
+    xq = (qx.double().view(x.shape[0], -1, 32) * scales[0].double().unsqueeze(-1)).view(x.shape).numpy()
+    w = _gguf_py(weight).astype(np.float64)
+    zeroed = weight.blocks.numpy().copy().reshape(weight.out_features, -1, gguf.GGML_QUANT_SIZES[
+        gguf.GGMLQuantizationType[weight.type_name]][1])
+    zeroed[..., QUANT_BYTES[weight.type_name]] = 0
+    w0 = quants.dequantize(zeroed.reshape(weight.out_features, -1),
+                           gguf.GGMLQuantizationType[weight.type_name]).astype(np.float64)
+    magnitude = np.abs(xq) @ (np.abs(w - w0) + np.abs(w0)).T
+    terms = 2 * weight.in_features // 32 + 2 * weight.in_features // 256
+    return xq @ w.T, (terms + 12) * U * magnitude
+
+
+def _odd_width(type_name: str) -> int:
+    """A row width of an odd number of blocks (the vector paths take blocks two at a time)."""
+    return 800 if gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0] == 32 else 768
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("batch", [1, 3, 17])
+def test_linear_matches_the_float64_product_of_the_rounded_activations(type_name, isa, batch):
+    width = _odd_width(type_name)
+    weight = _weight(type_name, 37, width, seed=batch)
+    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(batch))
+    expected, bound = _oracle_and_bound(weight, x)
+    y = stored_weight.linear(x, weight, isa=isa).double().numpy()
+    assert np.all(np.abs(y - expected) <= bound), np.max(np.abs(y - expected) / bound)
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("type_name", TYPES)
+def test_each_row_gets_its_batch_one_sums_whatever_the_batch_and_range(type_name, isa):
+    """Rows computed in a batch of 17, in any row range, are bit for bit the batch-one rows
+    (speculative verify steps rely on it)."""
+    width = _odd_width(type_name)
+    weight = _weight(type_name, 23, width, seed=5)
+    x = torch.randn(17, width, generator=torch.Generator().manual_seed(7))
+    batched = stored_weight.linear(x, weight, isa=isa)
+    for b in (0, 5, 16):
+        assert torch.equal(batched[b], stored_weight.linear(x[b:b + 1], weight, isa=isa)[0])
+    qx, scales = _quantized_activations(x)
+    pieces = torch.full((17, 23), float("nan"))
+    for begin, end in ((0, 3), (3, 10), (10, 23)):
+        build.load_library().kvserve_gguf_rows(qx.data_ptr(), scales.data_ptr(), 17, weight.blocks.data_ptr(),
+                                               weight.ggml_type, width, None, pieces.data_ptr(), 23, ISA_CODES[isa],
+                                               begin, end)
+    assert torch.equal(pieces, batched)
+
+
+def test_bias_strided_rows_and_bfloat16_inputs():
+    weight = _weight("Q4_K", 9, 256, seed=3)
+    x = torch.randn(4, 2, 256, generator=torch.Generator().manual_seed(3))
+    bias = torch.randn(9, generator=torch.Generator().manual_seed(4))
+    plain = stored_weight.linear(x[:, 0].contiguous(), weight)
+    assert torch.equal(stored_weight.linear(x[:, 0], weight, bias), plain + bias)
+    assert stored_weight.linear(x.to(torch.bfloat16), weight).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="input width"):
+        stored_weight.linear(torch.zeros(1, 128), weight)
+
+
+@pytest.mark.parametrize("gemm_dtype", [torch.float32, torch.bfloat16])
+def test_prefill_sized_steps_run_a_dense_gemm(gemm_dtype):
+    """From `gemm_rows` rows the weight is dequantized and multiplied densely: float32 within
+    float32 summation of `in` products (in u sum |w x|), bfloat16 within the rounding of
+    both operands to bfloat16 (half an ulp: 2^-8 relative each, their product 2^-16) and of
+    the bfloat16 result (2^-8 of at most sum |w x|) plus that summation."""
+    weight = _weight("Q6_K", 40, 512, seed=9, gemm_rows=8, gemm_dtype=gemm_dtype)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(9))
+    w = _gguf_py(weight).astype(np.float64)
+    expected = x.double().numpy() @ w.T
+    magnitude = np.abs(x.double().numpy()) @ np.abs(w).T
+    rounding = 0.0 if gemm_dtype == torch.float32 else 3 * 2.0 ** -8 + 2.0 ** -16
+    y = stored_weight.linear(x, weight).double().numpy()
+    assert np.all(np.abs(y - expected) <= (512 * U + rounding) * magnitude)
+    # Drafts do not count: 8 rows of which 1 a draft take the row kernel, as 7 plain rows would.
+    eight = x[:8]
+    assert torch.equal(stored_weight.linear(eight, weight, num_draft_rows=1),
+                       stored_weight.linear(eight, weight, isa=weight.isa or PATHS[-1]))
+
+
+def test_quantized_linear_takes_a_stored_weight():
+    weight = _weight("Q8_0", 6, 64, seed=2)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(quantized.linear(x, weight), stored_weight.linear(x, weight))
+
+
+def test_rows_of_a_stored_weight():
+    weight = _weight("Q4_1", 10, 64, seed=4)
+    part = weight.rows(slice(2, 5))
+    assert part.shape == (3, 64) and part.nbytes() == 3 * 40
+    assert torch.equal(part.dequantize(), weight.dequantize()[2:5])
+    picked = weight.rows(torch.tensor([9, 1]))
+    assert torch.equal(picked.dequantize(), weight.dequantize(torch.tensor([9, 1])))
+
+
+def test_supported_types_follow_the_table():
+    assert all(stored_weight.supported(name, "portable") for name in TYPES)
+    lib = build.load_library()
+    assert lib.kvserve_gguf_supported(1, ISA_CODES["portable"]) == 0  # F16: not a block type here
+    assert ctypes.c_int64(lib.kvserve_gguf_row_bytes(1, 64)).value == -1
