@@ -25,9 +25,8 @@ from kvserve.model.gguf_file import release_gguf_mappings
 from kvserve.model.kernels import choose_model_kernels
 from kvserve.model.parallel import (ColumnParallelLinear, QuantizedWeightMixin, RowParallelLinear,
                                     VocabParallelEmbedding)
-from kvserve.model.quantized import QuantizedWeight, gemm_dtype, kernel_isa, keeps_quantized
+from kvserve.model.quantized import QuantizedWeight, gemm_dtype, kernel_isa, keeps_quantized, stored_types
 from kvserve.model.stored_parts import StoredParts
-from kvserve.model import stored_weight
 from kvserve.model.stored_weight import StoredWeight
 
 logger = logging.getLogger(__name__)
@@ -95,17 +94,6 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", tp
 def _is_matrix_weight(name: str) -> bool:
     """Checkpoint tensors that may stay quantized: the projections, embeddings and LM head."""
     return name.endswith(("_proj.weight", "embed_tokens.weight", "lm_head.weight"))
-
-
-def stored_types(kernel_config: KernelConfig | None = None) -> frozenset[str]:
-    """The GGUF type names the loader holds as stored (`StoredWeight`): those whose kernels run
-    on the quantized kernel path `kernel_config` picks; the others it repacks. None with int16
-    activations (KVSERVE_QUANT_ACT_BITS=16): the stored-block kernels round them to int8 only."""
-    kernel_config = kernel_config or KernelConfig()
-    isa = kernel_isa(kernel_config)
-    if isa is None or kernel_config.quant_act_bits != 8:
-        return frozenset()
-    return frozenset(name for name in stored_weight.GGML_TYPE_IDS if stored_weight.supported(name, isa))
 
 
 def _stored_copies(model_config: ModelConfig, select, stored: frozenset[str], kernel_config: KernelConfig,
