@@ -31,6 +31,7 @@ ARCHITECTURE_FAMILIES = {
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
     "GptOssForCausalLM": "gpt_oss",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
 }
 
 # config.json files without "architectures" (e.g. a bare config) still name a model_type.
@@ -38,7 +39,8 @@ _ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralF
                                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                                "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                               "olmoe": "OlmoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+                               "olmoe": "OlmoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                               "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
 
 _MULTIMODAL_TEXT_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 
@@ -77,6 +79,23 @@ class RopeConfig:
             "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
             "partial_rotary_factor", "truncate") if params.get(k) is not None}
         return cls(theta=float(params.get("rope_theta", default_theta)), rope_type=rope_type, **known)
+
+
+@dataclass(frozen=True)
+class MambaConfig:
+    """The Mamba-2 layers of a hybrid model: `num_heads` heads of `head_dim` channels, a state
+    of `state_size` per channel, B/C shared by `n_groups` groups of heads, a depthwise causal
+    conv of `conv_kernel` taps, and the clamp of the softplus time step."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    conv_bias: bool = True
+    proj_bias: bool = False
+    dt_min: float = 0.0
+    dt_max: float = float("inf")
 
 
 @dataclass
@@ -134,6 +153,18 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     query_pre_attn_scalar: float | None = None
+    # Hybrid state-space models: the Mamba-2 layers' shape ("mamba" layer types).
+    mamba: MambaConfig | None = None
+    # Granite: attention layers without RoPE, a shared expert next to (or instead of) the routed
+    # ones, and scalings: embeddings times `embedding_multiplier`, each layer's mixer and MLP
+    # outputs times `residual_multiplier`, logits divided by `logits_scaling`, and attention
+    # scores scaled by `attention_multiplier` (None: head_dim ** -0.5).
+    use_rope: bool = True
+    shared_expert_size: int = 0
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    attention_multiplier: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     pad_token_id: int | None = None
@@ -148,6 +179,8 @@ class ModelConfig:
             self.layer_types = ["full"] * self.num_layers
         if len(self.layer_types) != self.num_layers:
             raise ModelConfigError(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
+        if "mamba" in self.layer_types and self.mamba is None:
+            raise ModelConfigError("mamba layers need the Mamba-2 shape (ModelConfig.mamba)")
         if "sliding" in self.layer_types and not self.sliding_window:
             raise ModelConfigError("sliding layers need a sliding_window")
         if self.num_heads % self.num_kv_heads:
@@ -188,6 +221,8 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def rope_for_layer(self, layer_idx: int) -> RopeConfig:
@@ -278,6 +313,8 @@ class ModelConfig:
         if family == "gemma3" and hf.get("attn_logit_softcapping"):
             kwargs["attn_logit_softcapping"] = hf["attn_logit_softcapping"]
         kwargs.update(_parse_experts(hf, family, num_layers))
+        if family == "granitemoehybrid":
+            kwargs.update(_parse_granite_hybrid(hf, num_layers))
         kwargs.update(overrides)
         return cls(**kwargs)
 
@@ -324,7 +361,49 @@ def _parse_experts(hf: dict[str, Any], family: str, num_layers: int) -> dict[str
                 norm_topk_prob=family == "mixtral" or bool(hf.get("norm_topk_prob", False)))
 
 
+def _json_float(value: Any) -> float:
+    """A float of config.json, where transformers 5 writes infinities as {"__float__": "Infinity"}."""
+    return float(value["__float__"] if isinstance(value, dict) else value)
+
+
+def _parse_granite_hybrid(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Granite 4 hybrids (GraniteMoeHybridForCausalLM): Mamba-2 and attention layers (named
+    "mamba" / "attention" in IBM's checkpoints, "linear_attention" / "full_attention" as
+    transformers 5 saves them), routed experts with a shared one, and Granite's scalings."""
+    names = hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"] * num_layers
+    kinds = {"mamba": "mamba", "linear_attention": "mamba", "attention": "full", "full_attention": "full"}
+    if len(names) != num_layers or any(name not in kinds for name in names):
+        raise ModelConfigError(f"unsupported Granite hybrid layer types {sorted(set(names))}")
+    hidden = int(hf["hidden_size"])
+    heads = int(hf.get("mamba_n_heads") or 128)
+    inner = int(hf.get("mamba_expand") or 2) * hidden
+    head_dim = hf.get("mamba_d_head") or "auto"
+    head_dim = inner // heads if head_dim == "auto" else int(head_dim)
+    if head_dim * heads != inner:
+        raise ModelConfigError(f"mamba heads {heads} x {head_dim} do not make mamba_expand * hidden_size = {inner}")
+    dt_min, dt_max = hf.get("time_step_limit") or (0.0, float("inf"))
+    mamba = MambaConfig(num_heads=heads, head_dim=head_dim, state_size=int(hf.get("mamba_d_state") or 256),
+                        n_groups=int(hf.get("mamba_n_groups") or 1), conv_kernel=int(hf.get("mamba_d_conv") or 4),
+                        conv_bias=bool(hf.get("mamba_conv_bias", True)), proj_bias=bool(hf.get("mamba_proj_bias", False)),
+                        dt_min=_json_float(dt_min), dt_max=_json_float(dt_max))
+    num_experts = int(hf.get("num_local_experts") or 0)
+    shared = int(hf.get("shared_intermediate_size") or 0)
+    return dict(
+        layer_types=[kinds[name] for name in names], mamba=mamba, use_rope=hf.get("position_embedding_type") == "rope",
+        num_experts=num_experts, num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0) if num_experts else 0,
+        moe_intermediate_size=int(hf["intermediate_size"]), sparse_layers=[num_experts > 0] * num_layers,
+        softmax_after_topk=True,
+        # With no routed experts the shared MLP is the layer's MLP.
+        shared_expert_size=shared if num_experts else 0, intermediate_size=int(hf["intermediate_size"]) if num_experts
+        else shared, embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
+        logits_scaling=float(hf.get("logits_scaling", 1.0)),
+        attention_multiplier=float(hf.get("attention_multiplier", 1.0)))
+
+
 def _parse_layer_types(hf: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, list[str]]:
+    if family == "granitemoehybrid":
+        return None, ["full"] * num_layers  # `_parse_granite_hybrid` reads them
     window = hf.get("sliding_window")
     if family in ("qwen2", "qwen3", "qwen3_moe"):
         if not hf.get("use_sliding_window", False):

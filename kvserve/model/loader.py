@@ -42,6 +42,16 @@ _RENAMES = ((re.compile(r"\.block_sparse_moe\."), ".mlp."),
 # (gate and up columns interleaved), down [E, I, hidden], and their biases [E, 2I] / [E, hidden].
 _STACKED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)(_bias)?$")
 
+# Granite's checkpoint names (IBM's layout): experts stacked as `input_linear` [E, 2I, hidden]
+# (gate rows, then up rows) and `output_linear` [E, hidden, I], the router's `router.layer`, and
+# the shared expert's fused `input_linear` [2S, hidden] / `output_linear`. Renamed before the
+# stacked experts are cut apart.
+_GRANITE_NAMES = ((re.compile(r"\.block_sparse_moe\.input_linear\.weight$"), ".block_sparse_moe.experts.gate_up_proj"),
+                  (re.compile(r"\.block_sparse_moe\.output_linear\.weight$"), ".block_sparse_moe.experts.down_proj"),
+                  (re.compile(r"\.block_sparse_moe\.router\.layer\."), ".block_sparse_moe.router."),
+                  (re.compile(r"\.shared_mlp\.output_linear\."), ".shared_mlp.down_proj."))
+_SHARED_GATE_UP = re.compile(r"(.*\.shared_mlp)\.input_linear\.(weight|bias)$")
+
 _FUSED_PARTS = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                 "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
 
@@ -279,6 +289,8 @@ def load_weights(model: DecoderModel, tensors: Iterator[tuple[str, torch.Tensor]
         module.quant_weight = weight
         module.register_parameter("weight", None)
         loaded.update(f"{module_name}.weight" + (f":{part}" if part else "") for part in module._part_names())
+    if model.config.family == "granitemoehybrid":
+        tensors = _granite_tensors(tensors, shared_is_mlp=not model.config.shared_expert_size)
     for name, tensor in _split_stacked_experts(tensors, interleaved=model.config.family == "gpt_oss"):
         if name == "rope_freq_factors":
             model.rotary_global.set_freq_factors(tensor)
@@ -326,6 +338,25 @@ def _split_stacked_experts(tensors: Iterator[tuple[str, torch.Tensor]],
             yield f"{prefix}.{expert}.up_proj.{param}", up
 
 
+def _granite_tensors(tensors: Iterator[tuple[str, torch.Tensor]],
+                     shared_is_mlp: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Granite's tensors under the names `_route` knows (`_GRANITE_NAMES`), the shared expert's
+    fused gate/up cut in two; `shared_is_mlp`: a model without routed experts, whose shared
+    MLP is the layer's MLP."""
+    shared = ".mlp." if shared_is_mlp else ".shared_mlp."
+    for name, tensor in tensors:
+        for pattern, replacement in _GRANITE_NAMES:
+            name = pattern.sub(replacement, name)
+        match = _SHARED_GATE_UP.fullmatch(name)
+        if match is None or isinstance(tensor, QuantizedWeight):
+            yield name.replace(".shared_mlp.", shared), tensor
+            continue
+        gate, up = tensor.chunk(2, dim=0)
+        module = match.group(1).replace(".shared_mlp", shared.rstrip("."))
+        yield f"{module}.gate_proj.{match.group(2)}", gate
+        yield f"{module}.up_proj.{match.group(2)}", up
+
+
 def _route(name: str) -> tuple[str, str, str | None] | None:
     """HF tensor name -> (module name, 'weight'|'bias', fused shard or None)."""
     name = re.sub(r"^model\.", "", name)
@@ -363,6 +394,9 @@ def _check_complete(model: DecoderModel, loaded: set[str]) -> None:
         else:
             expected += [f"{prefix}.self_attn.qkv_proj.weight:{s}" for s in "qkv"]
             expected.append(f"{prefix}.self_attn.o_proj.weight")
+        if layer.shared_mlp is not None:
+            expected += [f"{prefix}.shared_mlp.{name}" for name in ("down_proj.weight", "gate_up_proj.weight:gate",
+                                                                  "gate_up_proj.weight:up")]
         if model.config.sparse_layers[layer_idx]:
             expected.append(f"{prefix}.mlp.gate.weight")
             mlps = [f"{prefix}.mlp.experts.{e}" for e in range(model.config.num_experts)]

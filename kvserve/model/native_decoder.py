@@ -174,6 +174,10 @@ def _check_layers_covered(config) -> None:
     """Raise NativeDeclined for layers the one-call decoder does not implement."""
     if config.is_moe:
         raise NativeDeclined("mixture-of-experts layers (the per-op path runs them)")
+    if config.mamba is not None or config.shared_expert_size or not config.use_rope:
+        raise NativeDeclined("Mamba-2 layers, a shared expert or attention without RoPE (the per-op path runs them)")
+    if (config.embedding_multiplier, config.residual_multiplier, config.logits_scaling) != (1.0, 1.0, 1.0):
+        raise NativeDeclined("Granite's embedding, residual or logits scaling")
     if (config.qk_norm and not config.qk_norm_per_head) or config.clip_qkv is not None:
         raise NativeDeclined("a Q/K norm over the whole projection or clipped Q/K/V")
 

@@ -60,7 +60,8 @@ def test_preempted_requests_recompute_their_state(monkeypatch, reference):
     """A pool too small for all requests at once: victims drop their state and
     recompute it (from zeros or a cached snapshot), never reusing a partial one."""
     prompts = _prompts([12, 14, 10, 13, 11, 12], seed=2)
-    core = make_toy_engine(monkeypatch, RecordingExecutor, num_blocks_memory=32 * 1024)
+    # 42 blocks of 1 KiB: an attention page (512 B) and the two state layers' pages (256 B each).
+    core = make_toy_engine(monkeypatch, RecordingExecutor, num_blocks_memory=42 * 1024)
     try:
         outputs = _run(core, prompts, max_tokens=30)
         assert core.scheduler.num_preemptions > 0

@@ -160,6 +160,16 @@ void kvserve_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t widt
 void kvserve_rotary(void *x, int64_t token_stride, int64_t head_stride, const void *cos, const void *sin,
                     int64_t tokens, int64_t heads, int64_t dim, int dtype, int num_threads);
 
+/* ---- ssm/mamba2_step.c --------------------------------------------------------------------- */
+
+int kvserve_mamba2_decode_step(const float *xbc, int64_t xbc_stride, const float *dt_raw, int64_t dt_stride,
+                               float *conv_states, float *ssm_states, const int64_t *read_slot,
+                               const int64_t *write_slot, const float *conv_weight, const float *conv_bias,
+                               const float *dt_bias, const float *a, const float *d, float dt_min, float dt_max,
+                               int64_t batch, int64_t num_heads, int64_t head_dim, int64_t n_state,
+                               int64_t n_groups, int64_t kernel, float *scratch, float *y, int64_t y_stride,
+                               int isa);
+
 /* ---- decoder/fused_decoder.c --------------------------------------------------------------- */
 
 int kvserve_decoder_forward(const NativeModel *m, const NativeLayer *layers, const NativeStep *st, float *hidden,

@@ -94,6 +94,15 @@ typedef struct {
         }                                                                                \
     }
 
+#if KV_HAVE_AVX2_FMA
+/* The sum of the 8 float lanes of a ymm accumulator, in one fixed order. */
+GGUF_INLINE float gguf_sum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 #if KV_HAVE_AVX512_VNNI
 /* The sum of the 8 + 8 float lanes of a zmm accumulator, in one fixed order. */
 GGUF_INLINE float gguf_sum512(__m512 v) { return _mm512_reduce_add_ps(v); }
