@@ -279,20 +279,26 @@ def stored_tensor(tensor: Any, name: str, arch: str, part: tuple[int, int, int] 
     cut); those are copies. None where a column slice cuts through blocks or the tensor
     is not a matrix."""
     from kvserve.model.stored_weight import from_gguf_blocks
+    blocks = _raw_part(tensor, part)
+    if blocks is None:
+        return None
+    weight = from_gguf_blocks(tensor.tensor_type.name, *blocks)
+    heads = _permuted_heads(arch, name, num_heads, num_kv_heads)
+    return _unpermute(weight, heads, int(tensor.shape[-1])) if heads else weight
+
+
+def _raw_part(tensor: Any, part: tuple[int, int, int] | None) -> tuple[np.ndarray, int] | None:
+    """(raw blocks [rows, bytes per row], columns) of a matrix or of its `part` (rows: a view of
+    the file; columns: a copy), or None where the tensor is no matrix or the columns cut blocks."""
     if len(tensor.shape) != 2:
         return None
     raw = np.asarray(tensor.data)
-    in_features = int(tensor.shape[0])
-    if part is not None and part[0] == 0:
-        raw = raw[part[1]:part[1] + part[2]]
-    elif part is not None:
-        raw = _block_columns(tensor.tensor_type, raw, part[1], part[2])
-        if raw is None:
-            return None
-        in_features = part[2]
-    weight = from_gguf_blocks(tensor.tensor_type.name, raw, in_features)
-    heads = _permuted_heads(arch, name, num_heads, num_kv_heads)
-    return _unpermute(weight, heads, int(tensor.shape[-1])) if heads else weight
+    if part is None:
+        return raw, int(tensor.shape[0])
+    if part[0] == 0:
+        return raw[part[1]:part[1] + part[2]], int(tensor.shape[0])
+    columns = _block_columns(tensor.tensor_type, raw, part[1], part[2])
+    return None if columns is None else (columns, part[2])
 
 
 def _block_columns(tensor_type: Any, raw: np.ndarray, first: int, count: int) -> np.ndarray | None:
@@ -320,18 +326,8 @@ def _quantized_part(tensor: Any, part: tuple[int, int, int] | None) -> Any:
     kernel does not take its type or the slice cuts through blocks."""
     from kvserve.model import quantized
     type_name = tensor.tensor_type.name
-    if type_name not in quantized.SUPPORTED_GGUF_TYPES or len(tensor.shape) != 2:
-        return None
-    raw = np.asarray(tensor.data)
-    in_features = int(tensor.shape[0])
-    if part is not None and part[0] == 0:
-        raw = raw[part[1]:part[1] + part[2]]
-    elif part is not None:
-        raw = quantized.slice_gguf_columns(type_name, raw, part[1], part[2])
-        if raw is None:
-            return None
-        in_features = part[2]
-    return quantized.from_gguf_blocks(type_name, raw, in_features)
+    blocks = _raw_part(tensor, part) if type_name in quantized.SUPPORTED_GGUF_TYPES else None
+    return None if blocks is None else quantized.from_gguf_blocks(type_name, *blocks)
 
 
 def _unpermute(array: Any, heads: int, full_rows: int) -> Any:

@@ -301,15 +301,6 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, in_features: int) -> Quant
                            torch.from_numpy(np.ascontiguousarray(m, np.float32)), bits, in_features, type_name)
 
 
-def slice_gguf_columns(type_name: str, raw: np.ndarray, first: int, count: int) -> np.ndarray | None:
-    """The raw bytes of columns first..first+count of every row, or None when the cut
-    is not on block boundaries."""
-    block_bytes, block_cols = _GGUF_LAYOUTS[type_name]
-    if first % block_cols or count % block_cols:
-        return None
-    return raw[:, first // block_cols * block_bytes:(first + count) // block_cols * block_bytes]
-
-
 # ---- the kernel ----------------------------------------------------------------------
 
 _isa_choice: dict[int, str] = {}  # ceiling code -> chosen path

@@ -157,6 +157,28 @@ def test_stored_model_logits_within_activation_rounding_of_dequantized(tiny_file
     assert (held.native_decoder is not None) == native
 
 
+def test_tensor_parallel_ranks_view_their_rows_and_cache_their_columns(tiny_files, cache_dir):
+    """TP=2: each rank's rows of the column-parallel projections and of the vocabulary are views
+    of the file; its column slices of O and down (row-parallel) and its un-permuted Q/K rows are
+    in its own cache file; every stored weight holds exactly the rank's float shard (the values
+    themselves: tests/tp/test_tp_loading.py)."""
+    path = tiny_files["q8_0"]
+    kernels = _stored_kernels(path)
+    config = ModelConfig.from_path(path)
+    for rank in range(2):
+        model = load_model(config, tp_rank=rank, tp_size=2, kernel_config=kernels)
+        caches = sorted(cache_dir.glob("*.kvs"))
+        assert len(caches) == rank + 1  # one per rank
+        in_file = _mapped_ranges(path)
+        in_cache = [r for cache in caches for r in _mapped_ranges(str(cache))]
+        for name, weight in _stored_by_part(model).items():
+            module, _, part = name.partition(":")
+            copied = module.endswith(("o_proj", "down_proj")) or (module.endswith("qkv_proj") and part in ("0", "1"))
+            assert _inside(weight, in_cache if copied else in_file), name
+        assert model.embed_tokens.quant_weight.out_features == zoo.SHAPES["tiny-llama"].vocab_size // 2
+        assert model.layers[0].mlp.down_proj.quant_weight.in_features == zoo.SHAPES["tiny-llama"].intermediate_size // 2
+
+
 def test_second_load_maps_the_cache_and_gives_the_same_logits(tiny_files, cache_dir, monkeypatch):
     from kvserve.model import gguf_loader
     from paged_kv_helper import PagedRunner, run_teacher_forced
