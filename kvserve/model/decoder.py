@@ -22,6 +22,7 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.errors import ModelConfigError
 from kvserve.model.state_layers import STATE_LAYER_KINDS
 from kvserve.model import toy_recurrent  # noqa: F401 - registers the test-only "toy_recurrent" layer type
+from kvserve.model.linear_attention import gated_deltanet  # noqa: F401 - registers "linear_attention" layers
 from kvserve.sample.structured.grammar_mask import HeadMask
 from kvserve.model.kernels import AttentionShape, ModelKernels
 from kvserve.model.moe import SparseMoeBlock
@@ -43,7 +44,10 @@ class SelfAttention(nn.Module):
         # Fewer KV heads than ranks: each rank keeps a replica of the one its queries use.
         self.num_kv_heads, kv_replicas = kv_heads_per_rank(config.num_kv_heads, tp)
         q_size, kv_size = config.num_heads * self.head_dim, config.num_kv_heads * self.head_dim
-        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_size, kv_size, kv_size], config.attention_bias,
+        # Qwen3-Next: each head's query rows are followed by as many rows of its output gate.
+        self.output_gate = config.attn_output_gate
+        q_rows = 2 * q_size if self.output_gate else q_size
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_rows, kv_size, kv_size], config.attention_bias,
                                              tp, shard_names=["q", "k", "v"], replicas=[1, kv_replicas, kv_replicas])
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, config.o_proj_bias, tp)
         self.q_norm = self.k_norm = None
@@ -82,6 +86,10 @@ class SelfAttention(nn.Module):
                 metadata: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         num_tokens, num_drafts = hidden.shape[0], metadata.num_draft_tokens
         q, k, v = self.qkv_proj(hidden, num_drafts).split(self.qkv_proj.shard_sizes, dim=-1)
+        gate = None
+        if self.output_gate:
+            q_and_gate = q.reshape(num_tokens, self.num_heads, 2 * self.head_dim)
+            q, gate = q_and_gate[..., :self.head_dim].contiguous(), q_and_gate[..., self.head_dim:]
         if self.q_norm is not None and not self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -95,6 +103,8 @@ class SelfAttention(nn.Module):
             q = apply_rotary(q, *cos_sin, native=self.native_rotary)
             k = apply_rotary(k, *cos_sin, native=self.native_rotary)
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.params)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(num_tokens, -1), num_drafts)
 
 
@@ -158,7 +168,9 @@ class DecoderLayer(nn.Module):
         self.is_state_layer = state_kind is not None
         self.sliding_window = None if self.is_state_layer else self.self_attn.sliding_window
         if config.sparse_layers[layer_idx]:
-            self.mlp = SparseMoeBlock(config, tp, lambda width: GatedMLP(config, tp, width, expert=True))
+            shared = (GatedMLP(config, tp, config.shared_expert_intermediate_size)
+                      if config.shared_expert_intermediate_size else None)
+            self.mlp = SparseMoeBlock(config, tp, lambda width: GatedMLP(config, tp, width, expert=True), shared)
         else:
             self.mlp = GatedMLP(config, tp)
         # Granite: a shared expert beside the routed ones, and the residual branches scaled.

@@ -23,6 +23,7 @@ from kvserve.model import repack_cache
 from kvserve.model.decoder import DecoderModel
 from kvserve.model.gguf_file import release_gguf_mappings
 from kvserve.model.kernels import choose_model_kernels
+from kvserve.model.linear_attention.gated_deltanet import split_checkpoint_tensor
 from kvserve.model.parallel import (ColumnParallelLinear, QuantizedWeightMixin, RowParallelLinear,
                                     VocabParallelEmbedding)
 from kvserve.model.quantized import QuantizedWeight, gemm_dtype, kernel_isa, keeps_quantized, stored_types
@@ -53,7 +54,10 @@ _GRANITE_NAMES = ((re.compile(r"\.block_sparse_moe\.input_linear\.weight$"), ".b
 _SHARED_GATE_UP = re.compile(r"(.*\.shared_mlp)\.input_linear\.(weight|bias)$")
 
 _FUSED_PARTS = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-                "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+                "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+                # Gated DeltaNet (`gated_deltanet.split_checkpoint_tensor` makes these parts)
+                **{f"in_proj_{part}": ("in_proj_qkvz", part) for part in "qkvz"},
+                **{f"in_proj_{part}": ("in_proj_ba", part) for part in "ba"}}
 
 
 def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", tp_rank: int = 0, tp_size: int = 1,
@@ -132,21 +136,23 @@ def _stored_copies(model_config: ModelConfig, select, stored: frozenset[str], ke
 
 
 def _populate_stored_views(model: DecoderModel, path: str) -> None:
-    """Map the pages of the GGUF file that weights are views of now (see gguf_file.populate)."""
+    """Map the pages of the GGUF file that weights are views of now (see gguf_file.populate), but
+    for a mixture of experts' experts: they fault in when a token first picks them (as in the
+    repack cache), so an expert no token picks is never resident."""
     from kvserve.model.gguf_file import open_gguf
-    spans = [(part.blocks.data_ptr(), part.nbytes()) for part in _stored_parts(model)]
+    spans = [(part.blocks.data_ptr(), part.nbytes()) for name, part in _stored_parts(model) if ".experts." not in name]
     if spans:
         open_gguf(path).populate(spans)
 
 
-def _stored_parts(model: DecoderModel) -> Iterator[StoredWeight]:
-    """Every StoredWeight the model's modules hold (fused ones part by part)."""
-    for module in model.modules():
+def _stored_parts(model: DecoderModel) -> Iterator[tuple[str, StoredWeight]]:
+    """(module name, StoredWeight) of every stored weight the model's modules hold (fused ones part by part)."""
+    for name, module in model.named_modules():
         weight = getattr(module, "quant_weight", None)
         if isinstance(weight, StoredWeight):
-            yield weight
+            yield name, weight
         elif isinstance(weight, StoredParts):
-            yield from weight.parts
+            yield from ((name, part) for part in weight.parts)
 
 
 def _held_in(cached: dict[str, QuantizedWeight] | None) -> Callable[[str], bool] | None:
@@ -289,6 +295,8 @@ def load_weights(model: DecoderModel, tensors: Iterator[tuple[str, torch.Tensor]
         module.quant_weight = weight
         module.register_parameter("weight", None)
         loaded.update(f"{module_name}.weight" + (f":{part}" if part else "") for part in module._part_names())
+    if "linear_attention" in model.config.layer_types:
+        tensors = (part for name, tensor in tensors for part in split_checkpoint_tensor(name, tensor, model.config))
     if model.config.family == "granitemoehybrid":
         tensors = _granite_tensors(tensors, shared_is_mlp=not model.config.shared_expert_size)
     for name, tensor in _split_stacked_experts(tensors, interleaved=model.config.family == "gpt_oss"):
@@ -400,6 +408,9 @@ def _check_complete(model: DecoderModel, loaded: set[str]) -> None:
         if model.config.sparse_layers[layer_idx]:
             expected.append(f"{prefix}.mlp.gate.weight")
             mlps = [f"{prefix}.mlp.experts.{e}" for e in range(model.config.num_experts)]
+            if model.config.shared_expert_intermediate_size:
+                expected.append(f"{prefix}.mlp.shared_expert_gate.weight")
+                mlps.append(f"{prefix}.mlp.shared_expert")
         else:
             mlps = [f"{prefix}.mlp"]
         for mlp in mlps:

@@ -194,6 +194,8 @@ class NativeDecoder:
 
     def __init__(self, model) -> None:
         _check_layers_covered(model.config)
+        if model.has_state_layers:  # before any layer is described: state layers have no self_attn
+            raise NativeDeclined("recurrent-state layers")
         self.model = model
         self._keep: list[torch.Tensor] = []
         self._layer_bytes = 0  # weight bytes of one layer's projections
@@ -267,8 +269,6 @@ class NativeDecoder:
 
     def _describe_model(self, model) -> NativeModel:
         config = model.config
-        if model.has_state_layers:
-            raise NativeDeclined("recurrent-state layers")
         attn = model.layers[0].self_attn
         if model.tp.size != 1 and any(layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None
                                       for layer in model.layers):

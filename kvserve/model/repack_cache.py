@@ -11,7 +11,8 @@ size and modification time, `LAYOUT_VERSION` and the tensor-parallel rank:
 
 Every later load maps the file read-only-shared (copy-on-write): start-up reads no GGUF block
 for them, the weights are page-cache pages that processes on one host share, and the kernels
-read them straight from the mapping.
+read them straight from the mapping. Its pages are mapped at load, but for the experts of a
+mixture of experts, which fault in when a token first picks them.
 
 File layout: 8 bytes magic, the JSON header's offset and length (8 bytes little-endian each),
 the tensors, each at an offset aligned to 64 bytes, then the header (the entries' names, their
@@ -22,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import mmap
 import os
 import struct
@@ -162,16 +164,38 @@ def _load_entries(path: str, make) -> dict | None:
     if not header or header.get("layout_version") != LAYOUT_VERSION:
         logger.info("ignoring repacked-weight cache %s (not of layout version %d)", path, LAYOUT_VERSION)
         return None
-    populate(mapping)
     weights = {}
     try:
         for name, entry in header["weights"].items():
             tensors = {field: _view(mapping, spec) for field, spec in entry["tensors"].items()}
             weights[name] = make(entry, tensors)
+        for start, end in _eager_ranges(header):
+            populate(mapping, start, min(end, len(mapping)) - start)
     except (KeyError, TypeError, ValueError, RuntimeError) as error:  # a damaged (e.g. truncated) file
         logger.warning("ignoring damaged repacked-weight cache %s (%s)", path, error)
         return None
     return weights
+
+
+def _eager_ranges(header: dict) -> list[tuple[int, int]]:
+    """(start, end) byte ranges, page-aligned and merged, of every weight but the experts of a
+    mixture of experts: those are left to fault in when a token first picks them, so an expert
+    no token picks is never paged in."""
+    page = mmap.PAGESIZE
+    ranges = []
+    for name, entry in header["weights"].items():
+        if ".experts." in name:
+            continue
+        for spec in entry["tensors"].values():
+            nbytes = _DTYPES[spec["dtype"]].itemsize * math.prod(spec["shape"])
+            ranges.append((spec["offset"] // page * page, -(-(spec["offset"] + nbytes) // page) * page))
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 def _read_header(buffer) -> dict | None:

@@ -58,6 +58,33 @@ def tiny_moe_config(family: str, vocab_size: int, window: int | None = 12):
     raise ValueError(family)
 
 
+GATED_DELTANET_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+
+
+def tiny_gated_deltanet_config(family: str, vocab_size: int):
+    """Tiny Qwen3-Next / Qwen3.5 hybrids: 4 layers (3 Gated DeltaNet, then full attention),
+    hidden 64; linear attention 2 key heads of 16, 4 value heads of 8 (each key head serves
+    two), convolution width 4; gated attention 4 heads / 2 KV heads of 16, a quarter of each
+    rotated. Qwen3-Next: 8 experts of width 32, top-2 renormalized, a shared expert of 32,
+    layer 1 dense (`mlp_only_layers`, width 96); Qwen3.5: dense (96); Qwen3.5-MoE: like
+    Qwen3-Next on every layer."""
+    common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.2,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                  linear_value_head_dim=8, linear_conv_kernel_dim=4)
+    experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=32)
+    if family == "qwen3_next":
+        return transformers.Qwen3NextConfig(**common, **experts, intermediate_size=96, mlp_only_layers=[1],
+                                            decoder_sparse_step=1, norm_topk_prob=True)
+    if family == "qwen3_5":
+        return transformers.Qwen3_5TextConfig(**common, intermediate_size=96)
+    if family == "qwen3_5_moe":
+        return transformers.Qwen3_5MoeTextConfig(**common, **experts)
+    raise ValueError(family)
+
+
 # The bound on |kvserve's logit - transformers' logit| for `tiny_granite_hybrid_config`, relative
 # to the logits' scale (at least 1), both in float32.
 # Both run the same float32 operations outside reductions; the reductions may be ordered

@@ -107,3 +107,4 @@ class HybridRunner:
 
     def append(self, req_id: str, token: int) -> None:
         self.requests[req_id].tokens.append(token)
+

@@ -15,7 +15,7 @@ from kvserve.model.loader import load_model
 from kvserve.native import cpu_kernels
 from helpers.tiny_models import GRANITE_HYBRID_BOUND, min_router_margin, tiny_granite_hybrid_config
 from hybrid_runner import HybridRunner
-from paged_kv_helper import hf_forced_logits, hf_greedy, load_hf, prompts_of_lengths
+from paged_kv_helper import hf_forced_logits, hf_greedy, load_hf, prompts_of_lengths, run_greedy
 
 VOCAB = 256
 NUM_NEW = 6
@@ -59,21 +59,7 @@ def _reference(hf, prompts: dict[str, list[int]], experts: bool):
 
 def _run(runner: HybridRunner, prompts: dict[str, list[int]], chunk: int):
     """Greedy continuous batching: prompts in chunks of up to `chunk`, then one token a step."""
-    for req_id, prompt in prompts.items():
-        runner.add(req_id, prompt)
-    tokens = {r: [] for r in prompts}
-    logits = {r: [] for r in prompts}
-    while any(len(t) < NUM_NEW for t in tokens.values()):
-        schedule = {r: min(chunk, len(runner.requests[r].tokens) - runner.requests[r].num_computed)
-                    for r in prompts if len(tokens[r]) < NUM_NEW}
-        out = runner.step(schedule)
-        for req_id in schedule:
-            req = runner.requests[req_id]
-            if req.num_computed == len(req.tokens):
-                tokens[req_id].append(int(out[req_id].argmax()))
-                logits[req_id].append(out[req_id])
-                runner.append(req_id, tokens[req_id][-1])
-    return tokens, logits
+    return run_greedy(runner, prompts, NUM_NEW, chunk)
 
 
 def _assert_matches(tokens, logits, expected, prompts) -> None:

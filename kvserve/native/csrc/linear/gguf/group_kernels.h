@@ -23,8 +23,9 @@
  *   static void block_head(const uint8_t *block, BlockHead *h);          the block's scales
  *   static void group_quants(const uint8_t *block, int g, int8_t q[32]);  group g's quants
  *   static __m256i group_quants256(const uint8_t *block, int g);          the same (AVX2 builds)
- * and, where it brings its own AVX512-VNNI tile (the types that matter most do: their layouts
- * decode 64 columns at a time), AVX512_TILE, that tile's name, defined after the include.
+ * and, where it brings its own tiles, AVX512_TILE / AVX2_TILE, their names, defined after the
+ * include: the K types that matter most decode 64 columns at a time in their own AVX512-VNNI
+ * tiles, and the 32-column types with one f16 scale run blocks32.h's tiles.
  */
 #ifndef KVSERVE_GGUF_GROUP_KERNELS_H
 #define KVSERVE_GGUF_GROUP_KERNELS_H
@@ -280,9 +281,11 @@ GGUF_INLINE void tile512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE
 }
 #endif
 
+#ifndef AVX2_TILE
 #define TILE256_AVX2(t, sums, R, B) tile256(t, sums, R, B, 0)
 GGUF_TILE_VARIANTS(tile_avx2, TILE256_AVX2)
 #undef TILE256_AVX2
+#endif
 #if KV_HAVE_AVX512_VNNI && !defined(AVX512_TILE)
 GGUF_TILE_VARIANTS(tile_vnni, tile512)
 #endif
@@ -294,8 +297,11 @@ GGUF_TILE_VARIANTS(tile_vnni, tile512)
 #ifndef AVX512_TILE
 #define AVX512_TILE tile_vnni
 #endif
+#ifndef AVX2_TILE
+#define AVX2_TILE tile_avx2
+#endif
 #define GGUF_BLOCK_TYPE(NAME, TYPE) \
     const GgufType NAME = {TYPE, BLOCK_COLS, BLOCK_BYTES, dequantize_blocks, dot_block, \
-                           {NULL, GGUF_AVX2(tile_avx2), GGUF_AVX512(AVX512_TILE)}};
+                           {NULL, GGUF_AVX2(AVX2_TILE), GGUF_AVX512(AVX512_TILE)}};
 
 #endif /* KVSERVE_GGUF_GROUP_KERNELS_H */

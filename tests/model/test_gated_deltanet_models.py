@@ -1,0 +1,142 @@
+"""Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (Gated DeltaNet + gated full attention) against
+transformers in float32: chunked prefill crossing block boundaries next to one-token steps,
+restarts from a state snapshot (a prefix hit) and from zeros (a recompute after preemption).
+
+Bound on |our logit - transformers' logit|, relative to the logits' scale (at least 1): both
+run the same float32 operations; they differ in the order of reductions (matmul blocking,
+attention, and the chunked delta rule: our chunks also end at block boundaries, transformers'
+every 64 tokens). Reordering a sum of n float32 terms moves it by at most gamma_n ~ n 2**-24
+of sum |terms| (Higham 3.1); every reduction here has at most 128 terms (7.6e-6), the delta
+rule's per-token error included ((Dk + C + 10) = 90 terms of rounding, see
+tests/model/test_gated_delta.py). A layer chains at most 8 of them (Gated DeltaNet: input
+projection, convolution, L2 norm, delta rule, gated norm, output projection, then the MLP's
+two; attention: QKV, Q/K norm, scores, values, output, then the MLP's two), four layers and
+the LM head 33 stages: 2.5e-4. Errors in a delta-rule state only shrink later (its update is a
+contraction, see the kernel test), but the chunk's triangular solve amplifies its rounding
+by the Skeel condition number, below 2 on such data (measured in the kernel test): 5e-4.
+Greedy tokens are compared only where transformers' top two logits, and every routing
+decision, are more than twice that apart; the rest is compared under teacher forcing.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from kvserve.kv_cache.interface import StateSpec
+from kvserve.model.config import ModelConfig
+from kvserve.model.errors import ModelConfigError
+from kvserve.model.loader import load_model
+from helpers.tiny_models import GATED_DELTANET_FAMILIES, min_router_margin, tiny_gated_deltanet_config
+from paged_kv_helper import hf_forced_logits, hf_greedy, load_hf, prompts_of_lengths, run_greedy
+from hybrid_runner import HybridRunner
+
+MAX_RELATIVE_DIFF = 5e-4
+NUM_NEW = 6
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            torch.manual_seed(0)
+            path = str(tmp_path_factory.mktemp(family))
+            config = tiny_gated_deltanet_config(family, VOCAB)
+            transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval().save_pretrained(path)
+            cache[family] = (load_hf(path), ModelConfig.from_path(path))
+        return cache[family]
+    return get
+
+
+def _scale(logits: torch.Tensor) -> float:
+    return max(1.0, logits.abs().max().item())
+
+
+def _clear_of_ties(hf, prompt: list[int], expected: tuple[list[int], list[torch.Tensor]]) -> bool:
+    """Whether transformers' greedy run of `prompt` has no near-tie our rounding could flip:
+    top-2 logit gaps and (MoE) routing margins above twice the bound."""
+    tokens, logits = expected
+    margin = 2 * MAX_RELATIVE_DIFF
+    gaps = [(row.topk(2).values[0] - row.topk(2).values[1]).item() / _scale(row) for row in logits]
+    routed = getattr(hf.config, "num_experts", 0) and min_router_margin(hf, prompt + tokens) <= margin
+    return min(gaps) > margin and not routed
+
+
+def _assert_close(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> None:
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        assert (a - b).abs().max().item() <= MAX_RELATIVE_DIFF * _scale(b)
+
+
+@pytest.mark.parametrize("family", GATED_DELTANET_FAMILIES)
+def test_matches_transformers_with_chunked_prefill(models, family):
+    """Prompts of 1 to 40 tokens in chunks of 7 on blocks of 4 (state snapshots inside chunks),
+    prefill next to decode: greedy tokens equal transformers' where clear of ties, and every
+    request's logits, teacher forced on our tokens, within the bound."""
+    hf, config = models(family)
+    assert config.layer_types == ["linear_attention"] * 3 + ["full"]
+    model = load_model(config)
+    assert model.native_decoder is None
+    prompts = prompts_of_lengths([3, 29, 17, 40, 1, 8, 23, 12])
+    tokens, logits = run_greedy(HybridRunner(model), prompts, NUM_NEW, chunk=7)
+    compared = 0
+    for req_id, prompt in prompts.items():
+        _assert_close(logits[req_id], hf_forced_logits(hf, prompt, tokens[req_id]))
+        expected = hf_greedy(hf, prompt, NUM_NEW)
+        if _clear_of_ties(hf, prompt, expected):
+            assert tokens[req_id] == expected[0], req_id
+            compared += 1
+    assert compared >= 4
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_restart_from_snapshot_and_from_zeros(models, family):
+    """A request sharing 16 tokens of another's prompt starts from that one's snapshot after
+    token 16 (a prefix hit: attention blocks shared, the snapshot read, its own slots written);
+    a preempted request recomputes from zeros. Both continue as transformers does, and the
+    snapshot the first request wrote is left as it was."""
+    hf, config = models(family)
+    runner = HybridRunner(load_model(config))
+    prompts = prompts_of_lengths([21, 9], seed=3)
+    first = prompts["r0"]
+    hit = first[:16] + prompts["r1"]
+    run_greedy(runner, {"a": first}, NUM_NEW, chunk=6)
+    snapshot_slot = runner.requests["a"].snapshots[16]
+    snapshot = [tensor[snapshot_slot].clone() for name in runner.state_layers for tensor in runner.kv_caches[name]]
+    assert all(t.abs().max() > 0 for t in snapshot)
+    runner.add("b", hit, hit_from="a", hit_tokens=16)
+    tokens, logits = run_greedy(runner, {"b": hit}, NUM_NEW, chunk=5)
+    _assert_close(logits["b"], hf_forced_logits(hf, hit, tokens["b"]))
+    after = [tensor[snapshot_slot] for name in runner.state_layers for tensor in runner.kv_caches[name]]
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, after))
+    # Preempted: its prompt and output so far are recomputed from zeros (a new running slot), then it goes on.
+    recomputed = hit + tokens["b"]
+    more_tokens, more_logits = run_greedy(runner, {"b again": recomputed}, NUM_NEW, chunk=5)
+    _assert_close(more_logits["b again"], hf_forced_logits(hf, recomputed, more_tokens["b again"]))
+
+
+def test_state_specs_and_config(models):
+    """Gated DeltaNet layers get a StateSpec of their conv inputs and delta-rule state (float32
+    whatever the KV dtype), the full-attention layer a KV spec; a config without the linear
+    sizes is refused with a clear error."""
+    _, config = models("qwen3_next")
+    specs = load_model(config).kv_cache_specs(4, torch.bfloat16)
+    states = [spec for name, spec in specs.items() if name.endswith("linear_attn.state")]
+    assert len(states) == 3 and all(isinstance(s, StateSpec) for s in states)
+    conv_dim = 2 * 2 * 16 + 4 * 8
+    assert states[0].shapes == ((3, conv_dim), (4, 16, 8)) and states[0].dtype == torch.float32
+    assert states[0].page_size_bytes == (3 * conv_dim + 4 * 16 * 8) * 4
+    assert specs["model.layers.3.self_attn.attn"].dtype == torch.bfloat16
+    hf = tiny_gated_deltanet_config("qwen3_next", VOCAB).to_dict()
+    hf["architectures"] = ["Qwen3NextForCausalLM"]
+    del hf["linear_num_key_heads"]
+    with pytest.raises((ModelConfigError, KeyError)):
+        ModelConfig.from_hf_dict(hf)
+    hf = tiny_gated_deltanet_config("qwen3_5", VOCAB).to_dict()
+    hf.update(architectures=["Qwen3_5ForCausalLM"], layer_types=["linear_attention", "mamba", "full_attention",
+                                                                 "linear_attention"])
+    with pytest.raises(ModelConfigError, match="mamba"):
+        ModelConfig.from_hf_dict(hf)
