@@ -140,3 +140,31 @@ def test_state_specs_and_config(models):
                                                                  "linear_attention"])
     with pytest.raises(ModelConfigError, match="mamba"):
         ModelConfig.from_hf_dict(hf)
+
+
+def test_native_decode_step_agrees_with_torch(models, monkeypatch):
+    """Under native ops one-token steps take the C step kernel (csrc/ssm/gated_delta_step.c),
+    else the torch step: teacher forced on the same tokens, both within the bound of
+    transformers, so within twice it of each other."""
+    from kvserve.model.kernels import ModelKernels
+    from kvserve.native import cpu_kernels
+    from paged_kv_helper import run_teacher_forced
+    if cpu_kernels.load_library() is None:
+        pytest.skip("no native library")
+    _, config = models("qwen3_5")
+    sequences = prompts_of_lengths([14, 9, 20], seed=5)
+    prompt_lens = {"r0": 6, "r1": 9, "r2": 11}
+    calls = []
+    step = cpu_kernels.gated_delta_step
+    monkeypatch.setattr(cpu_kernels, "gated_delta_step", lambda *a, **k: calls.append(1) or step(*a, **k))
+    native = load_model(config)
+    logits = run_teacher_forced(HybridRunner(native), sequences, prompt_lens, chunk=4)
+    assert calls and all(layer.linear_attn.native for layer in native.layers if layer.is_state_layer)
+    plain = load_model(config)
+    plain.use_kernels(ModelKernels.torch_only())
+    calls.clear()
+    reference = run_teacher_forced(HybridRunner(plain), sequences, prompt_lens, chunk=4)
+    assert not calls
+    for req_id, rows in reference.items():
+        for ours, ref in zip(logits[req_id], rows):
+            assert (ours - ref).abs().max().item() <= 2 * MAX_RELATIVE_DIFF * _scale(ref)
