@@ -356,7 +356,7 @@ def _granite_tensors(tensors: Iterator[tuple[str, torch.Tensor]],
         for pattern, replacement in _GRANITE_NAMES:
             name = pattern.sub(replacement, name)
         match = _SHARED_GATE_UP.fullmatch(name)
-        if match is None or isinstance(tensor, QuantizedWeight):
+        if match is None or isinstance(tensor, (QuantizedWeight, StoredWeight)):
             yield name.replace(".shared_mlp.", shared), tensor
             continue
         gate, up = tensor.chunk(2, dim=0)
