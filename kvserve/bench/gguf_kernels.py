@@ -23,7 +23,8 @@ from kvserve.native.isa import ISA_CODES
 # Block bytes and where their f16 scale fields lie (set to a moderate value: random bytes
 # would make NaNs and subnormals, which some CPUs compute slowly).
 _F16_FIELDS = {"Q4_0": (18, (0,)), "Q4_1": (20, (0, 2)), "Q8_0": (34, (0,)), "Q4_K": (144, (0, 2)),
-               "Q6_K": (210, (208,))}
+               "Q6_K": (210, (208,)), "Q5_0": (22, (0,)), "Q5_1": (24, (0, 2)), "Q5_K": (176, (0, 2)),
+               "Q3_K": (110, (108,)), "Q2_K": (84, (80, 82)), "IQ4_NL": (18, (0,)), "IQ4_XS": (136, (0,))}
 _SCALE_BITS = np.array([0.01], dtype=np.float16).view(np.uint8)
 
 
@@ -65,6 +66,9 @@ def run(types: tuple[str, ...] = ("Q4_K", "Q6_K"), out_features: int = 2048, in_
     if unknown:
         raise ValueError(f"no benchmark weights for {unknown}; known: {sorted(_F16_FIELDS)}")
     isas = isas or (dispatch.widest("quant"),)
+    strange = [isa for isa in isas if isa not in ISA_CODES]
+    if strange:
+        raise ValueError(f"unknown kernel path(s) {strange}; known: {list(ISA_CODES)}")
     missing = [isa for isa in isas if not dispatch.available("quant", isa)]
     if missing:
         raise ValueError(f"kernel path(s) {missing} do not run on this CPU")

@@ -10,12 +10,18 @@ holds `num_blocks` pages of the largest page size among them. Block id b is
 page b of every layer tensor of the group that holds it. The cost of one
 block id is therefore the sum over tensor slots of their page size, and
 `num_blocks = budget // that`. With one group this is one tensor per layer.
+
+Recurrent-state layers (`StateSpec`) share no tensor with attention layers: an
+attention tensor holds a block's K/V as scattered rows (heads outermost, see
+`kvserve.model.attention.metadata`), a state tensor its slots one after another, so
+block b of one and slot c of the other would overlap. Each state layer has its own
+tensor, and a block id costs its attention pages plus its state pages.
 """
 from __future__ import annotations
 
 from math import gcd, lcm
 
-from kvserve.kv_cache.interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, KVCacheTensor
+from kvserve.kv_cache.interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, KVCacheTensor, StateSpec
 
 
 def group_layers_by_spec(layer_specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
@@ -33,6 +39,8 @@ def _model_prefix(layer_name: str) -> str:
 
 
 def _tensor_slot_page_sizes(groups: list[KVCacheGroupSpec]) -> list[int]:
+    if not groups:
+        return []
     num_slots = max(len(group.layer_names) for group in groups)
     return [max(group.kv_cache_spec.page_size_bytes for group in groups if len(group.layer_names) > slot)
             for slot in range(num_slots)]
@@ -46,16 +54,21 @@ def get_kv_cache_config(layer_specs: dict[str, KVCacheSpec], available_memory_by
     if not layer_specs:
         raise ValueError("no KV-cache layers")
     groups = group_layers_by_spec(layer_specs)
-    slot_page_sizes = _tensor_slot_page_sizes(groups)
-    bytes_per_block = sum(slot_page_sizes)
+    attention_groups = [group for group in groups if not isinstance(group.kv_cache_spec, StateSpec)]
+    state_layers = [(name, group.kv_cache_spec.page_size_bytes) for group in groups
+                    if isinstance(group.kv_cache_spec, StateSpec) for name in group.layer_names]
+    slot_page_sizes = _tensor_slot_page_sizes(attention_groups)
+    bytes_per_block = sum(slot_page_sizes) + sum(page for _, page in state_layers)
     if num_blocks is None:
         num_blocks = available_memory_bytes // bytes_per_block
     if num_blocks < 2:
         raise ValueError(f"KV-cache budget of {available_memory_bytes} bytes holds {num_blocks} blocks of "
                          f"{bytes_per_block} bytes; at least 2 are needed")
     tensors = [KVCacheTensor(size=page_size * num_blocks,
-                             shared_by=[group.layer_names[slot] for group in groups if len(group.layer_names) > slot])
+                             shared_by=[group.layer_names[slot] for group in attention_groups
+                                        if len(group.layer_names) > slot])
                for slot, page_size in enumerate(slot_page_sizes)]
+    tensors += [KVCacheTensor(size=page * num_blocks, shared_by=[name]) for name, page in state_layers]
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
 
 

@@ -51,6 +51,7 @@ class KVGroupSnapshot:
     pool: PoolBlockCounts
     blocks_in_tables: int
     blocks_cached_for_group: int
+    hit_blocks: int = 0  # cached blocks adopted by prefix hits since start (a state group: snapshots restored)
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ def snapshot_kv_cache(manager, eviction_head_len: int = DEFAULT_EVICTION_HEAD_LE
             group_id=group_id, kind=kv_cache_kind(spec), block_size=spec.block_size,
             sliding_window=getattr(spec, "sliding_window", None), num_layers=len(group.layer_names),
             pool=counts, blocks_in_tables=len(held_ids),
-            blocks_cached_for_group=cached_by_group.get(group_id, 0)))
+            blocks_cached_for_group=cached_by_group.get(group_id, 0), hit_blocks=single.num_hit_blocks))
     return KVCacheSnapshot(
         block_size=manager.scheduler_block_size, hash_block_size=manager.hash_block_size,
         enable_caching=manager.enable_caching, pool=counts, groups=groups,

@@ -1,11 +1,13 @@
 """One decoder-only transformer with per-family switches (ModelConfig decides):
 Llama / Mistral / Qwen2 (QKV bias) / Qwen3 (Q/K norm) / Gemma-2 / Gemma-3
 (sandwich norms, (1+w) RMSNorm, GeGLU, embedding scaling, soft-capping,
-interleaved sliding-window layers, Gemma-3's local RoPE base), and the
+interleaved sliding-window layers, Gemma-3's local RoPE base), the
 mixtures of experts Qwen3-MoE / Mixtral / OLMoE (Q/K norm over the whole
-projection), whose sparse layers run a `moe.SparseMoeBlock` as their MLP.
-Layers whose type is a recurrent-state kind (`state_layers.STATE_LAYER_KINDS`)
-run that mixer in place of self-attention, over a `StateSpec` KV group."""
+projection), whose sparse layers run a `moe.SparseMoeBlock` as their MLP, and
+Granite 4's hybrids (a shared expert, scaled residual branches, NoPE attention).
+Layers whose type is a recurrent-state kind (`state_layers.STATE_LAYER_KINDS`:
+Mamba-2 "mamba" layers, ...) run that mixer in place of self-attention, over a
+`StateSpec` KV group."""
 from __future__ import annotations
 
 import torch
@@ -20,9 +22,12 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.errors import ModelConfigError
 from kvserve.model.state_layers import STATE_LAYER_KINDS
 from kvserve.model import toy_recurrent  # noqa: F401 - registers the test-only "toy_recurrent" layer type
+from kvserve.model.linear_attention import gated_deltanet  # noqa: F401 - registers "linear_attention" layers
 from kvserve.sample.structured.grammar_mask import HeadMask
 from kvserve.model.kernels import AttentionShape, ModelKernels
 from kvserve.model.moe import SparseMoeBlock
+from kvserve.model.linear_attention import mamba2_mixer  # noqa: F401 - registers the "mamba" layer type
+from kvserve.model.state_layers import StateMixer
 from kvserve.model.layers import RMSNorm, RotaryEmbedding, activation, apply_rotary
 from kvserve.model.native_decoder import NativeDecoder
 from kvserve.model.parallel import (ColumnParallelLinear, PackableLinearMixin, ParallelLMHead, RowParallelLinear,
@@ -40,7 +45,10 @@ class SelfAttention(nn.Module):
         # Fewer KV heads than ranks: each rank keeps a replica of the one its queries use.
         self.num_kv_heads, kv_replicas = kv_heads_per_rank(config.num_kv_heads, tp)
         q_size, kv_size = config.num_heads * self.head_dim, config.num_kv_heads * self.head_dim
-        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_size, kv_size, kv_size], config.attention_bias,
+        # Qwen3-Next: each head's query rows are followed by as many rows of its output gate.
+        self.output_gate = config.attn_output_gate
+        q_rows = 2 * q_size if self.output_gate else q_size
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_rows, kv_size, kv_size], config.attention_bias,
                                              tp, shard_names=["q", "k", "v"], replicas=[1, kv_replicas, kv_replicas])
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, config.o_proj_bias, tp)
         self.q_norm = self.k_norm = None
@@ -55,21 +63,34 @@ class SelfAttention(nn.Module):
         self.clip_qkv = config.clip_qkv
         self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == "sliding" else None
         self.sinks = None
+        self.tp_rank, self.total_heads = tp.rank, config.num_heads
         if config.attention_sinks:
-            if tp.size > 1:
-                raise ValueError(f"{config.architecture}: attention sinks under tensor parallelism are not "
-                                 "supported yet")
+            # One logit per query head: a rank keeps those of its own heads.
             self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
+        self.use_rope = config.use_rope
         self.params = AttentionParams(scale=config.attention_scale, softcap=config.attn_logit_softcapping,
                                       sliding_window=self.sliding_window, sinks=self.sinks)
         # Set by `DecoderModel.use_kernels` (the runner's choice).
         self.backend: AttentionBackend = ModelKernels.torch_only().attention
         self.native_rotary = False
 
+    def load_weight(self, param_kind: str, tensor: torch.Tensor, shard: str | None) -> None:
+        """The checkpoint's `sinks` [all query heads]: this rank's heads' part."""
+        if param_kind != "sinks" or self.sinks is None:
+            raise ValueError(f"attention has no parameter {param_kind!r}")
+        if tensor.shape != (self.total_heads,):
+            raise ValueError(f"shape mismatch for sinks: model ({self.total_heads},), checkpoint {tuple(tensor.shape)}")
+        first = self.tp_rank * self.num_heads
+        self.sinks.data.copy_(tensor[first:first + self.num_heads])
+
     def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 metadata: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         num_tokens, num_drafts = hidden.shape[0], metadata.num_draft_tokens
         q, k, v = self.qkv_proj(hidden, num_drafts).split(self.qkv_proj.shard_sizes, dim=-1)
+        gate = None
+        if self.output_gate:
+            q_and_gate = q.reshape(num_tokens, self.num_heads, 2 * self.head_dim)
+            q, gate = q_and_gate[..., :self.head_dim].contiguous(), q_and_gate[..., self.head_dim:]
         if self.q_norm is not None and not self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -79,9 +100,12 @@ class SelfAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *cos_sin, native=self.native_rotary), apply_rotary(k, *cos_sin,
-                                                                                 native=self.native_rotary)
+        if self.use_rope:
+            q = apply_rotary(q, *cos_sin, native=self.native_rotary)
+            k = apply_rotary(k, *cos_sin, native=self.native_rotary)
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.params)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(num_tokens, -1), num_drafts)
 
 
@@ -145,9 +169,14 @@ class DecoderLayer(nn.Module):
         self.is_state_layer = state_kind is not None
         self.sliding_window = None if self.is_state_layer else self.self_attn.sliding_window
         if config.sparse_layers[layer_idx]:
-            self.mlp = SparseMoeBlock(config, tp, lambda width: GatedMLP(config, tp, width, expert=True))
+            shared = (GatedMLP(config, tp, config.shared_expert_intermediate_size)
+                      if config.shared_expert_intermediate_size else None)
+            self.mlp = SparseMoeBlock(config, tp, lambda width: GatedMLP(config, tp, width, expert=True), shared)
         else:
             self.mlp = GatedMLP(config, tp)
+        # Granite: a shared expert beside the routed ones, and the residual branches scaled.
+        self.shared_mlp = GatedMLP(config, tp, config.shared_expert_size) if config.shared_expert_size else None
+        self.residual_multiplier = config.residual_multiplier
         self.input_layernorm = RMSNorm(config.hidden_size, eps, plus_one)
         # Llama family: the norm before the MLP. Gemma: the norm after attention.
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, plus_one)
@@ -170,9 +199,16 @@ class DecoderLayer(nn.Module):
             mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden), metadata.num_draft_tokens)
             return hidden + self.post_feedforward_layernorm(mlp_out), None
         x, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        attn_out = self._mix(x, cos_sin, metadata, kv_cache)
-        x, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
-        return self.mlp(x, metadata.num_draft_tokens), residual
+        mixed = self._mix(x, cos_sin, metadata, kv_cache)
+        if self.residual_multiplier != 1.0:
+            mixed = mixed * self.residual_multiplier
+        x, residual = self.post_attention_layernorm.add_and_norm(mixed, residual)
+        out = self.mlp(x, metadata.num_draft_tokens)
+        if self.shared_mlp is not None:
+            out = out + self.shared_mlp(x, metadata.num_draft_tokens)
+        if self.residual_multiplier != 1.0:
+            out = out * self.residual_multiplier
+        return out, residual
 
     @property
     def mixer(self) -> nn.Module:
@@ -282,7 +318,7 @@ class DecoderModel(nn.Module):
         for module in self.modules():
             if isinstance(module, SelfAttention):
                 module.backend, module.native_rotary = kernels.attention, kernels.native_ops
-            elif isinstance(module, (RMSNorm, GatedMLP)):
+            elif isinstance(module, (RMSNorm, GatedMLP, StateMixer)):
                 module.native = kernels.native_ops
 
     def pack_linear_weights(self, keep_plain: bool | None = None, panels: bool | None = None) -> bool:
@@ -361,7 +397,8 @@ class DecoderModel(nn.Module):
             if out is not None:
                 return out
         hidden = self.embed(input_ids)
-        num_positions = max(md.max_seq_len for md in attn_metadata_by_group)
+        num_positions = max((md.max_seq_len for md in attn_metadata_by_group if isinstance(md, AttentionMetadata)),
+                            default=1)
         global_cos_sin = self.rotary_global.cos_sin(positions, hidden.dtype, num_positions)
         local_cos_sin = (self.rotary_local.cos_sin(positions, hidden.dtype, num_positions)
                          if self.rotary_local is not None else global_cos_sin)
@@ -381,6 +418,8 @@ class DecoderModel(nn.Module):
         hidden = self.embed_tokens(input_ids).to(self.norm.weight.dtype)
         if self.config.scales_embeddings:
             hidden = hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype)
+        if self.config.embedding_multiplier != 1.0:
+            hidden = hidden * self.config.embedding_multiplier
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -396,6 +435,8 @@ class DecoderModel(nn.Module):
 
     def _finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
         logits = logits.float()
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

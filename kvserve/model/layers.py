@@ -115,9 +115,10 @@ def _yarn_inv_freq(dim: int, rope: RopeConfig, max_pos: int) -> tuple[torch.Tens
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig, max_pos: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and the cos/sin scale ("attention factor") of one RoPE config."""
-    if rope.partial_rotary_factor != 1.0:
-        raise ValueError("partial rotary embeddings are not supported")
+    """Inverse frequencies and the cos/sin scale ("attention factor") of one RoPE config; with
+    a partial rotary factor (Qwen3-Next) only the first int(head_dim * factor) dimensions of
+    each head rotate, so the frequencies are those of a head of that size."""
+    head_dim = int(head_dim * rope.partial_rotary_factor)
     if rope.rope_type == "yarn":
         return _yarn_inv_freq(head_dim, rope, max_pos)
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -182,8 +183,12 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native: bool = False) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim]. With `native` (the runner's kernel
-    choice) the CPU kernel rotates x in place."""
+    """x: [T, heads, head_dim]; cos/sin: [T, 1, rotary_dim]. With `native` (the runner's kernel
+    choice) the CPU kernel rotates x in place. A rotary_dim below head_dim (partial RoPE)
+    rotates the first rotary_dim dimensions and passes the rest through."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
     if native and cpu_kernels.takes(x, cos, sin) and x.dtype == cos.dtype == sin.dtype and cos.is_contiguous() \
             and sin.is_contiguous():
         return cpu_kernels.rotary_(x, cos, sin)

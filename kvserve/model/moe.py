@@ -69,9 +69,12 @@ class SparseMoeBlock(nn.Module):
     Each expert is a `GatedMLP` of the expert width (`experts.{e}`), so it loads, shards
     (rows of gate/up, columns of down across tensor-parallel ranks), packs and quantizes
     as a dense MLP does; under tensor parallelism the experts' partial sums are added
-    locally and all-reduced once per layer."""
+    locally and all-reduced once per layer.
 
-    def __init__(self, config: ModelConfig, tp: TPContext, expert_factory) -> None:
+    Qwen3-Next / Qwen3.5 add a `shared_expert` that every token runs, scaled by
+    sigmoid(`shared_expert_gate`(x)) (one replicated row), to the routed experts' sum."""
+
+    def __init__(self, config: ModelConfig, tp: TPContext, expert_factory, shared_expert: nn.Module | None = None) -> None:
         super().__init__()
         self.tp = tp
         self.num_experts = config.num_experts
@@ -80,6 +83,8 @@ class SparseMoeBlock(nn.Module):
         self.softmax_after_topk = config.softmax_after_topk
         self.gate = Router(config.hidden_size, config.num_experts, bias=config.router_bias)
         self.experts = nn.ModuleList(expert_factory(config.moe_intermediate_size) for _ in range(config.num_experts))
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = Router(config.hidden_size, 1) if shared_expert is not None else None
 
     def forward(self, x: torch.Tensor, num_draft_rows: int = 0) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]. Drafts do not change which kernel an expert's rows
@@ -98,4 +103,6 @@ class SparseMoeBlock(nn.Module):
             start += count
             y = expert.partial_forward(x.index_select(0, rows))
             out.index_add_(0, rows, y * flat_weights.index_select(0, pairs).unsqueeze(1))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial_forward(x)
         return self.tp.all_reduce(out)

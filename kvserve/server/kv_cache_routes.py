@@ -36,7 +36,7 @@ def _group_json(group: KVGroupSnapshot) -> dict[str, Any]:
     return {"group_id": group.group_id, "kind": group.kind, "block_size": group.block_size,
             "sliding_window": group.sliding_window, "num_layers": group.num_layers,
             **_pool_counts(group.pool), "blocks_in_tables": group.blocks_in_tables,
-            "blocks_cached_for_group": group.blocks_cached_for_group}
+            "blocks_cached_for_group": group.blocks_cached_for_group, "hit_blocks": group.hit_blocks}
 
 
 def kv_view_to_json(view: EngineKVView) -> dict[str, Any]:

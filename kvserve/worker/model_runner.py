@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.errors import ConfigError
 from kvserve.native.config import KernelConfig
 from kvserve.kv_cache.interface import KVCacheConfig, KVCacheSpec, StateSpec
 from kvserve.model.attention import AttentionMetadata, StateMetadata
@@ -124,7 +125,7 @@ class ModelRunner:
         if self.scheduler_config.speculative_config is not None and any(
                 isinstance(spec, StateSpec) for spec in specs.values()):
             # A rejected draft would leave its tokens in the recurrent state.
-            raise ValueError("speculative decoding is not supported for models with recurrent-state layers")
+            raise ConfigError("speculative decoding is not supported for models with recurrent-state layers")
         return specs
 
     def available_kv_memory_bytes(self) -> int:

@@ -1,5 +1,6 @@
 """BlockPool builders from the seed patch's deferred-free tests, shared by the
-KV-level (tests/kv_cache) and scheduler-level (tests/scheduler) halves."""
+KV-level (tests/kv_cache) and scheduler-level (tests/scheduler) halves, and the
+oracle of a state group's slots per step."""
 from __future__ import annotations
 
 from math import lcm
@@ -75,3 +76,16 @@ def make_two_group_kv_cache_manager(num_blocks: int, block_size: int = 16) -> KV
         hash_block_size=block_size,
         enable_caching=True,
     )
+
+
+def state_step_slots(block_size: int, start: int, num_tokens: int,
+                     table: list[int]) -> tuple[int | None, list[tuple[int, int]]]:
+    """A state group's slots for a step of `num_tokens` tokens after `start` computed
+    ones, re-derived here as the oracle: the slot read (None from a fresh start) and
+    the (prefix length, slot) writes: every held boundary block crossed, and the
+    running state's block at the step's end."""
+    end = start + num_tokens
+    read = table[(start - 1) // block_size] if start else None
+    writes = [(length, table[length // block_size - 1]) for length in range(start + 1, end)
+              if length % block_size == 0 and table[length // block_size - 1] != 0]
+    return read, writes + [(end, table[(end - 1) // block_size])]

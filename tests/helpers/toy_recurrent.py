@@ -87,7 +87,8 @@ def _attention_reference(attn, x: torch.Tensor, cos_sin) -> torch.Tensor:
 def make_toy_engine(monkeypatch, executor_class, layer_types: list[str] = HYBRID_LAYERS, *, seed: int = 0,
                     num_blocks_memory: str | int = 1 << 20, block_size: int = 4, max_num_seqs: int = 8,
                     max_num_batched_tokens: int = 256, enable_prefix_caching: bool = True,
-                    async_scheduling: bool = True, max_model_len: int = 512) -> EngineCore:
+                    async_scheduling: bool = True, max_model_len: int = 512,
+                    speculative_config=None) -> EngineCore:
     """An EngineCore over the toy model (built in memory by the runner instead of loaded)."""
     config = toy_model_config(layer_types, max_model_len)
     monkeypatch.setattr(model_runner, "load_model", lambda model_config, **kwargs: build_toy_model(model_config, seed))
@@ -96,7 +97,8 @@ def make_toy_engine(monkeypatch, executor_class, layer_types: list[str] = HYBRID
         CacheConfig(block_size=block_size, kv_cache_memory_bytes=int(num_blocks_memory),
                     enable_prefix_caching=enable_prefix_caching),
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                        max_model_len=max_model_len, async_scheduling=async_scheduling),
+                        max_model_len=max_model_len, async_scheduling=async_scheduling,
+                        speculative_config=speculative_config),
         ParallelConfig(), device="cpu")
     return EngineCore(engine_config, executor_class=executor_class)
 

@@ -100,3 +100,4 @@ def holder_counts(manager: KVCacheManager, retained=()) -> dict[int, int]:
 
 def check(manager: KVCacheManager, retained=()) -> None:
     manager.block_pool.check_invariants(holder_counts(manager, retained))
+

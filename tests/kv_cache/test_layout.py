@@ -50,3 +50,18 @@ def test_budget_too_small_is_an_error():
         get_kv_cache_config({"a": FULL}, available_memory_bytes=2048)
     with pytest.raises(ValueError):
         get_kv_cache_config({}, available_memory_bytes=10**6)
+
+
+def test_state_layers_share_no_tensor_with_attention_layers():
+    """An attention tensor holds block b's K/V as rows scattered over the whole buffer (heads
+    outermost), a state tensor slot c whole at c * its page: shared, the two would overlap
+    (a regression: Granite's hybrid lost its states to the attention layer's K/V). Each state
+    layer gets its own tensor, and a block id costs its pages in both."""
+    from kvserve.kv_cache.interface import StateSpec
+    state = StateSpec(block_size=16, shapes=((3, 8), (2, 4, 4)), dtype="float32")  # (24 + 32) * 4 = 224 B
+    layer_specs = {"s0": state, "a": FULL, "s1": state, "b": SWA}
+    config = get_kv_cache_config(layer_specs, available_memory_bytes=10**6)
+    shared = [set(t.shared_by) for t in config.kv_cache_tensors]
+    assert {"s0"} in shared and {"s1"} in shared and {"a", "b"} in shared and len(shared) == 3
+    assert config.num_blocks == 10**6 // (2048 + 2 * 224)
+    _check_tensors_fit(config, layer_specs)

@@ -1,5 +1,5 @@
 """Property test: random traces of admit / schedule / run a step / free / pop and
-free later / CoW take and release, over one and two KV-cache groups.
+free later / CoW take and release, over one, two and three KV-cache groups.
 
 Besides the pool's own invariants, the trace keeps an independent model of
 what each block physically holds: a step first applies the CoW copies, then
@@ -8,6 +8,13 @@ scheduled request must find its own tokens in every slot its attention reads
 (all earlier positions; the window for a sliding-window group). A wrong hit,
 a copy from unwritten content, or a block handed out while still in use all
 show up as a mismatch.
+
+A state group's slot holds the state after some prefix of some sequence: a step
+reads (before any write of the step) the slot that must hold exactly its own
+computed prefix, and writes its boundary snapshots and running state; a slot
+written by one request is never read or written by another in the same step. A
+wrong snapshot hit, a snapshot overwritten after caching, or a state block reused
+while held all show up as a mismatch.
 """
 from __future__ import annotations
 
@@ -18,9 +25,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvserve.kv_cache.interface import CircularBufferSpec, SlidingWindowSpec
+from kvserve.kv_cache.interface import CircularBufferSpec, SlidingWindowSpec, StateSpec
 
-from kv_helpers import circular_spec, free_queue_ids, full_spec, holder_counts, make_manager, sliding_spec
+from helpers.kv_blocks import state_step_slots
+from kv_helpers import circular_spec, free_queue_ids, full_spec, holder_counts, make_manager, sliding_spec, state_spec
 
 _BASES = [[random.Random(seed).randrange(1, 6) for _ in range(40)] for seed in range(3)]
 
@@ -39,6 +47,7 @@ class KVCacheTrace(RuleBasedStateMachine):
         self.deferred: list[tuple[int, list]] = []   # (fence step, blocks in eviction order)
         self.retained: list[tuple[int, list]] = []
         self.content: dict[int, list] = {}
+        self.state_content: dict[int, tuple] = {}  # state slot -> the prefix whose state it holds
         self.num_steps = 0
         self.next_id = 0
 
@@ -54,9 +63,10 @@ class KVCacheTrace(RuleBasedStateMachine):
         before = self._snapshot()
         new_blocks = self.manager.allocate_slots(request, num_new_tokens, num_hit, hit_blocks)
         if new_blocks is None:
-            # A sliding-window group releases out-of-window blocks even when the
-            # allocation then fails (they count as free space); nothing else changes.
-            if not any(isinstance(spec, SlidingWindowSpec) for spec in self._group_specs()):
+            # Sliding-window and state groups release blocks no step reads (and a state
+            # group caches the processed snapshots first) even when the allocation then
+            # fails (they count as free space); nothing else changes.
+            if not any(isinstance(spec, (SlidingWindowSpec, StateSpec)) for spec in self._group_specs()):
                 assert self._snapshot() == before, "a failed allocation changed state"
             return False
         request.num_computed_tokens += num_hit
@@ -100,6 +110,7 @@ class KVCacheTrace(RuleBasedStateMachine):
             assert len(source) >= copy.num_tokens and None not in source[:copy.num_tokens], "copy of unwritten KV"
             dst = self.content.setdefault(copy.dst_block_id, [])
             dst[:copy.num_tokens] = source[:copy.num_tokens]
+        self._run_state_layers()
         for request, num_tokens, tables in self.scheduled.values():
             self._write(request, num_tokens, tables)
         for request, num_tokens, tables in self.scheduled.values():
@@ -113,10 +124,33 @@ class KVCacheTrace(RuleBasedStateMachine):
     def _group_specs(self):
         return [group.kv_cache_spec for group in self.manager.kv_cache_config.kv_cache_groups]
 
+    def _run_state_layers(self) -> None:
+        """Every state read of the step, then its writes (as a layer does)."""
+        for group, spec in enumerate(self._group_specs()):
+            if not isinstance(spec, StateSpec):
+                continue
+            writes, touched = [], {}
+            for request, num_tokens, tables in self.scheduled.values():
+                start, tokens = request.num_computed_tokens, request.all_token_ids
+                read, request_writes = state_step_slots(spec.block_size, start, num_tokens, tables[group])
+                if read is not None:
+                    assert read != 0, f"request {request.request_id} reads its state from the null block"
+                    assert self.state_content.get(read) == tuple(tokens[:start]), (
+                        f"request {request.request_id} reads a wrong state from slot {read}")
+                for length, slot in request_writes:
+                    assert slot != 0, "a running state's slot is the null block"
+                    writes.append((slot, tuple(tokens[:length])))
+                for slot in {read, *(slot for _, slot in request_writes)} - {None}:
+                    touched.setdefault(slot, set()).add(request.request_id)
+            written = {slot for slot, _ in writes}
+            assert all(len(touched[slot]) == 1 for slot in written), "two requests share a slot one writes"
+            for slot, prefix in writes:
+                self.state_content[slot] = prefix
+
     def _write(self, request, num_tokens, tables) -> None:
         start = request.num_computed_tokens
         for spec, table in zip(self._group_specs(), tables):
-            if isinstance(spec, CircularBufferSpec):
+            if isinstance(spec, (CircularBufferSpec, StateSpec)):
                 continue
             for pos in range(start, start + num_tokens):
                 block_id = table[pos // spec.block_size]
@@ -128,7 +162,7 @@ class KVCacheTrace(RuleBasedStateMachine):
     def _check_reads(self, request, num_tokens, tables) -> None:
         start, end = request.num_computed_tokens, request.num_computed_tokens + num_tokens
         for spec, table in zip(self._group_specs(), tables):
-            if isinstance(spec, CircularBufferSpec):
+            if isinstance(spec, (CircularBufferSpec, StateSpec)):
                 continue
             first = max(0, start - spec.sliding_window + 1) if isinstance(spec, SlidingWindowSpec) else 0
             for pos in range(first, end):
@@ -223,12 +257,22 @@ class FullAndCircular(KVCacheTrace):
     num_blocks = 32
 
 
+class FullSlidingAndState(KVCacheTrace):
+    specs = [full_spec(4), sliding_spec(4, window=8), state_spec(4)]
+    num_blocks = 48
+
+
+class StateOnly(KVCacheTrace):
+    specs = [state_spec(4)]
+    num_blocks = 24
+
+
 _SETTINGS = settings(max_examples=40, stateful_step_count=40, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
 @pytest.mark.parametrize("machine", [KVCacheTrace, OneGroupCoW, FullAndSlidingWindow, TwoFullGroupsCoW,
-                                     FullAndCircular], ids=lambda m: m.__name__)
+                                     FullAndCircular, FullSlidingAndState, StateOnly], ids=lambda m: m.__name__)
 def test_random_traces_keep_invariants(machine):
     machine.TestCase.settings = _SETTINGS
     machine.TestCase().runTest()

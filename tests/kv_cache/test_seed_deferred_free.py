@@ -43,3 +43,23 @@ def test_deferred_free_matches_immediate_free_eviction_order():
     buggy_order = eviction_order(pool_buggy)
     assert buggy_order == [6, 5, 4, 3, 2, 1]
     assert buggy_order != immediate_order
+
+
+def test_three_group_deferred_free_matches_immediate_free_eviction_order():
+    """The seed's check on a three-group layout (full + sliding window + state):
+    group C's blocks are a state group's snapshots and running state. Per-group
+    reversal equals the immediate path; one whole-list reversal does not."""
+    groups = [[1, 2, 3], [4, 5, 6], [7, 8]]
+
+    pool_imm, by_id = make_pool_with_cached_blocks(8)
+    for group in groups:
+        pool_imm.free_blocks([by_id[i] for i in reversed(group)])
+    immediate_order = eviction_order(pool_imm)
+
+    pool_fixed, by_id = make_pool_with_cached_blocks(8)
+    pool_fixed.free_blocks([by_id[i] for group in groups for i in reversed(group)])
+    assert eviction_order(pool_fixed) == immediate_order == [3, 2, 1, 6, 5, 4, 8, 7]
+
+    pool_buggy, by_id = make_pool_with_cached_blocks(8)
+    pool_buggy.free_blocks([by_id[i] for i in reversed([i for group in groups for i in group])])
+    assert eviction_order(pool_buggy) == [8, 7, 6, 5, 4, 3, 2, 1] != immediate_order

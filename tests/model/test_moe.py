@@ -211,7 +211,7 @@ def test_quantized_gguf_experts_match_dequantized_model(models, tmp_path, family
     assert_within_activation_rounding(held, plain)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_experts_shard_across_tensor_parallel_ranks(models, monkeypatch, family):
     """Two ranks load their shard of every expert (gate/up rows, down columns; the router
     whole); their partial sums add up to the unsharded block's output. No process group:
@@ -227,6 +227,9 @@ def test_experts_shard_across_tensor_parallel_ranks(models, monkeypatch, family)
     x = torch.randn(6, config.hidden_size, generator=torch.Generator().manual_seed(8))
     with torch.inference_mode():
         _assert_close(ranks[0](x) + ranks[1](x), full(x))
+    if family == "gpt_oss":  # each rank keeps its query heads' attention sinks
+        sinks = [load_model(config, tp_rank=rank, tp_size=2).layers[0].self_attn.sinks for rank in range(2)]
+        assert torch.equal(torch.cat(sinks), load_model(config).layers[0].self_attn.sinks)
 
 
 def test_projection_wide_qk_norm_refuses_tensor_parallelism(models):

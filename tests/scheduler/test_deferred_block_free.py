@@ -10,7 +10,7 @@ import pytest
 from helpers.kv_blocks import eviction_order, make_pool_with_cached_blocks, make_two_group_kv_cache_manager
 
 from kvserve.kv_cache.coordinator import KVCacheCoordinator
-from kvserve.kv_cache.interface import FullAttentionSpec, SlidingWindowSpec
+from kvserve.kv_cache.interface import FullAttentionSpec, SlidingWindowSpec, StateSpec
 from kvserve.kv_cache.utils import KVCacheBlock
 from kvserve.request import RequestStatus
 from kvserve.scheduler.scheduler import Scheduler
@@ -261,48 +261,73 @@ def test_cow_copy_rides_with_its_step_and_its_endpoints_wait_for_the_fence():
     assert pool.get_num_free_blocks() == 49
 
 
-# ---- two KV-cache groups: reversing per group and reversing the whole list differ ----
+# ---- two and three KV-cache groups: reversing per group and reversing the whole list differ ----
 
 TWO_GROUP_SPECS = [
     FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype="float32"),
     SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype="float32", sliding_window=64),
 ]
+THREE_GROUP_SPECS = TWO_GROUP_SPECS + [StateSpec(block_size=BLOCK_SIZE, shapes=((2,), (3, 2)), dtype="float32")]
+
+
+def _check_deferred_frees_match_immediate(specs) -> None:
+    """A request aborted while its step is in flight parks its blocks behind the
+    step's fence in exactly the order an immediate free would give them to the
+    pool: each group's blocks reversed, groups in order. Then, once the fence is
+    processed, the pool's eviction order is the immediate path's (a twin run that
+    frees at once)."""
+    orders = []
+    for defer in (True, False):
+        scheduler = _create_deferring_scheduler(kv_cache_specs=specs)
+        scheduler.defer_block_free = defer
+        driver = StepDriver(scheduler, FakeModelRunner(), async_steps=True)
+        request = create_requests(1, num_tokens=NUM_PROMPT_TOKENS, max_tokens=5)[0]
+        driver.add_requests([request])
+        out = driver.schedule_step()
+        coordinator = scheduler.kv_cache_manager.coordinator
+        allocated = [list(m.req_to_blocks[request.request_id]) for m in coordinator.single_type_managers]
+        assert all(len(group) == 3 for group in allocated)
+        per_group_reversed = [block for group in allocated for block in reversed(group)]
+        assert per_group_reversed != list(reversed([b for group in allocated for b in group]))
+
+        scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+        if defer:
+            ((fence, parked),) = scheduler.deferred_frees
+            assert fence == out.step_seq
+            assert parked == per_group_reversed, "parked blocks are not in per-group eviction order"
+        driver.run()
+        assert_pool_whole(scheduler)
+        orders.append(eviction_order(scheduler.kv_cache_manager.block_pool))
+    assert orders[0] == orders[1], "the deferred path's eviction order is not the immediate path's"
 
 
 def _check_deferred_frees_match_immediate_on_two_groups() -> None:
-    """A request aborted while its step is in flight parks its blocks behind the
-    step's fence in exactly the order an immediate free would give them to the
-    pool: each group's blocks reversed, groups in order."""
-    scheduler = _create_deferring_scheduler(kv_cache_specs=TWO_GROUP_SPECS)
-    driver = StepDriver(scheduler, FakeModelRunner(), async_steps=True)
-    request = create_requests(1, num_tokens=NUM_PROMPT_TOKENS, max_tokens=5)[0]
-    driver.add_requests([request])
-    out = driver.schedule_step()
-    coordinator = scheduler.kv_cache_manager.coordinator
-    allocated = [list(m.req_to_blocks[request.request_id]) for m in coordinator.single_type_managers]
-    assert all(len(group) == 3 for group in allocated)
-    per_group_reversed = [block for group in allocated for block in reversed(group)]
-    assert per_group_reversed != list(reversed([b for group in allocated for b in group]))
+    _check_deferred_frees_match_immediate(TWO_GROUP_SPECS)
 
-    scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
-    ((fence, parked),) = scheduler.deferred_frees
-    assert fence == out.step_seq
-    assert parked == per_group_reversed, "parked blocks are not in per-group eviction order"
-    driver.run()
-    assert_pool_whole(scheduler)
+
+def _check_deferred_frees_match_immediate_on_three_groups() -> None:
+    """Full + sliding window + recurrent state: the state group's snapshots and
+    running state are parked and freed with the others, in the same per-group order."""
+    _check_deferred_frees_match_immediate(THREE_GROUP_SPECS)
 
 
 def test_two_group_deferred_frees_keep_the_per_group_eviction_order():
     _check_deferred_frees_match_immediate_on_two_groups()
 
 
-def test_a_whole_list_reversal_fails_the_two_group_check(monkeypatch):
-    """The check above can fail for the right reason: with one KV-cache group a
-    whole-list reversal equals the per-group one, with two it does not."""
+def test_three_group_deferred_frees_keep_the_per_group_eviction_order():
+    _check_deferred_frees_match_immediate_on_three_groups()
+
+
+@pytest.mark.parametrize("check", [_check_deferred_frees_match_immediate_on_two_groups,
+                                   _check_deferred_frees_match_immediate_on_three_groups])
+def test_a_whole_list_reversal_fails_the_multi_group_checks(monkeypatch, check):
+    """The checks above can fail for the right reason: with one KV-cache group a
+    whole-list reversal equals the per-group one, with two or three it does not."""
     def reverse_whole_list(self, request_id):
         blocks = [b for manager in self.single_type_managers for b in manager.pop_blocks_for_free(request_id)]
         return blocks[::-1]
 
     monkeypatch.setattr(KVCacheCoordinator, "pop_blocks_for_free", reverse_whole_list)
     with pytest.raises(AssertionError, match="not in per-group eviction order"):
-        _check_deferred_frees_match_immediate_on_two_groups()
+        check()

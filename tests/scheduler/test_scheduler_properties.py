@@ -6,6 +6,9 @@ and async steps whose outputs arrive one step late. After every operation:
 - every deferred free is exactly the immediate path's blocks in its order,
   and is later freed as-is, oldest first;
 - ref counts equal the holders (request tables + parked lists);
+- with a recurrent-state group: every state slot a step reads or writes is
+  held until that step is processed, and a slot one request writes is read or
+  written by no other request of the same or an unprocessed step;
 and at the end, once every request ended and the fences drained, the pool
 is whole and the outputs match the oracle.
 """
@@ -17,7 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvserve.kv_cache.interface import FullAttentionSpec, SlidingWindowSpec
+from helpers.kv_blocks import state_step_slots
+from kvserve.kv_cache.interface import FullAttentionSpec, SlidingWindowSpec, StateSpec
 from kvserve.request import RequestStatus
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.testing import FakeModelRunner, StepDriver, create_requests, create_scheduler
@@ -57,11 +61,15 @@ class Trace:
     num_spec_tokens: int = 0
     # Drafts from a (fake) draft model in the runner, scheduled ahead under async.
     draft_model: bool = False
+    # A third, recurrent-state group (with `hybrid`; never with speculation, which the
+    # runner refuses for state layers).
+    state: bool = False
 
 
 @st.composite
 def traces(draw) -> Trace:
     block_size = draw(st.sampled_from([4, 8, 16]))
+    hybrid, state = draw(st.booleans()), draw(st.booleans())
     return Trace(
         # Small pools: a handful of requests at once forces preemption.
         num_blocks=draw(st.integers(5, 96 // block_size + 8)),
@@ -72,9 +80,10 @@ def traces(draw) -> Trace:
         async_steps=draw(st.booleans()),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         ops=draw(st.lists(_ADD, min_size=2, max_size=8)) + draw(st.lists(_OPS, min_size=10, max_size=80)),
-        hybrid=draw(st.booleans()),
-        num_spec_tokens=draw(st.sampled_from([0, 0, 1, 3, 5])),
+        hybrid=hybrid,
+        num_spec_tokens=0 if hybrid and state else draw(st.sampled_from([0, 0, 1, 3, 5])),
         draft_model=draw(st.booleans()),
+        state=state,
     )
 
 
@@ -91,6 +100,8 @@ class FenceChecker:
         self.parked_lists: set[int] = set()
         # Step sequence number -> the whole group-0 tables of the requests it schedules.
         self.tables_by_step: dict[int, set[int]] = {}
+        # Step sequence number -> {request id: (state slots it reads or writes, slots it writes)}.
+        self.state_slots_by_step: dict[int, dict[str, tuple[set[int], set[int]]]] = {}
         self._wrap()
 
     def _wrap(self) -> None:
@@ -152,6 +163,40 @@ class FenceChecker:
         if self.scheduler.defer_block_free:
             fenced = self.referenced_by_unprocessed_steps(exclude_last=True)
             assert not fenced & set(self.handed_out), "handed out a block an unprocessed step references"
+        self._check_state_slots(out)
+
+    def _check_state_slots(self, out) -> None:
+        """Record the state slots the step uses; no slot is shared with another
+        request (of this or an unprocessed step) unless no one writes it."""
+        groups = [(g, spec) for g, spec in enumerate(self.kv.kv_cache_config.kv_cache_groups)
+                  if isinstance(spec.kv_cache_spec, StateSpec)]
+        if not groups:
+            return
+        starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        step_slots = {}
+        for req_id, num_tokens in out.num_scheduled_tokens.items():
+            used, written = set(), set()
+            for g, group in groups:
+                table = self.kv.get_block_ids(req_id)[g]
+                read, writes = state_step_slots(group.kv_cache_spec.block_size, starts[req_id], num_tokens, table)
+                slots = {slot for _, slot in writes} | ({read} if read is not None else set())
+                assert 0 not in slots, f"request {req_id} uses the null block as a state slot"
+                used |= slots
+                written |= {slot for _, slot in writes}
+            step_slots[req_id] = (used, written)
+        self.state_slots_by_step[out.step_seq] = step_slots
+        live = [self.state_slots_by_step.get(o.step_seq, {}) for o, _ in self.driver.in_flight]
+        for req_id, (_, written) in step_slots.items():
+            for slots in live:
+                for other_id, (used, _) in slots.items():
+                    assert other_id == req_id or not written & used, (
+                        f"request {req_id} writes state slots {written & used} that {other_id} uses in flight")
+
+    def state_slots_in_flight(self) -> set[int]:
+        return {slot for out, _ in self.driver.in_flight
+                for used, _ in self.state_slots_by_step.get(out.step_seq, {}).values() for slot in used}
 
     def _check_drained_as_is(self, before) -> None:
         after = [(fence, [b.block_id for b in blocks]) for fence, blocks in self.scheduler.deferred_frees]
@@ -181,6 +226,8 @@ class FenceChecker:
         if scheduler.defer_block_free:
             for block_id in self.referenced_by_unprocessed_steps():
                 assert self.pool.blocks[block_id].ref_cnt > 0, f"block {block_id} freed while a step references it"
+            for block_id in self.state_slots_in_flight():
+                assert self.pool.blocks[block_id].ref_cnt > 0, f"state slot {block_id} freed while a step uses it"
         if not scheduler.defer_block_free:
             assert not scheduler.deferred_frees
         for request in scheduler.requests.values():
@@ -194,7 +241,10 @@ def _specs(trace: Trace):
     if not trace.hybrid:
         return None
     spec = dict(block_size=trace.block_size, num_kv_heads=1, head_size=1, dtype="float32")
-    return [FullAttentionSpec(**spec), SlidingWindowSpec(**spec, sliding_window=2 * trace.block_size)]
+    specs = [FullAttentionSpec(**spec), SlidingWindowSpec(**spec, sliding_window=2 * trace.block_size)]
+    if trace.state:
+        specs.append(StateSpec(block_size=trace.block_size, shapes=((2,), (3, 2)), dtype="float32"))
+    return specs
 
 
 def _spec_config(trace: Trace) -> SpeculativeConfig | None:
@@ -287,6 +337,20 @@ def _run_trace(trace: Trace) -> StepDriver:
 @given(traces())
 def test_random_traces_keep_fences_and_pool_whole(trace):
     _run_trace(trace)
+
+
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_a_preemption_heavy_trace_with_a_state_group(async_steps):
+    """Full + sliding + state groups in a pool that forces preemptions, with prefix hits
+    on shared prompt families and an abort: state slots stay fenced and unshared."""
+    ops = [("add", 20, 20, 0, 0, False), ("add", 22, 20, 0, 1, False), ("add", 12, 24, 1, 2, True),
+           ("step",), ("step",), ("add", 21, 20, 0, 0, False)] + [("step",)] * 30 + [("abort", 1)] + [("step",)] * 10
+    driver = _run_trace(Trace(num_blocks=36, block_size=4, hash_block_size=None, budget=24, max_num_seqs=4,
+                              async_steps=async_steps, policy="fcfs", ops=ops, hybrid=True, state=True))
+    scheduler = driver.scheduler
+    assert scheduler.num_preemptions > 0
+    state_manager = scheduler.kv_cache_manager.coordinator.single_type_managers[2]
+    assert state_manager.num_hit_blocks > 0
 
 
 def test_a_preemption_heavy_async_trace():

@@ -145,22 +145,29 @@ def test_kv_cache_stream_sends_snapshots(tiny_pool_server):
 
 
 def test_kv_cache_shows_each_group_of_a_hybrid_model(tokenizer):
-    from kvserve.kv_cache.interface import FullAttentionSpec, SlidingWindowSpec
+    """Full, sliding-window and recurrent-state groups, each under its own kind; a
+    repeated prompt restores the state group from a cached snapshot."""
+    from kvserve.kv_cache.interface import FullAttentionSpec, SlidingWindowSpec, StateSpec
     spec = dict(block_size=16, num_kv_heads=1, head_size=8, dtype="float32")
+    state = StateSpec(block_size=16, shapes=((3, 8), (8,)), dtype="float32")
     specs = {"layer.0": FullAttentionSpec(**spec), "layer.1": SlidingWindowSpec(**spec, sliding_window=32),
-             "layer.2": FullAttentionSpec(**spec)}
-    engine = make_scheduler_async_llm(tokenizer, num_blocks=80, specs=specs)
+             "layer.2": FullAttentionSpec(**spec), "layer.3": state}
+    engine = make_scheduler_async_llm(tokenizer, num_blocks=120, specs=specs)
     with ThreadedServer(build_app(engine, MODEL)) as server:
         body = {"model": MODEL, "prompt": "a long enough prompt to fill a few blocks " * 6, "max_tokens": 30}
-        assert httpx.post(server.base_url + "/v1/completions", json=body, timeout=30).status_code == 200
+        for _ in range(2):
+            assert httpx.post(server.base_url + "/v1/completions", json=body, timeout=30).status_code == 200
         with httpx.Client(base_url=server.base_url, timeout=10) as client:
             idle = wait_idle(client)
     check_counts(idle)
     groups = {group["kind"]: group for group in idle["groups"]}
-    assert set(groups) == {"full", "sliding_window"}
+    assert set(groups) == {"full", "sliding_window", "state"}
     assert groups["full"]["num_layers"] == 2 and groups["sliding_window"]["num_layers"] == 1
+    assert groups["state"]["num_layers"] == 1 and groups["state"]["block_size"] == 16
     assert groups["sliding_window"]["sliding_window"] == 32 and groups["full"]["sliding_window"] is None
     # One shared pool: every group reports its counts; each group has cached blocks of its own.
     assert all(group["num_blocks"] == idle["num_blocks"] for group in idle["groups"])
     assert all(group["blocks_cached_for_group"] > 0 for group in idle["groups"])
     assert sum(group["blocks_cached_for_group"] for group in idle["groups"]) == idle["blocks_cached"]
+    # The second request hit: one snapshot restored in the state group, blocks in the others.
+    assert groups["state"]["hit_blocks"] == 1 and groups["full"]["hit_blocks"] > 0

@@ -37,7 +37,20 @@ def page_server(tokenizer):
 
 
 @pytest.fixture
-def page(page_server):
+def hybrid_page_server(tokenizer):
+    """A server over full-attention and recurrent-state KV groups."""
+    from kvserve.kv_cache.interface import FullAttentionSpec, StateSpec
+    specs = {"layer.0": FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype="float32"),
+             "layer.1": StateSpec(block_size=16, shapes=((3, 8), (8,)), dtype="float32")}
+    engine = make_scheduler_async_llm(tokenizer, num_blocks=96, step_delay_s=0.01, max_num_seqs=8, specs=specs)
+    with ThreadedServer(build_app(engine, MODEL, api_key=API_KEY)) as server:
+        yield server
+
+
+@pytest.fixture
+def page(request):
+    # The server starts before the browser (the hybrid test brings its own).
+    request.getfixturevalue("hybrid_page_server" if "hybrid" in request.node.name else "page_server")
     from playwright.sync_api import sync_playwright
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=chromium_path(), headless=True,
@@ -119,6 +132,18 @@ def test_page_chats_streams_and_shows_the_kv_cache(page_server, page):
     screenshot = os.environ.get("KVSERVE_PAGE_SCREENSHOT")
     if screenshot:
         page.screenshot(path=screenshot, full_page=True)
+
+
+def test_page_shows_a_hybrid_models_state_group_with_its_own_kind(hybrid_page_server, page):
+    page.goto(hybrid_page_server.base_url + "/")
+    page.wait_for_function("document.getElementById('view-status').textContent.includes('API key')")
+    page.fill("#api-key", API_KEY)
+    page.dispatch_event("#api-key", "change")
+    page.wait_for_selector("#groups .group >> nth=1")
+    titles = page.locator("#groups .group .title")
+    assert titles.nth(0).get_attribute("data-kind") == "full"
+    assert titles.nth(1).get_attribute("data-kind") == "state"
+    assert "group 1: state, recurrent state, snapshot every 16 tokens, 1 layers" in titles.nth(1).inner_text()
 
 
 def test_page_is_public_but_data_needs_the_key(page_server):

@@ -43,10 +43,12 @@ def test_toy_hybrid_is_greedy_under_its_reference(monkeypatch, reference, async_
 
 
 def test_chunked_prefill_hands_the_state_over_between_chunks(monkeypatch, reference):
-    """Prompts of 41-57 tokens in chunks of at most 12 (block size 4): every chunk starts
-    from the state the previous one wrote, and snapshots land mid-chunk."""
+    """Prompts of 41-57 tokens in chunks of at most 12 (block size 8): every chunk starts
+    from the state the previous one wrote, and snapshots land mid-chunk. (With blocks of 8
+    a state slot is not the size of a K/V row of the attention layers: a state tensor
+    sharing their buffer would overlap other blocks' K/V, as it once did.)"""
     prompts = _prompts([41, 50, 57], seed=1)
-    core = make_toy_engine(monkeypatch, RecordingExecutor, max_num_batched_tokens=12)
+    core = make_toy_engine(monkeypatch, RecordingExecutor, max_num_batched_tokens=12, block_size=8)
     try:
         outputs = _run(core, prompts, max_tokens=6)
         assert max(out.total_num_scheduled_tokens for out in core.executor.scheduler_outputs) <= 12
@@ -60,7 +62,8 @@ def test_preempted_requests_recompute_their_state(monkeypatch, reference):
     """A pool too small for all requests at once: victims drop their state and
     recompute it (from zeros or a cached snapshot), never reusing a partial one."""
     prompts = _prompts([12, 14, 10, 13, 11, 12], seed=2)
-    core = make_toy_engine(monkeypatch, RecordingExecutor, num_blocks_memory=32 * 1024)
+    # 42 blocks of 1 KiB: an attention page (512 B) and the two state layers' pages (256 B each).
+    core = make_toy_engine(monkeypatch, RecordingExecutor, num_blocks_memory=42 * 1024)
     try:
         outputs = _run(core, prompts, max_tokens=30)
         assert core.scheduler.num_preemptions > 0
@@ -119,3 +122,11 @@ def test_three_turn_chat_same_tokens_with_prefix_caching_on_and_off(monkeypatch,
             break  # an earlier near-tie parted the conversations
         tie = _first_near_tie(reference, prompt_on, on)
         assert on[:tie + 1] == off[:tie + 1] or tie < len(on) and on[:tie] == off[:tie]
+
+
+def test_speculative_decoding_is_refused_for_state_layers(monkeypatch):
+    """A rejected draft would stay in the recurrent state: the engine refuses to start."""
+    from kvserve.spec_decode.config import SpeculativeConfig
+    with pytest.raises(ValueError, match="speculative decoding is not supported for models with recurrent-state"):
+        make_toy_engine(monkeypatch, RecordingExecutor,
+                        speculative_config=SpeculativeConfig(num_speculative_tokens=2))

@@ -1,2 +1,2 @@
-"""Linear-attention token mixers that keep a fixed-size recurrent state per request
-(Gated DeltaNet) and the short causal convolution in front of them."""
+"""Linear-attention and state-space token mixers that keep a fixed-size recurrent state per
+request (Gated DeltaNet, Mamba-2) and the short causal convolution in front of them."""

@@ -90,12 +90,13 @@ def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
     """One chunk, heads first: q, k [H, C, Dk], v [H, C, Dv], g, beta [H, C], state [H, Dk, Dv]
     -> (outputs [H, C, Dv], the state after the chunk). See the module docstring."""
     size = q.shape[1]
-    causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+    index = torch.arange(size, device=q.device)
+    causal, strict = index[:, None] >= index[None, :], index[:, None] > index[None, :]  # (torch.tril is slow here)
     # segment[h, t, s] = g_{s+1} + ... + g_t for s <= t: cumulative sums down each column.
-    segment = (g.unsqueeze(-1) * causal.tril(-1)).cumsum(dim=1)
+    segment = (g.unsqueeze(-1) * strict).cumsum(dim=1)
     decay = segment.masked_fill(~causal, float("-inf")).exp()  # exp(G_t - G_s), 0 above the diagonal
     from_start = g.cumsum(dim=1).exp()  # exp(G_t)
-    strictly_lower = beta.unsqueeze(-1) * (k @ k.transpose(-1, -2)) * decay.tril(-1)
+    strictly_lower = beta.unsqueeze(-1) * (k @ k.transpose(-1, -2)) * (decay * strict)
     system = strictly_lower + torch.eye(size, dtype=q.dtype, device=q.device)
     rhs = beta.unsqueeze(-1) * (v - from_start.unsqueeze(-1) * (k @ state))
     delta = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)

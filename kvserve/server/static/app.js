@@ -165,12 +165,16 @@ function renderGroups(doc) {
     div.className = "group";
     div.dataset.groupId = g.group_id;
     const window = g.sliding_window ? `, window ${g.sliding_window}` : "";
+    // A state group's block holds one recurrent state: a snapshot every block_size tokens.
+    const shape = g.kind === "state" ? `recurrent state, snapshot every ${g.block_size} tokens`
+      : `block ${g.block_size} tokens${window}`;
     const title = document.createElement("div");
     title.className = "title";
-    title.textContent = `group ${g.group_id}: ${g.kind}, block ${g.block_size} tokens${window}, ` +
+    title.dataset.kind = g.kind;
+    title.textContent = `group ${g.group_id}: ${g.kind}, ${shape}, ` +
       `${g.num_layers} layers — in use ${g.blocks_in_use} · cached ${g.blocks_cached} · ` +
       `free ${g.blocks_free} of ${g.num_blocks} blocks (own: ${g.blocks_in_tables} in tables, ` +
-      `${g.blocks_cached_for_group} cached)`;
+      `${g.blocks_cached_for_group} cached, ${g.hit_blocks ?? 0} hit)`;
     const bar = document.createElement("div");
     bar.className = "bar";
     for (const [cls, n] of [["in-use", g.blocks_in_use], ["cached", g.blocks_cached], ["free", g.blocks_free]]) {

@@ -21,6 +21,7 @@
 #include "kvserve.h"
 
 #define PARALLEL_MIN_BYTES (256 * 1024)
+#define PANEL_BYTES (128 * 1024) /* weight rows a many-row step keeps in cache while the batch streams */
 #define DEQUANT_PARALLEL_MIN (1 << 18) /* values: below this one thread dequantizes */
 
 /* The block types computed as stored: one line each. */
@@ -82,26 +83,43 @@ static GgufTileFn tile_for(const GgufType *type, int isa) {
     return type->tile[ISA_PORTABLE];
 }
 
+/* Rows row..row_end (at most one panel) against batch rows b0..b0 + 4, tile by tile. */
+static void panel_of(const GgufType *type, GgufTileFn tile, const int8_t *qx, const float *scales, int64_t batch,
+                     int64_t b0, const uint8_t *w, int64_t in, const float *bias, float *y, int64_t y_stride,
+                     int64_t row, int64_t row_end) {
+    const int64_t nb32 = in / GGUF_QBLOCK, row_bytes = in / type->block_cols * type->block_bytes;
+    float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
+    while (row < row_end) {
+        const int rows = row_end - row >= GGUF_TILE_ROWS ? GGUF_TILE_ROWS : 1;
+        GgufTile t = {w + row * row_bytes, row_bytes, in / type->block_cols, qx + b0 * in,
+                      scales + b0 * nb32, scales + batch * nb32 + b0 * nb32, in, rows,
+                      batch - b0 < GGUF_TILE_BATCH ? (int)(batch - b0) : GGUF_TILE_BATCH};
+        if (tile)
+            tile(&t, sums);
+        else
+            tile_by_dot(type, &t, sums);
+        for (int r = 0; r < rows; r++)
+            for (int b = 0; b < t.batch; b++)
+                y[(b0 + b) * y_stride + row + r] = sums[r][b] + (bias ? bias[row + r] : 0.0f);
+        row += rows;
+    }
+}
+
+/* Rows row_begin..row_end for every batch row: panels of rows about PANEL_BYTES of weight,
+ * each run against all batch rows four at a time, so a many-row step reads a panel from
+ * memory once and the activations stream through the cache (a tile of a batch-one step is
+ * its own panel). Tiles start at row_begin + 4k whatever the panels, and compute a row's
+ * sums alike whatever the batch, so the results are those of one tile pass. */
 static void rows_of(const GgufType *type, GgufTileFn tile, const int8_t *qx, const float *scales, int64_t batch,
                     const uint8_t *w, int64_t in, const float *bias, float *y, int64_t y_stride, int64_t row_begin,
                     int64_t row_end) {
-    const int64_t nb32 = in / GGUF_QBLOCK, row_bytes = in / type->block_cols * type->block_bytes;
-    float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
-    for (int64_t row = row_begin; row < row_end;) {
-        const int rows = row_end - row >= GGUF_TILE_ROWS ? GGUF_TILE_ROWS : 1;
-        for (int64_t b0 = 0; b0 < batch; b0 += GGUF_TILE_BATCH) {
-            GgufTile t = {w + row * row_bytes, row_bytes, in / type->block_cols, qx + b0 * in,
-                          scales + b0 * nb32, scales + batch * nb32 + b0 * nb32, in, rows,
-                          batch - b0 < GGUF_TILE_BATCH ? (int)(batch - b0) : GGUF_TILE_BATCH};
-            if (tile)
-                tile(&t, sums);
-            else
-                tile_by_dot(type, &t, sums);
-            for (int r = 0; r < rows; r++)
-                for (int b = 0; b < t.batch; b++)
-                    y[(b0 + b) * y_stride + row + r] = sums[r][b] + (bias ? bias[row + r] : 0.0f);
-        }
-        row += rows;
+    const int64_t row_bytes = in / type->block_cols * type->block_bytes;
+    int64_t panel = PANEL_BYTES / row_bytes / GGUF_TILE_ROWS * GGUF_TILE_ROWS;
+    if (panel < GGUF_TILE_ROWS || batch <= GGUF_TILE_BATCH) panel = GGUF_TILE_ROWS;
+    for (int64_t row = row_begin; row < row_end; row += panel) {
+        const int64_t end = row_end - row > panel ? row + panel : row_end;
+        for (int64_t b0 = 0; b0 < batch; b0 += GGUF_TILE_BATCH)
+            panel_of(type, tile, qx, scales, batch, b0, w, in, bias, y, y_stride, row, end);
     }
 }
 

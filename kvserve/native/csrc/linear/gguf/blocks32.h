@@ -5,7 +5,8 @@
  *   quants512(b0, b1): the quants of blocks b0 and b1 (64 columns, in column order) as
  *       unsigned bytes, each its value plus `offset` (0..255);
  *   quants256(b): one block's quants as signed bytes (the values, -128 < v < 128);
- *   scale(b), minimum(b): the block's float d and m (w = d v + m; minimum NULL: none).
+ *   scale(b), minimum(b): the block's float d and m (w = d v + m; minimum NULL: none);
+ *       the AVX512 template reads them itself: d the first f16 field, m the second.
  */
 #ifndef KVSERVE_GGUF_BLOCKS32_H
 #define KVSERVE_GGUF_BLOCKS32_H
@@ -32,68 +33,72 @@ GGUF_INLINE __m512i gguf_nibbles32x2(const uint8_t *p0, const uint8_t *p1) {
 #endif
 
 #if KV_HAVE_AVX512_VNNI
+/* Blocks 2p and 2p + 1 (`single`: block 2p alone, the odd last one, on the lower half with
+ * the upper one masked to zero) of every row and batch row of the tile. */
+GGUF_INLINE void gguf_step32_avx512(const GgufTile *t, __m512 acc[GGUF_TILE_ROWS][GGUF_TILE_BATCH], const int R,
+                                    const int B, const int bytes, const int offset,
+                                    __m512i (*quants512)(const uint8_t *, const uint8_t *), const int has_min,
+                                    const int64_t p, const int single) {
+    const int64_t nb32 = t->in / GGUF_QBLOCK;
+    const __mmask64 columns = single ? 0xffffffffull : ~0ull;
+    const __mmask16 lanes = single ? 0x00ff : 0xffff;
+    const __m512i first_half = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i minimums = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 1);
+    __m512 dxs[GGUF_TILE_BATCH], sxs[GGUF_TILE_BATCH];
+    __m512i minus[GGUF_TILE_BATCH];
+    for (int b = 0; b < B; b++) {
+        const int64_t at = b * nb32 + 2 * p;
+        const __m128 dx = single ? _mm_load_ss(t->dx + at) : _mm_castpd_ps(_mm_load_sd((const double *)(t->dx + at)));
+        dxs[b] = _mm512_permutexvar_ps(_mm512_srli_epi32(first_half, 1), _mm512_castps128_ps512(dx));
+        if (has_min) {
+            const __m128 sx = single ? _mm_load_ss(t->sx + at) : _mm_castpd_ps(_mm_load_sd((const double *)(t->sx + at)));
+            sxs[b] = _mm512_maskz_permutexvar_ps(lanes, _mm512_srli_epi32(first_half, 1), _mm512_castps128_ps512(sx));
+        }
+        minus[b] = _mm512_setzero_si512();
+        if (offset)
+            minus[b] = _mm512_sub_epi32(minus[b], _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)offset),
+                                                                      _mm512_maskz_loadu_epi8(columns, t->qx + b * t->in + 64 * p)));
+    }
+    for (int r = 0; r < R; r++) {
+        const uint8_t *b0 = t->w + r * t->row_bytes + 2 * p * bytes, *b1 = single ? b0 : b0 + bytes;
+        gguf_prefetch(b0, 2 * bytes);
+        __m512i q = quants512(b0, b1);
+        if (single) q = _mm512_maskz_mov_epi8(columns, q);
+        /* the f16 fields d (and m) at the start of both blocks: [d0, m0, d1, m1] */
+        uint32_t head0, head1;
+        memcpy(&head0, b0, 4);
+        memcpy(&head1, b1, 4);
+        const __m512 heads = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_set_epi32(0, 0, (int)head1, (int)head0)));
+        const __m512 d = _mm512_maskz_permutexvar_ps(lanes, first_half, heads);
+        const __m512 m = has_min ? _mm512_maskz_permutexvar_ps(lanes & 0x0101, minimums, heads) : _mm512_setzero_ps();
+        for (int b = 0; b < B; b++) {
+            const __m512i x = single ? _mm512_maskz_loadu_epi8(columns, t->qx + b * t->in + 64 * p)
+                                     : _mm512_loadu_si512(t->qx + b * t->in + 64 * p);
+            const __m512i sum = _mm512_dpbusd_epi32(minus[b], q, x);
+            acc[r][b] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), dxs[b]), d, acc[r][b]);
+            if (has_min) acc[r][b] = _mm512_fmadd_ps(m, sxs[b], acc[r][b]);
+        }
+    }
+}
+
 /* Two blocks per step: vpdpbusd of the unsigned quants against the int8 activations, the
  * offset taken off in the integer sum (-offset sum(qx), once per batch row and step), then
- * per (row, batch row) lanes times d dx (and m sx). An odd last block runs on the lower
- * half with the upper one masked to zero. */
+ * per (row, batch row) lanes times dx d (and m sx). The types' f16 d is their first field
+ * and m (has_min) the second. */
 GGUF_INLINE void gguf_tile32_avx512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH], const int R,
                                     const int B, const int bytes, const int offset,
-                                    __m512i (*quants512)(const uint8_t *, const uint8_t *), GgufBlockScale scale,
-                                    GgufBlockScale minimum) {
-    const int64_t nb32 = t->in / GGUF_QBLOCK, steps = (t->blocks + 1) / 2;
-    const __m512i offsets = _mm512_set1_epi8((char)offset);
-    const __m512i first_half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+                                    __m512i (*quants512)(const uint8_t *, const uint8_t *), const int has_min) {
     __m512 acc[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
     for (int r = 0; r < R; r++)
         for (int b = 0; b < B; b++) acc[r][b] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < steps; p++) {
-        const int single = 2 * p + 1 == t->blocks; /* the odd last block */
-        const __mmask64 columns = single ? 0xffffffffull : ~0ull;
-        const __mmask16 lanes = single ? 0x00ff : 0xffff;
-        __m512 dxs[GGUF_TILE_BATCH], sxs[GGUF_TILE_BATCH];
-        __m512i minus[GGUF_TILE_BATCH];
-        for (int b = 0; b < B; b++) {
-            const int64_t at = b * nb32 + 2 * p;
-            const __m128 dx = single ? _mm_load_ss(t->dx + at) : _mm_castpd_ps(_mm_load_sd((const double *)(t->dx + at)));
-            dxs[b] = _mm512_maskz_permutexvar_ps(lanes, first_half, _mm512_castps128_ps512(dx));
-            if (minimum) {
-                const __m128 sx = single ? _mm_load_ss(t->sx + at) : _mm_castpd_ps(_mm_load_sd((const double *)(t->sx + at)));
-                sxs[b] = _mm512_maskz_permutexvar_ps(lanes, first_half, _mm512_castps128_ps512(sx));
-            }
-            minus[b] = _mm512_setzero_si512();
-            if (offset)
-                minus[b] = _mm512_sub_epi32(minus[b], _mm512_dpbusd_epi32(_mm512_setzero_si512(), offsets,
-                                                                          _mm512_maskz_loadu_epi8(columns, t->qx + b * t->in + 64 * p)));
-        }
-        for (int r = 0; r < R; r++) {
-            const uint8_t *b0 = t->w + r * t->row_bytes + 2 * p * bytes, *b1 = single ? b0 : b0 + bytes;
-            _mm_prefetch((const char *)b0 + 16 * bytes, _MM_HINT_T0);
-            const __m512i q = _mm512_maskz_mov_epi8(columns, quants512(b0, b1));
-            const __m512 d = _mm512_maskz_mov_ps(lanes, _mm512_insertf32x8(_mm512_set1_ps(scale(b0)),
-                                                                           _mm256_set1_ps(scale(b1)), 1));
-            __m512 m = _mm512_setzero_ps();
-            if (minimum)
-                m = _mm512_maskz_mov_ps(lanes & 0x0101, _mm512_insertf32x8(_mm512_set1_ps(minimum(b0)),
-                                                                           _mm256_set1_ps(minimum(b1)), 1));
-            for (int b = 0; b < B; b++) {
-                const __m512i sum = _mm512_dpbusd_epi32(minus[b], q, _mm512_maskz_loadu_epi8(columns, t->qx + b * t->in + 64 * p));
-                acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dxs[b], d), acc[r][b]);
-                if (minimum) acc[r][b] = _mm512_fmadd_ps(m, sxs[b], acc[r][b]);
-            }
-        }
-    }
+    for (int64_t p = 0; p < t->blocks / 2; p++) gguf_step32_avx512(t, acc, R, B, bytes, offset, quants512, has_min, p, 0);
+    if (t->blocks % 2) gguf_step32_avx512(t, acc, R, B, bytes, offset, quants512, has_min, t->blocks / 2, 1);
     for (int r = 0; r < R; r++)
         for (int b = 0; b < B; b++) sums[r][b] = gguf_sum512(acc[r][b]);
 }
 #endif
 
 #if KV_HAVE_AVX2_FMA
-GGUF_INLINE float gguf_sum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 /* One block per step: vpmaddubsw of |v| against the activations signed by v (pairs stay
  * within int16: 2 * 128 * 127), vpmaddwd to int32 lanes, times d dx (and m sx in lane 0). */
 GGUF_INLINE void gguf_tile32_avx2(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH], const int R,
@@ -107,7 +112,7 @@ GGUF_INLINE void gguf_tile32_avx2(const GgufTile *t, float sums[GGUF_TILE_ROWS][
     for (int64_t k = 0; k < t->blocks; k++)
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = t->w + r * t->row_bytes + k * bytes;
-            _mm_prefetch((const char *)blk + 16 * bytes, _MM_HINT_T0);
+            gguf_prefetch(blk, bytes);
             const __m256i q = quants256(blk), magnitude = _mm256_sign_epi8(q, q);
             const float d = scale(blk);
             const __m256 m = minimum ? _mm256_setr_ps(minimum(blk), 0, 0, 0, 0, 0, 0, 0) : _mm256_setzero_ps();

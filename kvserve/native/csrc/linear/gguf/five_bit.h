@@ -6,6 +6,8 @@
 
 #include <string.h>
 
+#include "blocks32.h"
+
 static inline void five_bit_quants(const uint8_t *high, const uint8_t *low, int bias, int8_t q[32]) {
     const uint32_t bits = (uint32_t)high[0] | (uint32_t)high[1] << 8 | (uint32_t)high[2] << 16 | (uint32_t)high[3] << 24;
     for (int i = 0; i < 16; i++) {
@@ -31,6 +33,18 @@ static inline __m256i five_bit_quants256(const uint8_t *high, const uint8_t *low
     const __m128i mask = _mm_set1_epi8(15);
     const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
     return _mm256_or_si256(nibbles, bits_to_sixteens(high));
+}
+#endif
+#if KV_HAVE_AVX512_VNNI
+/* Two blocks' quants (64 columns, unsigned 0..31): blocks32.h's nibbles, 16 added where a high
+ * bit is set (the two 32-bit words of high bits are the byte mask). */
+static inline __m512i five_bit_quants512(const uint8_t *high0, const uint8_t *low0, const uint8_t *high1,
+                                         const uint8_t *low1) {
+    uint32_t bits0, bits1;
+    memcpy(&bits0, high0, 4);
+    memcpy(&bits1, high1, 4);
+    const __m512i nibbles = gguf_nibbles32x2(low0, low1);
+    return _mm512_mask_add_epi8(nibbles, (__mmask64)bits0 | (__mmask64)bits1 << 32, nibbles, _mm512_set1_epi8(16));
 }
 #endif
 #endif /* KVSERVE_GGUF_FIVE_BIT_H */

@@ -23,6 +23,9 @@
  *   static void block_head(const uint8_t *block, BlockHead *h);          the block's scales
  *   static void group_quants(const uint8_t *block, int g, int8_t q[32]);  group g's quants
  *   static __m256i group_quants256(const uint8_t *block, int g);          the same (AVX2 builds)
+ * and, where it brings its own tiles, AVX512_TILE / AVX2_TILE, their names, defined after the
+ * include: the K types that matter most decode 64 columns at a time in their own AVX512-VNNI
+ * tiles, and the 32-column types with one f16 scale run blocks32.h's tiles.
  */
 #ifndef KVSERVE_GGUF_GROUP_KERNELS_H
 #define KVSERVE_GGUF_GROUP_KERNELS_H
@@ -51,7 +54,9 @@ static void group_quants(const uint8_t *block, int g, int8_t q[GROUP]);
 
 /* ---- portable ----------------------------------------------------------------------- */
 
-/* n blocks into n * BLOCK_COLS floats. */
+/* n blocks into n * BLOCK_COLS floats: per 16 columns one factor, (d * sub) as gguf-py
+ * multiplies it (which also keeps the sign of a zero), and one offset; loops the compiler
+ * vectorizes. */
 GGUF_EXACT static void dequantize_blocks(const uint8_t *blocks, int64_t n, float *dst) {
     BlockHead h;
     int8_t q[GROUP];
@@ -60,13 +65,17 @@ GGUF_EXACT static void dequantize_blocks(const uint8_t *blocks, int64_t n, float
         block_head(block, &h);
         for (int g = 0; g < GROUPS; g++) {
             group_quants(block, g, q);
-            float *v = dst + k * BLOCK_COLS + g * GROUP;
-            for (int i = 0; i < GROUP; i++) {
-                /* gguf-py's order, (d * sub) * q, which also keeps the sign of a zero */
-                float value = (SCALES_PER_16 ? h.scale[g] * (float)h.sub[2 * g + i / 16] : h.scale[g]) * (float)q[i];
-                if (MINS == MINS_PER_32) value += h.offset[g];
-                if (MINS == MINS_PER_16) value += h.min_scale * (float)h.min[2 * g + i / 16];
-                v[i] = value;
+            for (int half = 0; half < 2; half++) {
+                const float factor = SCALES_PER_16 ? h.scale[g] * (float)h.sub[2 * g + half] : h.scale[g];
+                const float offset = MINS == MINS_PER_32   ? h.offset[g]
+                                     : MINS == MINS_PER_16 ? h.min_scale * (float)h.min[2 * g + half]
+                                                           : 0.0f;
+                const int8_t *qh = q + 16 * half;
+                float *v = dst + k * BLOCK_COLS + g * GROUP + 16 * half;
+                if (MINS == MINS_NONE)
+                    for (int i = 0; i < 16; i++) v[i] = factor * (float)qh[i];
+                else
+                    for (int i = 0; i < 16; i++) v[i] = factor * (float)qh[i] + offset;
             }
         }
     }
@@ -179,6 +188,17 @@ GGUF_INLINE void tile256(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE
 }
 
 #if KV_HAVE_AVX512_VNNI
+/* For the super-block tiles of the K types: the dx of groups 2c and 2c + 1 of super-block k,
+ * 8 lanes each, for each of the tile's B activation rows. */
+GGUF_INLINE void super_block_dx(const GgufTile *t, int64_t k, const int B, __m512 dxs[][4]) {
+    for (int b = 0; b < B; b++) {
+        const __m256 dx = _mm256_loadu_ps(t->dx + b * (t->in / GROUP) + k * GROUPS);
+        for (int c = 0; c < 4; c++) dxs[b][c] = gguf_spread2(dx, 2 * c, 2 * c + 1);
+    }
+}
+#endif
+
+#if KV_HAVE_AVX512_VNNI && !defined(AVX512_TILE)
 /* AVX512-VNNI: two groups (64 columns) per 512-bit vector, the group of an odd count last
  * through the 256-bit step. Quants of 32-column types come from two blocks. */
 GGUF_INLINE __m512i join256(__m256i low, __m256i high) {
@@ -261,18 +281,27 @@ GGUF_INLINE void tile512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE
 }
 #endif
 
+#ifndef AVX2_TILE
 #define TILE256_AVX2(t, sums, R, B) tile256(t, sums, R, B, 0)
 GGUF_TILE_VARIANTS(tile_avx2, TILE256_AVX2)
 #undef TILE256_AVX2
-#if KV_HAVE_AVX512_VNNI
+#endif
+#if KV_HAVE_AVX512_VNNI && !defined(AVX512_TILE)
 GGUF_TILE_VARIANTS(tile_vnni, tile512)
 #endif
 #pragma GCC pop_options
 #endif /* KV_HAVE_AVX2_FMA */
 
-/* The type's entry for gguf_rows.c's table (the portable tile: the framework's, by dot_block). */
+/* The type's entry for gguf_rows.c's table (the portable tile: the framework's, by dot_block).
+ * A type with its own AVX512-VNNI tile defines AVX512_TILE (its name) before including this. */
+#ifndef AVX512_TILE
+#define AVX512_TILE tile_vnni
+#endif
+#ifndef AVX2_TILE
+#define AVX2_TILE tile_avx2
+#endif
 #define GGUF_BLOCK_TYPE(NAME, TYPE) \
     const GgufType NAME = {TYPE, BLOCK_COLS, BLOCK_BYTES, dequantize_blocks, dot_block, \
-                           {NULL, GGUF_AVX2(tile_avx2), GGUF_AVX512(tile_vnni)}};
+                           {NULL, GGUF_AVX2(AVX2_TILE), GGUF_AVX512(AVX512_TILE)}};
 
 #endif /* KVSERVE_GGUF_GROUP_KERNELS_H */

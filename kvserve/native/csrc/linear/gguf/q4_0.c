@@ -36,7 +36,7 @@ GGUF_TILE_VARIANTS(tile_q4_0_avx2, Q4_0_AVX2)
 #endif
 #if KV_HAVE_AVX512_VNNI
 GGUF_INLINE __m512i quants2_q4_0(const uint8_t *b0, const uint8_t *b1) { return gguf_nibbles32x2(b0 + 2, b1 + 2); }
-#define Q4_0_AVX512(t, sums, R, B) gguf_tile32_avx512(t, sums, R, B, BYTES, 8, quants2_q4_0, scale_q4_0, NULL)
+#define Q4_0_AVX512(t, sums, R, B) gguf_tile32_avx512(t, sums, R, B, BYTES, 8, quants2_q4_0, 0)
 GGUF_TILE_VARIANTS(tile_q4_0_avx512, Q4_0_AVX512)
 #endif
 

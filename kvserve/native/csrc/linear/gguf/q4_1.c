@@ -35,7 +35,7 @@ GGUF_TILE_VARIANTS(tile_q4_1_avx2, Q4_1_AVX2)
 #endif
 #if KV_HAVE_AVX512_VNNI
 GGUF_INLINE __m512i quants2_q4_1(const uint8_t *b0, const uint8_t *b1) { return gguf_nibbles32x2(b0 + 4, b1 + 4); }
-#define Q4_1_AVX512(t, sums, R, B) gguf_tile32_avx512(t, sums, R, B, BYTES, 0, quants2_q4_1, scale_q4_1, minimum_q4_1)
+#define Q4_1_AVX512(t, sums, R, B) gguf_tile32_avx512(t, sums, R, B, BYTES, 0, quants2_q4_1, 1)
 GGUF_TILE_VARIANTS(tile_q4_1_avx512, Q4_1_AVX512)
 #endif
 

@@ -41,48 +41,100 @@ GGUF_PORTABLE static float dot_q4_k(const uint8_t *blk, const int8_t *qx, const 
     return gguf_f16(blk) * scaled - gguf_f16(blk + 2) * mins;
 }
 
+#if KV_HAVE_AVX2_FMA
+/* Sub-block j: the low (j even) or high nibbles of 32 bytes against 32 activation bytes by
+ * vpmaddubsw, vpmaddwd by its 6-bit scale (int32 lanes, exact), times dx_j; then per
+ * super-block times d, minus (dmin m) . sx over the eight sub-blocks' lanes. */
+GGUF_INLINE void q4_k_avx2(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH], const int R,
+                           const int B) {
+    const int64_t nb32 = t->in / GGUF_QBLOCK;
+    const __m256i low4 = _mm256_set1_epi8(15);
+    __m256 acc[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < B; b++) acc[r][b] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < t->blocks; k++)
+        for (int r = 0; r < R; r++) {
+            const uint8_t *blk = t->w + r * t->row_bytes + k * BYTES;
+            _mm_prefetch((const char *)blk + 4 * BYTES, _MM_HINT_T0);
+            uint64_t scale_word, min_word;
+            gguf_k_scale_words(blk + 4, &scale_word, &min_word);
+            /* the eight scales as int16, in both 128-bit halves */
+            const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)scale_word)));
+            const __m256 d = _mm256_set1_ps(gguf_f16(blk));
+            const __m256 low = _mm256_mul_ps(_mm256_set1_ps(gguf_f16(blk + 2)),
+                                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)min_word))));
+            __m256i q[8], scs[8];
+            for (int c = 0; c < 4; c++) {
+                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+                q[2 * c] = _mm256_and_si256(bytes, low4);
+                q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+            }
+            for (int j = 0; j < 8; j++) scs[j] = _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(2 * j | (2 * j + 1) << 8)));
+            for (int b = 0; b < B; b++) {
+                const int8_t *x = t->qx + b * t->in + k * COLS;
+                const float *dx = t->dx + b * nb32 + k * 8;
+                __m256 part = _mm256_setzero_ps();
+                for (int j = 0; j < 8; j++) {
+                    const __m256i pairs = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *)(x + 32 * j)));
+                    part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, scs[j])), _mm256_set1_ps(dx[j]), part);
+                }
+                const __m256 sx = _mm256_loadu_ps(t->sx + b * nb32 + k * 8);
+                acc[r][b] = _mm256_fnmadd_ps(low, sx, _mm256_fmadd_ps(part, d, acc[r][b]));
+            }
+        }
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < B; b++) sums[r][b] = gguf_sum256(acc[r][b]);
+}
+GGUF_TILE_VARIANTS(tile_q4_k_avx2, q4_k_avx2)
+#endif
+
 #if KV_HAVE_AVX512_VNNI
-/* Per 64 columns one 32-byte load: its low nibbles are sub-block 2c, its high ones 2c + 1,
- * together the 64 activation bytes in column order; vpdpbusd (unsigned quants x int8
- * activations) gives 8 lanes per sub-block. Per (row, batch row) and super-block:
- * sum_c cvt(sc-scaled integer lanes) * dx lanes, times d, minus dmin m . sx. */
+/* Per 128 columns one 64-byte load: its low nibbles are sub-blocks 4c and 4c + 2 (bytes
+ * 0-31, 32-63), its high ones 4c + 1 and 4c + 3; the activations are gathered once per batch
+ * row and super-block into that order. vpdpbusd (unsigned quants x int8 activations) gives
+ * 8 lanes per sub-block, each times its d sc dx; minus (dmin m) . sx in the lower lanes. */
 GGUF_INLINE void q4_k_avx512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH], const int R,
                              const int B) {
     const int64_t nb32 = t->in / GGUF_QBLOCK;
+    const __m512i low4 = _mm512_set1_epi8(15);
     __m512 acc[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
     for (int r = 0; r < R; r++)
         for (int b = 0; b < B; b++) acc[r][b] = _mm512_setzero_ps();
     for (int64_t k = 0; k < t->blocks; k++) {
-        __m512 dxs[GGUF_TILE_BATCH][4]; /* dx of sub-blocks 2c, 2c + 1 over 8 lanes each */
+        __m512i xs[GGUF_TILE_BATCH][4]; /* activations of sub-blocks (0, 2), (1, 3), (4, 6), (5, 7) */
         for (int b = 0; b < B; b++) {
-            const __m256 dx = _mm256_loadu_ps(t->dx + b * nb32 + k * 8);
-            for (int c = 0; c < 4; c++) dxs[b][c] = gguf_spread2(dx, 2 * c, 2 * c + 1);
+            const int8_t *x = t->qx + b * t->in + k * COLS;
+            for (int c = 0; c < 4; c++) {
+                const int8_t *first = x + 128 * (c / 2) + 32 * (c % 2);
+                xs[b][c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)first)),
+                                              _mm256_loadu_si256((const __m256i *)(first + 64)), 1);
+            }
         }
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = t->w + r * t->row_bytes + k * BYTES;
             _mm_prefetch((const char *)blk + 4 * BYTES, _MM_HINT_T0);
             uint64_t scale_word, min_word;
             gguf_k_scale_words(blk + 4, &scale_word, &min_word);
-            const __m512i sc = _mm512_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)scale_word));
-            const __m512 d = _mm512_set1_ps(gguf_f16(blk));
-            const __m256 low = _mm256_mul_ps(_mm256_set1_ps(gguf_f16(blk + 2)),
-                                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)min_word))));
-            __m512i q[4], scs[4];
-            for (int c = 0; c < 4; c++) {
-                q[c] = gguf_nibbles64(_mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c)));
-                scs[c] = _mm512_permutexvar_epi32(_mm512_set_epi32(2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
-                                                                   2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c, 2 * c, 2 * c,
-                                                                   2 * c, 2 * c, 2 * c, 2 * c, 2 * c), sc);
+            const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(gguf_f16(blk)),
+                                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)scale_word))));
+            const __m512 low = _mm512_zextps256_ps512(_mm256_mul_ps(
+                _mm256_set1_ps(gguf_f16(blk + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)min_word)))));
+            __m512i q[4];
+            for (int h = 0; h < 2; h++) {
+                const __m512i bytes = _mm512_loadu_si512(blk + 16 + 64 * h);
+                q[2 * h] = _mm512_and_si512(bytes, low4);
+                q[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
             }
             for (int b = 0; b < B; b++) {
-                const int8_t *x = t->qx + b * t->in + k * COLS;
-                __m512 part = _mm512_setzero_ps();
+                const __m256 s = _mm256_mul_ps(scale, _mm256_loadu_ps(t->dx + b * nb32 + k * 8));
+                __m512 a = acc[r][b];
                 for (int c = 0; c < 4; c++) {
-                    const __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[c], _mm512_loadu_si512(x + 64 * c));
-                    part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(sum, scs[c])), dxs[b][c], part);
+                    const int first = 4 * (c / 2) + c % 2; /* sub-blocks first, first + 2 */
+                    const __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[c], xs[b][c]);
+                    a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), gguf_spread2(s, first, first + 2), a);
                 }
                 const __m512 sx = _mm512_zextps256_ps512(_mm256_loadu_ps(t->sx + b * nb32 + k * 8));
-                acc[r][b] = _mm512_fnmadd_ps(_mm512_zextps256_ps512(low), sx, _mm512_fmadd_ps(part, d, acc[r][b]));
+                acc[r][b] = _mm512_fnmadd_ps(low, sx, a);
             }
         }
     }
@@ -92,4 +144,5 @@ GGUF_INLINE void q4_k_avx512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_
 GGUF_TILE_VARIANTS(tile_q4_k_avx512, q4_k_avx512)
 #endif
 
-const GgufType gguf_q4_k = {12, COLS, BYTES, dequantize_q4_k, dot_q4_k, {NULL, NULL, GGUF_AVX512(tile_q4_k_avx512)}};
+const GgufType gguf_q4_k = {12, COLS, BYTES, dequantize_q4_k, dot_q4_k, 
+                            {NULL, GGUF_AVX2(tile_q4_k_avx2), GGUF_AVX512(tile_q4_k_avx512)}};

@@ -6,7 +6,10 @@
 #define QUANTS_SIGNED 1
 #define SCALES_PER_16 0
 #define MINS MINS_NONE
+#define AVX2_TILE tile_q5_0_avx2
+#define AVX512_TILE tile_q5_0_vnni
 #include "group_kernels.h"
+#include "blocks32.h"
 #include "five_bit.h"
 
 static void block_head(const uint8_t *block, BlockHead *h) {
@@ -23,6 +26,19 @@ static __m256i group_quants256(const uint8_t *block, int g) {
     (void)g;
     return _mm256_sub_epi8(five_bit_quants256(block + 2, block + 6), _mm256_set1_epi8(16));
 }
+#endif
+
+/* The vector tiles: blocks32.h's, one f16 scale d first in the block. */
+GGUF_INLINE float scale_q5_0(const uint8_t *blk) { return gguf_f16(blk); }
+#if KV_HAVE_AVX2_FMA
+GGUF_INLINE __m256i quants_q5_0(const uint8_t *blk) { return group_quants256(blk, 0); }
+#define Q5_0_AVX2(t, sums, R, B) gguf_tile32_avx2(t, sums, R, B, BLOCK_BYTES, quants_q5_0, scale_q5_0, NULL)
+GGUF_TILE_VARIANTS(tile_q5_0_avx2, Q5_0_AVX2)
+#endif
+#if KV_HAVE_AVX512_VNNI
+GGUF_INLINE __m512i quants2_q5_0(const uint8_t *b0, const uint8_t *b1) { return five_bit_quants512(b0 + 2, b0 + 6, b1 + 2, b1 + 6); }
+#define Q5_0_AVX512(t, sums, R, B) gguf_tile32_avx512(t, sums, R, B, BLOCK_BYTES, 16, quants2_q5_0, 0)
+GGUF_TILE_VARIANTS(tile_q5_0_vnni, Q5_0_AVX512)
 #endif
 
 GGUF_BLOCK_TYPE(gguf_q5_0, 6)

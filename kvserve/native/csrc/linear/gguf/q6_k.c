@@ -19,10 +19,20 @@ GGUF_EXACT static void dequantize_q6_k(const uint8_t *blocks, int64_t n, float *
     for (int64_t b = 0; b < n; b++) {
         const uint8_t *blk = blocks + b * BYTES;
         const float d = gguf_f16(blk + 208);
-        for (int k = 0; k < 16; k++) {
-            const float scale = d * (float)(int8_t)blk[192 + k];
-            for (int i = 0; i < 16; i++) out[b * COLS + k * 16 + i] = scale * (float)q6_value(blk, k * 16 + i);
-        }
+        float scale[16];
+        for (int k = 0; k < 16; k++) scale[k] = d * (float)(int8_t)blk[192 + k];
+        /* column 128 h + 32 s + l: the loops run over l, so the compiler vectorizes them */
+        for (int h = 0; h < 2; h++)
+#pragma GCC unroll 4
+            for (int s = 0; s < 4; s++) {
+                const uint8_t *ql = blk + 64 * h + 32 * (s & 1), *qh = blk + 128 + 32 * h;
+                float *o = out + b * COLS + 128 * h + 32 * s;
+                const float *sc = scale + 8 * h + 2 * s;
+                for (int l = 0; l < 32; l++) {
+                    const int low = s < 2 ? ql[l] & 15 : ql[l] >> 4;
+                    o[l] = sc[l / 16] * (float)((low | (((qh[l] >> (2 * s)) & 3) << 4)) - 32);
+                }
+            }
     }
 }
 
@@ -43,6 +53,61 @@ GGUF_PORTABLE static float dot_q6_k(const uint8_t *blk, const int8_t *qx, const 
     }
     return gguf_f16(blk + 208) * acc;
 }
+
+#if KV_HAVE_AVX2_FMA
+/* Per half h: two 32-byte loads of ql and one of qh give four groups of 32 columns (low
+ * nibbles of each load, then high ones, two bits of qh on top); q - 32 against the int8
+ * activations by vpmaddubsw with the sign trick, vpmaddwd by the int8 scales of the two
+ * halves of 16 columns, times dx per group, and d per super-block. */
+GGUF_INLINE void q6_k_avx2(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH], const int R,
+                           const int B) {
+    const int64_t nb32 = t->in / GGUF_QBLOCK;
+    const __m256i low4 = _mm256_set1_epi8(15), pair = _mm256_set1_epi8(0x30), offset = _mm256_set1_epi8(32);
+    /* int16 lanes 0-7 take scale 2g, lanes 8-15 scale 2g + 1, of a dword holding both */
+    const __m256i halves = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3,
+                                            2, 3, 2, 3, 2, 3);
+    __m256 acc[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < B; b++) acc[r][b] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < t->blocks; k++)
+        for (int r = 0; r < R; r++) {
+            const uint8_t *blk = t->w + r * t->row_bytes + k * BYTES;
+            gguf_prefetch(blk, BYTES);
+            const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+            const __m256 d = _mm256_set1_ps(gguf_f16(blk + 208));
+            __m256i q[8], magnitude[8], scs[8];
+            for (int h = 0; h < 2; h++) {
+                const __m256i a = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+                const __m256i c = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                q[4 * h] = _mm256_or_si256(_mm256_and_si256(a, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), pair));
+                q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(c, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), pair));
+                q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low4), _mm256_and_si256(qh, pair));
+                q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), low4),
+                                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), pair));
+            }
+            for (int g = 0; g < 8; g++) {
+                q[g] = _mm256_sub_epi8(q[g], offset);
+                magnitude[g] = _mm256_sign_epi8(q[g], q[g]);
+                scs[g] = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc, _mm256_set1_epi32(g)), halves);
+            }
+            for (int b = 0; b < B; b++) {
+                const int8_t *x = t->qx + b * t->in + k * COLS;
+                const float *dx = t->dx + b * nb32 + k * 8;
+                __m256 part = _mm256_setzero_ps();
+                for (int g = 0; g < 8; g++) {
+                    const __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x + 32 * g)), q[g]);
+                    const __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[g], xs), scs[g]);
+                    part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(dx[g]), part);
+                }
+                acc[r][b] = _mm256_fmadd_ps(part, d, acc[r][b]);
+            }
+        }
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < B; b++) sums[r][b] = gguf_sum256(acc[r][b]);
+}
+GGUF_TILE_VARIANTS(tile_q6_k_avx2, q6_k_avx2)
+#endif
 
 #if KV_HAVE_AVX512_VNNI
 /* Per half h (128 columns) one 64-byte load of ql: its low nibbles are columns 0-63, its
@@ -72,7 +137,7 @@ GGUF_INLINE void q6_k_avx512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_
         }
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = t->w + r * t->row_bytes + k * BYTES;
-            _mm_prefetch((const char *)blk + 4 * BYTES, _MM_HINT_T0);
+            gguf_prefetch(blk, BYTES);
             const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)));
             const __m512 d = _mm512_set1_ps(gguf_f16(blk + 208));
             __m512i q[4], scs[4];
@@ -105,4 +170,5 @@ GGUF_INLINE void q6_k_avx512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_
 GGUF_TILE_VARIANTS(tile_q6_k_avx512, q6_k_avx512)
 #endif
 
-const GgufType gguf_q6_k = {14, COLS, BYTES, dequantize_q6_k, dot_q6_k, {NULL, NULL, GGUF_AVX512(tile_q6_k_avx512)}};
+const GgufType gguf_q6_k = {14, COLS, BYTES, dequantize_q6_k, dot_q6_k, 
+                            {NULL, GGUF_AVX2(tile_q6_k_avx2), GGUF_AVX512(tile_q6_k_avx512)}};
