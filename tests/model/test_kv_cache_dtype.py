@@ -28,7 +28,8 @@ from kvserve.model.loader import load_model
 from helpers.kernel_switches import env_kernels
 from paged_kv_helper import VOCAB, PagedRunner, run_greedy, tiny_configs
 
-from helpers.activation_rounding import bfloat16_half_step, float16_half_step, max_deviation, rounding_bound
+from helpers.activation_rounding import (ROUNDING_RUNS, bfloat16_half_step, float16_half_step, max_deviation,
+                                         rounding_bound)
 from helpers.native_steps import count_native_steps
 
 needs_native = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no native kernels")
@@ -49,30 +50,50 @@ def _prompts(lengths: list[int], seed: int) -> dict[str, list[int]]:
 def _run(model, kv_dtype, prompts, chunk, follow=None):
     """`run_greedy` over a cache of `kv_dtype`; `follow`: another run's tokens (teacher
     forcing: two paths whose float order differs are compared on the same sequences)."""
-    runner = PagedRunner(model, block_size=4, kv_dtype=kv_dtype)
+    runner = PagedRunner(model, block_size=4, kv_dtype=kv_dtype, num_blocks=512 * max(1, len(prompts) // 3))
     assert all(cache.dtype == kv_dtype for cache in runner.kv_caches.values())
     return run_greedy(runner, prompts, NUM_NEW, chunk=chunk, follow=follow)
 
 
-def _rounding_reference(config, kv_dtype, run_float32) -> tuple[dict[str, torch.Tensor], float]:
+def _rounding_reference(config, kv_dtype, run_float32, draws_per_run: int = 1) -> tuple[dict[str, torch.Tensor], float]:
     """(the per-op path's logits over a float32 cache, the bound a `kv_dtype` cache's rounding
-    allows any logit from them; see the module docstring). `run_float32(model)` runs `model`
-    over a float32 cache fed the tokens compared (teacher forcing), as `_run` returns."""
+    allows any logit from them; see the module docstring). `run_float32(model, copies)` runs
+    `model` over a float32 cache fed the tokens compared (teacher forcing), each request
+    `copies` times in one batch (`_copies`: each copy stores its own noise, one draw each, so
+    `ROUNDING_RUNS` draws take ROUNDING_RUNS / `draws_per_run` runs)."""
     plain = load_model(config, kernel_config=env_kernels())
     plain._native = None  # decided: the per-op path
     half_step = bfloat16_half_step if kv_dtype == torch.bfloat16 else float16_half_step
 
     def logits_of(model):
-        return {req: torch.stack(rows) for req, rows in run_float32(model)[1].items()}
-    return rounding_bound(plain, {}, logits_of, kv_half_step=half_step)
+        return {req: torch.stack(rows) for req, rows in run_float32(model, draws_per_run)[1].items()}
+    reference, bound = rounding_bound(plain, {}, logits_of, runs=ROUNDING_RUNS // draws_per_run,
+                                      kv_half_step=half_step)
+    return {req: rows for req, rows in reference.items() if req.endswith("#0")} if draws_per_run > 1 else reference, bound
 
 
-def _assert_within_rounding(config, kv_dtype, runs: list, run_float32) -> None:
+def _copies(requests: dict, copies: int) -> dict:
+    """Each entry of `requests` (prompts or followed tokens) `copies` times, as "<id>#<k>"."""
+    return {f"{req}#{k}": value for req, value in requests.items() for k in range(copies)}
+
+
+def _run_copies(prompts, chunk: int, follow):
+    """`run_float32` for `_rounding_reference`: `_run` over a float32 cache, fed `follow`, each
+    request copied."""
+    def run(model, copies: int):
+        return _run(model, torch.float32, _copies(prompts, copies), chunk=chunk, follow=_copies(follow, copies))
+    return run
+
+
+def _assert_within_rounding(config, kv_dtype, runs: list, run_float32, draws_per_run: int = ROUNDING_RUNS) -> None:
     """Each of `runs` (`_run`'s results over a `kv_dtype` cache, fed the same tokens) lies within
     the bound the cache's rounding allows of the float32-cache run (`_rounding_reference`)."""
-    reference, bound = _rounding_reference(config, kv_dtype, run_float32)
+    reference, bound = _rounding_reference(config, kv_dtype, run_float32, draws_per_run)
     for run in runs:
-        assert max_deviation({req: torch.stack(rows) for req, rows in run[1].items()}, reference) <= bound, bound
+        logits = {req: torch.stack(rows) for req, rows in run[1].items()}
+        if draws_per_run > 1:
+            logits = {f"{req}#0": rows for req, rows in logits.items()}
+        assert max_deviation(logits, reference) <= bound, bound
 
 
 @needs_native
@@ -90,8 +111,7 @@ def test_native_decoder_over_16bit_cache_matches_per_op_path(configs, monkeypatc
     ours = _run(load_model(config, kv_cache_dtype=kv_dtype, kernel_config=env_kernels()), kv_dtype, prompts, chunk=2,
                 follow=ref[0])
     assert native_steps[0] >= NUM_NEW - 2
-    _assert_within_rounding(config, kv_dtype, [ours, ref],
-                            lambda model: _run(model, torch.float32, prompts, chunk=2, follow=ref[0]))
+    _assert_within_rounding(config, kv_dtype, [ours, ref], _run_copies(prompts, 2, ref[0]))
 
 
 @needs_native
@@ -111,8 +131,7 @@ def test_narrower_attention_paths_in_the_native_decoder_over_float16_cache(confi
     ours = _run(model, torch.float16, prompts, chunk=2, follow=ref[0])
     assert native_steps[0] >= NUM_NEW - 2
     assert {layer.attention_isa for layer in model._native._layers} == {cpu_kernels.ATTENTION_ISA_CODES[isa]}
-    _assert_within_rounding(config, torch.float16, [ours, ref],
-                            lambda model: _run(model, torch.float32, prompts, chunk=2, follow=ref[0]))
+    _assert_within_rounding(config, torch.float16, [ours, ref], _run_copies(prompts, 2, ref[0]))
 
 
 @needs_native
@@ -129,8 +148,7 @@ def test_torch_attention_over_16bit_cache_matches_native_kernels(configs, family
     ref = _run(torch_only, kv_dtype, prompts, chunk=3)
     ours = _run(load_model(config, kv_cache_dtype=kv_dtype, kernel_config=env_kernels()), kv_dtype, prompts, chunk=3,
                 follow=ref[0])
-    _assert_within_rounding(config, kv_dtype, [ours, ref],
-                            lambda model: _run(model, torch.float32, prompts, chunk=3, follow=ref[0]))
+    _assert_within_rounding(config, kv_dtype, [ours, ref], _run_copies(prompts, 3, ref[0]))
 
 
 @needs_native
@@ -143,8 +161,7 @@ def test_16bit_cache_stays_close_to_float32_cache(configs, kv_dtype):
     ref = _run(load_model(config, kernel_config=env_kernels()), torch.float32, prompts, chunk=64)
     ours = _run(load_model(config, kv_cache_dtype=kv_dtype, kernel_config=env_kernels()), kv_dtype, prompts, chunk=64,
                 follow=ref[0])
-    _assert_within_rounding(config, kv_dtype, [ours],
-                            lambda model: _run(model, torch.float32, prompts, chunk=64, follow=ref[0]))
+    _assert_within_rounding(config, kv_dtype, [ours], _run_copies(prompts, 64, ref[0]))
     assert max((a - b).abs().max().item() for req in ref[1] for a, b in zip(ours[1][req], ref[1][req])) > 0.0
 
 
@@ -175,7 +192,8 @@ def test_prefix_hit_with_copy_on_write_block_on_16bit_cache(configs, monkeypatch
     ref = run(per_op)
     ours = run(load_model(config, kv_cache_dtype=kv_dtype, kernel_config=env_kernels()), follow=ref[0])
     assert native_steps[0] > 16
-    _assert_within_rounding(config, kv_dtype, [ours, ref], lambda model: run(model, ref[0], torch.float32))
+    _assert_within_rounding(config, kv_dtype, [ours, ref], lambda model, copies: run(model, ref[0], torch.float32),
+                            draws_per_run=1)
 
 
 def test_kv_cache_dtype_is_validated_and_auto_is_float16_over_quantized_weights():
