@@ -195,3 +195,31 @@ def test_native_decode_step_matches_torch_reference(isa, dt_range):
             assert ((y_native[i] - y[i]).abs().double() <= gamma * mag_y[-1]).all()
             assert ((ssm_cache[write[i]] - ssm[i]).abs().double() <= gamma * mag_ssm[-1]).all()
             assert torch.equal(conv_cache[write[i]], conv[i])
+
+
+def test_native_decode_step_gives_the_same_bits_on_any_thread_count():
+    """A step whose states are large enough to split over threads (3 requests x 16 heads x 32 x
+    64) gives bit for bit what one thread gives: each (request, head) is one thread's whole."""
+    from kvserve.native import cpu_kernels
+    if cpu_kernels.load_library() is None:
+        pytest.skip("no native kernels")
+    shape = Mamba2Shape(num_heads=16, head_dim=32, state_size=64, n_groups=2, conv_kernel=4)
+    params = _params(shape, 13)
+    g = torch.Generator().manual_seed(14)
+    xbc, dt_raw = torch.randn(3, shape.conv_dim, generator=g), torch.randn(3, shape.num_heads, generator=g)
+    caches = (torch.randn(4, *shape.state_shapes[0], generator=g), torch.randn(4, *shape.state_shapes[1], generator=g))
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            conv, ssm = (cache.clone() for cache in caches)
+            y = cpu_kernels.mamba2_decode_step(xbc, dt_raw, conv, ssm, torch.tensor([1, -1, 3]),
+                                               torch.tensor([1, 2, 0]), params.conv_weight.contiguous(),
+                                               params.conv_bias, params.dt_bias, params.A, params.D,
+                                               (params.dt_min, params.dt_max), shape.n_groups)
+            results.append((y, conv, ssm))
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(*results):
+        assert torch.equal(one, two)
