@@ -48,11 +48,28 @@ class ZooShape(ModelShapes):
     sliding_window: int = 0  # Gemma-2: every other layer
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
+    # Mixture of experts (qwen3moe): every layer's MLP is `num_experts` experts of width
+    # `expert_width`, `experts_per_token` of them per token (`intermediate_size` then unused).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_width: int = 0
     note: str = ""
 
+    def linear_shapes(self) -> list[tuple[str, int, int, int]]:
+        """As `ModelShapes`, the MLP being the experts a token reads (and the router) for an MoE."""
+        shapes = super().linear_shapes()
+        if not self.num_experts:
+            return shapes
+        dense = [row for row in shapes if row[0] not in ("gate_up_proj", "down_proj")]
+        picked = self.experts_per_token * self.num_layers
+        return dense + [("router", self.hidden_size, self.num_experts, self.num_layers),
+                        ("expert_gate_up_proj", self.hidden_size, 2 * self.expert_width, picked),
+                        ("expert_down_proj", self.expert_width, self.hidden_size, picked)]
+
     def num_parameters(self) -> int:
-        """Matrix weights (the LM head's counted as the embedding's when tied)."""
-        return self.matmul_params + (0 if self.tied_embeddings else self.vocab_size * self.hidden_size)
+        """Matrix weights (the LM head's counted as the embedding's when tied; every expert)."""
+        unread = (self.num_experts - self.experts_per_token) * self.num_layers * 3 * self.hidden_size * self.expert_width
+        return self.matmul_params + unread + (0 if self.tied_embeddings else self.vocab_size * self.hidden_size)
 
 
 # The shipped tokenizer has 49,152 tokens; shapes with fewer (Mistral's 32,000) keep 49,152.
@@ -69,9 +86,20 @@ SHAPES: dict[str, ZooShape] = {
                          attn_softcap=50.0, final_softcap=30.0, note="Gemma-2-2B"),
     "mistral-7b": ZooShape(4096, 14336, 32, 32, 8, 128, _SHIPPED_VOCAB, architecture="llama", tied_embeddings=False,
                            rope_theta=1000000.0, note="Mistral-7B (vocabulary 49,152 instead of 32,000)"),
+    # Qwen3-30B-A3B's layer (hidden 2048, 32 query / 4 KV heads of 128, 128 experts of width 768,
+    # top 8) on 24 layers instead of 48: 15.6B parameters, 1.7B read per token.
+    "qwen3moe-15b-a2b": ZooShape(2048, 6144, 24, 32, 4, 128, 151936, architecture="qwen3moe", tied_embeddings=False,
+                                 rope_theta=1000000.0, rms_norm_eps=1e-6, num_experts=128, experts_per_token=8,
+                                 expert_width=768, note="Qwen3-30B-A3B's layers, 24 of them"),
+    # The same layer scaled down for quick runs: 0.95B parameters, 0.26B read per token.
+    "qwen3moe-1b": ZooShape(1024, 3072, 12, 16, 4, 64, 151936, architecture="qwen3moe", tied_embeddings=False,
+                            rope_theta=1000000.0, rms_norm_eps=1e-6, num_experts=32, experts_per_token=4,
+                            expert_width=512, note="Qwen3-MoE layer scaled down, 12 layers of 32 experts"),
     # Small shapes for tests (written by the gguf package, no llama.cpp needed).
     "tiny-llama": ZooShape(256, 512, 2, 4, 2, 64, _SHIPPED_VOCAB, architecture="llama", note="test shape"),
     "tiny-qwen": ZooShape(256, 512, 2, 4, 2, 64, _SHIPPED_VOCAB, architecture="qwen2", qkv_bias=True, note="test shape"),
+    "tiny-qwen3moe": ZooShape(256, 512, 2, 4, 2, 64, _SHIPPED_VOCAB, architecture="qwen3moe", num_experts=8,
+                              experts_per_token=2, expert_width=128, note="test shape"),
 }
 
 # Zoo type name -> llama-quantize's type argument. "f16" is the unquantized source itself.
@@ -200,6 +228,9 @@ def _tensor_specs(shape: ZooShape) -> Iterator[tuple[str, tuple[int, ...]]]:
         prefix = f"blk.{layer}."
         for norm in norms:
             yield prefix + norm + ".weight", (hidden,)
+        if shape.architecture == "qwen3moe":  # Q/K norms per head
+            yield prefix + "attn_q_norm.weight", (shape.head_dim,)
+            yield prefix + "attn_k_norm.weight", (shape.head_dim,)
         yield prefix + "attn_q.weight", (q_rows, hidden)
         yield prefix + "attn_k.weight", (kv_rows, hidden)
         yield prefix + "attn_v.weight", (kv_rows, hidden)
@@ -208,6 +239,13 @@ def _tensor_specs(shape: ZooShape) -> Iterator[tuple[str, tuple[int, ...]]]:
             yield prefix + "attn_k.bias", (kv_rows,)
             yield prefix + "attn_v.bias", (kv_rows,)
         yield prefix + "attn_output.weight", (hidden, q_rows)
+        if shape.num_experts:
+            # The router, then each projection's experts stacked in one 3-D tensor, as llama.cpp's converter writes them.
+            yield prefix + "ffn_gate_inp.weight", (shape.num_experts, hidden)
+            yield prefix + "ffn_gate_exps.weight", (shape.num_experts, shape.expert_width, hidden)
+            yield prefix + "ffn_up_exps.weight", (shape.num_experts, shape.expert_width, hidden)
+            yield prefix + "ffn_down_exps.weight", (shape.num_experts, hidden, shape.expert_width)
+            continue
         yield prefix + "ffn_gate.weight", (shape.intermediate_size, hidden)
         yield prefix + "ffn_up.weight", (shape.intermediate_size, hidden)
         yield prefix + "ffn_down.weight", (hidden, shape.intermediate_size)
@@ -220,16 +258,17 @@ def _random_values(rng: np.random.Generator, name: str, dims: tuple[int, ...]) -
         return np.ones(dims, np.float32)
     if len(dims) == 1:
         return (rng.standard_normal(dims, dtype=np.float32) * 0.02).astype(np.float32)
-    scale = np.float32(1.0 / np.sqrt(dims[1]))
+    scale = np.float32(1.0 / np.sqrt(dims[-1]))
     return rng.standard_normal(dims, dtype=np.float32) * scale
 
 
-def _encode(values: np.ndarray, type_name: str):
-    """(array to write, GGML type) for a tensor: 1-D tensors stay float32 as llama.cpp expects."""
+def _encode(values: np.ndarray, type_name: str, name: str = ""):
+    """(array to write, GGML type) for a tensor: 1-D tensors and an MoE router stay float32 as
+    llama.cpp's converter writes them (llama-quantize leaves them so too)."""
     import gguf
     from gguf import GGMLQuantizationType as QType
 
-    if values.ndim == 1:
+    if values.ndim == 1 or name.endswith("ffn_gate_inp.weight"):
         return values, QType.F32
     if type_name == "f16":
         return values.astype(np.float16), QType.F16
@@ -252,16 +291,16 @@ def write_random_gguf(shape: ZooShape, path: str, type_name: str = "f16", seed: 
         _write_metadata(writer, shape, type_name)
         specs = list(_tensor_specs(shape))
         for name, dims in specs:  # declare every tensor first (sizes from a one-row sample)
-            sample, qtype = _encode(np.zeros(dims[:1] if len(dims) == 1 else (1, dims[1]), np.float32), type_name)
-            nbytes = sample.nbytes * (1 if len(dims) == 1 else dims[0])
-            byte_shape = dims if len(dims) == 1 else (dims[0], sample.shape[-1])
+            sample, qtype = _encode(np.zeros(dims if len(dims) == 1 else (1, dims[-1]), np.float32), type_name, name)
+            nbytes = sample.nbytes * (1 if len(dims) == 1 else int(np.prod(dims[:-1])))
+            byte_shape = dims if len(dims) == 1 else (*dims[:-1], sample.shape[-1])
             writer.add_tensor_info(name, byte_shape, sample.dtype, nbytes, raw_dtype=qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         rng = np.random.default_rng(seed)
         for name, dims in specs:
-            writer.write_tensor_data(_encode(_random_values(rng, name, dims), type_name)[0])
+            writer.write_tensor_data(_encode(_random_values(rng, name, dims), type_name, name)[0])
         writer.close()
         os.chmod(staged, 0o644)
         os.replace(staged, path)
@@ -295,6 +334,10 @@ def _write_metadata(writer, shape: ZooShape, type_name: str) -> None:
         writer.add_attn_logit_softcapping(shape.attn_softcap)
     if shape.final_softcap:
         writer.add_final_logit_softcapping(shape.final_softcap)
+    if shape.num_experts:
+        writer.add_expert_count(shape.num_experts)
+        writer.add_expert_used_count(shape.experts_per_token)
+        writer.add_expert_feed_forward_length(shape.expert_width)
     _write_tokenizer(writer, shape.vocab_size)
     writer.add_quantization_version(2)
 

@@ -351,12 +351,17 @@ class ModelConfig:
 
 def _parse_rope(hf: dict[str, Any], family: str) -> tuple[RopeConfig, RopeConfig | None]:
     """transformers 5 keeps RoPE in `rope_parameters` (per layer type for Gemma-3);
-    4.x used `rope_theta` + `rope_scaling` (+ `rope_local_base_freq`)."""
+    4.x used `rope_theta` + `rope_scaling` (+ `rope_local_base_freq`, and Qwen3-Next's
+    top-level `partial_rotary_factor`, a quarter where absent, as transformers defaults it)."""
     theta = float(hf.get("rope_theta", 10000.0))
     params = hf.get("rope_parameters")
     if params is None:
         params = dict(hf.get("rope_scaling") or {})
         params.setdefault("rope_theta", theta)
+        if hf.get("partial_rotary_factor") is not None:
+            params.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
+    if family in GATED_DELTANET_FAMILIES and isinstance(params, dict):
+        params = {"partial_rotary_factor": 0.25, **params}
     if isinstance(params, dict) and "full_attention" in params:
         rope = RopeConfig.from_hf(params["full_attention"], theta)
         local = params.get("sliding_attention")

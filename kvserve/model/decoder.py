@@ -26,7 +26,8 @@ from kvserve.model.linear_attention import gated_deltanet  # noqa: F401 - regist
 from kvserve.sample.structured.grammar_mask import HeadMask
 from kvserve.model.kernels import AttentionShape, ModelKernels
 from kvserve.model.moe import SparseMoeBlock
-from kvserve.model.linear_attention.mamba2_mixer import Mamba2Mixer  # registers the "mamba" layer type
+from kvserve.model.linear_attention import mamba2_mixer  # noqa: F401 - registers the "mamba" layer type
+from kvserve.model.state_layers import StateMixer
 from kvserve.model.layers import RMSNorm, RotaryEmbedding, activation, apply_rotary
 from kvserve.model.native_decoder import NativeDecoder
 from kvserve.model.parallel import (ColumnParallelLinear, PackableLinearMixin, ParallelLMHead, RowParallelLinear,
@@ -317,7 +318,7 @@ class DecoderModel(nn.Module):
         for module in self.modules():
             if isinstance(module, SelfAttention):
                 module.backend, module.native_rotary = kernels.attention, kernels.native_ops
-            elif isinstance(module, (RMSNorm, GatedMLP, Mamba2Mixer)):
+            elif isinstance(module, (RMSNorm, GatedMLP, StateMixer)):
                 module.native = kernels.native_ops
 
     def pack_linear_weights(self, keep_plain: bool | None = None, panels: bool | None = None) -> bool:

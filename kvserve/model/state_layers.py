@@ -26,6 +26,7 @@ class StateMixer(nn.Module):
     `state_dtype` (None: the model's dtype), and implement `forward`."""
 
     state_dtype: torch.dtype | None = None
+    native: bool = False  # the mixer's C kernels allowed (`DecoderModel.use_kernels`: the runner's choice)
 
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:

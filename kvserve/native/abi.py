@@ -121,6 +121,8 @@ SIGNATURES = {
     "kvserve_bf16_linear_rows": ([_ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int, _i64, _i64], None),
     "kvserve_mamba2_decode_step": ([_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr,
                                     _f32, _f32, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _int], _int),
+    "kvserve_gated_delta_step": ([_ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64,
+                                  _i64, _i64, _i64, _ptr, _ptr, _i64, _int], _int),
     "kvserve_apply_token_bitmask": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _int], _int),
     "kvserve_publish_mask_ready": ([_ptr, _i32], None),
     "kvserve_mask_token_range": ([_ptr, _ptr, _i64, _i64, _i64, _int], None),

@@ -250,6 +250,41 @@ def f32_gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int, isa: int,
     return y.view(*x.shape[:-1], out_features)
 
 
+def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     states: torch.Tensor, read_slot: torch.Tensor, write_slot: torch.Tensor,
+                     isa: str | None = None) -> torch.Tensor:
+    """One gated-delta-rule token per request (csrc/ssm/gated_delta_step.c): q, k [B, Hk, Dk] (k
+    L2-normalized, q also scaled), v [B, Hv, Dv], g (log decay) and beta [B, Hv], all float32
+    with contiguous rows; the cache's states [slots, Hv, Dk, Dv] (float32, contiguous) read from
+    `read_slot` (-1: zeros) and written to `write_slot` ([B] int64). Returns the outputs
+    [B, Hv, Dv]. `isa`: the path (None: the widest that runs here)."""
+    lib = load_library()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not available")
+    batch, num_k_heads, dk = k.shape
+    _, num_v_heads, _, dv = states.shape
+    rows = [t.reshape(batch, -1) for t in (q, k, v, g, beta)]
+    if any(t.dtype != torch.float32 or t.stride(-1) != 1 for t in rows) or not states.is_contiguous() \
+            or states.dtype != torch.float32 or tuple(states.shape[2:]) != (dk, dv) or q.shape != k.shape \
+            or tuple(v.shape[1:]) != (num_v_heads, dv) or rows[0].stride(0) != rows[1].stride(0) \
+            or rows[3].stride(0) != rows[4].stride(0) or g.shape != (batch, num_v_heads):
+        raise KernelArgumentError("gated_delta_step needs float32 rows of matching shapes and contiguous states")
+    read_slot, write_slot = read_slot.long().contiguous(), write_slot.long().contiguous()
+    out = v.new_empty(batch, num_v_heads, dv)
+    scratch = v.new_empty(dv)
+    q_rows, k_rows, v_rows, g_rows, beta_rows = rows
+    code = lib.kvserve_gated_delta_step(
+        q_rows.data_ptr(), k_rows.data_ptr(), k_rows.stride(0), v_rows.data_ptr(), v_rows.stride(0),
+        g_rows.data_ptr(), beta_rows.data_ptr(), g_rows.stride(0), states.data_ptr(), read_slot.data_ptr(),
+        write_slot.data_ptr(), batch, num_k_heads, num_v_heads, dk, dv, scratch.data_ptr(), out.data_ptr(),
+        num_v_heads * dv, isa_table.ISA_CODES[isa or dispatch.widest("gated_delta")])
+    if code == 3:
+        raise KernelArgumentError(f"the {isa} path of the gated delta step kernel does not run on this CPU")
+    if code:
+        raise KernelArgumentError(f"the gated delta step kernel rejected its arguments (code {code})")
+    return out
+
+
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 

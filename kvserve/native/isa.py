@@ -16,7 +16,8 @@ from dataclasses import dataclass
 ISAS = ("portable", "avx2", "avx512")
 ISA_CODES = {name: code for code, name in enumerate(ISAS)}
 # The kernels that have paths (enum KvKernel).
-KERNELS = {"attention": 0, "quant": 1, "quant_gemm": 2, "bf16": 3, "f32_gemm": 4, "mask": 5, "mamba2": 6}
+KERNELS = {"attention": 0, "quant": 1, "quant_gemm": 2, "bf16": 3, "f32_gemm": 4, "mask": 5, "mamba2": 6,
+           "gated_delta": 7}
 # Feature bits (enum KvFeature).
 FEATURES = {"avx": 1 << 0, "avx2": 1 << 1, "fma": 1 << 2, "f16c": 1 << 3, "avx512f": 1 << 4, "avx512bw": 1 << 5,
             "avx512vl": 1 << 6, "avx512vnni": 1 << 7, "avx512bf16": 1 << 8, "amx_tile": 1 << 9, "amx_int8": 1 << 10,

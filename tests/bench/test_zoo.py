@@ -43,6 +43,12 @@ def test_full_shapes_count_the_parameters_of_the_models_they_copy():
     assert round(zoo.SHAPES["llama-1b"].num_parameters() / 1e9, 2) == 1.24
     assert round(zoo.SHAPES["qwen-0.5b"].num_parameters() / 1e9, 2) == 0.49
     assert round(zoo.SHAPES["gemma-2b"].num_parameters() / 1e9, 2) == 2.61
+    # Qwen3-30B-A3B (30.5B total, 3.3B active) has 48 of these layers, the zoo shape 24: its
+    # 128 experts of width 768 x 3 matrices x 2048 are 0.60B a layer (14.5B on 24 layers),
+    # plus attention 0.45B and untied embeddings 0.62B; a token reads 8 experts (0.91B), the
+    # attention and the LM head (0.31B).
+    moe = zoo.SHAPES["qwen3moe-15b-a2b"]
+    assert round(moe.num_parameters() / 1e9, 1) == 15.6 and round(moe.matmul_params / 1e9, 2) == 1.68
 
 
 def test_not_built_without_permission(zoo_cache):
@@ -50,7 +56,7 @@ def test_not_built_without_permission(zoo_cache):
         zoo.resolve_zoo_model("zoo:tiny-llama-q8_0", build=False)
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen-q8_0", "tiny-llama-q4_0"])
+@pytest.mark.parametrize("name", ["tiny-qwen-q8_0", "tiny-llama-q4_0", "tiny-qwen3moe-q8_0"])
 def test_tiny_zoo_file_has_the_shape_tokenizer_and_types(zoo_cache, name):
     path = zoo.resolve_zoo_model(f"zoo:{name}")
     assert path.startswith(str(zoo_cache)) and zoo.resolve_zoo_model(f"zoo:{name}", build=False) == path
@@ -63,7 +69,14 @@ def test_tiny_zoo_file_has_the_shape_tokenizer_and_types(zoo_cache, name):
     assert hf["tie_word_embeddings"] and overrides["bos_token_id"] == 1
     reader = GGUFFile(path)
     types = {t.name: t.tensor_type.name for t in reader.tensors}
-    assert types["blk.0.ffn_down.weight"] == model.type_name.upper() and types["output_norm.weight"] == "F32"
+    down = "blk.0.ffn_down_exps.weight" if shape.num_experts else "blk.0.ffn_down.weight"
+    assert types[down] == model.type_name.upper() and types["output_norm.weight"] == "F32"
+    if shape.num_experts:  # stacked experts, the router in float32, as llama.cpp's converter writes them
+        assert (hf["num_experts"], hf["num_experts_per_tok"], hf["moe_intermediate_size"]) == \
+            (shape.num_experts, shape.experts_per_token, shape.expert_width)
+        exps = next(t for t in reader.tensors if t.name == "blk.1.ffn_gate_exps.weight")
+        assert tuple(exps.shape) == (shape.hidden_size, shape.expert_width, shape.num_experts)
+        assert types["blk.1.ffn_gate_inp.weight"] == "F32"
     assert ("blk.1.attn_k.bias" in types) == shape.qkv_bias
     assert len(types) == len(list(zoo._tensor_specs(shape)))
     tokens = reader.get("tokenizer.ggml.tokens")
@@ -103,6 +116,18 @@ def test_bench_zoo_lists_and_builds(zoo_cache, capsys):
     assert "Llama-3.2-1B" in listing and "cached: q8_0" in listing
     assert main(["bench", "zoo", "tiny-llama-q4_k_x"]) == 1
     assert "unknown quantization type" in capsys.readouterr().err
+
+
+def test_llama_cpp_runs_the_moe_zoo_file(zoo_cache):
+    """llama.cpp (llama-cpp-python) reads the tiny Qwen3-MoE zoo file as a qwen3moe with its experts."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path = zoo.resolve_zoo_model("zoo:tiny-qwen3moe-q8_0")
+    llm = llama_cpp.Llama(model_path=path, n_ctx=64, n_threads=1, verbose=False)
+    try:
+        assert llm.metadata["general.architecture"] == "qwen3moe" and llm.metadata["qwen3moe.expert_count"] == "8"
+        assert len(llm.tokenize(b"Hello")) > 0 and len(llm("Hello", max_tokens=3, temperature=0.0)["choices"]) == 1
+    finally:
+        llm.close()
 
 
 @pytest.mark.skipif(find_tool("llama-quantize") is None,

@@ -89,7 +89,7 @@ def tiny_gated_deltanet_config(family: str, vocab_size: int):
 # to the logits' scale (at least 1), both in float32.
 # Both run the same float32 operations outside reductions; the reductions may be ordered
 # differently: matmuls (blocked by row count), paged attention, and the SSM, which
-# transformers scans in chunks of 256 tokens (a prompt) or one token (a step) and we in
+# transformers scans in chunks of 16 tokens (a prompt) or one token (a step) and we in
 # chunks of 64 cut at snapshot points. Reordering a float32 sum of n terms moves it by at most
 # gamma_n * sum|terms|, gamma_n ~ n * 2**-24 (Higham 3.1); the widest reduction here has
 # n = 128 terms (the output projection), gamma = 7.6e-6. An SSD decay weight exp(S) is
@@ -106,14 +106,16 @@ GRANITE_HYBRID_BOUND = 3.7e-4
 
 def tiny_granite_hybrid_config(vocab_size: int, experts: bool = True, rope: bool = False):
     """A tiny Granite 4 hybrid (GraniteMoeHybridForCausalLM): four layers, Mamba-2 (8 heads of
-    16 channels, 2 groups, state 16, conv 4) except the second (attention, 4 heads of 16, 2 KV
-    heads); with `experts` 4 routed experts of width 32 (top 2) beside a shared one of width 48,
-    else the shared MLP alone; attention without RoPE unless `rope`; Granite's multipliers on."""
+    16 channels, 2 groups, state 16, conv 4; transformers scans prompts in chunks of 16) except
+    the second (attention, 4 heads of 16, 2 KV heads); with `experts` 4 routed experts of width
+    32 (top 2) beside a shared one of width 48, else the shared MLP alone; attention without
+    RoPE unless `rope`; Granite's multipliers on."""
     return transformers.GraniteMoeHybridConfig(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=32, shared_intermediate_size=48,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=8, mamba_n_groups=2,
         mamba_d_state=16, mamba_d_head=16, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=16,  # transformers pads each scan to a whole chunk: 256 would cost it 16x
         num_local_experts=4 if experts else 0, num_experts_per_tok=2,
         position_embedding_type="rope" if rope else "nope", embedding_multiplier=1.5, residual_multiplier=0.7,
         attention_multiplier=0.25, logits_scaling=2.0, initializer_range=0.2, bos_token_id=1, eos_token_id=2,

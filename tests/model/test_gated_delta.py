@@ -32,17 +32,18 @@ HEADS, DK, DV = 3, 16, 8
 UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53}
 
 
-def _inputs(num_tokens: int, seed: int, dtype=torch.float32, strong_decay: bool = False):
+def _inputs(num_tokens: int, seed: int, dtype=torch.float32, strong_decay: bool = False, heads: int = HEADS,
+            dv: int = DV):
     """Random q, k (unit norm), v, g, beta [T, H, ...] and a nonzero initial state [H, Dk, Dv]."""
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(num_tokens, HEADS, DK, generator=gen, dtype=torch.float64) * DK ** -0.5
-    k = F.normalize(torch.randn(num_tokens, HEADS, DK, generator=gen, dtype=torch.float64), dim=-1)
-    v = torch.randn(num_tokens, HEADS, DV, generator=gen, dtype=torch.float64)
+    q = torch.randn(num_tokens, heads, DK, generator=gen, dtype=torch.float64) * DK ** -0.5
+    k = F.normalize(torch.randn(num_tokens, heads, DK, generator=gen, dtype=torch.float64), dim=-1)
+    v = torch.randn(num_tokens, heads, dv, generator=gen, dtype=torch.float64)
     # Qwen3-Next's decay: -exp(A_log) * softplus(a + dt_bias), A up to 16.
     scale = 16.0 if strong_decay else 1.0
-    g = -scale * F.softplus(torch.randn(num_tokens, HEADS, generator=gen, dtype=torch.float64))
-    beta = torch.sigmoid(torch.randn(num_tokens, HEADS, generator=gen, dtype=torch.float64))
-    state = torch.randn(HEADS, DK, DV, generator=gen, dtype=torch.float64)
+    g = -scale * F.softplus(torch.randn(num_tokens, heads, generator=gen, dtype=torch.float64))
+    beta = torch.sigmoid(torch.randn(num_tokens, heads, generator=gen, dtype=torch.float64))
+    state = torch.randn(heads, DK, dv, generator=gen, dtype=torch.float64)
     return tuple(t.to(dtype) for t in (q, k, v, g, beta, state))
 
 
@@ -181,3 +182,41 @@ def test_causal_conv_matches_conv1d_and_keeps_states():
         assert (out[starts[r]:starts[r + 1]] - ref).abs().max() <= 8 * 2.0 ** -24 * scale
         for n in range(starts[r + 1] - starts[r] + 1):
             assert torch.equal(state_after(padded, starts, r, n, width), full[0].t()[n:n + width - 1])
+
+
+@pytest.mark.parametrize("dv", [32, 12])
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+def test_native_step_matches_float64_loop(isa, dv):
+    """The C step (csrc/ssm/gated_delta_step.c) on each path this machine runs: 3 requests of
+    20 one-token steps with 2 key heads serving 4 value heads, from zeros (slot -1), from a
+    state in another slot and in place; every output and state within the module docstring's
+    bound of the float64 loop. Dv = 12 is no multiple of the vector width: those paths fall
+    back to portable C."""
+    from kvserve.native import cpu_kernels, dispatch
+    if cpu_kernels.load_library() is None or not dispatch.available("gated_delta", isa):
+        pytest.skip(f"no {isa} path here")
+    group, key_heads = 2, 2  # 4 value heads, each key head serving two
+    runs = [_inputs(20, seed=s, heads=group * key_heads, dv=dv) for s in (11, 12, 13)]
+    gen = torch.Generator().manual_seed(14)
+    keys = [F.normalize(torch.randn(20, key_heads, DK, generator=gen), dim=-1) for _ in runs]
+    queries = [torch.randn(20, key_heads, DK, generator=gen) * DK ** -0.5 for _ in runs]
+    starts = [torch.zeros_like(runs[0][5]), runs[1][5], runs[2][5]]
+    cache = torch.zeros(6, group * key_heads, DK, dv)
+    cache[2], cache[4] = starts[1], starts[2]
+    read, write = torch.tensor([-1, 2, 4]), torch.tensor([1, 3, 4])
+    outs = []
+    for t in range(20):
+        step = [torch.stack([x[t] for x in xs]) for xs in (queries, keys, [run[2] for run in runs],
+                                                            [run[3] for run in runs], [run[4] for run in runs])]
+        outs.append(cpu_kernels.gated_delta_step(*step, cache, read, write, isa=isa))
+        read = write
+    for r in range(3):
+        q = queries[r].repeat_interleave(group, dim=1)
+        k = keys[r].repeat_interleave(group, dim=1)
+        _, _, v, g, beta, _ = runs[r]
+        ref_out, ref_states = _reference(q, k, v, g, beta, starts[r])
+        out_bound, state_bound = _bound(q, v, g, beta, starts[r], torch.float32)
+        ours = torch.stack([o[r] for o in outs])
+        assert ((ours.double() - ref_out).abs() <= out_bound).all()
+        assert (cache[write[r]].double() - ref_states[-1]).abs().max() <= state_bound[-1].max()
+

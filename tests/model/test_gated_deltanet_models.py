@@ -135,8 +135,71 @@ def test_state_specs_and_config(models):
     del hf["linear_num_key_heads"]
     with pytest.raises((ModelConfigError, KeyError)):
         ModelConfig.from_hf_dict(hf)
+    # transformers 4.x's layout (Qwen3-Next's hub config): RoPE and its partial factor at the top
+    # level, the layer pattern as an interval.
+    hf = tiny_gated_deltanet_config("qwen3_next", VOCAB).to_dict()
+    for key in ("rope_parameters", "layer_types"):
+        del hf[key]
+    hf.update(architectures=["Qwen3NextForCausalLM"], rope_theta=5e6, partial_rotary_factor=0.5,
+              full_attention_interval=2)
+    legacy = ModelConfig.from_hf_dict(hf)
+    assert legacy.rope.theta == 5e6 and legacy.rope.partial_rotary_factor == 0.5
+    assert legacy.layer_types == ["linear_attention", "full"] * 2
+    del hf["partial_rotary_factor"]
+    assert ModelConfig.from_hf_dict(hf).rope.partial_rotary_factor == 0.25
     hf = tiny_gated_deltanet_config("qwen3_5", VOCAB).to_dict()
     hf.update(architectures=["Qwen3_5ForCausalLM"], layer_types=["linear_attention", "mamba", "full_attention",
                                                                  "linear_attention"])
     with pytest.raises(ModelConfigError, match="mamba"):
         ModelConfig.from_hf_dict(hf)
+
+
+def test_native_decode_step_agrees_with_torch(models, monkeypatch):
+    """Under native ops one-token steps take the C step kernel (csrc/ssm/gated_delta_step.c),
+    else the torch step: teacher forced on the same tokens, both within the bound of
+    transformers, so within twice it of each other."""
+    from kvserve.model.kernels import ModelKernels
+    from kvserve.native import cpu_kernels
+    from paged_kv_helper import run_teacher_forced
+    if cpu_kernels.load_library() is None:
+        pytest.skip("no native library")
+    _, config = models("qwen3_5")
+    sequences = prompts_of_lengths([14, 9, 20], seed=5)
+    prompt_lens = {"r0": 6, "r1": 9, "r2": 11}
+    calls = []
+    step = cpu_kernels.gated_delta_step
+    monkeypatch.setattr(cpu_kernels, "gated_delta_step", lambda *a, **k: calls.append(1) or step(*a, **k))
+    native = load_model(config)
+    logits = run_teacher_forced(HybridRunner(native), sequences, prompt_lens, chunk=4)
+    assert calls and all(layer.linear_attn.native for layer in native.layers if layer.is_state_layer)
+    plain = load_model(config)
+    plain.use_kernels(ModelKernels.torch_only())
+    calls.clear()
+    reference = run_teacher_forced(HybridRunner(plain), sequences, prompt_lens, chunk=4)
+    assert not calls
+    for req_id, rows in reference.items():
+        for ours, ref in zip(logits[req_id], rows):
+            assert (ours - ref).abs().max().item() <= 2 * MAX_RELATIVE_DIFF * _scale(ref)
+
+
+def test_multimodal_qwen3_5_checkpoint_serves_its_language_model(tmp_path):
+    """Qwen3.5's released checkpoints are `Qwen3_5ForConditionalGeneration` (a vision tower
+    beside the language model, whose tensors sit under `model.language_model.`): the text
+    model is read from `text_config`, the vision tensors ignored, and a text prompt's logits
+    (multimodal RoPE over text-only positions is plain RoPE) match transformers' within the bound."""
+    torch.manual_seed(0)
+    text = tiny_gated_deltanet_config("qwen3_5", VOCAB).to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=1, num_position_embeddings=16)
+    hf = transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=text, vision_config=vision)).eval()
+    hf.save_pretrained(str(tmp_path))
+    config = ModelConfig.from_path(str(tmp_path))
+    assert config.architecture == "Qwen3_5ForCausalLM" and config.layer_types[:3] == ["linear_attention"] * 3
+    prompt = prompts_of_lengths([19], seed=9)["r0"]
+    runner = HybridRunner(load_model(config))
+    runner.add("r", prompt)
+    ours = runner.step({"r": len(prompt)})["r"]
+    with torch.inference_mode():
+        theirs = hf(input_ids=torch.tensor([prompt])).logits[0, -1]
+    assert (ours - theirs).abs().max().item() <= MAX_RELATIVE_DIFF * _scale(theirs)

@@ -73,11 +73,15 @@ FEATURE_FIELDS = {"num_kv_heads", "tie_word_embeddings", "attention_bias", "qk_n
                   "moe_intermediate_size", "norm_topk_prob", "sparse_layers", "qk_norm_per_head", "clip_qkv",
                   "softmax_after_topk", "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha",
                   "attention_sinks", "o_proj_bias"}
-# Granite hybrids' fields (Mamba-2 layers over state slots, a shared expert, NoPE attention,
-# Granite's multipliers): the native decoder declines them and tests/model/test_granite_hybrid.py
-# runs the per-op path against transformers (PagedRunner drives no state group).
+# Hybrid models' fields: Granite's (Mamba-2 layers over state slots, a shared expert, NoPE
+# attention, Granite's multipliers; tests/model/test_granite_hybrid.py) and Qwen3-Next / Qwen3.5's
+# (Gated DeltaNet layers, gated attention output, a gated shared expert;
+# tests/model/test_gated_deltanet_models.py). The native decoder declines these models and those
+# tests run the per-op path against transformers (PagedRunner drives no state group).
 HYBRID_FIELDS = {"mamba", "use_rope", "shared_expert_size", "embedding_multiplier", "residual_multiplier",
-                 "logits_scaling", "attention_multiplier"}
+                 "logits_scaling", "attention_multiplier",
+                 "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_conv_kernel_dim", "attn_output_gate", "shared_expert_intermediate_size"}
 # Identity, sizes and token ids: the same arithmetic on both paths whatever their value.
 NOT_FEATURES = {"path", "is_gguf", "architecture", "model_type", "num_layers", "hidden_size", "intermediate_size",
                 "num_heads", "vocab_size", "max_position_embeddings", "max_model_len", "dtype", "quantization",

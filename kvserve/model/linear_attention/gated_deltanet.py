@@ -29,6 +29,7 @@ from kvserve.model.linear_attention.causal_conv import causal_conv1d, state_afte
 from kvserve.model.linear_attention.gated_delta import gated_delta_chunked, gated_delta_step
 from kvserve.model.attention.metadata import StateMetadata
 from kvserve.model.parallel import ColumnParallelLinear, RowParallelLinear, TPContext
+from kvserve.native import cpu_kernels, dispatch
 from kvserve.model.state_layers import StateMixer, read_states, register_state_layer
 
 STATE_DTYPE = torch.float32
@@ -104,58 +105,83 @@ class GatedDeltaNet(StateMixer):
         q, k, v = self._heads(mixed)
         beta = torch.sigmoid(b.float())
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        out, delta_states = self._delta_rule(q, k, v, g, beta, read_states(delta_cache, read), metadata, starts)
+        out, delta_states = self._delta_rule(q, k, v, g, beta, delta_cache, metadata, starts)
         self._write_states(metadata, padded, delta_states, conv_cache, delta_cache, starts)
         out = self.norm(out.to(hidden.dtype), z.reshape(-1, self.num_v_heads, self.head_v_dim))
         return self.out_proj(out.reshape(hidden.shape[0], -1))
 
     def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The convolved q, k, v as float32 [T, Hv, D]: q, k L2-normalized (q also scaled by
-        Dk^-1/2) and repeated to one per value head."""
+        """The convolved q, k [T, Hk, Dk] and v [T, Hv, Dv] in float32: q, k L2-normalized (q
+        also scaled by Dk^-1/2)."""
         tokens = mixed.shape[0]
         q, k, v = mixed.float().split(self.split_sizes[:3], dim=-1)
         q = q.reshape(tokens, self.num_k_heads, self.head_k_dim)
         k = k.reshape(tokens, self.num_k_heads, self.head_k_dim)
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + _L2_EPS) * self.head_k_dim ** -0.5
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + _L2_EPS)
-        group = self.num_v_heads // self.num_k_heads
-        if group > 1:
-            q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
         return q, k, v.reshape(tokens, self.num_v_heads, self.head_v_dim)
 
-    def _delta_rule(self, q, k, v, g, beta, states: torch.Tensor, metadata,
-                    starts: list[int]) -> tuple[torch.Tensor, dict[tuple[int, int], torch.Tensor]]:
+    def _per_value_head(self, x: torch.Tensor) -> torch.Tensor:
+        """q or k [T, Hk, Dk] repeated to [T, Hv, Dk]: each key head serves Hv / Hk value heads."""
+        group = self.num_v_heads // self.num_k_heads
+        return x.repeat_interleave(group, dim=1) if group > 1 else x
+
+    def _delta_rule(self, q, k, v, g, beta, delta_cache: torch.Tensor, metadata: StateMetadata,
+                    starts: list[int]) -> tuple[torch.Tensor, dict[tuple[int, int], torch.Tensor | int]]:
         """Outputs [T, Hv, Dv] float32 and the states the metadata writes, by (request, count):
-        one-token requests in one batched recurrent step, longer ones in chunks."""
-        wanted: dict[int, list[int]] = {}
-        for req, after in zip(metadata.write_req.tolist(), metadata.write_after.tolist()):
-            wanted.setdefault(req, []).append(after)
+        one-token requests in one batched recurrent step (the C kernel under native ops, which
+        writes the state into the request's first write slot itself: its entry is that slot),
+        longer ones in chunks."""
+        writes: dict[int, list[tuple[int, int]]] = {}
+        for req, after, slot in zip(*(t.tolist() for t in (metadata.write_req, metadata.write_after,
+                                                           metadata.write_slot))):
+            writes.setdefault(req, []).append((after, slot))
         out = torch.empty(q.shape[0], self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=q.device)
-        snapshots: dict[tuple[int, int], torch.Tensor] = {}
+        snapshots: dict[tuple[int, int], torch.Tensor | int] = {}
         lens = [starts[r + 1] - starts[r] for r in range(len(starts) - 1)]
         single = [r for r, n in enumerate(lens) if n == 1]
         if single:
             rows = torch.tensor([starts[r] for r in single], device=q.device)
-            step_out, step_states = gated_delta_step(q[rows], k[rows], v[rows], g[rows], beta[rows], states[single])
-            out[rows] = step_out
-            for i, r in enumerate(single):
-                snapshots[(r, 1)] = step_states[i]
+            read = metadata.read_slot[single]
+            if self._native_step(delta_cache):
+                first = [writes[r][0][1] for r in single]
+                out[rows] = cpu_kernels.gated_delta_step(q[rows], k[rows], v[rows], g[rows], beta[rows], delta_cache,
+                                                         read, torch.tensor(first), dispatch.widest("gated_delta"))
+                snapshots.update({(r, 1): slot for r, slot in zip(single, first)})
+            else:
+                step_out, step_states = gated_delta_step(
+                    self._per_value_head(q[rows]), self._per_value_head(k[rows]), v[rows], g[rows], beta[rows],
+                    read_states(delta_cache, read))
+                out[rows] = step_out
+                snapshots.update({(r, 1): step_states[i] for i, r in enumerate(single)})
         for r, n in enumerate(lens):
             if n <= 1:
                 continue
-            counts = wanted.get(r, [])
+            counts = [after for after, _ in writes.get(r, [])]
             rows = slice(starts[r], starts[r + 1])
-            out[rows], kept = gated_delta_chunked(q[rows], k[rows], v[rows], g[rows], beta[rows], states[r], counts)
-            for count, state in zip(counts, kept):
-                snapshots[(r, count)] = state
+            out[rows], kept = gated_delta_chunked(
+                self._per_value_head(q[rows]), self._per_value_head(k[rows]), v[rows], g[rows], beta[rows],
+                read_states(delta_cache, metadata.read_slot[r:r + 1])[0], counts)
+            snapshots.update({(r, count): state for count, state in zip(counts, kept)})
         return out, snapshots
 
-    def _write_states(self, metadata, padded: torch.Tensor, delta_states: dict[tuple[int, int], torch.Tensor],
+    def _native_step(self, delta_cache: torch.Tensor) -> bool:
+        return (self.native and delta_cache.device.type == "cpu" and delta_cache.dtype == torch.float32
+                and delta_cache.is_contiguous() and cpu_kernels.load_library() is not None)
+
+    def _write_states(self, metadata, padded: torch.Tensor, delta_states: dict[tuple[int, int], torch.Tensor | int],
                       conv_cache: torch.Tensor, delta_cache: torch.Tensor, starts: list[int]) -> None:
+        """Every write of the metadata: the conv inputs, and the delta-rule state (a slot number
+        in `delta_states`: already in the cache there, copied unless that is the target)."""
         writes = zip(metadata.write_req.tolist(), metadata.write_after.tolist(), metadata.write_slot.tolist())
         for req, after, slot in writes:
             conv_cache[slot] = state_after(padded, starts, req, after, self.conv_width)
-            delta_cache[slot] = delta_states[(req, after)]
+            state = delta_states[(req, after)]
+            if isinstance(state, int):
+                if state != slot:
+                    delta_cache[slot] = delta_cache[state]
+            else:
+                delta_cache[slot] = state
 
 
 def split_checkpoint_tensor(name: str, tensor: torch.Tensor, config: ModelConfig) -> list[tuple[str, torch.Tensor]]:

@@ -23,7 +23,8 @@ enum KvKernel {
     KV_KERNEL_F32_GEMM = 4,   /* f32_gemm.c */
     KV_KERNEL_MASK = 5,       /* grammar_mask.c */
     KV_KERNEL_MAMBA2 = 6,     /* ssm/mamba2_step.c */
-    KV_KERNEL_COUNT = 7
+    KV_KERNEL_GATED_DELTA = 7, /* ssm/gated_delta_step.c */
+    KV_KERNEL_COUNT = 8
 };
 
 /* Run-time feature bits (isa.py FEATURES), as kvserve_cpuid_features and

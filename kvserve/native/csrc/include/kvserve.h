@@ -163,6 +163,14 @@ int kvserve_mamba2_decode_step(const float *xbc, int64_t xbc_stride, const float
                                int64_t n_groups, int64_t kernel, float *scratch, float *y, int64_t y_stride,
                                int isa);
 
+/* ---- ssm/gated_delta_step.c ---------------------------------------------------------------- */
+
+int kvserve_gated_delta_step(const float *q, const float *k, int64_t qk_stride, const float *v, int64_t v_stride,
+                             const float *g, const float *beta, int64_t gate_stride, float *states,
+                             const int64_t *read_slot, const int64_t *write_slot, int64_t batch,
+                             int64_t num_k_heads, int64_t num_v_heads, int64_t dk, int64_t dv, float *scratch,
+                             float *out, int64_t out_stride, int isa);
+
 /* ---- decoder/fused_decoder.c --------------------------------------------------------------- */
 
 int kvserve_decoder_forward(const NativeModel *m, const NativeLayer *layers, const NativeStep *st, float *hidden,

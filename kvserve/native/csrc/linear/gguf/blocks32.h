@@ -61,7 +61,7 @@ GGUF_INLINE void gguf_step32_avx512(const GgufTile *t, __m512 acc[GGUF_TILE_ROWS
     }
     for (int r = 0; r < R; r++) {
         const uint8_t *b0 = t->w + r * t->row_bytes + 2 * p * bytes, *b1 = single ? b0 : b0 + bytes;
-        _mm_prefetch((const char *)b0 + 16 * bytes, _MM_HINT_T0);
+        gguf_prefetch(b0, 2 * bytes);
         __m512i q = quants512(b0, b1);
         if (single) q = _mm512_maskz_mov_epi8(columns, q);
         /* the f16 fields d (and m) at the start of both blocks: [d0, m0, d1, m1] */
@@ -112,7 +112,7 @@ GGUF_INLINE void gguf_tile32_avx2(const GgufTile *t, float sums[GGUF_TILE_ROWS][
     for (int64_t k = 0; k < t->blocks; k++)
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = t->w + r * t->row_bytes + k * bytes;
-            _mm_prefetch((const char *)blk + 16 * bytes, _MM_HINT_T0);
+            gguf_prefetch(blk, bytes);
             const __m256i q = quants256(blk), magnitude = _mm256_sign_epi8(q, q);
             const float d = scale(blk);
             const __m256 m = minimum ? _mm256_setr_ps(minimum(blk), 0, 0, 0, 0, 0, 0, 0) : _mm256_setzero_ps();

@@ -72,7 +72,7 @@ GGUF_INLINE void q6_k_avx2(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TI
     for (int64_t k = 0; k < t->blocks; k++)
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = t->w + r * t->row_bytes + k * BYTES;
-            _mm_prefetch((const char *)blk + 4 * BYTES, _MM_HINT_T0);
+            gguf_prefetch(blk, BYTES);
             const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
             const __m256 d = _mm256_set1_ps(gguf_f16(blk + 208));
             __m256i q[8], magnitude[8], scs[8];
@@ -137,7 +137,7 @@ GGUF_INLINE void q6_k_avx512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_
         }
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = t->w + r * t->row_bytes + k * BYTES;
-            _mm_prefetch((const char *)blk + 4 * BYTES, _MM_HINT_T0);
+            gguf_prefetch(blk, BYTES);
             const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)));
             const __m512 d = _mm512_set1_ps(gguf_f16(blk + 208));
             __m512i q[4], scs[4];
