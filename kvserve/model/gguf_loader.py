@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import re
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import numpy as np
@@ -198,15 +198,20 @@ def iter_gguf_tensors(path: str, num_heads: int, num_kv_heads: int,
                       select: Callable[[str], tuple[int, int, int] | None] | None = None,
                       keep_quantized: Callable[[str], bool] | None = None,
                       skip: Callable[[str], bool] | None = None,
+                      stored_types: Collection[str] = (),
+                      stored_copies: dict[str, Any] | None = None,
                       ) -> Iterator[tuple[str, Any]]:
     """Yield (HF name, float32 array) for every model tensor of the file.
 
     `select(hf_name)` may return (dim, first, count): then only that slice of
     the tensor is yielded (a tensor-parallel rank's shard). Row slices are
     cut before dequantizing; column slices after. Where `keep_quantized(hf_name)`
-    and the native kernels take the tensor's type (and a column slice falls on
-    block boundaries) the tensor comes as a `QuantizedWeight` instead, not
-    dequantized. Tensors for which `skip(hf_name)` holds are not read at all.
+    the tensor may come quantized instead, not dequantized: as a `StoredWeight`
+    where its type is one of `stored_types` (the GGUF type names the stored-block
+    kernels run; see `stored_tensor`, and `stored_copies`, the tensors whose layout
+    differs from the file's, already made, by HF name), else as a repacked
+    `QuantizedWeight` where the native kernels take its type (and a column slice
+    falls on block boundaries). Tensors for which `skip(hf_name)` holds are not read at all.
     """
     reader = open_gguf(path)
     arch = _field_value(reader, "general.architecture")
@@ -222,9 +227,14 @@ def iter_gguf_tensors(path: str, num_heads: int, num_kv_heads: int,
             continue
         full_rows = int(tensor.shape[-1])
         part = select(name) if select is not None else None
-        array = None
-        if keep_quantized is not None and keep_quantized(name):
-            array = _quantized_part(tensor, part)
+        quantized = keep_quantized is not None and keep_quantized(name)
+        if quantized and tensor.tensor_type.name in stored_types:
+            weight = (stored_copies or {}).get(name)
+            weight = weight if weight is not None else stored_tensor(tensor, name, arch, part, num_heads, num_kv_heads)
+            if weight is not None:
+                yield name, weight
+                continue
+        array = _quantized_part(tensor, part) if quantized else None
         if array is None and part is not None and part[0] == 0:
             array = dequantize_tensor(tensor, rows=(part[1], part[2]))
         elif array is None:
@@ -232,14 +242,83 @@ def iter_gguf_tensors(path: str, num_heads: int, num_kv_heads: int,
             if part is not None:
                 array = array[:, part[1]:part[1] + part[2]]
         # A row shard holds whole heads, so the per-head un-permutation applies to it alone.
-        if arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "q_proj.bias")):
-            array = _unpermute(array, num_heads, full_rows)
-        elif arch in _PERMUTED_ARCHS and name.endswith(("k_proj.weight", "k_proj.bias")):
-            array = _unpermute(array, num_kv_heads, full_rows)
+        heads = _permuted_heads(arch, name, num_heads, num_kv_heads)
+        if heads:
+            array = _unpermute(array, heads, full_rows)
         if norm_minus_one and "norm" in name:
             # llama.cpp stores Gemma norms as (1 + w); our RMSNorm adds the 1 itself.
             array = array - 1.0
         yield name, array
+
+
+def iter_stored_copies(path: str, num_heads: int, num_kv_heads: int,
+                       select: Callable[[str], tuple[int, int, int] | None] | None,
+                       keep_quantized: Callable[[str], bool], stored_types: Collection[str],
+                       ) -> Iterator[tuple[str, Any]]:
+    """(HF name, StoredWeight) of every tensor `iter_gguf_tensors` would hold as stored but not
+    as a view of the file (see `stored_tensor`), made one at a time: the repack cache writes
+    each before the next is made."""
+    reader = open_gguf(path)
+    arch = _field_value(reader, "general.architecture")
+    for tensor, name in _named_tensors(reader, arch):
+        if name is None or tensor.tensor_type.name not in stored_types or not keep_quantized(name):
+            continue
+        part = select(name) if select is not None else None
+        if _permuted_heads(arch, name, num_heads, num_kv_heads) or (part is not None and part[0] == 1):
+            weight = stored_tensor(tensor, name, arch, part, num_heads, num_kv_heads)
+            if weight is not None:
+                yield name, weight
+            del weight  # not held while the next is made
+
+
+def stored_tensor(tensor: Any, name: str, arch: str, part: tuple[int, int, int] | None,
+                  num_heads: int, num_kv_heads: int) -> Any:
+    """The tensor (or its `part`) as a `StoredWeight` of the file's own blocks: a view of the
+    file's mapping, rows sliced included, except where kvserve's layout differs from the
+    file's: Q/K rows of llama-family files un-permuted, a column slice (each row's blocks
+    cut); those are copies. None where a column slice cuts through blocks or the tensor
+    is not a matrix."""
+    from kvserve.model.stored_weight import from_gguf_blocks
+    blocks = _raw_part(tensor, part)
+    if blocks is None:
+        return None
+    weight = from_gguf_blocks(tensor.tensor_type.name, *blocks)
+    heads = _permuted_heads(arch, name, num_heads, num_kv_heads)
+    return _unpermute(weight, heads, int(tensor.shape[-1])) if heads else weight
+
+
+def _raw_part(tensor: Any, part: tuple[int, int, int] | None) -> tuple[np.ndarray, int] | None:
+    """(raw blocks [rows, bytes per row], columns) of a matrix or of its `part` (rows: a view of
+    the file; columns: a copy), or None where the tensor is no matrix or the columns cut blocks."""
+    if len(tensor.shape) != 2:
+        return None
+    raw = np.asarray(tensor.data)
+    if part is None:
+        return raw, int(tensor.shape[0])
+    if part[0] == 0:
+        return raw[part[1]:part[1] + part[2]], int(tensor.shape[0])
+    columns = _block_columns(tensor.tensor_type, raw, part[1], part[2])
+    return None if columns is None else (columns, part[2])
+
+
+def _block_columns(tensor_type: Any, raw: np.ndarray, first: int, count: int) -> np.ndarray | None:
+    """Columns first..first+count of every row of raw blocks (a copy), or None off block boundaries."""
+    from gguf import GGML_QUANT_SIZES
+    block_cols, block_bytes = GGML_QUANT_SIZES[tensor_type]
+    if first % block_cols or count % block_cols:
+        return None
+    return np.ascontiguousarray(raw[:, first // block_cols * block_bytes:(first + count) // block_cols * block_bytes])
+
+
+def _permuted_heads(arch: str, name: str, num_heads: int, num_kv_heads: int) -> int:
+    """The heads whose rows llama.cpp interleaved in this tensor (0: none)."""
+    if arch not in _PERMUTED_ARCHS:
+        return 0
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
+        return num_heads
+    if name.endswith(("k_proj.weight", "k_proj.bias")):
+        return num_kv_heads
+    return 0
 
 
 def _quantized_part(tensor: Any, part: tuple[int, int, int] | None) -> Any:
@@ -247,22 +326,12 @@ def _quantized_part(tensor: Any, part: tuple[int, int, int] | None) -> Any:
     kernel does not take its type or the slice cuts through blocks."""
     from kvserve.model import quantized
     type_name = tensor.tensor_type.name
-    if type_name not in quantized.SUPPORTED_GGUF_TYPES or len(tensor.shape) != 2:
-        return None
-    raw = np.asarray(tensor.data)
-    in_features = int(tensor.shape[0])
-    if part is not None and part[0] == 0:
-        raw = raw[part[1]:part[1] + part[2]]
-    elif part is not None:
-        raw = quantized.slice_gguf_columns(type_name, raw, part[1], part[2])
-        if raw is None:
-            return None
-        in_features = part[2]
-    return quantized.from_gguf_blocks(type_name, raw, in_features)
+    blocks = _raw_part(tensor, part) if type_name in quantized.SUPPORTED_GGUF_TYPES else None
+    return None if blocks is None else quantized.from_gguf_blocks(type_name, *blocks)
 
 
 def _unpermute(array: Any, heads: int, full_rows: int) -> Any:
-    """`_unpermute_rows` for a float array or a `QuantizedWeight` (whose rows move whole)."""
+    """`_unpermute_rows` for a float array, a `QuantizedWeight` or a `StoredWeight` (whose rows move whole)."""
     rows = array.shape[0]
     if isinstance(array, np.ndarray):
         return _unpermute_rows(array, heads * rows // full_rows)

@@ -26,7 +26,9 @@ from kvserve.model.kernels import choose_model_kernels
 from kvserve.model.linear_attention.gated_deltanet import split_checkpoint_tensor
 from kvserve.model.parallel import (ColumnParallelLinear, QuantizedWeightMixin, RowParallelLinear,
                                     VocabParallelEmbedding)
-from kvserve.model.quantized import QuantizedWeight, gemm_dtype, kernel_isa, keeps_quantized
+from kvserve.model.quantized import QuantizedWeight, gemm_dtype, kernel_isa, keeps_quantized, stored_types
+from kvserve.model.stored_parts import StoredParts
+from kvserve.model.stored_weight import StoredWeight
 
 logger = logging.getLogger(__name__)
 
@@ -73,19 +75,24 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", tp
     if model_config.is_gguf:
         from kvserve.model.gguf_loader import iter_gguf_tensors
         quantize = keeps_quantized(model_config, device, kernel_config)
+        stored = stored_types(kernel_config) if quantize else frozenset()
         if quantize and kernel_config.repack_cache:
-            cache_file = repack_cache.cache_path(model_config.path, tp_rank, tp_size)
+            cache_file = repack_cache.cache_path(model_config.path, tp_rank, tp_size, stored_types=stored)
             cached = repack_cache.load(cache_file)
-        tensors = ((name, array if isinstance(array, QuantizedWeight) else torch.from_numpy(np.ascontiguousarray(array)))
+        copies = _stored_copies(model_config, select, stored, kernel_config, tp_rank, tp_size)
+        tensors = ((name, array if isinstance(array, (QuantizedWeight, StoredWeight))
+                    else torch.from_numpy(np.ascontiguousarray(array)))
                    for name, array in iter_gguf_tensors(model_config.path, model_config.num_heads,
                                                         model_config.num_kv_heads, select=select,
                                                         keep_quantized=_is_matrix_weight if quantize else None,
-                                                        skip=_held_in(cached)))
+                                                        skip=_held_in(cached), stored_types=stored,
+                                                        stored_copies=copies))
     else:
         tensors = iter_safetensors(model_config.path, select)
     load_weights(model, tensors, preloaded=cached)
     _finish_quantized(model, kernel_config, log=tp_rank == 0, cache_file=None if cached else cache_file)
     if model_config.is_gguf:
+        _populate_stored_views(model, model_config.path)
         release_gguf_mappings()
     rotaries = [r for r in (model.rotary_global, model.rotary_local) if r is not None]
     inv_freqs = [r.inv_freq for r in rotaries]
@@ -103,6 +110,51 @@ def _is_matrix_weight(name: str) -> bool:
     return name.endswith(("_proj.weight", "embed_tokens.weight", "lm_head.weight"))
 
 
+def _stored_copies(model_config: ModelConfig, select, stored: frozenset[str], kernel_config: KernelConfig,
+                   tp_rank: int, tp_size: int) -> dict[str, StoredWeight] | None:
+    """The stored tensors whose layout is not the file's (gguf_loader.iter_stored_copies), from
+    the repack cache: written there first (one tensor at a time) where it does not hold them yet.
+    None where nothing is stored or the cache is off or cannot be written (the loader then makes
+    each copy in memory)."""
+    if not stored or not kernel_config.repack_cache:
+        return None
+    from kvserve.model.gguf_loader import iter_stored_copies
+    path = repack_cache.cache_path(model_config.path, tp_rank, tp_size, kind="stored", stored_types=stored)
+    copies = repack_cache.load_stored(path)
+    if copies is not None:
+        return copies
+    made = iter_stored_copies(model_config.path, model_config.num_heads, model_config.num_kv_heads, select,
+                              _is_matrix_weight, stored)
+    try:
+        count = repack_cache.save_stored(path, made, model_config.path)
+    except OSError as error:
+        logger.warning("could not cache the re-laid-out weights at %s (%s): every start makes them", path, error)
+        return None
+    if count and tp_rank == 0:
+        logger.info("%d weights re-laid out (Q/K rows un-permuted, column slices) cached at %s", count, path)
+    return repack_cache.load_stored(path)
+
+
+def _populate_stored_views(model: DecoderModel, path: str) -> None:
+    """Map the pages of the GGUF file that weights are views of now (see gguf_file.populate), but
+    for a mixture of experts' experts: they fault in when a token first picks them (as in the
+    repack cache), so an expert no token picks is never resident."""
+    from kvserve.model.gguf_file import open_gguf
+    spans = [(part.blocks.data_ptr(), part.nbytes()) for name, part in _stored_parts(model) if ".experts." not in name]
+    if spans:
+        open_gguf(path).populate(spans)
+
+
+def _stored_parts(model: DecoderModel) -> Iterator[tuple[str, StoredWeight]]:
+    """(module name, StoredWeight) of every stored weight the model's modules hold (fused ones part by part)."""
+    for name, module in model.named_modules():
+        weight = getattr(module, "quant_weight", None)
+        if isinstance(weight, StoredWeight):
+            yield name, weight
+        elif isinstance(weight, StoredParts):
+            yield from ((name, part) for part in weight.parts)
+
+
 def _held_in(cached: dict[str, QuantizedWeight] | None) -> Callable[[str], bool] | None:
     """For checkpoint names: whether the repacked-weight cache already holds that weight."""
     if not cached:
@@ -115,10 +167,10 @@ def _held_in(cached: dict[str, QuantizedWeight] | None) -> Callable[[str], bool]
 
 
 def _finish_quantized(model: DecoderModel, kernel_config: KernelConfig, log: bool, cache_file: str | None) -> None:
-    """Stack the quantized parts each module received (and, given `cache_file`, save them there and
-    hold them as views of its mapping) and stamp the kernel path, activation rounding and dense-GEMM
-    choice on them; the tied LM head shares the embedding's quantized table. Logs what is held."""
-    held: dict[str, int] = {}
+    """Stack the quantized parts each module received (and, given `cache_file`, save the repacked
+    ones there and hold them as views of its mapping) and stamp the kernel path, activation rounding
+    and dense-GEMM choice on them; the tied LM head shares the embedding's quantized table. Logs
+    what is held."""
     isa = kernel_isa(kernel_config)
     dense = gemm_dtype(kernel_config)
     modules = [(name, module) for name, module in model.named_modules() if isinstance(module, QuantizedWeightMixin)]
@@ -126,27 +178,40 @@ def _finish_quantized(model: DecoderModel, kernel_config: KernelConfig, log: boo
         module.finish_quantized()
     if cache_file is not None:
         _hold_from_cache(modules, cache_file, model.config.path)
+    stored: dict[str, int] = {}
+    repacked: dict[str, int] = {}
     for _, module in modules:
-        if module.quant_weight is not None:
-            module.quant_weight = dataclasses.replace(module.quant_weight, isa=isa,
-                                                      act_bits=kernel_config.quant_act_bits,
+        weight = module.quant_weight
+        if isinstance(weight, QuantizedWeight):
+            module.quant_weight = dataclasses.replace(weight, isa=isa, act_bits=kernel_config.quant_act_bits,
                                                       gemm_rows=kernel_config.quant_gemm_rows, gemm_dtype=dense,
                                                       panel_rows=kernel_config.quant_panel_rows)
-            held[module.quant_weight.source_type] = held.get(module.quant_weight.source_type, 0) + 1
+            repacked[weight.source_type] = repacked.get(weight.source_type, 0) + 1
+        elif weight is not None:
+            choices = dict(isa=isa, gemm_rows=kernel_config.quant_gemm_rows, gemm_dtype=dense)
+            module.quant_weight = weight.replace_parts(**choices) if isinstance(weight, StoredParts) \
+                else dataclasses.replace(weight, **choices)
+            for part in weight.parts if isinstance(weight, StoredParts) else [weight]:
+                stored[part.type_name] = stored.get(part.type_name, 0) + 1
     if model.config.tie_word_embeddings and model.embed_tokens.quant_weight is not None:
         model.lm_head.quant_weight = model.embed_tokens.quant_weight
         model.lm_head.register_parameter("weight", None)
-    if held and log:
+    if (stored or repacked) and log:
         dense_steps = (f"steps of {kernel_config.quant_gemm_rows}+ rows: dense {str(dense).removeprefix('torch.')} GEMM"
                        if kernel_config.quant_gemm_rows else "no dense GEMM")
-        logger.info("weights held quantized as stored (%s) on the %s kernel path; %s",
-                    ", ".join(f"{count} x {name}" for name, count in sorted(held.items())), isa, dense_steps)
+        counts = [f"as stored: {_counts(stored)}"] if stored else []
+        counts += [f"repacked: {_counts(repacked)}"] if repacked else []
+        logger.info("weights held quantized (%s) on the %s kernel path; %s", "; ".join(counts), isa, dense_steps)
+
+
+def _counts(by_type: dict[str, int]) -> str:
+    return ", ".join(f"{count} x {name}" for name, count in sorted(by_type.items()))
 
 
 def _hold_from_cache(modules: list[tuple[str, QuantizedWeightMixin]], cache_file: str, source: str) -> None:
     """Save the modules' repacked weights to `cache_file` and swap each for its view of the file's
     mapping (the private copies go); on a write error keep the copies and say so."""
-    weights = {name: module.quant_weight for name, module in modules if module.quant_weight is not None}
+    weights = {name: module.quant_weight for name, module in modules if isinstance(module.quant_weight, QuantizedWeight)}
     if not weights:
         return
     try:
@@ -249,7 +314,7 @@ def load_weights(model: DecoderModel, tensors: Iterator[tuple[str, torch.Tensor]
             continue
         if module_name == "lm_head" and model.config.tie_word_embeddings:
             continue
-        if isinstance(tensor, QuantizedWeight):
+        if isinstance(tensor, (QuantizedWeight, StoredWeight)):
             module.load_quantized(tensor, shard)
         else:
             _load_into(module, param_kind, tensor.float(), shard)
@@ -265,7 +330,7 @@ def _split_stacked_experts(tensors: Iterator[tuple[str, torch.Tensor]],
     for name, tensor in tensors:
         match = _STACKED_EXPERTS.fullmatch(name)
         is_bias = match is not None and match.group(3) is not None
-        if match is None or isinstance(tensor, QuantizedWeight) or tensor.dim() != (2 if is_bias else 3):
+        if match is None or isinstance(tensor, (QuantizedWeight, StoredWeight)) or tensor.dim() != (2 if is_bias else 3):
             yield name, tensor
             continue
         prefix, kind = match.group(1), match.group(2)
@@ -291,7 +356,7 @@ def _granite_tensors(tensors: Iterator[tuple[str, torch.Tensor]],
         for pattern, replacement in _GRANITE_NAMES:
             name = pattern.sub(replacement, name)
         match = _SHARED_GATE_UP.fullmatch(name)
-        if match is None or isinstance(tensor, QuantizedWeight):
+        if match is None or isinstance(tensor, (QuantizedWeight, StoredWeight)):
             yield name.replace(".shared_mlp.", shared), tensor
             continue
         gate, up = tensor.chunk(2, dim=0)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import time
 
 import torch
@@ -52,8 +53,10 @@ from kvserve.sample.structured.grammar_mask import HeadMask
 from kvserve.model.shm_all_reduce import SharedMemoryAllReduce
 from kvserve.native import cpu_kernels, dispatch
 from kvserve.native.isa import ISA_CODES
-from kvserve.native.abi import (ALL_REDUCE_FN, DTYPE_CODES, F32_PANELS, MAX_GROUPS, NativeLayer, NativeLinear, NativeLogits,
-                                NativeModel, NativeStep, NativeTokenMask)
+from kvserve.model.stored_parts import StoredParts
+from kvserve.model.stored_weight import StoredWeight
+from kvserve.native.abi import (ALL_REDUCE_FN, DTYPE_CODES, F32_PANELS, MAX_GROUPS, MAX_PARTS, NativeLayer, NativeLinear,
+                                NativeLogits, NativeModel, NativeStep, NativeTokenMask)
 from kvserve.native.config import KernelConfig
 
 logger = logging.getLogger(__name__)
@@ -67,8 +70,10 @@ MAX_TOKENS = 128
 _PARALLEL_MIN_LAYER_BYTES = 256 * 1024
 
 # The head waits at most this long for a grammar mask's fill (the mask thread always
-# publishes, even when the fill fails: this bounds a bug, not a normal step).
-_MASK_TIMEOUT_NS = 2_000_000_000
+# publishes, even when the fill fails: this bounds a bug, not a normal step); after it the
+# logits come back unmasked and the runner masks them. Tests shorten it to force that path.
+HEAD_WAIT_ENV = "KVSERVE_TEST_GRAMMAR_HEAD_WAIT_MS"
+_MASK_TIMEOUT_NS = int(float(os.environ.get(HEAD_WAIT_ENV) or 2000) * 1_000_000)
 
 
 def _widest_isa(kernel_config: KernelConfig | None, kernel: str) -> str | None:
@@ -310,7 +315,11 @@ class NativeDecoder:
         ones unscaled); else `desc.out` stays 0 and the caller embeds the tokens."""
         model = self.model
         dtype, qw, weight = model.norm.weight.dtype, model.embed_tokens.quant_weight, model.embed_tokens.weight
-        if qw is not None:
+        if isinstance(qw, StoredWeight):
+            if dtype != torch.float32:
+                return
+            self._describe_stored(desc, qw)
+        elif qw is not None:
             if dtype != torch.float32 or qw.bits not in (4, 8, 16) or qw.in_features % quantized.BLOCK:
                 return
             desc.qs, desc.d, desc.m = (self._hold(t).data_ptr() for t in (qw.qs, qw.d, qw.m))
@@ -347,6 +356,11 @@ class NativeDecoder:
         if bias is not None:
             bias = self._hold(bias.detach().float().contiguous())
         desc.bias = _ptr_of(bias)
+        if isinstance(qw, (StoredWeight, StoredParts)):
+            self._describe_stored(desc, qw)  # its row kernel takes every step size: `_all_panel` holds
+            self._gemm_rows = min(self._gemm_rows, qw.gemm_rows or self._gemm_rows)
+            self._layer_bytes += qw.nbytes() // len(self.model.layers)
+            return
         if qw is not None:
             if qw.bits not in (4, 8, 16) or qw.in_features % quantized.BLOCK:
                 raise NativeDeclined(f"quantized weight of {qw.bits} bits")
@@ -379,6 +393,21 @@ class NativeDecoder:
         self._all_panel = False
         self._layer_bytes += weight.numel() * weight.element_size() // len(self.model.layers)
         desc.out, desc.in_ = weight.shape
+
+    def _describe_stored(self, desc: NativeLinear, weight: StoredWeight | StoredParts) -> None:
+        """GGUF blocks as stored (csrc/linear/gguf_rows.c): the parts' blocks, types and row ends."""
+        parts = weight.parts if isinstance(weight, StoredParts) else [weight]
+        if len(parts) > MAX_PARTS:
+            raise NativeDeclined(f"a projection of {len(parts)} stored parts")
+        end = 0
+        for i, part in enumerate(parts):
+            end += part.out_features
+            desc.part_blocks[i] = self._hold(part.blocks).data_ptr()
+            desc.part_type[i], desc.part_end[i] = part.ggml_type, end
+        desc.num_parts = len(parts)
+        desc.isa = ISA_CODES[parts[0].isa or quantized.kernel_isa() or "portable"]
+        desc.panel_isa = -1
+        desc.out, desc.in_ = weight.out_features, weight.in_features
 
     def _norm(self, norm) -> int:
         if norm.weight.device.type != "cpu":

@@ -16,8 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.native import cpu_kernels
-from kvserve.model import quantized
+from kvserve.model import quantized, stored_parts
 from kvserve.model.quantized import QuantizationError, QuantizedWeight
+from kvserve.model.stored_parts import StoredParts
+from kvserve.model.stored_weight import StoredWeight
+
+# A module's quantized weight: repacked for the older kernel, or as the file stores it.
+HeldWeight = QuantizedWeight | StoredWeight | StoredParts
 
 
 @dataclass(frozen=True)
@@ -72,20 +77,23 @@ def cpu_weight_packing_supported(dtype: torch.dtype) -> bool:
 
 
 class QuantizedWeightMixin:
-    """Modules whose weight may be held block-quantized (`quant_weight`, see
-    kvserve/model/quantized.py) instead of as a float parameter.
+    """Modules whose weight may be held block-quantized (`quant_weight`) instead of as a
+    float parameter: as the GGUF file stores it (`StoredWeight`, model/stored_weight.py;
+    fused parts as `StoredParts`) or repacked for the older kernel (`QuantizedWeight`,
+    model/quantized.py).
 
     The loader hands over each checkpoint part with `load_quantized`; once all are
     in, `finish_quantized` stacks them into `quant_weight` and drops the float
-    parameter (the weight is held once); parts of fewer bits are widened to the
-    widest part's. Parts that cannot be stacked (different widths) are dequantized
-    into the float weight instead.
+    parameter (the weight is held once): stored parts side by side, each as stored;
+    repacked parts concatenated, those of fewer bits widened to the widest part's (a
+    stored part next to a repacked one is repacked too). Parts that cannot be stacked
+    (different widths) are dequantized into the float weight instead.
     """
 
-    quant_weight: QuantizedWeight | None = None
-    _quant_parts: dict[str | None, QuantizedWeight] | None = None
+    quant_weight: HeldWeight | None = None
+    _quant_parts: dict[str | None, QuantizedWeight | StoredWeight] | None = None
 
-    def load_quantized(self, weight: QuantizedWeight, shard: str | None = None) -> None:
+    def load_quantized(self, weight: QuantizedWeight | StoredWeight, shard: str | None = None) -> None:
         """Keep this rank's part of a quantized checkpoint tensor (one fused part)."""
         if self._quant_parts is None:
             self._quant_parts = {}
@@ -105,14 +113,25 @@ class QuantizedWeightMixin:
             return
         names = self._part_names()
         if set(parts) == set(names):
+            ordered = [parts[name] for name in names]
             try:
-                self.quant_weight = quantized.cat_rows([parts[name] for name in names])
+                if all(isinstance(part, StoredWeight) for part in ordered):
+                    self.quant_weight = stored_parts.stack(ordered)
+                else:
+                    self.quant_weight = quantized.cat_rows([_repacked(part) for part in ordered])
                 self.register_parameter("weight", None)
                 return
             except QuantizationError:
                 pass
         for shard, part in parts.items():
             self.load_weight("weight", part.dequantize(), shard)
+
+
+def _repacked(weight: QuantizedWeight | StoredWeight) -> QuantizedWeight:
+    """`weight` in the older kernel's layout (a StoredWeight repacked, exactly)."""
+    if isinstance(weight, QuantizedWeight):
+        return weight
+    return quantized.from_gguf_blocks(weight.type_name, weight.blocks.numpy(), weight.in_features)
 
 
 class PackableLinearMixin(QuantizedWeightMixin):
@@ -158,6 +177,8 @@ class PackableLinearMixin(QuantizedWeightMixin):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, num_draft_rows: int = 0) -> torch.Tensor:
         """x @ W^T (+ bias); `num_draft_rows` of x's rows are speculative drafts (see `quantized.linear`)."""
+        if isinstance(self.quant_weight, StoredParts):
+            return stored_parts.linear(x, self.quant_weight, bias, num_draft_rows=num_draft_rows)
         if self.quant_weight is not None:
             return quantized.linear(x, self.quant_weight, bias, num_draft_rows=num_draft_rows)
         if self.panel_weight is not None:
@@ -321,7 +342,9 @@ class VocabParallelEmbedding(QuantizedWeightMixin, nn.Module):
         if rows.out_features != count:
             raise QuantizationError(f"embedding: expected {self.vocab_size} rows, got {weight.out_features}")
         padding = self.shard_vocab - count  # zero rows (d = m = 0) for the padded vocabulary
-        if padding:
+        if padding and isinstance(rows, StoredWeight):  # zero bytes: every GGUF block type's zero
+            rows = dataclasses.replace(rows, blocks=F.pad(rows.blocks, (0, 0, 0, padding)))
+        elif padding:
             rows = dataclasses.replace(rows, qs=F.pad(rows.qs, (0, 0, 0, padding)),
                                        d=F.pad(rows.d, (0, 0, 0, padding)), m=F.pad(rows.m, (0, 0, 0, padding)))
         return rows

@@ -301,15 +301,6 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, in_features: int) -> Quant
                            torch.from_numpy(np.ascontiguousarray(m, np.float32)), bits, in_features, type_name)
 
 
-def slice_gguf_columns(type_name: str, raw: np.ndarray, first: int, count: int) -> np.ndarray | None:
-    """The raw bytes of columns first..first+count of every row, or None when the cut
-    is not on block boundaries."""
-    block_bytes, block_cols = _GGUF_LAYOUTS[type_name]
-    if first % block_cols or count % block_cols:
-        return None
-    return raw[:, first // block_cols * block_bytes:(first + count) // block_cols * block_bytes]
-
-
 # ---- the kernel ----------------------------------------------------------------------
 
 _isa_choice: dict[int, str] = {}  # ceiling code -> chosen path
@@ -460,12 +451,29 @@ def keeps_quantized(model_config, device: str | torch.device, kernel_config: Ker
             and torch.device(device).type == "cpu" and kernel_isa(kernel_config) is not None)
 
 
+def stored_types(kernel_config: KernelConfig | None = None) -> frozenset[str]:
+    """The GGUF type names the loader holds as stored (`StoredWeight`): those whose kernels run
+    on the quantized kernel path `kernel_config` picks; it repacks the others the older kernel
+    takes. None with int16 activations (KVSERVE_QUANT_ACT_BITS=16): the stored-block kernels
+    round activations to int8 only."""
+    kernel_config = kernel_config or KernelConfig()
+    isa = kernel_isa(kernel_config)
+    if isa is None or kernel_config.quant_act_bits != 8:
+        return frozenset()
+    return frozenset(name for name in stored_weight.GGML_TYPE_IDS if stored_weight.supported(name, isa))
+
+
+def _kept_types(kernel_config: KernelConfig | None = None) -> frozenset[str]:
+    """GGUF type names some kernel takes as they are (stored) or repacked."""
+    return stored_types(kernel_config) | frozenset(SUPPORTED_GGUF_TYPES)
+
+
 def holds_quantized_weights(model_config, device: str | torch.device,
                             kernel_config: KernelConfig | None = None) -> bool:
     """Whether the loader keeps some of `model_config`'s matrices quantized (`keeps_quantized`
     and the file has a type the kernels take)."""
     return (keeps_quantized(model_config, device, kernel_config)
-            and any(name in SUPPORTED_GGUF_TYPES for name in _file_matrix_types(model_config.path)))
+            and any(name in _kept_types(kernel_config) for name in _file_matrix_types(model_config.path)))
 
 
 def _file_matrix_types(path: str) -> dict[str, int]:
@@ -492,7 +500,7 @@ def default_dtype(path: str, quantization: str, device: str, kernel_config: Kern
     if str(device).split(":")[0] != "cpu" or not path.endswith(".gguf"):  # validated later
         return "float32"
     types = _file_matrix_types(path)
-    kept = {name: n for name, n in types.items() if name in SUPPORTED_GGUF_TYPES}
+    kept = {name: n for name, n in types.items() if name in _kept_types(kernel_config)}
     isa = kernel_isa(kernel_config)
     if quantization == "auto" and kept and isa is not None:
         logger.info("GGUF weights %s kept quantized (%s kernels), activations float32", "/".join(sorted(kept)), isa)

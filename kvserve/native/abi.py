@@ -25,13 +25,17 @@ KV_DTYPE_CODES = {**DTYPE_CODES, torch.float16: 2}
 F32_PANELS = 2
 # Block tables one step may carry (MAX_GROUPS in csrc/decoder/fused_decoder.c).
 MAX_GROUPS = 8
+# GGUF tensors one NativeLinear may stack (q, k, v: model/stored_parts.py).
+MAX_PARTS = 3
 
 
 class NativeLinear(ctypes.Structure):
-    """One projection: block-quantized (qs, d, m) or a plain/panel weight `w`."""
+    """One projection: block-quantized (qs, d, m), a plain/panel weight `w`, or GGUF blocks as
+    stored (`num_parts` tensors stacked by rows)."""
     _fields_ = [("qs", _ptr), ("d", _ptr), ("m", _ptr), ("w", _ptr), ("bias", _ptr), ("out", _i64), ("in_", _i64),
                 ("bits", _i32), ("act_bits", _i32), ("isa", _i32), ("w_dtype", _i32), ("panel_isa", _i32),
-                ("zero_min", _i32)]
+                ("zero_min", _i32), ("num_parts", _i32), ("part_type", _i32 * MAX_PARTS),
+                ("part_blocks", _ptr * MAX_PARTS), ("part_end", _i64 * MAX_PARTS)]
 
 
 class NativeLayer(ctypes.Structure):
@@ -120,7 +124,8 @@ SIGNATURES = {
     "kvserve_bf16_round_rows": ([_ptr, _i64, _i64, _i64, _ptr], None),
     "kvserve_bf16_linear_rows": ([_ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int, _i64, _i64], None),
     "kvserve_mamba2_decode_step": ([_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr,
-                                    _f32, _f32, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _int], _int),
+                                    _f32, _f32, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _int, _int],
+                                   _int),
     "kvserve_gated_delta_step": ([_ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64,
                                   _i64, _i64, _i64, _ptr, _ptr, _i64, _int], _int),
     "kvserve_apply_token_bitmask": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _int], _int),
@@ -147,7 +152,7 @@ PROBE_EXPORTS = ("kvserve_cpuid_features", "kvserve_xcr0", "kvserve_request_amx_
 # The structs csrc/cpu/abi_layout.c reports, in its order, and the constants after them.
 LAYOUT_STRUCTS = (NativeLinear, NativeLayer, NativeModel, NativeStep, NativeTokenMask, NativeLogits, ShmAllReduce)
 LAYOUT_CONSTANTS = {"MAX_GROUPS": MAX_GROUPS, "F32_PANELS": F32_PANELS, "ISA_COUNT": len(isa.ISAS),
-                    "KV_KERNEL_COUNT": len(isa.KERNELS)}
+                    "KV_KERNEL_COUNT": len(isa.KERNELS), "MAX_PARTS": MAX_PARTS}
 
 
 class AbiMismatchError(RuntimeError):

@@ -1,7 +1,9 @@
 """The native decoder on steps of 9 to 128 tokens (batched decode, mixed prefill and
 decode steps) over quantized weights, against the per-op torch path of the same model:
-greedy tokens identical and logits within rounding, on every panel-GEMM path, with the
-rows and the attention shared out over threads; and the step sizes it must decline."""
+greedy tokens identical and logits within rounding, with the rows and the attention shared
+out over threads, for weights held as stored (csrc/linear/gguf_rows.c, int8 activations) and
+repacked (int16 activations: the panel GEMM on every path it has); and the step sizes it
+must decline."""
 from __future__ import annotations
 
 import pytest
@@ -47,10 +49,16 @@ def step_sizes(monkeypatch):
     return record_step_sizes(monkeypatch)
 
 
+# Kernel switches that hold the weights repacked for the older kernels (and its panel GEMM):
+# the stored-block kernels take int8 activations only.
+REPACKED = {"quant_act_bits": 16}
+
+
 def _run(path: str, prompts, new_tokens: int, chunk: int, native: bool, isa: str | None = None,
-         threads: int | None = None, follow=None):
+         threads: int | None = None, follow=None, **switches):
     """`run_greedy` on the model at `path`, native or per-op; `follow`: another run's tokens."""
-    model = load_model(ModelConfig.from_path(path), kernel_config=env_kernels(**({"quant_isa": isa} if isa else {})))
+    model = load_model(ModelConfig.from_path(path),
+                       kernel_config=env_kernels(**({"quant_isa": isa} if isa else {}), **switches))
     if not native:
         model._native = None  # decided: the torch path
     elif threads:
@@ -65,15 +73,20 @@ def _assert_same(ours, ref) -> None:
     assert_same_greedy(ours, ref, MAX_LOGIT_DIFF)
 
 
+@pytest.mark.parametrize("layout", ["stored", "repacked"])
 @pytest.mark.parametrize("isa", PANEL_PATHS)
-def test_batched_and_mixed_steps_match_the_torch_path(gguf_path, step_sizes, isa):
+def test_batched_and_mixed_steps_match_the_torch_path(gguf_path, step_sizes, isa, layout):
     """12 requests, prompt chunks of 4: the first steps mix prefill chunks of several
     requests (up to 48 tokens), later ones mix the last chunks with decodes, then 12-token
-    decode steps over cached context; threads 2 share out panels and attention tokens."""
+    decode steps over cached context; threads 2 share out rows (panels where repacked) and
+    attention tokens."""
     path = gguf_path("llama", QType.Q4_1)
+    switches = REPACKED if layout == "repacked" else {}
+    if layout == "stored" and "Q4_1" not in quantized.stored_types(env_kernels(quant_isa=isa)):
+        pytest.skip(f"Q4_1 is not held as stored on the {isa} path")
     prompts = random_prompts(12, seed=1)
-    ref = _run(path, prompts, 24, chunk=4, native=False, isa=isa)
-    ours = _run(path, prompts, 24, chunk=4, native=True, isa=isa, threads=2, follow=ref[0])
+    ref = _run(path, prompts, 24, chunk=4, native=False, isa=isa, **switches)
+    ours = _run(path, prompts, 24, chunk=4, native=True, isa=isa, threads=2, follow=ref[0], **switches)
     assert max(step_sizes) > 16 and sum(size > 8 for size in step_sizes) >= 20
     _assert_same(ours, ref)
 
@@ -97,7 +110,10 @@ def test_steps_past_the_limit_and_plain_weights_are_declined(gguf_path, step_siz
     ours = _run(path, prompts, 2, chunk=1000, native=True, follow=ref[0])
     assert step_sizes == [1]  # only the decode step after the prompt
     _assert_same(ours, ref)
-    no_panel = load_model(ModelConfig.from_path(path), kernel_config=env_kernels(quant_panel_rows=0))
+    no_panel = load_model(ModelConfig.from_path(path), kernel_config=env_kernels(quant_panel_rows=0, **REPACKED))
     assert native_decoder.NativeDecoder.for_model(no_panel).max_tokens == native_decoder.SMALL_STEP_TOKENS
+    if quantized.stored_types(env_kernels()):  # stored weights: the row kernel takes every step size
+        stored = load_model(ModelConfig.from_path(path), kernel_config=env_kernels(quant_panel_rows=0))
+        assert native_decoder.NativeDecoder.for_model(stored).max_tokens == native_decoder.MAX_TOKENS
     plain = load_model(ModelConfig.from_path(save_tiny_model("llama", tmp_path / "llama")), kernel_config=env_kernels())
     assert native_decoder.NativeDecoder.for_model(plain).max_tokens == native_decoder.SMALL_STEP_TOKENS

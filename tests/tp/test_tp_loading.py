@@ -63,8 +63,8 @@ def test_each_rank_reads_only_its_shard(checkpoints, source, tp_size):
 
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_each_rank_holds_its_shard_quantized(checkpoints, tp_size):
-    """With quantization auto each rank repacks only its rows / its block-aligned columns of
-    the Q8_0 matrices: they dequantize to exactly the float shard the rank would keep
+    """With quantization auto each rank holds (as stored, or repacked) only its rows / its
+    block-aligned columns of the Q8_0 matrices: they dequantize to exactly the float shard the rank would keep
     (column shards narrower than a block are dequantized instead)."""
     from kvserve.model import quantized
     if quantized.kernel_isa() is None:

@@ -1,4 +1,4 @@
-"""Qwen3-Next and Qwen3.5 tiny hybrids (Gated DeltaNet state groups + full attention) through
+"""Qwen3-Next, Qwen3.5 and Qwen3.5-MoE tiny hybrids (Gated DeltaNet state groups + full attention) through
 the real scheduler, KV manager, ModelRunner and model: greedy tokens equal transformers'
 `generate` in float32 with chunked prefill, prefix-cache hits restoring states, preemption
 and async scheduling, and a three-turn chat gives the same tokens with prefix caching on
@@ -14,7 +14,8 @@ import torch
 import transformers
 
 from engine_helpers import assert_pool_whole, greedy_params, make_engine, run_to_completion
-from helpers.tiny_models import min_router_margin, random_token_prompts, tiny_gated_deltanet_config
+from helpers.tiny_models import (GATED_DELTANET_FAMILIES, min_router_margin, random_token_prompts,
+                                 tiny_gated_deltanet_config)
 from helpers.toy_recurrent import state_group_hit_blocks
 from tiny_models import load_reference, reference_greedy
 
@@ -35,13 +36,16 @@ def _clear_of_ties(reference, prompt: list[int], tokens: list[int]) -> bool:
 def _kept(reference, candidates: list[list[int]], limit: int) -> list[tuple[list[int], list[int]]]:
     """Up to `limit` (prompt, transformers' greedy tokens) of the candidates clear of ties."""
     kept = []
-    for prompt, tokens in zip(candidates, reference_greedy(reference, candidates, MAX_TOKENS)):
-        if len(kept) < limit and _clear_of_ties(reference, prompt, tokens):
+    for prompt in candidates:
+        if len(kept) == limit:
+            break
+        tokens = reference_greedy(reference, [prompt], MAX_TOKENS)[0]
+        if _clear_of_ties(reference, prompt, tokens):
             kept.append((prompt, tokens))
     return kept
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5"])
+@pytest.fixture(scope="module", params=GATED_DELTANET_FAMILIES)
 def model_and_prompts(request, tmp_path_factory):
     """(model directory, transformers model, prompts clear of ties, their greedy tokens, how
     many of them come first and are distinct): up to 4 distinct prompts of 2 to 40 tokens,
@@ -53,10 +57,10 @@ def model_and_prompts(request, tmp_path_factory):
     reference = load_reference(path)
     if getattr(config, "num_experts", 0):
         reference.set_experts_implementation("eager")
-    distinct = _kept(reference, random_token_prompts(VOCAB, 6, 2, 40, seed=1), 4)
-    for seed in range(2, 6):
+    distinct = _kept(reference, random_token_prompts(VOCAB, 20, 2, 40, seed=1), 4)
+    for seed in range(2, 10):
         prefix = random_token_prompts(VOCAB, 1, 21, 21, seed=seed)[0]
-        shared = _kept(reference, random_token_prompts(VOCAB, 4, 1, 9, seed=seed, shared_prefix=prefix), 3)
+        shared = _kept(reference, random_token_prompts(VOCAB, 6, 1, 9, seed=seed, shared_prefix=prefix), 3)
         if len(shared) >= 2:
             break
     assert len(distinct) >= 3 and len(shared) >= 2, "too few prompts clear of ties"
@@ -112,14 +116,31 @@ def test_hybrid_engine_preemption_matches_transformers(model_and_prompts):
         core.shutdown()
 
 
+def _chat_clear_of_ties(reference, first: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+    """Three chat messages starting with `first` whose every turn (the previous prompt, its
+    answer and the next message) is clear of ties under transformers, and its answers: the
+    first of a few drawn follow-ups."""
+    for seed in range(7, 27):
+        messages = [first] + random_token_prompts(VOCAB, 2, 9, 13, seed=seed)
+        history, answers = [], []
+        for message in messages:
+            prompt = history + message
+            answers.append(reference_greedy(reference, [prompt], MAX_TOKENS)[0])
+            if not _clear_of_ties(reference, prompt, answers[-1]):
+                break
+            history = prompt + answers[-1]
+        else:
+            return messages, answers
+    raise AssertionError("no three-turn chat clear of ties")
+
+
 def test_three_turn_chat_same_tokens_with_prefix_caching_on_and_off(model_and_prompts):
-    """Each turn's prompt is the previous prompt, its answer and a new message. With caching
-    on, turns 2 and 3 restore states from snapshots (hits on the state group); with it off
-    none. Both give transformers' greedy tokens, so the same ones (the turns used are clear
-    of ties under transformers)."""
+    """Each turn's prompt is the previous prompt, its answer and a new message (a chat whose
+    turns are all clear of ties under transformers). With caching on, turns 2 and 3 restore
+    states from snapshots (hits on the state group); with it off none. Both give
+    transformers' greedy answers, so the same ones."""
     path, reference, prompts, _, _ = model_and_prompts
-    messages = [prompts[0]] + random_token_prompts(VOCAB, 2, 9, 13, seed=7)
-    results = {}
+    messages, expected = _chat_clear_of_ties(reference, prompts[0])
     for caching in (True, False):
         core = make_engine(path, enable_prefix_caching=caching, max_num_batched_tokens=16)
         try:
@@ -129,17 +150,12 @@ def test_three_turn_chat_same_tokens_with_prefix_caching_on_and_off(model_and_pr
                 answer = run_to_completion(core, [prompt], greedy_params(MAX_TOKENS), first_id=turn)[str(turn)]
                 answers.append(answer)
                 history = prompt + answer
-            results[caching] = (answers, state_group_hit_blocks(core), core.get_stats().prefix_cache_hits)
+            assert answers == expected
             assert_pool_whole(core)
+            hits, prefix_hits = state_group_hit_blocks(core), core.get_stats().prefix_cache_hits
         finally:
             core.shutdown()
-    (answers_on, hits_on, prefix_hits_on), (answers_off, hits_off, prefix_hits_off) = results[True], results[False]
-    assert hits_on[0] >= 2 and prefix_hits_on > 0
-    assert hits_off == [0] and prefix_hits_off == 0
-    assert answers_on == answers_off
-    history = []
-    for message, answer in zip(messages, answers_on):
-        prompt = history + message
-        if _clear_of_ties(reference, prompt, answer):
-            assert answer == reference_greedy(reference, [prompt], MAX_TOKENS)[0]
-        history = prompt + answer
+        if caching:
+            assert hits[0] >= 2 and prefix_hits > 0
+        else:
+            assert hits == [0] and prefix_hits == 0

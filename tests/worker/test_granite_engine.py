@@ -118,3 +118,31 @@ def test_granite_engine_preemption_matches_transformers(dense_model):
         assert core.get_stats().num_preemptions > 0
     finally:
         core.shutdown()
+
+
+def test_three_turn_chat_same_tokens_with_prefix_caching_on_and_off(dense_model):
+    """A 3-turn chat (each prompt: the previous prompt, its answer and a new user message) gives
+    transformers' greedy answers with prefix caching on and off; with it on, turns 2 and 3
+    restore the state group from snapshots of the earlier turns. Every answer is checked clear of
+    ties (a near-tie could go either way between two float32 paths)."""
+    path, _, _ = dense_model
+    reference = load_reference(path)
+    turns = random_token_prompts(VOCAB, 3, 11, 29, seed=7)
+    answers_by_setting = {}
+    for caching in (True, False):
+        core = make_engine(path, enable_prefix_caching=caching, max_num_batched_tokens=16)
+        try:
+            history, answers = [], []
+            for turn, user in enumerate(turns):
+                prompt = history + user
+                answer = run_to_completion(core, [prompt], greedy_params(MAX_TOKENS), first_id=turn)[str(turn)]
+                assert answer == _greedy_clear_of_ties(reference, prompt, experts=False), (caching, turn)
+                answers.append(answer)
+                history = prompt + answer
+            hit_blocks = state_group_hit_blocks(core)
+            assert_pool_whole(core)
+        finally:
+            core.shutdown()
+        answers_by_setting[caching] = answers
+        assert (sum(hit_blocks) >= 2) if caching else hit_blocks == [0], (caching, hit_blocks)
+    assert answers_by_setting[True] == answers_by_setting[False]

@@ -17,7 +17,8 @@ static const int64_t LAYOUT[] = {
     SIZE(NativeLinear), AT(NativeLinear, qs), AT(NativeLinear, d), AT(NativeLinear, m), AT(NativeLinear, w),
     AT(NativeLinear, bias), AT(NativeLinear, out), AT(NativeLinear, in), AT(NativeLinear, bits),
     AT(NativeLinear, act_bits), AT(NativeLinear, isa), AT(NativeLinear, w_dtype), AT(NativeLinear, panel_isa),
-    AT(NativeLinear, zero_min),
+    AT(NativeLinear, zero_min), AT(NativeLinear, num_parts), AT(NativeLinear, part_type),
+    AT(NativeLinear, part_blocks), AT(NativeLinear, part_end),
 
     SIZE(NativeLayer), AT(NativeLayer, qkv), AT(NativeLayer, o), AT(NativeLayer, gate_up), AT(NativeLayer, down),
     AT(NativeLayer, input_norm), AT(NativeLayer, post_attention_norm), AT(NativeLayer, pre_feedforward_norm),
@@ -51,7 +52,7 @@ static const int64_t LAYOUT[] = {
     AT(ShmAllReduce, timeout_ns), AT(ShmAllReduce, rank), AT(ShmAllReduce, world), AT(ShmAllReduce, error),
     AT(ShmAllReduce, unused),
 
-    MAX_GROUPS, F32_PANELS, ISA_COUNT, KV_KERNEL_COUNT,
+    MAX_GROUPS, F32_PANELS, ISA_COUNT, KV_KERNEL_COUNT, MAX_PARTS,
 };
 
 /* Writes up to `capacity` entries of the layout into `out`; returns how many there are. */

@@ -22,7 +22,7 @@
  * activation, quantizing the activations) are cheap at these sizes, so every
  * thread computes them itself into its own buffers rather than wait for one.
  *
- * Every step reuses the kernels of the per-op path (quant_linear.c,
+ * Every step reuses the kernels of the per-op path (quant_linear.c, gguf_rows.c,
  * small_linear.c, fused_ops.c, paged_attention.c) on the same inputs, so the
  * result equals the torch path's up to the order of float32 sums where that
  * path would pick oneDNN instead. Activations are float32; the KV cache may be
@@ -105,11 +105,14 @@ static void split_rows(int64_t out, int64_t unit, int tid, int nthreads, int64_t
 
 /* How a linear multiplies a step's rows; the paths differ in what they prepare from x
  * and in the unit of rows they share out. PATH_SINGLE_ROWS: a verify step whose only plain
- * token is the first, each row multiplied as a step of one token (the single-row kernel's sums). */
-enum { PATH_PANEL, PATH_SINGLE_ROWS, PATH_QUANT, PATH_BF16, PATH_F32, PATH_F32_PANELS };
+ * token is the first, each row multiplied as a step of one token (the single-row kernel's sums).
+ * PATH_GGUF: GGUF blocks as stored (gguf_rows.c), whose every row gets the sums a step of one
+ * token gives it, whatever the step's size. */
+enum { PATH_PANEL, PATH_SINGLE_ROWS, PATH_QUANT, PATH_BF16, PATH_F32, PATH_F32_PANELS, PATH_GGUF };
 
 /* The path of a step of T rows whose kernel is that of a step of `plain_rows` tokens (T less its drafts). */
 static int linear_path(const NativeModel *m, const NativeLinear *l, int64_t T, int64_t plain_rows) {
+    if (l->num_parts) return PATH_GGUF;
     if (l->qs && l->panel_isa >= 0 && m->panel_rows && plain_rows >= m->panel_rows) return PATH_PANEL;
     if (l->qs && plain_rows == 1 && T > 1 && kvserve_quant_single_row_kernel(l->act_bits, l->isa))
         return PATH_SINGLE_ROWS;
@@ -142,15 +145,31 @@ static void linear_prepare(const NativeLinear *l, int path, const float *x, int6
                                       single_row_scales(l, p, t));
     else if (path == PATH_QUANT)
         kvserve_quant_activations(x, l->in, T, l->in, l->act_bits, p->qx, p->scales);
+    else if (path == PATH_GGUF)
+        kvserve_quant_activations(x, l->in, T, l->in, 8, p->qx, p->scales);
     else /* bf16_rows.c: x rounded to bfloat16 into this thread's buffer */
         kvserve_bf16_round_rows(x, l->in, T, l->in, (uint16_t *)p->qx);
     phase_mark(&p->timer, PHASE_QUANTIZE);
 }
 
+/* Rows [begin, end) of y [T, out] = x [T, in] W^T (+ bias) for GGUF blocks as stored: each
+ * part's share of them, by its own type's kernel. */
+static void gguf_range(const NativeLinear *l, const Private *p, int64_t T, float *y, int64_t begin, int64_t end) {
+    int64_t first = 0;
+    for (int i = 0; i < l->num_parts; first = l->part_end[i++]) {
+        const int64_t b = begin > first ? begin : first, e = end < l->part_end[i] ? end : l->part_end[i];
+        if (b < e)
+            kvserve_gguf_rows((const int8_t *)p->qx, p->scales, T, l->part_blocks[i], l->part_type[i], l->in,
+                              l->bias ? l->bias + first : NULL, y + first, l->out, l->isa, b - first, e - first);
+    }
+}
+
 /* Rows [begin, end) of y [T, out] = x [T, in] W^T (+ bias), after linear_prepare. */
 static void linear_range(const NativeLinear *l, int path, const float *x, int64_t T, Private *p, float *y,
                          int64_t begin, int64_t end) {
-    if (path == PATH_PANEL) {
+    if (path == PATH_GGUF) {
+        gguf_range(l, p, T, y, begin, end);
+    } else if (path == PATH_PANEL) {
         kvserve_quant_gemm_rows(p->qx, T, l->qs, l->d, l->m, l->bits, l->in, l->bias, y, l->out, l->panel_isa, begin,
                                 end, p->panel);
     } else if (path == PATH_SINGLE_ROWS) {
@@ -663,7 +682,9 @@ static void embed_tokens(const NativeModel *m, const NativeStep *st, float *out)
     for (int64_t t = 0; t < st->num_tokens; t++) {
         float *row = out + t * H;
         const int64_t id = st->token_ids[t];
-        if (e->qs)
+        if (e->num_parts)
+            kvserve_gguf_dequantize(e->part_blocks[0], e->part_type[0], H, &id, 1, row, F32);
+        else if (e->qs)
             kvserve_quant_row_values(e->qs, e->d, e->m, e->bits, H, id, row);
         else if (e->w_dtype == BF16)
             for (int64_t i = 0; i < H; i++) row[i] = bf16_value(((const uint16_t *)e->w)[id * H + i]);

@@ -12,12 +12,15 @@
 
 #define MAX_GROUPS 8 /* KV-cache groups (block tables) one step may carry */
 #define F32_PANELS 2 /* NativeLinear.w_dtype: float32 packed in f32_gemm.c's panels of 16 rows */
+#define MAX_PARTS 3  /* NativeLinear.num_parts: GGUF tensors stacked as one projection (q, k, v) */
 
 /* ---- shared structs ----------------------------------------------------------------- */
 
 /* One weight matrix [out, in]: block-quantized (qs != NULL, layout of quant_linear.c),
- * plain (w) float32 or bfloat16 (w_dtype), or float32 in f32_gemm.c's panels (w_dtype
- * F32_PANELS). bias is float32 or NULL. */
+ * plain (w) float32 or bfloat16 (w_dtype), float32 in f32_gemm.c's panels (w_dtype
+ * F32_PANELS), or GGUF blocks as stored (num_parts > 0, gguf_rows.c): num_parts tensors
+ * stacked by rows, part i of ggml type part_type[i] holding rows [part_end[i - 1],
+ * part_end[i]) in part_blocks[i] (isa: gguf_rows.c's path). bias is float32 or NULL. */
 typedef struct {
     const uint8_t *qs;
     const float *d, *m;
@@ -27,6 +30,10 @@ typedef struct {
     int32_t bits, act_bits, isa, w_dtype; /* isa: the quantized, bf16_rows.c or f32_gemm.c path */
     int32_t panel_isa;                    /* the panel GEMM's path (quant_gemm.c), -1: none */
     int32_t zero_min;                     /* every m is 0 (Q8_0): the row kernels skip reading m */
+    int32_t num_parts;                    /* GGUF blocks as stored: how many parts (0: not stored) */
+    int32_t part_type[MAX_PARTS];
+    const uint8_t *part_blocks[MAX_PARTS];
+    int64_t part_end[MAX_PARTS];
 } NativeLinear;
 
 typedef struct {
@@ -161,7 +168,7 @@ int kvserve_mamba2_decode_step(const float *xbc, int64_t xbc_stride, const float
                                const float *dt_bias, const float *a, const float *d, float dt_min, float dt_max,
                                int64_t batch, int64_t num_heads, int64_t head_dim, int64_t n_state,
                                int64_t n_groups, int64_t kernel, float *scratch, float *y, int64_t y_stride,
-                               int isa);
+                               int isa, int num_threads);
 
 /* ---- ssm/gated_delta_step.c ---------------------------------------------------------------- */
 
