@@ -1,6 +1,7 @@
 """The native decoder on steps of 9 to 128 tokens (batched decode, mixed prefill and
-decode steps) over quantized weights, against the per-op torch path of the same model:
-greedy tokens identical and logits within rounding, with the rows and the attention shared
+decode steps) over quantized weights, against the per-op torch path of the same model, both
+fed the same tokens (teacher forcing) and each within the activation-rounding bound of the
+float32 model (the GGUF dequantized), with the rows and the attention shared
 out over threads, for weights held as stored (csrc/linear/gguf_rows.c, int8 activations) and
 repacked (int16 activations: the panel GEMM on every path it has); and the step sizes it
 must decline."""
@@ -24,8 +25,15 @@ from gguf import GGMLQuantizationType as QType  # noqa: E402
 from helpers.gguf_writer import write_gguf  # noqa: E402
 
 PANEL_PATHS = [path for path in isa_table.ISAS if dispatch.available("quant_gemm", path)]
-# Native and per-op steps of 9-63 tokens run the same panel GEMM on the same rows; the
-# element-wise float32 kernels are shared too: only rounding-level differences.
+# No fixed bound between the two paths: both run the same matmul kernels on the same rows,
+# but what they round to int8/int16 per block comes out of float code of another order
+# (RMSNorm, RoPE, attention in C against torch), so an input within float32 rounding of the
+# middle between two steps rounds one step apart (seen on Intel Xeons, not on AMD Zen 5). So
+# each path's logits must lie within the bound that activation rounding allows of the float32
+# model (tests/helpers/activation_rounding.py, derived per run), the two within twice it.
+# Weights held repacked (int16 activations) take the panel GEMM from 4 rows, which rounds
+# weights and inputs to bfloat16 on AVX-512; that rounding is not modelled yet, so there the
+# two paths are compared directly, within float32 rounding of each other (MAX_LOGIT_DIFF).
 MAX_LOGIT_DIFF = 1e-4
 
 
@@ -67,10 +75,33 @@ def _run(path: str, prompts, new_tokens: int, chunk: int, native: bool, isa: str
     return run_greedy(PagedRunner(model, block_size=4), prompts, new_tokens, chunk=chunk, follow=follow)
 
 
-def _assert_same(ours, ref) -> None:
+def _assert_same(ours, ref, path: str, prompts: dict[str, list[int]], **switches) -> None:
     """`ours` ran following `ref`'s greedy tokens (teacher forcing: a near-tie between two
-    float orders is no failure)."""
-    assert_same_greedy(ours, ref, MAX_LOGIT_DIFF)
+    float orders is no failure); each within the activation-rounding bound of the float32
+    model run on the same tokens, so within twice it of each other."""
+    import torch
+    from helpers.activation_rounding import max_deviation, quantized_half_steps, rounding_bound
+    from paged_kv_helper import every_token_logits
+
+    (tokens, logits), (ref_tokens, ref_logits) = ours, ref
+    if switches.get("quant_act_bits") == 16:  # repacked: see MAX_LOGIT_DIFF
+        assert_same_greedy(ours, ref, MAX_LOGIT_DIFF)
+        return
+    assert tokens == ref_tokens
+    held = load_model(ModelConfig.from_path(path), kernel_config=env_kernels(**switches))
+    plain = load_model(ModelConfig.from_path(path, quantization="none", dtype="float32"))
+    plain._native = None  # decided: the per-op path, in float32
+    sequences = {r: prompt + tokens[r][:-1] for r, prompt in prompts.items()}
+    prompt_lens = {r: len(prompt) for r, prompt in prompts.items()}
+    reference, bound = rounding_bound(plain, quantized_half_steps(plain, held),
+                                      lambda model: every_token_logits(model, sequences, prompt_lens))
+    stacked = [{r: torch.stack(rows) for r, rows in run.items()} for run in (logits, ref_logits)]
+    assert max(max_deviation(run, reference) for run in stacked) <= bound
+    assert max_deviation(*stacked) <= 2 * bound
+    # The bound still tells a broken path apart (a wrong weight or a skipped layer moves logits
+    # by their whole range): int8 rounding on this random tiny model (large init, 24 decode
+    # steps) draws up to about a quarter of the range, int16 far less.
+    assert bound < 0.5 * min((ref.amax(-1) - ref.amin(-1)).min().item() for ref in reference.values())
 
 
 @pytest.mark.parametrize("layout", ["stored", "repacked"])
@@ -88,7 +119,7 @@ def test_batched_and_mixed_steps_match_the_torch_path(gguf_path, step_sizes, isa
     ref = _run(path, prompts, 24, chunk=4, native=False, isa=isa, **switches)
     ours = _run(path, prompts, 24, chunk=4, native=True, isa=isa, threads=2, follow=ref[0], **switches)
     assert max(step_sizes) > 16 and sum(size > 8 for size in step_sizes) >= 20
-    _assert_same(ours, ref)
+    _assert_same(ours, ref, path, prompts, quant_isa=isa, **switches)
 
 
 @pytest.mark.parametrize("family,qtype", [("llama", QType.Q8_0), ("qwen2", QType.Q4_0)])
@@ -98,7 +129,7 @@ def test_forty_sequences_decoding_together(gguf_path, step_sizes, family, qtype)
     ref = _run(path, prompts, 12, chunk=1, native=False)
     ours = _run(path, prompts, 12, chunk=1, native=True, follow=ref[0])  # chunk 1: one token per request and step
     assert step_sizes.count(40) >= 14 and max(step_sizes) == 40  # until the shortest request ends
-    _assert_same(ours, ref)
+    _assert_same(ours, ref, path, prompts)
 
 
 def test_steps_past_the_limit_and_plain_weights_are_declined(gguf_path, step_sizes, tmp_path):
@@ -109,7 +140,7 @@ def test_steps_past_the_limit_and_plain_weights_are_declined(gguf_path, step_siz
     ref = _run(path, prompts, 2, chunk=1000, native=False)
     ours = _run(path, prompts, 2, chunk=1000, native=True, follow=ref[0])
     assert step_sizes == [1]  # only the decode step after the prompt
-    _assert_same(ours, ref)
+    _assert_same(ours, ref, path, prompts)
     no_panel = load_model(ModelConfig.from_path(path), kernel_config=env_kernels(quant_panel_rows=0, **REPACKED))
     assert native_decoder.NativeDecoder.for_model(no_panel).max_tokens == native_decoder.SMALL_STEP_TOKENS
     if quantized.stored_types(env_kernels()):  # stored weights: the row kernel takes every step size
