@@ -44,12 +44,20 @@ def run(args: argparse.Namespace) -> int:
     _resolve_zoo_model(args)
     environment = environment_info()
     result = _RUNNERS[name](args)
+    if name in BOUNDED_COMMANDS:
+        _with_bandwidth_bound(result, args)
     environment["load_average_1m_end"] = _load_average()
     # torch is imported by the benchmark itself; its version and threads are known only now.
     environment.update({k: v for k, v in environment_info().items() if k.startswith(("torch", "cuda"))})
     payload = {"benchmark": name, "environment": environment, "result": result}
     formatter, plotter = FORMATTERS[name]
     print(formatter(result))
+    bound = result.get("bandwidth_bound") or result.get("model_file")
+    if bound and "skipped" not in bound:
+        print(f"\nbandwidth bound: {bound['single_sequence_tokens_per_s']:.1f} tok/s per sequence "
+              f"({bound['weight_bytes_per_token'] / 1e6:.1f} MB of weights read per token from {bound['model']}, "
+              f"{bound['read_bandwidth_gb_per_s']:.1f} GB/s read); each rate's share of it is in the JSON "
+              f"(*_pct_of_bound)")
     busiest = max(environment.get("load_average_1m", 0.0), environment["load_average_1m_end"])
     if busiest > (environment.get("cpu_count") or 1):
         print(f"\nnote: load average {busiest:.1f} on {environment.get('cpu_count')} CPUs while measuring: "
@@ -67,6 +75,21 @@ def run(args: argparse.Namespace) -> int:
                      "single-stream ceiling": result["ceilings"]["single_stream_tokens_per_s"]}
         print(f"plot: {bar_plot(png_path, labels, values, title=title, ylabel=ylabel, reference_lines=lines)}")
     return 0
+
+
+# Commands whose results hold output-token rates (single stream, batched, serving): each
+# rate gets its memory-bandwidth bound and the share of it reached (bench/bandwidth_bound.py).
+BOUNDED_COMMANDS = ("throughput", "compare", "serve", "serve-compare", "host", "profile", "spec")
+
+
+def _with_bandwidth_bound(result: dict[str, Any], args: argparse.Namespace) -> None:
+    from kvserve.bench import bandwidth_bound
+    from kvserve.bench.model_info import resolve_model_path
+
+    model = getattr(args, "model", None)
+    # Engine commands run the default model without --model; a served model is named only by --model.
+    path = resolve_model_path(model) if model or args.bench_command != "serve" else None
+    bandwidth_bound.attach(result, path, getattr(args, "roofline_json", None))
 
 
 def _resolve_zoo_model(args: argparse.Namespace) -> None:
@@ -112,9 +135,14 @@ def _run_roofline(args: argparse.Namespace) -> dict[str, Any]:
                              head_dim=16, vocab_size=256)
     else:
         shapes = model_shapes(resolve_model_path(args.model))
-    return roofline.run(shapes, dtypes=name_list(args.dtypes), batch_sizes=int_list(args.batch_sizes),
-                        bandwidth_bytes=args.bandwidth_mib << 20, repeats=args.repeats, device=args.device,
-                        num_threads=args.threads, kernels=name_list(args.kernels))
+    result = roofline.run(shapes, dtypes=name_list(args.dtypes), batch_sizes=int_list(args.batch_sizes),
+                          bandwidth_bytes=args.bandwidth_mib << 20, repeats=args.repeats, device=args.device,
+                          num_threads=args.threads, kernels=name_list(args.kernels))
+    if not args.tiny:
+        from kvserve.bench import bandwidth_bound
+        result["model_file"] = bandwidth_bound.bound(resolve_model_path(args.model), result["read_bandwidth_gb_per_s"],
+                                                     "measured by this run")
+    return result
 
 
 def _run_serve(args: argparse.Namespace) -> dict[str, Any]:

@@ -54,6 +54,9 @@ def _add_roofline_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL on loopback")
+    parser.add_argument("--roofline-json", default=None, metavar="PATH",
+                        help="a `kvserve bench roofline` result whose read bandwidth the bound uses "
+                             "(default: measured by this run)")
     parser.add_argument("--served-model", default=None, help="model name to send (default: first of /v1/models)")
     parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -68,6 +71,16 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     parser.add_argument("--trace-out", default=None, metavar="JSONL",
                         help="write the run as a trace for `kvserve plan --trace` (send times, token counts)")
+
+
+def _add_served_model_file_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, metavar="PATH",
+                        help="the model file the server runs: each rate gets its memory-bandwidth bound")
+
+
+def _add_serve_only_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_serve_arguments(parser)
+    _add_served_model_file_argument(parser)
 
 
 def _add_serve_compare_arguments(parser: argparse.ArgumentParser) -> None:
@@ -286,7 +299,7 @@ def name_list(text: str) -> list[str]:
 COMMANDS = {
     "roofline": (_add_roofline_arguments, "matmul GFLOP/s and memory bandwidth, and the model's tokens/s ceilings"),
     "throughput": (_add_throughput_arguments, "offline throughput of kvserve.LLM on fixed and mixed workloads"),
-    "serve": (_add_serve_arguments, "latency and throughput of an OpenAI-compatible server on loopback"),
+    "serve": (_add_serve_only_arguments, "latency and throughput of an OpenAI-compatible server on loopback"),
     "serve-compare": (_add_serve_compare_arguments, "kvserve serve against llama.cpp's server, same client"),
     "prefix": (_add_prefix_arguments, "TTFT and prefill tokens with prefix caching off, on, and partial-block"),
     "compare": (_add_compare_arguments, "kvserve against transformers (and llama.cpp, vLLM when importable)"),

@@ -59,24 +59,18 @@ def split_gguf_path(model_path: str) -> tuple[str, str | None]:
     return model_path, None
 
 
-def load_hf_config(model_path: str):
-    from transformers import AutoConfig
-
-    directory, gguf_file = split_gguf_path(model_path)
-    return AutoConfig.from_pretrained(directory, gguf_file=gguf_file) if gguf_file else \
-        AutoConfig.from_pretrained(directory)
-
-
 def model_shapes(model_path: str) -> ModelShapes:
-    """The shapes of the model at `model_path` (HF directory or .gguf file)."""
-    config = load_hf_config(model_path)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    """The shapes of the model at `model_path` (HF directory or .gguf file), as kvserve reads
+    them (`ModelConfig`: every architecture it loads, GGUF included)."""
+    from kvserve.model.config import ModelConfig
+
+    config = ModelConfig.from_path(model_path)
     return ModelShapes(
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
-        num_layers=config.num_hidden_layers,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        head_dim=head_dim,
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
         vocab_size=config.vocab_size,
     )

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import time
 
 import torch
@@ -71,8 +72,10 @@ MAX_TOKENS = 128
 _PARALLEL_MIN_LAYER_BYTES = 256 * 1024
 
 # The head waits at most this long for a grammar mask's fill (the mask thread always
-# publishes, even when the fill fails: this bounds a bug, not a normal step).
-_MASK_TIMEOUT_NS = 2_000_000_000
+# publishes, even when the fill fails: this bounds a bug, not a normal step); after it the
+# logits come back unmasked and the runner masks them. Tests shorten it to force that path.
+HEAD_WAIT_ENV = "KVSERVE_TEST_GRAMMAR_HEAD_WAIT_MS"
+_MASK_TIMEOUT_NS = int(float(os.environ.get(HEAD_WAIT_ENV) or 2000) * 1_000_000)
 
 
 def _widest_isa(kernel_config: KernelConfig | None, kernel: str) -> str | None:

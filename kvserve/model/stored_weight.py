@@ -163,12 +163,13 @@ def linear(x: torch.Tensor, weight: StoredWeight, bias: torch.Tensor | None = No
 
 
 def _row_kernel(rows: torch.Tensor, weight: StoredWeight, bias: torch.Tensor | None, isa: str) -> torch.Tensor:
-    if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+    if rows.dtype != torch.float32 or rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
         rows = rows.float().contiguous()
     if bias is not None:
         bias = bias.float().contiguous()
     y = torch.empty(rows.shape[0], weight.out_features, dtype=torch.float32)
-    code = _lib().kvserve_gguf_linear(rows.data_ptr(), rows.stride(0), rows.shape[0], weight.blocks.data_ptr(),
+    x_stride = max(rows.stride(0), rows.shape[1])  # a one-row view may carry any row stride
+    code = _lib().kvserve_gguf_linear(rows.data_ptr(), x_stride, rows.shape[0], weight.blocks.data_ptr(),
                                       weight.ggml_type, weight.in_features,
                                       None if bias is None else bias.data_ptr(), y.data_ptr(), weight.out_features,
                                       isa_table.ISA_CODES[isa])

@@ -314,14 +314,14 @@ def mamba2_decode_step(xbc: torch.Tensor, dt_raw: torch.Tensor, conv_states: tor
         raise KernelArgumentError("mamba2_decode_step needs float32 contiguous rows and matching state shapes")
     read_slot, write_slot = read_slot.long().contiguous(), write_slot.long().contiguous()
     y = xbc.new_empty(batch, num_heads * head_dim)
-    scratch = xbc.new_empty(channels)
+    scratch = xbc.new_empty(batch, channels)
     dt_min, dt_max = (max(-_FLOAT32_MAX, min(v, _FLOAT32_MAX)) for v in dt_range)  # no infinities (fast-math C)
     code = lib.kvserve_mamba2_decode_step(
         xbc.data_ptr(), xbc.stride(0), dt_raw.data_ptr(), dt_raw.stride(0), conv_states.data_ptr(),
         ssm_states.data_ptr(), read_slot.data_ptr(), write_slot.data_ptr(), conv_weight.data_ptr(),
         None if conv_bias is None else conv_bias.data_ptr(), dt_bias.data_ptr(), A.data_ptr(), D.data_ptr(),
         dt_min, dt_max, batch, num_heads, head_dim, n_state, n_groups, kernel, scratch.data_ptr(), y.data_ptr(),
-        y.stride(0), isa_table.ISA_CODES[isa or dispatch.widest("mamba2")])
+        y.stride(0), isa_table.ISA_CODES[isa or dispatch.widest("mamba2")], _threads())
     if code == 3:
         raise KernelArgumentError(f"the {isa} path of the Mamba-2 step kernel does not run on this CPU")
     if code:

@@ -24,10 +24,18 @@ before it is filled: where the native decoder runs the LM head, the head waits
 for the fill and writes the -inf itself while the logits are in its cache (and
 skips the vocabulary rows no request may pick), so `apply` has nothing left to
 do; elsewhere the logits come back unmasked and `apply` masks them as above.
+
+Whatever the timing, a constrained request never keeps a token its grammar bans: after
+sampling, the runner checks each constrained row's token against that step's bitmask
+(`outside_masks`, one bit per row). A ban there means a mask was missed; the row is then
+masked after the forward (`mask_again`), sampled again and the miss logged. Tests make
+every fill late with `KVSERVE_TEST_GRAMMAR_FILL_DELAY_MS` (and the head's wait short with
+`KVSERVE_TEST_GRAMMAR_HEAD_WAIT_MS`, see `kvserve.model.native_decoder`).
 """
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -43,6 +51,13 @@ from kvserve.sample.structured.grammar_mask import (HeadMask, HeadMaskPool, Kern
                                                     disallowed_tokens, kernel_masks, kernel_takes, mask_logits_, publish_ready)
 
 logger = logging.getLogger(__name__)
+
+# Tests only: the mask thread sleeps this long before each fill, so every fill is late.
+FILL_DELAY_ENV = "KVSERVE_TEST_GRAMMAR_FILL_DELAY_MS"
+
+
+def _fill_delay_s() -> float:
+    return float(os.environ.get(FILL_DELAY_ENV) or 0) / 1000
 
 
 class RequestState(Protocol):
@@ -73,6 +88,7 @@ class MaskStats:
     wait_s: float = 0.0
     apply_s: float = 0.0
     advance_s: float = 0.0
+    missed_rows: int = 0  # rows sampled outside a mask that was not applied, then sampled again
 
     @property
     def critical_path_s(self) -> float:
@@ -150,6 +166,7 @@ class LogitsConstraints:
         self._compiler: GrammarCompiler | None = None
         self._mask_thread: _MaskThread | None = None
         self._head_masks: HeadMaskPool | None = None
+        self._fill_delay_s = _fill_delay_s()
         self.stats = MaskStats()
 
     @property
@@ -219,20 +236,50 @@ class LogitsConstraints:
             return logits
         masks = pending.result()
         applied_from = time.perf_counter()
-        if self.mask_isa is not None and kernel_takes(logits):
-            logits = apply_kernel_masks_(logits, masks.kernel or kernel_masks(masks.bitmask, pending.rows,
-                                                                              self.mask_isa))
-        else:
-            disallowed = masks.disallowed
-            if disallowed is None:
-                disallowed = disallowed_tokens(masks.bitmask, self.compiler.vocab_size)
-            logits = mask_logits_(logits, disallowed, pending.rows)
+        logits = self._mask_after_forward(logits, pending.rows, masks)
         self.stats.wait_s += applied_from - waited_from + (0.0 if head is None else head.wait_s)
         self.stats.apply_s += time.perf_counter() - applied_from
         return logits
 
+    def outside_masks(self, pending: PendingMasks | None, token_ids: list[list[int]],
+                      first_rows: list[int] | None = None) -> list[int]:
+        """The logits rows whose sampled token their grammar mask bans: none, unless a mask was
+        missed. `token_ids[i]` holds the tokens sampled for request i, the j-th from logits row
+        `first_rows[i] + j` (row i when `first_rows` is None). Waits for the step's fill."""
+        if pending is None:
+            return []
+        bits = pending.result().bitmask.numpy()
+        mask_row = {row: j for j, row in enumerate(pending.rows)}
+        starts = range(len(token_ids)) if first_rows is None else first_rows
+        banned = []
+        for start, tokens in zip(starts, token_ids):
+            for offset, token_id in enumerate(tokens):
+                j = mask_row.get(start + offset)
+                if j is not None and not _allows(bits[j], int(token_id)):
+                    banned.append(start + offset)
+        return banned
+
+    def mask_again(self, logits: torch.Tensor, pending: PendingMasks, banned_rows: list[int]) -> torch.Tensor:
+        """The step's masks applied once more, after the forward, to logits some of whose rows
+        (`banned_rows`) gave a token their mask bans: the miss is logged."""
+        head = pending.head_mask
+        logger.error("grammar mask missed on logits rows %s (masked in the LM head: %s); masked again and "
+                     "sampled again", banned_rows, None if head is None else head.applied)
+        self.stats.missed_rows += len(banned_rows)
+        return self._mask_after_forward(logits, pending.rows, pending.result())
+
+    def _mask_after_forward(self, logits: torch.Tensor, rows: list[int], masks: StepMasks) -> torch.Tensor:
+        if self.mask_isa is not None and kernel_takes(logits):
+            return apply_kernel_masks_(logits, masks.kernel or kernel_masks(masks.bitmask, rows, self.mask_isa))
+        disallowed = masks.disallowed
+        if disallowed is None:
+            disallowed = disallowed_tokens(masks.bitmask, self.compiler.vocab_size)
+        return mask_logits_(logits, disallowed, rows)
+
     def _fill_into(self, pending: PendingMasks, states: list[RequestState], drafts: list[list[int]]) -> None:
         head = pending.head_mask
+        if self._fill_delay_s:
+            time.sleep(self._fill_delay_s)
         try:
             with torch.inference_mode():  # the step thread made `head.bitmask` in inference mode
                 masks = self._fill(states, drafts, pending.rows, None if head is None else head.bitmask)
@@ -308,3 +355,8 @@ class LogitsConstraints:
                                token_id, state.grammar.get_error())
         state.grammar_backlog.clear()
         return state.grammar
+
+
+def _allows(words, token_id: int) -> bool:
+    """Whether a bitmask row (int32 words; bit t % 32 of word t / 32) allows `token_id`."""
+    return 0 <= token_id < 32 * len(words) and (int(words[token_id >> 5]) >> (token_id & 31)) & 1 == 1

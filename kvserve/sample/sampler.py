@@ -157,13 +157,18 @@ def filter_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return logits
 
 
+def seeded_noise(generator: torch.Generator, width: int) -> torch.Tensor:
+    """The exponential noise E [width] a seeded request's draw divides by: each sampled token
+    takes the next one from its generator, so a seed fixes the whole sequence of them."""
+    return torch.empty(width, device=generator.device).exponential_(generator=generator)
+
+
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row, P(token) = probs (exponential race: argmax p / E, E ~ Exp(1))."""
     noise = torch.empty_like(probs).exponential_()
     for row, generator in enumerate(generators):
         if generator is not None:
-            noise[row] = torch.empty(probs.shape[1], device=generator.device).exponential_(
-                generator=generator).to(probs.device)
+            noise[row] = seeded_noise(generator, probs.shape[1]).to(probs.device)
     return (probs / noise).argmax(dim=-1)
 
 

@@ -285,13 +285,23 @@ class ModelRunner:
             draft_probs = None
             if self.drafter is not None:
                 draft_probs = [self.drafter.draft_probs_for(rid, draft) for rid, draft in zip(sampled_req_ids, drafts)]
-            verified = verify_drafts(self.sampler, logits, self._sampling_tensors(sampled_req_ids, drafts),
-                                     drafts, draft_probs)
+            sampling_tensors = self._sampling_tensors(sampled_req_ids, drafts)
+            verified = verify_drafts(self.sampler, logits, sampling_tensors, drafts, draft_probs)
+            first_rows = np.cumsum([0] + [1 + len(d) for d in drafts[:-1]]).tolist()
+            missed = self.logits_constraints.outside_masks(pending_masks, verified.token_ids, first_rows)
+            if missed:
+                logits = self.logits_constraints.mask_again(logits, pending_masks, missed)
+                verified = verify_drafts(self.sampler, logits, sampling_tensors, drafts, draft_probs)
             self.logits_constraints.advance(states, verified.token_ids)
             return (dict(zip(sampled_req_ids, verified.token_ids)),
                     {rid: lp for rid, lp in zip(sampled_req_ids, verified.logprobs) if lp is not None})
         logits = self.logits_constraints.apply(logits, states, pending=pending_masks)
-        sampler_output = self.sampler.sample(logits, self._sampling_tensors(sampled_req_ids))
+        sampling_tensors = self._sampling_tensors(sampled_req_ids)
+        sampler_output = self.sampler.sample(logits, sampling_tensors)
+        missed = self.logits_constraints.outside_masks(pending_masks, [[t] for t in sampler_output.token_ids])
+        if missed:
+            logits = self.logits_constraints.mask_again(logits, pending_masks, missed)
+            sampler_output = self.sampler.sample(logits, sampling_tensors)
         sampled_token_ids = {rid: [int(t)] for rid, t in zip(sampled_req_ids, sampler_output.token_ids)}
         self.logits_constraints.advance(states, list(sampled_token_ids.values()))
         logprobs_by_req = {}

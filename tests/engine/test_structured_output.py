@@ -194,3 +194,89 @@ def test_prefix_cache_hits_leave_the_constrained_output_unchanged(llm):
     for completion in outputs[0].outputs + outputs[1].outputs:
         assert completion.finish_reason == "stop"
         jsonschema.validate(json.loads(completion.text), PERSON)
+
+
+def _native_forward_patch(runner, head_mask_then):
+    """Wrap the native decoder's step: `head_mask_then(head_mask, forward, args)` runs it."""
+    native = runner.model.native_decoder
+    assert native is not None  # built by an earlier constrained run
+    forward = native.forward
+
+    def patched(*args):
+        return head_mask_then(args[-1], forward, args[:-1])
+    return native, patched
+
+
+def test_late_fills_and_head_timeouts_give_the_masked_outputs(llm, monkeypatch):
+    """Every fill made late on purpose: it starts only once its step's forward has returned,
+    and the LM head waits 0 s. The head never masks, the runner masks after the forward,
+    and greedy and seeded outputs are those of masks on time, with no mask missed."""
+    import threading
+
+    from kvserve.model import native_decoder
+
+    runner = llm.engine_core.executor.model_runner
+    constraints = runner.logits_constraints
+    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=Constraint(json=PERSON)),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=40, structured_outputs=Constraint(json=PERSON))]
+    reference = [o.outputs[0].token_ids for o in llm.chat([ASK] * 2, params, use_tqdm=False)]
+    forwards_done = threading.Semaphore(0)  # one release per step forward handed a head mask
+
+    def forward_then_release(head_mask, forward, args):
+        try:
+            return forward(*args, head_mask)
+        finally:
+            if head_mask is not None:
+                forwards_done.release()
+    fill_into = constraints._fill_into
+
+    def fill_after_the_forward(pending, *args):
+        if pending.head_mask is not None:
+            assert forwards_done.acquire(timeout=30)
+        fill_into(pending, *args)
+    native, patched = _native_forward_patch(runner, forward_then_release)
+    monkeypatch.setattr(native, "forward", patched)
+    monkeypatch.setattr(constraints, "_fill_into", fill_after_the_forward)
+    monkeypatch.setattr(native_decoder, "_MASK_TIMEOUT_NS", 0)
+    before = dataclasses.replace(constraints.stats)
+    late = llm.chat([ASK] * 2, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in late] == reference
+    assert constraints.stats.head_rows == before.head_rows and constraints.stats.rows > before.rows
+    assert constraints.stats.missed_rows == before.missed_rows
+    for output in late:
+        assert output.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(output.outputs[0].text), PERSON)
+
+
+def test_a_mask_reported_applied_but_missed_is_caught_before_the_token_is_kept(llm, monkeypatch, caplog):
+    """The failure a racing or stale head mask would cause, forced: the LM head reports its
+    rows masked but returns them unmasked. Sampled freely, the model's first token is not JSON
+    (its matcher would fail and the request end as "stop" mid-text); the runner's check finds
+    each banned token, masks the row after the forward and samples again, so the outputs
+    are the masked ones and every miss is logged."""
+    runner = llm.engine_core.executor.model_runner
+    constraints = runner.logits_constraints
+    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=Constraint(json=PERSON)),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=40, structured_outputs=Constraint(json=PERSON))]
+    reference = llm.chat([ASK] * 2, params, use_tqdm=False)
+    (free,) = llm.chat([ASK], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    assert not free.outputs[0].text.startswith("{")  # unmasked, the first token is banned
+
+    def claim_applied(head_mask, forward, args):
+        out = forward(*args, None)  # the logits come back unmasked
+        if head_mask is not None and out is not None:
+            head_mask.applied = True
+        return out
+    native, patched = _native_forward_patch(runner, claim_applied)
+    monkeypatch.setattr(native, "forward", patched)
+    before = dataclasses.replace(constraints.stats)
+    with caplog.at_level("ERROR", logger="kvserve.sample.logits_constraints"):
+        caught = llm.chat([ASK] * 2, params, use_tqdm=False)
+    assert constraints.stats.missed_rows > before.missed_rows
+    assert any("grammar mask missed" in r.getMessage() for r in caplog.records)
+    # Greedy is the masked argmax again; the seeded draw is a fresh one from the masked
+    # distribution (its generator drew once more), so only its validity is checked.
+    assert caught[0].outputs[0].token_ids == reference[0].outputs[0].token_ids
+    for output in caught:
+        assert output.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(output.outputs[0].text), PERSON)

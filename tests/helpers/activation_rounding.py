@@ -33,8 +33,9 @@ DRAW_MARGIN = 2.0
 def dithered_inputs(model, half_steps: dict, generator: torch.Generator) -> Iterator[list[int]]:
     """Within it, every module of `model` that is a key of `half_steps` gets each element of
     its matmul's input moved by uniform noise of up to `half_steps[module](x)` (a tensor of
-    x's shape). Yields a one-element list counting the matmuls so perturbed. The per-op path
-    only: `model`'s native decoder is switched off while inside."""
+    x's shape; a pair of such functions also moves the output, see `_noisy_matmul`). Yields a
+    one-element list counting the matmuls so perturbed. The per-op path only: `model`'s
+    native decoder is switched off while inside."""
     count = [0]
     for module, half_step in half_steps.items():
         module._matmul = _noisy_matmul(module, half_step, generator, count)
@@ -73,32 +74,74 @@ def bfloat16_half_step(x: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(x, dtype=torch.float32), exponent - 9).masked_fill(x == 0, 0.0)
 
 
+def float16_half_step(x: torch.Tensor) -> torch.Tensor:
+    """Half a float16 ulp of each element: 2**(floor(log2|x|) - 11) (11 significant bits), and
+    2**-25 below float16's smallest normal 2**-14, where its spacing stays 2**-24."""
+    exponent = torch.frexp(x.float())[1]
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float32), (exponent - 12).clamp(min=-25))
+
+
+@contextlib.contextmanager
+def dithered_kv_stores(model, half_step, generator: torch.Generator) -> Iterator[list[int]]:
+    """Within it, every attention layer of `model` stores each K and V element moved by uniform
+    noise of up to `half_step(x)` (what a 16-bit cache's rounding may move it; the step's own
+    fresh values are used unrounded where the backend uses them, as with a 16-bit cache).
+    Yields a one-element list counting the stores. The per-op path only."""
+    count = [0]
+    backends = {id(layer.self_attn.backend): layer.self_attn.backend for layer in model.layers}
+    for backend in backends.values():
+        store = type(backend).store
+
+        def noisy(kv_cache, k, v, plan, _backend=backend, _store=store):
+            count[0] += 1
+            k, v = (x + (torch.rand(x.shape, generator=generator) * 2 - 1) * half_step(x) for x in (k.float(), v.float()))
+            return _store(_backend, kv_cache, k, v, plan)
+        backend.store = noisy
+    native, model._native = model._native, None
+    try:
+        yield count
+    finally:
+        model._native = native
+        for backend in backends.values():
+            del backend.store
+
+
 def _noisy_matmul(module, half_step, generator: torch.Generator, count: list[int]):
-    """`module._matmul` with its input x moved by uniform noise of up to `half_step(x)`;
-    counts its calls in `count[0]`."""
+    """`module._matmul` with its input x moved by uniform noise of up to `half_step(x)` (a pair
+    (input's, output's): the output y moved too, by up to `half_step[1](y)`, for a matmul that
+    rounds its result, e.g. a bfloat16 GEMM); counts its calls in `count[0]`."""
     matmul = type(module)._matmul
+    in_step, out_step = half_step if isinstance(half_step, tuple) else (half_step, None)
+
+    def dither(x, step):
+        return (x.float() + (torch.rand(x.shape, generator=generator, dtype=torch.float32) * 2 - 1) * step(x)).to(x.dtype)
 
     def noisy(x, *args, **kwargs):
-        noise = (torch.rand(x.shape, generator=generator, dtype=torch.float32) * 2 - 1) * half_step(x)
         count[0] += 1
-        return matmul(module, (x.float() + noise).to(x.dtype), *args, **kwargs)
+        y = matmul(module, dither(x, in_step), *args, **kwargs)
+        return y if out_step is None else dither(y, out_step)
     return noisy
 
 
 def rounding_bound(plain, half_steps: dict, logits_of: Callable[[object], dict[str, torch.Tensor]],
-                   runs: int = ROUNDING_RUNS, seed: int = 0) -> tuple[dict[str, torch.Tensor], float]:
+                   runs: int = ROUNDING_RUNS, seed: int = 0,
+                   kv_half_step=None) -> tuple[dict[str, torch.Tensor], float]:
     """(the reference's logits `logits_of(plain)`, the bound on any logit's distance from them
     for rounding each input of the matmuls in `half_steps` (see `quantized_half_steps`,
-    `bfloat16_half_step`) to the nearest step, derived as the module docstring says).
-    `logits_of` runs a model on fixed tokens (teacher forcing)."""
+    `bfloat16_half_step`) and, with `kv_half_step` (`bfloat16_half_step`, `float16_half_step`),
+    every stored K/V element to the nearest step, derived as the module docstring says).
+    `logits_of` runs a model on fixed tokens (teacher forcing), on a float32 KV cache."""
     reference = logits_of(plain)
     generator = torch.Generator().manual_seed(seed)
     worst = 0.0
-    with dithered_inputs(plain, half_steps, generator) as perturbed:
+    with contextlib.ExitStack() as dithering:
+        perturbed = dithering.enter_context(dithered_inputs(plain, half_steps, generator))
+        stored = (dithering.enter_context(dithered_kv_stores(plain, kv_half_step, generator))
+                  if kv_half_step is not None else [1])
         for _ in range(runs):
             draw = logits_of(plain)
             worst = max(worst, max((draw[r] - reference[r]).abs().max().item() for r in reference))
-    assert perturbed[0] > 0, "none of the rounded matmuls ran in the reference"
+    assert perturbed[0] > 0 or (half_steps == {} and stored[0] > 0), "none of the rounded values was in the reference"
     scale = max(ref.abs().max().item() for ref in reference.values())
     return reference, DRAW_MARGIN * worst + 1e-5 * scale
 

@@ -8,10 +8,18 @@ The rounding allowance, `GREEDY_SLACK` of the logits' scale (at least 1): a floa
 n <= 128 products is off by at most n * 2**-24 (8e-6) of their magnitudes; the few layers of
 the tiny models, their norms and softmax compound that, 1e-4 leaves room for it and is far
 below a real error (a wrong token loses by a large part of the logits' range).
+
+Seeded samples are checked the same way (`assert_seeded_samples`): what is identical by
+design between two engines is the request's noise, not its logits. The sampler takes
+argmax_i (log p_i - log E_i) with E the seeded exponential noise (`seeded_noise`, one draw
+per token), so given that noise the sample is an argmax too: of log p computed from the
+reference's logits, up to twice the rounding allowance over the temperature (see there).
 """
 from __future__ import annotations
 
 import torch
+
+from kvserve.sample.sampler import make_generator, seeded_noise
 
 GREEDY_SLACK = 1e-4
 
@@ -37,3 +45,36 @@ def assert_greedy_continuations(model, prompts: list[list[int]], outputs: list[l
             assert len(tokens) == num_tokens, (prompt, tokens)
         shortfall = greedy_shortfalls(model, prompt, tokens)
         assert (shortfall <= GREEDY_SLACK).all(), (prompt, tokens, shortfall.tolist())
+
+
+@torch.inference_mode()
+def assert_seeded_samples(model, prompt: list[int], tokens: list[int], seed: int, temperature: float,
+                          top_k: int = 0, allowed: list[torch.Tensor] | None = None) -> None:
+    """`tokens`, sampled after `prompt` with `seed`, `temperature` and `top_k` (0: off), each
+    under `allowed[k]` (bool [vocab], a grammar's mask) where given, are the draws that seed
+    gives from the transformers `model`'s distribution, fed the tokens taken (teacher forcing).
+
+    Slack: an engine's logits are within delta = `GREEDY_SLACK` * scale of the reference's (the
+    module's rounding allowance); token i's score log p_i - log E_i = L_i / T - logsumexp - log E_i,
+    and the logsumexp is common to every token, so two tokens' score difference moves by at most
+    2 * delta / T. Under top-k only the tokens beyond delta of the k-th logit are surely in the
+    engine's set: the token taken must be within 2 * delta of it and beat those within the slack."""
+    if not tokens:
+        return
+    logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:len(prompt) - 1 + len(tokens)].float()
+    delta = GREEDY_SLACK * float(logits.abs().max().clamp(min=1.0))
+    generator = make_generator(seed)
+    for k, token_id in enumerate(tokens):
+        row = logits[k].clone()
+        noise = seeded_noise(generator, row.shape[0])
+        if allowed is not None:
+            assert allowed[k][token_id], (k, tokens)
+            row[~allowed[k]] = float("-inf")
+        candidates = torch.isfinite(row)
+        if top_k:
+            kth = row.topk(min(top_k, int(candidates.sum()))).values[-1]
+            assert row[token_id] >= kth - 2 * delta, (k, tokens)
+            candidates &= row >= kth + 2 * delta
+        score = row / temperature - noise.log()
+        best = score[candidates].max() if candidates.any() else score[token_id]
+        assert score[token_id] >= best - 2 * delta / temperature, (k, tokens, float(best - score[token_id]))

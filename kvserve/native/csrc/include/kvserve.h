@@ -168,7 +168,7 @@ int kvserve_mamba2_decode_step(const float *xbc, int64_t xbc_stride, const float
                                const float *dt_bias, const float *a, const float *d, float dt_min, float dt_max,
                                int64_t batch, int64_t num_heads, int64_t head_dim, int64_t n_state,
                                int64_t n_groups, int64_t kernel, float *scratch, float *y, int64_t y_stride,
-                               int isa);
+                               int isa, int num_threads);
 
 /* ---- ssm/gated_delta_step.c ---------------------------------------------------------------- */
 

@@ -12,6 +12,11 @@
  * Paths: portable C, AVX2+FMA and AVX-512F, over the state dimension N (the SSM) and the
  * conv channels; chosen by the caller (`isa`) among those kvserve_isa_available grants.
  * Each path adds the N products of y in its own order (lanes, then the lanes' sum).
+ *
+ * Threads: the convs run first, one request after another (K-1 + 1 rows of conv_dim each);
+ * then the (request, head) pairs split over `num_threads` OpenMP threads where the states
+ * they update are large enough to pay for it. Each pair is one thread's whole, so the
+ * results do not depend on the thread count.
  */
 #include <math.h>
 #include <stdint.h>
@@ -127,14 +132,18 @@ static void conv_step(float *state, const float *xbc, const float *weight, const
     memcpy(state + (kernel - 2) * channels, xbc, (size_t)channels * sizeof(float));
 }
 
-/* Returns 0, 1 for bad sizes, 2 for a missing scratch buffer, 3 where path `isa` does not run here. */
+/* State elements (over all pairs) below which the step stays on one thread. */
+#define PARALLEL_MIN_STATE (1 << 16)
+
+/* Returns 0, 1 for bad sizes, 2 for a missing scratch buffer ([batch, conv_dim] floats: the
+ * conv outputs), 3 where path `isa` does not run here. */
 int kvserve_mamba2_decode_step(const float *xbc, int64_t xbc_stride, const float *dt_raw, int64_t dt_stride,
                                float *conv_states, float *ssm_states, const int64_t *read_slot,
                                const int64_t *write_slot, const float *conv_weight, const float *conv_bias,
                                const float *dt_bias, const float *a, const float *d, float dt_min, float dt_max,
                                int64_t batch, int64_t num_heads, int64_t head_dim, int64_t n_state,
                                int64_t n_groups, int64_t kernel, float *scratch, float *y, int64_t y_stride,
-                               int isa) {
+                               int isa, int num_threads) {
     if (batch < 0 || num_heads <= 0 || head_dim <= 0 || n_state <= 0 || n_groups <= 0 || kernel < 2 ||
         num_heads % n_groups)
         return 1;
@@ -153,17 +162,22 @@ int kvserve_mamba2_decode_step(const float *xbc, int64_t xbc_stride, const float
             memcpy(conv, conv_states + read_slot[r] * conv_slot, (size_t)conv_slot * sizeof(float));
             memcpy(ssm, ssm_states + read_slot[r] * ssm_slot, (size_t)ssm_slot * sizeof(float));
         }
-        conv_step(conv, xbc + r * xbc_stride, conv_weight, conv_bias, channels, kernel, scratch);
-        const float *x = scratch, *b_all = scratch + inner, *c_all = scratch + inner + n_groups * n_state;
-        float *out = y + r * y_stride;
-        for (int64_t h = 0; h < num_heads; h++) {
-            float dt = softplus(dt_raw[r * dt_stride + h] + dt_bias[h]);
-            dt = dt < dt_min ? dt_min : (dt > dt_max ? dt_max : dt);
-            const int64_t g = h / heads_per_group;
-            ssm_head(ssm + h * head_dim * n_state, x + h * head_dim, b_all + g * n_state, c_all + g * n_state,
-                     expf(dt * a[h]), dt, head_dim, n_state, out + h * head_dim, isa);
-            for (int64_t p = 0; p < head_dim; p++) out[h * head_dim + p] += d[h] * x[h * head_dim + p];
-        }
+        conv_step(conv, xbc + r * xbc_stride, conv_weight, conv_bias, channels, kernel, scratch + r * channels);
+    }
+    const int64_t pairs = batch * num_heads;
+    const int threads = pairs * head_dim * n_state >= PARALLEL_MIN_STATE ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t pair = 0; pair < pairs; pair++) {
+        const int64_t r = pair / num_heads, h = pair % num_heads, g = h / heads_per_group;
+        const float *x = scratch + r * channels + h * head_dim;
+        const float *b = scratch + r * channels + inner + g * n_state;
+        const float *c = scratch + r * channels + inner + (n_groups + g) * n_state;
+        float *out = y + r * y_stride + h * head_dim;
+        float dt = softplus(dt_raw[r * dt_stride + h] + dt_bias[h]);
+        dt = dt < dt_min ? dt_min : (dt > dt_max ? dt_max : dt);
+        ssm_head(ssm_states + write_slot[r] * ssm_slot + h * head_dim * n_state, x, b, c, expf(dt * a[h]), dt,
+                 head_dim, n_state, out, isa);
+        for (int64_t p = 0; p < head_dim; p++) out[p] += d[h] * x[p];
     }
     return 0;
 }

@@ -32,13 +32,14 @@ GGUF_INLINE __m512i gguf_nibbles32x2(const uint8_t *p0, const uint8_t *p1) {
 }
 #endif
 
+GGUF_FIXED_FLOAT_BEGIN
 #if KV_HAVE_AVX512_VNNI
 /* Blocks 2p and 2p + 1 (`single`: block 2p alone, the odd last one, on the lower half with
  * the upper one masked to zero) of every row and batch row of the tile. */
 GGUF_INLINE void gguf_step32_avx512(const GgufTile *t, __m512 acc[GGUF_TILE_ROWS][GGUF_TILE_BATCH], const int R,
                                     const int B, const int bytes, const int offset,
-                                    __m512i (*quants512)(const uint8_t *, const uint8_t *), const int has_min,
-                                    const int64_t p, const int single) {
+                                    __m512i (*quants512)(const uint8_t *, const uint8_t *), const int quant_at,
+                                    const int has_min, const int64_t p, const int single) {
     const int64_t nb32 = t->in / GGUF_QBLOCK;
     const __mmask64 columns = single ? 0xffffffffull : ~0ull;
     const __mmask16 lanes = single ? 0x00ff : 0xffff;
@@ -61,16 +62,40 @@ GGUF_INLINE void gguf_step32_avx512(const GgufTile *t, __m512 acc[GGUF_TILE_ROWS
     }
     for (int r = 0; r < R; r++) {
         const uint8_t *b0 = t->w + r * t->row_bytes + 2 * p * bytes, *b1 = single ? b0 : b0 + bytes;
-        gguf_prefetch(b0, 2 * bytes);
-        __m512i q = quants512(b0, b1);
-        if (single) q = _mm512_maskz_mov_epi8(columns, q);
-        /* the f16 fields d (and m) at the start of both blocks: [d0, m0, d1, m1] */
-        uint32_t head0, head1;
-        memcpy(&head0, b0, 4);
-        memcpy(&head1, b1, 4);
-        const __m512 heads = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_set_epi32(0, 0, (int)head1, (int)head0)));
-        const __m512 d = _mm512_maskz_permutexvar_ps(lanes, first_half, heads);
-        const __m512 m = has_min ? _mm512_maskz_permutexvar_ps(lanes & 0x0101, minimums, heads) : _mm512_setzero_ps();
+        gguf_prefetch(b0, 2 * bytes, gguf_prefetch_ahead(t));
+        __m512i q;
+        __m512 d, m = _mm512_setzero_ps();
+        if (!quants512) {
+            /* 4-bit types: both blocks in one load (masked: never past the row's end), their
+             * nibble bytes and f16 fields placed by word permutes (every field is word-aligned) */
+            const __m512i raw = _mm512_maskz_loadu_epi8(single ? (1ull << bytes) - 1 : (1ull << (2 * bytes)) - 1, b0);
+            const int a = quant_at / 2, c = (bytes + quant_at) / 2;
+            const __m512i quants = _mm512_set_epi16(c + 7, c + 6, c + 5, c + 4, c + 3, c + 2, c + 1, c, c + 7, c + 6,
+                                                    c + 5, c + 4, c + 3, c + 2, c + 1, c, a + 7, a + 6, a + 5, a + 4,
+                                                    a + 3, a + 2, a + 1, a, a + 7, a + 6, a + 5, a + 4, a + 3, a + 2,
+                                                    a + 1, a);
+            const __m512i shifts = _mm512_set_epi16(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4,
+                                                    4, 0, 0, 0, 0, 0, 0, 0, 0);
+            q = _mm512_and_si512(_mm512_srlv_epi16(_mm512_permutexvar_epi16(quants, raw), shifts),
+                                 _mm512_set1_epi8(15));
+            const int e = bytes / 2; /* d1's word */
+            const __m512i heads = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, e, e, e, e, e, e, e, e,
+                                                   0, 0, 0, 0, 0, 0, 0, 0);
+            d = _mm512_maskz_mov_ps(lanes, _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(heads, raw))));
+            if (has_min)
+                m = _mm512_maskz_mov_ps(lanes, _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_maskz_permutexvar_epi16(
+                        0x0101, _mm512_add_epi16(heads, _mm512_set1_epi16(1)), raw))));
+        } else {
+            q = quants512(b0, b1);
+            if (single) q = _mm512_maskz_mov_epi8(columns, q);
+            /* the f16 fields d (and m) at the start of both blocks: [d0, m0, d1, m1] */
+            uint32_t head0, head1;
+            memcpy(&head0, b0, 4);
+            memcpy(&head1, b1, 4);
+            const __m512 heads = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_set_epi32(0, 0, (int)head1, (int)head0)));
+            d = _mm512_maskz_permutexvar_ps(lanes, first_half, heads);
+            if (has_min) m = _mm512_maskz_permutexvar_ps(lanes & 0x0101, minimums, heads);
+        }
         for (int b = 0; b < B; b++) {
             const __m512i x = single ? _mm512_maskz_loadu_epi8(columns, t->qx + b * t->in + 64 * p)
                                      : _mm512_loadu_si512(t->qx + b * t->in + 64 * p);
@@ -84,17 +109,33 @@ GGUF_INLINE void gguf_step32_avx512(const GgufTile *t, __m512 acc[GGUF_TILE_ROWS
 /* Two blocks per step: vpdpbusd of the unsigned quants against the int8 activations, the
  * offset taken off in the integer sum (-offset sum(qx), once per batch row and step), then
  * per (row, batch row) lanes times dx d (and m sx). The types' f16 d is their first field
- * and m (has_min) the second. */
-GGUF_INLINE void gguf_tile32_avx512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH], const int R,
-                                    const int B, const int bytes, const int offset,
-                                    __m512i (*quants512)(const uint8_t *, const uint8_t *), const int has_min) {
+ * and m (has_min) the second. quants512 NULL: 4-bit blocks of at most 32 bytes whose 16
+ * nibble bytes start at the even byte quant_at (both blocks read by one load). */
+GGUF_INLINE void gguf_tiles32_avx512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH], const int R,
+                                     const int B, const int bytes, const int offset,
+                                     __m512i (*quants512)(const uint8_t *, const uint8_t *), const int quant_at,
+                                     const int has_min) {
     __m512 acc[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
     for (int r = 0; r < R; r++)
         for (int b = 0; b < B; b++) acc[r][b] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < t->blocks / 2; p++) gguf_step32_avx512(t, acc, R, B, bytes, offset, quants512, has_min, p, 0);
-    if (t->blocks % 2) gguf_step32_avx512(t, acc, R, B, bytes, offset, quants512, has_min, t->blocks / 2, 1);
+    for (int64_t p = 0; p < t->blocks / 2; p++) gguf_step32_avx512(t, acc, R, B, bytes, offset, quants512, quant_at, has_min, p, 0);
+    if (t->blocks % 2) gguf_step32_avx512(t, acc, R, B, bytes, offset, quants512, quant_at, has_min, t->blocks / 2, 1);
     for (int r = 0; r < R; r++)
         for (int b = 0; b < B; b++) sums[r][b] = gguf_sum512(acc[r][b]);
+}
+
+/* The template for a type that gives quants512. */
+GGUF_INLINE void gguf_tile32_avx512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH], const int R,
+                                    const int B, const int bytes, const int offset,
+                                    __m512i (*quants512)(const uint8_t *, const uint8_t *), const int has_min) {
+    gguf_tiles32_avx512(t, sums, R, B, bytes, offset, quants512, 0, has_min);
+}
+
+/* The template for 4-bit blocks (nibble bytes at quant_at, as Q4_0's and Q4_1's). */
+GGUF_INLINE void gguf_tile32_nibbles_avx512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH],
+                                            const int R, const int B, const int bytes, const int offset,
+                                            const int quant_at, const int has_min) {
+    gguf_tiles32_avx512(t, sums, R, B, bytes, offset, NULL, quant_at, has_min);
 }
 #endif
 
@@ -112,7 +153,7 @@ GGUF_INLINE void gguf_tile32_avx2(const GgufTile *t, float sums[GGUF_TILE_ROWS][
     for (int64_t k = 0; k < t->blocks; k++)
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = t->w + r * t->row_bytes + k * bytes;
-            gguf_prefetch(blk, bytes);
+            gguf_prefetch(blk, bytes, gguf_prefetch_ahead(t));
             const __m256i q = quants256(blk), magnitude = _mm256_sign_epi8(q, q);
             const float d = scale(blk);
             const __m256 m = minimum ? _mm256_setr_ps(minimum(blk), 0, 0, 0, 0, 0, 0, 0) : _mm256_setzero_ps();
@@ -127,5 +168,6 @@ GGUF_INLINE void gguf_tile32_avx2(const GgufTile *t, float sums[GGUF_TILE_ROWS][
         for (int b = 0; b < B; b++) sums[r][b] = gguf_sum256(acc[r][b]);
 }
 #endif
+GGUF_FIXED_FLOAT_END
 
 #endif

@@ -36,6 +36,12 @@
  * (tests compare with gguf-py): no fused multiply-add where ggml rounds twice. */
 #define GGUF_EXACT __attribute__((optimize("fp-contract=off")))
 #define GGUF_INLINE static inline __attribute__((always_inline))
+/* Around the vector tiles: every (row, batch row) sum must take the same float operations in
+ * every tile shape, so no reassociation or contraction by the compiler (-ffast-math would do
+ * them differently in each shape's variant); the fused multiply-adds are explicit. */
+#define GGUF_FIXED_FLOAT_BEGIN \
+    _Pragma("GCC push_options") _Pragma("GCC optimize(\"no-associative-math\", \"fp-contract=off\")")
+#define GGUF_FIXED_FLOAT_END _Pragma("GCC pop_options")
 /* The portable dots are not auto-vectorized: gcc 12 at -O3 on AVX-VNNI CPUs turns a loop
  * summing int8 x int8 products into vpdpbusd, which takes one operand as unsigned (wrong
  * sums for negative weights). They are the reference; the vector paths are written out. */
@@ -120,16 +126,18 @@ GGUF_INLINE __m512i gguf_nibbles64(__m256i bytes) {
 }
 #endif
 
-#ifndef GGUF_PREFETCH_DISTANCE
-#define GGUF_PREFETCH_DISTANCE 2048
-#endif
-/* Asks for the `bytes` a tile reads next in this row, GGUF_PREFETCH_DISTANCE bytes ahead,
- * every cache line of them: a tile streams four rows at once, and the cores' own
- * prefetchers fall behind on blocks that do not fill whole lines (measured on Zen 5, one
- * thread, 2048x8192 from memory: Q6_K 1.5x, Q8_0 1.2x; Q4_K, whose super-blocks are 2.25
- * lines, ran slower with it than with one line 4 super-blocks ahead, and keeps that). */
-GGUF_INLINE void gguf_prefetch(const uint8_t *p, const int bytes) {
-    for (int k = 0; k < bytes; k += 64) __builtin_prefetch(p + GGUF_PREFETCH_DISTANCE + k, 0, 3);
+/* How far ahead a tile asks for its rows: the same place in the next tile (its rows follow
+ * this tile's), at least 4 KB. The tiles stream four rows at once and the cores' own
+ * prefetchers fall far behind on that (measured on Zen 5, one thread, from memory: without
+ * it the 32-column types ran at a fifth of the speed; 2 KB ahead in the row, a half). */
+GGUF_INLINE int64_t gguf_prefetch_ahead(const GgufTile *t) {
+    const int64_t next_tile = GGUF_TILE_ROWS * t->row_bytes;
+    return next_tile > 4096 ? next_tile : 4096;
+}
+
+/* Asks for every cache line of the `bytes` at p + ahead. */
+GGUF_INLINE void gguf_prefetch(const uint8_t *p, const int bytes, const int64_t ahead) {
+    for (int k = 0; k < bytes; k += 64) __builtin_prefetch(p + ahead + k, 0, 3);
 }
 
 /* ---- shared by the K-quant types -------------------------------------------------- */

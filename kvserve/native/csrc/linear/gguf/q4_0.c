@@ -29,16 +29,17 @@ GGUF_PORTABLE static float dot_q4_0(const uint8_t *blk, const int8_t *qx, const 
 
 GGUF_INLINE float scale_q4_0(const uint8_t *blk) { return gguf_f16(blk); }
 
+GGUF_FIXED_FLOAT_BEGIN
 #if KV_HAVE_AVX2_FMA
 GGUF_INLINE __m256i quants_q4_0(const uint8_t *blk) { return _mm256_sub_epi8(gguf_nibbles32(blk + 2), _mm256_set1_epi8(8)); }
 #define Q4_0_AVX2(t, sums, R, B) gguf_tile32_avx2(t, sums, R, B, BYTES, quants_q4_0, scale_q4_0, NULL)
 GGUF_TILE_VARIANTS(tile_q4_0_avx2, Q4_0_AVX2)
 #endif
 #if KV_HAVE_AVX512_VNNI
-GGUF_INLINE __m512i quants2_q4_0(const uint8_t *b0, const uint8_t *b1) { return gguf_nibbles32x2(b0 + 2, b1 + 2); }
-#define Q4_0_AVX512(t, sums, R, B) gguf_tile32_avx512(t, sums, R, B, BYTES, 8, quants2_q4_0, 0)
+#define Q4_0_AVX512(t, sums, R, B) gguf_tile32_nibbles_avx512(t, sums, R, B, BYTES, 8, 2, 0)
 GGUF_TILE_VARIANTS(tile_q4_0_avx512, Q4_0_AVX512)
 #endif
+GGUF_FIXED_FLOAT_END
 
 const GgufType gguf_q4_0 = {2, COLS, BYTES, dequantize_q4_0, dot_q4_0,
                             {NULL, GGUF_AVX2(tile_q4_0_avx2), GGUF_AVX512(tile_q4_0_avx512)}};

@@ -28,16 +28,17 @@ GGUF_PORTABLE static float dot_q4_1(const uint8_t *blk, const int8_t *qx, const 
 GGUF_INLINE float scale_q4_1(const uint8_t *blk) { return gguf_f16(blk); }
 GGUF_INLINE float minimum_q4_1(const uint8_t *blk) { return gguf_f16(blk + 2); }
 
+GGUF_FIXED_FLOAT_BEGIN
 #if KV_HAVE_AVX2_FMA
 GGUF_INLINE __m256i quants_q4_1(const uint8_t *blk) { return gguf_nibbles32(blk + 4); }
 #define Q4_1_AVX2(t, sums, R, B) gguf_tile32_avx2(t, sums, R, B, BYTES, quants_q4_1, scale_q4_1, minimum_q4_1)
 GGUF_TILE_VARIANTS(tile_q4_1_avx2, Q4_1_AVX2)
 #endif
 #if KV_HAVE_AVX512_VNNI
-GGUF_INLINE __m512i quants2_q4_1(const uint8_t *b0, const uint8_t *b1) { return gguf_nibbles32x2(b0 + 4, b1 + 4); }
-#define Q4_1_AVX512(t, sums, R, B) gguf_tile32_avx512(t, sums, R, B, BYTES, 0, quants2_q4_1, 1)
+#define Q4_1_AVX512(t, sums, R, B) gguf_tile32_nibbles_avx512(t, sums, R, B, BYTES, 0, 4, 1)
 GGUF_TILE_VARIANTS(tile_q4_1_avx512, Q4_1_AVX512)
 #endif
+GGUF_FIXED_FLOAT_END
 
 const GgufType gguf_q4_1 = {3, COLS, BYTES, dequantize_q4_1, dot_q4_1,
                             {NULL, GGUF_AVX2(tile_q4_1_avx2), GGUF_AVX512(tile_q4_1_avx512)}};

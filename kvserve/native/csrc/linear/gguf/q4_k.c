@@ -41,6 +41,7 @@ GGUF_PORTABLE static float dot_q4_k(const uint8_t *blk, const int8_t *qx, const 
     return gguf_f16(blk) * scaled - gguf_f16(blk + 2) * mins;
 }
 
+GGUF_FIXED_FLOAT_BEGIN
 #if KV_HAVE_AVX2_FMA
 /* Sub-block j: the low (j even) or high nibbles of 32 bytes against 32 activation bytes by
  * vpmaddubsw, vpmaddwd by its 6-bit scale (int32 lanes, exact), times dx_j; then per
@@ -55,7 +56,7 @@ GGUF_INLINE void q4_k_avx2(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TI
     for (int64_t k = 0; k < t->blocks; k++)
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = t->w + r * t->row_bytes + k * BYTES;
-            _mm_prefetch((const char *)blk + 4 * BYTES, _MM_HINT_T0);
+            gguf_prefetch(blk, BYTES, gguf_prefetch_ahead(t));
             uint64_t scale_word, min_word;
             gguf_k_scale_words(blk + 4, &scale_word, &min_word);
             /* the eight scales as int16, in both 128-bit halves */
@@ -112,7 +113,7 @@ GGUF_INLINE void q4_k_avx512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_
         }
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = t->w + r * t->row_bytes + k * BYTES;
-            _mm_prefetch((const char *)blk + 4 * BYTES, _MM_HINT_T0);
+            gguf_prefetch(blk, BYTES, gguf_prefetch_ahead(t));
             uint64_t scale_word, min_word;
             gguf_k_scale_words(blk + 4, &scale_word, &min_word);
             const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(gguf_f16(blk)),
@@ -143,6 +144,7 @@ GGUF_INLINE void q4_k_avx512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_
 }
 GGUF_TILE_VARIANTS(tile_q4_k_avx512, q4_k_avx512)
 #endif
+GGUF_FIXED_FLOAT_END
 
 const GgufType gguf_q4_k = {12, COLS, BYTES, dequantize_q4_k, dot_q4_k, 
                             {NULL, GGUF_AVX2(tile_q4_k_avx2), GGUF_AVX512(tile_q4_k_avx512)}};

@@ -54,6 +54,7 @@ GGUF_PORTABLE static float dot_q6_k(const uint8_t *blk, const int8_t *qx, const 
     return gguf_f16(blk + 208) * acc;
 }
 
+GGUF_FIXED_FLOAT_BEGIN
 #if KV_HAVE_AVX2_FMA
 /* Per half h: two 32-byte loads of ql and one of qh give four groups of 32 columns (low
  * nibbles of each load, then high ones, two bits of qh on top); q - 32 against the int8
@@ -72,7 +73,7 @@ GGUF_INLINE void q6_k_avx2(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TI
     for (int64_t k = 0; k < t->blocks; k++)
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = t->w + r * t->row_bytes + k * BYTES;
-            gguf_prefetch(blk, BYTES);
+            gguf_prefetch(blk, BYTES, gguf_prefetch_ahead(t));
             const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
             const __m256 d = _mm256_set1_ps(gguf_f16(blk + 208));
             __m256i q[8], magnitude[8], scs[8];
@@ -137,7 +138,7 @@ GGUF_INLINE void q6_k_avx512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_
         }
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = t->w + r * t->row_bytes + k * BYTES;
-            gguf_prefetch(blk, BYTES);
+            gguf_prefetch(blk, BYTES, gguf_prefetch_ahead(t));
             const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)));
             const __m512 d = _mm512_set1_ps(gguf_f16(blk + 208));
             __m512i q[4], scs[4];
@@ -169,6 +170,7 @@ GGUF_INLINE void q6_k_avx512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_
 }
 GGUF_TILE_VARIANTS(tile_q6_k_avx512, q6_k_avx512)
 #endif
+GGUF_FIXED_FLOAT_END
 
 const GgufType gguf_q6_k = {14, COLS, BYTES, dequantize_q6_k, dot_q6_k, 
                             {NULL, GGUF_AVX2(tile_q6_k_avx2), GGUF_AVX512(tile_q6_k_avx512)}};

@@ -24,6 +24,7 @@ GGUF_PORTABLE static float dot_q8_0(const uint8_t *blk, const int8_t *qx, const 
 
 GGUF_INLINE float scale_q8_0(const uint8_t *blk) { return gguf_f16(blk); }
 
+GGUF_FIXED_FLOAT_BEGIN
 #if KV_HAVE_AVX2_FMA
 GGUF_INLINE __m256i quants_q8_0(const uint8_t *blk) { return _mm256_loadu_si256((const __m256i *)(blk + 2)); }
 #define Q8_0_AVX2(t, sums, R, B) gguf_tile32_avx2(t, sums, R, B, BYTES, quants_q8_0, scale_q8_0, NULL)
@@ -39,6 +40,7 @@ GGUF_INLINE __m512i quants2_q8_0(const uint8_t *b0, const uint8_t *b1) {
 #define Q8_0_AVX512(t, sums, R, B) gguf_tile32_avx512(t, sums, R, B, BYTES, 128, quants2_q8_0, 0)
 GGUF_TILE_VARIANTS(tile_q8_0_avx512, Q8_0_AVX512)
 #endif
+GGUF_FIXED_FLOAT_END
 
 const GgufType gguf_q8_0 = {8, COLS, BYTES, dequantize_q8_0, dot_q8_0,
                             {NULL, GGUF_AVX2(tile_q8_0_avx2), GGUF_AVX512(tile_q8_0_avx512)}};
