@@ -62,7 +62,15 @@ def assert_seeded_samples(model, prompt: list[int], tokens: list[int], seed: int
     if not tokens:
         return
     logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:len(prompt) - 1 + len(tokens)].float()
-    delta = GREEDY_SLACK * float(logits.abs().max().clamp(min=1.0))
+    assert_seeded_draws(logits, tokens, seed, temperature, GREEDY_SLACK * float(logits.abs().max().clamp(min=1.0)),
+                        top_k, allowed)
+
+
+def assert_seeded_draws(logits: torch.Tensor, tokens: list[int], seed: int, temperature: float, delta: float,
+                        top_k: int = 0, allowed: list[torch.Tensor] | None = None) -> None:
+    """`tokens` are the draws `seed` gives (see `assert_seeded_samples`) from reference `logits`
+    [len(tokens), vocab] (row k: the logits that chose token k, teacher forced) of an engine
+    whose logits lie within `delta` of them."""
     generator = make_generator(seed)
     for k, token_id in enumerate(tokens):
         row = logits[k].clone()

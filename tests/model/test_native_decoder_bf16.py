@@ -140,16 +140,6 @@ def _prompts(lengths: list[int], seed: int) -> dict[str, list[int]]:
     return {f"r{i}": torch.randint(3, VOCAB, (n,), generator=generator).tolist() for i, n in enumerate(lengths)}
 
 
-def _compare(ours, ref, max_diff: float) -> None:
-    """Two `run_greedy` results, `ours` made to follow `ref`'s tokens: logits within `max_diff`."""
-    logits, ref_logits = ours[1], ref[1]
-    assert ours[0] == ref[0] and logits.keys() == ref_logits.keys()
-    for req_id in ref_logits:
-        assert len(logits[req_id]) == len(ref_logits[req_id])
-        for a, b in zip(logits[req_id], ref_logits[req_id]):
-            assert (a - b).abs().max().item() <= max_diff * max(1.0, b.abs().max().item())
-
-
 @pytest.mark.parametrize("family,isa", [("llama", "avx512"), ("llama", "avx2"), ("llama", "portable"),
                                         ("qwen3", "avx512"), ("gemma2", "avx512"), ("gemma3", "avx2"),
                                         ("qwen2", "portable")])
@@ -206,9 +196,26 @@ def test_bf16_model_runs_natively_close_to_the_oracle(paths, monkeypatch, family
     ref = run_greedy(PagedRunner(_float32_logits(oracle), block_size=4), prompts, 16, chunk=2)
     ours = run_greedy(PagedRunner(_float32_logits(model), block_size=4), prompts, 16, chunk=2, follow=ref[0])
     assert native_steps[0] >= 14
-    # Both fed the oracle's tokens. A one-ulp (2**-8 relative) difference of a bfloat16 hidden
-    # state element moves a logit by about 1e-2 of the logits' scale here.
-    _compare(ours, ref, 2e-2)
+    # Both fed the oracle's tokens, both within the bound bfloat16 rounding allows of the float32
+    # model on the same (bfloat16) weights, derived (tests/helpers/activation_rounding.py), not
+    # tuned: that model on a float32 cache, rerun with every value the two round moved by noise
+    # within half a bfloat16 ulp: each projection's input, each stored K/V element, the final
+    # hidden state (the LM head's input) and the LM head's output (the oracle's bfloat16 logits).
+    plain = load_model(config, kernel_config=env_kernels(packed_weights=False)).float()
+    plain._native = None  # decided: the per-op path, in float32
+    half_steps = {module: bfloat16_half_step for _, _, module in _projections(plain)}
+    half_steps[plain.lm_head] = (bfloat16_half_step, bfloat16_half_step)
+
+    def logits_of(model):
+        rows = run_greedy(PagedRunner(model, block_size=4, kv_dtype=torch.float32), prompts, 16, chunk=2,
+                          follow=ref[0])[1]
+        return {r: torch.stack(logits).float() for r, logits in rows.items()}
+    reference, bound = rounding_bound(plain, half_steps, logits_of, kv_half_step=bfloat16_half_step)
+    for run in (ours, ref):
+        assert run[0] == ref[0]
+        assert max_deviation({r: torch.stack(logits).float() for r, logits in run[1].items()}, reference) <= bound
+    # The bound is a small part of the logits' range: it still tells a wrong kernel apart.
+    assert bound < 0.1 * min((rows.amax(-1) - rows.amin(-1)).min().item() for rows in reference.values())
 
 
 def test_bf16_declined_without_a_path_and_packed_weights_keep_a_plain_copy(paths):

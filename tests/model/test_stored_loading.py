@@ -8,7 +8,7 @@ Files: the zoo's tiny llama shape, written by the gguf package in Q4_0 and Q8_0,
 llama-quantize is built; CI does not build llama.cpp) quantized by llama.cpp to Q4_K_M, which
 mixes Q4_K and Q6_K tensors (the value projection of some layers, the embedding), and to the
 mixtures of downloaded files in the other as-stored types: Q5_K_M (Q5_K, Q6_K), Q3_K_M (Q3_K,
-Q4_K, Q5_K, Q6_K), Q2_K (Q2_K, Q3_K, Q6_K) and IQ4_XS (IQ4_XS, Q6_K).
+Q4_K, Q5_K, Q6_K), Q2_K (Q2_K, Q3_K, Q6_K), IQ4_XS (IQ4_XS, Q6_K) and IQ4_NL (IQ4_NL, Q6_K).
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def tiny_files(tmp_path_factory):
         files[type_name] = zoo.write_random_gguf(shape, str(directory / f"tiny.{type_name}.gguf"), type_name)
     if find_tool("llama-quantize") is not None:
         source = zoo.write_random_gguf(shape, str(directory / "tiny.f16.gguf"), "f16")
-        for type_name in ("q4_k_m", "q5_k_m", "q3_k_m", "q2_k", "iq4_xs"):
+        for type_name in ("q4_k_m", "q5_k_m", "q3_k_m", "q2_k", "iq4_xs", "iq4_nl"):
             files[type_name] = str(directory / f"tiny.{type_name}.gguf")
             zoo.quantize_with_llama_cpp(source, files[type_name], zoo.QUANT_TYPES[type_name])
     return files
@@ -111,7 +111,7 @@ def _stored_by_part(model) -> dict[str, StoredWeight]:
     return held
 
 
-@pytest.mark.parametrize("type_name", ["q4_k_m", "q4_0", "q8_0", "q5_k_m", "q3_k_m", "q2_k", "iq4_xs"])
+@pytest.mark.parametrize("type_name", ["q4_k_m", "q4_0", "q8_0", "q5_k_m", "q3_k_m", "q2_k", "iq4_xs", "iq4_nl"])
 def test_stored_blocks_alias_the_file_or_the_cache_mapping(tiny_files, cache_dir, type_name):
     path = _file(tiny_files, type_name)
     kernels = _stored_kernels(path)
@@ -139,7 +139,7 @@ def test_stored_blocks_alias_the_file_or_the_cache_mapping(tiny_files, cache_dir
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "per_op"])
-@pytest.mark.parametrize("type_name", ["q4_k_m", "q4_0", "q8_0", "q5_k_m", "q3_k_m", "q2_k", "iq4_xs"])
+@pytest.mark.parametrize("type_name", ["q4_k_m", "q4_0", "q8_0", "q5_k_m", "q3_k_m", "q2_k", "iq4_xs", "iq4_nl"])
 def test_stored_model_logits_within_activation_rounding_of_dequantized(tiny_files, cache_dir, type_name, native):
     """Against the same file dequantized by the gguf package and run in float32, fed the same
     tokens: prefill chunks and one-token steps through the stored-block kernels (int8 activations,

@@ -8,12 +8,12 @@ heads split 2 ways: sliding windows, soft-capping, GQA, Q/K norms, sandwich norm
 prompt chunks short enough to run natively (chunked prefill), the call's threads
 forced to share the rows out, a prefix hit with a copy-on-write block, quantized GGUF
 shards on each kernel path. Engine level: TP=2 engines with the native decoder on and
-off give the same tokens under preemption, prefix hits and async scheduling, on float32
-and quantized GGUF weights.
+off, under preemption, prefix hits and async scheduling, on float32 and quantized GGUF
+weights: each engine's tokens greedy (seeded samples: the seed's draws) under the float32
+model within rounding, logprobs of the same context close.
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 
@@ -122,9 +122,11 @@ def test_native_matches_torch_path_on_two_ranks_every_family(slow_outcomes, name
 
 @pytest.mark.parametrize("weights", ["gguf_q4_0", pytest.param("float32", marks=pytest.mark.slow)])
 def test_tp2_engine_native_decoder_equals_torch_path(weights, tmp_path, monkeypatch, capfd):
-    """TP=2 engines, native decoder on (each rank builds it: its log line) and off: the same
-    tokens and logprobs, with preemptions, prefix hits (CoW copies) and async scheduling."""
-    from test_tp_engine import ENGINE_SETTINGS, KV_BYTES_TP2, _logprobs, _run_workload, _tokens
+    """TP=2 engines, native decoder on (each rank builds it: its log line) and off, with
+    preemptions, prefix hits (CoW copies) and async scheduling: both engines' tokens checked
+    against the float32 model, logprobs of a shared context close."""
+    from test_tp_engine import (ENGINE_SETTINGS, KV_BYTES_TP2, _assert_greedy_under_reference,
+                                _assert_top_logprobs_close, _logprobs, _run_workload, _tokens)
     from tp_helpers import make_engine
 
     if weights == "float32":
@@ -145,12 +147,59 @@ def test_tp2_engine_native_decoder_equals_torch_path(weights, tmp_path, monkeypa
     with make_engine(path, 2, kv_cache_memory=KV_BYTES_TP2, **ENGINE_SETTINGS) as core:
         ref = _run_workload(core)
     assert "native decoder: steps of up to" not in capfd.readouterr().err
-    assert _tokens(ours) == _tokens(ref)
+    # The two paths sum in another float order (RMSNorm, RoPE, attention in C against torch), so
+    # a near-tie may break either way: each engine's tokens are checked against the float32 model,
+    # not against each other, and logprobs compared only where both took the same tokens.
+    # Logprobs of one context: float32 within rounding (test_tp_engine); quantized, each engine's
+    # logits within the bound b of the float32 model's, so within 2b of each other, and a
+    # log-softmax moves by at most the largest logit's move again: 4b.
+    tolerance = 1e-4
+    if weights == "float32":
+        _assert_greedy_under_reference(path, _tokens(ref), _tokens(ours))
+    else:
+        tolerance = 4 * max(_assert_draws_within_activation_rounding(path, tokens)
+                            for tokens in (_tokens(ours), _tokens(ref)))
     logprobs, ref_logprobs = _logprobs(ours), _logprobs(ref)
     assert len(logprobs) == len(ref_logprobs) == 5
     for lp, ref_lp in zip(logprobs, ref_logprobs):
-        assert lp.top_token_ids == ref_lp.top_token_ids and lp.sampled_token_id == ref_lp.sampled_token_id
-        assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(lp.top_logprobs, ref_lp.top_logprobs))
+        if lp.sampled_token_id != ref_lp.sampled_token_id:
+            break  # a near-tie broken the other way (checked above): the contexts differ from here
+        _assert_top_logprobs_close(lp, ref_lp, tolerance)
+
+
+def _assert_draws_within_activation_rounding(path: str, tokens: dict[str, list[int]]) -> float:
+    """Each request's tokens, teacher forced into the float32 model (the GGUF dequantized; TP=1,
+    per-op path), whose logits an engine's lie within the int8 activation-rounding bound of
+    (tests/helpers/activation_rounding.py, derived here): a greedy token's logit within twice
+    the bound of the step's largest, a seeded sample the draw its seed gives up to that slack.
+    Returns the bound."""
+    import torch
+    from helpers.activation_rounding import quantized_half_steps, rounding_bound
+    from helpers.greedy_check import assert_seeded_draws
+    from model.paged_kv_helper import every_token_logits
+    from test_tp_engine import _workload
+    from kvserve.model.config import ModelConfig
+    from kvserve.model.loader import load_model
+
+    prompts = {str(i): prompt for i, prompt in enumerate(p for wave, _ in _workload() for p in wave)}
+    params = {str(i): sp for i, sp in enumerate(sp for _, wave in _workload() for sp in wave)}
+    held = load_model(ModelConfig.from_path(path))
+    plain = load_model(ModelConfig.from_path(path, quantization="none", dtype="float32"))
+    plain._native = None
+    sequences = {rid: prompts[rid] + tokens[rid][:-1] for rid in prompts}
+    prompt_lens = {rid: len(prompts[rid]) for rid in prompts}
+    reference, bound = rounding_bound(plain, quantized_half_steps(plain, held),
+                                      lambda m: every_token_logits(m, sequences, prompt_lens))
+    for rid, rows in reference.items():
+        taken = torch.tensor(tokens[rid])
+        assert len(taken) == params[rid].max_tokens
+        if params[rid].temperature == 0.0:
+            shortfall = rows.max(-1).values - rows.gather(1, taken[:, None])[:, 0]
+            assert (shortfall <= 2 * bound).all(), (rid, tokens[rid], shortfall.tolist(), bound)
+        else:
+            assert_seeded_draws(rows, tokens[rid], params[rid].seed, params[rid].temperature, bound,
+                                params[rid].top_k)
+    return bound
 
 
 def _write_tp_gguf(tmp_path) -> str:

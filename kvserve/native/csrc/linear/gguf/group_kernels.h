@@ -105,11 +105,7 @@ GGUF_PORTABLE static float dot_block(const uint8_t *block, const int8_t *qx, con
 
 /* ---- AVX2 and AVX512-VNNI: one group of 32 columns per 256-bit vector ------------------ */
 #if KV_HAVE_AVX2_FMA
-/* Every (row, activation row) sum must take the same float operations in every tile shape
- * (gguf_type.h): no reassociation or contraction by the compiler, which -ffast-math would
- * otherwise do differently in each shape's variant. The fused multiply-adds are explicit. */
-#pragma GCC push_options
-#pragma GCC optimize("no-associative-math", "fp-contract=off")
+GGUF_FIXED_FLOAT_BEGIN /* every tile shape gives a row the same sums (gguf_type.h) */
 static __m256i group_quants256(const uint8_t *block, int g);
 
 /* Sixteen int16 lanes: a in lanes 0-7 (the pairs of columns 0-15), b in lanes 8-15. */
@@ -289,7 +285,7 @@ GGUF_TILE_VARIANTS(tile_avx2, TILE256_AVX2)
 #if KV_HAVE_AVX512_VNNI && !defined(AVX512_TILE)
 GGUF_TILE_VARIANTS(tile_vnni, tile512)
 #endif
-#pragma GCC pop_options
+GGUF_FIXED_FLOAT_END
 #endif /* KV_HAVE_AVX2_FMA */
 
 /* The type's entry for gguf_rows.c's table (the portable tile: the framework's, by dot_block).

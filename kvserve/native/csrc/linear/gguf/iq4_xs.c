@@ -32,8 +32,7 @@ static __m256i group_quants256(const uint8_t *block, int g) {
 #endif
 
 #if KV_HAVE_AVX512_VNNI
-#pragma GCC push_options
-#pragma GCC optimize("no-associative-math", "fp-contract=off") /* see group_kernels.h */
+GGUF_FIXED_FLOAT_BEGIN
 /* Per super-block and row: the 8 scales (s - 32) as int32 lanes; per 64 columns (groups 2c,
  * 2c + 1: 32 contiguous bytes) the indices in column order, |t[k]| by a byte shuffle and the
  * activations negated where t[k] < 0 (k < 8), vpdpbusd, times the group's scale, then dx;
@@ -90,7 +89,7 @@ GGUF_INLINE void iq4_xs_vnni(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_
         for (int b = 0; b < B; b++) sums[r][b] = gguf_sum512(acc[r][b]);
 }
 GGUF_TILE_VARIANTS(tile_iq4_xs_vnni, iq4_xs_vnni)
-#pragma GCC pop_options
+GGUF_FIXED_FLOAT_END
 #endif
 
 GGUF_BLOCK_TYPE(gguf_iq4_xs, 23)

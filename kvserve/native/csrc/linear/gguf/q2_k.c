@@ -34,8 +34,7 @@ static __m256i group_quants256(const uint8_t *block, int g) {
 #endif
 
 #if KV_HAVE_AVX512_VNNI
-#pragma GCC push_options
-#pragma GCC optimize("no-associative-math", "fp-contract=off") /* see group_kernels.h */
+GGUF_FIXED_FLOAT_BEGIN
 /* Per 64 columns (groups 2c, 2c + 1, in the same half of 128) the 2-bit quants of both groups
  * from one 32-byte load: vpdpbusd, times each 16 columns' scale, then dx. The minimums: each
  * lane's sum(qx) times dx, shared by the tile's rows, times the lane's 16-column minimum.
@@ -90,7 +89,7 @@ GGUF_INLINE void q2_k_vnni(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TI
         for (int b = 0; b < B; b++) sums[r][b] = gguf_sum512(acc[r][b]);
 }
 GGUF_TILE_VARIANTS(tile_q2_k_vnni, q2_k_vnni)
-#pragma GCC pop_options
+GGUF_FIXED_FLOAT_END
 #endif
 
 GGUF_BLOCK_TYPE(gguf_q2_k, 10)

@@ -36,8 +36,7 @@ static __m256i group_quants256(const uint8_t *block, int g) {
 #endif
 
 #if KV_HAVE_AVX512_VNNI
-#pragma GCC push_options
-#pragma GCC optimize("no-associative-math", "fp-contract=off") /* see group_kernels.h */
+GGUF_FIXED_FLOAT_BEGIN
 /* The 16 scales (s - 32) of a super-block as int32 lanes: low nibbles from bytes 0-7 (scales
  * 0-7 the low ones, 8-15 the high ones), top 2 bits of scale i at bit 8 (i % 4) + 2 (i / 4)
  * of bytes 8-11. */
@@ -106,7 +105,7 @@ GGUF_INLINE void q3_k_vnni(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TI
         for (int b = 0; b < B; b++) sums[r][b] = gguf_sum512(acc[r][b]);
 }
 GGUF_TILE_VARIANTS(tile_q3_k_vnni, q3_k_vnni)
-#pragma GCC pop_options
+GGUF_FIXED_FLOAT_END
 #endif
 
 GGUF_BLOCK_TYPE(gguf_q3_k, 11)

@@ -30,6 +30,7 @@ static __m256i group_quants256(const uint8_t *block, int g) {
 
 /* The vector tiles: blocks32.h's, one f16 scale d first in the block. */
 GGUF_INLINE float scale_q5_0(const uint8_t *blk) { return gguf_f16(blk); }
+GGUF_FIXED_FLOAT_BEGIN
 #if KV_HAVE_AVX2_FMA
 GGUF_INLINE __m256i quants_q5_0(const uint8_t *blk) { return group_quants256(blk, 0); }
 #define Q5_0_AVX2(t, sums, R, B) gguf_tile32_avx2(t, sums, R, B, BLOCK_BYTES, quants_q5_0, scale_q5_0, NULL)
@@ -40,5 +41,6 @@ GGUF_INLINE __m512i quants2_q5_0(const uint8_t *b0, const uint8_t *b1) { return 
 #define Q5_0_AVX512(t, sums, R, B) gguf_tile32_avx512(t, sums, R, B, BLOCK_BYTES, 16, quants2_q5_0, 0)
 GGUF_TILE_VARIANTS(tile_q5_0_vnni, Q5_0_AVX512)
 #endif
+GGUF_FIXED_FLOAT_END
 
 GGUF_BLOCK_TYPE(gguf_q5_0, 6)

@@ -37,8 +37,7 @@ static __m256i group_quants256(const uint8_t *block, int g) {
 #endif
 
 #if KV_HAVE_AVX512_VNNI
-#pragma GCC push_options
-#pragma GCC optimize("no-associative-math", "fp-contract=off") /* see group_kernels.h */
+GGUF_FIXED_FLOAT_BEGIN
 /* Per super-block and row: the 8 scales as int32 lanes, the 8 minimums times dmin as floats,
  * the high bits as a byte mask; per 64 columns (groups 2c, 2c + 1) one 32-byte load of low
  * nibbles, the high bits added under the mask, vpdpbusd against the activations (8 lanes per
@@ -86,7 +85,7 @@ GGUF_INLINE void q5_k_vnni(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TI
         for (int b = 0; b < B; b++) sums[r][b] = gguf_sum512(acc[r][b]);
 }
 GGUF_TILE_VARIANTS(tile_q5_k_vnni, q5_k_vnni)
-#pragma GCC pop_options
+GGUF_FIXED_FLOAT_END
 #endif
 
 GGUF_BLOCK_TYPE(gguf_q5_k, 13)
