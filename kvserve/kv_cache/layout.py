@@ -15,13 +15,18 @@ Recurrent-state layers (`StateSpec`) share no tensor with attention layers: an
 attention tensor holds a block's K/V as scattered rows (heads outermost, see
 `kvserve.model.attention.metadata`), a state tensor its slots one after another, so
 block b of one and slot c of the other would overlap. Each state layer has its own
-tensor, and a block id costs its attention pages plus its state pages.
+tensor, and a block id costs its attention pages plus its state pages. For the
+same reason attention layers share a tensor only when their K/V rows of one block
+(block_size x head_size elements) have the same size: block b's rows then sit at
+row indices k * num_blocks + b, disjoint for distinct ids whatever the head counts
+(a draft of another head size next to its target gets tensors of its own).
 """
 from __future__ import annotations
 
 from math import gcd, lcm
 
-from kvserve.kv_cache.interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, KVCacheTensor, StateSpec
+from kvserve.kv_cache.interface import (AttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, KVCacheTensor,
+                                        StateSpec, dtype_size_bytes)
 
 
 def group_layers_by_spec(layer_specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
@@ -36,6 +41,19 @@ def _model_prefix(layer_name: str) -> str:
     """What names the model a layer belongs to: the text before `layers.`."""
     prefix, found, _ = layer_name.partition("layers.")
     return prefix if found else ""
+
+
+def _attention_sharing_sets(groups: list[KVCacheGroupSpec]) -> list[list[KVCacheGroupSpec]]:
+    """The attention groups whose layers may share tensors (equal K/V row bytes; see the
+    module docstring), in order of first appearance."""
+    sets: dict[int, list[KVCacheGroupSpec]] = {}
+    for group in groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, AttentionSpec):
+            sets.setdefault(spec.block_size * spec.head_size * dtype_size_bytes(spec.dtype), []).append(group)
+        elif not isinstance(spec, StateSpec):
+            raise TypeError(f"no KV-cache layout for {type(spec).__name__}")
+    return list(sets.values())
 
 
 def _tensor_slot_page_sizes(groups: list[KVCacheGroupSpec]) -> list[int]:
@@ -54,20 +72,20 @@ def get_kv_cache_config(layer_specs: dict[str, KVCacheSpec], available_memory_by
     if not layer_specs:
         raise ValueError("no KV-cache layers")
     groups = group_layers_by_spec(layer_specs)
-    attention_groups = [group for group in groups if not isinstance(group.kv_cache_spec, StateSpec)]
+    sharing_sets = _attention_sharing_sets(groups)
+    slot_page_sizes = [_tensor_slot_page_sizes(sharing) for sharing in sharing_sets]
     state_layers = [(name, group.kv_cache_spec.page_size_bytes) for group in groups
                     if isinstance(group.kv_cache_spec, StateSpec) for name in group.layer_names]
-    slot_page_sizes = _tensor_slot_page_sizes(attention_groups)
-    bytes_per_block = sum(slot_page_sizes) + sum(page for _, page in state_layers)
+    bytes_per_block = sum(map(sum, slot_page_sizes)) + sum(page for _, page in state_layers)
     if num_blocks is None:
         num_blocks = available_memory_bytes // bytes_per_block
     if num_blocks < 2:
         raise ValueError(f"KV-cache budget of {available_memory_bytes} bytes holds {num_blocks} blocks of "
                          f"{bytes_per_block} bytes; at least 2 are needed")
     tensors = [KVCacheTensor(size=page_size * num_blocks,
-                             shared_by=[group.layer_names[slot] for group in attention_groups
-                                        if len(group.layer_names) > slot])
-               for slot, page_size in enumerate(slot_page_sizes)]
+                             shared_by=[group.layer_names[slot] for group in sharing if len(group.layer_names) > slot])
+               for sharing, page_sizes in zip(sharing_sets, slot_page_sizes)
+               for slot, page_size in enumerate(page_sizes)]
     tensors += [KVCacheTensor(size=page * num_blocks, shared_by=[name]) for name, page in state_layers]
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
 

@@ -4,6 +4,7 @@ At batch one a decode step through the torch path makes about ten Python op
 calls per layer, each a dispatch and, for the native kernels, a parallel region
 of its own: for a 135M model that overhead outweighs the matmuls. For steps of
 up to `SMALL_STEP_TOKENS` tokens, or `MAX_TOKENS` where every projection is
+held as its GGUF file stores it (csrc/linear/gguf_rows.c, whose rows take any step size),
 quantized and runs the panel GEMM (csrc/linear/quant_gemm.c) from its `panel_rows`
 on, or is float32 packed into panels (csrc/linear/f32_gemm.c) (batched decode, mixed
 serving steps), `NativeDecoder` hands the whole stack
@@ -12,7 +13,8 @@ inside one parallel region; steps of many tokens split attention by tokens.
 
 It takes what it covers and nothing else; `DecoderModel.forward` keeps the
 torch path for any step it declines (None):
-- model: CPU, float32 or bfloat16, every projection block-quantized or a plain
+- model: CPU, float32 or bfloat16, every projection GGUF blocks as stored (up to
+  `MAX_PARTS` tensors side by side), block-quantized or a plain
   float32 or bfloat16 matrix, SiLU or GELU(tanh) gates, head size <= 256, at
   most 32 query heads per KV head; under tensor parallelism no bias on the O
   and down projections (see below);

@@ -65,3 +65,17 @@ def test_state_layers_share_no_tensor_with_attention_layers():
     assert {"s0"} in shared and {"s1"} in shared and {"a", "b"} in shared and len(shared) == 3
     assert config.num_blocks == 10**6 // (2048 + 2 * 224)
     _check_tensors_fit(config, layer_specs)
+
+
+def test_attention_layers_share_a_tensor_only_with_rows_of_one_size():
+    """A draft of another head size beside its target: its K/V rows of a block differ in
+    size, so block 2 of one would overlap blocks 1 and 5 of the other in a shared buffer
+    (heads outermost). Its layers get tensors of their own; equal rows still share."""
+    target = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype="float32")
+    draft = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=32, dtype="float32")
+    same_rows = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype="float32")
+    layer_specs = {"model.layers.0.a": target, "draft.model.layers.0.a": draft, "other.model.layers.0.a": same_rows}
+    config = get_kv_cache_config(layer_specs, available_memory_bytes=0, num_blocks=8)
+    shared = [set(t.shared_by) for t in config.kv_cache_tensors]
+    assert shared == [{"model.layers.0.a", "other.model.layers.0.a"}, {"draft.model.layers.0.a"}]
+    _check_tensors_fit(config, layer_specs)

@@ -19,3 +19,18 @@ def test_state_slots_do_not_alias_attention_blocks():
         for tensor in caches[name]:
             tensor.fill_(-1.0)
     assert torch.equal(kv, before)
+
+
+def test_a_draft_of_another_head_size_does_not_alias_its_targets_blocks():
+    """Attention layers with K/V rows of different sizes (a draft of head size 32 beside a
+    target of 64): writing one block of the draft leaves every block of the target as it was
+    (shared by layer index, the draft's block 2 overwrote the target's blocks 1 and 5)."""
+    target = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype="float32")
+    draft = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=32, dtype="float32")
+    specs = {"model.layers.0.self_attn.attn": target, "draft.model.layers.0.self_attn.attn": draft}
+    caches = allocate_kv_caches(get_kv_cache_config(specs, 0, num_blocks=8), specs)
+    kv = caches["model.layers.0.self_attn.attn"]
+    kv.copy_(torch.arange(kv.numel(), dtype=torch.float32).view_as(kv))
+    before = kv.clone()
+    caches["draft.model.layers.0.self_attn.attn"][:, :, 2] = -1.0
+    assert torch.equal(kv, before)
