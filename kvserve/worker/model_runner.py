@@ -298,7 +298,8 @@ class ModelRunner:
         logits = self.logits_constraints.apply(logits, states, pending=pending_masks)
         sampling_tensors = self._sampling_tensors(sampled_req_ids)
         sampler_output = self.sampler.sample(logits, sampling_tensors)
-        missed = self.logits_constraints.outside_masks(pending_masks, [[t] for t in sampler_output.token_ids])
+        missed = (self.logits_constraints.outside_masks(pending_masks, [[t] for t in sampler_output.token_ids])
+                  if pending_masks is not None else [])
         if missed:
             logits = self.logits_constraints.mask_again(logits, pending_masks, missed)
             sampler_output = self.sampler.sample(logits, sampling_tensors)
