@@ -23,6 +23,7 @@ from kvserve.model.stored_parts import StoredParts
 from kvserve.model.stored_weight import StoredWeight
 from helpers.kernel_switches import env_kernels
 from paged_kv_helper import every_token_logits, tiny_models_with_reference
+from test_stored_loading import _inside, _mapped_ranges, cache_dir  # noqa: F401 (cache_dir: a fixture)
 
 gguf = pytest.importorskip("gguf")
 
@@ -49,18 +50,8 @@ def moe_files(tmp_path_factory):
     return files
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    from kvserve.model import repack_cache
-    directory = tmp_path / "repacked"
-    monkeypatch.setattr(repack_cache, "cache_dir", lambda: str(directory))
-    return directory
-
-
 def _file(moe_files, type_name: str) -> str:
-    if type_name not in moe_files:
-        pytest.skip("llama-quantize is not built here (kvserve bench zoo builds it)")
-    return moe_files[type_name]
+    return moe_files.get(type_name) or pytest.skip("llama-quantize is not built here (kvserve bench zoo builds it)")
 
 
 def _blocks(model) -> list[SparseMoeBlock]:
@@ -80,7 +71,6 @@ def test_expert_blocks_are_views_of_the_file(moe_files, cache_dir, type_name):
     """Every expert projection is a StoredWeight of the file's own type, its blocks inside this
     process's mapping of the GGUF file (no copy), and every MoE layer runs its experts in the
     one native call."""
-    from test_stored_loading import _inside, _mapped_ranges
     path = _file(moe_files, type_name)
     model = load_model(ModelConfig.from_path(path))
     ranges = _mapped_ranges(path)
@@ -96,7 +86,6 @@ def test_expert_blocks_are_views_of_the_file(moe_files, cache_dir, type_name):
 def test_tensor_parallel_experts_view_their_rows(moe_files, cache_dir):
     """At TP=2 each rank's experts keep their gate/up rows as views of the file and their down
     columns (block-aligned copies) from the repack cache's mapping; both run the native call."""
-    from test_stored_loading import _inside, _mapped_ranges
     path = moe_files["zoo_q8_0"]
     config = ModelConfig.from_path(path)
     for rank in range(2):
