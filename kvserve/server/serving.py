@@ -23,6 +23,7 @@ from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import APIError, from_validation_error, to_api_error
 from kvserve.server.harmony import harmony_token_ids
+from kvserve.server.think_reply import think_token_ids
 from kvserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,12 @@ class ServingContext:
             self._harmony_ids = harmony_token_ids(self.engine.tokenizer)
             self._harmony_probed = True
         return self._harmony_ids
+
+    def think_token_ids(self) -> tuple[int, int] | None:
+        """(`<think>`, `</think>`) ids when the model writes its reasoning in a think block, else None."""
+        if not hasattr(self, "_think_ids"):
+            self._think_ids = think_token_ids(self.engine.tokenizer)
+        return self._think_ids
 
 
 async def parse_body(raw_request: Request, model_cls: type[ModelT]) -> ModelT:
