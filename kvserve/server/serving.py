@@ -44,6 +44,8 @@ class ServingContext:
     tool_call_parser: str | None = None
     _harmony_ids: dict[str, int] | None = field(default=None, init=False, repr=False)
     _harmony_probed: bool = field(default=False, init=False, repr=False)
+    _think_ids: tuple[int, int] | None = field(default=None, init=False, repr=False)
+    _think_probed: bool = field(default=False, init=False, repr=False)
 
     def harmony_token_ids(self) -> dict[str, int] | None:
         """The ids of the harmony tokens when the model speaks harmony (gpt-oss), else None."""
@@ -54,8 +56,9 @@ class ServingContext:
 
     def think_token_ids(self) -> tuple[int, int] | None:
         """(`<think>`, `</think>`) ids when the model writes its reasoning in a think block, else None."""
-        if not hasattr(self, "_think_ids"):
+        if not self._think_probed:
             self._think_ids = think_token_ids(self.engine.tokenizer)
+            self._think_probed = True
         return self._think_ids
 
 

@@ -382,41 +382,33 @@ class OutputItemStream:
     def _open_reasoning(self) -> list[str]:
         events = self._close_message("completed") + self._close_call()
         self._reasoning = _reasoning_item("", "in_progress")
-        added = {**self._reasoning, "content": []}
-        return events + [self._emit("response.output_item.added", item=added),
-                         self._emit("response.content_part.added", item_id=self._reasoning["id"], content_index=0,
-                                    part=_reasoning_part(""))]
+        return events + self._open_part_item(self._reasoning, _reasoning_part(""))
 
     def _close_reasoning(self, status: str = "completed") -> list[str]:
-        item = self._reasoning
-        if item is None:
-            return []
-        self._reasoning = None
-        item["status"] = status
-        part = item["content"][0]
-        events = [self._emit("response.reasoning_text.done", item_id=item["id"], content_index=0, text=part["text"]),
-                  self._emit("response.content_part.done", item_id=item["id"], content_index=0, part=part),
-                  self._emit("response.output_item.done", item=item)]
-        self.output.append(item)
-        return events
+        item, self._reasoning = self._reasoning, None
+        return self._close_part_item(item, status, "response.reasoning_text.done")
 
     def _open_message(self) -> list[str]:
         self._text = _message_item("", "in_progress")
-        added = {**self._text, "content": []}
-        self._text["content"] = [_text_part("")]
-        return [self._emit("response.output_item.added", item=added),
-                self._emit("response.content_part.added", item_id=self._text["id"], content_index=0,
-                           part=_text_part(""))]
+        return self._open_part_item(self._text, _text_part(""))
 
     def _close_message(self, status: str) -> list[str]:
-        item = self._text
+        item, self._text = self._text, None
+        return self._close_part_item(item, status, "response.output_text.done", logprobs=[])
+
+    def _open_part_item(self, item: dict, part: dict) -> list[str]:
+        """The events of an item of one text part (a message, a reasoning item) being opened."""
+        item["content"] = [part]
+        return [self._emit("response.output_item.added", item={**item, "content": []}),
+                self._emit("response.content_part.added", item_id=item["id"], content_index=0, part=dict(part))]
+
+    def _close_part_item(self, item: dict | None, status: str, done_type: str, **done_fields) -> list[str]:
+        """The events of an item of one text part being done (`done_type`: its text's done event)."""
         if item is None:
             return []
-        self._text = None
         item["status"] = status
         part = item["content"][0]
-        events = [self._emit("response.output_text.done", item_id=item["id"], content_index=0, text=part["text"],
-                             logprobs=[]),
+        events = [self._emit(done_type, item_id=item["id"], content_index=0, text=part["text"], **done_fields),
                   self._emit("response.content_part.done", item_id=item["id"], content_index=0, part=part),
                   self._emit("response.output_item.done", item=item)]
         self.output.append(item)
