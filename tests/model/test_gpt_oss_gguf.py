@@ -65,6 +65,19 @@ def test_gguf_config_equals_the_hf_directory_config(gpt_oss_files):
     assert sorted(ours.eos_token_ids) == sorted(theirs.eos_token_ids)
 
 
+def test_gguf_tokenizer_speaks_harmony_as_the_hf_one(gpt_oss_files):
+    """The tokenizer built from the GGUF's keys has every harmony token as one token (so the
+    server reads its replies by channel) and encodes a harmony prompt as the directory's does."""
+    from transformers import AutoTokenizer
+    from kvserve.model.tokenizer_files import load_tokenizer
+    from kvserve.server.harmony import harmony_token_ids
+    _, reference_dir, path = gpt_oss_files
+    ours, theirs = load_tokenizer(path), AutoTokenizer.from_pretrained(reference_dir)
+    assert harmony_token_ids(ours) == harmony_token_ids(theirs) is not None
+    prompt = "<|start|>user<|message|>abc: ab ba<|end|><|start|>assistant<|channel|>analysis<|message|>"
+    assert ours.encode(prompt, add_special_tokens=False) == theirs.encode(prompt, add_special_tokens=False)
+
+
 def test_gguf_dequantized_matches_transformers_under_teacher_forcing(gpt_oss_files):
     """The file loaded as float32 on paged KV (blocks of 4, prefill chunks of 8 beside one-token
     steps, so the sliding layer's window of 12 is crossed) against transformers: every row of
