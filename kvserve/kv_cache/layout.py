@@ -91,6 +91,19 @@ def num_state_blocks_needed(block_size: int, sizing: StatePoolSizing) -> int:
     return 2 * in_flight + 1
 
 
+def kv_bytes_wanted(layer_specs: dict[str, KVCacheSpec], num_tokens: int, sizing: StatePoolSizing) -> int:
+    """What `sizing.max_num_seqs` sequences of `num_tokens` tokens want: the attention layers'
+    pages for every token, and the state slots `num_state_blocks_needed` counts (a state
+    layer's page is per slot, not per token)."""
+    attention_bytes, state_bytes = 0, 0
+    for spec in layer_specs.values():
+        if isinstance(spec, StateSpec):
+            state_bytes += spec.page_size_bytes * num_state_blocks_needed(spec.block_size, sizing)
+        else:
+            attention_bytes += -(-num_tokens // spec.block_size) * spec.page_size_bytes
+    return sizing.max_num_seqs * attention_bytes + state_bytes
+
+
 def group_layers_by_spec(layer_specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
     """One group per distinct (model, spec), in order of first appearance."""
     layers_by_key: dict[tuple[str, KVCacheSpec], list[str]] = {}

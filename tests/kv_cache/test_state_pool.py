@@ -19,7 +19,7 @@ import pytest
 from kvserve.kv_cache.events import KVEventRecorder
 from kvserve.kv_cache.interface import FullAttentionSpec, StateSpec
 from kvserve.kv_cache.layout import (MAX_STATE_SHARE, StatePoolSizing, budget_split, get_kv_cache_config,
-                                     num_state_blocks_needed)
+                                     kv_bytes_wanted, num_state_blocks_needed)
 from kvserve.kv_cache.snapshot import snapshot_kv_cache
 
 from kv_helpers import admit, check, complete_step, full_spec, make_manager, sliding_spec, state_spec
@@ -203,3 +203,15 @@ def test_the_snapshot_shows_each_group_its_own_pool():
     assert (snapshot.pool.num_blocks, snapshot.pool.blocks_in_use) == (11, 6)
     one_pool = snapshot_kv_cache(make_manager([full_spec(4), state_spec(4)], num_blocks=12))
     assert one_pool.state_pool is None
+
+
+def test_what_sequences_want_counts_attention_per_token_and_states_per_slot():
+    """The CPU default budget's want (`ModelRunner.available_kv_memory_bytes`): 4 sequences of
+    10 tokens want 3 blocks of 4 each in the attention layer (4 * 3 * 64 B) and, in each of two
+    state layers, the 3 * 4 + 2 * (64 // 4) = 44 slots in use twice over plus the null block
+    (89 slots of 32 B); a dense model wants only its pages."""
+    sizing = StatePoolSizing(max_num_seqs=4, max_num_batched_tokens=64, enable_caching=True)
+    attention = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=2, dtype="float32")  # 64 B a block
+    state = StateSpec(block_size=4, shapes=((2,), (3, 2)), dtype="float32")  # 32 B a slot
+    assert kv_bytes_wanted({"a": attention}, 10, sizing) == 4 * 3 * 64
+    assert kv_bytes_wanted({"a": attention, "s0": state, "s1": state}, 10, sizing) == 4 * 3 * 64 + 2 * 89 * 32
