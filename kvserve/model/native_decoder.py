@@ -58,6 +58,7 @@ from kvserve.kv_cache.interface import CircularBufferSpec
 from kvserve.model import quantized
 from kvserve.model.attention import AttentionMetadata, StateMetadata
 from kvserve.model.linear_attention.gated_deltanet import GatedDeltaNet
+from kvserve.model.linear_attention.mamba2_mixer import Mamba2Mixer
 from kvserve.sample.structured.grammar_mask import HeadMask
 from kvserve.model.shm_all_reduce import SharedMemoryAllReduce
 from kvserve.native import cpu_kernels, dispatch
@@ -65,7 +66,7 @@ from kvserve.native.isa import ISA_CODES
 from kvserve.model.stored_parts import StoredParts
 from kvserve.model.stored_weight import StoredWeight
 from kvserve.native.abi import (ALL_REDUCE_FN, DTYPE_CODES, F32_PANELS, MAX_GROUPS, MAX_PARTS, NativeDeltaNet, NativeLayer,
-                                NativeLinear, NativeLogits, NativeModel, NativeStep, NativeTokenMask)
+                                NativeLinear, NativeLogits, NativeMamba, NativeModel, NativeStep, NativeTokenMask)
 from kvserve.native.config import KernelConfig
 
 logger = logging.getLogger(__name__)
@@ -187,10 +188,10 @@ def _check_layers_covered(config) -> None:
     """Raise NativeDeclined for layers the one-call decoder does not implement."""
     if config.is_moe:
         raise NativeDeclined("mixture-of-experts layers (the per-op path runs them)")
-    if config.mamba is not None or config.shared_expert_size or not config.use_rope:
-        raise NativeDeclined("Mamba-2 layers, a shared expert or attention without RoPE (the per-op path runs them)")
-    if (config.embedding_multiplier, config.residual_multiplier, config.logits_scaling) != (1.0, 1.0, 1.0):
-        raise NativeDeclined("Granite's embedding, residual or logits scaling")
+    if config.shared_expert_size:
+        raise NativeDeclined("a shared expert beside the routed ones (the per-op path runs it)")
+    if config.sandwich_norms and config.residual_multiplier != 1.0:
+        raise NativeDeclined("sandwich norms with a residual multiplier")
     if (config.qk_norm and not config.qk_norm_per_head) or config.clip_qkv is not None:
         raise NativeDeclined("a Q/K norm over the whole projection or clipped Q/K/V")
 
@@ -201,9 +202,9 @@ def _check_state_layers_covered(model) -> None:
     for layer in model.layers:
         if not layer.is_state_layer:
             continue
-        if not isinstance(layer.mixer, GatedDeltaNet):
+        if not isinstance(layer.mixer, (GatedDeltaNet, Mamba2Mixer)):
             raise NativeDeclined(f"recurrent-state layers of {type(layer.mixer).__name__}")
-        if layer.mixer.conv_width > MAX_CONV_WIDTH:
+        if isinstance(layer.mixer, GatedDeltaNet) and layer.mixer.conv_width > MAX_CONV_WIDTH:
             raise NativeDeclined(f"a Gated DeltaNet convolution of width {layer.mixer.conv_width}")
     if all(layer.is_state_layer for layer in model.layers):
         raise NativeDeclined("no attention layer")
@@ -229,10 +230,13 @@ class NativeDecoder:
         self._all_panel = True  # every projection quantized with a panel path or float32 in panels
         self._gemm_rows = MAX_TOKENS + 1  # steps of this many tokens take the per-op dense GEMM
         self._layers = (NativeLayer * len(model.layers))()
-        self._delta_nets: dict[int, NativeDeltaNet] = {}  # layer -> its mixer's description (pointed at)
+        # layer -> its state mixer's description (pointed at by the layer's)
+        self._state_mixers: dict[int, NativeDeltaNet | NativeMamba] = {}
         for i, layer in enumerate(model.layers):
-            if layer.is_state_layer:
+            if isinstance(layer.mixer, GatedDeltaNet):
                 self._describe_delta_net(self._layers[i], layer, i)
+            elif isinstance(layer.mixer, Mamba2Mixer):
+                self._describe_mamba(self._layers[i], layer, i)
             else:
                 self._describe_layer(self._layers[i], layer)
         self._desc = self._describe_model(model)
@@ -322,11 +326,16 @@ class NativeDecoder:
                            eps=config.rms_norm_eps, scale=attn.params.scale, softcap=attn.params.softcap or 0.0,
                            adds_one=int(config.norm_adds_one), sandwich=int(config.sandwich_norms),
                            gelu=int(config.hidden_act.startswith("gelu")), rotary_dim=rotary_dim,
-                           output_gate=int(attn.output_gate))
-        mixer = next((layer.mixer for layer in model.layers if layer.is_state_layer), None)
-        if mixer is not None:
-            desc.dn_k_heads, desc.dn_v_heads = mixer.num_k_heads, mixer.num_v_heads
-            desc.dn_k_dim, desc.dn_v_dim, desc.dn_conv_width = mixer.head_k_dim, mixer.head_v_dim, mixer.conv_width
+                           output_gate=int(attn.output_gate), no_rope=int(not attn.use_rope),
+                           residual_multiplier=config.residual_multiplier)
+        for mixer in (layer.mixer for layer in model.layers if layer.is_state_layer):
+            if isinstance(mixer, GatedDeltaNet):
+                desc.dn_k_heads, desc.dn_v_heads = mixer.num_k_heads, mixer.num_v_heads
+                desc.dn_k_dim, desc.dn_v_dim, desc.dn_conv_width = mixer.head_k_dim, mixer.head_v_dim, mixer.conv_width
+            else:
+                shape = mixer.shape
+                desc.mb_heads, desc.mb_head_dim, desc.mb_state = shape.num_heads, shape.head_dim, shape.state_size
+                desc.mb_groups, desc.mb_conv_width = shape.n_groups, shape.conv_kernel
         return desc
 
     def _describe_layer(self, desc: NativeLayer, layer) -> None:
@@ -346,20 +355,41 @@ class NativeDecoder:
 
     def _describe_delta_net(self, desc: NativeLayer, layer, index: int) -> None:
         """A Gated DeltaNet layer: its mixer's weights (state slots bound per cache dict) and MLP."""
-        mixer, mlp = layer.mixer, layer.mlp
-        net = self._delta_nets[index] = NativeDeltaNet()
+        mixer = layer.mixer
+        net = self._state_mixers[index] = NativeDeltaNet()
         for field, module in (("qkvz", mixer.in_proj_qkvz), ("ba", mixer.in_proj_ba), ("out", mixer.out_proj)):
             self._describe_linear(getattr(net, field), module)
-        for field, module in (("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
-            self._describe_linear(getattr(desc, field), module)
         net.conv_weight = self._hold(mixer.conv1d.weight.detach()[:, 0].float().contiguous()).data_ptr()
         net.dt_bias = self._hold(mixer.dt_bias.detach().float().contiguous()).data_ptr()
         net.neg_a = self._hold(-mixer.A_log.detach().float().exp()).data_ptr()
         net.norm = self._norm(mixer.norm)
         net.isa = ISA_CODES[dispatch.widest("gated_delta") or "portable"]
+        self._describe_norms_and_mlp(desc, layer)
+        desc.delta_net = ctypes.pointer(net)
+
+    def _describe_mamba(self, desc: NativeLayer, layer, index: int) -> None:
+        """A Mamba-2 layer: its mixer's weights and SSM parameters (state slots bound per cache
+        dict) and MLP."""
+        mixer = layer.mixer
+        net = self._state_mixers[index] = NativeMamba()
+        for field, module in (("in_", mixer.in_proj), ("out", mixer.out_proj)):
+            self._describe_linear(getattr(net, field), module)
+        params = mixer.params()
+        net.conv_weight, net.dt_bias, net.a, net.d = (self._hold(t.contiguous()).data_ptr() for t in (
+            params.conv_weight, params.dt_bias, params.A, params.D))
+        net.conv_bias = None if params.conv_bias is None else self._hold(params.conv_bias).data_ptr()
+        net.norm = self._norm(mixer.norm)
+        net.dt_min, net.dt_max = params.dt_min, params.dt_max
+        net.isa = ISA_CODES[dispatch.widest("mamba2") or "portable"]
+        self._describe_norms_and_mlp(desc, layer)
+        desc.mamba = ctypes.pointer(net)
+
+    def _describe_norms_and_mlp(self, desc: NativeLayer, layer) -> None:
+        """A state layer's pre-norm block around its mixer: its two norms and its MLP."""
+        for field, module in (("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
+            self._describe_linear(getattr(desc, field), module)
         desc.input_norm = self._norm(layer.input_layernorm)
         desc.post_attention_norm = self._norm(layer.post_attention_layernorm)
-        desc.delta_net = ctypes.pointer(net)
 
     def _describe_embedding(self, desc: NativeLinear) -> None:
         """The embedding table for the call where it gives the rows exactly as
@@ -378,13 +408,16 @@ class NativeDecoder:
             desc.bits, desc.out = qw.bits, qw.out_features
         else:
             if (weight is None or weight.device.type != "cpu" or not weight.is_contiguous() or weight.dtype != dtype
-                    or (dtype == torch.bfloat16 and model.config.scales_embeddings)):
+                    or (dtype == torch.bfloat16 and (model.config.scales_embeddings
+                                                     or model.config.embedding_multiplier != 1.0))):
                 return
             desc.w, desc.w_dtype, desc.out = self._hold(weight).data_ptr(), DTYPE_CODES[dtype], \
                 weight.shape[0]
         desc.in_ = model.config.hidden_size
         if model.config.scales_embeddings:  # the factor `DecoderModel.embed` multiplies by, in float32
             self._desc.embed_scale = float(torch.tensor(model.config.hidden_size ** 0.5, dtype=torch.float32))
+        elif model.config.embedding_multiplier != 1.0:  # Granite's
+            self._desc.embed_scale = model.config.embedding_multiplier
 
     def _describe_head(self, lm_head) -> NativeLinear | None:
         """The LM head for the call, or None (it then runs after it, in torch): float32 models
@@ -480,8 +513,8 @@ class NativeDecoder:
         caches = [kv_caches[name] for name in self.model.layer_names]
         for i, (desc, cache, group) in enumerate(zip(self._layers, caches, group_ids)):
             desc.group = group
-            if i in self._delta_nets:
-                if not self._bind_states(self._delta_nets[i], cache):
+            if i in self._state_mixers:
+                if not self._bind_states(self._state_mixers[i], cache):
                     return False
                 continue
             if (cache.device.type != "cpu" or not cache.is_contiguous()
@@ -497,13 +530,15 @@ class NativeDecoder:
         return True
 
     @staticmethod
-    def _bind_states(net: NativeDeltaNet, cache: tuple[torch.Tensor, torch.Tensor]) -> bool:
-        """Point a Gated DeltaNet layer at its state slots (conv inputs, delta-rule state: the
+    def _bind_states(net: NativeDeltaNet | NativeMamba, cache: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        """Point a state layer at its slots (conv inputs, then the delta-rule or SSM state: the
         worker's tensors [slots, *shape], read and written in place); False unless float32,
         contiguous, on the CPU."""
         if not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in cache):
             return False
-        net.conv_states, net.delta_states = cache[0].data_ptr(), cache[1].data_ptr()
+        recurrent = "delta_states" if isinstance(net, NativeDeltaNet) else "ssm_states"
+        net.conv_states = cache[0].data_ptr()
+        setattr(net, recurrent, cache[1].data_ptr())
         return True
 
     # -- a step -----------------------------------------------------------------------------

@@ -45,6 +45,13 @@ class NativeDeltaNet(ctypes.Structure):
                 ("isa", _i32), ("unused", _i32)]
 
 
+class NativeMamba(ctypes.Structure):
+    """One Mamba-2 mixer: its projections, convolution, SSM parameters and norm, state slots."""
+    _fields_ = [("in_", NativeLinear), ("out", NativeLinear), ("conv_weight", _ptr), ("conv_bias", _ptr),
+                ("dt_bias", _ptr), ("a", _ptr), ("d", _ptr), ("norm", _ptr), ("conv_states", _ptr),
+                ("ssm_states", _ptr), ("dt_min", _f32), ("dt_max", _f32), ("isa", _i32), ("unused", _i32)]
+
+
 class NativeLayer(ctypes.Structure):
     """One decoder layer: its projections, norm weights and KV-cache group."""
     _fields_ = [("qkv", NativeLinear), ("o", NativeLinear), ("gate_up", NativeLinear), ("down", NativeLinear),
@@ -52,7 +59,7 @@ class NativeLayer(ctypes.Structure):
                 ("post_feedforward_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
                 ("k_cache", _ptr), ("v_cache", _ptr), ("cache_head_stride", _i64), ("block_size", _i64),
                 ("window", _i64), ("group", _i32), ("local_rope", _i32), ("kv_dtype", _i32), ("attention_isa", _i32),
-                ("delta_net", ctypes.POINTER(NativeDeltaNet))]
+                ("delta_net", ctypes.POINTER(NativeDeltaNet)), ("mamba", ctypes.POINTER(NativeMamba))]
 
 
 # The all-reduce the decoder call makes under tensor parallelism: (context, float32 buffer,
@@ -68,7 +75,8 @@ class NativeModel(ctypes.Structure):
                 ("embed", NativeLinear), ("embed_scale", _f32), ("fewer_barriers", _i32), ("reduce_buffer", _ptr),
                 ("all_reduce", ALL_REDUCE_FN), ("reduce_ctx", _ptr), ("rotary_dim", _i64), ("output_gate", _i32),
                 ("unused", _i32), ("dn_k_heads", _i64), ("dn_v_heads", _i64), ("dn_k_dim", _i64), ("dn_v_dim", _i64),
-                ("dn_conv_width", _i64)]
+                ("dn_conv_width", _i64), ("mb_heads", _i64), ("mb_head_dim", _i64), ("mb_state", _i64),
+                ("mb_groups", _i64), ("mb_conv_width", _i64), ("residual_multiplier", _f32), ("no_rope", _i32)]
 
 
 class NativeStep(ctypes.Structure):
@@ -164,7 +172,8 @@ PROBE_EXPORTS = ("kvserve_cpuid_features", "kvserve_xcr0", "kvserve_request_amx_
                  "kvserve_isa_available")
 
 # The structs csrc/cpu/abi_layout.c reports, in its order, and the constants after them.
-LAYOUT_STRUCTS = (NativeLinear, NativeDeltaNet, NativeLayer, NativeModel, NativeStep, NativeTokenMask, NativeLogits, ShmAllReduce)
+LAYOUT_STRUCTS = (NativeLinear, NativeDeltaNet, NativeMamba, NativeLayer, NativeModel, NativeStep, NativeTokenMask,
+                  NativeLogits, ShmAllReduce)
 LAYOUT_CONSTANTS = {"MAX_GROUPS": MAX_GROUPS, "F32_PANELS": F32_PANELS, "ISA_COUNT": len(isa.ISAS),
                     "KV_KERNEL_COUNT": len(isa.KERNELS), "MAX_PARTS": MAX_PARTS}
 

@@ -29,7 +29,7 @@ from kvserve.native import cpu_kernels
 from paged_kv_helper import VOCAB, PagedRunner, load_hf, run_teacher_forced, tiny_hf_config
 
 from helpers.native_steps import count_native_steps
-from helpers.tiny_models import GATED_DELTANET_FAMILIES, tiny_gated_deltanet_config
+from helpers.tiny_models import GATED_DELTANET_FAMILIES, tiny_gated_deltanet_config, tiny_granite_hybrid_config
 from hybrid_runner import HybridRunner
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no native kernels")
@@ -63,7 +63,15 @@ FEATURES = {
         and c.linear_key_head_dim != c.linear_value_head_dim),
     "attention output gated by sigmoid": ("qwen3_5", {}, lambda c: c.attn_output_gate),
     "partial RoPE": ("qwen3_5", {}, lambda c: c.rope.partial_rotary_factor < 1.0),
+    # Granite 4 without routed experts (its MLP the shared one), driven as Qwen3.5 is.
+    "Mamba-2 layers": ("granitemoehybrid", {}, lambda c: c.mamba is not None and "mamba" in c.layer_types),
+    "attention without RoPE": ("granitemoehybrid", {}, lambda c: not c.use_rope),
+    "Granite's embedding, residual and attention multipliers, logits scaling": (
+        "granitemoehybrid", {}, lambda c: c.embedding_multiplier != 1.0 and c.residual_multiplier != 1.0
+        and c.logits_scaling != 1.0 and c.attention_multiplier not in (None, 1.0)),
 }
+# Families HybridRunner drives (a state group beside the attention one), one token a step.
+HYBRID_FAMILIES = (*GATED_DELTANET_FAMILIES, "granitemoehybrid")
 # Features the native decoder declines (`NativeDecoder.for_model` returns None): the fast
 # path falls back to the per-op path for every step, and both stay within the bound.
 DECLINED_FEATURES = {
@@ -84,13 +92,13 @@ FEATURE_FIELDS = {"num_kv_heads", "tie_word_embeddings", "attention_bias", "qk_n
                   "moe_intermediate_size", "norm_topk_prob", "sparse_layers", "qk_norm_per_head", "clip_qkv",
                   "softmax_after_topk", "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha",
                   "attention_sinks", "o_proj_bias", "linear_num_key_heads", "linear_num_value_heads",
-                  "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "attn_output_gate"}
-# Hybrid models' fields the native decoder declines: Granite's (Mamba-2 layers over state slots,
-# a shared expert, NoPE attention, Granite's multipliers; tests/model/test_granite_hybrid.py) and
-# Qwen3-Next's gated shared expert (tests/model/test_gated_deltanet_models.py); those tests run the
-# per-op path against transformers.
-HYBRID_FIELDS = {"mamba", "use_rope", "shared_expert_size", "embedding_multiplier", "residual_multiplier",
-                 "logits_scaling", "attention_multiplier", "shared_expert_intermediate_size"}
+                  "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "attn_output_gate",
+                  "mamba", "use_rope", "embedding_multiplier", "residual_multiplier", "logits_scaling",
+                  "attention_multiplier"}
+# Hybrid models' fields the native decoder declines (shared experts beside routed ones): Granite's
+# (tests/model/test_granite_hybrid.py) and Qwen3-Next's gated one (tests/model/test_gated_deltanet_models.py);
+# those tests run the per-op path against transformers.
+HYBRID_FIELDS = {"shared_expert_size", "shared_expert_intermediate_size"}
 # Identity, sizes and token ids: the same arithmetic on both paths whatever their value.
 NOT_FEATURES = {"path", "is_gguf", "architecture", "model_type", "num_layers", "hidden_size", "intermediate_size",
                 "num_heads", "vocab_size", "max_position_embeddings", "max_model_len", "dtype", "quantization",
@@ -119,7 +127,12 @@ def outcomes(tmp_path_factory):
 def _save_model(family: str, changes: dict, path) -> str:
     """The tiny model of `family` with `changes` to its config, random weights, float32."""
     torch.manual_seed(0)
-    config = tiny_gated_deltanet_config(family, VOCAB) if family in GATED_DELTANET_FAMILIES else tiny_hf_config(family)
+    if family in GATED_DELTANET_FAMILIES:
+        config = tiny_gated_deltanet_config(family, VOCAB)
+    elif family == "granitemoehybrid":
+        config = tiny_granite_hybrid_config(VOCAB, experts=False)
+    else:
+        config = tiny_hf_config(family)
     for name, value in changes.items():
         setattr(config, name, value)
     transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval().save_pretrained(str(path))
@@ -132,7 +145,7 @@ def _run_both_paths(family: str, changes: dict, path) -> dict:
     generator = torch.Generator().manual_seed(3)
     sequences = {f"r{i}": torch.randint(3, VOCAB, (n,), generator=generator).tolist() for i, n in enumerate(LENGTHS)}
     prompt_lens = dict(zip(sequences, PROMPT_LENS))
-    hybrid = family in GATED_DELTANET_FAMILIES
+    hybrid = family in HYBRID_FAMILIES
     runner, chunk = (HybridRunner, 1) if hybrid else (PagedRunner, 2)
     per_op_model = load_model(config)
     per_op_model._native = None  # decided: this model never takes the native call

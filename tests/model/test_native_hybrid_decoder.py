@@ -1,5 +1,7 @@
-"""The native decoder on a Qwen3.5 dense hybrid (Gated DeltaNet layers + full attention with a
-gated output and partial RoPE): its decode steps against the per-op path, teacher forced on
+"""The native decoder on hybrids with recurrent-state layers: Qwen3.5 dense (Gated DeltaNet
+layers + full attention with a gated output and partial RoPE) and Granite 4 without routed
+experts (Mamba-2 layers + attention without RoPE, or with it; Granite's embedding and residual
+multipliers, attention multiplier, logits scaling): its decode steps against the per-op path, teacher forced on
 the same tokens, with states read from a cached snapshot (a prefix hit), from zeros (a fresh
 one-token prompt; a recompute after preemption) and snapshots written at block boundaries
 inside decode steps; its 1- and 2-thread results bit for bit; the steps it declines.
@@ -10,8 +12,10 @@ they differ only in the order of reductions, each moving its sum by at most gamm
 logits' scale (tests/helpers/float_order.py: no reduction here has more than 128 terms). A
 Gated DeltaNet layer chains 11 reductions (two RMSNorms, the in-projections, the convolution,
 the L2 norm, the delta rule's two (k.S and q.S), the gated norm, the out-projection, gate/up,
-down), an attention layer fewer (float_order's 9 and the Q/K norm), the head 2: for 4 layers
-(11 * 4 + 2) * 128 * 2**-24 = 3.5e-4.
+down), a Mamba-2 layer fewer (two RMSNorms, in-projection, convolution, the SSM's C.s, the
+gated norm, out-projection, gate/up, down: 9), an attention layer fewer (float_order's 9 and
+the Q/K norm), the head 2: for 4 layers (11 * 4 + 2) * 128 * 2**-24 = 3.5e-4. (The multipliers
+are one rounding each, on both paths the same.)
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import transformers
 
 from helpers.float_order import FLOAT32_UNIT_ROUNDOFF, REDUCTIONS_IN_HEAD, WIDEST_REDUCTION
 from helpers.native_steps import count_native_steps
-from helpers.tiny_models import tiny_gated_deltanet_config
+from helpers.tiny_models import tiny_gated_deltanet_config, tiny_granite_hybrid_config
 from hybrid_runner import HybridRunner
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
@@ -32,6 +36,13 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no n
 DELTANET_REDUCTIONS_PER_LAYER = 11
 MAX_RELATIVE_DIFF = (DELTANET_REDUCTIONS_PER_LAYER * 4 + REDUCTIONS_IN_HEAD) * WIDEST_REDUCTION * FLOAT32_UNIT_ROUNDOFF
 VOCAB = 256
+# The hybrids the native decoder runs (its decode steps): name -> their transformers config.
+FAMILIES = {
+    "qwen3_5": lambda: tiny_gated_deltanet_config("qwen3_5", VOCAB),
+    "granite_nope": lambda: tiny_granite_hybrid_config(VOCAB, experts=False),
+    "granite_rope": lambda: tiny_granite_hybrid_config(VOCAB, experts=False, rope=True),
+    "qwen3_next": lambda: tiny_gated_deltanet_config("qwen3_next", VOCAB),  # declined: experts
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +53,7 @@ def configs(tmp_path_factory):
         if family not in cache:
             torch.manual_seed(0)
             path = str(tmp_path_factory.mktemp(family))
-            hf = transformers.AutoModelForCausalLM.from_config(tiny_gated_deltanet_config(family, VOCAB),
-                                                               attn_implementation="eager")
+            hf = transformers.AutoModelForCausalLM.from_config(FAMILIES[family](), attn_implementation="eager")
             hf.eval().save_pretrained(path)
             cache[family] = ModelConfig.from_path(path)
         return cache[family]
@@ -113,8 +123,9 @@ def _per_op(config: ModelConfig):
     return model
 
 
-def test_native_decode_steps_match_the_per_op_path(configs, monkeypatch):
-    config = configs("qwen3_5")
+@pytest.mark.parametrize("family", ["qwen3_5", "granite_nope", "granite_rope"])
+def test_native_decode_steps_match_the_per_op_path(configs, monkeypatch, family):
+    config = configs(family)
     per_op = _Script(_per_op(config)).run()
     native_steps = count_native_steps(monkeypatch)
     native = _Script(load_model(config)).run()
@@ -131,10 +142,12 @@ def test_native_decode_steps_match_the_per_op_path(configs, monkeypatch):
     assert all(t.abs().max() > 0 for t in native.snapshot)
 
 
-def test_one_and_two_threads_give_the_same_bits(configs, monkeypatch):
-    """The threads split the projections' rows, the convolution's channels and the value heads;
-    every value is computed as on one thread."""
-    config = configs("qwen3_5")
+@pytest.mark.parametrize("family", ["qwen3_5", "granite_nope"])
+def test_one_and_two_threads_give_the_same_bits(configs, monkeypatch, family):
+    """The threads split the projections' rows, the convolution's channels and the value heads
+    (Gated DeltaNet; Mamba-2's step runs on one of them); every value is computed as on one
+    thread."""
+    config = configs(family)
     native_steps = count_native_steps(monkeypatch)
     one, two = _Script(load_model(config), threads=1).run(), _Script(load_model(config), threads=2).run()
     assert native_steps[0] == one.decode_steps + two.decode_steps

@@ -25,12 +25,17 @@ static const int64_t LAYOUT[] = {
     AT(NativeDeltaNet, conv_states), AT(NativeDeltaNet, delta_states), AT(NativeDeltaNet, isa),
     AT(NativeDeltaNet, unused),
 
+    SIZE(NativeMamba), AT(NativeMamba, in), AT(NativeMamba, out), AT(NativeMamba, conv_weight),
+    AT(NativeMamba, conv_bias), AT(NativeMamba, dt_bias), AT(NativeMamba, a), AT(NativeMamba, d),
+    AT(NativeMamba, norm), AT(NativeMamba, conv_states), AT(NativeMamba, ssm_states), AT(NativeMamba, dt_min),
+    AT(NativeMamba, dt_max), AT(NativeMamba, isa), AT(NativeMamba, unused),
+
     SIZE(NativeLayer), AT(NativeLayer, qkv), AT(NativeLayer, o), AT(NativeLayer, gate_up), AT(NativeLayer, down),
     AT(NativeLayer, input_norm), AT(NativeLayer, post_attention_norm), AT(NativeLayer, pre_feedforward_norm),
     AT(NativeLayer, post_feedforward_norm), AT(NativeLayer, q_norm), AT(NativeLayer, k_norm),
     AT(NativeLayer, k_cache), AT(NativeLayer, v_cache), AT(NativeLayer, cache_head_stride),
     AT(NativeLayer, block_size), AT(NativeLayer, window), AT(NativeLayer, group), AT(NativeLayer, local_rope),
-    AT(NativeLayer, kv_dtype), AT(NativeLayer, attention_isa), AT(NativeLayer, delta_net),
+    AT(NativeLayer, kv_dtype), AT(NativeLayer, attention_isa), AT(NativeLayer, delta_net), AT(NativeLayer, mamba),
 
     SIZE(NativeModel), AT(NativeModel, num_layers), AT(NativeModel, hidden), AT(NativeModel, num_heads),
     AT(NativeModel, num_kv_heads), AT(NativeModel, head_dim), AT(NativeModel, intermediate),
@@ -40,6 +45,8 @@ static const int64_t LAYOUT[] = {
     AT(NativeModel, reduce_buffer), AT(NativeModel, all_reduce), AT(NativeModel, reduce_ctx),
     AT(NativeModel, rotary_dim), AT(NativeModel, output_gate), AT(NativeModel, unused), AT(NativeModel, dn_k_heads),
     AT(NativeModel, dn_v_heads), AT(NativeModel, dn_k_dim), AT(NativeModel, dn_v_dim), AT(NativeModel, dn_conv_width),
+    AT(NativeModel, mb_heads), AT(NativeModel, mb_head_dim), AT(NativeModel, mb_state), AT(NativeModel, mb_groups),
+    AT(NativeModel, mb_conv_width), AT(NativeModel, residual_multiplier), AT(NativeModel, no_rope),
 
     SIZE(NativeStep), AT(NativeStep, num_tokens), AT(NativeStep, num_draft_tokens), AT(NativeStep, positions),
     AT(NativeStep, table_row), AT(NativeStep, token_index), AT(NativeStep, block_table),

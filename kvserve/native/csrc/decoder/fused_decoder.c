@@ -92,6 +92,7 @@ static void spin_barrier(SpinBarrier *b) {
 typedef struct {
     float *qkv, *attn, *out, *gate_up; /* [T, qkv width], [T, q size], [T, hidden], [T, 2 * intermediate] */
     float *ba;                         /* Gated DeltaNet: [T, 2 Hv] */
+    float *conv_out;                   /* Mamba-2: [T, conv_dim], the step kernel's scratch */
     float *o_runs, *down_runs;         /* a split O / down projection's partial products [runs, T, hidden] */
     int reduce_failed;                 /* set by thread 0 when an all-reduce failed: every thread stops */
 } Shared;
@@ -310,6 +311,7 @@ static int64_t rotary_dim(const NativeModel *m) { return m->rotary_dim ? m->rota
 static void rope(const NativeModel *m, const NativeStep *st, float *x, int64_t stride, int64_t head_stride,
                  int64_t heads, const float *cos, const float *sin) {
     const int64_t R = rotary_dim(m);
+    if (m->no_rope) return;
     if (!st->rope_by_position) {
         kvserve_rotary(x, stride, head_stride, cos, sin, st->num_tokens, heads, R, F32, 1);
         return;
@@ -685,6 +687,66 @@ static const float *delta_net(const NativeModel *m, const NativeLayer *l, const 
     return s->out;
 }
 
+/* ---- Mamba-2 layers (NativeMamba; decode steps: token t is request t's one token) --------------- */
+
+static int64_t mb_inner(const NativeModel *m) { return m->mb_heads * m->mb_head_dim; }
+static int64_t mb_conv_dim(const NativeModel *m) { return mb_inner(m) + 2 * m->mb_groups * m->mb_state; }
+static int64_t mb_width(const NativeModel *m) { return mb_inner(m) + mb_conv_dim(m) + m->mb_heads; }
+
+/* y [inner] = w * groupwise-RMSNorm(y * silu(gate)), in place (mamba2_mixer.py's GatedRMSNorm). */
+static void mb_gated_norm(const NativeModel *m, const float *w, const float *gate, float *y) {
+    const int64_t inner = mb_inner(m), size = inner / m->mb_groups;
+    for (int64_t i = 0; i < inner; i++) y[i] *= gate[i] / (1.0f + expf(-gate[i]));
+    for (int64_t g = 0; g < m->mb_groups; g++) {
+        float *x = y + g * size;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < size; i++) sum += x[i] * x[i];
+        const float inv = 1.0f / sqrtf(sum / (float)size + m->eps);
+        for (int64_t i = 0; i < size; i++) x[i] = w[g * size + i] * (x[i] * inv);
+    }
+}
+
+/* Thread 0's part of a Mamba-2 layer: the conv + SSM step of every token (mamba2_step.c on one
+ * thread: its (request, head) pairs do not depend on the thread count), each token's states
+ * copied from its write slot to its copy slots, the gated norm into s->attn [T, inner]. */
+static void mb_step(const NativeModel *m, const NativeLayer *l, const NativeStep *st, const Shared *s) {
+    const NativeMamba *mb = l->mamba;
+    const int64_t T = st->num_tokens, inner = mb_inner(m), conv_dim = mb_conv_dim(m), width = mb_width(m);
+    const int64_t conv_slot = (m->mb_conv_width - 1) * conv_dim, ssm_slot = inner * m->mb_state;
+    const int g = l->group;
+    kvserve_mamba2_decode_step(s->qkv + inner, width, s->qkv + inner + conv_dim, width, mb->conv_states,
+                               mb->ssm_states, st->state_read[g], st->state_write[g], mb->conv_weight, mb->conv_bias,
+                               mb->dt_bias, mb->a, mb->d, mb->dt_min, mb->dt_max, T, m->mb_heads, m->mb_head_dim,
+                               m->mb_state, m->mb_groups, m->mb_conv_width, s->conv_out, s->attn, inner, mb->isa, 1);
+    for (int64_t i = 0; i < st->state_copies[g]; i++) {
+        const int64_t from = st->state_write[g][st->state_copy_token[g][i]], to = st->state_copy_slot[g][i];
+        memcpy(mb->conv_states + to * conv_slot, mb->conv_states + from * conv_slot, sizeof(float) * (size_t)conv_slot);
+        memcpy(mb->ssm_states + to * ssm_slot, mb->ssm_states + from * ssm_slot, sizeof(float) * (size_t)ssm_slot);
+    }
+    for (int64_t t = 0; t < T; t++) mb_gated_norm(m, mb->norm, s->qkv + t * width, s->attn + t * inner);
+}
+
+/* A Mamba-2 layer's mixer of x = p->x; returns its output [T, hidden] (Shared.out). */
+static const float *mamba(const NativeModel *m, const NativeLayer *l, const NativeStep *st, Private *p, Shared *s,
+                          int64_t plain, int tid, int nthreads) {
+    const int64_t T = st->num_tokens;
+    linear_rows(m, &l->mamba->in, p->x, T, plain, p, s->qkv, tid, nthreads);
+    wait_all(p, PHASE_QKV);
+    if (tid == 0) mb_step(m, l, st, s);
+    wait_all(p, PHASE_ATTENTION);
+    linear_rows(m, &l->mamba->out, s->attn, T, plain, p, s->out, tid, nthreads);
+    wait_all(p, PHASE_O);
+    return s->out;
+}
+
+/* x [T, hidden] times the residual multiplier (Granite) into this thread's p->sum (x may be
+ * p->sum itself); x itself where the model has none. */
+static const float *residual_scaled(const NativeModel *m, const float *x, Private *p, int64_t T) {
+    if (m->residual_multiplier == 1.0f || m->residual_multiplier == 0.0f) return x;
+    for (int64_t i = 0; i < T * m->hidden; i++) p->sum[i] = x[i] * m->residual_multiplier;
+    return p->sum;
+}
+
 /* act [T, width] = the gate activation of gate_up [T, 2 * width] (gate, then up, per row). */
 static void gate_activation(const NativeModel *m, const float *gate_up, float *act, int64_t T, int64_t width) {
     if (m->gelu)
@@ -750,11 +812,14 @@ static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *
     const float *o_out;
     if (l->delta_net) {
         o_out = delta_net(m, l, st, p, s, plain, tid, nthreads);
+    } else if (l->mamba) {
+        o_out = mamba(m, l, st, p, s, plain, tid, nthreads);
     } else {
         qkv_projection(m, l, T, plain, p, s, tid, nthreads);
         o_out = attention_and_o(m, l, st, p, s, plain, tid, nthreads);
     }
     if (!o_out) return;
+    o_out = residual_scaled(m, o_out, p, T);
     if (m->sandwich) {
         norm(m, o_out, NULL, l->post_attention_norm, p->x, T);
         for (int64_t i = 0; i < T * H; i++) p->residual[i] += p->x[i];
@@ -765,6 +830,7 @@ static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *
     phase_mark(&p->timer, PHASE_NORMS);
     p->out = mlp(m, l, st, p, s, tid, nthreads);
     if (!p->out) return;
+    p->out = residual_scaled(m, p->out, p, T);
     if (m->sandwich) {
         norm(m, p->out, NULL, l->post_feedforward_norm, p->x, T);
         for (int64_t i = 0; i < T * H; i++) p->residual[i] += p->x[i];
@@ -775,7 +841,8 @@ static int64_t max2(int64_t a, int64_t b) { return a > b ? a : b; }
 
 /* The widest input of any projection (the Gated DeltaNet output projection's: Hv * Dv). */
 static int64_t max_width(const NativeModel *m) {
-    return max2(max2(m->hidden, m->intermediate), max2(m->num_heads * m->head_dim, m->dn_v_heads * m->dn_v_dim));
+    return max2(max2(max2(m->hidden, m->intermediate), max2(m->num_heads * m->head_dim, m->dn_v_heads * m->dn_v_dim)),
+                mb_inner(m));
 }
 
 /* This thread's vocabulary rows of the logits (after a barrier: `hidden` is complete). */
@@ -884,8 +951,8 @@ static void finish(const NativeModel *m, const NativeLogits *lg, const NativeSte
 int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *layers, const NativeStep *st,
                                    float *hidden, const NativeLogits *lg, int num_threads) {
     const int64_t T = st->num_tokens, H = m->hidden, I = m->intermediate, W = max_width(m);
-    const int64_t mixer_in = max2(qkv_width(m), dn_width(m)), mixer_out = max2(m->num_heads * m->head_dim,
-                                                                                m->dn_v_heads * m->dn_v_dim);
+    const int64_t mixer_in = max2(max2(qkv_width(m), dn_width(m)), mb_width(m));
+    const int64_t mixer_out = max2(max2(m->num_heads * m->head_dim, m->dn_v_heads * m->dn_v_dim), mb_inner(m));
     if (m->dn_conv_width > MAX_CONV_WIDTH) return 1;
     if (st->token_ids)
         for (int64_t t = 0; t < T; t++)
@@ -895,9 +962,10 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
                 m->all_reduce ? m->reduce_buffer : malloc(sizeof(float) * (size_t)(T * H)),
                 malloc(sizeof(float) * (size_t)(T * 2 * I)),
                 malloc(sizeof(float) * (size_t)(T * 2 * m->dn_v_heads + 1)),
+                malloc(sizeof(float) * (size_t)(T * mb_conv_dim(m) + 1)),
                 malloc(sizeof(float) * (size_t)(run_count(m->num_heads * m->head_dim) * T * H)),
                 malloc(sizeof(float) * (size_t)(run_count(I) * T * H)), 0};
-    int failed = !s.qkv || !s.attn || !s.out || !s.gate_up || !s.ba || !s.o_runs || !s.down_runs;
+    int failed = !s.qkv || !s.attn || !s.out || !s.gate_up || !s.ba || !s.conv_out || !s.o_runs || !s.down_runs;
     SpinBarrier barrier = {0, 0, 1};
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && !failed)
     {
@@ -936,7 +1004,7 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
         free(p.residual), free(p.x), free(p.act), free(p.qx), free(p.scales), free(p.panel), free(p.sum),
             free(p.gate_up), free(p.kv), free(p.dn), free(p.bounds);
     }
-    free(s.qkv), free(s.attn), free(s.gate_up), free(s.ba), free(s.o_runs), free(s.down_runs);
+    free(s.qkv), free(s.attn), free(s.gate_up), free(s.ba), free(s.conv_out), free(s.o_runs), free(s.down_runs);
     if (!m->all_reduce) free(s.out);
     return failed ? 1 : s.reduce_failed ? 3 : 0;
 }

@@ -55,6 +55,21 @@ typedef struct {
     int32_t unused;
 } NativeDeltaNet;
 
+/* A Mamba-2 token mixer (Granite 4) in place of a layer's attention: the in-projection (rows
+ * [gate (inner) | xBC (conv_dim) | dt (H)]), mamba2_step.c's conv + SSM step on the states,
+ * the group-wise RMSNorm of y * SiLU(gate), the out-projection. Shapes in NativeModel (mb_*).
+ * State slots: conv_states [slots, K - 1, conv_dim], ssm_states [slots, H, P, N], float32. */
+typedef struct {
+    NativeLinear in, out;
+    const float *conv_weight, *conv_bias; /* [conv_dim, K], [conv_dim] or NULL */
+    const float *dt_bias, *a, *d;         /* [H]: dt_bias, A = -exp(A_log), D */
+    const float *norm;                    /* [inner]: the gated norm's weight */
+    float *conv_states, *ssm_states;
+    float dt_min, dt_max;
+    int32_t isa; /* mamba2_step.c's path */
+    int32_t unused;
+} NativeMamba;
+
 typedef struct {
     NativeLinear qkv, o, gate_up, down;
     /* float32 norm weights; the last four NULL where the model has no such norm */
@@ -64,6 +79,7 @@ typedef struct {
     int32_t group, local_rope, kv_dtype; /* kv_dtype: F32, BF16 or F16 */
     int32_t attention_isa;               /* paged_attention.c's path */
     const NativeDeltaNet *delta_net;     /* non-NULL: a Gated DeltaNet layer (no attention, no KV cache) */
+    const NativeMamba *mamba;            /* non-NULL: a Mamba-2 layer (no attention, no KV cache) */
 } NativeLayer;
 
 typedef struct {
@@ -92,6 +108,11 @@ typedef struct {
     /* Gated DeltaNet layers' shapes (0 where the model has none): key heads, value heads, their
      * sizes, the convolution's width K */
     int64_t dn_k_heads, dn_v_heads, dn_k_dim, dn_v_dim, dn_conv_width;
+    /* Mamba-2 layers' shapes (0 where the model has none): heads H of P channels, state size N,
+     * groups G, the convolution's width K */
+    int64_t mb_heads, mb_head_dim, mb_state, mb_groups, mb_conv_width;
+    float residual_multiplier; /* Granite: each layer's mixer and MLP outputs times this (1 or 0: none) */
+    int32_t no_rope;           /* Granite 4: attention without RoPE */
 } NativeModel;
 
 /* One step: T tokens; token t sits at positions[t] of the request whose blocks are
