@@ -21,12 +21,13 @@ torch path for any step it declines (None):
 - step: at most `max_tokens` tokens (above), every KV-cache group a block table (not a
   circular ring, whose read-before-write order the kernel does not follow),
   caches float32 or bfloat16 and contiguous.
-Hybrids with Gated DeltaNet layers (Qwen3.5 dense; `NativeDeltaNet`) run in decode steps
-only (every request one token): each such layer reads a request's state slots (the worker's
-float32 state tensors) at `StateMetadata.read_slot`, computes the new state in the slot its
-first write names and copies it to its other write slots (snapshots); attention layers may
-gate their output (Qwen3-Next's sigmoid gate) and rotate part of each head (partial RoPE).
-Mamba-2 layers and other state mixers are declined.
+Hybrids with Gated DeltaNet layers (Qwen3.5 dense; `NativeDeltaNet`) or Mamba-2 layers
+(Granite 4 without routed experts; `NativeMamba`) run in decode steps only (every request one
+token): each such layer reads a request's state slots (the worker's float32 state tensors) at
+`StateMetadata.read_slot`, computes the new state in the slot its first write names and copies
+it to its other write slots (snapshots); attention layers may gate their output (Qwen3-Next's
+sigmoid gate), rotate part of each head (partial RoPE) or none (Granite's NoPE). Other state
+mixers are declined.
 `ModelKernels.native_decoder` (KVSERVE_NATIVE_DECODER=0 in `KernelConfig`) switches it off.
 
 Under tensor parallelism each rank's call runs its shards (QKV and gate/up by

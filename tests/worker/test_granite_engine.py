@@ -1,7 +1,9 @@
 """Granite 4 hybrids (Mamba-2 + attention, tests/helpers/tiny_models.py) through the real
 scheduler, KV manager (a full-attention group and a state group), ModelRunner and model:
 greedy tokens equal transformers' `generate` in float32 with chunked prefill, prefix hits on
-the state group, preemption and async scheduling.
+the state group, preemption and async scheduling. Without routed experts the decode steps run
+through the native decoder (Mamba-2 layers in the one native call; its teacher-forced logits
+against the per-op path: tests/model/test_native_hybrid_decoder.py); with them, the per-op path.
 
 Only prompts whose every greedy choice (and, with routed experts, every routing decision)
 clears twice the derived bound (`GRANITE_HYBRID_BOUND`) are compared: within it two correct
@@ -11,6 +13,7 @@ import torch
 import transformers
 
 from engine_helpers import assert_pool_whole, greedy_params, make_engine, run_to_completion
+from helpers.native_steps import count_native_steps
 from helpers.tiny_models import (GRANITE_HYBRID_BOUND, min_router_margin, random_token_prompts,
                                  tiny_granite_hybrid_config)
 from helpers.toy_recurrent import state_group_hit_blocks
@@ -93,29 +96,33 @@ def _check(core, prompts, expected):
 # tests/model/test_granite_hybrid.py runs both against transformers): the variant with routed
 # experts, whose reference costs the most, runs once.
 @pytest.mark.parametrize("variant,async_scheduling", [("dense", True), ("dense", False), ("moe", True)])
-def test_granite_engine_matches_transformers_with_prefix_hits(request, variant, async_scheduling):
+def test_granite_engine_matches_transformers_with_prefix_hits(request, variant, async_scheduling, monkeypatch):
     """A mixed batch in chunks of at most 16 tokens over blocks of 4; the shared-prefix prompts
     hit the cache, the state group restoring a snapshot."""
     path, prompts, expected = request.getfixturevalue(f"{variant}_model")
+    native_steps = count_native_steps(monkeypatch)
     core = make_engine(path, async_scheduling=async_scheduling, max_num_batched_tokens=16)
     try:
         _check(core, prompts, expected)
         assert max(out.total_num_scheduled_tokens for out in core.executor.scheduler_outputs) <= 16
         assert core.get_stats().prefix_cache_hits > 0
         assert sum(state_group_hit_blocks(core)) > 0
+        assert (native_steps[0] > 0) == (variant == "dense")
     finally:
         core.shutdown()
 
 
-def test_granite_engine_preemption_matches_transformers(dense_model):
+def test_granite_engine_preemption_matches_transformers(dense_model, monkeypatch):
     """A pool of 24 blocks (each an attention page and a page of each state layer) for up to 8
     requests of up to 40 tokens, no prefix caching: requests are preempted, drop their state and
     recompute it from zeros, under async scheduling."""
     path, prompts, expected = dense_model
+    native_steps = count_native_steps(monkeypatch)
     core = make_engine(path, kv_cache_memory="800KiB", async_scheduling=True, enable_prefix_caching=False)
     try:
         _check(core, prompts, expected)
         assert core.get_stats().num_preemptions > 0
+        assert native_steps[0] > 0
     finally:
         core.shutdown()
 
