@@ -19,6 +19,8 @@ are one rounding each, on both paths the same.)
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import transformers
@@ -29,6 +31,7 @@ from helpers.tiny_models import tiny_gated_deltanet_config, tiny_granite_hybrid_
 from hybrid_runner import HybridRunner
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
+from kvserve.model.native_decoder import NativeDecoder
 from kvserve.native import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no native kernels")
@@ -158,8 +161,10 @@ def test_one_and_two_threads_give_the_same_bits(configs, monkeypatch, family):
 
 
 def test_declines_what_it_does_not_run(configs, monkeypatch):
-    """Qwen3-Next's mixture-of-experts layers keep the per-op path (no decoder is built); a
-    Qwen3.5 step with a request of several tokens (prefill) is declined step by step."""
+    """Qwen3-Next's mixture-of-experts layers and a bfloat16 hybrid keep the per-op path (no
+    decoder is built); a Qwen3.5 step with a request of several tokens (prefill) is declined
+    step by step."""
+    assert NativeDecoder.for_model(load_model(dataclasses.replace(configs("qwen3_5"), dtype="bfloat16"))) is None
     model = load_model(configs("qwen3_next"))
     runner = HybridRunner(model)
     runner.add("a", [5, 6, 7])
