@@ -249,6 +249,11 @@ int kvserve_gguf_linear(const float *x, int64_t x_stride, int64_t batch, const u
 int kvserve_gguf_dequantize(const uint8_t *w, int type, int64_t in, const int64_t *rows, int64_t n, void *dst,
                             int dtype);
 
+/* ---- linear/gguf_gemm.c: many-row steps of GGUF blocks as stored ------------------------------ */
+
+int kvserve_gguf_gemm_supported(int type, int isa);
+int kvserve_gguf_gemm_min_batch(void);
+
 /* ---- linear/bf16_rows.c ------------------------------------------------------------------------ */
 
 void kvserve_bf16_round_rows(const float *x, int64_t x_stride, int64_t batch, int64_t in, uint16_t *xb);
