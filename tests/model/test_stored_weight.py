@@ -327,3 +327,18 @@ def test_gemm_integer_sums_at_the_formats_extremes(type_name, isa):
     y = stored_weight.linear(x, weight, isa=isa)
     assert np.all(np.abs(y.double().numpy() - expected) <= bound)
     assert torch.equal(y[7], stored_weight.linear(x[7:8], weight, isa=isa)[0])
+
+
+@pytest.mark.parametrize("type_name", GEMM_TYPES)
+def test_gemm_over_several_panels_and_batch_slabs(type_name):
+    """8,192 columns: the GEMM unpacks the rows in panels of about 384 KB (32 rows of Q4_K, 24
+    of Q6_K, so 40 rows take two) and packs the batch in slabs of 2 MB (256 rows, so 260 take
+    two); every row keeps its batch-one bits and the float64 bound."""
+    isa = PATHS[-1]
+    weight = _weight(type_name, 40, 8192, seed=16)
+    x = torch.randn(260, 8192, generator=torch.Generator().manual_seed(17))
+    expected, bound = _oracle_and_bound(weight, x)
+    y = stored_weight.linear(x, weight, isa=isa)
+    assert np.all(np.abs(y.double().numpy() - expected) <= bound)
+    for b in (0, 255, 256, 259):
+        assert torch.equal(y[b], stored_weight.linear(x[b:b + 1], weight, isa=isa)[0]), b

@@ -2,7 +2,7 @@
  * a real GEMM where gguf_rows.c's tiles read each weight block for four batch rows at a time.
  *
  * The activations (kvserve_quant_activations' int8 format) are packed once per step with the
- * batch rows in the vector lanes (gguf/gemm.h); the weight is unpacked PANEL_ROWS rows at a
+ * batch rows in the vector lanes (gguf/gemm.h); the weight is unpacked a panel of rows at a
  * time into int8 values and float scales, once per step, and each panel serves every group
  * of batch rows from cache. A type's kernel (gguf/<type>_gemm.c) takes exact int32 sums per
  * 32 columns and applies the float scales in the order of that type's batch-one tile on the
@@ -17,7 +17,20 @@
 #include "gguf/gemm.h"
 #include "kvserve.h"
 
-#define PANEL_ROWS 16 /* weight rows unpacked together: each panel serves every batch group */
+/* A panel: the weight rows unpacked together, about PANEL_BYTES (in the core's L2 cache), at
+ * most MAX_PANEL_ROWS. Each panel serves every batch group, so the activations stream through
+ * once per panel: a prefill-sized step of a wide matrix (2,048 rows of 8,192 columns) read them
+ * from memory faster than the kernel used them with panels of 16 rows. */
+#define PANEL_BYTES (384 * 1024)
+#define MAX_PANEL_ROWS 128
+/* The batch goes in slabs of about SLAB_BYTES of packed activations, which the panels of a slab
+ * read from the last-level cache (each slab unpacks the weight again: once per 100+ rows). */
+#define SLAB_BYTES (2 * 1024 * 1024)
+
+static int64_t panel_rows(int64_t panel_bytes) {
+    const int64_t rows = PANEL_BYTES / panel_bytes / GGUF_GEMM_ROWS * GGUF_GEMM_ROWS;
+    return rows < GGUF_GEMM_ROWS ? GGUF_GEMM_ROWS : rows > MAX_PANEL_ROWS ? MAX_PANEL_ROWS : rows;
+}
 
 static const GgufGemmType *const GEMMS[] = {&gguf_q4_k_gemm_avx512, &gguf_q6_k_gemm_avx512};
 
@@ -71,31 +84,38 @@ static int pack_activations(const int8_t *qx, const float *scales, int64_t batch
 }
 
 /* Rows row_begin..row_end of y [batch, y_stride] from packed activations, panel by panel;
- * `panel` holds PANEL_ROWS unpacked rows. */
+ * `panel` holds panel_rows() unpacked rows. */
 static void gemm_range(const GgufGemmType *gt, const GgufGemmX *px, int64_t batch, const uint8_t *w,
                        int64_t row_bytes, const float *bias, float *y, int64_t y_stride, int64_t row_begin,
                        int64_t row_end, uint8_t *panel) {
     const int64_t pb = gt->panel_bytes(px->blocks);
-    for (int64_t first = row_begin; first < row_end; first += PANEL_ROWS) {
-        const int64_t rows = row_end - first < PANEL_ROWS ? row_end - first : PANEL_ROWS;
-        const int64_t padded = (rows + GGUF_GEMM_ROWS - 1) / GGUF_GEMM_ROWS * GGUF_GEMM_ROWS;
-        for (int64_t i = 0; i < rows; i++) gt->unpack(w + (first + i) * row_bytes, px->blocks, panel + i * pb);
-        if (padded > rows) memset(panel + rows * pb, 0, (size_t)((padded - rows) * pb));
-        for (int64_t g = 0; g < px->groups; g++) {
-            const int64_t lanes = batch - g * GGUF_GEMM_LANES;
-            for (int64_t r = 0; r < padded; r += GGUF_GEMM_ROWS) {
-                const GgufGemmOut o = {y + g * GGUF_GEMM_LANES * y_stride, y_stride, first + r,
-                                       (int)(rows - r < GGUF_GEMM_ROWS ? rows - r : GGUF_GEMM_ROWS),
-                                       (int)(lanes < GGUF_GEMM_LANES ? lanes : GGUF_GEMM_LANES),
-                                       bias ? bias + first + r : NULL};
-                gt->kernel(panel + r * pb, pb, px, g, &o);
+    const int64_t per_panel = panel_rows(pb);
+    int64_t slab = SLAB_BYTES / (GGUF_GEMM_LANES * px->blocks * 256);
+    if (slab < 1) slab = 1;
+    for (int64_t g0 = 0; g0 < px->groups; g0 += slab) {
+        const int64_t g1 = px->groups - g0 < slab ? px->groups : g0 + slab;
+        for (int64_t first = row_begin; first < row_end; first += per_panel) {
+            const int64_t rows = row_end - first < per_panel ? row_end - first : per_panel;
+            const int64_t padded = (rows + GGUF_GEMM_ROWS - 1) / GGUF_GEMM_ROWS * GGUF_GEMM_ROWS;
+            for (int64_t i = 0; i < rows; i++) gt->unpack(w + (first + i) * row_bytes, px->blocks, panel + i * pb);
+            if (padded > rows) memset(panel + rows * pb, 0, (size_t)((padded - rows) * pb));
+            for (int64_t g = g0; g < g1; g++) {
+                const int64_t lanes = batch - g * GGUF_GEMM_LANES;
+                for (int64_t r = 0; r < padded; r += GGUF_GEMM_ROWS) {
+                    const GgufGemmOut o = {y + g * GGUF_GEMM_LANES * y_stride, y_stride, first + r,
+                                           (int)(rows - r < GGUF_GEMM_ROWS ? rows - r : GGUF_GEMM_ROWS),
+                                           (int)(lanes < GGUF_GEMM_LANES ? lanes : GGUF_GEMM_LANES),
+                                           bias ? bias + first + r : NULL};
+                    gt->kernel(panel + r * pb, pb, px, g, &o);
+                }
             }
         }
     }
 }
 
 static uint8_t *alloc_panel(const GgufGemmType *gt, int64_t blocks) {
-    return aligned_alloc(64, (size_t)((PANEL_ROWS * gt->panel_bytes(blocks) + 63) / 64 * 64));
+    const int64_t pb = gt->panel_bytes(blocks);
+    return aligned_alloc(64, (size_t)((panel_rows(pb) * pb + 63) / 64 * 64));
 }
 
 int gguf_gemm_rows(const GgufGemmType *gt, const int8_t *qx, const float *scales, int64_t batch, const uint8_t *w,
