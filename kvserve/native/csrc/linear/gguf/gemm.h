@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "gguf_type.h"
+#include "sub_block_sums.h"
 
 #define GGUF_GEMM_LANES 16 /* activation rows per vector (float32 lanes of a zmm) */
 #define GGUF_GEMM_ROWS 8       /* weight rows per kernel call (a panel is padded to whole ones with zeros) */
@@ -54,15 +55,44 @@ typedef struct {
     GgufGemmKernelFn kernel;
 } GgufGemmType;
 
+GGUF_FIXED_FLOAT_BEGIN
 #if KV_HAVE_AVX512_VNNI
-/* Row r's 16 lanes (one per batch row) to o: a masked scatter down the column of y. */
-GGUF_INLINE void gguf_gemm_store(const GgufGemmOut *o, int r, __m512 v) {
+/* The packed activations of lane group g, 32-column position j, super-block k (8 steps of 64
+ * bytes), and the offset of their dx / sx (16 floats). */
+GGUF_INLINE const uint8_t *gguf_gemm_x(const GgufGemmX *x, int64_t g, int j, int64_t k) {
+    return x->x + ((g * 8 + j) * x->blocks + k) * 32 * GGUF_GEMM_LANES;
+}
+GGUF_INLINE int64_t gguf_gemm_scale_at(const GgufGemmX *x, int64_t g, int j, int64_t k) {
+    return ((g * 8 + j) * x->blocks + k) * GGUF_GEMM_LANES;
+}
+
+/* sum[r] += the packed activations' steps s0..s1 (4 columns each) at xs against panel row r's
+ * int8 values at qs + r * panel_bytes, 4 broadcast at a time: exact int32 sums per lane. */
+GGUF_INLINE void gguf_gemm_steps(__m512i sum[GGUF_GEMM_ROWS], const uint8_t *xs, const uint8_t *qs,
+                                 int64_t panel_bytes, const int s0, const int s1) {
+#pragma GCC unroll 8
+    for (int s = s0; s < s1; s++) {
+        const __m512i xv = _mm512_loadu_si512(xs + 64 * s);
+        for (int r = 0; r < GGUF_GEMM_ROWS; r++) {
+            int32_t word;
+            memcpy(&word, qs + r * panel_bytes + 4 * s, 4);
+            sum[r] = _mm512_dpbusd_epi32(sum[r], xv, _mm512_set1_epi32(word));
+        }
+    }
+}
+
+/* The outputs of the call's rows from their eight accumulators (sub_block_sums.h's order), plus
+ * the bias, by a masked scatter down each row's column of y. */
+GGUF_INLINE void gguf_gemm_store(const GgufGemmOut *o, const __m512 acc[GGUF_GEMM_ROWS][8]) {
     const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                              _mm512_set1_epi32((int)o->y_stride));
-    const __m512 y = _mm512_add_ps(v, _mm512_set1_ps(o->bias ? o->bias[r] : 0.0f));
-    _mm512_mask_i32scatter_ps(o->y + o->row + r, (__mmask16)((1u << o->lanes) - 1), lanes, y, 4);
+    for (int r = 0; r < o->rows; r++) {
+        const __m512 y = _mm512_add_ps(gguf_sum8_lanes(acc[r]), _mm512_set1_ps(o->bias ? o->bias[r] : 0.0f));
+        _mm512_mask_i32scatter_ps(o->y + o->row + r, (__mmask16)((1u << o->lanes) - 1), lanes, y, 4);
+    }
 }
 #endif
+GGUF_FIXED_FLOAT_END
 
 extern const GgufGemmType gguf_q4_k_gemm_avx512, gguf_q6_k_gemm_avx512;
 

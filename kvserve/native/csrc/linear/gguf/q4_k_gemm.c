@@ -53,62 +53,37 @@ static void unpack_q4_k(const uint8_t *row, int64_t blocks, uint8_t *panel) {
 }
 
 GGUF_FIXED_FLOAT_BEGIN
-/* R panel rows (at most 8) against G lane groups (R G at most 8: the sums stay in registers); the
- * output stores assume G = 1. */
-GGUF_INLINE void q4_k_gemm(const uint8_t *panel, int64_t panel_bytes, const GgufGemmX *x, int64_t g0, const int R,
-                           const int G, const GgufGemmOut *o) {
+/* GGUF_GEMM_ROWS panel rows against lane group g. */
+static void kernel_q4_k(const uint8_t *panel, int64_t panel_bytes, const GgufGemmX *x, int64_t g,
+                        const GgufGemmOut *o) {
+    enum { R = GGUF_GEMM_ROWS };
     const int64_t K = x->blocks;
-    const int32_t *corr[8];
-    const float *scale[8], *low[8];
+    const int32_t *corr[R];
+    const float *scale[R], *low[R];
     for (int r = 0; r < R; r++) {
         corr[r] = (const int32_t *)(panel + r * panel_bytes + K * COLS);
         scale[r] = (const float *)(corr[r] + 8 * K);
         low[r] = scale[r] + 8 * K;
     }
-    __m512 acc[8][1][8];
+    __m512 acc[R][8];
     for (int j = 0; j < 8; j++) {
-        __m512 a[8][1];
-        for (int r = 0; r < R; r++)
-            for (int g = 0; g < G; g++) a[r][g] = _mm512_setzero_ps();
+        __m512 a[R];
+        for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k++) {
-            __m512i sum[8][1];
-            for (int r = 0; r < R; r++)
-                for (int g = 0; g < G; g++) sum[r][g] = _mm512_set1_epi32(corr[r][k * 8 + j]);
-            const uint8_t *xs[1];
-            for (int g = 0; g < G; g++) xs[g] = x->x + (((g0 + g) * 8 + j) * K + k) * 32 * GGUF_GEMM_LANES;
-            const uint8_t *qs = panel + (j * K + k) * 32;
-#pragma GCC unroll 8
-            for (int s = 0; s < 8; s++) {
-                __m512i xv[1];
-                for (int g = 0; g < G; g++) xv[g] = _mm512_loadu_si512(xs[g] + 64 * s);
-                for (int r = 0; r < R; r++) {
-                    int32_t word;
-                    memcpy(&word, qs + r * panel_bytes + 4 * s, 4);
-                    const __m512i wv = _mm512_set1_epi32(word);
-                    for (int g = 0; g < G; g++) sum[r][g] = _mm512_dpbusd_epi32(sum[r][g], xv[g], wv);
-                }
-            }
-            for (int g = 0; g < G; g++) {
-                const int64_t at = (((g0 + g) * 8 + j) * K + k) * GGUF_GEMM_LANES;
-                const __m512 dx = _mm512_loadu_ps(x->dx + at), sx = _mm512_loadu_ps(x->sx + at);
-                for (int r = 0; r < R; r++) {
-                    const __m512 s = _mm512_mul_ps(_mm512_set1_ps(scale[r][k * 8 + j]), dx);
-                    a[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][g]), s, a[r][g]);
-                    a[r][g] = _mm512_fnmadd_ps(_mm512_set1_ps(low[r][k * 8 + j]), sx, a[r][g]);
-                }
+            __m512i sum[R];
+            for (int r = 0; r < R; r++) sum[r] = _mm512_set1_epi32(corr[r][k * 8 + j]);
+            gguf_gemm_steps(sum, gguf_gemm_x(x, g, j, k), panel + (j * K + k) * 32, panel_bytes, 0, 8);
+            const int64_t at = gguf_gemm_scale_at(x, g, j, k);
+            const __m512 dx = _mm512_loadu_ps(x->dx + at), sx = _mm512_loadu_ps(x->sx + at);
+            for (int r = 0; r < R; r++) {
+                const __m512 s = _mm512_mul_ps(_mm512_set1_ps(scale[r][k * 8 + j]), dx);
+                a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), s, a[r]);
+                a[r] = _mm512_fnmadd_ps(_mm512_set1_ps(low[r][k * 8 + j]), sx, a[r]);
             }
         }
-        for (int r = 0; r < R; r++)
-            for (int g = 0; g < G; g++) acc[r][g][j] = a[r][g];
+        for (int r = 0; r < R; r++) acc[r][j] = a[r];
     }
-    for (int r = 0; r < R; r++)
-        if (r < o->rows) gguf_gemm_store(o, r, gguf_sum8_lanes(acc[r][0]));
-}
-
-/* Eight panel rows against one lane group. */
-static void kernel_q4_k(const uint8_t *panel, int64_t panel_bytes, const GgufGemmX *x, int64_t group,
-                        const GgufGemmOut *o) {
-    q4_k_gemm(panel, panel_bytes, x, group, GGUF_GEMM_ROWS, 1, o);
+    gguf_gemm_store(o, (const __m512(*)[8])acc);
 }
 GGUF_FIXED_FLOAT_END
 
