@@ -233,6 +233,7 @@ def _quiet_libraries(debug: bool) -> None:
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # also for worker processes (TP)
     warnings.simplefilter("ignore")
     logging.basicConfig(level=logging.ERROR, format="kvserve: %(message)s")
+    logging.getLogger("kvserve.kv_cache_size").setLevel(logging.INFO)  # what the KV pool took, and why
 
 
 # ---------------------------------------------------------------- generate / chat
@@ -362,17 +363,14 @@ class _DeferredInterrupt:
             signal.signal(signal.SIGINT, self._previous)
 
 
-# One conversation at a time: a KV pool for a full 8k-token context (on the
-# default model) instead of the engine's batch-sized default, which takes
-# seconds to allocate at start-up.
-INTERACTIVE_KV_CACHE_MEMORY = "512MiB"
-INTERACTIVE_MAX_NUM_SEQS = 8
+# One prompt or conversation at a time: the KV pool's default is sized for one sequence of
+# the model's context (within the free memory; see ModelRunner.available_kv_memory_bytes).
+INTERACTIVE_MAX_NUM_SEQS = 1
 
 
 def _make_llm(args: argparse.Namespace) -> Any:
     from kvserve.engine.llm import LLM
     kwargs = engine_kwargs_from_args(args)
-    kwargs.setdefault("kv_cache_memory", INTERACTIVE_KV_CACHE_MEMORY)
     kwargs.setdefault("max_num_seqs", INTERACTIVE_MAX_NUM_SEQS)
     return LLM(**kwargs)
 

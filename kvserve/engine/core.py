@@ -34,6 +34,8 @@ from kvserve.scheduler.stats import SchedulerStats
 from kvserve.worker.executor import Executor, ExecutorDeadError, UniProcExecutor
 
 logger = logging.getLogger(__name__)
+# The start-up line that says what the KV pool took and why; the CLI shows it.
+kv_size_logger = logging.getLogger("kvserve.kv_cache_size")
 
 # Steps submitted to the executor and not yet applied under async scheduling:
 # the one executing and the one scheduled ahead of it.
@@ -306,9 +308,11 @@ def _initialize_kv_cache(engine_config: EngineConfig, executor: Executor) -> KVC
     kv_cache_config = get_kv_cache_config(executor.get_kv_cache_specs(), available_bytes)
     block_size = engine_config.cache_config.block_size
     capacity_tokens = (kv_cache_config.num_blocks - 1) * block_size
-    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %d groups)",
-                kv_cache_config.num_blocks, block_size, available_bytes / 2**20,
-                len(kv_cache_config.kv_cache_groups))
+    kv_size_logger.info("KV cache: %d blocks, %.0f MiB (%s; %d-token blocks, %d groups)",
+                        kv_cache_config.num_blocks,
+                        sum(tensor.size for tensor in kv_cache_config.kv_cache_tensors) / 2**20,
+                        executor.kv_memory_note or "as the executor gave it", block_size,
+                        len(kv_cache_config.kv_cache_groups))
     if capacity_tokens < engine_config.max_model_len:
         logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d: "
                        "longer requests cannot run", capacity_tokens, engine_config.max_model_len)
