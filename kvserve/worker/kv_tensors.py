@@ -73,8 +73,9 @@ class KVHugePageGrowth:
     2 MiB of every region resident on the first token (512 MiB for a Llama-3.2-1B at any pool
     size). Blocks are handed out from the low ids up, so the used part of every region is
     about [0, highest block id in use]. Advice starts once that part is a huge page long
-    and then covers twice the used part: huge pages faulted ahead of use are at most as many
-    bytes as the used ones, and a long context (where the TLB misses cost) still reads its
+    and then covers twice the used part, rounded up to whole huge pages: huge pages faulted
+    ahead of use are at most as many bytes as the used ones (plus one), and a long context (where
+    the TLB misses cost) still reads its
     blocks through huge pages (those already faulted as 4 KiB pages are merged by khugepaged).
     """
 
@@ -100,7 +101,8 @@ class KVHugePageGrowth:
             used = self.num_blocks_seen * block_bytes
             if used < cpu_kernels.HUGE_PAGE_BYTES:
                 continue
-            target = min(region_bytes, 2 * used)
+            huge = cpu_kernels.HUGE_PAGE_BYTES
+            target = min(region_bytes, -(-2 * used // huge) * huge)  # whole huge pages: few calls
             advised = self.advised_bytes[start]
             if target > advised:
                 cpu_kernels.advise_huge_pages(start + advised, target - advised)
