@@ -20,6 +20,7 @@ from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.errors import ConfigError
 from kvserve.native.config import KernelConfig
 from kvserve.kv_cache.interface import KVCacheConfig, KVCacheSpec, StateSpec
+from kvserve.kv_cache.layout import StatePoolSizing, kv_bytes_wanted
 from kvserve.model.attention import AttentionMetadata, StateMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
@@ -136,8 +137,9 @@ class ModelRunner:
 
         CUDA: `gpu_memory_utilization` of the device, minus what is in use,
         minus a reserve for activations. CPU: enough for max_num_seqs
-        sequences of max_model_len tokens, capped at 2 GiB and a quarter of
-        the free RAM (`default_cpu_kv_bytes`); `kv_memory_note` says which.
+        sequences of max_model_len tokens (and a hybrid's state pool,
+        `kv_bytes_wanted`), capped at 2 GiB and a quarter of the free RAM
+        (`default_cpu_kv_bytes`); `kv_memory_note` says which.
         """
         if self.cache_config.kv_cache_memory_bytes is not None:
             self.kv_memory_note = "set by kv_cache_memory"
@@ -146,8 +148,10 @@ class ModelRunner:
             free_bytes, total_bytes = torch.cuda.mem_get_info(self.device)
             budget = free_bytes - total_bytes * (1.0 - self.cache_config.gpu_memory_utilization)
             return max(int(budget * (1.0 - CUDA_ACTIVATION_RESERVE_FRACTION)), 0)
-        wanted = wanted_kv_bytes(self.get_kv_cache_specs().values(), self.scheduler_config.max_num_seqs,
-                                 self.max_model_len)
+        sizing = StatePoolSizing(max_num_seqs=self.scheduler_config.max_num_seqs,
+                                 max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
+                                 enable_caching=self.cache_config.enable_prefix_caching)
+        wanted = kv_bytes_with_null_block(self.get_kv_cache_specs(), self.max_model_len, sizing)
         free = _free_ram_bytes()
         chosen, bound = default_cpu_kv_bytes(wanted, free)
         self.kv_memory_note = (f"free memory {free / 2**20:.0f} MiB; {self.scheduler_config.max_num_seqs} "
@@ -384,11 +388,11 @@ class ModelRunner:
                                  prompt_logprobs=prompt_logprobs or None)
 
 
-def wanted_kv_bytes(specs, max_num_seqs: int, max_model_len: int) -> int:
-    """Bytes for `max_num_seqs` sequences of `max_model_len` tokens each: whole blocks of
-    every layer, plus the pool's null block (block 0, never handed out)."""
-    return sum((max_num_seqs * -(-max_model_len // spec.block_size) + 1) * spec.page_size_bytes
-               for spec in specs)
+def kv_bytes_with_null_block(specs: dict[str, KVCacheSpec], max_model_len: int, sizing: StatePoolSizing) -> int:
+    """`kv_bytes_wanted` plus the attention pool's null block (block 0, never handed out), without
+    which the pool holds one block less than every sequence at full length needs."""
+    null_block = sum(spec.page_size_bytes for spec in specs.values() if not isinstance(spec, StateSpec))
+    return kv_bytes_wanted(specs, max_model_len, sizing) + null_block
 
 
 def default_cpu_kv_bytes(wanted: int, free: int) -> tuple[int, str]:
