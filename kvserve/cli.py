@@ -200,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_command(args: argparse.Namespace) -> int:
+    if args.command in ("generate", "chat", "serve", "run-batch"):
+        _resolve_zoo_model(args)
     if args.command == "generate":
         return run_generate(args)
     if args.command == "chat":
@@ -217,6 +219,21 @@ def _run_command(args: argparse.Namespace) -> int:
         return run_env(args)
     from kvserve.bench.cli import run as run_bench
     return int(run_bench(args) or 0)
+
+
+def _resolve_zoo_model(args: argparse.Namespace) -> None:
+    """`--model zoo:SHAPE-TYPE` (as the bench commands take it): the zoo file's path, built
+    first when it is not cached; the server keeps the zoo name as the model's name."""
+    model = getattr(args, "model", None)
+    if not (isinstance(model, str) and model.startswith("zoo:")):
+        return
+    from kvserve.bench import zoo
+    path = zoo.zoo_path(zoo.parse_zoo_name(model))  # an unknown shape or type: one-line ZooError
+    if not os.path.isfile(path):
+        sys.stderr.write(f"building {model} (once; cached in {zoo.zoo_dir()})...\n")
+    args.model = zoo.resolve_zoo_model(model)
+    if hasattr(args, "served_model_name") and not args.served_model_name:
+        args.served_model_name = model
 
 
 def _describe(exc: BaseException) -> str:
