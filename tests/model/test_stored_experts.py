@@ -115,12 +115,17 @@ def _both_paths(block: SparseMoeBlock, x: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "q4_k_m"])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_native_call_equals_expert_by_expert(moe_files, type_name, threads):
+@pytest.mark.parametrize(("threads", "isa"), [(1, None), (2, None), (2, "avx2"), (2, "portable")])
+def test_native_call_equals_expert_by_expert(moe_files, type_name, threads, isa):
     """The native call and the expert-by-expert path give the same bits (the same activation
     rounding, row sums, SiLU and sums in ascending expert id) at batch 1, a few rows and a batch
-    whose experts take several rows each, on one thread and two."""
-    model = load_model(ModelConfig.from_path(_file(moe_files, type_name)))
+    whose experts take several rows each, on one thread and two, on the widest kernel path here
+    and each narrower one forced (KVSERVE_QUANT_ISA's switch)."""
+    kernels = env_kernels(quant_isa=isa)
+    if isa is not None and kernel_isa(kernels) != isa:
+        pytest.skip(f"the {isa} path does not run here")
+    model = load_model(ModelConfig.from_path(_file(moe_files, type_name)), kernel_config=kernels)
+    assert all(block.stored_experts.isa == kernel_isa(kernels) for block in _blocks(model))
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
