@@ -104,6 +104,7 @@ SIGNATURES = {
     "kvserve_store_kv": ([_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _int, _int], None),
     "kvserve_rms_norm": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _f32, _int, _int, _int], None),
     "kvserve_silu_mul": ([_ptr, _ptr, _i64, _i64, _int, _int], None),
+    "kvserve_swiglu_clamped": ([_ptr, _ptr, _i64, _i64, _f32, _f32, _int, _int], None),
     "kvserve_rotary": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _int, _int], None),
     "kvserve_small_linear_supported": ([_int], _int),
     "kvserve_small_linear": ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _int, _int], _int),
@@ -139,7 +140,8 @@ SIGNATURES = {
     "kvserve_gguf_rows": ([_ptr, _ptr, _i64, _ptr, _int, _i64, _ptr, _ptr, _i64, _int, _i64, _i64], None),
     "kvserve_gguf_linear": ([_ptr, _i64, _i64, _ptr, _int, _i64, _ptr, _ptr, _i64, _int], _int),
     "kvserve_gguf_dequantize": ([_ptr, _int, _i64, _ptr, _i64, _ptr, _int], _int),
-    "kvserve_moe_experts": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _int, _int], _int),
+    "kvserve_moe_experts": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _int, _f32, _f32, _ptr, _int,
+                             _int], _int),
     "kvserve_gemv_partials": ([_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64],
                               _int),
 }

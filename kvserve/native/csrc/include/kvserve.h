@@ -157,6 +157,8 @@ void kvserve_store_kv(const void *k, const void *v, int64_t token_stride, int64_
 void kvserve_rms_norm(const void *x, void *residual, const float *weight, void *out, int64_t rows, int64_t dim,
                       int64_t row_stride, float eps, int adds_one, int dtype, int num_threads);
 void kvserve_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int dtype, int num_threads);
+void kvserve_swiglu_clamped(const void *gate_up, void *out, int64_t rows, int64_t width, float limit, float alpha,
+                            int dtype, int num_threads);
 void kvserve_rotary(void *x, int64_t token_stride, int64_t head_stride, const void *cos, const void *sin,
                     int64_t tokens, int64_t heads, int64_t dim, int dtype, int num_threads);
 
@@ -252,8 +254,8 @@ int kvserve_gguf_dequantize(const uint8_t *w, int type, int64_t in, const int64_
 /* ---- linear/moe_experts.c: a mixture of experts' routed experts, GGUF blocks as stored ------- */
 
 int kvserve_moe_experts(const float *x, int64_t tokens, int64_t hidden, const int64_t *ids, const float *weights,
-                        int64_t top_k, const int64_t *table, int64_t num_experts, int64_t width, float *out, int isa,
-                        int num_threads);
+                        int64_t top_k, const int64_t *table, int64_t num_experts, int64_t width, int swiglu,
+                        float limit, float alpha, float *out, int isa, int num_threads);
 
 /* ---- linear/bf16_rows.c ------------------------------------------------------------------------ */
 
