@@ -177,6 +177,9 @@ def test_hits_on_states_from_the_state_pool_and_reset_covers_both_pools():
     complete_step(first, 13, output_token=99)
     manager.free(first)
     assert manager.block_pool.state_pool.cached_block_hash_to_block  # snapshots at 4, 8, 12
+    # The state pool's snapshots are published as the state group's (2) stored blocks.
+    stored = [event for event in recorder.take() if type(event).__name__ == "BlockStoredEvent"]
+    assert sum(len(event.block_hashes) for event in stored if event.group_id == 2) == 3
     second = manager.new_request("b", prompt + [7])
     num_hit, _ = admit(manager, second)
     assert num_hit == 12
