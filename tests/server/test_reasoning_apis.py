@@ -236,3 +236,9 @@ def test_chat_completions_give_the_reasoning_apart(server, openai_client):
     reply = openai_client.chat.completions.create(model=MODEL, messages=USER)
     message = reply.choices[0].message
     assert (message.model_extra or {}).get("reasoning_content") == REASONING and message.content == ANSWER
+    reasoning, content = "", ""
+    for chunk in openai_client.chat.completions.create(model=MODEL, messages=USER, stream=True):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        reasoning += ((delta.model_extra or {}).get("reasoning_content") or "") if delta else ""
+        content += (delta.content or "") if delta else ""
+    assert (reasoning, content) == (REASONING, ANSWER)
