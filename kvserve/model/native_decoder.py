@@ -51,6 +51,7 @@ import torch
 from kvserve.kv_cache.interface import CircularBufferSpec
 from kvserve.model import quantized
 from kvserve.model.attention import AttentionMetadata
+from kvserve.model.moe import SparseMoeBlock
 from kvserve.sample.structured.grammar_mask import HeadMask
 from kvserve.model.shm_all_reduce import SharedMemoryAllReduce
 from kvserve.native import cpu_kernels, dispatch
@@ -58,7 +59,7 @@ from kvserve.native.isa import ISA_CODES
 from kvserve.model.stored_parts import StoredParts
 from kvserve.model.stored_weight import StoredWeight
 from kvserve.native.abi import (ALL_REDUCE_FN, DTYPE_CODES, F32_PANELS, MAX_GROUPS, MAX_PARTS, NativeLayer, NativeLinear,
-                                NativeLogits, NativeModel, NativeStep, NativeTokenMask)
+                                NativeLogits, NativeModel, NativeMoe, NativeStep, NativeTokenMask)
 from kvserve.native.config import KernelConfig
 
 logger = logging.getLogger(__name__)
@@ -177,14 +178,25 @@ class _TensorParallelReduce:
 
 def _check_layers_covered(config) -> None:
     """Raise NativeDeclined for layers the one-call decoder does not implement."""
-    if config.is_moe:
-        raise NativeDeclined("mixture-of-experts layers (the per-op path runs them)")
+    if config.softmax_after_topk or config.expert_bias or config.swiglu_limit is not None or config.attention_sinks:
+        raise NativeDeclined("gpt-oss's attention sinks and experts (softmax after top-k, biased clamped SwiGLU): "
+                              "the per-op path runs them")
     if config.mamba is not None or config.shared_expert_size or not config.use_rope:
         raise NativeDeclined("Mamba-2 layers, a shared expert or attention without RoPE (the per-op path runs them)")
     if (config.embedding_multiplier, config.residual_multiplier, config.logits_scaling) != (1.0, 1.0, 1.0):
         raise NativeDeclined("Granite's embedding, residual or logits scaling")
     if (config.qk_norm and not config.qk_norm_per_head) or config.clip_qkv is not None:
         raise NativeDeclined("a Q/K norm over the whole projection or clipped Q/K/V")
+
+
+def _widest_mlp(layer) -> int:
+    """The widest MLP input of `layer` (a dense MLP's, an expert's or the shared expert's): the
+    call's buffers hold that many columns a token."""
+    mlp = layer.mlp
+    if not isinstance(mlp, SparseMoeBlock):
+        return mlp.down_proj.shard_input
+    shared = mlp.shared_expert.down_proj.shard_input if mlp.shared_expert is not None else 0
+    return max(mlp.experts[0].down_proj.shard_input, shared)
 
 
 def _ptr_of(t: torch.Tensor | None) -> int | None:
@@ -203,6 +215,7 @@ class NativeDecoder:
             raise NativeDeclined("recurrent-state layers")
         self.model = model
         self._keep: list[torch.Tensor] = []
+        self._structs: list = []  # the MoE descriptions the layers point at
         self._layer_bytes = 0  # weight bytes of one layer's projections
         self._panel_rows = 0  # steps of this many tokens run the panel GEMM (the weights' own threshold)
         self._all_panel = True  # every projection quantized with a panel path or float32 in panels
@@ -275,6 +288,8 @@ class NativeDecoder:
     def _describe_model(self, model) -> NativeModel:
         config = model.config
         attn = model.layers[0].self_attn
+        if model.tp.size != 1 and config.is_moe:
+            raise NativeDeclined("mixture-of-experts layers under tensor parallelism (the per-op path runs them)")
         if model.tp.size != 1 and any(layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None
                                       for layer in model.layers):
             raise NativeDeclined("a bias on a row-parallel projection under tensor parallelism")
@@ -291,16 +306,20 @@ class NativeDecoder:
             raise NativeDeclined("partial rotary embedding")
         return NativeModel(num_layers=len(model.layers), hidden=config.hidden_size, num_heads=attn.num_heads,
                       num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, panel_rows=self._panel_rows,
-                      intermediate=model.layers[0].mlp.down_proj.shard_input, final_norm=self._norm(model.norm),
+                      intermediate=max(map(_widest_mlp, model.layers)), final_norm=self._norm(model.norm),
                       eps=config.rms_norm_eps, scale=attn.params.scale, softcap=attn.params.softcap or 0.0,
                       adds_one=int(config.norm_adds_one), sandwich=int(config.sandwich_norms),
                       gelu=int(config.hidden_act.startswith("gelu")))
 
     def _describe_layer(self, desc: NativeLayer, layer) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        for field, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
-                              ("down", mlp.down_proj)):
+        for field, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj)):
             self._describe_linear(getattr(desc, field), module)
+        if isinstance(mlp, SparseMoeBlock):
+            desc.moe = ctypes.pointer(self._describe_moe(mlp))
+        else:
+            self._describe_linear(desc.gate_up, mlp.gate_up_proj)
+            self._describe_linear(desc.down, mlp.down_proj)
         desc.input_norm = self._norm(layer.input_layernorm)
         desc.post_attention_norm = self._norm(layer.post_attention_layernorm)
         if layer.sandwich:
@@ -310,6 +329,30 @@ class NativeDecoder:
             desc.q_norm, desc.k_norm = self._norm(attn.q_norm), self._norm(attn.k_norm)
         desc.window = attn.sliding_window or 0
         desc.local_rope = int(attn.sliding_window is not None and self.model.rotary_local is not None)
+
+    def _describe_moe(self, block: SparseMoeBlock) -> NativeMoe:
+        """The block's router (float32), experts and shared expert for the call (held here)."""
+        num_experts = len(block.experts)
+        gate_up, down = (NativeLinear * num_experts)(), (NativeLinear * num_experts)()
+        for i, expert in enumerate(block.experts):
+            self._describe_linear(gate_up[i], expert.gate_up_proj)
+            self._describe_linear(down[i], expert.down_proj)
+        desc = NativeMoe(gate_up=gate_up, down=down, num_experts=num_experts, top_k=block.top_k,
+                         renormalize=int(block.renormalize))
+        self._describe_float(desc.router, block.gate)
+        if block.shared_expert is not None:
+            self._describe_linear(desc.shared_gate_up, block.shared_expert.gate_up_proj)
+            self._describe_linear(desc.shared_down, block.shared_expert.down_proj)
+            self._describe_float(desc.shared_gate, block.shared_expert_gate)
+        self._structs += [gate_up, down, desc]
+        return desc
+
+    def _describe_float(self, desc: NativeLinear, router) -> None:
+        """A router's rows (and bias) as a plain float32 matrix: the call computes its logits in float32."""
+        weight = self._hold(router.weight.detach().float().contiguous())
+        bias = None if router.bias is None else self._hold(router.bias.detach().float().contiguous())
+        desc.w, desc.bias, desc.w_dtype, desc.panel_isa = weight.data_ptr(), _ptr_of(bias), DTYPE_CODES[torch.float32], -1
+        desc.out, desc.in_ = weight.shape
 
     def _describe_embedding(self, desc: NativeLinear) -> None:
         """The embedding table for the call where it gives the rows exactly as

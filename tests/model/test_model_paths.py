@@ -52,13 +52,13 @@ FEATURES = {
     "local RoPE on sliding layers": ("gemma3", {}, lambda c: c.rope_local is not None),
     "linear RoPE scaling": ("gemma3", {}, lambda c: c.rope.rope_type == "linear"),
     "head_dim apart from hidden / heads": ("qwen3", {}, lambda c: c.head_dim * c.num_heads != c.hidden_size),
+    "mixture of experts, top-k renormalized, dense layers between": (
+        "qwen3_moe", {}, lambda c: c.is_moe and c.norm_topk_prob and not all(c.sparse_layers)),
+    "mixture of experts on sliding-window layers": ("mixtral", {}, lambda c: c.is_moe and c.sliding_window),
 }
 # Features the native decoder declines (`NativeDecoder.for_model` returns None): the fast
 # path falls back to the per-op path for every step, and both stay within the bound.
 DECLINED_FEATURES = {
-    "mixture of experts, top-k renormalized, dense layers between": (
-        "qwen3_moe", {}, lambda c: c.is_moe and c.norm_topk_prob and not all(c.sparse_layers)),
-    "mixture of experts on sliding-window layers": ("mixtral", {}, lambda c: c.is_moe and c.sliding_window),
     "mixture of experts, top-k as is; Q/K norm over the whole projection": (
         "olmoe", {}, lambda c: c.is_moe and not c.norm_topk_prob and not c.qk_norm_per_head),
     "clipped Q/K/V": ("olmoe", {"clip_qkv": 0.5}, lambda c: c.clip_qkv),

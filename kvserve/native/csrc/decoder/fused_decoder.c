@@ -56,6 +56,10 @@ typedef struct {
     float *gate_up;   /* [T, 2 * intermediate]: this thread's gate and up columns, side by side */
     float *kv;        /* [T, 2, head_dim]: one KV head's K and V rows */
     int64_t *bounds;  /* a split matmul's run bounds, in blocks */
+    float *gather;    /* [T, hidden]: the rows of the tokens an expert runs on */
+    float *router;    /* [T, experts]: the router's logits */
+    int64_t *route_id, *pair_token, *expert_end; /* [T, top_k], [T * top_k], [experts] */
+    float *route_weight, *pair_weight;           /* [T, top_k], [T * top_k] */
     const float *out; /* the last layer's output: Shared.out or sum */
     PhaseTimer timer;
     struct SpinBarrier *barrier;
@@ -91,6 +95,7 @@ static void spin_barrier(SpinBarrier *b) {
 typedef struct {
     float *qkv, *attn, *out, *gate_up; /* [T, qkv width], [T, q size], [T, hidden], [T, 2 * intermediate] */
     float *o_runs, *down_runs;         /* a split O / down projection's partial products [runs, T, hidden] */
+    float *moe_gate_up, *moe_down;     /* experts' gate/up and down outputs, by (token, expert) pair */
     int reduce_failed;                 /* set by thread 0 when an all-reduce failed: every thread stops */
 } Shared;
 
@@ -540,6 +545,136 @@ static void gate_activation(const NativeModel *m, const float *gate_up, float *a
         kvserve_silu_mul(gate_up, act, T, width, F32, 1);
 }
 
+/* ---- mixture of experts (moe.py's SparseMoeBlock) ------------------------------------------
+ * Every thread computes the router's logits and the routing itself (the same values on each:
+ * no barrier for them), then the threads split each chosen expert's rows as a dense MLP's:
+ * the gate/up projections of every expert with tokens (and the shared expert's), one
+ * barrier, the activations and down projections, another barrier, and each thread adds the
+ * weighted outputs up in ascending expert id, as moe.py does. An expert's rows are its
+ * tokens' rows gathered (in moe.py's order: by top-k slot, then token), multiplied by the
+ * kernel a step of that many tokens takes, as moe.py multiplies them. */
+
+/* Whether expert a comes before expert b in the routing order: the higher logit first, and of
+ * equal logits the lower id (torch.topk's order on CPU, which route() inherits). */
+static int routes_before(const float *logits, int64_t a, int64_t b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+}
+
+/* Token t's top_k experts (p->route_id) and gate weights (p->route_weight): a softmax over
+ * every expert in float32, its top_k, renormalized to sum to 1 where moe->renormalize. The
+ * softmax keeps the logits' order, so the experts are picked by their logits. */
+static void route_token(const NativeMoe *moe, const float *logits, int64_t *ids, float *weights) {
+    const int64_t E = moe->num_experts, K = moe->top_k;
+    float top = logits[0];
+    for (int64_t e = 1; e < E; e++) top = logits[e] > top ? logits[e] : top;
+    float total = 0.0f;
+    for (int64_t e = 0; e < E; e++) total += expf(logits[e] - top);
+    float picked = 0.0f;
+    for (int64_t j = 0; j < K; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++)
+            if ((j == 0 || routes_before(logits, ids[j - 1], e)) && (best < 0 || routes_before(logits, e, best)))
+                best = e;
+        ids[j] = best;
+        weights[j] = expf(logits[best] - top) / total;
+        picked += weights[j];
+    }
+    if (moe->renormalize)
+        for (int64_t j = 0; j < K; j++) weights[j] /= picked;
+}
+
+/* Routes the step's tokens and groups the (token, expert) pairs by expert: expert e's pairs are
+ * [expert_end[e - 1], expert_end[e]) of p->pair_token / p->pair_weight, by slot, then token. */
+static void route_step(const NativeMoe *moe, int64_t T, Private *p) {
+    const int64_t E = moe->num_experts, K = moe->top_k;
+    linear_range(&moe->router, PATH_F32, p->x, T, p, p->router, 0, E);
+    for (int64_t t = 0; t < T; t++) route_token(moe, p->router + t * E, p->route_id + t * K, p->route_weight + t * K);
+    for (int64_t e = 0; e < E; e++) p->expert_end[e] = 0;
+    for (int64_t i = 0; i < T * K; i++) p->expert_end[p->route_id[i]]++;
+    for (int64_t e = 0, start = 0; e < E; e++) { /* expert_end: each expert's first pair, then its cursor */
+        const int64_t count = p->expert_end[e];
+        p->expert_end[e] = start;
+        start += count;
+    }
+    for (int64_t j = 0; j < K; j++)
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t at = p->expert_end[p->route_id[t * K + j]]++;
+            p->pair_token[at] = t;
+            p->pair_weight[at] = p->route_weight[t * K + j];
+        }
+}
+
+static int64_t expert_begin(const Private *p, int64_t e) { return e ? p->expert_end[e - 1] : 0; }
+
+/* This thread's rows of y [rows, l->out] = x [rows, l->in] W^T for `rows` rows multiplied as a
+ * step of that many tokens; `*prepared` is the linear whose preparation of x p->qx holds
+ * (NULL: none), reused for the next expert of a one-token step (the same row). */
+static void expert_rows(const NativeModel *m, const NativeLinear *l, const float *x, int64_t rows, Private *p,
+                        float *y, const NativeLinear **prepared, int tid, int nthreads) {
+    const int path = linear_path(m, l, rows, rows);
+    const NativeLinear *before = *prepared;
+    if (!before || rows != 1 || linear_path(m, before, rows, rows) != path || before->in != l->in ||
+        before->act_bits != l->act_bits || before->panel_isa != l->panel_isa)
+        linear_prepare(l, path, x, rows, p);
+    *prepared = l;
+    int64_t begin, end;
+    split_rows(l->out, path_unit(path), tid, nthreads, &begin, &end);
+    linear_range(l, path, x, rows, p, y, begin, end);
+}
+
+/* The MoE MLP of x = p->x; returns its output [T, hidden] (p->sum; under tensor parallelism
+ * Shared.out summed over the ranks, NULL when that failed). */
+static const float *moe_mlp(const NativeModel *m, const NativeMoe *moe, const NativeStep *st, Private *p, Shared *s,
+                            int tid, int nthreads) {
+    const int64_t T = st->num_tokens, H = m->hidden, E = moe->num_experts, pairs = T * moe->top_k;
+    const int64_t width = moe->down[0].in, shared_width = moe->shared_down.out ? moe->shared_down.in : 0;
+    float *shared_gate_up = s->moe_gate_up + pairs * 2 * width, *shared_down = s->moe_down + pairs * H;
+    route_step(moe, T, p);
+    phase_mark(&p->timer, PHASE_NORMS);
+    const NativeLinear *prepared = NULL;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t first = expert_begin(p, e), rows = p->expert_end[e] - first;
+        if (!rows) continue;
+        for (int64_t i = 0; i < rows; i++)
+            memcpy(p->gather + i * H, p->x + p->pair_token[first + i] * H, sizeof(float) * (size_t)H);
+        expert_rows(m, &moe->gate_up[e], p->gather, rows, p, s->moe_gate_up + first * 2 * width, &prepared, tid,
+                    nthreads);
+    }
+    if (shared_width) expert_rows(m, &moe->shared_gate_up, p->x, T, p, shared_gate_up, &prepared, tid, nthreads);
+    wait_all(p, PHASE_GATE_UP);
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t first = expert_begin(p, e), rows = p->expert_end[e] - first;
+        if (!rows) continue;
+        gate_activation(m, s->moe_gate_up + first * 2 * width, p->act, rows, width);
+        prepared = NULL;
+        expert_rows(m, &moe->down[e], p->act, rows, p, s->moe_down + first * H, &prepared, tid, nthreads);
+    }
+    if (shared_width) {
+        gate_activation(m, shared_gate_up, p->act, T, shared_width);
+        prepared = NULL;
+        expert_rows(m, &moe->shared_down, p->act, T, p, shared_down, &prepared, tid, nthreads);
+    }
+    wait_all(p, PHASE_DOWN);
+    memset(p->sum, 0, sizeof(float) * (size_t)(T * H));
+    for (int64_t i = 0; i < pairs; i++) { /* pairs are grouped by ascending expert id */
+        const float *y = s->moe_down + i * H, w = p->pair_weight[i];
+        float *out = p->sum + p->pair_token[i] * H;
+        for (int64_t h = 0; h < H; h++) out[h] += y[h] * w;
+    }
+    if (shared_width)
+        for (int64_t t = 0; t < T; t++) {
+            const float *x = p->x + t * H, *g = (const float *)moe->shared_gate.w;
+            float dot = moe->shared_gate.bias ? moe->shared_gate.bias[0] : 0.0f;
+            for (int64_t h = 0; h < H; h++) dot += x[h] * g[h];
+            const float gate = 1.0f / (1.0f + expf(-dot));
+            for (int64_t h = 0; h < H; h++) p->sum[t * H + h] += gate * shared_down[t * H + h];
+        }
+    phase_mark(&p->timer, PHASE_NORMS);
+    if (!m->all_reduce) return p->sum;
+    if (tid == 0) memcpy(s->out, p->sum, sizeof(float) * (size_t)(T * H));
+    return all_reduce_out(m, st, p, s, tid) ? s->out : NULL;
+}
+
 /* The MLP of x = p->x; returns its output [T, hidden] (as attention_and_o's, NULL when the
  * all-reduce failed; where the down projection is split by input columns, each thread computes
  * the gate and up columns of its runs of the down projection's input, their activation and
@@ -547,7 +682,8 @@ static void gate_activation(const NativeModel *m, const float *gate_up, float *a
 static const float *mlp(const NativeModel *m, const NativeLayer *l, const NativeStep *st, Private *p, Shared *s,
                         int tid, int nthreads) {
     const int64_t T = st->num_tokens, plain = T - st->num_draft_tokens;
-    const int64_t H = m->hidden, I = m->intermediate;
+    const int64_t H = m->hidden, I = l->down.in;
+    if (l->moe) return moe_mlp(m, l->moe, st, p, s, tid, nthreads);
     if (!splits_by_input(m, &l->down, T, plain)) {
         linear_rows(m, &l->gate_up, p->x, T, plain, p, s->gate_up, tid, nthreads);
         wait_all(p, PHASE_GATE_UP);
@@ -611,6 +747,26 @@ static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *
         norm(m, p->out, NULL, l->post_feedforward_norm, p->x, T);
         for (int64_t i = 0; i < T * H; i++) p->residual[i] += p->x[i];
     }
+}
+
+/* The element counts of the MoE buffers a step of T tokens needs (at least 1 each). */
+typedef struct {
+    int64_t experts, pairs, gate_up, down;
+} MoeSizes;
+
+static MoeSizes moe_sizes(const NativeModel *m, const NativeLayer *layers, int64_t T) {
+    MoeSizes size = {1, 1, 1, 1};
+    for (int64_t i = 0; i < m->num_layers; i++) {
+        const NativeMoe *moe = layers[i].moe;
+        if (!moe) continue;
+        const int64_t pairs = T * moe->top_k, shared = moe->shared_down.out ? moe->shared_down.in : 0;
+        const int64_t gate_up = pairs * 2 * moe->down[0].in + T * 2 * shared, down = (pairs + T) * m->hidden;
+        size.experts = size.experts > moe->num_experts ? size.experts : moe->num_experts;
+        size.pairs = size.pairs > pairs ? size.pairs : pairs;
+        size.gate_up = size.gate_up > gate_up ? size.gate_up : gate_up;
+        size.down = size.down > down ? size.down : down;
+    }
+    return size;
 }
 
 static int64_t max_width(const NativeModel *m) {
@@ -728,13 +884,16 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
     if (st->token_ids)
         for (int64_t t = 0; t < T; t++)
             if (st->token_ids[t] < 0 || st->token_ids[t] >= m->embed.out) return 2;
+    MoeSizes moe = moe_sizes(m, layers, T);
     Shared s = {malloc(sizeof(float) * (size_t)(T * qkv_width)),
                 malloc(sizeof(float) * (size_t)(T * m->num_heads * m->head_dim)),
                 m->all_reduce ? m->reduce_buffer : malloc(sizeof(float) * (size_t)(T * H)),
                 malloc(sizeof(float) * (size_t)(T * 2 * I)),
                 malloc(sizeof(float) * (size_t)(run_count(m->num_heads * m->head_dim) * T * H)),
-                malloc(sizeof(float) * (size_t)(run_count(I) * T * H)), 0};
-    int failed = !s.qkv || !s.attn || !s.out || !s.gate_up || !s.o_runs || !s.down_runs;
+                malloc(sizeof(float) * (size_t)(run_count(I) * T * H)),
+                malloc(sizeof(float) * (size_t)moe.gate_up), malloc(sizeof(float) * (size_t)moe.down), 0};
+    int failed = !s.qkv || !s.attn || !s.out || !s.gate_up || !s.o_runs || !s.down_runs || !s.moe_gate_up ||
+                 !s.moe_down;
     SpinBarrier barrier = {0, 0, 1};
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && !failed)
     {
@@ -745,8 +904,12 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
                      malloc(sizeof(float) * (size_t)(2 * T * (W / 32 + 1))),
                      malloc((size_t)kvserve_quant_gemm_panel_bytes(W)), malloc(sizeof(float) * (size_t)(T * H)),
                      malloc(sizeof(float) * (size_t)(T * 2 * I)), malloc(sizeof(float) * (size_t)(T * 2 * m->head_dim)),
-                     malloc(sizeof(int64_t) * (size_t)(run_count(W) + 1)), s.out};
-        int ok = p.residual && p.x && p.act && p.qx && p.scales && p.panel && p.sum && p.gate_up && p.kv && p.bounds;
+                     malloc(sizeof(int64_t) * (size_t)(run_count(W) + 1)), malloc(sizeof(float) * (size_t)(T * H)),
+                     malloc(sizeof(float) * (size_t)(T * moe.experts)), malloc(sizeof(int64_t) * (size_t)moe.pairs),
+                     malloc(sizeof(int64_t) * (size_t)moe.pairs), malloc(sizeof(int64_t) * (size_t)moe.experts),
+                     malloc(sizeof(float) * (size_t)moe.pairs), malloc(sizeof(float) * (size_t)moe.pairs), s.out};
+        int ok = p.residual && p.x && p.act && p.qx && p.scales && p.panel && p.sum && p.gate_up && p.kv && p.bounds &&
+                 p.gather && p.router && p.route_id && p.pair_token && p.expert_end && p.route_weight && p.pair_weight;
         p.barrier = &barrier;
         phase_start(&p.timer);
         if (!ok) {
@@ -769,9 +932,11 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
             phase_finish(&p.timer, tid);
         }
         free(p.residual), free(p.x), free(p.act), free(p.qx), free(p.scales), free(p.panel), free(p.sum),
-            free(p.gate_up), free(p.kv), free(p.bounds);
+            free(p.gate_up), free(p.kv), free(p.bounds), free(p.gather), free(p.router), free(p.route_id),
+            free(p.pair_token), free(p.expert_end), free(p.route_weight), free(p.pair_weight);
     }
-    free(s.qkv), free(s.attn), free(s.gate_up), free(s.o_runs), free(s.down_runs);
+    free(s.qkv), free(s.attn), free(s.gate_up), free(s.o_runs), free(s.down_runs), free(s.moe_gate_up),
+        free(s.moe_down);
     if (!m->all_reduce) free(s.out);
     return failed ? 1 : s.reduce_failed ? 3 : 0;
 }
