@@ -249,6 +249,7 @@ class NativeDecoder:
         # Wall time inside the native call, summed over calls (`kvserve bench host` reads them).
         self.num_calls = 0
         self.call_ns = 0
+        self.num_routing_ties = 0  # steps handed back to the per-op path for a routing tie
         self._reduce: _TensorParallelReduce | None = None
         if model.tp.size > 1:
             self._reduce = _TensorParallelReduce(model.tp, self.max_tokens * self._desc.hidden,
@@ -497,6 +498,8 @@ class NativeDecoder:
         too when none are asked for or the LM head is not one the call runs.
         `num_draft_tokens` of the tokens (each with a logits row) are speculative drafts: the
         matmul kernels are those of the step without them (see `quantized.linear`'s `num_draft_rows`).
+        A step where some token's top-k experts end in a tie of router logits is None too (the
+        per-op path's torch.topk breaks such ties; it writes the same KV slots again).
         With `head_mask` the head applies that grammar mask once it is filled (see `HeadMask`;
         it sets `head_mask.applied` when it did)."""
         num_tokens = input_ids.shape[0]
@@ -536,6 +539,9 @@ class NativeDecoder:
             None if head is None else ctypes.byref(head), self.num_threads)
         self.call_ns += time.perf_counter_ns() - started_ns
         self.num_calls += 1
+        if failed == 4:  # a tie at a token's top-k boundary: torch.topk's order decides it (see fused_decoder.c)
+            self.num_routing_ties += 1
+            return None
         if failed == 3:
             self._reduce.raise_error()
         if failed == 2:

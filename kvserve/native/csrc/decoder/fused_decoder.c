@@ -63,6 +63,7 @@ typedef struct {
     const float *out; /* the last layer's output: Shared.out or sum */
     PhaseTimer timer;
     struct SpinBarrier *barrier;
+    int routing_tie; /* this thread found a routing tie (so did every other thread): it stops */
 } Private;
 
 /* Threads of one call meet here: arrivals count up, the last one advances `generation`. */
@@ -97,6 +98,7 @@ typedef struct {
     float *o_runs, *down_runs;         /* a split O / down projection's partial products [runs, T, hidden] */
     float *moe_gate_up, *moe_down;     /* experts' gate/up and down outputs, by (token, expert) pair */
     int reduce_failed;                 /* set by thread 0 when an all-reduce failed: every thread stops */
+    int routing_tie;                   /* set by every thread when a token's top k ends in a tie: all stop */
 } Shared;
 
 static void split_rows(int64_t out, int64_t unit, int tid, int nthreads, int64_t *begin, int64_t *end) {
@@ -554,16 +556,21 @@ static void gate_activation(const NativeModel *m, const float *gate_up, float *a
  * tokens' rows gathered (in moe.py's order: by top-k slot, then token), multiplied by the
  * kernel a step of that many tokens takes, as moe.py multiplies them. */
 
-/* Whether expert a comes before expert b in the routing order: the higher logit first, and of
- * equal logits the lower id (torch.topk's order on CPU, which route() inherits). */
+/* Whether expert a comes before expert b in the order the call picks them: the higher logit
+ * first, of equal logits the lower id. Where equal logits straddle the top-k boundary that order
+ * is not route()'s: torch.topk's order of equal values is its algorithm's (on CPU,
+ * torch.topk(torch.zeros(8), 2) gives experts 6 and 5), so route_token reports such a tie and
+ * the step goes to the per-op path. Equal logits both inside the top k pick the same experts
+ * either way (summed in ascending id), so they run here. */
 static int routes_before(const float *logits, int64_t a, int64_t b) {
     return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
 }
 
 /* Token t's top_k experts (p->route_id) and gate weights (p->route_weight): a softmax over
  * every expert in float32, its top_k, renormalized to sum to 1 where moe->renormalize. The
- * softmax keeps the logits' order, so the experts are picked by their logits. */
-static void route_token(const NativeMoe *moe, const float *logits, int64_t *ids, float *weights) {
+ * softmax keeps the logits' order, so the experts are picked by their logits. Returns 1 where
+ * an expert left out has the logit of the last one picked (a tie route() may break otherwise). */
+static int route_token(const NativeMoe *moe, const float *logits, int64_t *ids, float *weights) {
     const int64_t E = moe->num_experts, K = moe->top_k;
     float top = logits[0];
     for (int64_t e = 1; e < E; e++) top = logits[e] > top ? logits[e] : top;
@@ -581,14 +588,21 @@ static void route_token(const NativeMoe *moe, const float *logits, int64_t *ids,
     }
     if (moe->renormalize)
         for (int64_t j = 0; j < K; j++) weights[j] /= picked;
+    int64_t at_least_last = 0;
+    for (int64_t e = 0; e < E; e++) at_least_last += logits[e] >= logits[ids[K - 1]];
+    return at_least_last > K;
 }
 
 /* Routes the step's tokens and groups the (token, expert) pairs by expert: expert e's pairs are
- * [expert_end[e - 1], expert_end[e]) of p->pair_token / p->pair_weight, by slot, then token. */
-static void route_step(const NativeMoe *moe, int64_t T, Private *p) {
+ * [expert_end[e - 1], expert_end[e]) of p->pair_token / p->pair_weight, by slot, then token.
+ * Returns 1, grouping nothing, where a token's top k ends in a tie (route_token). */
+static int route_step(const NativeMoe *moe, int64_t T, Private *p) {
     const int64_t E = moe->num_experts, K = moe->top_k;
     linear_range(&moe->router, PATH_F32, p->x, T, p, p->router, 0, E);
-    for (int64_t t = 0; t < T; t++) route_token(moe, p->router + t * E, p->route_id + t * K, p->route_weight + t * K);
+    int tie = 0;
+    for (int64_t t = 0; t < T; t++)
+        tie |= route_token(moe, p->router + t * E, p->route_id + t * K, p->route_weight + t * K);
+    if (tie) return 1;
     for (int64_t e = 0; e < E; e++) p->expert_end[e] = 0;
     for (int64_t i = 0; i < T * K; i++) p->expert_end[p->route_id[i]]++;
     for (int64_t e = 0, start = 0; e < E; e++) { /* expert_end: each expert's first pair, then its cursor */
@@ -602,18 +616,20 @@ static void route_step(const NativeMoe *moe, int64_t T, Private *p) {
             p->pair_token[at] = t;
             p->pair_weight[at] = p->route_weight[t * K + j];
         }
+    return 0;
 }
 
 static int64_t expert_begin(const Private *p, int64_t e) { return e ? p->expert_end[e - 1] : 0; }
 
 /* This thread's rows of y [rows, l->out] = x [rows, l->in] W^T for `rows` rows multiplied as a
- * step of that many tokens; `*prepared` is the linear whose preparation of x p->qx holds
- * (NULL: none), reused for the next expert of a one-token step (the same row). */
+ * step of that many tokens; `*prepared` is the linear whose preparation of the same x p->qx
+ * holds (NULL: none; the caller passes one only where x is that linear's x: a one-token step's
+ * experts all take its one row). */
 static void expert_rows(const NativeModel *m, const NativeLinear *l, const float *x, int64_t rows, Private *p,
                         float *y, const NativeLinear **prepared, int tid, int nthreads) {
     const int path = linear_path(m, l, rows, rows);
     const NativeLinear *before = *prepared;
-    if (!before || rows != 1 || linear_path(m, before, rows, rows) != path || before->in != l->in ||
+    if (!before || linear_path(m, before, rows, rows) != path || before->in != l->in ||
         before->act_bits != l->act_bits || before->panel_isa != l->panel_isa)
         linear_prepare(l, path, x, rows, p);
     *prepared = l;
@@ -623,13 +639,19 @@ static void expert_rows(const NativeModel *m, const NativeLinear *l, const float
 }
 
 /* The MoE MLP of x = p->x; returns its output [T, hidden] (p->sum; under tensor parallelism
- * Shared.out summed over the ranks, NULL when that failed). */
+ * Shared.out summed over the ranks), or NULL when that all-reduce failed or a routing tie
+ * stops the call (s->routing_tie). Every thread routes alike, so all of them stop there. */
 static const float *moe_mlp(const NativeModel *m, const NativeMoe *moe, const NativeStep *st, Private *p, Shared *s,
                             int tid, int nthreads) {
     const int64_t T = st->num_tokens, H = m->hidden, E = moe->num_experts, pairs = T * moe->top_k;
     const int64_t width = moe->down[0].in, shared_width = moe->shared_down.out ? moe->shared_down.in : 0;
     float *shared_gate_up = s->moe_gate_up + pairs * 2 * width, *shared_down = s->moe_down + pairs * H;
-    route_step(moe, T, p);
+    if (route_step(moe, T, p)) {
+#pragma omp atomic write
+        s->routing_tie = 1;
+        p->routing_tie = 1;
+        return NULL;
+    }
     phase_mark(&p->timer, PHASE_NORMS);
     const NativeLinear *prepared = NULL;
     for (int64_t e = 0; e < E; e++) {
@@ -637,9 +659,11 @@ static const float *moe_mlp(const NativeModel *m, const NativeMoe *moe, const Na
         if (!rows) continue;
         for (int64_t i = 0; i < rows; i++)
             memcpy(p->gather + i * H, p->x + p->pair_token[first + i] * H, sizeof(float) * (size_t)H);
+        if (T > 1) prepared = NULL;
         expert_rows(m, &moe->gate_up[e], p->gather, rows, p, s->moe_gate_up + first * 2 * width, &prepared, tid,
                     nthreads);
     }
+    if (T > 1) prepared = NULL;
     if (shared_width) expert_rows(m, &moe->shared_gate_up, p->x, T, p, shared_gate_up, &prepared, tid, nthreads);
     wait_all(p, PHASE_GATE_UP);
     for (int64_t e = 0; e < E; e++) {
@@ -875,8 +899,10 @@ static void finish(const NativeModel *m, const NativeLogits *lg, const NativeSte
 /* hidden [T, hidden]: the scaled embeddings in (unless st->token_ids: then the call embeds
  * the tokens itself), the final norm's output out; with `lg` also the LM head's logits of
  * some of the tokens. Returns 0, 1 when out of memory (hidden unchanged then), 2 for a
- * token id outside the embedding table (nothing done), or 3 when an all-reduce failed
- * (hidden unchanged; the KV cache holds the layers' rows up to that one). */
+ * token id outside the embedding table (nothing done), 3 when an all-reduce failed
+ * (hidden unchanged; the KV cache holds the layers' rows up to that one), or 4 when a
+ * token's top-k experts end in a tie (route_token; hidden unchanged, the KV cache as for 3:
+ * the per-op path's run of the step writes the same slots again). */
 int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *layers, const NativeStep *st,
                                    float *hidden, const NativeLogits *lg, int num_threads) {
     const int64_t T = st->num_tokens, H = m->hidden, I = m->intermediate, W = max_width(m);
@@ -891,7 +917,7 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
                 malloc(sizeof(float) * (size_t)(T * 2 * I)),
                 malloc(sizeof(float) * (size_t)(run_count(m->num_heads * m->head_dim) * T * H)),
                 malloc(sizeof(float) * (size_t)(run_count(I) * T * H)),
-                malloc(sizeof(float) * (size_t)moe.gate_up), malloc(sizeof(float) * (size_t)moe.down), 0};
+                malloc(sizeof(float) * (size_t)moe.gate_up), malloc(sizeof(float) * (size_t)moe.down), 0, 0};
     int failed = !s.qkv || !s.attn || !s.out || !s.gate_up || !s.o_runs || !s.down_runs || !s.moe_gate_up ||
                  !s.moe_down;
     SpinBarrier barrier = {0, 0, 1};
@@ -924,10 +950,10 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
                 embed_tokens(m, st, p.residual);
             else
                 memcpy(p.residual, hidden, sizeof(float) * (size_t)(T * H));
-            for (int64_t i = 0; i < m->num_layers && !s.reduce_failed; i++)
+            for (int64_t i = 0; i < m->num_layers && !s.reduce_failed && !p.routing_tie; i++)
                 layer(m, &layers[i], st, &p, &s, i == 0, tid, nthreads);
             /* a failed all-reduce: every thread saw the flag after the same barrier and stops */
-            if (!s.reduce_failed) finish(m, lg, st, hidden, &p, tid, nthreads);
+            if (!s.reduce_failed && !p.routing_tie) finish(m, lg, st, hidden, &p, tid, nthreads);
             phase_mark(&p.timer, PHASE_NORMS);
             phase_finish(&p.timer, tid);
         }
@@ -938,7 +964,7 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
     free(s.qkv), free(s.attn), free(s.gate_up), free(s.o_runs), free(s.down_runs), free(s.moe_gate_up),
         free(s.moe_down);
     if (!m->all_reduce) free(s.out);
-    return failed ? 1 : s.reduce_failed ? 3 : 0;
+    return failed ? 1 : s.reduce_failed ? 3 : s.routing_tie ? 4 : 0;
 }
 
 int kvserve_decoder_forward(const NativeModel *m, const NativeLayer *layers, const NativeStep *st, float *hidden,
