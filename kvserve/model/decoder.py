@@ -320,6 +320,9 @@ class DecoderModel(nn.Module):
                 module.backend, module.native_rotary = kernels.attention, kernels.native_ops
             elif isinstance(module, (RMSNorm, GatedMLP, StateMixer)):
                 module.native = kernels.native_ops
+        for module in self.modules():  # after the experts' own choices above
+            if isinstance(module, SparseMoeBlock):
+                module.use_stored_experts(kernels.native_ops)
 
     def pack_linear_weights(self, keep_plain: bool | None = None, panels: bool | None = None) -> bool:
         """Hold every linear weight (and the LM head) pre-packed for the CPU matmul. Returns

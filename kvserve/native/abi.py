@@ -149,6 +149,7 @@ SIGNATURES = {
     "kvserve_gguf_rows": ([_ptr, _ptr, _i64, _ptr, _int, _i64, _ptr, _ptr, _i64, _int, _i64, _i64], None),
     "kvserve_gguf_linear": ([_ptr, _i64, _i64, _ptr, _int, _i64, _ptr, _ptr, _i64, _int], _int),
     "kvserve_gguf_dequantize": ([_ptr, _int, _i64, _ptr, _i64, _ptr, _int], _int),
+    "kvserve_moe_experts": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _int, _int], _int),
     "kvserve_gemv_partials": ([_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64],
                               _int),
 }

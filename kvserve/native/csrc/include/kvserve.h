@@ -265,6 +265,12 @@ int kvserve_gguf_linear(const float *x, int64_t x_stride, int64_t batch, const u
 int kvserve_gguf_dequantize(const uint8_t *w, int type, int64_t in, const int64_t *rows, int64_t n, void *dst,
                             int dtype);
 
+/* ---- linear/moe_experts.c: a mixture of experts' routed experts, GGUF blocks as stored ------- */
+
+int kvserve_moe_experts(const float *x, int64_t tokens, int64_t hidden, const int64_t *ids, const float *weights,
+                        int64_t top_k, const int64_t *table, int64_t num_experts, int64_t width, float *out, int isa,
+                        int num_threads);
+
 /* ---- linear/bf16_rows.c ------------------------------------------------------------------------ */
 
 void kvserve_bf16_round_rows(const float *x, int64_t x_stride, int64_t batch, int64_t in, uint16_t *xb);
