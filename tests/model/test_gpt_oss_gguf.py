@@ -65,6 +65,19 @@ def test_gguf_config_equals_the_hf_directory_config(gpt_oss_files):
     assert sorted(ours.eos_token_ids) == sorted(theirs.eos_token_ids)
 
 
+def test_gguf_tokenizer_speaks_harmony_as_the_hf_one(gpt_oss_files):
+    """The tokenizer built from the GGUF's keys has every harmony token as one token (so the
+    server reads its replies by channel) and encodes a harmony prompt as the directory's does."""
+    from transformers import AutoTokenizer
+    from kvserve.model.tokenizer_files import load_tokenizer
+    from kvserve.server.harmony import harmony_token_ids
+    _, reference_dir, path = gpt_oss_files
+    ours, theirs = load_tokenizer(path), AutoTokenizer.from_pretrained(reference_dir)
+    assert harmony_token_ids(ours) == harmony_token_ids(theirs) is not None
+    prompt = "<|start|>user<|message|>abc: ab ba<|end|><|start|>assistant<|channel|>analysis<|message|>"
+    assert ours.encode(prompt, add_special_tokens=False) == theirs.encode(prompt, add_special_tokens=False)
+
+
 def test_gguf_dequantized_matches_transformers_under_teacher_forcing(gpt_oss_files):
     """The file loaded as float32 on paged KV (blocks of 4, prefill chunks of 8 beside one-token
     steps, so the sliding layer's window of 12 is crossed) against transformers: every row of
@@ -125,3 +138,25 @@ def test_kvserve_generate_answers_from_the_gguf(gpt_oss_files):
         rows = hf(torch.tensor([prompt_ids + tokens[:-1]])).logits[0, len(prompt_ids) - 1:].float()
     for token, row in zip(tokens, rows):
         assert row.max().item() - row[token].item() <= 2 * MAX_RELATIVE_DIFF * max(1.0, row.abs().max().item())
+
+
+def test_gguf_experts_and_sinks_shard_across_tensor_parallel_ranks(gpt_oss_files, monkeypatch):
+    """Two ranks load their shard of the GGUF's experts (gate/up rows, down columns, the expert
+    biases; the router whole) and of the attention sinks (their query heads'); the ranks' MoE
+    outputs add up to the unsharded block's. No process group: the all-reduce is the sum taken
+    here. Bound: the same float32 operations, each down-projection sum of 32 terms split into
+    two halves (reordered), on top of the block's three reductions of at most 64 terms:
+    3 * 64 * 2**-24 = 1.2e-5 of the output's scale (as tests/model/test_moe.py derives)."""
+    from kvserve.model.parallel import TPContext
+    _, _, path = gpt_oss_files
+    config = ModelConfig.from_path(path, quantization="none", dtype="float32")
+    full = load_model(config)
+    ranks = [load_model(config, tp_rank=rank, tp_size=2) for rank in range(2)]
+    monkeypatch.setattr(TPContext, "all_reduce", lambda self, tensor: tensor)
+    x = torch.randn(6, config.hidden_size, generator=torch.Generator().manual_seed(8))
+    for layer in range(config.num_layers):
+        with torch.inference_mode():
+            ours, ref = sum(rank.layers[layer].mlp(x) for rank in ranks), full.layers[layer].mlp(x)
+        assert (ours - ref).abs().max().item() <= 1.2e-5 * max(1.0, ref.abs().max().item())
+        sinks = torch.cat([rank.layers[layer].self_attn.sinks for rank in ranks])
+        assert torch.equal(sinks, full.layers[layer].self_attn.sinks)
