@@ -55,8 +55,24 @@ typedef struct {
     int32_t unused;
 } NativeDeltaNet;
 
+/* A mixture-of-experts MLP (kvserve/model/moe.py's SparseMoeBlock): the router's float32
+ * logits [T, num_experts] = x router^T (+ bias), a softmax over every expert, the top_k
+ * (equal logits across the top-k boundary: the call stops, returning 4), renormalized to sum to 1 where `renormalize`;
+ * each chosen expert's gated MLP (gate_up[e], down[e]: [2 * width, hidden] and [hidden,
+ * width], any NativeLinear kind) on its tokens, times its weight, summed over the experts in
+ * ascending id; plus, where shared_down.out > 0, the shared expert's gated MLP times
+ * sigmoid(x shared_gate^T) (one row [hidden]). */
 typedef struct {
-    NativeLinear qkv, o, gate_up, down;
+    NativeLinear router;
+    const NativeLinear *gate_up, *down; /* [num_experts] each */
+    NativeLinear shared_gate_up, shared_down, shared_gate;
+    int64_t num_experts, top_k;
+    int32_t renormalize, unused;
+} NativeMoe;
+
+typedef struct {
+    NativeLinear qkv, o, gate_up, down; /* gate_up, down: the dense MLP (unused where moe) */
+    const NativeMoe *moe;               /* NULL: a dense MLP */
     /* float32 norm weights; the last four NULL where the model has no such norm */
     const float *input_norm, *post_attention_norm, *pre_feedforward_norm, *post_feedforward_norm, *q_norm, *k_norm;
     void *k_cache, *v_cache; /* [kv_heads, blocks * block_size, head_dim] each */
