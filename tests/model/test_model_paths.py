@@ -55,6 +55,9 @@ FEATURES = {
     "local RoPE on sliding layers": ("gemma3", {}, lambda c: c.rope_local is not None),
     "linear RoPE scaling": ("gemma3", {}, lambda c: c.rope.rope_type == "linear"),
     "head_dim apart from hidden / heads": ("qwen3", {}, lambda c: c.head_dim * c.num_heads != c.hidden_size),
+    "mixture of experts, top-k renormalized, dense layers between": (
+        "qwen3_moe", {}, lambda c: c.is_moe and c.norm_topk_prob and not all(c.sparse_layers)),
+    "mixture of experts on sliding-window layers": ("mixtral", {}, lambda c: c.is_moe and c.sliding_window),
     # Qwen3.5 (dense): driven by HybridRunner (a state group beside the attention one), one token
     # a step (the native decoder runs state layers at decode steps only), so every step native.
     "Gated DeltaNet layers, key heads shared by value heads": (
@@ -69,15 +72,16 @@ FEATURES = {
     "Granite's embedding, residual and attention multipliers, logits scaling": (
         "granitemoehybrid", {}, lambda c: c.embedding_multiplier != 1.0 and c.residual_multiplier != 1.0
         and c.logits_scaling != 1.0 and c.attention_multiplier not in (None, 1.0)),
+    "mixture of experts with a gated shared expert, Gated DeltaNet layers": (
+        "qwen3_5_moe", {}, lambda c: c.is_moe and c.shared_expert_intermediate_size and all(c.sparse_layers)),
+    "mixture of experts with a gated shared expert, dense layers between": (
+        "qwen3_next", {}, lambda c: c.shared_expert_intermediate_size and not all(c.sparse_layers)),
 }
 # Families HybridRunner drives (a state group beside the attention one), one token a step.
 HYBRID_FAMILIES = (*GATED_DELTANET_FAMILIES, "granitemoehybrid")
 # Features the native decoder declines (`NativeDecoder.for_model` returns None): the fast
 # path falls back to the per-op path for every step, and both stay within the bound.
 DECLINED_FEATURES = {
-    "mixture of experts, top-k renormalized, dense layers between": (
-        "qwen3_moe", {}, lambda c: c.is_moe and c.norm_topk_prob and not all(c.sparse_layers)),
-    "mixture of experts on sliding-window layers": ("mixtral", {}, lambda c: c.is_moe and c.sliding_window),
     "mixture of experts, top-k as is; Q/K norm over the whole projection": (
         "olmoe", {}, lambda c: c.is_moe and not c.norm_topk_prob and not c.qk_norm_per_head),
     "clipped Q/K/V": ("olmoe", {"clip_qkv": 0.5}, lambda c: c.clip_qkv),
@@ -93,12 +97,11 @@ FEATURE_FIELDS = {"num_kv_heads", "tie_word_embeddings", "attention_bias", "qk_n
                   "softmax_after_topk", "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha",
                   "attention_sinks", "o_proj_bias", "linear_num_key_heads", "linear_num_value_heads",
                   "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "attn_output_gate",
-                  "mamba", "use_rope", "embedding_multiplier", "residual_multiplier", "logits_scaling",
-                  "attention_multiplier"}
-# Hybrid models' fields the native decoder declines (shared experts beside routed ones): Granite's
-# (tests/model/test_granite_hybrid.py) and Qwen3-Next's gated one (tests/model/test_gated_deltanet_models.py);
-# those tests run the per-op path against transformers.
-HYBRID_FIELDS = {"shared_expert_size", "shared_expert_intermediate_size"}
+                  "shared_expert_intermediate_size", "mamba", "use_rope", "embedding_multiplier",
+                  "residual_multiplier", "logits_scaling", "attention_multiplier"}
+# Hybrid models' fields the native decoder declines: Granite's shared expert beside its routed
+# ones (tests/model/test_granite_hybrid.py runs the per-op path against transformers).
+HYBRID_FIELDS = {"shared_expert_size"}
 # Identity, sizes and token ids: the same arithmetic on both paths whatever their value.
 NOT_FEATURES = {"path", "is_gguf", "architecture", "model_type", "num_layers", "hidden_size", "intermediate_size",
                 "num_heads", "vocab_size", "max_position_embeddings", "max_model_len", "dtype", "quantization",

@@ -44,7 +44,7 @@ FAMILIES = {
     "qwen3_5": lambda: tiny_gated_deltanet_config("qwen3_5", VOCAB),
     "granite_nope": lambda: tiny_granite_hybrid_config(VOCAB, experts=False),
     "granite_rope": lambda: tiny_granite_hybrid_config(VOCAB, experts=False, rope=True),
-    "qwen3_next": lambda: tiny_gated_deltanet_config("qwen3_next", VOCAB),  # declined: experts
+    "granite_moe": lambda: tiny_granite_hybrid_config(VOCAB),  # declined: routed experts beside a shared one
 }
 
 
@@ -161,11 +161,11 @@ def test_one_and_two_threads_give_the_same_bits(configs, monkeypatch, family):
 
 
 def test_declines_what_it_does_not_run(configs, monkeypatch):
-    """Qwen3-Next's mixture-of-experts layers and a bfloat16 hybrid keep the per-op path (no
-    decoder is built); a Qwen3.5 step with a request of several tokens (prefill) is declined
+    """Granite's routed experts beside its shared one and a bfloat16 hybrid keep the per-op path
+    (no decoder is built); a Qwen3.5 step with a request of several tokens (prefill) is declined
     step by step."""
     assert NativeDecoder.for_model(load_model(dataclasses.replace(configs("qwen3_5"), dtype="bfloat16"))) is None
-    model = load_model(configs("qwen3_next"))
+    model = load_model(configs("granite_moe"))
     runner = HybridRunner(model)
     runner.add("a", [5, 6, 7])
     runner.step({"a": 3})
