@@ -139,6 +139,11 @@ SIGNATURES = {
     "kvserve_gguf_rows": ([_ptr, _ptr, _i64, _ptr, _int, _i64, _ptr, _ptr, _i64, _int, _i64, _i64], None),
     "kvserve_gguf_linear": ([_ptr, _i64, _i64, _ptr, _int, _i64, _ptr, _ptr, _i64, _int], _int),
     "kvserve_gguf_dequantize": ([_ptr, _int, _i64, _ptr, _i64, _ptr, _int], _int),
+    "kvserve_gguf_split_runs": ([_int, _i64], _i64),
+    "kvserve_gguf_split_bound": ([_int, _i64, _i64], _i64),
+    "kvserve_gguf_partials": ([_ptr, _ptr, _i64, _ptr, _int, _i64, _ptr, _i64, _ptr, _i64, _i64, _int, _i64, _i64],
+                              None),
+    "kvserve_quant_activation_blocks": ([_ptr, _i64, _ptr, _ptr, _ptr], None),
     "kvserve_gemv_partials": ([_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64],
                               _int),
 }

@@ -135,6 +135,64 @@ void kvserve_gguf_rows(const int8_t *qx, const float *scales, int64_t batch, con
     rows_of(t, tile_for(t, isa), qx, scales, batch, w, in, bias, y, y_stride, row_begin, row_end);
 }
 
+/* ---- matmuls split by their input columns ---------------------------------------------
+ * The fused decoder may split a projection by input columns (each thread multiplies the
+ * columns it holds into partial products, added up in run order): the runs are fixed by the
+ * type and `in` alone, so a row's result does not depend on the thread count. GGUF_SPLIT_RUNS
+ * runs of whole blocks as even as the blocks allow (few, long runs: each run of each row ends
+ * in a horizontal sum); one run where the row has fewer blocks (no split). */
+
+/* Runs of a split of `in` columns of `type` (0: unknown type or `in` not whole blocks). */
+int64_t kvserve_gguf_split_runs(int type, int64_t in) {
+    const GgufType *t = type_of(type);
+    if (!t || kvserve_gguf_row_bytes(type, in) < 0) return 0;
+    return in / t->block_cols >= GGUF_SPLIT_RUNS ? GGUF_SPLIT_RUNS : 1;
+}
+
+/* The first 32-column block of run c (c = the run count: the row's end), a multiple of the
+ * type's block. */
+int64_t kvserve_gguf_split_bound(int type, int64_t in, int64_t c) {
+    const int64_t runs = kvserve_gguf_split_runs(type, in);
+    if (runs == 0) return 0;
+    const int64_t per = type_of(type)->block_cols / GGUF_QBLOCK, blocks = in / GGUF_QBLOCK / per;
+    return blocks * c / runs * per;
+}
+
+/* Partial products of rows row_begin..row_end over runs of the input columns: run c covers
+ * the 32-column blocks bounds[c]..bounds[c + 1] (whole blocks of the type, ascending), and
+ * y[c * run_stride + b * y_stride + row] = the tile's sum over those blocks of W[row] . x[b]
+ * (activations as kvserve_gguf_rows takes them: only the runs' columns are read). Each run's
+ * sums do not depend on the other runs, the row range or the batch. Calling thread only. */
+void kvserve_gguf_partials(const int8_t *qx, const float *scales, int64_t batch, const uint8_t *w, int type,
+                           int64_t in, const int64_t *bounds, int64_t num_runs, float *y, int64_t y_stride,
+                           int64_t run_stride, int isa, int64_t row_begin, int64_t row_end) {
+    const GgufType *type_info = type_of(type);
+    const int64_t row_bytes = kvserve_gguf_row_bytes(type, in);
+    if (!type_info || row_bytes < 0) return;
+    const GgufTileFn tile = tile_for(type_info, isa);
+    const int64_t nb32 = in / GGUF_QBLOCK, per = type_info->block_cols / GGUF_QBLOCK;
+    float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
+    for (int64_t row = row_begin; row < row_end;) {
+        const int rows = row_end - row >= GGUF_TILE_ROWS ? GGUF_TILE_ROWS : 1;
+        for (int64_t c = 0; c < num_runs; c++) {
+            const int64_t first = bounds[c], blocks = (bounds[c + 1] - first) / per;
+            for (int64_t b0 = 0; b0 < batch; b0 += GGUF_TILE_BATCH) {
+                GgufTile t = {w + row * row_bytes + first / per * type_info->block_bytes, row_bytes, blocks,
+                              qx + b0 * in + first * GGUF_QBLOCK, scales + b0 * nb32 + first,
+                              scales + batch * nb32 + b0 * nb32 + first, in, rows,
+                              batch - b0 < GGUF_TILE_BATCH ? (int)(batch - b0) : GGUF_TILE_BATCH};
+                if (tile)
+                    tile(&t, sums);
+                else
+                    tile_by_dot(type_info, &t, sums);
+                for (int r = 0; r < rows; r++)
+                    for (int b = 0; b < t.batch; b++) y[c * run_stride + (b0 + b) * y_stride + row + r] = sums[r][b];
+            }
+        }
+        row += rows;
+    }
+}
+
 /* y [batch, out] = x W^T (+ bias): x float32 rows x_stride apart, quantized here, the
  * rows split over the OpenMP threads (contiguous ranges of whole tiles). Returns 0, -1
  * for bad arguments, -2 when `isa` does not run here, -3 when out of memory. */
