@@ -230,11 +230,22 @@ def test_supported_types_follow_the_table():
     assert ctypes.c_int64(lib.kvserve_gguf_row_bytes(1, 64)).value == -1
 
 
-def _split_bounds(weight: StoredWeight) -> list[int]:
-    """The fused decoder's runs of a split by input columns: their bounds in 32-column blocks."""
+def _split_bounds(weight: StoredWeight, granule: int = 0) -> list[int]:
+    """The fused decoder's runs of a split by input columns (whole multiples of `granule`
+    columns where the width allows): their bounds in 32-column blocks."""
     lib = build.load_library()
-    runs = lib.kvserve_gguf_split_runs(weight.ggml_type, weight.in_features)
-    return [lib.kvserve_gguf_split_bound(weight.ggml_type, weight.in_features, c) for c in range(runs + 1)]
+    runs = lib.kvserve_gguf_split_runs(weight.ggml_type, weight.in_features, granule)
+    return [lib.kvserve_gguf_split_bound(weight.ggml_type, weight.in_features, granule, c) for c in range(runs + 1)]
+
+
+def test_split_runs_are_whole_granules_where_the_width_allows():
+    """O's runs are whole heads (granule 64) so that threads holding whole heads hold whole runs:
+    SmolLM2's 9 heads of 64 over Q4_1 blocks; a K type's blocks of 256 hold 4 such heads."""
+    q4_1, q4_k = _weight("Q4_1", 1, 576), _weight("Q4_K", 1, 2048)
+    assert _split_bounds(q4_1) == [0, 4, 9, 13, 18]
+    assert _split_bounds(q4_1, 64) == [0, 4, 8, 12, 18]
+    assert _split_bounds(q4_k, 64) == _split_bounds(q4_k) == [0, 16, 32, 48, 64]
+    assert _split_bounds(_weight("Q4_1", 1, 96), 64) == [0, 3]  # not whole heads: blocks, too few for 4 runs
 
 
 def _partials(weight: StoredWeight, qx: torch.Tensor, scales: torch.Tensor, bounds: list[int], isa: str,

@@ -221,17 +221,21 @@ static void linear_rows(const NativeModel *m, const NativeLinear *l, const float
  * whole blocks), on one rank; other paths keep the split by rows and its barrier. */
 
 /* Whether a step of T rows (plain_rows of them not drafts) splits l by its input columns
- * (never by the thread count: the split changes the float32 order of the sums). */
-static int splits_by_input(const NativeModel *m, const NativeLinear *l, int64_t T, int64_t plain_rows) {
+ * (never by the thread count: the split changes the float32 order of the sums). `granule`:
+ * columns a GGUF split's runs are whole multiples of where the width allows (O: the head
+ * size, so that threads holding whole heads hold whole runs), or 0. */
+static int splits_by_input(const NativeModel *m, const NativeLinear *l, int64_t granule, int64_t T,
+                           int64_t plain_rows) {
     const int path = linear_path(m, l, T, plain_rows);
     if (!m->fewer_barriers || m->all_reduce) return 0;
-    if (path == PATH_GGUF) return l->num_parts == 1 && kvserve_gguf_split_runs(l->part_type[0], l->in) > 1;
+    if (path == PATH_GGUF)
+        return l->num_parts == 1 && kvserve_gguf_split_runs(l->part_type[0], l->in, granule) > 1;
     return l->qs && (l->bits == 4 || l->bits == 8) && (path == PATH_QUANT || path == PATH_SINGLE_ROWS) &&
            kvserve_quant_single_row_kernel(l->act_bits, l->isa);
 }
 
-static int64_t run_count(const NativeLinear *l) {
-    if (l->num_parts) return kvserve_gguf_split_runs(l->part_type[0], l->in);
+static int64_t run_count(const NativeLinear *l, int64_t granule) {
+    if (l->num_parts) return kvserve_gguf_split_runs(l->part_type[0], l->in, granule);
     const int64_t runs = l->in / 32 / SPLIT_BLOCKS;
     return runs > 0 ? runs : 1;
 }
@@ -243,26 +247,26 @@ static int64_t max_runs(int64_t in) {
 }
 
 /* The first 32-column block of run c (c = run_count: the end of the row). */
-static int64_t run_bound(const NativeLinear *l, int64_t c) {
-    if (l->num_parts) return kvserve_gguf_split_bound(l->part_type[0], l->in, c);
-    return c < run_count(l) ? c * SPLIT_BLOCKS : l->in / 32;
+static int64_t run_bound(const NativeLinear *l, int64_t granule, int64_t c) {
+    if (l->num_parts) return kvserve_gguf_split_bound(l->part_type[0], l->in, granule, c);
+    return c < run_count(l, granule) ? c * SPLIT_BLOCKS : l->in / 32;
 }
 
 /* The run that starts at input column `col`, or -1 where none does. */
-static int64_t run_at(const NativeLinear *l, int64_t col) {
-    for (int64_t c = 0; c <= run_count(l); c++)
-        if (run_bound(l, c) * 32 == col) return c;
+static int64_t run_at(const NativeLinear *l, int64_t granule, int64_t col) {
+    for (int64_t c = 0; c <= run_count(l, granule); c++)
+        if (run_bound(l, granule, c) * 32 == col) return c;
     return -1;
 }
 
 /* Runs [run_begin, run_end) of x [T, in] W^T into runs [runs, T, out] (run_stride T * out):
  * this thread quantizes the runs' columns of each row and multiplies them (PHASE_QUANTIZE,
  * then `phase`). */
-static void split_range(const NativeLinear *l, const float *x, int64_t T, Private *p, float *runs,
+static void split_range(const NativeLinear *l, int64_t granule, const float *x, int64_t T, Private *p, float *runs,
                         int64_t run_begin, int64_t run_end, int phase) {
     if (run_begin >= run_end) return;
-    const int64_t nb = l->in / 32, b0 = run_bound(l, run_begin), b1 = run_bound(l, run_end);
-    for (int64_t c = run_begin; c <= run_end; c++) p->bounds[c - run_begin] = run_bound(l, c);
+    const int64_t nb = l->in / 32, b0 = run_bound(l, granule, run_begin), b1 = run_bound(l, granule, run_end);
+    for (int64_t c = run_begin; c <= run_end; c++) p->bounds[c - run_begin] = run_bound(l, granule, c);
     if (l->num_parts) { /* GGUF as stored: the runs' columns of every row into the [T, in] buffers */
         for (int64_t t = 0; t < T; t++)
             kvserve_quant_activation_blocks(x + t * l->in + b0 * 32, (b1 - b0) * 32,
@@ -447,23 +451,23 @@ static int heads_are_runs(const NativeModel *m, const NativeLinear *o, int nthre
     for (int t = 0; t < nthreads; t++) {
         int64_t begin, end;
         query_head_share(m, t, nthreads, &begin, &end);
-        if (run_at(o, begin * m->head_dim) < 0) return 0;
+        if (run_at(o, m->head_dim, begin * m->head_dim) < 0) return 0;
     }
     return 1;
 }
 
 /* The runs [begin, end) of a split matmul with `in` columns this thread takes, in its share of
  * the columns: by the thread count, or (`by_heads`) as its query heads. */
-static void run_share(const NativeModel *m, const NativeLinear *l, int by_heads, int tid, int nthreads,
-                      int64_t *begin, int64_t *end) {
+static void run_share(const NativeModel *m, const NativeLinear *l, int64_t granule, int by_heads, int tid,
+                      int nthreads, int64_t *begin, int64_t *end) {
     if (by_heads) {
         int64_t first, last;
         query_head_share(m, tid, nthreads, &first, &last);
-        *begin = run_at(l, first * m->head_dim);
-        *end = run_at(l, last * m->head_dim);
+        *begin = run_at(l, granule, first * m->head_dim);
+        *end = run_at(l, granule, last * m->head_dim);
     } else {
-        *begin = run_count(l) * tid / nthreads;
-        *end = run_count(l) * (tid + 1) / nthreads;
+        *begin = run_count(l, granule) * tid / nthreads;
+        *end = run_count(l, granule) * (tid + 1) / nthreads;
     }
 }
 
@@ -538,7 +542,7 @@ static const float *attention_and_o(const NativeModel *m, const NativeLayer *l, 
     } else {
         attention_heads(m, l, st, s, 1, tid, nthreads);
     }
-    if (!splits_by_input(m, &l->o, T, plain)) {
+    if (!splits_by_input(m, &l->o, m->head_dim, T, plain)) {
         wait_all(p, PHASE_ATTENTION);
         linear_rows(m, &l->o, s->attn, T, plain, p, s->out, tid, nthreads);
         wait_all(p, PHASE_O);
@@ -550,10 +554,10 @@ static const float *attention_and_o(const NativeModel *m, const NativeLayer *l, 
     else
         wait_all(p, PHASE_ATTENTION);
     int64_t begin, end;
-    run_share(m, &l->o, by_heads, tid, nthreads, &begin, &end);
-    split_range(&l->o, s->attn, T, p, s->o_runs, begin, end, PHASE_O);
+    run_share(m, &l->o, m->head_dim, by_heads, tid, nthreads, &begin, &end);
+    split_range(&l->o, m->head_dim, s->attn, T, p, s->o_runs, begin, end, PHASE_O);
     wait_all(p, PHASE_O);
-    sum_runs(s->o_runs, run_count(&l->o), T, H, l->o.bias, p->sum);
+    sum_runs(s->o_runs, run_count(&l->o, m->head_dim), T, H, l->o.bias, p->sum);
     phase_mark(&p->timer, PHASE_NORMS);
     return p->sum;
 }
@@ -574,7 +578,7 @@ static const float *mlp(const NativeModel *m, const NativeLayer *l, const Native
                         int tid, int nthreads) {
     const int64_t T = st->num_tokens, plain = T - st->num_draft_tokens;
     const int64_t H = m->hidden, I = m->intermediate;
-    if (!splits_by_input(m, &l->down, T, plain)) {
+    if (!splits_by_input(m, &l->down, 0, T, plain)) {
         linear_rows(m, &l->gate_up, p->x, T, plain, p, s->gate_up, tid, nthreads);
         wait_all(p, PHASE_GATE_UP);
         gate_activation(m, s->gate_up, p->act, T, I);
@@ -584,8 +588,8 @@ static const float *mlp(const NativeModel *m, const NativeLayer *l, const Native
         return all_reduce_out(m, st, p, s, tid) ? s->out : NULL;
     }
     int64_t begin, end;
-    run_share(m, &l->down, 0, tid, nthreads, &begin, &end);
-    const int64_t c0 = run_bound(&l->down, begin) * 32, c1 = run_bound(&l->down, end) * 32, w = c1 - c0;
+    run_share(m, &l->down, 0, 0, tid, nthreads, &begin, &end);
+    const int64_t c0 = run_bound(&l->down, 0, begin) * 32, c1 = run_bound(&l->down, 0, end) * 32, w = c1 - c0;
     if (w > 0) {
         const int path = linear_path(m, &l->gate_up, T, plain);
         linear_prepare(&l->gate_up, path, p->x, T, p);
@@ -601,9 +605,9 @@ static const float *mlp(const NativeModel *m, const NativeLayer *l, const Native
         for (int64_t t = T - 1; t >= 0; t--) memmove(p->act + t * I + c0, p->act + t * w, sizeof(float) * (size_t)w);
         phase_mark(&p->timer, PHASE_NORMS);
     }
-    split_range(&l->down, p->act, T, p, s->down_runs, begin, end, PHASE_DOWN);
+    split_range(&l->down, 0, p->act, T, p, s->down_runs, begin, end, PHASE_DOWN);
     wait_all(p, PHASE_DOWN);
-    sum_runs(s->down_runs, run_count(&l->down), T, H, l->down.bias, p->sum);
+    sum_runs(s->down_runs, run_count(&l->down, 0), T, H, l->down.bias, p->sum);
     phase_mark(&p->timer, PHASE_NORMS);
     return p->sum;
 }

@@ -250,8 +250,8 @@ int kvserve_gguf_linear(const float *x, int64_t x_stride, int64_t batch, const u
 int kvserve_gguf_dequantize(const uint8_t *w, int type, int64_t in, const int64_t *rows, int64_t n, void *dst,
                             int dtype);
 #define GGUF_SPLIT_RUNS 4 /* runs of a GGUF matmul split by input columns (kvserve_gguf_split_runs) */
-int64_t kvserve_gguf_split_runs(int type, int64_t in);
-int64_t kvserve_gguf_split_bound(int type, int64_t in, int64_t c);
+int64_t kvserve_gguf_split_runs(int type, int64_t in, int64_t granule);
+int64_t kvserve_gguf_split_bound(int type, int64_t in, int64_t granule, int64_t c);
 void kvserve_gguf_partials(const int8_t *qx, const float *scales, int64_t batch, const uint8_t *w, int type,
                            int64_t in, const int64_t *bounds, int64_t num_runs, float *y, int64_t y_stride,
                            int64_t run_stride, int isa, int64_t row_begin, int64_t row_end);

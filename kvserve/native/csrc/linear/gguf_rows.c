@@ -142,20 +142,35 @@ void kvserve_gguf_rows(const int8_t *qx, const float *scales, int64_t batch, con
  * runs of whole blocks as even as the blocks allow (few, long runs: each run of each row ends
  * in a horizontal sum); one run where the row has fewer blocks (no split). */
 
-/* Runs of a split of `in` columns of `type` (0: unknown type or `in` not whole blocks). */
-int64_t kvserve_gguf_split_runs(int type, int64_t in) {
-    const GgufType *t = type_of(type);
-    if (!t || kvserve_gguf_row_bytes(type, in) < 0) return 0;
-    return in / t->block_cols >= GGUF_SPLIT_RUNS ? GGUF_SPLIT_RUNS : 1;
+/* The columns a split's runs are whole multiples of: the type's block, or the least common
+ * multiple of it and `granule` (columns; 0: none) where `in` is whole multiples of that. */
+static int64_t split_unit(const GgufType *t, int64_t in, int64_t granule) {
+    int64_t unit = t->block_cols;
+    if (granule > 0) {
+        int64_t a = unit, b = granule;
+        while (b) {
+            const int64_t r = a % b;
+            a = b, b = r;
+        }
+        if (in % (unit / a * granule) == 0) unit = unit / a * granule;
+    }
+    return unit;
 }
 
-/* The first 32-column block of run c (c = the run count: the row's end), a multiple of the
- * type's block. */
-int64_t kvserve_gguf_split_bound(int type, int64_t in, int64_t c) {
-    const int64_t runs = kvserve_gguf_split_runs(type, in);
+/* Runs of a split of `in` columns of `type` with runs whole multiples of `granule` columns
+ * where `in` allows (0: unknown type or `in` not whole blocks). */
+int64_t kvserve_gguf_split_runs(int type, int64_t in, int64_t granule) {
+    const GgufType *t = type_of(type);
+    if (!t || kvserve_gguf_row_bytes(type, in) < 0) return 0;
+    return in / split_unit(t, in, granule) >= GGUF_SPLIT_RUNS ? GGUF_SPLIT_RUNS : 1;
+}
+
+/* The first 32-column block of run c (c = the run count: the row's end). */
+int64_t kvserve_gguf_split_bound(int type, int64_t in, int64_t granule, int64_t c) {
+    const int64_t runs = kvserve_gguf_split_runs(type, in, granule);
     if (runs == 0) return 0;
-    const int64_t per = type_of(type)->block_cols / GGUF_QBLOCK, blocks = in / GGUF_QBLOCK / per;
-    return blocks * c / runs * per;
+    const int64_t unit = split_unit(type_of(type), in, granule), units = in / unit;
+    return units * c / runs * (unit / GGUF_QBLOCK);
 }
 
 /* Partial products of rows row_begin..row_end over runs of the input columns: run c covers
