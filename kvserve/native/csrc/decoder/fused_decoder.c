@@ -11,9 +11,10 @@
  * tens of microseconds on a virtual machine, more than a layer's work at batch
  * one. Inside it the threads split each matrix's output rows and the
  * attention's KV heads, and meet at a barrier after each; with fewer_barriers
- * (off by default) they split the O and down projections by input columns and,
- * where the attention goes by query heads, compute each the QKV rows and K/V
- * writes their heads need, so that SmolLM2 on 2 threads meets twice a layer.
+ * (on by default for GGUF weights as stored) they split the O and down
+ * projections by input columns and attention by query heads, each computing the
+ * QKV rows and K/V writes its heads need, so that SmolLM2 and the Llama-1B shape
+ * on 2 threads meet twice a layer.
  * The barrier is a spinning one of our own (spin_barrier below), not OpenMP's:
  * libgomp spins only ~1000 times once its thread pools together hold more
  * threads than there are CPUs (torch's pool and this call's each count), then

@@ -57,7 +57,8 @@ typedef struct {
     NativeLinear embed;
     float embed_scale;
     int32_t fewer_barriers; /* 1: O and down split by input columns where splits_by_input allows, and
-                             * query_share_kv; 0: the matmuls split by rows (for A/B measurements) */
+                             * attention by query heads with query_share_kv on steps of a few tokens;
+                             * 0: the matmuls split by rows (for A/B measurements) */
     /* Tensor parallelism (NULL: one rank): the O and down projections give this rank's
      * partial sums into reduce_buffer [T, hidden], and thread 0 calls
      * all_reduce(reduce_ctx, reduce_buffer, T * hidden) to sum them over the ranks in place
