@@ -230,12 +230,14 @@ class StepDriver:
 
 
 def assert_pool_whole(scheduler: Scheduler) -> None:
-    """Every request gone, every fence drained, every block back in the pool."""
+    """Every request gone, every fence drained, every block back in its pool."""
     pool = scheduler.kv_cache_manager.block_pool
     assert not scheduler.requests
     assert not scheduler.running and not scheduler.waiting
     assert not scheduler.deferred_frees
     assert pool.get_num_free_blocks() == scheduler.kv_cache_config.num_blocks - 1
+    if pool.state_pool is not None:
+        assert pool.state_pool.get_num_free_blocks() == scheduler.kv_cache_config.num_state_blocks - 1
     pool.check_invariants()
     for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
         assert not any(manager.req_to_blocks.values())

@@ -160,7 +160,8 @@ def _add_host_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128, help="greedy new tokens per request")
     parser.add_argument("--rounds", type=int, default=5, help="rounds; modes alternate within each")
     parser.add_argument("--modes", default="auto",
-                        help="comma-separated: auto (the engine's choice), async (always a step ahead), sync")
+                        help="comma-separated: auto (the engine's choice), async (always a step ahead), sync, "
+                             "per-op (auto with the native decoder paused: every step on the per-op path)")
     parser.add_argument("--no-split", action="store_true", help="do not time the pieces of a step")
     _add_engine_arguments(parser)
 

@@ -12,7 +12,9 @@ swing with whoever else runs, while these medians stay the host's own work.
 
 `modes` alternate within each round (order reversed every other round) so that each
 is compared with the others under the same load: "auto" is the engine's own choice,
-"async" always schedules a step ahead, "sync" never does (`EngineCore.schedule_ahead`).
+"async" always schedules a step ahead, "sync" never does (`EngineCore.schedule_ahead`);
+"per-op" is "auto" with the native decoder paused (`DecoderModel.pause_native_decoder`), every
+step on the per-op path: `--modes auto,per-op` is the A/B of the native call against it.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from typing import Any
 from kvserve.bench.report import format_table
 from kvserve.bench.workloads import fixed_workload
 
-MODES = {"auto": None, "async": True, "sync": False}
+MODES = {"auto": None, "async": True, "sync": False, "per-op": None}
+PER_OP_MODE = "per-op"
 # (label, owner, method): each wrapped piece, timed per call without the native call's
 # own time where it holds the call (so the medians stay the host's work under load).
 PIECES = (
@@ -139,13 +142,16 @@ def run(*, batch_size: int = 1, prompt_len: int = 64, output_len: int = 128, rou
             for label, owner, method in PIECES:
                 timer.wrap(owners[owner], method, label)
         by_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+        model = llm.engine_core.executor.model_runner.model
         try:
             for r in range(rounds):
                 for mode in (modes if r % 2 == 0 else modes[::-1]):
                     llm.engine_core.schedule_ahead = MODES[mode]
+                    model.pause_native_decoder(mode == PER_OP_MODE)
                     by_mode[mode].append(_one_round(llm, prompts, params, timer))
         finally:
             llm.engine_core.schedule_ahead = None
+            model.pause_native_decoder(False)
             if timer is not None:
                 timer.unwrap()
     finally:

@@ -41,13 +41,18 @@ def _run(command: list[str], log) -> None:
                               f"see {log.name}")
 
 
-def _unpack_source(work: str, log) -> str:
+def _download_sdist(work: str, log) -> str:
+    """The path of llama-cpp-python's sdist, downloaded by pip into `work`."""
     _run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
           f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", work], log)
     archives = glob.glob(os.path.join(work, "llama_cpp_python-*.tar.gz"))
     if not archives:
         raise LlamaBuildError(f"pip download gave no llama-cpp-python sdist in {work}")
-    with tarfile.open(archives[0]) as archive:
+    return archives[0]
+
+
+def _unpack_source(work: str, log) -> str:
+    with tarfile.open(_download_sdist(work, log)) as archive:
         archive.extractall(work, filter="data")
     sources = glob.glob(os.path.join(work, "llama_cpp_python-*", "vendor", "llama.cpp"))
     if not sources:
@@ -86,6 +91,40 @@ def build_tools(tools: list[str], jobs: int | None = None, force: bool = False) 
             os.chmod(staged, 0o755)
             os.replace(staged, paths[tool])
     return paths
+
+
+# What llama.cpp's HF -> GGUF converter needs of its source tree: the script, its per-family
+# `conversion` package and the gguf-py it imports (the one of its own version).
+_CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+
+
+def converter_script() -> str:
+    """The path of llama.cpp's convert_hf_to_gguf.py from llama-cpp-python's sdist, unpacked
+    (with its `conversion` package and gguf-py) once into kvserve's cache. Raises
+    LlamaBuildError where the sdist cannot be downloaded."""
+    from kvserve.paths import cache_root
+    target = os.path.join(cache_root(), f"llama-convert-{LLAMA_CPP_PYTHON_VERSION}")
+    script = os.path.join(target, "convert_hf_to_gguf.py")
+    if os.path.isfile(script):
+        return script
+    os.makedirs(cache_root(), exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="kvserve-llama-convert-") as work, \
+            open(os.path.join(work, "download.log"), "w") as log:
+        with tarfile.open(_download_sdist(work, log)) as archive:
+            prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
+            members = [m for m in archive.getmembers()
+                       if m.name.startswith(prefix) and m.name[len(prefix):].startswith(_CONVERTER_PARTS)]
+            if not members:
+                raise LlamaBuildError("the sdist has no vendor/llama.cpp/convert_hf_to_gguf.py")
+            archive.extractall(work, members=members, filter="data")
+        staged = tempfile.mkdtemp(dir=cache_root(), prefix=".llama-convert-")
+        os.rmdir(staged)
+        shutil.move(os.path.join(work, prefix), staged)
+        try:
+            os.rename(staged, target)
+        except OSError:  # another process unpacked it first
+            shutil.rmtree(staged, ignore_errors=True)
+    return script
 
 
 def main(argv: list[str]) -> int:

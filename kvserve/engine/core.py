@@ -24,6 +24,7 @@ from kvserve.engine.validation import RequestValidator
 from kvserve.errors import EngineDeadError, InvalidRequestError
 from kvserve.kv_cache.events import KVEventRecorder
 from kvserve.kv_cache.interface import KVCacheConfig
+from kvserve.kv_cache.layout import StatePoolSizing, budget_split
 from kvserve.kv_cache.utils import get_kv_cache_config
 from kvserve.model.config import ModelConfig
 from kvserve.request import Request, RequestStatus
@@ -303,12 +304,22 @@ class EngineCore:
 def _initialize_kv_cache(engine_config: EngineConfig, executor: Executor) -> KVCacheConfig:
     """Size the KV pool from the executor's layer specs and memory, and have it allocated."""
     available_bytes = executor.determine_available_memory()
-    kv_cache_config = get_kv_cache_config(executor.get_kv_cache_specs(), available_bytes)
+    scheduler_config = engine_config.scheduler_config
+    sizing = StatePoolSizing(max_num_seqs=scheduler_config.max_num_seqs,
+                             max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+                             enable_caching=engine_config.cache_config.enable_prefix_caching)
+    kv_cache_config = get_kv_cache_config(executor.get_kv_cache_specs(), available_bytes,
+                                          state_pool_sizing=sizing)
     block_size = engine_config.cache_config.block_size
     capacity_tokens = (kv_cache_config.num_blocks - 1) * block_size
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %d groups)",
                 kv_cache_config.num_blocks, block_size, available_bytes / 2**20,
                 len(kv_cache_config.kv_cache_groups))
+    shares = budget_split(kv_cache_config)
+    if len(shares) > 1:
+        logger.info("KV budget split: %s", "; ".join(
+            f"{share.kind} pool {share.num_blocks} blocks, {share.num_bytes / 2**20:.1f} MiB "
+            f"({100 * share.num_bytes / max(available_bytes, 1):.1f}%)" for share in shares))
     if capacity_tokens < engine_config.max_model_len:
         logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d: "
                        "longer requests cannot run", capacity_tokens, engine_config.max_model_len)

@@ -11,6 +11,13 @@ key per full block; with H < block size a block also carries the keys of its
 interior boundaries, which is what lets a prompt hit inside a block (a
 copy-on-write hit, see `single_type_manager`). The longest key is the block's
 primary hash (`block.block_hash`); the others live in a side table.
+
+A split layout (`KVCacheConfig.num_state_blocks`, see `layout`) gives the state
+groups a pool of their own, `state_pool`: its own ids (a state slot id), null
+block, free queue and prefix-cache map. The main pool stays the one door for
+what is pool-wide: `free_blocks` hands each block to the pool that owns it (each
+pool keeps the given order), and `end_step`, `reset_prefix_cache`, `kv_events`
+and `check_invariants` cover both.
 """
 from __future__ import annotations
 
@@ -39,7 +46,8 @@ class BlockPool:
     block carries is in the map (`check_invariants`).
     """
 
-    def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int) -> None:
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
+                 num_state_blocks: int = 0) -> None:
         if num_gpu_blocks < 2:
             raise ValueError(f"a block pool needs >= 2 blocks (one is the null block), got {num_gpu_blocks}")
         self.num_gpu_blocks = num_gpu_blocks
@@ -61,8 +69,26 @@ class BlockPool:
         self.num_cache_lookups = 0
         self.num_cache_hits = 0
         self.num_evictions = 0
-        # Set to a KVEventRecorder when KV events are published (see `events`).
-        self.kv_events: KVEventRecorder | None = None
+        # The state groups' own pool in a split layout (module docstring), else None.
+        self.state_pool = (BlockPool(num_state_blocks, enable_caching, hash_block_size)
+                           if num_state_blocks else None)
+        self._kv_events: KVEventRecorder | None = None
+
+    @property
+    def kv_events(self) -> KVEventRecorder | None:
+        """Set to a KVEventRecorder when KV events are published (see `events`); the state
+        pool records into the same one."""
+        return self._kv_events
+
+    @kv_events.setter
+    def kv_events(self, recorder: KVEventRecorder | None) -> None:
+        self._kv_events = recorder
+        if self.state_pool is not None:
+            self.state_pool.kv_events = recorder
+
+    def owns(self, block: KVCacheBlock) -> bool:
+        """Whether `block` is one of this pool's own (not its state pool's)."""
+        return block.block_id < len(self.blocks) and self.blocks[block.block_id] is block
 
     # ------------------------------------------------------------ lookup
 
@@ -186,6 +212,8 @@ class BlockPool:
     def end_step(self) -> None:
         """Everything cached so far is computed by the time the next step's copies run."""
         self._num_tokens_cached_this_step.clear()
+        if self.state_pool is not None:
+            self.state_pool.end_step()
 
     # ------------------------------------------------------------ allocation
 
@@ -215,8 +243,14 @@ class BlockPool:
         """Drop one reference on each block; the first block given is evicted first.
 
         Blocks reaching 0 go back in the given order: unhashed ones as a run at
-        the head, hashed ones as a run at the tail.
+        the head, hashed ones as a run at the tail. A state pool's blocks go to it,
+        in the order given too.
         """
+        if self.state_pool is not None:
+            ordered_blocks = list(ordered_blocks)
+            self.state_pool.free_blocks([block for block in ordered_blocks
+                                         if not block.is_null and not self.owns(block)])
+            ordered_blocks = [block for block in ordered_blocks if block.is_null or self.owns(block)]
         unhashed: list[KVCacheBlock] = []
         hashed: list[KVCacheBlock] = []
         for block in ordered_blocks:
@@ -232,19 +266,28 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every prefix-cache key. Refused (False, nothing changed) while any
-        block other than the null block is held."""
-        num_used = self.num_gpu_blocks - 1 - self.free_block_queue.num_free_blocks
+        block other than the null block is held (in either pool)."""
+        num_used = sum(pool.num_gpu_blocks - 1 - pool.free_block_queue.num_free_blocks for pool in self.pools)
         if num_used > 0:
             logger.warning("cannot reset the prefix cache: %d blocks are still in use", num_used)
             return False
-        self.cached_block_hash_to_block.clear()
+        for pool in self.pools:
+            pool._forget_keys()
         if self.kv_events is not None:
             self.kv_events.cleared()
+        return True
+
+    def _forget_keys(self) -> None:
+        self.cached_block_hash_to_block.clear()
         self._secondary_keys_by_block_id.clear()
         self._num_tokens_cached_this_step.clear()
         for block in self.blocks:
             block.reset_hash()
-        return True
+
+    @property
+    def pools(self) -> list[BlockPool]:
+        """This pool, then its state pool if it has one."""
+        return [self] if self.state_pool is None else [self, self.state_pool]
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -259,8 +302,11 @@ class BlockPool:
         """Raise AssertionError if the pool's bookkeeping is inconsistent.
 
         `expected_ref_cnts` (block id -> number of holders; absent means 0), when
-        given, must match every non-null block's ref count exactly.
+        given, must match every non-null block's ref count exactly. A state pool is
+        checked too (its ref counts against its own `check_invariants` call, if wanted).
         """
+        if self.state_pool is not None:
+            self.state_pool.check_invariants()
         _check(self.null_block is self.blocks[0] and self.null_block.is_null, "block 0 must be the null block")
         _check(self.null_block.prev_free_block is None and self.null_block.block_hash is None,
                "the null block is never free and never hashed")

@@ -1,7 +1,7 @@
 """Coordinators: run one single-type manager per KV-cache group over one shared pool.
 
-Every group draws its blocks from the same `BlockPool`; a block belongs to one
-group at a time. Hit lookup differs by variant:
+Every group draws its blocks from the same `BlockPool` (the state groups from its
+`state_pool` in a split layout, see `layout`); a block belongs to one group at a time. Hit lookup differs by variant:
   * no prefix caching: never a hit;
   * unitary (one group): that group's longest hit, which for full attention may
     end inside a block when `hash_block_size` < block size (CoW, see
@@ -21,7 +21,7 @@ from math import lcm
 from typing import Any
 
 from kvserve.kv_cache.block_pool import BlockPool
-from kvserve.kv_cache.interface import KVCacheConfig
+from kvserve.kv_cache.interface import KVCacheConfig, KVCacheSpec, StateSpec
 from kvserve.kv_cache.single_type_manager import (
     CircularBufferManager,
     FullAttentionManager,
@@ -40,21 +40,32 @@ class KVCacheCoordinator:
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching, hash_block_size)
+        self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching, hash_block_size,
+                                    kv_cache_config.num_state_blocks)
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
-            get_manager_for_kv_cache_spec(group.kv_cache_spec, self.block_pool, group_id, enable_caching)
+            get_manager_for_kv_cache_spec(group.kv_cache_spec, self._pool_for(group.kv_cache_spec), group_id,
+                                          enable_caching)
             for group_id, group in enumerate(kv_cache_config.kv_cache_groups))
         self._state_managers = [m for m in self.single_type_managers if isinstance(m, StateManager)]
+
+    def _pool_for(self, spec: KVCacheSpec) -> BlockPool:
+        state_pool = self.block_pool.state_pool
+        return state_pool if state_pool is not None and isinstance(spec, StateSpec) else self.block_pool
 
     def find_longest_cache_hit(self, block_hashes: list[BlockHash],
                                max_cache_hit_length: int) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """Per group, the blocks of the longest prefix hit; and its length in tokens."""
         return tuple([] for _ in self.single_type_managers), 0
 
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                   new_computed_blocks: tuple[list[KVCacheBlock], ...], num_hit_tokens: int) -> int:
-        return sum(manager.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[i], num_hit_tokens)
-                   for i, manager in enumerate(self.single_type_managers))
+    def can_allocate(self, request_id: str, num_tokens: int, new_computed_blocks: tuple[list[KVCacheBlock], ...],
+                     num_hit_tokens: int) -> bool:
+        """Whether every pool has the free blocks its groups take for `num_tokens` slots."""
+        required: dict[int, int] = {}
+        for i, manager in enumerate(self.single_type_managers):
+            num_blocks = manager.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[i],
+                                                            num_hit_tokens)
+            required[id(manager.block_pool)] = required.get(id(manager.block_pool), 0) + num_blocks
+        return all(required.get(id(pool), 0) <= pool.get_num_free_blocks() for pool in self.block_pool.pools)
 
     def save_new_computed_blocks(self, request_id: str, new_computed_blocks: tuple[list[KVCacheBlock], ...],
                                  num_hit_tokens: int) -> None:

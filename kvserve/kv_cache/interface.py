@@ -153,8 +153,14 @@ class KVCacheGroupSpec:
 
 @dataclass
 class KVCacheConfig:
-    """The whole layout: how many blocks the pool holds and which groups use them."""
+    """The whole layout: how many blocks the pool holds and which groups use them.
+
+    `num_state_blocks` > 0 gives the state groups (`StateSpec`) a pool of their own
+    with that many blocks (its block 0 a null block too); with 0 every group draws
+    from the one pool of `num_blocks` (a dense model, a state-only model, or a
+    config built by hand). See `kvserve.kv_cache.layout`."""
 
     num_blocks: int
     kv_cache_tensors: list[KVCacheTensor]
     kv_cache_groups: list[KVCacheGroupSpec]
+    num_state_blocks: int = 0

@@ -94,7 +94,9 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        return self.block_pool.get_usage()
+        """Fraction of the usable blocks held: of the fuller pool when the state groups
+        have a pool of their own (the one that runs out first holds requests back)."""
+        return max(pool.get_usage() for pool in self.block_pool.pools)
 
     # ------------------------------------------------------------ lookup
 
@@ -135,9 +137,7 @@ class KVCacheManager:
         if self.enable_caching:
             self.coordinator.cache_state_snapshots(request, num_processed)
         self.coordinator.remove_skipped_blocks(request_id, num_processed)
-        num_required = self.coordinator.get_num_blocks_to_allocate(request_id, num_slots, hit_blocks,
-                                                                   num_new_computed_tokens)
-        if num_required > self.block_pool.get_num_free_blocks():
+        if not self.coordinator.can_allocate(request_id, num_slots, hit_blocks, num_new_computed_tokens):
             return None
         if any(hit_blocks):
             self.coordinator.save_new_computed_blocks(request_id, hit_blocks, num_new_computed_tokens)

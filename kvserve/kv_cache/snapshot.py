@@ -7,8 +7,9 @@ Every block of the pool (the null block aside) is in exactly one state:
     hit it until the free queue hands it out (and evicts it);
   * free: free and empty.
 So `num_blocks == blocks_in_use + blocks_cached + blocks_free` by construction.
-All groups draw from one pool; each group's entry adds what is its own (blocks
-in its request tables, cached blocks keyed for it). Never holds token ids.
+Each group's entry carries the counts of the pool it draws from (the main pool,
+or the state groups' own pool in a split layout) and adds what is its own
+(blocks in its request tables, cached blocks keyed for it). Never holds token ids.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ class EvictionQueueEntry:
 
 @dataclass(frozen=True)
 class KVGroupSnapshot:
-    """One KV-cache group: its spec, the shared pool's counts, and its own share."""
+    """One KV-cache group: its spec, the counts of the pool it draws from, and its own share."""
 
     group_id: int
     kind: str
@@ -56,7 +57,8 @@ class KVGroupSnapshot:
 
 @dataclass(frozen=True)
 class KVCacheSnapshot:
-    """The whole cache: pool counts, groups and the head of the eviction queue."""
+    """The whole cache: the main pool's counts (and the state pool's, in a split
+    layout), groups and the head of the main pool's eviction queue."""
 
     block_size: int
     hash_block_size: int
@@ -64,7 +66,8 @@ class KVCacheSnapshot:
     pool: PoolBlockCounts
     groups: list[KVGroupSnapshot]
     eviction_queue_head: list[EvictionQueueEntry] = field(default_factory=list)
-    num_evictions: int = 0
+    num_evictions: int = 0  # both pools
+    state_pool: PoolBlockCounts | None = None
 
 
 def kv_cache_kind(spec: KVCacheSpec) -> str:
@@ -110,10 +113,11 @@ def eviction_queue_head(pool: BlockPool, max_len: int = DEFAULT_EVICTION_HEAD_LE
 def snapshot_kv_cache(manager, eviction_head_len: int = DEFAULT_EVICTION_HEAD_LEN) -> KVCacheSnapshot:
     """A `KVCacheSnapshot` of a `KVCacheManager`; call it from the thread that owns it."""
     pool = manager.block_pool
-    counts, cached_by_group = count_pool_blocks(pool)
+    counts_by_pool = {id(p): count_pool_blocks(p) for p in pool.pools}
     groups = []
     for group_id, (group, single) in enumerate(zip(manager.kv_cache_config.kv_cache_groups,
                                                    manager.coordinator.single_type_managers)):
+        counts, cached_by_group = counts_by_pool[id(single.block_pool)]
         spec = group.kv_cache_spec
         held_ids = {block.block_id for blocks in single.req_to_blocks.values()
                     for block in blocks if not block.is_null}
@@ -122,7 +126,9 @@ def snapshot_kv_cache(manager, eviction_head_len: int = DEFAULT_EVICTION_HEAD_LE
             sliding_window=getattr(spec, "sliding_window", None), num_layers=len(group.layer_names),
             pool=counts, blocks_in_tables=len(held_ids),
             blocks_cached_for_group=cached_by_group.get(group_id, 0), hit_blocks=single.num_hit_blocks))
+    state_pool = None if pool.state_pool is None else counts_by_pool[id(pool.state_pool)][0]
     return KVCacheSnapshot(
         block_size=manager.scheduler_block_size, hash_block_size=manager.hash_block_size,
-        enable_caching=manager.enable_caching, pool=counts, groups=groups,
-        eviction_queue_head=eviction_queue_head(pool, eviction_head_len), num_evictions=pool.num_evictions)
+        enable_caching=manager.enable_caching, pool=counts_by_pool[id(pool)][0], groups=groups,
+        eviction_queue_head=eviction_queue_head(pool, eviction_head_len),
+        num_evictions=sum(p.num_evictions for p in pool.pools), state_pool=state_pool)

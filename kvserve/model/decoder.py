@@ -251,6 +251,7 @@ class DecoderModel(nn.Module):
         # The one-call path for small steps: False until the first forward builds it
         # (`kernels.native_decoder`), None where it is off or does not cover the model.
         self._native: NativeDecoder | None | bool = None
+        self._native_paused = False
 
     # -- KV cache -------------------------------------------------------------------
     def kv_cache_specs(self, block_size: int, kv_dtype=None, sliding_window_kv: str = "sliding") -> dict[str, KVCacheSpec]:
@@ -320,6 +321,9 @@ class DecoderModel(nn.Module):
                 module.backend, module.native_rotary = kernels.attention, kernels.native_ops
             elif isinstance(module, (RMSNorm, GatedMLP, StateMixer)):
                 module.native = kernels.native_ops
+        for module in self.modules():  # after the experts' own choices above
+            if isinstance(module, SparseMoeBlock):
+                module.use_stored_experts(kernels.native_ops)
 
     def pack_linear_weights(self, keep_plain: bool | None = None, panels: bool | None = None) -> bool:
         """Hold every linear weight (and the LM head) pre-packed for the CPU matmul. Returns
@@ -378,6 +382,11 @@ class DecoderModel(nn.Module):
             logits = self.lm_head.logits(hidden[logits_rows], attn_metadata_by_group[0].num_draft_tokens)
         return self._finish_logits(logits)
 
+    def pause_native_decoder(self, paused: bool) -> None:
+        """While `paused`, every step takes the per-op path; the native decoder is kept (A/B
+        measurements of one against the other in one process, `kvserve bench host`)."""
+        self._native_paused = paused
+
     @property
     def native_decoder(self) -> NativeDecoder | None:
         """The native decoder small steps run through, once a step has built it; else None."""
@@ -391,7 +400,7 @@ class DecoderModel(nn.Module):
         group_ids = self._group_ids(attn_metadata_by_group)
         if self._native is False:
             self._native = NativeDecoder.for_model(self)
-        if self._native is not None:
+        if self._native is not None and not self._native_paused:
             out = self._native.forward(input_ids, positions, attn_metadata_by_group, kv_caches, group_ids,
                                        logits_rows, attn_metadata_by_group[0].num_draft_tokens, head_mask)
             if out is not None:

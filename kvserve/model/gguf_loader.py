@@ -27,6 +27,7 @@ GGUF_ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 # llama.cpp writes Mixtral as "llama" with experts.
 _LLAMA_WITH_EXPERTS = "MixtralForCausalLM"
@@ -36,6 +37,9 @@ _NORM_TOPK_DEFAULT = {"qwen3moe": True, "llama": True, "olmoe": False}
 
 # llama.cpp interleaves the two rotary halves of Q and K rows; HF keeps them split.
 _PERMUTED_ARCHS = ("llama", "mistral")
+# llama.cpp's default sliding-window pattern of gpt-oss where the file gives none: every
+# `n`th layer full, the others sliding (layers 0, 2, 4, ... slide, as in gpt-oss's config).
+_SWA_PATTERN_DEFAULT = {"gpt-oss": 2}
 
 _METADATA_KEYS = {
     "context_length": "max_position_embeddings",
@@ -63,6 +67,7 @@ _BLOCK_TENSORS = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
     "ffn_gate_inp": "mlp.gate",
+    "attn_sinks": "self_attn.sinks",
 }
 # Experts stacked in one 3-D tensor [experts, rows, columns] -> each expert's projection.
 _EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
@@ -102,6 +107,8 @@ def read_gguf_hf_config(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
         tokens = reader.fields.get("tokenizer.ggml.tokens")
         hf["vocab_size"] = tokens.count if tokens is not None else 0
     _add_rope_scaling(reader, arch, hf)
+    if arch == "gpt-oss":
+        _add_gpt_oss(reader, hf)
     if arch == "gemma3":
         hf.setdefault("rope_local_base_freq", 10000.0)
         hf["query_pre_attn_scalar"] = hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
@@ -112,9 +119,42 @@ def read_gguf_hf_config(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     eos = _field_value(reader, "tokenizer.ggml.eos_token_id")
     eot = _field_value(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = [int(e) for e in (eos, eot) if e is not None]
+    if arch == "gpt-oss":
+        eos_ids += _harmony_stop_ids(reader)
     overrides.update(eos_token_ids=list(dict.fromkeys(eos_ids)),
                      bos_token_id=_field_value(reader, "tokenizer.ggml.bos_token_id"))
     return hf, overrides
+
+
+def _add_gpt_oss(reader: GGUFFile, hf: dict[str, Any]) -> None:
+    """gpt-oss's config.json fields that its GGUF keys name otherwise or leave to llama.cpp's
+    defaults: the expert count, and which layers slide (`attention.sliding_window_pattern`,
+    a period or one flag per layer; llama.cpp's default period 2)."""
+    hf["num_local_experts"] = hf.get("num_experts")
+    layers = int(hf["num_hidden_layers"])
+    pattern = _field_value(reader, "gpt-oss.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        sliding = [bool(flag) for flag in pattern]
+    else:
+        period = int(pattern) if pattern is not None else _SWA_PATTERN_DEFAULT["gpt-oss"]
+        sliding = [period == 0 or i % period < period - 1 for i in range(layers)]
+    if len(sliding) != layers:
+        raise ModelConfigError(f"gpt-oss.attention.sliding_window_pattern has {len(sliding)} flags for {layers} layers")
+    hf["layer_types"] = ["sliding_attention" if flag else "full_attention" for flag in sliding]
+    if hf.get("rope_scaling", {}).get("rope_type") == "yarn":
+        # gpt-oss was trained with YaRN's correction range unrounded (its config's truncate: false).
+        hf["rope_scaling"]["truncate"] = False
+
+
+# The tokens that end a gpt-oss reply, as its generation_config.json lists them (and llama.cpp
+# treats them as end of generation): the file's EOS is <|return|> alone.
+_HARMONY_STOP_TOKENS = ("<|return|>", "<|endoftext|>", "<|call|>")
+
+
+def _harmony_stop_ids(reader: GGUFFile) -> list[int]:
+    tokens = reader.get("tokenizer.ggml.tokens") or []
+    ids = {token: index for index, token in enumerate(tokens) if token in _HARMONY_STOP_TOKENS}
+    return [ids[token] for token in _HARMONY_STOP_TOKENS if token in ids]
 
 
 def _add_rope_scaling(reader: Any, arch: str, hf: dict[str, Any]) -> None:
@@ -125,6 +165,10 @@ def _add_rope_scaling(reader: Any, arch: str, hf: dict[str, Any]) -> None:
         original = _field_value(reader, f"{arch}.rope.scaling.original_context_length")
         if original:
             hf["rope_scaling"]["original_max_position_embeddings"] = int(original)
+        for key in ("beta_fast", "beta_slow"):
+            value = _field_value(reader, f"{arch}.rope.scaling.yarn_{key}")
+            if value is not None:
+                hf["rope_scaling"][key] = float(value)
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         # Llama-3 scaling stored as per-frequency divisors: applied by the loader.
         hf["rope_freq_factors_in_file"] = True
@@ -141,6 +185,8 @@ def gguf_hf_name(gguf_name: str, arch: str = "llama") -> str | None:
         return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
     block_tensors = _GEMMA_BLOCK_TENSORS if arch in ("gemma2", "gemma3") else _BLOCK_TENSORS
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
+    if match and match.group(2) == "attn_sinks":  # a parameter of the attention, not a module's weight
+        return f"model.layers.{match.group(1)}.{block_tensors['attn_sinks']}"
     if match and match.group(2) in block_tensors:
         return f"model.layers.{match.group(1)}.{block_tensors[match.group(2)]}.{suffix}"
     return None
@@ -148,17 +194,19 @@ def gguf_hf_name(gguf_name: str, arch: str = "llama") -> str | None:
 
 def _named_tensors(reader: GGUFFile, arch: str) -> Iterator[tuple[Any, str | None]]:
     """(tensor, HF name or None) for every tensor of the file; a stack of experts comes as
-    one 2-D view per expert, named as that expert's projection."""
+    one view per expert (a 2-D weight, or a 1-D bias of gpt-oss's 2-D bias stacks), named as
+    that expert's projection."""
     for tensor in reader.tensors:
         stem, _, suffix = tensor.name.rpartition(".")
         match = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
-        if match is None or match.group(2) not in _EXPERT_TENSORS or len(tensor.shape) != 3:
+        dims = 2 if suffix == "bias" else 3
+        if match is None or match.group(2) not in _EXPERT_TENSORS or len(tensor.shape) != dims:
             yield tensor, gguf_hf_name(tensor.name, arch)
             continue
         prefix = f"model.layers.{match.group(1)}.mlp.experts"
-        for expert in range(int(tensor.shape[2])):
+        for expert in range(int(tensor.shape[-1])):
             name = f"{prefix}.{expert}.{_EXPERT_TENSORS[match.group(2)]}.{suffix}"
-            yield dataclasses.replace(tensor, name=name, shape=tensor.shape[:2], data=tensor.data[expert]), name
+            yield dataclasses.replace(tensor, name=name, shape=tensor.shape[:-1], data=tensor.data[expert]), name
 
 
 def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -21,6 +21,7 @@ from torch import nn
 
 from kvserve.model.config import ModelConfig
 from kvserve.model.parallel import TPContext
+from kvserve.model.stored_experts import StoredExperts, stored_experts
 
 
 class Router(nn.Module):
@@ -85,11 +86,27 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(expert_factory(config.moe_intermediate_size) for _ in range(config.num_experts))
         self.shared_expert = shared_expert
         self.shared_expert_gate = Router(config.hidden_size, 1) if shared_expert is not None else None
+        self.stored_experts: StoredExperts | None = None
+
+    def use_stored_experts(self, enabled: bool) -> None:
+        """Run the experts in one native call per step where they allow it (`stored_experts`);
+        call after the experts' weights and kernel choices are final."""
+        self.stored_experts = stored_experts(self.experts) if enabled else None
 
     def forward(self, x: torch.Tensor, num_draft_rows: int = 0) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]. Drafts do not change which kernel an expert's rows
         take (an expert's row count is that of its tokens, drafts or not)."""
         weights, expert_ids = route(self.gate(x), self.top_k, self.renormalize, self.softmax_after_topk)
+        if self.stored_experts is not None and self.stored_experts.takes(x):
+            out = self.stored_experts(x, expert_ids, weights)
+        else:
+            out = self._experts_one_by_one(x, weights, expert_ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial_forward(x)
+        return self.tp.all_reduce(out)
+
+    def _experts_one_by_one(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum, expert by expert (any weight layout)."""
         order, counts = group_by_expert(expert_ids, self.num_experts)
         tokens = order % x.shape[0]
         flat_weights = weights.t().reshape(-1)
@@ -103,6 +120,4 @@ class SparseMoeBlock(nn.Module):
             start += count
             y = expert.partial_forward(x.index_select(0, rows))
             out.index_add_(0, rows, y * flat_weights.index_select(0, pairs).unsqueeze(1))
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial_forward(x)
-        return self.tp.all_reduce(out)
+        return out

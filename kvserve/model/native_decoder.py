@@ -21,6 +21,12 @@ torch path for any step it declines (None):
 - step: at most `max_tokens` tokens (above), every KV-cache group a block table (not a
   circular ring, whose read-before-write order the kernel does not follow),
   caches float32 or bfloat16 and contiguous.
+Hybrids with Gated DeltaNet layers (Qwen3.5 dense; `NativeDeltaNet`) run in decode steps
+only (every request one token): each such layer reads a request's state slots (the worker's
+float32 state tensors) at `StateMetadata.read_slot`, computes the new state in the slot its
+first write names and copies it to its other write slots (snapshots); attention layers may
+gate their output (Qwen3-Next's sigmoid gate) and rotate part of each head (partial RoPE).
+Mamba-2 layers and other state mixers are declined.
 `ModelKernels.native_decoder` (KVSERVE_NATIVE_DECODER=0 in `KernelConfig`) switches it off.
 
 Under tensor parallelism each rank's call runs its shards (QKV and gate/up by
@@ -50,15 +56,16 @@ import torch
 
 from kvserve.kv_cache.interface import CircularBufferSpec
 from kvserve.model import quantized
-from kvserve.model.attention import AttentionMetadata
+from kvserve.model.attention import AttentionMetadata, StateMetadata
+from kvserve.model.linear_attention.gated_deltanet import GatedDeltaNet
 from kvserve.sample.structured.grammar_mask import HeadMask
 from kvserve.model.shm_all_reduce import SharedMemoryAllReduce
 from kvserve.native import cpu_kernels, dispatch
 from kvserve.native.isa import ISA_CODES
 from kvserve.model.stored_parts import StoredParts
 from kvserve.model.stored_weight import StoredWeight
-from kvserve.native.abi import (ALL_REDUCE_FN, DTYPE_CODES, F32_PANELS, MAX_GROUPS, MAX_PARTS, NativeLayer, NativeLinear,
-                                NativeLogits, NativeModel, NativeStep, NativeTokenMask)
+from kvserve.native.abi import (ALL_REDUCE_FN, DTYPE_CODES, F32_PANELS, MAX_GROUPS, MAX_PARTS, NativeDeltaNet, NativeLayer,
+                                NativeLinear, NativeLogits, NativeModel, NativeStep, NativeTokenMask)
 from kvserve.native.config import KernelConfig
 
 logger = logging.getLogger(__name__)
@@ -70,6 +77,7 @@ logger = logging.getLogger(__name__)
 SMALL_STEP_TOKENS = 8
 MAX_TOKENS = 128
 _PARALLEL_MIN_LAYER_BYTES = 256 * 1024
+MAX_CONV_WIDTH = 16  # a Gated DeltaNet convolution's widest kernel (MAX_CONV_WIDTH in fused_decoder.c)
 
 # The head waits at most this long for a grammar mask's fill (the mask thread always
 # publishes, even when the fill fails: this bounds a bug, not a normal step); after it the
@@ -187,6 +195,20 @@ def _check_layers_covered(config) -> None:
         raise NativeDeclined("a Q/K norm over the whole projection or clipped Q/K/V")
 
 
+def _check_state_layers_covered(model) -> None:
+    """Raise NativeDeclined for recurrent-state layers the one-call decoder does not implement
+    (it runs Gated DeltaNet layers, on one rank, in decode steps)."""
+    for layer in model.layers:
+        if not layer.is_state_layer:
+            continue
+        if not isinstance(layer.mixer, GatedDeltaNet):
+            raise NativeDeclined(f"recurrent-state layers of {type(layer.mixer).__name__}")
+        if layer.mixer.conv_width > MAX_CONV_WIDTH:
+            raise NativeDeclined(f"a Gated DeltaNet convolution of width {layer.mixer.conv_width}")
+    if all(layer.is_state_layer for layer in model.layers):
+        raise NativeDeclined("no attention layer")
+
+
 def _ptr_of(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -199,8 +221,7 @@ class NativeDecoder:
 
     def __init__(self, model) -> None:
         _check_layers_covered(model.config)
-        if model.has_state_layers:  # before any layer is described: state layers have no self_attn
-            raise NativeDeclined("recurrent-state layers")
+        _check_state_layers_covered(model)  # before any layer is described
         self.model = model
         self._keep: list[torch.Tensor] = []
         self._layer_bytes = 0  # weight bytes of one layer's projections
@@ -208,8 +229,12 @@ class NativeDecoder:
         self._all_panel = True  # every projection quantized with a panel path or float32 in panels
         self._gemm_rows = MAX_TOKENS + 1  # steps of this many tokens take the per-op dense GEMM
         self._layers = (NativeLayer * len(model.layers))()
+        self._delta_nets: dict[int, NativeDeltaNet] = {}  # layer -> its mixer's description (pointed at)
         for i, layer in enumerate(model.layers):
-            self._describe_layer(self._layers[i], layer)
+            if layer.is_state_layer:
+                self._describe_delta_net(self._layers[i], layer, i)
+            else:
+                self._describe_layer(self._layers[i], layer)
         self._desc = self._describe_model(model)
         # A tensor-parallel rank holds a vocabulary shard: the full rows are looked up (and
         # the logits gathered) outside the call.
@@ -277,8 +302,8 @@ class NativeDecoder:
 
     def _describe_model(self, model) -> NativeModel:
         config = model.config
-        attn = model.layers[0].self_attn
-        if model.tp.size != 1 and any(layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None
+        attn = next(layer.self_attn for layer in model.layers if not layer.is_state_layer)
+        if model.tp.size != 1 and any(layer.mixer.o_proj.bias is not None or layer.mlp.down_proj.bias is not None
                                       for layer in model.layers):
             raise NativeDeclined("a bias on a row-parallel projection under tensor parallelism")
         weight = model.norm.weight
@@ -290,14 +315,22 @@ class NativeDecoder:
         if config.hidden_size > cpu_kernels._MAX_NORM_DIM or config.hidden_act not in (
                 "silu", "swish", "gelu_pytorch_tanh", "gelu_tanh"):
             raise NativeDeclined(f"hidden size {config.hidden_size} / activation {config.hidden_act}")
-        if model.rotary_global.inv_freq.numel() * 2 != attn.head_dim:
-            raise NativeDeclined("partial rotary embedding")
-        return NativeModel(num_layers=len(model.layers), hidden=config.hidden_size, num_heads=attn.num_heads,
-                      num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, panel_rows=self._panel_rows,
-                      intermediate=model.layers[0].mlp.down_proj.shard_input, final_norm=self._norm(model.norm),
-                      eps=config.rms_norm_eps, scale=attn.params.scale, softcap=attn.params.softcap or 0.0,
-                      adds_one=int(config.norm_adds_one), sandwich=int(config.sandwich_norms),
-                      gelu=int(config.hidden_act.startswith("gelu")))
+        rotary_dim = model.rotary_global.inv_freq.numel() * 2
+        if rotary_dim > attn.head_dim or (model.rotary_local is not None
+                                          and model.rotary_local.inv_freq.numel() * 2 != rotary_dim):
+            raise NativeDeclined("a rotary embedding wider than the head, or local and global ones of other widths")
+        desc = NativeModel(num_layers=len(model.layers), hidden=config.hidden_size, num_heads=attn.num_heads,
+                           num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, panel_rows=self._panel_rows,
+                           intermediate=model.layers[0].mlp.down_proj.shard_input, final_norm=self._norm(model.norm),
+                           eps=config.rms_norm_eps, scale=attn.params.scale, softcap=attn.params.softcap or 0.0,
+                           adds_one=int(config.norm_adds_one), sandwich=int(config.sandwich_norms),
+                           gelu=int(config.hidden_act.startswith("gelu")), rotary_dim=rotary_dim,
+                           output_gate=int(attn.output_gate))
+        mixer = next((layer.mixer for layer in model.layers if layer.is_state_layer), None)
+        if mixer is not None:
+            desc.dn_k_heads, desc.dn_v_heads = mixer.num_k_heads, mixer.num_v_heads
+            desc.dn_k_dim, desc.dn_v_dim, desc.dn_conv_width = mixer.head_k_dim, mixer.head_v_dim, mixer.conv_width
+        return desc
 
     def _describe_layer(self, desc: NativeLayer, layer) -> None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -313,6 +346,23 @@ class NativeDecoder:
             desc.q_norm, desc.k_norm = self._norm(attn.q_norm), self._norm(attn.k_norm)
         desc.window = attn.sliding_window or 0
         desc.local_rope = int(attn.sliding_window is not None and self.model.rotary_local is not None)
+
+    def _describe_delta_net(self, desc: NativeLayer, layer, index: int) -> None:
+        """A Gated DeltaNet layer: its mixer's weights (state slots bound per cache dict) and MLP."""
+        mixer, mlp = layer.mixer, layer.mlp
+        net = self._delta_nets[index] = NativeDeltaNet()
+        for field, module in (("qkvz", mixer.in_proj_qkvz), ("ba", mixer.in_proj_ba), ("out", mixer.out_proj)):
+            self._describe_linear(getattr(net, field), module)
+        for field, module in (("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
+            self._describe_linear(getattr(desc, field), module)
+        net.conv_weight = self._hold(mixer.conv1d.weight.detach()[:, 0].float().contiguous()).data_ptr()
+        net.dt_bias = self._hold(mixer.dt_bias.detach().float().contiguous()).data_ptr()
+        net.neg_a = self._hold(-mixer.A_log.detach().float().exp()).data_ptr()
+        net.norm = self._norm(mixer.norm)
+        net.isa = ISA_CODES[dispatch.widest("gated_delta") or "portable"]
+        desc.input_norm = self._norm(layer.input_layernorm)
+        desc.post_attention_norm = self._norm(layer.post_attention_layernorm)
+        desc.delta_net = ctypes.pointer(net)
 
     def _describe_embedding(self, desc: NativeLinear) -> None:
         """The embedding table for the call where it gives the rows exactly as
@@ -431,7 +481,12 @@ class NativeDecoder:
             return True
         self._bound_caches = None
         caches = [kv_caches[name] for name in self.model.layer_names]
-        for desc, cache, group in zip(self._layers, caches, group_ids):
+        for i, (desc, cache, group) in enumerate(zip(self._layers, caches, group_ids)):
+            desc.group = group
+            if i in self._delta_nets:
+                if not self._bind_states(self._delta_nets[i], cache):
+                    return False
+                continue
             if (cache.device.type != "cpu" or not cache.is_contiguous()
                     or not cpu_kernels.supports_kv_dtype(cache.dtype)):
                 return False
@@ -441,8 +496,17 @@ class NativeDecoder:
             desc.block_size = block_size
             desc.kv_dtype = cpu_kernels.kv_dtype_code(cache.dtype)
             desc.attention_isa = ISA_CODES[self.model.kernels.attention_isa or "portable"]
-            desc.group = group
         self._bound_caches, self._bound_tensors = kv_caches, caches  # held: never freed under the call
+        return True
+
+    @staticmethod
+    def _bind_states(net: NativeDeltaNet, cache: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        """Point a Gated DeltaNet layer at its state slots (conv inputs, delta-rule state: the
+        worker's tensors [slots, *shape], read and written in place); False unless float32,
+        contiguous, on the CPU."""
+        if not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in cache):
+            return False
+        net.conv_states, net.delta_states = cache[0].data_ptr(), cache[1].data_ptr()
         return True
 
     # -- a step -----------------------------------------------------------------------------
@@ -462,18 +526,27 @@ class NativeDecoder:
         num_tokens = input_ids.shape[0]
         if not 0 < num_tokens <= self.max_tokens or len(metadata_by_group) > MAX_GROUPS:
             return None
-        if any(isinstance(md.spec, CircularBufferSpec) or md.slot_mapping is None for md in metadata_by_group):
+        attention = [md for md in metadata_by_group if not isinstance(md, StateMetadata)]
+        if any(isinstance(md.spec, CircularBufferSpec) or md.slot_mapping is None for md in attention):
+            return None
+        states = {g: md for g, md in enumerate(metadata_by_group) if isinstance(md, StateMetadata)}
+        # state layers run in decode steps only: every request one token
+        if any(md.max_query_len != 1 or md.read_slot.numel() != num_tokens for md in states.values()):
             return None
         if not self._bind_caches(kv_caches, group_ids):
             return None
-        md0 = metadata_by_group[0]
+        md0 = attention[0]
         table_row = _as_int64(md0.token_request_index())
         positions = _as_int64(positions)
         step = self._step
         step.num_tokens, step.num_draft_tokens, step.positions, step.table_row, step.token_index = (
             num_tokens, num_draft_tokens, positions.data_ptr(), table_row.data_ptr(), self._token_index.data_ptr())
         keep = [positions, table_row]
+        for g, md in states.items():
+            keep += self._point_at_state_slots(step, g, md)
         for g, md in enumerate(metadata_by_group):
+            if g in states:
+                continue
             table, slots = _as_int64(md.block_table), _as_int64(md.slot_mapping)
             keep += [table, slots]
             step.block_table[g], step.block_table_stride[g], step.slots[g] = (table.data_ptr(), table.stride(0),
@@ -507,6 +580,27 @@ class NativeDecoder:
             head_mask.wait_s, head_mask.mask_s = mask.wait_ns * 1e-9, mask.mask_ns * 1e-9
         del keep
         return out.to(self.model.norm.weight.dtype), None if logits is None else logits[:, :self.model.lm_head.vocab_size]
+
+    @staticmethod
+    def _point_at_state_slots(step: NativeStep, group: int, md: StateMetadata) -> list[torch.Tensor]:
+        """Give the call state group `group`'s slots for a decode step (request r's one token is
+        token r): the slot each reads, the slot its first write names (the state is computed
+        there), and its other writes as copies. Returns the tensors pointed at."""
+        read = _as_int64(md.read_slot)
+        first: dict[int, int] = {}
+        copies: list[tuple[int, int]] = []
+        for req, slot in zip(md.write_req.tolist(), md.write_slot.tolist()):
+            if req in first:
+                copies.append((req, slot))
+            else:
+                first[req] = slot
+        write = torch.tensor([first[r] for r in range(read.numel())], dtype=torch.int64)
+        copy_token = torch.tensor([c[0] for c in copies] or [0], dtype=torch.int64)
+        copy_slot = torch.tensor([c[1] for c in copies] or [0], dtype=torch.int64)
+        step.state_read[group], step.state_write[group] = read.data_ptr(), write.data_ptr()
+        step.state_copy_token[group], step.state_copy_slot[group] = copy_token.data_ptr(), copy_slot.data_ptr()
+        step.state_copies[group] = len(copies)
+        return [read, write, copy_token, copy_slot]
 
     def _point_at_rope_tables(self, step: NativeStep, num_positions: int) -> None:
         """Give the call the RoPE cos/sin tables (`RotaryEmbedding.table`, held here while

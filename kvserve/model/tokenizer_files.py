@@ -78,6 +78,19 @@ def _from_pretrained(directory: str, fast_only: bool = False, **kwargs: Any) -> 
         raise TokenizerError(f"cannot load the tokenizer of {directory!r}: {exc}") from exc
 
 
+# GGUF architectures whose model config AutoTokenizer cannot read (transformers 5 fails on
+# gpt-oss's rope.scaling keys): their tokenizer is built from the file's tokenizer keys alone.
+_FAST_ONLY_GGUF_ARCHS = ("gpt-oss",)
+
+
+def _gguf_architecture(path: str) -> str | None:
+    from kvserve.model.gguf_file import open_gguf
+    try:
+        return open_gguf(path).get("general.architecture")
+    except (OSError, ValueError) as exc:
+        raise TokenizerError(f"{path!r} is not a readable GGUF file: {exc}") from exc
+
+
 def _gguf_cache_key(path: str) -> str:
     stat = os.stat(path)
     ident = f"{_CACHE_VERSION}|{path}|{stat.st_size}|{stat.st_mtime_ns}"
@@ -92,7 +105,8 @@ def _load_gguf_tokenizer(path: str) -> Any:
         except TokenizerError:
             logger.warning("ignoring unreadable tokenizer cache %s", cached_dir)
     directory, file_name = os.path.split(path)
-    tokenizer = _from_pretrained(directory, gguf_file=file_name)
+    tokenizer = _from_pretrained(directory, fast_only=_gguf_architecture(path) in _FAST_ONLY_GGUF_ARCHS,
+                                 gguf_file=file_name)
     _save_to_cache(tokenizer, cached_dir)
     return tokenizer
 

@@ -38,13 +38,21 @@ class NativeLinear(ctypes.Structure):
                 ("part_blocks", _ptr * MAX_PARTS), ("part_end", _i64 * MAX_PARTS)]
 
 
+class NativeDeltaNet(ctypes.Structure):
+    """One Gated DeltaNet mixer: its projections, convolution, decay and norm weights, state slots."""
+    _fields_ = [("qkvz", NativeLinear), ("ba", NativeLinear), ("out", NativeLinear), ("conv_weight", _ptr),
+                ("dt_bias", _ptr), ("neg_a", _ptr), ("norm", _ptr), ("conv_states", _ptr), ("delta_states", _ptr),
+                ("isa", _i32), ("unused", _i32)]
+
+
 class NativeLayer(ctypes.Structure):
     """One decoder layer: its projections, norm weights and KV-cache group."""
     _fields_ = [("qkv", NativeLinear), ("o", NativeLinear), ("gate_up", NativeLinear), ("down", NativeLinear),
                 ("input_norm", _ptr), ("post_attention_norm", _ptr), ("pre_feedforward_norm", _ptr),
                 ("post_feedforward_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
                 ("k_cache", _ptr), ("v_cache", _ptr), ("cache_head_stride", _i64), ("block_size", _i64),
-                ("window", _i64), ("group", _i32), ("local_rope", _i32), ("kv_dtype", _i32), ("attention_isa", _i32)]
+                ("window", _i64), ("group", _i32), ("local_rope", _i32), ("kv_dtype", _i32), ("attention_isa", _i32),
+                ("delta_net", ctypes.POINTER(NativeDeltaNet))]
 
 
 # The all-reduce the decoder call makes under tensor parallelism: (context, float32 buffer,
@@ -58,7 +66,9 @@ class NativeModel(ctypes.Structure):
                 ("head_dim", _i64), ("intermediate", _i64), ("final_norm", _ptr), ("eps", _f32), ("scale", _f32),
                 ("softcap", _f32), ("adds_one", _i32), ("sandwich", _i32), ("gelu", _i32), ("panel_rows", _i32),
                 ("embed", NativeLinear), ("embed_scale", _f32), ("fewer_barriers", _i32), ("reduce_buffer", _ptr),
-                ("all_reduce", ALL_REDUCE_FN), ("reduce_ctx", _ptr)]
+                ("all_reduce", ALL_REDUCE_FN), ("reduce_ctx", _ptr), ("rotary_dim", _i64), ("output_gate", _i32),
+                ("unused", _i32), ("dn_k_heads", _i64), ("dn_v_heads", _i64), ("dn_k_dim", _i64), ("dn_v_dim", _i64),
+                ("dn_conv_width", _i64)]
 
 
 class NativeStep(ctypes.Structure):
@@ -66,7 +76,10 @@ class NativeStep(ctypes.Structure):
     _fields_ = [("num_tokens", _i64), ("num_draft_tokens", _i64), ("positions", _ptr), ("table_row", _ptr),
                 ("token_index", _ptr), ("block_table", _ptr * MAX_GROUPS), ("block_table_stride", _i64 * MAX_GROUPS),
                 ("slots", _ptr * MAX_GROUPS), ("cos", _ptr), ("sin", _ptr), ("cos_local", _ptr),
-                ("sin_local", _ptr), ("token_ids", _ptr), ("rope_by_position", _i64)]
+                ("sin_local", _ptr), ("token_ids", _ptr), ("rope_by_position", _i64),
+                ("state_read", _ptr * MAX_GROUPS), ("state_write", _ptr * MAX_GROUPS),
+                ("state_copy_token", _ptr * MAX_GROUPS), ("state_copy_slot", _ptr * MAX_GROUPS),
+                ("state_copies", _i64 * MAX_GROUPS)]
 
 
 class NativeTokenMask(ctypes.Structure):
@@ -144,6 +157,7 @@ SIGNATURES = {
     "kvserve_gguf_partials": ([_ptr, _ptr, _i64, _ptr, _int, _i64, _ptr, _i64, _ptr, _i64, _i64, _int, _i64, _i64],
                               None),
     "kvserve_quant_activation_blocks": ([_ptr, _i64, _ptr, _ptr, _ptr], None),
+    "kvserve_moe_experts": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _int, _int], _int),
     "kvserve_gemv_partials": ([_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64],
                               _int),
 }
@@ -155,7 +169,7 @@ PROBE_EXPORTS = ("kvserve_cpuid_features", "kvserve_xcr0", "kvserve_request_amx_
                  "kvserve_isa_available")
 
 # The structs csrc/cpu/abi_layout.c reports, in its order, and the constants after them.
-LAYOUT_STRUCTS = (NativeLinear, NativeLayer, NativeModel, NativeStep, NativeTokenMask, NativeLogits, ShmAllReduce)
+LAYOUT_STRUCTS = (NativeLinear, NativeDeltaNet, NativeLayer, NativeModel, NativeStep, NativeTokenMask, NativeLogits, ShmAllReduce)
 LAYOUT_CONSTANTS = {"MAX_GROUPS": MAX_GROUPS, "F32_PANELS": F32_PANELS, "ISA_COUNT": len(isa.ISAS),
                     "KV_KERNEL_COUNT": len(isa.KERNELS), "MAX_PARTS": MAX_PARTS}
 

@@ -34,11 +34,13 @@ def create_scheduler(
     hash_block_size: int | None = None,
     defer_block_free: bool | None = None,
     speculative_config=None,
+    num_state_blocks: int = 0,
 ) -> Scheduler:
     """A scheduler over `num_blocks` blocks (block 0 is the null block), one
     KV-cache group per spec in `kv_cache_specs` (default: one full-attention
-    group). `max_model_len` defaults to `max_num_batched_tokens`;
-    `defer_block_free` follows `async_scheduling` unless given."""
+    group); `num_state_blocks` > 0 gives the state groups a pool of their own.
+    `max_model_len` defaults to `max_num_batched_tokens`; `defer_block_free`
+    follows `async_scheduling` unless given."""
     if kv_cache_specs is None:
         kv_cache_specs = [FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1,
                                             dtype="float32")]
@@ -46,6 +48,7 @@ def create_scheduler(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(kv_cache_specs)],
+        num_state_blocks=num_state_blocks,
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,

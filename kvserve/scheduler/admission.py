@@ -34,12 +34,18 @@ def num_blocks_for_tokens(spec: KVCacheSpec, num_tokens: int, max_chunk_tokens: 
 
 
 def max_tokens_in_pool(kv_cache_config: KVCacheConfig, limit: int, max_chunk_tokens: int) -> int:
-    """The longest sequence (at most `limit`) whose blocks fit in an otherwise empty pool."""
-    num_usable_blocks = kv_cache_config.num_blocks - 1  # block 0 is the null block
+    """The longest sequence (at most `limit`) whose blocks fit in otherwise empty pools
+    (the state groups' own pool too, when the layout gives them one)."""
+    groups = kv_cache_config.kv_cache_groups
+    pools = [(kv_cache_config.num_blocks, groups)]
+    if kv_cache_config.num_state_blocks:
+        pools = [(kv_cache_config.num_blocks, [g for g in groups if not isinstance(g.kv_cache_spec, StateSpec)]),
+                 (kv_cache_config.num_state_blocks, [g for g in groups if isinstance(g.kv_cache_spec, StateSpec)])]
 
     def fits(num_tokens: int) -> bool:
-        return sum(num_blocks_for_tokens(group.kv_cache_spec, num_tokens, max_chunk_tokens)
-                   for group in kv_cache_config.kv_cache_groups) <= num_usable_blocks
+        # Block 0 of each pool is its null block.
+        return all(sum(num_blocks_for_tokens(group.kv_cache_spec, num_tokens, max_chunk_tokens)
+                       for group in pool_groups) <= num_blocks - 1 for num_blocks, pool_groups in pools)
 
     low, high = 0, limit
     while low < high:

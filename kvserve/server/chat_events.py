@@ -1,11 +1,11 @@
 """A streamed chat answer as API-neutral events, for the Responses and Messages streams.
 
 `ChatEventReader` reads one completion's successive outputs and says what became
-certain since the last one: text, a tool call starting (its id and name), more of a
-call's arguments. With tools, the text goes through the same `ToolCallStreamer` as
+certain since the last one: reasoning, text, a tool call starting (its id and name), more
+of a call's arguments. With tools, the text goes through the same `ToolCallStreamer` as
 Chat Completions' `delta.tool_calls`, so every API streams the calls the non-streamed
-answer (`parsed_message`) holds. `StreamedMessage` adds the events up into the final
-content and calls, whose ids are the ones streamed.
+answer (`parsed_reply`) holds. `StreamedMessage` adds the events up into the final
+reasoning, content and calls, whose ids are the ones streamed.
 """
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 
 from kvserve.engine.outputs import CompletionOutput
 from kvserve.server.harmony_reply import HarmonyStreamer
+from kvserve.server.think_reply import ThinkStreamer
 from kvserve.server.tool_stream import ToolCallStreamer
 from kvserve.server.tools import ToolCall, ToolRequest
 
-ReplyStreamer = ToolCallStreamer | HarmonyStreamer
+ReplyStreamer = ToolCallStreamer | HarmonyStreamer | ThinkStreamer
 
 
 def reply_streamer(tool_request: ToolRequest | None) -> ReplyStreamer | None:
@@ -25,12 +26,22 @@ def reply_streamer(tool_request: ToolRequest | None) -> ReplyStreamer | None:
         return None
     if tool_request.parser == "harmony":
         return HarmonyStreamer(tool_request.parses_calls)
-    return ToolCallStreamer(tool_request.parser, tool_request.parallel)
+    calls = ToolCallStreamer(tool_request.parser, tool_request.parallel) if tool_request.parses_calls else None
+    if tool_request.reads_thinking:
+        return ThinkStreamer(tool_request.thinking_open, calls)
+    return calls
 
 
 @dataclass(frozen=True)
 class TextDelta:
     """More answer text."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    """More reasoning text (harmony's analysis channel, a think block)."""
 
     text: str
 
@@ -52,19 +63,22 @@ class ArgumentsDelta:
     text: str
 
 
-ChatEvent = TextDelta | CallStarted | ArgumentsDelta
+ChatEvent = TextDelta | ReasoningDelta | CallStarted | ArgumentsDelta
 
 
 @dataclass
 class StreamedMessage:
-    """The content and calls streamed so far."""
+    """The reasoning, content and calls streamed so far."""
 
     content: str = ""
     calls: list[ToolCall] = field(default_factory=list)
+    reasoning: str = ""
 
     def add(self, event: ChatEvent) -> None:
         if isinstance(event, TextDelta):
             self.content += event.text
+        elif isinstance(event, ReasoningDelta):
+            self.reasoning += event.text
         elif isinstance(event, CallStarted):
             self.calls.append(ToolCall(event.name, "", event.call_id))
         else:
@@ -102,10 +116,9 @@ class ChatEventReader:
 
 
 def _events_of(delta: dict) -> list[ChatEvent]:
-    """The events of one Chat Completions delta from a `ReplyStreamer` (reasoning is not
-    passed on: these APIs get the answer only)."""
+    """The events of one Chat Completions delta from a `ReplyStreamer`."""
     if "reasoning_content" in delta:
-        return []
+        return [ReasoningDelta(delta["reasoning_content"])] if delta["reasoning_content"] else []
     if "content" in delta:
         return [TextDelta(delta["content"])] if delta["content"] else []
     events: list[ChatEvent] = []

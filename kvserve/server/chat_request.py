@@ -5,7 +5,7 @@ Chat Completions, Responses and Messages each parse their own request shape into
 output constraint, sampling fields); `prepare_chat` turns it into the prompt token ids
 (the model's chat template, or the built-in tool template), the checked tool request and
 the `SamplingParams` with the compiled constraint or tool-forcing grammar. The answer
-comes back through `parsed_message` (content and tool calls of a finished completion)
+comes back through `parsed_reply` (reasoning, content and tool calls of a finished completion)
 or, streamed, through `kvserve/server/chat_events.py`.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.server.errors import bad_request
 from kvserve.server.harmony import STOP_TOKENS, render_harmony
 from kvserve.server.harmony_reply import parse_reply
+from kvserve.server.think_reply import prompt_opens_thinking, split_thinking
 from kvserve.server.protocol import ChatMessage
 from kvserve.server.serving import (ServingContext, merged_outputs, resolve_max_tokens, run_tokenizer, submit_all,
                                     to_api_error)
@@ -47,6 +48,8 @@ class ChatSpec:
     assistant_prefix: str = ""
     # low / medium / high, for a model that reasons (harmony's system message says it).
     reasoning_effort: str | None = None
+    # The chat template's `enable_thinking` (Qwen3's switch between thinking and not); None: its default.
+    enable_thinking: bool | None = None
 
 
 @dataclass
@@ -70,6 +73,8 @@ async def prepare_chat(ctx: ServingContext, spec: ChatSpec) -> PreparedChat:
         params.skip_special_tokens = False  # [TOOL_CALLS] is a special token
     if tool_request is not None and tool_request.parser == "harmony":
         _read_by_channel(ctx, params)
+    if tool_request is not None and tool_request.reads_thinking:
+        tool_request.thinking_open = prompt_opens_thinking(prompt_token_ids, ctx.think_token_ids())
     ctx.engine.validator.check_prompt_fits(len(prompt_token_ids), max_tokens)
     ctx.engine.validator.check_sampling_params(params)
     return PreparedChat(prompt_token_ids, params, tool_request)
@@ -105,13 +110,17 @@ def speaks_harmony(ctx: ServingContext) -> bool:
 
 def checked_tools(ctx: ServingContext, spec: ChatSpec) -> ToolRequest | None:
     """The call's tool request, its tools and the conversation's tool turns checked. A harmony
-    model always gets one (its reply is read by channel), with no tools when the call has none."""
+    model, or one that thinks in a <think> block, always gets one (its reply is read by channel,
+    or for the block), with no tools when the call has none."""
     check_tool_messages(spec.messages)
     parser = "harmony" if speaks_harmony(ctx) else (
         ctx.tool_call_parser or parser_for_template(ctx.engine.tokenizer.chat_template))
     tool_request = parse_tool_request(spec, parser)
-    if tool_request is None and parser == "harmony":
-        return ToolRequest([], "none", None, True, parser)
+    thinks = parser != "harmony" and ctx.think_token_ids() is not None
+    if tool_request is None and (parser == "harmony" or thinks):
+        tool_request = ToolRequest([], "none", None, True, parser)
+    if tool_request is not None:
+        tool_request.reads_thinking = thinks
     return tool_request
 
 
@@ -135,7 +144,7 @@ async def render_prompt(ctx: ServingContext, spec: ChatSpec, tool_request: ToolR
     try:
         token_ids = await run_tokenizer(text_len, apply_chat_template, ctx.engine.tokenizer,
                                         conversation, add_generation_prompt=spec.add_generation_prompt,
-                                        chat_template=template, tools=tools)
+                                        chat_template=template, tools=tools, enable_thinking=spec.enable_thinking)
     except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
         raise bad_request(f"the chat template rejected the messages: {exc}",
                           param="messages") from None
@@ -153,17 +162,17 @@ async def _render_harmony(ctx: ServingContext, spec: ChatSpec, tool_request: Too
 
 def parsed_reply(completion: CompletionOutput, tool_request: ToolRequest | None) -> tuple[str, str, list[ToolCall]]:
     """(reasoning, content, tool calls) of a finished completion; no calls unless the call may
-    make them, reasoning only from a model that writes it on its own channel (harmony)."""
+    make them, reasoning only from a model that writes it apart (harmony's analysis channel,
+    a <think> block)."""
     if tool_request is None or not tool_request.parses_reply:
         return "", completion.text, []
     if tool_request.parser == "harmony":
         reasoning, content, calls = parse_reply(completion.text, tool_request.parses_calls)
-    else:
-        reasoning, (content, calls) = "", extract_tool_calls(tool_request.parser, completion.text)
+        return reasoning, content, calls if tool_request.parallel else calls[:1]
+    reasoning, answer = "", completion.text
+    if tool_request.reads_thinking:
+        reasoning, answer = split_thinking(answer, tool_request.thinking_open, final=True)
+    if not tool_request.parses_calls:
+        return reasoning, answer, []
+    content, calls = extract_tool_calls(tool_request.parser, answer)
     return reasoning, content, calls if tool_request.parallel else calls[:1]
-
-
-def parsed_message(completion: CompletionOutput, tool_request: ToolRequest | None) -> tuple[str, list[ToolCall]]:
-    """(content, tool calls) of a finished completion (its reasoning left out)."""
-    _, content, calls = parsed_reply(completion, tool_request)
-    return content, calls

@@ -50,6 +50,7 @@ def kv_view_to_json(view: EngineKVView) -> dict[str, Any]:
         "prefix_caching": cache.enable_caching,
         **_pool_counts(pool),
         "kv_cache_usage": pool.blocks_in_use / pool.num_blocks if pool.num_blocks else 0.0,
+        "state_pool": None if cache.state_pool is None else _pool_counts(cache.state_pool),
         "groups": [_group_json(group) for group in cache.groups],
         "eviction_queue_head": [dataclasses.asdict(entry) for entry in cache.eviction_queue_head],
         "num_evictions": cache.num_evictions,

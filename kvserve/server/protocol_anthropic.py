@@ -1,15 +1,21 @@
 """Anthropic Messages API request shapes (pydantic, strict) and their translation into chat terms.
 
 Content blocks: `text`, `tool_use` (assistant turns), `tool_result` (user turns, its
-content a string or text blocks); `thinking` blocks given back in assistant turns are
-dropped (kvserve does not think). A last assistant turn is a prefill: the answer
-continues it. `output_config.format` (a JSON schema) constrains the answer as
-`response_format` does in Chat Completions. `thinking`, `metadata` and `cache_control`
-are accepted and ignored.
+content a string or text blocks); `thinking` blocks given back in assistant turns are the
+turn's reasoning (their `signature` checked: kvserve signs the thinking it returns with a key
+of its process), `redacted_thinking` ones are dropped. A last assistant turn is a prefill: the
+answer continues it. `output_config.format` (a JSON schema) constrains the answer as
+`response_format` does in Chat Completions. `thinking` (`enabled` with `budget_tokens` >= 1024
+and < `max_tokens`, `adaptive`, or `disabled`, the default) says whether the answer shows the
+model's reasoning; `metadata` and `cache_control` are accepted and ignored.
 """
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
+import secrets
 from typing import Any, Literal
 
 from pydantic import Field, StrictStr
@@ -21,7 +27,17 @@ from kvserve.server.structured import ConstraintSource
 
 # More messages than this is a 400 before anything is rendered.
 MAX_MESSAGES = 4096
-_SKIPPED_BLOCKS = ("thinking", "redacted_thinking")
+_SKIPPED_BLOCKS = ("redacted_thinking",)
+THINKING_TYPES = ("enabled", "adaptive", "disabled")
+THINKING_DISPLAYS = ("summarized", "omitted")
+MIN_THINKING_BUDGET = 1024
+# Signs the thinking this process returns, so that a thinking block given back is known as ours.
+_SIGNING_KEY = secrets.token_bytes(32)
+
+
+def thinking_signature(thinking: str) -> str:
+    """The `signature` of a thinking block: an HMAC-SHA256 of its text under this process's key."""
+    return base64.b64encode(hmac.new(_SIGNING_KEY, thinking.encode(), hashlib.sha256).digest()).decode()
 
 
 class AnthropicTool(StrictModel):
@@ -48,11 +64,47 @@ class CountTokensRequest(StrictModel):
     system: StrictStr | list[dict[str, Any]] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         if len(self.messages) > MAX_MESSAGES:
             raise InvalidRequestError(f"messages has {len(self.messages)} entries; at most {MAX_MESSAGES} are "
                                       "accepted", "messages")
+        self._check_thinking()
+
+    def _check_thinking(self) -> None:
+        """`thinking` as Anthropic checks it (400 naming the field)."""
+        if self.thinking is None:
+            return
+        kind = self.thinking.get("type")
+        if kind not in THINKING_TYPES:
+            raise InvalidRequestError(f"thinking.type must be one of {', '.join(THINKING_TYPES)}; got {kind!r}",
+                                      "thinking.type")
+        if self.thinking.get("display") not in (None, *THINKING_DISPLAYS):
+            raise InvalidRequestError(f"thinking.display must be one of {', '.join(THINKING_DISPLAYS)}",
+                                      "thinking.display")
+        if kind == "enabled":
+            budget = self.thinking.get("budget_tokens")
+            if not isinstance(budget, int) or isinstance(budget, bool) or budget < MIN_THINKING_BUDGET:
+                raise InvalidRequestError(f"thinking.budget_tokens must be an integer >= {MIN_THINKING_BUDGET}",
+                                          "thinking.budget_tokens")
+            max_tokens = getattr(self, "max_tokens", None)
+            if max_tokens is not None and max_tokens <= budget:
+                raise InvalidRequestError("`max_tokens` must be greater than `thinking.budget_tokens`",
+                                          "max_tokens")
+        if self.shows_thinking and (self.tool_choice or {}).get("type") in ("any", "tool"):
+            raise InvalidRequestError("Thinking may not be enabled when tool_choice forces tool use.",
+                                      "tool_choice")
+
+    @property
+    def shows_thinking(self) -> bool:
+        """Whether the answer shows the model's reasoning (`thinking` enabled or adaptive)."""
+        return (self.thinking or {}).get("type") in ("enabled", "adaptive")
+
+    @property
+    def omits_thinking_text(self) -> bool:
+        """`thinking.display` "omitted": thinking blocks carry a signature but no text."""
+        return (self.thinking or {}).get("display") == "omitted"
 
     def chat_tools(self) -> list[dict]:
         """The tools in the Chat Completions shape."""
@@ -111,7 +163,6 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
 
     def constraint(self) -> ConstraintSource | None:
@@ -184,6 +235,7 @@ def _user_messages(content: str | list[dict], where: str) -> list[ChatMessage]:
 
 def _assistant_message(content: str | list[dict], where: str) -> ChatMessage:
     texts: list[str] = []
+    thoughts: list[str] = []
     calls = []
     for index, block in enumerate(_blocks(content, where)):
         kind = block.get("type")
@@ -192,10 +244,23 @@ def _assistant_message(content: str | list[dict], where: str) -> ChatMessage:
             texts.append(_text_of(block, block_where))
         elif kind == "tool_use":
             calls.append(_call_of(block, block_where))
+        elif kind == "thinking":
+            thoughts.append(_thinking_of(block, block_where))
         elif kind not in _SKIPPED_BLOCKS:
             raise UnsupportedFeatureError(block_where, f"{block_where}: block type {kind!r} is not supported in an "
-                                          "assistant turn (kvserve takes text and tool_use)")
-    return ChatMessage(role="assistant", content="".join(texts) or None, tool_calls=calls or None)
+                                          "assistant turn (kvserve takes text, thinking and tool_use)")
+    return ChatMessage(role="assistant", content="".join(texts) or None, tool_calls=calls or None,
+                       reasoning_content="\n".join(t for t in thoughts if t) or None)
+
+
+def _thinking_of(block: dict, where: str) -> str:
+    """A thinking block's text, its signature checked to be the one kvserve gave it."""
+    thinking, signature = block.get("thinking"), block.get("signature")
+    if not isinstance(thinking, str):
+        raise InvalidRequestError(f"{where}.thinking must be a string", f"{where}.thinking")
+    if not isinstance(signature, str) or not hmac.compare_digest(signature, thinking_signature(thinking)):
+        raise InvalidRequestError(f"{where}: invalid `signature` in `thinking` block", f"{where}.signature")
+    return thinking
 
 
 def _call_of(block: dict, where: str) -> dict:

@@ -1,7 +1,8 @@
 """OpenAI Responses API request shapes (pydantic, strict) and their translation into chat terms.
 
 `input` is a string or a list of items: messages (`input_text` / `output_text` parts),
-`function_call` and `function_call_output`. Tools are function tools in the flat shape
+`function_call`, `function_call_output` and `reasoning` (given back: its text becomes the
+reasoning of the assistant turn that follows it). Tools are function tools in the flat shape
 (`{"type": "function", "name", "parameters", ...}`); `text.format` is `text`,
 `json_object` or `json_schema` (flat: `{"type", "name", "schema", "strict"}`). Fields
 kvserve does not implement are accepted only at their "off" value.
@@ -21,6 +22,36 @@ from kvserve.server.structured import ConstraintSource, format_constraint
 MAX_INPUT_ITEMS = 4096
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _MESSAGE_ROLES = ("user", "assistant", "system", "developer")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+# The efforts harmony's system message knows, for each the API knows.
+_HARMONY_EFFORTS = {"none": "low", "minimal": "low", "low": "low", "medium": "medium", "high": "high",
+                    "xhigh": "high"}
+_SUMMARIES = ("auto", "concise", "detailed")
+
+
+class ReasoningConfig(StrictModel):
+    """`reasoning`: `effort` (how long the model thinks; "none" turns a think-block model's
+    thinking off) and `summary` (accepted; kvserve writes no summaries: `summary` stays empty)."""
+
+    effort: StrictStr | None = None
+    summary: StrictStr | None = None
+    generate_summary: StrictStr | None = None
+
+    def check(self) -> None:
+        if self.effort is not None and self.effort not in REASONING_EFFORTS:
+            raise InvalidRequestError(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}; "
+                                      f"got {self.effort!r}", "reasoning.effort")
+        for name in ("summary", "generate_summary"):
+            value = getattr(self, name)
+            if value is not None and value not in _SUMMARIES:
+                raise InvalidRequestError(f"reasoning.{name} must be one of {', '.join(_SUMMARIES)}; got {value!r}",
+                                          f"reasoning.{name}")
+
+    def harmony_effort(self) -> str | None:
+        return _HARMONY_EFFORTS.get(self.effort) if self.effort else None
+
+    def enable_thinking(self) -> bool | None:
+        return False if self.effort == "none" else None
 
 
 class TextFormat(StrictModel):
@@ -63,8 +94,11 @@ class ResponsesRequest(StrictModel):
     user: StrictStr | None = None
     truncation: Literal["disabled", "auto"] | None = None
     top_logprobs: int | None = None
+    reasoning: ReasoningConfig | None = None
 
     def check_supported(self) -> None:
+        if self.reasoning is not None:
+            self.reasoning.check()
         if self.truncation == "auto":
             raise UnsupportedFeatureError("truncation", "truncation 'auto' is not supported by kvserve: "
                                           "input over the context is refused")
@@ -113,15 +147,20 @@ class ResponsesRequest(StrictModel):
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[ChatMessage]:
     """`input` as chat messages: consecutive `function_call` items join the assistant turn
-    before them, each `function_call_output` is a "tool" message."""
+    before them, each `function_call_output` is a "tool" message, and the text of `reasoning`
+    items is the reasoning of the assistant turn after them (none follows: it is dropped)."""
     if isinstance(items, str):
         return [ChatMessage(role="user", content=items)]
     messages: list[ChatMessage] = []
+    reasoning: list[str] = []
     for index, item in enumerate(items):
         where = f"input[{index}]"
         if not isinstance(item, dict):
             raise InvalidRequestError(f"{where} must be an object", where)
         kind = item.get("type", "message" if "role" in item else None)
+        if kind == "reasoning":
+            reasoning.append(_reasoning_text(item, where))
+            continue
         if kind == "message":
             messages.append(_message(item, where))
         elif kind == "function_call":
@@ -131,10 +170,22 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[ChatMessage]:
                                         tool_call_id=_string(item, "call_id", where)))
         else:
             raise InvalidRequestError(f"{where}: item type {kind!r} is not supported (kvserve takes messages, "
-                                      "function_call and function_call_output)", f"{where}.type")
+                                      "function_call, function_call_output and reasoning)", f"{where}.type")
+        if reasoning and messages[-1].role == "assistant":
+            messages[-1].reasoning_content = "\n".join(reasoning)
+        reasoning = []
     if not messages:
         raise InvalidRequestError("input must not be empty", "input")
     return messages
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    """A `reasoning` item's text: its `content` (reasoning_text parts), else its summary."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+        raise InvalidRequestError(f"{where}.content must be a list of {{'type': 'reasoning_text', 'text': ...}} parts",
+                                  f"{where}.content")
+    return "\n".join(p["text"] for p in parts)
 
 
 def _string(item: dict, key: str, where: str) -> str:

@@ -23,6 +23,7 @@ from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import APIError, from_validation_error, to_api_error
 from kvserve.server.harmony import harmony_token_ids
+from kvserve.server.think_reply import think_token_ids
 from kvserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ class ServingContext:
     tool_call_parser: str | None = None
     _harmony_ids: dict[str, int] | None = field(default=None, init=False, repr=False)
     _harmony_probed: bool = field(default=False, init=False, repr=False)
+    _think_ids: tuple[int, int] | None = field(default=None, init=False, repr=False)
+    _think_probed: bool = field(default=False, init=False, repr=False)
 
     def harmony_token_ids(self) -> dict[str, int] | None:
         """The ids of the harmony tokens when the model speaks harmony (gpt-oss), else None."""
@@ -50,6 +53,13 @@ class ServingContext:
             self._harmony_ids = harmony_token_ids(self.engine.tokenizer)
             self._harmony_probed = True
         return self._harmony_ids
+
+    def think_token_ids(self) -> tuple[int, int] | None:
+        """(`<think>`, `</think>`) ids when the model writes its reasoning in a think block, else None."""
+        if not self._think_probed:
+            self._think_ids = think_token_ids(self.engine.tokenizer)
+            self._think_probed = True
+        return self._think_ids
 
 
 async def parse_body(raw_request: Request, model_cls: type[ModelT]) -> ModelT:

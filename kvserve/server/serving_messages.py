@@ -1,13 +1,17 @@
 """The Anthropic Messages API: POST /v1/messages and POST /v1/messages/count_tokens.
 
 A request is translated once into a `ChatSpec` (kvserve/server/chat_request.py). The
-answer is a `text` block and one `tool_use` block per tool call; `stop_reason` is
+answer is a `thinking` block when the request enables thinking and the model wrote its
+reasoning apart (harmony's analysis channel, a `<think>` block; its `signature` an HMAC of the
+text, see protocol_anthropic.py), a `text` block and one `tool_use` block per tool call. Without
+thinking enabled the reasoning is not shown, and a model whose chat template switches thinking
+(`enable_thinking`, Qwen3's) is asked not to think; `stop_reason` is
 "end_turn", "max_tokens", "stop_sequence" (with `stop_sequence`) or "tool_use". Usage
 counts the prompt tokens read from the prefix cache as `cache_read_input_tokens` and the
 rest as `input_tokens`, as Anthropic does. Streamed, it is Anthropic's event sequence
 (`message_start`, `ping`, `content_block_start` / `_delta` / `_stop`, `message_delta`,
-`message_stop`), or an `error` event once the stream has begun. Errors on these routes
-have Anthropic's shape (kvserve/server/errors.py).
+`message_stop`; a thinking block's `thinking_delta`s end with its `signature_delta`), or an
+`error` event once the stream has begun. Errors on these routes have Anthropic's shape (kvserve/server/errors.py).
 """
 from __future__ import annotations
 
@@ -20,10 +24,11 @@ from fastapi.responses import JSONResponse
 
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
-from kvserve.server.chat_events import ArgumentsDelta, CallStarted, ChatEvent, ChatEventReader, TextDelta
-from kvserve.server.chat_request import ChatSpec, count_prompt_tokens, parsed_message, start_chat
+from kvserve.server.chat_events import (ArgumentsDelta, CallStarted, ChatEvent, ChatEventReader, ReasoningDelta,
+                                       TextDelta)
+from kvserve.server.chat_request import ChatSpec, count_prompt_tokens, parsed_reply, start_chat
 from kvserve.server.errors import anthropic_error
-from kvserve.server.protocol_anthropic import CountTokensRequest, MessagesRequest
+from kvserve.server.protocol_anthropic import CountTokensRequest, MessagesRequest, thinking_signature
 from kvserve.server.serving import ServingContext, new_id, parse_request, respond, to_api_error
 from kvserve.server.tools import ToolCall, ToolRequest
 
@@ -52,7 +57,7 @@ def _spec(body: CountTokensRequest) -> ChatSpec:
     return ChatSpec(messages=messages, build_params=partial(_build_params, body),
                     max_tokens=body.max_tokens if full else None, tools=body.chat_tools(), tool_choice=tool_choice,
                     parallel_tool_calls=parallel, constraint=body.constraint() if full else None,
-                    assistant_prefix=prefix)
+                    assistant_prefix=prefix, enable_thinking=body.shows_thinking)
 
 
 def _build_params(body: MessagesRequest, max_tokens: int, constraint: StructuredOutputsParams | None
@@ -69,8 +74,8 @@ async def create_message(raw_request: Request, ctx: ServingContext):
     message_id = new_id("msg").replace("-", "_")
     prepared, outputs = await start_chat(ctx, partial(_spec, body), message_id)
     return await respond(raw_request, outputs, body.stream,
-                         partial(_stream_events, ctx, message_id, prepared.tool_request),
-                         partial(_full_response, ctx, message_id, prepared.tool_request), sse_done=None)
+                         partial(_stream_events, ctx, message_id, prepared.tool_request, body),
+                         partial(_full_response, ctx, message_id, prepared.tool_request, body), sse_done=None)
 
 
 def _stop(completion: CompletionOutput, called: bool) -> tuple[str, str | None]:
@@ -104,12 +109,18 @@ def _tool_use(call: ToolCall) -> dict:
     return {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments}
 
 
-def _full_response(ctx: ServingContext, message_id: str, tool_request: ToolRequest | None,
+def _thinking_block(thinking: str, body: MessagesRequest) -> dict:
+    shown = "" if body.omits_thinking_text else thinking
+    return {"type": "thinking", "thinking": shown, "signature": thinking_signature(shown)}
+
+
+def _full_response(ctx: ServingContext, message_id: str, tool_request: ToolRequest | None, body: MessagesRequest,
                    final_by_index: dict[int, RequestOutput]) -> dict:
     request_output = final_by_index[0]
     completion = request_output.outputs[0]
-    text, calls = parsed_message(completion, tool_request)
-    content = ([{"type": "text", "text": text}] if text else []) + [_tool_use(call) for call in calls]
+    reasoning, text, calls = parsed_reply(completion, tool_request)
+    content = [_thinking_block(reasoning, body)] if reasoning and body.shows_thinking else []
+    content += ([{"type": "text", "text": text}] if text else []) + [_tool_use(call) for call in calls]
     return _message(ctx, message_id, content, _usage(request_output, len(completion.token_ids)),
                     _stop(completion, bool(calls)))
 
@@ -119,14 +130,27 @@ def _sse(event_type: str, payload: dict) -> str:
 
 
 class _BlockStream:
-    """Content blocks as they are streamed: a text block while text comes, a tool_use block per call."""
+    """Content blocks as they are streamed: a thinking block while reasoning comes (when the
+    request shows it), a text block while text comes, a tool_use block per call."""
 
-    def __init__(self) -> None:
+    def __init__(self, body: MessagesRequest) -> None:
+        self.body = body
         self.index = -1
-        self._open: str | None = None  # "text" or "tool_use"
+        self._open: str | None = None  # "thinking", "text" or "tool_use"
         self._call_index = -1
+        self._thinking = ""
 
     def add(self, event: ChatEvent) -> list[str]:
+        if isinstance(event, ReasoningDelta):
+            if not self.body.shows_thinking:
+                return []
+            events = [] if self._open == "thinking" else self._start({"type": "thinking", "thinking": "",
+                                                                       "signature": ""})
+            if self.body.omits_thinking_text:
+                return events
+            self._thinking += event.text
+            return events + [_sse("content_block_delta", {"index": self.index, "delta": {
+                "type": "thinking_delta", "thinking": event.text}})]
         if isinstance(event, TextDelta):
             events = [] if self._open == "text" else self._start({"type": "text", "text": ""})
             return events + [_sse("content_block_delta", {"index": self.index, "delta": {
@@ -142,20 +166,26 @@ class _BlockStream:
     def close(self) -> list[str]:
         if self._open is None:
             return []
+        events = []
+        if self._open == "thinking":
+            events.append(_sse("content_block_delta", {"index": self.index, "delta": {
+                "type": "signature_delta", "signature": thinking_signature(self._thinking)}}))
         self._open = None
-        return [_sse("content_block_stop", {"index": self.index})]
+        return events + [_sse("content_block_stop", {"index": self.index})]
 
     def _start(self, block: dict) -> list[str]:
         events = self.close()
         self.index += 1
         self._open = block["type"]
+        self._thinking = ""
         return events + [_sse("content_block_start", {"index": self.index, "content_block": block})]
 
 
 async def _stream_events(ctx: ServingContext, message_id: str, tool_request: ToolRequest | None,
-                         outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+                         body: MessagesRequest, outputs: AsyncIterator[tuple[int, RequestOutput]]
+                         ) -> AsyncIterator[str]:
     reader = ChatEventReader(tool_request)
-    blocks = _BlockStream()
+    blocks = _BlockStream(body)
     last_output = None
     try:
         async for _, request_output in outputs:

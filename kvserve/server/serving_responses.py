@@ -3,13 +3,15 @@ POST /v1/responses/{id}/cancel.
 
 A request is translated once into a `ChatSpec` (kvserve/server/chat_request.py): the
 stored conversation of `previous_response_id`, then `instructions` as the system turn,
-then `input`. The answer is a message item (`output_text`) and one `function_call`
-item per tool call; `status` is "completed", or "incomplete" with
-`incomplete_details.reason` "max_output_tokens" when the token limit cut it. Streamed,
-it is Responses' typed events with increasing `sequence_number`s, ending with
-`response.completed` (or `response.incomplete`), or an `error` event. With
-`background: true` the call answers at once (status "in_progress"); GET polls it and
-cancel aborts it.
+then `input`. The answer is a `reasoning` item when the model wrote its reasoning apart
+(harmony's analysis channel, a `<think>` block: its text in `content` as `reasoning_text`,
+`summary` empty), a message item (`output_text`) and one `function_call` item per tool
+call; `status` is "completed", or "incomplete" with `incomplete_details.reason`
+"max_output_tokens" when the token limit cut it. Streamed, it is Responses' typed events
+with increasing `sequence_number`s (the reasoning as `response.reasoning_text.delta` /
+`.done`), ending with `response.completed` (or `response.incomplete`), or an `error`
+event. With `background: true` the call answers at once (status "in_progress"); GET polls
+it and cancel aborts it.
 """
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ from fastapi.responses import JSONResponse
 
 from kvserve.engine.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
-from kvserve.server.chat_events import ArgumentsDelta, CallStarted, ChatEvent, ChatEventReader, TextDelta
-from kvserve.server.chat_request import ChatSpec, parsed_message, start_chat
+from kvserve.server.chat_events import (ArgumentsDelta, CallStarted, ChatEvent, ChatEventReader, ReasoningDelta,
+                                       TextDelta)
+from kvserve.server.chat_request import ChatSpec, parsed_reply, start_chat
 from kvserve.server.errors import APIError
 from kvserve.server.protocol import ChatMessage
 from kvserve.server.protocol_responses import ResponsesRequest, input_messages
@@ -56,6 +59,8 @@ class ResponseState:
     status: str = "in_progress"
     output: list[dict] = field(default_factory=list)
     usage: dict | None = None
+    # How many tokens the model spent on reasoning (re-tokenized from its text).
+    reasoning_tokens: int = 0
     incomplete_reason: str | None = None
     error: dict | None = None
     completed_at: int | None = None
@@ -72,6 +77,7 @@ class ResponseState:
             "metadata": body.metadata or {}, "model": self.model, "output": self.output,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id, "store": body.store,
+            "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
             "temperature": 1.0 if body.temperature is None else body.temperature,
             "text": {"format": text_format}, "tool_choice": body.tool_choice or "auto",
             "tools": body.tools or [], "top_p": 1.0 if body.top_p is None else body.top_p,
@@ -85,16 +91,17 @@ class ResponseState:
             self.status, self.incomplete_reason = "incomplete", "max_output_tokens"
         else:
             self.status = "completed"
-        self.usage = _usage(request_output)
+        self.usage = _usage(request_output, self.reasoning_tokens)
         self.completed_at = int(time.time())
 
 
-def _usage(request_output: RequestOutput) -> dict:
+def _usage(request_output: RequestOutput, reasoning_tokens: int) -> dict:
     input_tokens = len(request_output.prompt_token_ids or [])
     output_tokens = sum(len(c.token_ids) for c in request_output.outputs)
     return {"input_tokens": input_tokens,
             "input_tokens_details": {"cached_tokens": request_output.num_cached_tokens, "cache_write_tokens": 0},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, output_tokens)},
             "total_tokens": input_tokens + output_tokens}
 
 
@@ -107,21 +114,37 @@ def _text_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def _reasoning_item(text: str, status: str) -> dict:
+    return {"id": _hex_id("rs"), "type": "reasoning", "status": status, "summary": [],
+            "content": [_reasoning_part(text)]}
+
+
+def _reasoning_part(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
+
+
 def _call_item(call: ToolCall, status: str = "completed", item_id: str | None = None) -> dict:
     return {"id": item_id or _hex_id("fc"), "type": "function_call", "call_id": call.id, "name": call.name,
             "arguments": call.arguments, "status": status}
 
 
-def output_items(content: str, calls: list[ToolCall], incomplete: bool) -> list[dict]:
-    """A finished answer's output items: the message (unless it only called tools), then the calls."""
-    items = [] if calls and not content else [_message_item(content, "incomplete" if incomplete else "completed")]
+def output_items(reasoning: str, content: str, calls: list[ToolCall], incomplete: bool) -> list[dict]:
+    """A finished answer's output items: its reasoning, the message (unless it only called tools
+    or was cut while reasoning), then the calls."""
+    status = "incomplete" if incomplete else "completed"
+    answered = bool(content or calls)
+    items = [_reasoning_item(reasoning, "completed" if answered else status)] if reasoning else []
+    if content or not (calls or reasoning):
+        items.append(_message_item(content, status))
     return items + [_call_item(call) for call in calls]
 
 
-def conversation_after(messages: list[ChatMessage], content: str, calls: list[ToolCall]) -> list[ChatMessage]:
+def conversation_after(messages: list[ChatMessage], reasoning: str, content: str,
+                       calls: list[ToolCall]) -> list[ChatMessage]:
     """`messages` followed by the answer, for a later `previous_response_id`."""
     tool_calls = [call.to_openai() for call in calls] or None
-    return [*messages, ChatMessage(role="assistant", content=content or None, tool_calls=tool_calls)]
+    return [*messages, ChatMessage(role="assistant", content=content or None, tool_calls=tool_calls,
+                                   reasoning_content=reasoning or None)]
 
 
 class ResponsesHandler:
@@ -163,10 +186,14 @@ class ResponsesHandler:
                        final_by_index: dict[int, RequestOutput]) -> dict:
         request_output = final_by_index[0]
         completion = request_output.outputs[0]
-        content, calls = parsed_message(completion, tool_request)
-        state.finish(request_output, output_items(content, calls, completion.finish_reason == "length"))
-        self._store(state, conversation_after(conversation, content, calls))
+        reasoning, content, calls = parsed_reply(completion, tool_request)
+        state.reasoning_tokens = self._count_tokens(reasoning)
+        state.finish(request_output, output_items(reasoning, content, calls, completion.finish_reason == "length"))
+        self._store(state, conversation_after(conversation, reasoning, content, calls))
         return state.to_dict()
+
+    def _count_tokens(self, text: str) -> int:
+        return len(self.ctx.engine.tokenizer.encode(text, add_special_tokens=False)) if text else 0
 
     def _store(self, state: ResponseState, conversation: list[ChatMessage], task: asyncio.Task | None = None) -> None:
         if state.body.store:
@@ -196,9 +223,10 @@ class ResponsesHandler:
         incomplete = last_output.outputs[0].finish_reason == "length"
         for sse_event in items.close_all(incomplete):
             yield sse_event
-        state.finish(last_output, items.output)
         message = reader.message
-        self._store(state, conversation_after(conversation, message.content, message.calls))
+        state.reasoning_tokens = self._count_tokens(message.reasoning)
+        state.finish(last_output, items.output)
+        self._store(state, conversation_after(conversation, message.reasoning, message.content, message.calls))
         final_type = "response.incomplete" if state.status == "incomplete" else "response.completed"
         yield writer.emit(final_type, response=state.to_dict())
 
@@ -268,7 +296,9 @@ def _spec(body: ResponsesRequest, conversation: list[ChatMessage]) -> ChatSpec:
     return ChatSpec(messages=_with_instructions(body.instructions, conversation),
                     build_params=partial(_build_params, body), max_tokens=body.max_output_tokens,
                     tools=body.chat_tools(), tool_choice=body.chat_tool_choice(),
-                    parallel_tool_calls=body.parallel_tool_calls, constraint=body.constraint())
+                    parallel_tool_calls=body.parallel_tool_calls, constraint=body.constraint(),
+                    reasoning_effort=body.reasoning.harmony_effort() if body.reasoning else None,
+                    enable_thinking=body.reasoning.enable_thinking() if body.reasoning else None)
 
 
 def _with_instructions(instructions: str | None, messages: list[ChatMessage]) -> list[ChatMessage]:
@@ -297,25 +327,32 @@ class EventWriter:
 
 
 class OutputItemStream:
-    """Output items as they are streamed: the message item while text comes, one
-    `function_call` item per call; `output` holds each item once it is done."""
+    """Output items as they are streamed: a reasoning item while reasoning comes, the message
+    item while text comes, one `function_call` item per call; `output` holds each item once it
+    is done."""
 
     def __init__(self, writer: EventWriter) -> None:
         self.writer = writer
         self.output: list[dict] = []
+        self._reasoning: dict | None = None  # the open reasoning item
         self._text: dict | None = None  # the open message item
         self._call: dict | None = None  # the open function_call item
         self._call_index = -1
         self._arguments: dict[int, str] = {}
 
     def add(self, event: ChatEvent) -> list[str]:
+        if isinstance(event, ReasoningDelta):
+            events = [] if self._reasoning is not None else self._open_reasoning()
+            self._reasoning["content"][0]["text"] += event.text
+            return events + [self._emit("response.reasoning_text.delta", item_id=self._reasoning["id"],
+                                        content_index=0, delta=event.text)]
         if isinstance(event, TextDelta):
-            events = [] if self._text is not None else self._open_message()
+            events = [] if self._text is not None else self._close_reasoning() + self._open_message()
             self._text["content"][0]["text"] += event.text
             return events + [self._emit("response.output_text.delta", item_id=self._text["id"], content_index=0,
                                         delta=event.text, logprobs=[])]
         if isinstance(event, CallStarted):
-            events = self._close_message("completed") + self._close_call()
+            events = self._close_reasoning() + self._close_message("completed") + self._close_call()
             self._call_index = event.index
             self._call = _call_item(ToolCall(event.name, "", event.call_id), status="in_progress")
             return events + [self._emit("response.output_item.added", item=dict(self._call))]
@@ -326,9 +363,14 @@ class OutputItemStream:
         return []
 
     def close_all(self, incomplete: bool) -> list[str]:
-        """Close the open items; an answer with no item at all gets an empty message."""
-        events = [] if self.output or self._text or self._call else self._open_message()
-        return events + self._close_message("incomplete" if incomplete else "completed") + self._close_call()
+        """Close the open items (reasoning cut by the token limit: incomplete); an answer with
+        no item at all gets an empty message."""
+        status = "incomplete" if incomplete else "completed"
+        reasoning_only = self._reasoning is not None and not (self._text or self._call)
+        events = self._close_reasoning(status if reasoning_only else "completed")
+        if not (self.output or self._text or self._call):
+            events += self._open_message()
+        return events + self._close_message(status) + self._close_call()
 
     @property
     def _output_index(self) -> int:
@@ -337,23 +379,36 @@ class OutputItemStream:
     def _emit(self, event_type: str, **fields) -> str:
         return self.writer.emit(event_type, output_index=self._output_index, **fields)
 
+    def _open_reasoning(self) -> list[str]:
+        events = self._close_message("completed") + self._close_call()
+        self._reasoning = _reasoning_item("", "in_progress")
+        return events + self._open_part_item(self._reasoning, _reasoning_part(""))
+
+    def _close_reasoning(self, status: str = "completed") -> list[str]:
+        item, self._reasoning = self._reasoning, None
+        return self._close_part_item(item, status, "response.reasoning_text.done")
+
     def _open_message(self) -> list[str]:
         self._text = _message_item("", "in_progress")
-        added = {**self._text, "content": []}
-        self._text["content"] = [_text_part("")]
-        return [self._emit("response.output_item.added", item=added),
-                self._emit("response.content_part.added", item_id=self._text["id"], content_index=0,
-                           part=_text_part(""))]
+        return self._open_part_item(self._text, _text_part(""))
 
     def _close_message(self, status: str) -> list[str]:
-        item = self._text
+        item, self._text = self._text, None
+        return self._close_part_item(item, status, "response.output_text.done", logprobs=[])
+
+    def _open_part_item(self, item: dict, part: dict) -> list[str]:
+        """The events of an item of one text part (a message, a reasoning item) being opened."""
+        item["content"] = [part]
+        return [self._emit("response.output_item.added", item={**item, "content": []}),
+                self._emit("response.content_part.added", item_id=item["id"], content_index=0, part=dict(part))]
+
+    def _close_part_item(self, item: dict | None, status: str, done_type: str, **done_fields) -> list[str]:
+        """The events of an item of one text part being done (`done_type`: its text's done event)."""
         if item is None:
             return []
-        self._text = None
         item["status"] = status
         part = item["content"][0]
-        events = [self._emit("response.output_text.done", item_id=item["id"], content_index=0, text=part["text"],
-                             logprobs=[]),
+        events = [self._emit(done_type, item_id=item["id"], content_index=0, text=part["text"], **done_fields),
                   self._emit("response.content_part.done", item_id=item["id"], content_index=0, part=part),
                   self._emit("response.output_item.done", item=item)]
         self.output.append(item)

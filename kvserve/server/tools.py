@@ -96,6 +96,10 @@ class ToolRequest:
     named_function: str | None
     parallel: bool
     parser: str
+    # A model that writes its reasoning in a <think> block (kvserve/server/think_reply.py): the
+    # reply is read for one; `thinking_open`: the prompt opened it already.
+    reads_thinking: bool = False
+    thinking_open: bool = False
 
     @property
     def rendered_tools(self) -> list[dict] | None:
@@ -107,8 +111,8 @@ class ToolRequest:
 
     @property
     def parses_reply(self) -> bool:
-        """Whether the reply is read rather than passed on as text (calls, or harmony's channels)."""
-        return self.parses_calls or self.parser == "harmony"
+        """Whether the reply is read rather than passed on as text (calls, harmony's channels, a think block)."""
+        return self.parses_calls or self.parser == "harmony" or self.reads_thinking
 
     def forcing_grammar(self) -> str | None:
         """A Lark grammar that admits only well-formed calls, for `required` and a named function."""
@@ -200,6 +204,8 @@ def template_messages(messages: list[Any]) -> list[dict]:
             entry["tool_call_id"] = message.tool_call_id
         if message.name:
             entry["name"] = message.name
+        if getattr(message, "reasoning_content", None):
+            entry["reasoning_content"] = message.reasoning_content  # Qwen3's templates keep the last turns'
         rendered.append(entry)
     return rendered
 

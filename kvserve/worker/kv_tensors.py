@@ -3,8 +3,9 @@ copy-on-write block copies the scheduler asks for.
 
 Layout per attention layer: `[2, num_kv_heads, num_blocks, block_size, head_size]`
 (see `kvserve.model.attention.metadata`). A recurrent-state layer (`StateSpec`)
-gets a tuple of tensors `[num_blocks, *shape]`, one per state shape (slot id =
-block id), carved one after another from its buffer. On the CPU the buffers sit
+gets a tuple of tensors `[num_slots, *shape]`, one per state shape (slot id =
+block id of the state groups' pool: `num_state_blocks` slots when the layout gives
+them a pool of their own, else `num_blocks`), carved one after another from its buffer. On the CPU the buffers sit
 on transparent huge pages where the OS allows (`cpu_kernels.zeros_on_huge_pages`).
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.kv_cache.interface import AttentionSpec, KVCacheConfig, KVCacheSpec, StateSpec
+from kvserve.kv_cache.layout import num_pages
 from kvserve.kv_cache.utils import KVCacheBlockCopy
 from kvserve.native import cpu_kernels
 
@@ -42,7 +44,6 @@ def allocate_kv_caches(kv_cache_config: KVCacheConfig, layer_specs: dict[str, KV
                        device: torch.device | str = "cpu") -> dict:
     """One zeroed KV tensor (a tuple of state tensors for a state layer) per layer; layers
     named together in a `KVCacheTensor` share its buffer."""
-    num_blocks = kv_cache_config.num_blocks
     caches: dict[str, torch.Tensor] = {}
     for tensor in kv_cache_config.kv_cache_tensors:
         if torch.device(device).type == "cpu":
@@ -51,6 +52,7 @@ def allocate_kv_caches(kv_cache_config: KVCacheConfig, layer_specs: dict[str, KV
             buffer = torch.zeros(tensor.size, dtype=torch.int8, device=device)
         for name in tensor.shared_by:
             spec = layer_specs[name]
+            num_blocks = num_pages(kv_cache_config, spec)
             needed = spec.page_size_bytes * num_blocks
             if needed > tensor.size:
                 raise ValueError(f"KV tensor of {tensor.size} bytes is too small for {name} ({needed} bytes)")
@@ -59,6 +61,7 @@ def allocate_kv_caches(kv_cache_config: KVCacheConfig, layer_specs: dict[str, KV
         for name in group.layer_names:
             if name not in caches:
                 spec = layer_specs[name]
+                num_blocks = num_pages(kv_cache_config, spec)
                 buffer = torch.zeros(spec.page_size_bytes * num_blocks, dtype=torch.int8, device=device)
                 caches[name] = _layer_cache(buffer, spec, num_blocks)
     return caches

@@ -20,6 +20,7 @@ from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.errors import ConfigError
 from kvserve.native.config import KernelConfig
 from kvserve.kv_cache.interface import KVCacheConfig, KVCacheSpec, StateSpec
+from kvserve.kv_cache.layout import StatePoolSizing, kv_bytes_wanted
 from kvserve.model.attention import AttentionMetadata, StateMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
@@ -133,8 +134,8 @@ class ModelRunner:
 
         CUDA: `gpu_memory_utilization` of the device, minus what is in use,
         minus a reserve for activations. CPU: enough for max_num_seqs
-        sequences of max_model_len tokens, capped at 2 GiB and a quarter of
-        the free RAM.
+        sequences of max_model_len tokens (and a hybrid's state pool,
+        `kv_bytes_wanted`), capped at 2 GiB and a quarter of the free RAM.
         """
         if self.cache_config.kv_cache_memory_bytes is not None:
             return self.cache_config.kv_cache_memory_bytes
@@ -142,9 +143,10 @@ class ModelRunner:
             free_bytes, total_bytes = torch.cuda.mem_get_info(self.device)
             budget = free_bytes - total_bytes * (1.0 - self.cache_config.gpu_memory_utilization)
             return max(int(budget * (1.0 - CUDA_ACTIVATION_RESERVE_FRACTION)), 0)
-        bytes_per_token = sum(spec.page_size_bytes // spec.block_size
-                              for spec in self.get_kv_cache_specs().values())
-        wanted = self.scheduler_config.max_num_seqs * self.max_model_len * bytes_per_token
+        sizing = StatePoolSizing(max_num_seqs=self.scheduler_config.max_num_seqs,
+                                 max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
+                                 enable_caching=self.cache_config.enable_prefix_caching)
+        wanted = kv_bytes_wanted(self.get_kv_cache_specs(), self.max_model_len, sizing)
         free = _free_ram_bytes()
         chosen, bound = default_cpu_kv_bytes(wanted, free)
         if self.tp_rank == 0:

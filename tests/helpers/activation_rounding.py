@@ -61,6 +61,34 @@ def quantized_half_steps(plain, held) -> dict:
     return steps
 
 
+def repacked_half_steps(plain, held) -> dict:
+    """`quantized_half_steps` for weights held repacked with int16 activations, where steps of
+    `panel_rows` or more take the panel GEMM (csrc/linear/quant_gemm.c). On its bfloat16 path
+    (`quantized.panel_isa` == "avx512") that GEMM rounds each input x to bfloat16 (half an ulp,
+    `bfloat16_half_step`) and multiplies it with the weight d * q + m rounded to bfloat16 too. A
+    weight w off by e (|e| <= half its ulp <= 2**-8 |w|) adds x * e to the sum, what moving x by
+    2**-8 |x| * (e / (2**-8 |w|)) adds: so the weight's rounding is drawn as a second input move
+    of up to 2**-8 |x| (uniform: at least the spread of e / w, which is at most that). A step
+    takes either kernel, so each input moves by the larger of the two kernels' half steps;
+    on the float32 panel (AVX2, portable) the panel rounds nothing and the int16 step is it."""
+    from kvserve.model import quantized
+
+    held_modules = dict(held.named_modules())
+    int16_step = _block_half_step(65534.0)
+
+    def bf16_panel_step(x: torch.Tensor) -> torch.Tensor:
+        return torch.maximum(int16_step(x), bfloat16_half_step(x) + x.float().abs() * 2.0 ** -8)
+
+    steps = {}
+    for name, module in plain.named_modules():
+        quant = getattr(held_modules.get(name), "quant_weight", None)
+        if quant is not None and hasattr(module, "_matmul"):
+            assert quant.act_bits == 16, "repacked_half_steps is for int16 activations"
+            bf16_panel = quant.panel_rows and quantized.panel_isa(quant) == "avx512"
+            steps[module] = bf16_panel_step if bf16_panel else int16_step
+    return steps
+
+
 def _block_half_step(divisor: float):
     def half_step(x: torch.Tensor) -> torch.Tensor:
         blocks = x.reshape(-1, x.shape[-1] // 32, 32)

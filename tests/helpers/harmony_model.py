@@ -15,14 +15,15 @@ from kvserve.server.harmony import SPECIAL_TOKENS
 ENDOFTEXT = "<|endoftext|>"
 
 
-def harmony_tokenizer():
-    """A byte-level tokenizer (one token per byte, no merges) plus the harmony special tokens."""
+def harmony_tokenizer(merges: tuple[tuple[str, str], ...] = ()):
+    """A byte-level tokenizer (one token per byte, plus one per pair of `merges`, none by
+    default) plus the harmony special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {char: index for index, char in enumerate(sorted(alphabet))}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    vocab = {char: index for index, char in enumerate([*sorted(alphabet), *("".join(pair) for pair in merges)])}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=list(merges)))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|return|>", pad_token=ENDOFTEXT)
@@ -30,9 +31,10 @@ def harmony_tokenizer():
     return fast
 
 
-def save_tiny_gpt_oss(path: str, seed: int = 1234) -> str:
-    """Write the model (float32, random weights) and its tokenizer to `path`; returns `path`."""
-    tokenizer = harmony_tokenizer()
+def save_tiny_gpt_oss(path: str, seed: int = 1234, merges: tuple[tuple[str, str], ...] = ()) -> str:
+    """Write the model (float32, random weights) and its tokenizer (`harmony_tokenizer(merges)`)
+    to `path`; returns `path`."""
+    tokenizer = harmony_tokenizer(merges)
     torch.manual_seed(seed)
     config = tiny_moe_config("gpt_oss", len(tokenizer))
     stop_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|return|>", ENDOFTEXT, "<|call|>")]

@@ -33,10 +33,14 @@ def state_spec(block_size: int = 4) -> StateSpec:
 
 
 def make_manager(specs: list[KVCacheSpec] | None = None, num_blocks: int = 11, hash_block_size: int | None = None,
-                 enable_caching: bool = True, max_model_len: int = 1024, **kwargs) -> KVCacheManager:
+                 enable_caching: bool = True, max_model_len: int = 1024, num_state_blocks: int = 0,
+                 **kwargs) -> KVCacheManager:
+    """A manager over `specs`, one group each; `num_state_blocks` > 0 gives the state
+    groups a pool of their own."""
     specs = specs or [full_spec()]
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                           kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(specs)])
+                           kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(specs)],
+                           num_state_blocks=num_state_blocks)
     return KVCacheManager(config, max_model_len=max_model_len, hash_block_size=hash_block_size,
                           enable_caching=enable_caching, **kwargs)
 
@@ -77,13 +81,14 @@ def ref_cnts(manager: KVCacheManager, block_ids: list[int]) -> list[int]:
     return [manager.block_pool.blocks[i].ref_cnt for i in block_ids]
 
 
-def holder_counts(manager: KVCacheManager, retained=()) -> dict[int, int]:
+def holder_counts(manager: KVCacheManager, retained=(), pool=None) -> dict[int, int]:
     """Block id -> references the bookkeeping says exist: table entries, pending
-    CoW pairs (both ends) and blocks the caller still retains."""
+    CoW pairs (both ends) and blocks the caller still retains; only `pool`'s blocks
+    when given (a split layout's pools reuse ids)."""
     counts: dict[int, int] = {}
 
     def hold(block) -> None:
-        if not block.is_null:
+        if not block.is_null and (pool is None or pool.owns(block)):
             counts[block.block_id] = counts.get(block.block_id, 0) + 1
 
     for type_manager in manager.coordinator.single_type_managers:
@@ -99,5 +104,6 @@ def holder_counts(manager: KVCacheManager, retained=()) -> dict[int, int]:
 
 
 def check(manager: KVCacheManager, retained=()) -> None:
-    manager.block_pool.check_invariants(holder_counts(manager, retained))
+    for pool in manager.block_pool.pools:
+        pool.check_invariants(holder_counts(manager, retained, pool))
 

@@ -2,6 +2,7 @@
 import pytest
 
 from kvserve.kv_cache.interface import FullAttentionSpec, SlidingWindowSpec
+from kvserve.kv_cache.layout import num_pages
 from kvserve.kv_cache.utils import get_kv_cache_config, get_scheduler_block_size, kv_cache_group_block_sizes
 
 FULL = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype="float32")  # 2*16*2*8*4 = 2048 B
@@ -12,7 +13,7 @@ SMALL = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=8, dtype="bfl
 def _check_tensors_fit(config, layer_specs):
     for tensor in config.kv_cache_tensors:
         for name in tensor.shared_by:
-            assert layer_specs[name].page_size_bytes * config.num_blocks <= tensor.size
+            assert layer_specs[name].page_size_bytes * num_pages(config, layer_specs[name]) <= tensor.size
 
 
 def test_one_group_gets_one_tensor_per_layer():
@@ -63,7 +64,11 @@ def test_state_layers_share_no_tensor_with_attention_layers():
     config = get_kv_cache_config(layer_specs, available_memory_bytes=10**6)
     shared = [set(t.shared_by) for t in config.kv_cache_tensors]
     assert {"s0"} in shared and {"s1"} in shared and {"a", "b"} in shared and len(shared) == 3
-    assert config.num_blocks == 10**6 // (2048 + 2 * 224)
+    # Default sizing (64 running requests, 2048 tokens a step, caching on, block 16): twice
+    # 3 * 64 + 2 * (2048 // 16) = 448 slots in use at once, plus the null block.
+    assert config.num_state_blocks == 2 * 448 + 1
+    assert config.num_blocks == (10**6 - 897 * 2 * 224) // 2048
+    assert [t.size for t in config.kv_cache_tensors if t.shared_by == ["s0"]] == [897 * 224]
     _check_tensors_fit(config, layer_specs)
 
 

@@ -28,7 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvserve.kv_cache.interface import CircularBufferSpec, SlidingWindowSpec, StateSpec
 
 from helpers.kv_blocks import state_step_slots
-from kv_helpers import circular_spec, free_queue_ids, full_spec, holder_counts, make_manager, sliding_spec, state_spec
+from kv_helpers import circular_spec, full_spec, holder_counts, ids, make_manager, sliding_spec, state_spec
 
 _BASES = [[random.Random(seed).randrange(1, 6) for _ in range(40)] for seed in range(3)]
 
@@ -37,11 +37,13 @@ class KVCacheTrace(RuleBasedStateMachine):
     specs = [full_spec(4)]
     hash_block_size = 4
     num_blocks = 24
+    num_state_blocks = 0  # > 0: the state groups' own pool
     chunk_sizes = st.sampled_from([3, 8, 64])
 
     @initialize()
     def setup(self) -> None:
-        self.manager = make_manager(self.specs, num_blocks=self.num_blocks, hash_block_size=self.hash_block_size)
+        self.manager = make_manager(self.specs, num_blocks=self.num_blocks, hash_block_size=self.hash_block_size,
+                                    num_state_blocks=self.num_state_blocks)
         self.running: dict[str, object] = {}
         self.scheduled: dict[str, tuple[object, int, tuple[list[int], ...]]] = {}
         self.deferred: list[tuple[int, list]] = []   # (fence step, blocks in eviction order)
@@ -54,8 +56,9 @@ class KVCacheTrace(RuleBasedStateMachine):
     # ---------------------------------------------------------------- helpers
 
     def _snapshot(self):
-        pool = self.manager.block_pool
-        return free_queue_ids(self.manager), [b.ref_cnt for b in pool.blocks], {
+        pools = self.manager.block_pool.pools
+        return [ids(p.free_block_queue.get_all_free_blocks()) for p in pools], [
+            [b.ref_cnt for b in p.blocks] for p in pools], {
             i: list(m.req_to_blocks.get(rid, [])) for i, m in enumerate(self.manager.coordinator.single_type_managers)
             for rid in list(m.req_to_blocks)}
 
@@ -204,20 +207,21 @@ class KVCacheTrace(RuleBasedStateMachine):
 
     @rule()
     def reset_prefix_cache(self) -> None:
-        idle = self.manager.block_pool.get_num_free_blocks() == self.num_blocks - 1
+        pools = self.manager.block_pool.pools
+        idle = all(pool.get_num_free_blocks() == pool.num_gpu_blocks - 1 for pool in pools)
         assert self.manager.reset_prefix_cache() == idle
         if idle:
-            assert not self.manager.block_pool.cached_block_hash_to_block
+            assert not any(pool.cached_block_hash_to_block for pool in pools)
 
     # ---------------------------------------------------------------- invariants
 
     @invariant()
     def bookkeeping_is_consistent(self) -> None:
         extra = [block for _, blocks in self.deferred + self.retained for block in blocks]
-        holders = holder_counts(self.manager, extra)
-        pool = self.manager.block_pool
-        pool.check_invariants(holders)
-        assert pool.get_num_free_blocks() + len(holders) == self.num_blocks - 1
+        for pool in self.manager.block_pool.pools:
+            holders = holder_counts(self.manager, extra, pool)
+            pool.check_invariants(holders)
+            assert pool.get_num_free_blocks() + len(holders) == pool.num_gpu_blocks - 1
 
     def teardown(self) -> None:
         if not hasattr(self, "manager"):
@@ -230,11 +234,12 @@ class KVCacheTrace(RuleBasedStateMachine):
         for _, blocks in self.deferred + self.retained:
             pool.free_blocks(blocks)
         pool.free_blocks(retained)
-        pool.check_invariants({})
-        assert pool.get_num_free_blocks() == self.num_blocks - 1
+        for each in pool.pools:
+            each.check_invariants({})
+            assert each.get_num_free_blocks() == each.num_gpu_blocks - 1
         assert self.manager.usage == 0.0
         assert self.manager.reset_prefix_cache()
-        assert all(block.block_hash is None for block in pool.blocks)
+        assert all(block.block_hash is None for each in pool.pools for block in each.blocks)
 
 
 class OneGroupCoW(KVCacheTrace):
@@ -262,6 +267,14 @@ class FullSlidingAndState(KVCacheTrace):
     num_blocks = 48
 
 
+class FullSlidingAndSplitState(KVCacheTrace):
+    """The state group in a pool of its own (#29), short enough to run out: state slot ids
+    reuse the attention ids, frees of mixed lists reach the right pool."""
+    specs = [full_spec(4), sliding_spec(4, window=8), state_spec(4)]
+    num_blocks = 32
+    num_state_blocks = 14
+
+
 class StateOnly(KVCacheTrace):
     specs = [state_spec(4)]
     num_blocks = 24
@@ -272,7 +285,8 @@ _SETTINGS = settings(max_examples=40, stateful_step_count=40, deadline=None,
 
 
 @pytest.mark.parametrize("machine", [KVCacheTrace, OneGroupCoW, FullAndSlidingWindow, TwoFullGroupsCoW,
-                                     FullAndCircular, FullSlidingAndState, StateOnly], ids=lambda m: m.__name__)
+                                     FullAndCircular, FullSlidingAndState, FullSlidingAndSplitState, StateOnly],
+                         ids=lambda m: m.__name__)
 def test_random_traces_keep_invariants(machine):
     machine.TestCase.settings = _SETTINGS
     machine.TestCase().runTest()

@@ -18,6 +18,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QType  # noqa: E402
 from helpers.gguf_writer import write_gguf  # noqa: E402
 from helpers.kernel_switches import env_kernels  # noqa: E402
+from helpers.float_order import TINY_MODEL_REORDER_BOUND, float32_reorder_bound  # noqa: E402
 from helpers.activation_rounding import (bfloat16_half_step, max_deviation, quantized_half_steps,  # noqa: E402
                                          rounding_bound)
 
@@ -44,9 +45,9 @@ def test_float32_gguf_matches_transformers(tmp_path, family):
     generator = torch.Generator().manual_seed(0)
     prompts = {f"r{i}": torch.randint(3, VOCAB, (n,), generator=generator).tolist() for i, n in enumerate([7, 19])}
     tokens, logits = run_greedy(PagedRunner(load_model(config)), prompts, 4, chunk=8)
-    # Same float32 weights, math in another order (teacher forced on our tokens): as
-    # MAX_LOGIT_DIFF of test_model_vs_transformers.py.
-    assert_hf_logits_close(hf, prompts, tokens, logits, 1e-4)
+    # Same float32 weights, math in another order (teacher forced on our tokens):
+    # tests/helpers/float_order.py derives the bound.
+    assert_hf_logits_close(hf, prompts, tokens, logits, TINY_MODEL_REORDER_BOUND)
     # transformers' GGUF reader ignores head_dim (Qwen3) and the query scalar (Gemma-2): only
     # where it reads every field does it serve as an oracle for the file written here.
     if family in ("llama", "qwen2"):
@@ -104,10 +105,10 @@ def test_default_gguf_model_matches_transformers_gguf_loading():
                "story": "Once upon a time, in a small village,"}
     ids = {key: tokenizer(text)["input_ids"] for key, text in prompts.items()}
     tokens, logits = run_greedy(PagedRunner(ours, block_size=16, num_blocks=64), ids, 8, chunk=5)
-    # Same dequantized weights, float32 math in another order, both fed our tokens: 30 layers
-    # and a 49k vocabulary of logits of order 10-30 compound float32 rounding (2**-24 relative
-    # per addition, sums of up to 1536 terms) to well under 1e-3.
-    assert_hf_logits_close(theirs, ids, tokens, logits, 1e-3)
+    # Same dequantized weights, float32 math in another order, both fed our tokens: 30 layers,
+    # sums of up to 1,536 terms (the MLP's down projection), the probabilistic bound of
+    # tests/helpers/float_order.py.
+    assert_hf_logits_close(theirs, ids, tokens, logits, float32_reorder_bound(30, 1536, likely=True))
 
 
 @pytest.mark.parametrize("act_bits", [8, 16])

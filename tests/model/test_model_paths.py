@@ -5,7 +5,8 @@ per-op path (`model/decoder.py`, torch modules op by op: the reference) and the 
 path (`native/csrc/decoder/fused_decoder.c`, every layer of a small step in one native
 call). Each feature of `ModelConfig` (a row of FEATURES) is run on both paths, with the
 same tokens fed whatever the logits say (teacher forcing: prompt chunks of 2 and single
-decode steps, so the fast path takes the prompts over cached context too), and both
+decode steps, so the fast path takes the prompts over cached context too; hybrids with
+recurrent-state layers one token a step, the steps the fast path runs them in), and both
 paths' float32 logits are compared with transformers' in float64 (an independent
 implementation, near exact). A feature added to `ModelConfig` fails
 `test_every_model_config_field_is_a_row_or_not_a_feature` until it has a row here, so
@@ -28,6 +29,8 @@ from kvserve.native import cpu_kernels
 from paged_kv_helper import VOCAB, PagedRunner, load_hf, run_teacher_forced, tiny_hf_config
 
 from helpers.native_steps import count_native_steps
+from helpers.tiny_models import GATED_DELTANET_FAMILIES, tiny_gated_deltanet_config
+from hybrid_runner import HybridRunner
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no native kernels")
 
@@ -52,6 +55,14 @@ FEATURES = {
     "local RoPE on sliding layers": ("gemma3", {}, lambda c: c.rope_local is not None),
     "linear RoPE scaling": ("gemma3", {}, lambda c: c.rope.rope_type == "linear"),
     "head_dim apart from hidden / heads": ("qwen3", {}, lambda c: c.head_dim * c.num_heads != c.hidden_size),
+    # Qwen3.5 (dense): driven by HybridRunner (a state group beside the attention one), one token
+    # a step (the native decoder runs state layers at decode steps only), so every step native.
+    "Gated DeltaNet layers, key heads shared by value heads": (
+        "qwen3_5", {}, lambda c: "linear_attention" in c.layer_types
+        and c.linear_num_value_heads > c.linear_num_key_heads and c.linear_conv_kernel_dim > 1
+        and c.linear_key_head_dim != c.linear_value_head_dim),
+    "attention output gated by sigmoid": ("qwen3_5", {}, lambda c: c.attn_output_gate),
+    "partial RoPE": ("qwen3_5", {}, lambda c: c.rope.partial_rotary_factor < 1.0),
 }
 # Features the native decoder declines (`NativeDecoder.for_model` returns None): the fast
 # path falls back to the per-op path for every step, and both stay within the bound.
@@ -72,16 +83,14 @@ FEATURE_FIELDS = {"num_kv_heads", "tie_word_embeddings", "attention_bias", "qk_n
                   "hidden_act", "rope_local", "head_dim", "family", "num_experts", "num_experts_per_tok",
                   "moe_intermediate_size", "norm_topk_prob", "sparse_layers", "qk_norm_per_head", "clip_qkv",
                   "softmax_after_topk", "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha",
-                  "attention_sinks", "o_proj_bias"}
-# Hybrid models' fields: Granite's (Mamba-2 layers over state slots, a shared expert, NoPE
-# attention, Granite's multipliers; tests/model/test_granite_hybrid.py) and Qwen3-Next / Qwen3.5's
-# (Gated DeltaNet layers, gated attention output, a gated shared expert;
-# tests/model/test_gated_deltanet_models.py). The native decoder declines these models and those
-# tests run the per-op path against transformers (PagedRunner drives no state group).
+                  "attention_sinks", "o_proj_bias", "linear_num_key_heads", "linear_num_value_heads",
+                  "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "attn_output_gate"}
+# Hybrid models' fields the native decoder declines: Granite's (Mamba-2 layers over state slots,
+# a shared expert, NoPE attention, Granite's multipliers; tests/model/test_granite_hybrid.py) and
+# Qwen3-Next's gated shared expert (tests/model/test_gated_deltanet_models.py); those tests run the
+# per-op path against transformers.
 HYBRID_FIELDS = {"mamba", "use_rope", "shared_expert_size", "embedding_multiplier", "residual_multiplier",
-                 "logits_scaling", "attention_multiplier",
-                 "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-                 "linear_conv_kernel_dim", "attn_output_gate", "shared_expert_intermediate_size"}
+                 "logits_scaling", "attention_multiplier", "shared_expert_intermediate_size"}
 # Identity, sizes and token ids: the same arithmetic on both paths whatever their value.
 NOT_FEATURES = {"path", "is_gguf", "architecture", "model_type", "num_layers", "hidden_size", "intermediate_size",
                 "num_heads", "vocab_size", "max_position_embeddings", "max_model_len", "dtype", "quantization",
@@ -110,7 +119,7 @@ def outcomes(tmp_path_factory):
 def _save_model(family: str, changes: dict, path) -> str:
     """The tiny model of `family` with `changes` to its config, random weights, float32."""
     torch.manual_seed(0)
-    config = tiny_hf_config(family)
+    config = tiny_gated_deltanet_config(family, VOCAB) if family in GATED_DELTANET_FAMILIES else tiny_hf_config(family)
     for name, value in changes.items():
         setattr(config, name, value)
     transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval().save_pretrained(str(path))
@@ -123,12 +132,14 @@ def _run_both_paths(family: str, changes: dict, path) -> dict:
     generator = torch.Generator().manual_seed(3)
     sequences = {f"r{i}": torch.randint(3, VOCAB, (n,), generator=generator).tolist() for i, n in enumerate(LENGTHS)}
     prompt_lens = dict(zip(sequences, PROMPT_LENS))
+    hybrid = family in GATED_DELTANET_FAMILIES
+    runner, chunk = (HybridRunner, 1) if hybrid else (PagedRunner, 2)
     per_op_model = load_model(config)
     per_op_model._native = None  # decided: this model never takes the native call
-    per_op = run_teacher_forced(PagedRunner(per_op_model, block_size=4), sequences, prompt_lens, chunk=2)
+    per_op = run_teacher_forced(runner(per_op_model, block_size=4), sequences, prompt_lens, chunk=chunk)
     with pytest.MonkeyPatch.context() as patch:
         native_steps = count_native_steps(patch)
-        fast = run_teacher_forced(PagedRunner(load_model(config), block_size=4), sequences, prompt_lens, chunk=2)
+        fast = run_teacher_forced(runner(load_model(config), block_size=4), sequences, prompt_lens, chunk=chunk)
     hf = load_hf(path)
     reference32, reference64 = {}, {}
     with torch.inference_mode():
@@ -138,7 +149,7 @@ def _run_both_paths(family: str, changes: dict, path) -> dict:
         hf = hf.double()
         for req_id, tokens in sequences.items():
             reference64[req_id] = hf(torch.tensor([tokens])).logits[0, prompt_lens[req_id] - 1:]
-    num_steps = max(-(-p // 2) + n - p for p, n in zip(PROMPT_LENS, LENGTHS))
+    num_steps = max(-(-p // chunk) + n - p for p, n in zip(PROMPT_LENS, LENGTHS))
     return dict(config=config, per_op=per_op, fast=fast, native_steps=native_steps[0], num_steps=num_steps,
                 reference32=reference32, reference64=reference64)
 
@@ -170,8 +181,8 @@ def test_both_model_paths_compute_each_feature(outcomes, feature):
     family, changes, has_feature = FEATURES.get(feature) or DECLINED_FEATURES[feature]
     outcome = outcomes(family, changes)
     assert has_feature(outcome["config"]), f"the tiny {family} model does not have {feature}"
-    # Every decode step and every 2-token prompt chunk runs natively (3 requests x 2 <= 8 tokens),
-    # or none where the native decoder declines the model.
+    # Every decode step and every 2-token prompt chunk (1-token on hybrids) runs natively (3
+    # requests x 2 <= 8 tokens), or none where the native decoder declines the model.
     assert outcome["native_steps"] == (0 if feature in DECLINED_FEATURES else outcome["num_steps"])
     bound = _bound(outcome)
     assert _largest_error(outcome["per_op"], outcome["reference64"]) <= bound

@@ -16,7 +16,7 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from helpers.kernel_switches import env_kernels
 from helpers.native_steps import record_step_sizes
-from paged_kv_helper import PagedRunner, assert_same_greedy, load_hf, random_prompts, run_greedy, save_tiny_model
+from paged_kv_helper import PagedRunner, load_hf, random_prompts, run_greedy, save_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None or quantized.kernel_isa() is None,
                                 reason="no native kernels")
@@ -31,10 +31,8 @@ PANEL_PATHS = [path for path in isa_table.ISAS if dispatch.available("quant_gemm
 # middle between two steps rounds one step apart (seen on Intel Xeons, not on AMD Zen 5). So
 # each path's logits must lie within the bound that activation rounding allows of the float32
 # model (tests/helpers/activation_rounding.py, derived per run), the two within twice it.
-# Weights held repacked (int16 activations) take the panel GEMM from 4 rows, which rounds
-# weights and inputs to bfloat16 on AVX-512; that rounding is not modelled yet, so there the
-# two paths are compared directly, within float32 rounding of each other (MAX_LOGIT_DIFF).
-MAX_LOGIT_DIFF = 1e-4
+# Weights held repacked (int16 activations) take the panel GEMM from 4 rows, which on AVX-512
+# rounds weights and inputs to bfloat16: `repacked_half_steps` draws that rounding too.
 
 
 @pytest.fixture(scope="module")
@@ -80,20 +78,18 @@ def _assert_same(ours, ref, path: str, prompts: dict[str, list[int]], **switches
     float orders is no failure); each within the activation-rounding bound of the float32
     model run on the same tokens, so within twice it of each other."""
     import torch
-    from helpers.activation_rounding import max_deviation, quantized_half_steps, rounding_bound
+    from helpers.activation_rounding import max_deviation, quantized_half_steps, repacked_half_steps, rounding_bound
     from paged_kv_helper import every_token_logits
 
     (tokens, logits), (ref_tokens, ref_logits) = ours, ref
-    if switches.get("quant_act_bits") == 16:  # repacked: see MAX_LOGIT_DIFF
-        assert_same_greedy(ours, ref, MAX_LOGIT_DIFF)
-        return
     assert tokens == ref_tokens
     held = load_model(ModelConfig.from_path(path), kernel_config=env_kernels(**switches))
     plain = load_model(ModelConfig.from_path(path, quantization="none", dtype="float32"))
     plain._native = None  # decided: the per-op path, in float32
     sequences = {r: prompt + tokens[r][:-1] for r, prompt in prompts.items()}
     prompt_lens = {r: len(prompt) for r, prompt in prompts.items()}
-    reference, bound = rounding_bound(plain, quantized_half_steps(plain, held),
+    half_steps = (repacked_half_steps if switches.get("quant_act_bits") == 16 else quantized_half_steps)(plain, held)
+    reference, bound = rounding_bound(plain, half_steps,
                                       lambda model: every_token_logits(model, sequences, prompt_lens))
     stacked = [{r: torch.stack(rows) for r, rows in run.items()} for run in (logits, ref_logits)]
     assert max(max_deviation(run, reference) for run in stacked) <= bound

@@ -19,6 +19,7 @@ from kvserve.model import native_decoder, quantized
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from helpers.kernel_switches import env_kernels
+from helpers.float_order import TINY_MODEL_REORDER_BOUND
 from helpers.activation_rounding import max_deviation, quantized_half_steps, rounding_bound
 from paged_kv_helper import (VOCAB, PagedRunner, every_token_logits, run_greedy, run_teacher_forced,
                              save_tiny_model, tiny_configs)
@@ -30,11 +31,9 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no n
 FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"]
 NUM_NEW = 64
 # Same float32 math on the same tokens; the matmuls sum in another order (the native
-# kernels against oneDNN/MKL, whose kernel choice differs between Intel and AMD). A float32
-# sum of n <= 128 products is off by at most n * 2**-24 (8e-6) of their magnitudes; a dozen
-# such matmuls, the norms and the softmax in series compound it: 1e-4 of the logits' scale
-# (at least 1) leaves room for that, and is far below any real difference.
-MAX_LOGIT_DIFF = 1e-4
+# kernels against oneDNN/MKL, whose kernel choice differs between Intel and AMD):
+# tests/helpers/float_order.py derives the bound.
+MAX_LOGIT_DIFF = TINY_MODEL_REORDER_BOUND
 
 
 @pytest.fixture(scope="module")

@@ -270,7 +270,7 @@ TWO_GROUP_SPECS = [
 THREE_GROUP_SPECS = TWO_GROUP_SPECS + [StateSpec(block_size=BLOCK_SIZE, shapes=((2,), (3, 2)), dtype="float32")]
 
 
-def _check_deferred_frees_match_immediate(specs) -> None:
+def _check_deferred_frees_match_immediate(specs, num_state_blocks: int = 0) -> None:
     """A request aborted while its step is in flight parks its blocks behind the
     step's fence in exactly the order an immediate free would give them to the
     pool: each group's blocks reversed, groups in order. Then, once the fence is
@@ -278,7 +278,7 @@ def _check_deferred_frees_match_immediate(specs) -> None:
     frees at once)."""
     orders = []
     for defer in (True, False):
-        scheduler = _create_deferring_scheduler(kv_cache_specs=specs)
+        scheduler = _create_deferring_scheduler(kv_cache_specs=specs, num_state_blocks=num_state_blocks)
         scheduler.defer_block_free = defer
         driver = StepDriver(scheduler, FakeModelRunner(), async_steps=True)
         request = create_requests(1, num_tokens=NUM_PROMPT_TOKENS, max_tokens=5)[0]
@@ -297,7 +297,7 @@ def _check_deferred_frees_match_immediate(specs) -> None:
             assert parked == per_group_reversed, "parked blocks are not in per-group eviction order"
         driver.run()
         assert_pool_whole(scheduler)
-        orders.append(eviction_order(scheduler.kv_cache_manager.block_pool))
+        orders.append([eviction_order(pool) for pool in scheduler.kv_cache_manager.block_pool.pools])
     assert orders[0] == orders[1], "the deferred path's eviction order is not the immediate path's"
 
 
@@ -311,6 +311,12 @@ def _check_deferred_frees_match_immediate_on_three_groups() -> None:
     _check_deferred_frees_match_immediate(THREE_GROUP_SPECS)
 
 
+def _check_deferred_frees_match_immediate_with_a_state_pool() -> None:
+    """The same with the state group in a pool of its own (#29): the parked list mixes
+    both pools' blocks; each pool gets its own in the immediate path's order."""
+    _check_deferred_frees_match_immediate(THREE_GROUP_SPECS, num_state_blocks=8)
+
+
 def test_two_group_deferred_frees_keep_the_per_group_eviction_order():
     _check_deferred_frees_match_immediate_on_two_groups()
 
@@ -319,8 +325,13 @@ def test_three_group_deferred_frees_keep_the_per_group_eviction_order():
     _check_deferred_frees_match_immediate_on_three_groups()
 
 
+def test_three_group_deferred_frees_keep_the_order_with_a_state_pool():
+    _check_deferred_frees_match_immediate_with_a_state_pool()
+
+
 @pytest.mark.parametrize("check", [_check_deferred_frees_match_immediate_on_two_groups,
-                                   _check_deferred_frees_match_immediate_on_three_groups])
+                                   _check_deferred_frees_match_immediate_on_three_groups,
+                                   _check_deferred_frees_match_immediate_with_a_state_pool])
 def test_a_whole_list_reversal_fails_the_multi_group_checks(monkeypatch, check):
     """The checks above can fail for the right reason: with one KV-cache group a
     whole-list reversal equals the per-group one, with two or three it does not."""

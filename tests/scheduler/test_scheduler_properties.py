@@ -64,6 +64,8 @@ class Trace:
     # A third, recurrent-state group (with `hybrid`; never with speculation, which the
     # runner refuses for state layers).
     state: bool = False
+    # > 0: the state group draws its slots from a pool of its own of this many blocks.
+    num_state_blocks: int = 0
 
 
 @st.composite
@@ -84,6 +86,7 @@ def traces(draw) -> Trace:
         num_spec_tokens=0 if hybrid and state else draw(st.sampled_from([0, 0, 1, 3, 5])),
         draft_model=draw(st.booleans()),
         state=state,
+        num_state_blocks=draw(st.sampled_from([0, 0, 8, 24])) if hybrid and state else 0,
     )
 
 
@@ -95,7 +98,10 @@ class FenceChecker:
         self.driver = driver
         self.kv = scheduler.kv_cache_manager
         self.pool = self.kv.block_pool
+        # The pool the state slots come from (the main pool unless the layout splits).
+        self.state_pool = self.pool.state_pool or self.pool
         self.handed_out: list[int] = []
+        self.state_handed_out: list[int] = []
         self.free_calls: list[list[int]] = []
         self.parked_lists: set[int] = set()
         # Step sequence number -> the whole group-0 tables of the requests it schedules.
@@ -135,6 +141,15 @@ class FenceChecker:
             return copies, retained
 
         pool.get_new_blocks, pool.free_blocks = get_new_blocks_spy, free_blocks_spy
+        if pool.state_pool is not None:
+            get_new_slots = pool.state_pool.get_new_blocks
+
+            def get_new_slots_spy(num_blocks):
+                blocks = get_new_slots(num_blocks)
+                self.state_handed_out.extend(b.block_id for b in blocks)
+                return blocks
+
+            pool.state_pool.get_new_blocks = get_new_slots_spy
         kv.pop_blocks_for_free, kv.take_kv_cache_block_copies = pop_spy, take_copies_spy
 
     def referenced_by_unprocessed_steps(self, exclude_last: bool = False) -> set[int]:
@@ -152,6 +167,7 @@ class FenceChecker:
     def run_op(self, op) -> None:
         before = [(fence, [b.block_id for b in blocks]) for fence, blocks in self.scheduler.deferred_frees]
         self.handed_out.clear()
+        self.state_handed_out.clear()
         self.free_calls.clear()
         op()
         self._check_drained_as_is(before)
@@ -164,6 +180,12 @@ class FenceChecker:
             fenced = self.referenced_by_unprocessed_steps(exclude_last=True)
             assert not fenced & set(self.handed_out), "handed out a block an unprocessed step references"
         self._check_state_slots(out)
+        if self.scheduler.defer_block_free:
+            earlier = list(self.driver.in_flight)[:-1]
+            in_use = {slot for o, _ in earlier for used, _ in self.state_slots_by_step.get(o.step_seq, {}).values()
+                      for slot in used}
+            handed = self.state_handed_out if self.state_pool is not self.pool else self.handed_out
+            assert not in_use & set(handed), "handed out a state slot an unprocessed step uses"
 
     def _check_state_slots(self, out) -> None:
         """Record the state slots the step uses; no slot is shared with another
@@ -194,6 +216,17 @@ class FenceChecker:
                     assert other_id == req_id or not written & used, (
                         f"request {req_id} writes state slots {written & used} that {other_id} uses in flight")
 
+    def _holders(self, pool) -> dict[int, int]:
+        """Block id -> holders of `pool`'s blocks: table entries and parked frees."""
+        holders: dict[int, int] = {}
+        tables = [blocks for manager in self.kv.coordinator.single_type_managers
+                  for blocks in manager.req_to_blocks.values()]
+        for blocks in tables + [blocks for _, blocks in self.scheduler.deferred_frees]:
+            for block in blocks:
+                if not block.is_null and pool.owns(block):
+                    holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        return holders
+
     def state_slots_in_flight(self) -> set[int]:
         return {slot for out, _ in self.driver.in_flight
                 for used, _ in self.state_slots_by_step.get(out.step_seq, {}).values() for slot in used}
@@ -212,22 +245,15 @@ class FenceChecker:
         num_unprocessed = sum(1 for out, _ in self.driver.in_flight if out.num_scheduled_tokens)
         assert scheduler.sched_step_seq - scheduler.processed_step_seq == num_unprocessed
         assert len(scheduler.running) <= scheduler.max_num_running_reqs
-        holders: dict[int, int] = {}
-        for manager in self.kv.coordinator.single_type_managers:
-            for blocks in manager.req_to_blocks.values():
-                for block in blocks:
-                    if not block.is_null:
-                        holders[block.block_id] = holders.get(block.block_id, 0) + 1
         for _, blocks in scheduler.deferred_frees:
             assert id(blocks) in self.parked_lists, "parked a list that is not the immediate path's"
-            for block in blocks:
-                holders[block.block_id] = holders.get(block.block_id, 0) + 1
-        self.pool.check_invariants(expected_ref_cnts=holders)
+        for pool in self.pool.pools:
+            pool.check_invariants(expected_ref_cnts=self._holders(pool))
         if scheduler.defer_block_free:
             for block_id in self.referenced_by_unprocessed_steps():
                 assert self.pool.blocks[block_id].ref_cnt > 0, f"block {block_id} freed while a step references it"
             for block_id in self.state_slots_in_flight():
-                assert self.pool.blocks[block_id].ref_cnt > 0, f"state slot {block_id} freed while a step uses it"
+                assert self.state_pool.blocks[block_id].ref_cnt > 0, f"state slot {block_id} freed while a step uses it"
         if not scheduler.defer_block_free:
             assert not scheduler.deferred_frees
         for request in scheduler.requests.values():
@@ -263,7 +289,7 @@ def _run_trace(trace: Trace) -> StepDriver:
         hash_block_size=None if trace.hybrid else trace.hash_block_size,
         max_num_batched_tokens=trace.budget, max_num_seqs=trace.max_num_seqs, max_model_len=96,
         async_scheduling=trace.async_steps, policy=trace.policy, kv_cache_specs=_specs(trace),
-        speculative_config=_spec_config(trace))
+        speculative_config=_spec_config(trace), num_state_blocks=trace.num_state_blocks)
     runner = FakeModelRunner(eos_token_id=EOS, eos_after=5 if not trace.num_spec_tokens else 9,
                              period=3 if trace.num_spec_tokens else None, block_size=trace.block_size,
                              draft_lookahead=trace.num_spec_tokens if trace.draft_model else 0)
@@ -339,14 +365,17 @@ def test_random_traces_keep_fences_and_pool_whole(trace):
     _run_trace(trace)
 
 
+@pytest.mark.parametrize("num_state_blocks", [0, 14], ids=["one_pool", "state_pool"])
 @pytest.mark.parametrize("async_steps", [False, True])
-def test_a_preemption_heavy_trace_with_a_state_group(async_steps):
+def test_a_preemption_heavy_trace_with_a_state_group(async_steps, num_state_blocks):
     """Full + sliding + state groups in a pool that forces preemptions, with prefix hits
-    on shared prompt families and an abort: state slots stay fenced and unshared."""
+    on shared prompt families and an abort: state slots stay fenced and unshared; also
+    with the state group in a short pool of its own (#29)."""
     ops = [("add", 20, 20, 0, 0, False), ("add", 22, 20, 0, 1, False), ("add", 12, 24, 1, 2, True),
            ("step",), ("step",), ("add", 21, 20, 0, 0, False)] + [("step",)] * 30 + [("abort", 1)] + [("step",)] * 10
-    driver = _run_trace(Trace(num_blocks=36, block_size=4, hash_block_size=None, budget=24, max_num_seqs=4,
-                              async_steps=async_steps, policy="fcfs", ops=ops, hybrid=True, state=True))
+    driver = _run_trace(Trace(num_blocks=36 if not num_state_blocks else 24, block_size=4, hash_block_size=None,
+                              budget=24, max_num_seqs=4, async_steps=async_steps, policy="fcfs", ops=ops,
+                              hybrid=True, state=True, num_state_blocks=num_state_blocks))
     scheduler = driver.scheduler
     assert scheduler.num_preemptions > 0
     state_manager = scheduler.kv_cache_manager.coordinator.single_type_managers[2]

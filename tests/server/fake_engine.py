@@ -49,6 +49,19 @@ class WordRunner(FakeModelRunner):
         return TokenLogprobs(token_id, -0.5, 1, top_ids, [-0.5 - k for k in range(num_top)])
 
 
+class ScriptedRunner(FakeModelRunner):
+    """Writes the same reply to every request: `script`'s token ids, then `eos_id` on and on."""
+
+    def __init__(self, script: list[int], eos_id: int, vocab_size: int) -> None:
+        super().__init__(vocab_size=vocab_size)
+        self.script = script
+        self.eos_id = eos_id
+
+    def token_for(self, request_id: str, position: int, prompt_len: int) -> int:
+        index = position - prompt_len
+        return self.script[index] if index < len(self.script) else self.eos_id
+
+
 class RecordingEngineCore(EngineCore):
     """The real EngineCore, noting which live requests were aborted."""
 
@@ -66,14 +79,20 @@ def server_engine_config(max_model_len: int = 256, max_num_seqs: int = 8) -> Eng
         max_num_seqs=max_num_seqs, max_model_len=max_model_len))
 
 
-def make_fake_async_llm(tokenizer, **kwargs):
-    """An AsyncLLM over the real EngineCore with a fake executor, the real tokenizer and OutputProcessor."""
+def make_fake_async_llm(tokenizer, script: str | None = None, **kwargs):
+    """An AsyncLLM over the real EngineCore with a fake executor, the real tokenizer and OutputProcessor;
+    every reply is `script` (then EOS) where given, else words (`WordRunner`)."""
     from kvserve.engine.async_llm import AsyncLLM
     from kvserve.engine.output_processor import OutputProcessor
 
     engine_kwargs = {k: kwargs.pop(k) for k in ("max_model_len", "max_num_seqs") if k in kwargs}
     config = server_engine_config(**engine_kwargs)
-    runner = WordRunner(tokenizer.encode(WORDS, add_special_tokens=False), config.model_config.vocab_size)
+    vocab_size = config.model_config.vocab_size
+    if script is not None:
+        runner = ScriptedRunner(tokenizer.encode(script, add_special_tokens=False),
+                                config.model_config.eos_token_ids[0], vocab_size)
+    else:
+        runner = WordRunner(tokenizer.encode(WORDS, add_special_tokens=False), vocab_size)
     executor_class = partial(FakeExecutor, runner=runner, step_delay_s=kwargs.pop("step_delay_s", 0.002))
     core = RecordingEngineCore(config, executor_class=executor_class)
     return AsyncLLM(config, engine_core=core, tokenizer=tokenizer,

@@ -165,9 +165,16 @@ def test_kv_cache_shows_each_group_of_a_hybrid_model(tokenizer):
     assert groups["full"]["num_layers"] == 2 and groups["sliding_window"]["num_layers"] == 1
     assert groups["state"]["num_layers"] == 1 and groups["state"]["block_size"] == 16
     assert groups["sliding_window"]["sliding_window"] == 32 and groups["full"]["sliding_window"] is None
-    # One shared pool: every group reports its counts; each group has cached blocks of its own.
-    assert all(group["num_blocks"] == idle["num_blocks"] for group in idle["groups"])
+    # The state group draws from a pool of its own (#29), the others share the main pool:
+    # each group reports its pool's counts and has cached blocks of its own.
+    state_pool = idle["state_pool"]
+    assert state_pool["num_blocks"] == state_pool["blocks_in_use"] + state_pool["blocks_cached"] + state_pool[
+        "blocks_free"]
+    assert {key: groups["state"][key] for key in state_pool} == state_pool
+    attention_groups = [group for group in idle["groups"] if group["kind"] != "state"]
+    assert all(group["num_blocks"] == idle["num_blocks"] for group in attention_groups)
     assert all(group["blocks_cached_for_group"] > 0 for group in idle["groups"])
-    assert sum(group["blocks_cached_for_group"] for group in idle["groups"]) == idle["blocks_cached"]
+    assert sum(group["blocks_cached_for_group"] for group in attention_groups) == idle["blocks_cached"]
+    assert groups["state"]["blocks_cached_for_group"] == state_pool["blocks_cached"]
     # The second request hit: one snapshot restored in the state group, blocks in the others.
     assert groups["state"]["hit_blocks"] == 1 and groups["full"]["hit_blocks"] > 0

@@ -74,3 +74,32 @@ def test_vllm_names_labels_and_kv_block_extensions(tiny_pool_server):
 def test_metrics_stay_open_without_the_key(tiny_pool_server):
     server, _ = tiny_pool_server
     assert httpx.get(server.base_url + "/metrics", timeout=10).status_code == 200
+
+
+def test_a_hybrid_models_state_pool_shows_under_its_group(tokenizer):
+    """Full, sliding-window and state groups, the state group in a pool of its own (#29):
+    `kvserve_kv_cache_blocks` gives each group its pool's counts, the same as `/kv-cache`."""
+    from helpers.scheduler_engine import make_scheduler_async_llm
+
+    from kvserve.kv_cache.interface import FullAttentionSpec, SlidingWindowSpec, StateSpec
+    from kvserve.server.app import build_app
+    from server.conftest import ThreadedServer
+    spec = dict(block_size=16, num_kv_heads=1, head_size=8, dtype="float32")
+    specs = {"layer.0": FullAttentionSpec(**spec), "layer.1": SlidingWindowSpec(**spec, sliding_window=32),
+             "layer.2": StateSpec(block_size=16, shapes=((3, 8), (8,)), dtype="float32")}
+    engine = make_scheduler_async_llm(tokenizer, num_blocks=120, specs=specs)
+    with ThreadedServer(build_app(engine, MODEL)) as server:
+        body = {"model": MODEL, "prompt": "a long enough prompt to fill a few blocks " * 6, "max_tokens": 30}
+        assert httpx.post(server.base_url + "/v1/completions", json=body, timeout=30).status_code == 200
+        with httpx.Client(base_url=server.base_url, timeout=10) as client:
+            idle = wait_idle(client)
+        families = scrape(server.base_url)
+    blocks = families["kvserve_kv_cache_blocks"]
+    pools = {"full": idle, "sliding_window": idle, "state": idle["state_pool"]}
+    for kind, pool in pools.items():
+        by_state = {state: sample(blocks, kind=kind, state=state) for state in ("in_use", "cached", "free")}
+        assert by_state == {"in_use": pool["blocks_in_use"], "cached": pool["blocks_cached"],
+                            "free": pool["blocks_free"]}, kind
+    assert idle["state_pool"]["num_blocks"] != idle["num_blocks"]
+    assert idle["state_pool"]["blocks_cached"] > 0
+    assert sample(families["vllm:kv_cache_usage_perc"]) == 0.0

@@ -2,7 +2,9 @@
 the real scheduler, KV manager, ModelRunner and model: greedy tokens equal transformers'
 `generate` in float32 with chunked prefill, prefix-cache hits restoring states, preemption
 and async scheduling, and a three-turn chat gives the same tokens with prefix caching on
-and off.
+and off. Qwen3.5's decode steps run through the native decoder (its Gated DeltaNet layers
+in the one native call; its teacher-forced logits against the per-op path:
+tests/model/test_native_hybrid_decoder.py); the mixture-of-experts models' keep the per-op path.
 
 Our logits stay within 5e-4 of transformers' scale (derived in
 tests/model/test_gated_deltanet_models.py); only prompts whose greedy run under transformers
@@ -16,6 +18,7 @@ import transformers
 from engine_helpers import assert_pool_whole, greedy_params, make_engine, run_to_completion
 from helpers.tiny_models import (GATED_DELTANET_FAMILIES, min_router_margin, random_token_prompts,
                                  tiny_gated_deltanet_config)
+from helpers.native_steps import count_native_steps
 from helpers.toy_recurrent import state_group_hit_blocks
 from tiny_models import load_reference, reference_greedy
 
@@ -80,6 +83,14 @@ def _bytes_per_block(config, block_size: int = 4) -> int:
     return 4 * (kinds.count("full_attention") * kv_page + kinds.count("linear_attention") * state)
 
 
+def _assert_native_decode(reference, native_steps: list[int]) -> None:
+    """Decode steps went through the native decoder where it covers the model (dense MLPs)."""
+    if getattr(reference.config, "num_experts", 0):
+        assert native_steps[0] == 0
+    else:
+        assert native_steps[0] > 0
+
+
 def _check(core, prompts, expected, first_id: int = 0):
     outputs = run_to_completion(core, prompts, greedy_params(MAX_TOKENS), first_id=first_id)
     assert [outputs[str(first_id + i)] for i in range(len(prompts))] == expected
@@ -87,10 +98,11 @@ def _check(core, prompts, expected, first_id: int = 0):
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_hybrid_engine_matches_transformers_with_state_prefix_hits(model_and_prompts, async_scheduling):
+def test_hybrid_engine_matches_transformers_with_state_prefix_hits(model_and_prompts, async_scheduling, monkeypatch):
     """A mixed batch in chunks of at most 16 tokens; the shared-prefix prompts, sent after the
     first of them finished, restore its state snapshots from the prefix cache."""
-    path, _, prompts, expected, num_distinct = model_and_prompts
+    path, reference, prompts, expected, num_distinct = model_and_prompts
+    native_steps = count_native_steps(monkeypatch)
     core = make_engine(path, async_scheduling=async_scheduling, max_num_batched_tokens=16)
     try:
         first_batch = num_distinct + 1  # the distinct prompts and the first with the shared prefix
@@ -99,19 +111,22 @@ def test_hybrid_engine_matches_transformers_with_state_prefix_hits(model_and_pro
         assert core.get_stats().prefix_cache_hits > 0
         assert state_group_hit_blocks(core)[0] > 0
         assert core.executor.max_tokens_per_step <= 16
+        _assert_native_decode(reference, native_steps)
     finally:
         core.shutdown()
 
 
-def test_hybrid_engine_preemption_matches_transformers(model_and_prompts):
+def test_hybrid_engine_preemption_matches_transformers(model_and_prompts, monkeypatch):
     """A pool of 26 blocks of 4 tokens, too small for every request at once (up to 48 tokens
     each), under async scheduling: victims drop their states and recompute them (from zeros
     or a cached snapshot)."""
     path, reference, prompts, expected, _ = model_and_prompts
+    native_steps = count_native_steps(monkeypatch)
     core = make_engine(path, kv_cache_memory=26 * _bytes_per_block(reference.config), async_scheduling=True)
     try:
         _check(core, prompts, expected)
         assert core.get_stats().num_preemptions > 0
+        _assert_native_decode(reference, native_steps)
     finally:
         core.shutdown()
 

@@ -3,11 +3,15 @@ over the test-only toy hybrid model (toy recurrent + full + sliding layers: thre
 groups), checked teacher forced against the toy's whole-sequence reference
 (`helpers.toy_recurrent`), with prefix caching, chunked prefill, preemption and async
 scheduling."""
+import logging
+
 import pytest
 import torch
 from helpers.greedy_check import GREEDY_SLACK, assert_greedy_continuations
 from helpers.toy_recurrent import (VOCAB_SIZE, ToyReference, build_toy_model, make_toy_engine, reference_logits,
                                    state_group_hit_blocks, toy_model_config)
+
+from kvserve.kv_cache.interface import StateSpec
 
 from engine_helpers import RecordingExecutor, assert_pool_whole, greedy_params, run_to_completion
 
@@ -26,6 +30,36 @@ def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
 def _run(core, prompts, max_tokens: int, first_id: int = 0) -> list[list[int]]:
     tokens = run_to_completion(core, prompts, greedy_params(max_tokens), first_id=first_id)
     return [tokens[str(first_id + i)] for i in range(len(prompts))]
+
+
+def test_the_budget_is_split_between_an_attention_pool_and_a_state_pool(monkeypatch, reference, caplog):
+    """#29: the toy hybrid's state groups get a pool of their own, sized for 8 running requests and
+    steps of 256 tokens (blocks of 4, caching on): 2 * (3 * 8 + 2 * 256 // 4) + 1 = 305 slots; the
+    state layers' tensors have that many slots, the attention layers' the rest of the 1 MiB; the
+    start-up log says how the budget is split; and the engine runs greedy under its reference."""
+    with caplog.at_level(logging.INFO, logger="kvserve.engine.core"):
+        core = make_toy_engine(monkeypatch, RecordingExecutor)
+    try:
+        config = core.kv_cache_config
+        assert config.num_state_blocks == 305
+        runner = core.executor.model_runner
+        specs = runner.get_kv_cache_specs()
+        state_bytes = sum(spec.page_size_bytes for spec in specs.values() if isinstance(spec, StateSpec))
+        # Each attention tensor holds num_blocks pages: their sum over num_blocks is one block id's cost.
+        attention_bytes = sum(t.size for t in config.kv_cache_tensors) - 305 * state_bytes
+        assert attention_bytes % config.num_blocks == 0
+        assert config.num_blocks == ((1 << 20) - 305 * state_bytes) // (attention_bytes // config.num_blocks)
+        for name, cache in runner.kv_caches.items():
+            pages = cache[0].shape[0] if isinstance(cache, tuple) else cache.shape[2]
+            assert pages == (305 if isinstance(cache, tuple) else config.num_blocks), name
+        assert (f"attention pool {config.num_blocks} blocks" in caplog.text
+                and "state pool 305 blocks" in caplog.text), caplog.text
+        prompts = _prompts([5, 17, 26])
+        outputs = _run(core, prompts, max_tokens=6)
+        assert_greedy_continuations(reference, prompts, outputs, num_tokens=6)
+        assert_pool_whole(core)
+    finally:
+        core.shutdown()
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])

@@ -20,12 +20,17 @@ static const int64_t LAYOUT[] = {
     AT(NativeLinear, zero_min), AT(NativeLinear, num_parts), AT(NativeLinear, part_type),
     AT(NativeLinear, part_blocks), AT(NativeLinear, part_end),
 
+    SIZE(NativeDeltaNet), AT(NativeDeltaNet, qkvz), AT(NativeDeltaNet, ba), AT(NativeDeltaNet, out),
+    AT(NativeDeltaNet, conv_weight), AT(NativeDeltaNet, dt_bias), AT(NativeDeltaNet, neg_a), AT(NativeDeltaNet, norm),
+    AT(NativeDeltaNet, conv_states), AT(NativeDeltaNet, delta_states), AT(NativeDeltaNet, isa),
+    AT(NativeDeltaNet, unused),
+
     SIZE(NativeLayer), AT(NativeLayer, qkv), AT(NativeLayer, o), AT(NativeLayer, gate_up), AT(NativeLayer, down),
     AT(NativeLayer, input_norm), AT(NativeLayer, post_attention_norm), AT(NativeLayer, pre_feedforward_norm),
     AT(NativeLayer, post_feedforward_norm), AT(NativeLayer, q_norm), AT(NativeLayer, k_norm),
     AT(NativeLayer, k_cache), AT(NativeLayer, v_cache), AT(NativeLayer, cache_head_stride),
     AT(NativeLayer, block_size), AT(NativeLayer, window), AT(NativeLayer, group), AT(NativeLayer, local_rope),
-    AT(NativeLayer, kv_dtype), AT(NativeLayer, attention_isa),
+    AT(NativeLayer, kv_dtype), AT(NativeLayer, attention_isa), AT(NativeLayer, delta_net),
 
     SIZE(NativeModel), AT(NativeModel, num_layers), AT(NativeModel, hidden), AT(NativeModel, num_heads),
     AT(NativeModel, num_kv_heads), AT(NativeModel, head_dim), AT(NativeModel, intermediate),
@@ -33,11 +38,15 @@ static const int64_t LAYOUT[] = {
     AT(NativeModel, adds_one), AT(NativeModel, sandwich), AT(NativeModel, gelu), AT(NativeModel, panel_rows),
     AT(NativeModel, embed), AT(NativeModel, embed_scale), AT(NativeModel, fewer_barriers),
     AT(NativeModel, reduce_buffer), AT(NativeModel, all_reduce), AT(NativeModel, reduce_ctx),
+    AT(NativeModel, rotary_dim), AT(NativeModel, output_gate), AT(NativeModel, unused), AT(NativeModel, dn_k_heads),
+    AT(NativeModel, dn_v_heads), AT(NativeModel, dn_k_dim), AT(NativeModel, dn_v_dim), AT(NativeModel, dn_conv_width),
 
     SIZE(NativeStep), AT(NativeStep, num_tokens), AT(NativeStep, num_draft_tokens), AT(NativeStep, positions),
     AT(NativeStep, table_row), AT(NativeStep, token_index), AT(NativeStep, block_table),
     AT(NativeStep, block_table_stride), AT(NativeStep, slots), AT(NativeStep, cos), AT(NativeStep, sin),
     AT(NativeStep, cos_local), AT(NativeStep, sin_local), AT(NativeStep, token_ids), AT(NativeStep, rope_by_position),
+    AT(NativeStep, state_read), AT(NativeStep, state_write), AT(NativeStep, state_copy_token),
+    AT(NativeStep, state_copy_slot), AT(NativeStep, state_copies),
 
     SIZE(NativeTokenMask), AT(NativeTokenMask, bitmask), AT(NativeTokenMask, logits_row),
     AT(NativeTokenMask, num_mask_rows), AT(NativeTokenMask, num_words), AT(NativeTokenMask, ready),

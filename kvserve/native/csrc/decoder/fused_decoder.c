@@ -56,6 +56,7 @@ typedef struct {
     float *sum;       /* [T, hidden]: a split matmul's output, its runs added up */
     float *gate_up;   /* [T, 2 * intermediate]: this thread's gate and up columns, side by side */
     float *kv;        /* [T, 2, head_dim]: one KV head's K and V rows */
+    float *dn;        /* [2 Dk + 2 Dv]: a Gated DeltaNet head's q, k, scratch and output */
     int64_t *bounds;  /* a split matmul's run bounds, in blocks */
     const float *out; /* the last layer's output: Shared.out or sum */
     PhaseTimer timer;
@@ -91,6 +92,7 @@ static void spin_barrier(SpinBarrier *b) {
 /* Buffers all threads write (disjoint parts) and then read. */
 typedef struct {
     float *qkv, *attn, *out, *gate_up; /* [T, qkv width], [T, q size], [T, hidden], [T, 2 * intermediate] */
+    float *ba;                         /* Gated DeltaNet: [T, 2 Hv] */
     float *o_runs, *down_runs;         /* a split O / down projection's partial products [runs, T, hidden] */
     int reduce_failed;                 /* set by thread 0 when an all-reduce failed: every thread stops */
 } Shared;
@@ -321,45 +323,72 @@ static void gelu_tanh_mul(const float *gate_up, float *act, int64_t T, int64_t w
         }
 }
 
-/* RoPE of the step's heads x [T, heads, D] (token stride `stride`) with the step's cos/sin rows. */
-static void rope(const NativeStep *st, float *x, int64_t stride, int64_t heads, int64_t D, const float *cos,
-                 const float *sin) {
+/* The query rows of one head in the QKV projection's output: its query, then (output_gate) its gate. */
+static int64_t q_stride(const NativeModel *m) { return m->output_gate ? 2 * m->head_dim : m->head_dim; }
+
+/* The width of the QKV projection's output rows. */
+static int64_t qkv_width(const NativeModel *m) {
+    return m->num_heads * q_stride(m) + 2 * m->num_kv_heads * m->head_dim;
+}
+
+/* The dimensions RoPE rotates (the first ones of each head; cos/sin rows hold as many). */
+static int64_t rotary_dim(const NativeModel *m) { return m->rotary_dim ? m->rotary_dim : m->head_dim; }
+
+/* RoPE of the step's heads x [T, heads] (token stride `stride`, head stride `head_stride`) with
+ * the step's cos/sin rows: the first rotary_dim dimensions of each head. */
+static void rope(const NativeModel *m, const NativeStep *st, float *x, int64_t stride, int64_t head_stride,
+                 int64_t heads, const float *cos, const float *sin) {
+    const int64_t R = rotary_dim(m);
     if (!st->rope_by_position) {
-        kvserve_rotary(x, stride, D, cos, sin, st->num_tokens, heads, D, F32, 1);
+        kvserve_rotary(x, stride, head_stride, cos, sin, st->num_tokens, heads, R, F32, 1);
         return;
     }
     for (int64_t t = 0; t < st->num_tokens; t++)
-        kvserve_rotary(x + t * stride, stride, D, cos + st->positions[t] * D, sin + st->positions[t] * D, 1, heads, D,
-                       F32, 1);
+        kvserve_rotary(x + t * stride, stride, head_stride, cos + st->positions[t] * R, sin + st->positions[t] * R, 1,
+                       heads, R, F32, 1);
+}
+
+/* output_gate: the attention output of tokens [t0, t1), query heads [h0, h1) times sigmoid(gate). */
+static void gate_output(const NativeModel *m, const Shared *s, int64_t t0, int64_t t1, int64_t h0, int64_t h1) {
+    if (!m->output_gate) return;
+    const int64_t D = m->head_dim, width = qkv_width(m), q_size = m->num_heads * D;
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t h = h0; h < h1; h++) {
+            float *out = s->attn + t * q_size + h * D;
+            const float *gate = s->qkv + t * width + h * 2 * D + D;
+            for (int64_t i = 0; i < D; i++) out[i] *= 1.0f / (1.0f + expf(-gate[i]));
+        }
 }
 
 /* Q/K norms, RoPE and K/V write of the KV heads this thread owns; with `attend`, also
  * their attention (writing those heads' query rows of s->attn). */
 static void attention_heads(const NativeModel *m, const NativeLayer *l, const NativeStep *st, const Shared *s,
                             int attend, int tid, int nthreads) {
-    const int64_t T = st->num_tokens, D = m->head_dim, group = m->num_heads / m->num_kv_heads;
-    const int64_t q_size = m->num_heads * D, kv_size = m->num_kv_heads * D, width = q_size + 2 * kv_size;
+    const int64_t T = st->num_tokens, D = m->head_dim, group = m->num_heads / m->num_kv_heads, QS = q_stride(m);
+    const int64_t q_size = m->num_heads * D, q_rows = m->num_heads * QS, kv_size = m->num_kv_heads * D;
+    const int64_t width = qkv_width(m);
     const float *cos = l->local_rope ? st->cos_local : st->cos, *sin = l->local_rope ? st->sin_local : st->sin;
     const int64_t elem = l->kv_dtype == F32 ? 4 : 2;
     for (int64_t h = tid; h < m->num_kv_heads; h += nthreads) {
-        float *q = s->qkv + h * group * D, *k = s->qkv + q_size + h * D, *v = s->qkv + q_size + kv_size + h * D;
+        float *q = s->qkv + h * group * QS, *k = s->qkv + q_rows + h * D, *v = s->qkv + q_rows + kv_size + h * D;
         for (int64_t t = 0; t < T; t++) {
-            if (l->q_norm) kvserve_rms_norm(q + t * width, NULL, l->q_norm, q + t * width, group, D, D, m->eps,
+            if (l->q_norm) kvserve_rms_norm(q + t * width, NULL, l->q_norm, q + t * width, group, D, QS, m->eps,
                                             m->adds_one, F32, 1);
             if (l->k_norm) kvserve_rms_norm(k + t * width, NULL, l->k_norm, k + t * width, 1, D, D, m->eps,
                                             m->adds_one, F32, 1);
         }
-        rope(st, q, width, group, D, cos, sin);
-        rope(st, k, width, 1, D, cos, sin);
+        rope(m, st, q, width, QS, group, cos, sin);
+        rope(m, st, k, width, D, 1, cos, sin);
         char *k_cache = (char *)l->k_cache + h * l->cache_head_stride * elem;
         char *v_cache = (char *)l->v_cache + h * l->cache_head_stride * elem;
         kvserve_store_kv(k, v, width, D, k_cache, v_cache, l->cache_head_stride, st->slots[l->group], NULL, T, 1, D,
                          F32, l->kv_dtype);
         if (!attend) continue;
-        kvserve_paged_attention(q, width, D, k_cache, v_cache, l->cache_head_stride, s->attn + h * group * D, q_size,
+        kvserve_paged_attention(q, width, QS, k_cache, v_cache, l->cache_head_stride, s->attn + h * group * D, q_size,
                                 D, st->token_index, st->positions, st->block_table[l->group],
                                 st->block_table_stride[l->group], st->table_row, T, group, 1, D, l->block_size,
                                 l->window, m->scale, m->softcap, F32, l->kv_dtype, l->attention_isa, 1);
+        gate_output(m, s, 0, T, h * group, (h + 1) * group);
     }
 }
 
@@ -368,13 +397,14 @@ static void attention_heads(const NativeModel *m, const NativeLayer *l, const Na
 static void attention_tokens(const NativeModel *m, const NativeLayer *l, const NativeStep *st, const Shared *s,
                              int tid, int nthreads) {
     const int64_t T = st->num_tokens, D = m->head_dim, q_size = m->num_heads * D;
-    const int64_t width = q_size + 2 * m->num_kv_heads * D, begin = T * tid / nthreads, end = T * (tid + 1) / nthreads;
+    const int64_t width = qkv_width(m), begin = T * tid / nthreads, end = T * (tid + 1) / nthreads;
     if (begin == end) return;
-    kvserve_paged_attention(s->qkv, width, D, l->k_cache, l->v_cache, l->cache_head_stride, s->attn, q_size, D,
+    kvserve_paged_attention(s->qkv, width, q_stride(m), l->k_cache, l->v_cache, l->cache_head_stride, s->attn, q_size, D,
                             st->token_index + begin, st->positions + begin, st->block_table[l->group],
                             st->block_table_stride[l->group], st->table_row + begin, end - begin, m->num_heads,
                             m->num_kv_heads, D, l->block_size, l->window, m->scale, m->softcap, F32, l->kv_dtype,
                             l->attention_isa, 1);
+    gate_output(m, s, begin, end, 0, m->num_heads);
 }
 
 /* A barrier, charged to PHASE_WAIT (the work before it to `phase`). */
@@ -396,14 +426,14 @@ static void query_head_share(const NativeModel *m, int tid, int nthreads, int64_
  * barrier. Each query head's result is the per-KV-head split's exactly. */
 static void attention_query_heads(const NativeModel *m, const NativeLayer *l, const NativeStep *st, const Shared *s,
                                   int tid, int nthreads) {
-    const int64_t T = st->num_tokens, D = m->head_dim, q_size = m->num_heads * D;
-    const int64_t kv_size = m->num_kv_heads * D, width = q_size + 2 * kv_size, group = m->num_heads / m->num_kv_heads;
+    const int64_t T = st->num_tokens, D = m->head_dim, q_size = m->num_heads * D, QS = q_stride(m);
+    const int64_t width = qkv_width(m), group = m->num_heads / m->num_kv_heads;
     const int64_t elem = l->kv_dtype == F32 ? 4 : 2;
     int64_t begin, end;
     query_head_share(m, tid, nthreads, &begin, &end);
     for (int64_t first = begin; first < end;) {
         const int64_t h = first / group, last = (h + 1) * group < end ? (h + 1) * group : end;
-        kvserve_paged_attention(s->qkv + first * D, width, D, (char *)l->k_cache + h * l->cache_head_stride * elem,
+        kvserve_paged_attention(s->qkv + first * QS, width, QS, (char *)l->k_cache + h * l->cache_head_stride * elem,
                                 (char *)l->v_cache + h * l->cache_head_stride * elem, l->cache_head_stride,
                                 s->attn + first * D, q_size, D, st->token_index, st->positions,
                                 st->block_table[l->group], st->block_table_stride[l->group], st->table_row, T,
@@ -411,6 +441,7 @@ static void attention_query_heads(const NativeModel *m, const NativeLayer *l, co
                                 l->attention_isa, 1);
         first = last;
     }
+    gate_output(m, s, 0, T, begin, end);
 }
 
 /* Before attention_query_heads, without a barrier between: the Q norms and RoPE of this
@@ -420,18 +451,18 @@ static void attention_query_heads(const NativeModel *m, const NativeLayer *l, co
  * neither waits for the other's write; each KV head's values are attention_heads' exactly. */
 static void query_share_kv(const NativeModel *m, const NativeLayer *l, const NativeStep *st, const Shared *s,
                            Private *p, int tid, int nthreads) {
-    const int64_t T = st->num_tokens, D = m->head_dim, group = m->num_heads / m->num_kv_heads;
-    const int64_t q_size = m->num_heads * D, kv_size = m->num_kv_heads * D, width = q_size + 2 * kv_size;
+    const int64_t T = st->num_tokens, D = m->head_dim, group = m->num_heads / m->num_kv_heads, QS = q_stride(m);
+    const int64_t q_size = m->num_heads * QS, kv_size = m->num_kv_heads * D, width = qkv_width(m);
     const float *cos = l->local_rope ? st->cos_local : st->cos, *sin = l->local_rope ? st->sin_local : st->sin;
     const int64_t elem = l->kv_dtype == F32 ? 4 : 2;
     int64_t begin, end;
     query_head_share(m, tid, nthreads, &begin, &end);
     if (begin == end) return;
-    float *q = s->qkv + begin * D;
+    float *q = s->qkv + begin * QS;
     for (int64_t t = 0; t < T && l->q_norm; t++)
-        kvserve_rms_norm(q + t * width, NULL, l->q_norm, q + t * width, end - begin, D, D, m->eps, m->adds_one, F32,
+        kvserve_rms_norm(q + t * width, NULL, l->q_norm, q + t * width, end - begin, D, QS, m->eps, m->adds_one, F32,
                          1);
-    rope(st, q, width, end - begin, D, cos, sin);
+    rope(m, st, q, width, QS, end - begin, cos, sin);
     for (int64_t h = begin / group; h <= (end - 1) / group; h++) {
         for (int64_t t = 0; t < T; t++) {
             float *k = p->kv + t * 2 * D;
@@ -439,7 +470,7 @@ static void query_share_kv(const NativeModel *m, const NativeLayer *l, const Nat
             memcpy(k + D, s->qkv + t * width + q_size + kv_size + h * D, sizeof(float) * (size_t)D);
             if (l->k_norm) kvserve_rms_norm(k, NULL, l->k_norm, k, 1, D, D, m->eps, m->adds_one, F32, 1);
         }
-        rope(st, p->kv, 2 * D, 1, D, cos, sin);
+        rope(m, st, p->kv, 2 * D, D, 1, cos, sin);
         kvserve_store_kv(p->kv, p->kv + D, 2 * D, D, (char *)l->k_cache + h * l->cache_head_stride * elem,
                          (char *)l->v_cache + h * l->cache_head_stride * elem, l->cache_head_stride,
                          st->slots[l->group], NULL, T, 1, D, F32, l->kv_dtype);
@@ -489,7 +520,7 @@ static void qkv_projection(const NativeModel *m, const NativeLayer *l, int64_t T
                            const Shared *s, int tid, int nthreads) {
     const int64_t D = m->head_dim, group = m->num_heads / m->num_kv_heads;
     const int64_t q_size = m->num_heads * D, kv_size = m->num_kv_heads * D;
-    if (!m->fewer_barriers || !by_query_heads(m, T, nthreads) || D % 16) {
+    if (!m->fewer_barriers || !by_query_heads(m, T, nthreads) || D % 16 || m->output_gate) {
         linear_rows(m, &l->qkv, p->x, T, plain, p, s->qkv, tid, nthreads);
         wait_all(p, PHASE_QKV);
         return;
@@ -563,6 +594,128 @@ static const float *attention_and_o(const NativeModel *m, const NativeLayer *l, 
     return p->sum;
 }
 
+/* ---- Gated DeltaNet layers (NativeDeltaNet; decode steps: token t is request t's one token) ----- */
+
+#define MAX_CONV_WIDTH 16
+
+/* Its projection rows [q | k | v | z]: the convolved channels [q | k | v] (conv_dim), then z. */
+static int64_t dn_conv_dim(const NativeModel *m) {
+    return 2 * m->dn_k_heads * m->dn_k_dim + m->dn_v_heads * m->dn_v_dim;
+}
+static int64_t dn_width(const NativeModel *m) { return dn_conv_dim(m) + m->dn_v_heads * m->dn_v_dim; }
+
+/* The state token t wrote also goes to its copy slots (snapshots): `count` floats `stride` apart
+ * from `from`, to `offset` in each copy slot of states [slots, slot_size]. */
+static void copy_state(const NativeStep *st, int g, int64_t t, float *states, int64_t slot_size, int64_t offset,
+                       const float *from, int64_t stride, int64_t count) {
+    for (int64_t i = 0; i < st->state_copies[g]; i++) {
+        if (st->state_copy_token[g][i] != t) continue;
+        float *to = states + st->state_copy_slot[g][i] * slot_size + offset;
+        for (int64_t j = 0; j < count; j++) to[j * stride] = from[j * stride];
+    }
+}
+
+/* This thread's channels of the short causal convolution (+ SiLU) over each token's conv
+ * state, in place in the projection's rows qkv [T, dn_width]; the state (its last K - 1
+ * inputs) moved on by the token into the write slot and the copies. Each channel's old state
+ * is read before its new one is written: the read and write slots may be one. */
+static void dn_conv(const NativeModel *m, const NativeLayer *l, const NativeStep *st, float *qkv, int tid,
+                    int nthreads) {
+    const NativeDeltaNet *dn = l->delta_net;
+    const int64_t K = m->dn_conv_width, rows = K - 1, conv_dim = dn_conv_dim(m), width = dn_width(m);
+    const int64_t slot_size = rows * conv_dim;
+    const int g = l->group;
+    int64_t begin, end;
+    split_rows(conv_dim, 1, tid, nthreads, &begin, &end);
+    for (int64_t t = 0; t < st->num_tokens; t++) {
+        const int64_t read = st->state_read[g][t];
+        const float *old = read >= 0 ? dn->conv_states + read * slot_size : NULL;
+        float *state = dn->conv_states + st->state_write[g][t] * slot_size;
+        float *x = qkv + t * width;
+        for (int64_t c = begin; c < end; c++) {
+            float window[MAX_CONV_WIDTH];
+            for (int64_t j = 0; j < rows; j++) window[j] = old ? old[j * conv_dim + c] : 0.0f;
+            window[rows] = x[c];
+            float sum = 0.0f;
+            for (int64_t j = 0; j < K; j++) sum += dn->conv_weight[c * K + j] * window[j];
+            x[c] = sum / (1.0f + expf(-sum));
+            for (int64_t j = 0; j < rows; j++) state[j * conv_dim + c] = window[j + 1];
+            copy_state(st, g, t, dn->conv_states, slot_size, c, state + c, conv_dim, rows);
+        }
+    }
+}
+
+/* out [n] = x * rsqrt(sum x^2 + 1e-6) * scale (the L2 norm of q and k, as gated_deltanet.py). */
+static void l2_normalized(const float *x, int64_t n, float scale, float *out) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) sum += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(sum + 1e-6f);
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * inv * scale;
+}
+
+/* out [n] = w * (x * rsqrt(mean x^2 + eps)) * silu(z): the gated RMSNorm of one value head. */
+static void gated_norm(const float *x, const float *z, const float *w, int64_t n, float eps, float *out) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) sum += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv) * (z[i] / (1.0f + expf(-z[i])));
+}
+
+/* torch's softplus (beta 1, threshold 20). */
+static float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+/* This thread's value heads of every token: q, k L2-normalized, the gated delta rule on the
+ * head's state (read from the read slot into the write slot, then copied to the copies), the
+ * gated RMSNorm of its output into attn [T, Hv * Dv]. */
+static void dn_heads(const NativeModel *m, const NativeLayer *l, const NativeStep *st, const Shared *s, Private *p,
+                     int tid, int nthreads) {
+    const NativeDeltaNet *dn = l->delta_net;
+    const int64_t Hk = m->dn_k_heads, Hv = m->dn_v_heads, Dk = m->dn_k_dim, Dv = m->dn_v_dim;
+    const int64_t key = Hk * Dk, width = dn_width(m), conv_dim = dn_conv_dim(m), group = Hv / Hk;
+    const int64_t head_size = Dk * Dv, slot_size = Hv * head_size;
+    const float q_scale = (float)(1.0 / sqrt((double)Dk));
+    const int g = l->group;
+    float *q = p->dn, *k = q + Dk, *scratch = k + Dk, *out = scratch + Dv;
+    int64_t begin, end;
+    split_rows(Hv, 1, tid, nthreads, &begin, &end);
+    for (int64_t t = 0; t < st->num_tokens; t++) {
+        const int64_t read = st->state_read[g][t], write = st->state_write[g][t];
+        const float *row = s->qkv + t * width, *b = s->ba + t * 2 * Hv, *a = b + Hv;
+        for (int64_t h = begin; h < end; h++) {
+            const int64_t kh = h / group;
+            l2_normalized(row + kh * Dk, Dk, q_scale, q);
+            l2_normalized(row + key + kh * Dk, Dk, 1.0f, k);
+            float *state = dn->delta_states + write * slot_size + h * head_size;
+            if (read < 0)
+                memset(state, 0, sizeof(float) * (size_t)head_size);
+            else if (read != write)
+                memcpy(state, dn->delta_states + read * slot_size + h * head_size, sizeof(float) * (size_t)head_size);
+            const float beta = 1.0f / (1.0f + expf(-b[h]));
+            const float decay = expf(dn->neg_a[h] * softplus(a[h] + dn->dt_bias[h]));
+            kvserve_gated_delta_head(state, k, q, row + 2 * key + h * Dv, decay, beta, Dk, Dv, scratch, out, dn->isa);
+            copy_state(st, g, t, dn->delta_states, slot_size, h * head_size, state, 1, head_size);
+            gated_norm(out, row + conv_dim + h * Dv, dn->norm, Dv, m->eps, s->attn + t * Hv * Dv + h * Dv);
+        }
+    }
+}
+
+/* A Gated DeltaNet layer's mixer of x = p->x; returns its output [T, hidden] (Shared.out). */
+static const float *delta_net(const NativeModel *m, const NativeLayer *l, const NativeStep *st, Private *p,
+                              Shared *s, int64_t plain, int tid, int nthreads) {
+    const NativeDeltaNet *dn = l->delta_net;
+    const int64_t T = st->num_tokens;
+    linear_rows(m, &dn->qkvz, p->x, T, plain, p, s->qkv, tid, nthreads);
+    linear_rows(m, &dn->ba, p->x, T, plain, p, s->ba, tid, nthreads);
+    wait_all(p, PHASE_QKV);
+    dn_conv(m, l, st, s->qkv, tid, nthreads);
+    wait_all(p, PHASE_ATTENTION);
+    dn_heads(m, l, st, s, p, tid, nthreads);
+    wait_all(p, PHASE_ATTENTION);
+    linear_rows(m, &dn->out, s->attn, T, plain, p, s->out, tid, nthreads);
+    wait_all(p, PHASE_O);
+    return s->out;
+}
+
 /* act [T, width] = the gate activation of gate_up [T, 2 * width] (gate, then up, per row). */
 static void gate_activation(const NativeModel *m, const float *gate_up, float *act, int64_t T, int64_t width) {
     if (m->gelu)
@@ -625,8 +778,13 @@ static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *
         norm(m, first ? p->residual : p->out, first ? NULL : p->residual, l->input_norm, p->x, T);
     }
     phase_mark(&p->timer, PHASE_NORMS);
-    qkv_projection(m, l, T, plain, p, s, tid, nthreads);
-    const float *o_out = attention_and_o(m, l, st, p, s, plain, tid, nthreads);
+    const float *o_out;
+    if (l->delta_net) {
+        o_out = delta_net(m, l, st, p, s, plain, tid, nthreads);
+    } else {
+        qkv_projection(m, l, T, plain, p, s, tid, nthreads);
+        o_out = attention_and_o(m, l, st, p, s, plain, tid, nthreads);
+    }
     if (!o_out) return;
     if (m->sandwich) {
         norm(m, o_out, NULL, l->post_attention_norm, p->x, T);
@@ -644,9 +802,11 @@ static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *
     }
 }
 
+static int64_t max2(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* The widest input of any projection (the Gated DeltaNet output projection's: Hv * Dv). */
 static int64_t max_width(const NativeModel *m) {
-    int64_t widest = m->hidden > m->intermediate ? m->hidden : m->intermediate;
-    return widest > m->num_heads * m->head_dim ? widest : m->num_heads * m->head_dim;
+    return max2(max2(m->hidden, m->intermediate), max2(m->num_heads * m->head_dim, m->dn_v_heads * m->dn_v_dim));
 }
 
 /* This thread's vocabulary rows of the logits (after a barrier: `hidden` is complete). */
@@ -755,17 +915,20 @@ static void finish(const NativeModel *m, const NativeLogits *lg, const NativeSte
 int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *layers, const NativeStep *st,
                                    float *hidden, const NativeLogits *lg, int num_threads) {
     const int64_t T = st->num_tokens, H = m->hidden, I = m->intermediate, W = max_width(m);
-    const int64_t qkv_width = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
+    const int64_t mixer_in = max2(qkv_width(m), dn_width(m)), mixer_out = max2(m->num_heads * m->head_dim,
+                                                                                m->dn_v_heads * m->dn_v_dim);
+    if (m->dn_conv_width > MAX_CONV_WIDTH) return 1;
     if (st->token_ids)
         for (int64_t t = 0; t < T; t++)
             if (st->token_ids[t] < 0 || st->token_ids[t] >= m->embed.out) return 2;
-    Shared s = {malloc(sizeof(float) * (size_t)(T * qkv_width)),
-                malloc(sizeof(float) * (size_t)(T * m->num_heads * m->head_dim)),
+    Shared s = {malloc(sizeof(float) * (size_t)(T * mixer_in)),
+                malloc(sizeof(float) * (size_t)(T * mixer_out)),
                 m->all_reduce ? m->reduce_buffer : malloc(sizeof(float) * (size_t)(T * H)),
                 malloc(sizeof(float) * (size_t)(T * 2 * I)),
+                malloc(sizeof(float) * (size_t)(T * 2 * m->dn_v_heads + 1)),
                 malloc(sizeof(float) * (size_t)(max_runs(m->num_heads * m->head_dim) * T * H)),
                 malloc(sizeof(float) * (size_t)(max_runs(I) * T * H)), 0};
-    int failed = !s.qkv || !s.attn || !s.out || !s.gate_up || !s.o_runs || !s.down_runs;
+    int failed = !s.qkv || !s.attn || !s.out || !s.gate_up || !s.ba || !s.o_runs || !s.down_runs;
     SpinBarrier barrier = {0, 0, 1};
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && !failed)
     {
@@ -776,8 +939,10 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
                      malloc(sizeof(float) * (size_t)(2 * T * (W / 32 + 1))),
                      malloc((size_t)kvserve_quant_gemm_panel_bytes(W)), malloc(sizeof(float) * (size_t)(T * H)),
                      malloc(sizeof(float) * (size_t)(T * 2 * I)), malloc(sizeof(float) * (size_t)(T * 2 * m->head_dim)),
+                     malloc(sizeof(float) * (size_t)(2 * m->dn_k_dim + 2 * m->dn_v_dim + 1)),
                      malloc(sizeof(int64_t) * (size_t)(max_runs(W) + 1)), s.out};
-        int ok = p.residual && p.x && p.act && p.qx && p.scales && p.panel && p.sum && p.gate_up && p.kv && p.bounds;
+        int ok = p.residual && p.x && p.act && p.qx && p.scales && p.panel && p.sum && p.gate_up && p.kv && p.dn &&
+                 p.bounds;
         p.barrier = &barrier;
         phase_start(&p.timer);
         if (!ok) {
@@ -800,9 +965,9 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
             phase_finish(&p.timer, tid);
         }
         free(p.residual), free(p.x), free(p.act), free(p.qx), free(p.scales), free(p.panel), free(p.sum),
-            free(p.gate_up), free(p.kv), free(p.bounds);
+            free(p.gate_up), free(p.kv), free(p.dn), free(p.bounds);
     }
-    free(s.qkv), free(s.attn), free(s.gate_up), free(s.o_runs), free(s.down_runs);
+    free(s.qkv), free(s.attn), free(s.gate_up), free(s.ba), free(s.o_runs), free(s.down_runs);
     if (!m->all_reduce) free(s.out);
     return failed ? 1 : s.reduce_failed ? 3 : 0;
 }

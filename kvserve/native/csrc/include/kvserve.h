@@ -36,6 +36,25 @@ typedef struct {
     int64_t part_end[MAX_PARTS];
 } NativeLinear;
 
+/* A Gated DeltaNet token mixer (Qwen3-Next, Qwen3.5) in place of a layer's attention: the
+ * projections qkvz (rows [q | k | v | z]) and ba (rows [b | a]) of the normed input, the short
+ * causal convolution (+ SiLU) of [q | k | v] over the conv state, q and k L2-normalized (q
+ * also by Dk^-1/2), the gated delta rule on the recurrent state (gated_delta_step.c), the
+ * RMSNorm of each value head's output gated by SiLU(z), the output projection. Shapes in
+ * NativeModel (dn_*). State slots: conv_states [slots, K - 1, conv_dim], delta_states [slots,
+ * Hv, Dk, Dv], float32; a step reads NativeStep.state_read and writes state_write (and the
+ * copies). */
+typedef struct {
+    NativeLinear qkvz, ba, out;
+    const float *conv_weight;  /* [conv_dim, K] */
+    const float *dt_bias;      /* [Hv] */
+    const float *neg_a;        /* [Hv]: -exp(A_log) */
+    const float *norm;         /* [Dv]: the gated RMSNorm's weight (w, not 1 + w) */
+    float *conv_states, *delta_states;
+    int32_t isa; /* gated_delta_step.c's path */
+    int32_t unused;
+} NativeDeltaNet;
+
 typedef struct {
     NativeLinear qkv, o, gate_up, down;
     /* float32 norm weights; the last four NULL where the model has no such norm */
@@ -44,6 +63,7 @@ typedef struct {
     int64_t cache_head_stride, block_size, window; /* window 0: full attention */
     int32_t group, local_rope, kv_dtype; /* kv_dtype: F32, BF16 or F16 */
     int32_t attention_isa;               /* paged_attention.c's path */
+    const NativeDeltaNet *delta_net;     /* non-NULL: a Gated DeltaNet layer (no attention, no KV cache) */
 } NativeLayer;
 
 typedef struct {
@@ -66,6 +86,13 @@ typedef struct {
     float *reduce_buffer;
     int32_t (*all_reduce)(void *ctx, float *buf, int64_t count);
     void *reduce_ctx;
+    int64_t rotary_dim; /* RoPE rotates the first rotary_dim dimensions of each head (partial RoPE: < head_dim) */
+    int32_t output_gate; /* Qwen3-Next: each query head's rows followed by as many of a gate; attention
+                          * output times sigmoid(gate) */
+    int32_t unused;
+    /* Gated DeltaNet layers' shapes (0 where the model has none): key heads, value heads, their
+     * sizes, the convolution's width K */
+    int64_t dn_k_heads, dn_v_heads, dn_k_dim, dn_v_dim, dn_conv_width;
 } NativeModel;
 
 /* One step: T tokens; token t sits at positions[t] of the request whose blocks are
@@ -83,6 +110,13 @@ typedef struct {
     const float *cos, *sin, *cos_local, *sin_local; /* [T, head_dim]; rope_by_position: [positions, head_dim] */
     const int64_t *token_ids; /* non-NULL: the step's tokens, embedded here from NativeModel.embed */
     int64_t rope_by_position; /* cos/sin are tables: token t takes their row positions[t] */
+    /* A recurrent-state group g (Gated DeltaNet layers; decode steps only: token t is request t's
+     * one token): state_read[g][t] the slot its state is read from (-1: zeros), state_write[g][t]
+     * the slot its new state goes to; the state also goes to slot state_copy_slot[g][i] for
+     * token state_copy_token[g][i], i < state_copies[g] (a snapshot kept at a block boundary). */
+    const int64_t *state_read[MAX_GROUPS], *state_write[MAX_GROUPS];
+    const int64_t *state_copy_token[MAX_GROUPS], *state_copy_slot[MAX_GROUPS];
+    int64_t state_copies[MAX_GROUPS];
 } NativeStep;
 
 /* A grammar's allowed-token bitmask for some logits rows (grammar_mask.c's layout: bit
@@ -178,6 +212,8 @@ int kvserve_gated_delta_step(const float *q, const float *k, int64_t qk_stride, 
                              const int64_t *read_slot, const int64_t *write_slot, int64_t batch,
                              int64_t num_k_heads, int64_t num_v_heads, int64_t dk, int64_t dv, float *scratch,
                              float *out, int64_t out_stride, int isa);
+void kvserve_gated_delta_head(float *state, const float *k, const float *q, const float *v, float decay, float beta,
+                              int64_t dk, int64_t dv, float *scratch, float *out, int isa);
 
 /* ---- decoder/fused_decoder.c --------------------------------------------------------------- */
 
@@ -256,6 +292,12 @@ int64_t kvserve_gguf_split_bound(int type, int64_t in, int64_t granule, int64_t 
 void kvserve_gguf_partials(const int8_t *qx, const float *scales, int64_t batch, const uint8_t *w, int type,
                            int64_t in, const int64_t *bounds, int64_t num_runs, float *y, int64_t y_stride,
                            int64_t run_stride, int isa, int64_t row_begin, int64_t row_end);
+
+/* ---- linear/moe_experts.c: a mixture of experts' routed experts, GGUF blocks as stored ------- */
+
+int kvserve_moe_experts(const float *x, int64_t tokens, int64_t hidden, const int64_t *ids, const float *weights,
+                        int64_t top_k, const int64_t *table, int64_t num_experts, int64_t width, float *out, int isa,
+                        int num_threads);
 
 /* ---- linear/bf16_rows.c ------------------------------------------------------------------------ */
 

@@ -107,8 +107,11 @@ __attribute__((target("avx512f"))) static void head_avx512(float *s, const float
 }
 #endif
 
-static void head_step(float *s, const float *k, const float *q, const float *v, float decay, float beta,
-                      int64_t dk, int64_t dv, float *delta, float *out, int isa) {
+/* One head of one token: s [dk, dv] in place, k and q [dk] (q scaled), v [dv], decay exp(g);
+ * scratch: dv floats; out [dv]. The caller checked `isa` (the fused decoder's Gated DeltaNet
+ * layers call it per head, their threads splitting the heads). */
+void kvserve_gated_delta_head(float *s, const float *k, const float *q, const float *v, float decay, float beta,
+                              int64_t dk, int64_t dv, float *delta, float *out, int isa) {
 #if KV_HAVE_AVX512F
     if (isa == ISA_AVX512) { head_avx512(s, k, q, v, decay, beta, dk, dv, delta, out); return; }
 #endif
@@ -139,9 +142,10 @@ int kvserve_gated_delta_step(const float *q, const float *k, int64_t qk_stride, 
             memcpy(state, states + read_slot[r] * slot_size, (size_t)slot_size * sizeof(float));
         for (int64_t h = 0; h < num_v_heads; h++) {
             const int64_t kh = h / group;
-            head_step(state + h * head_size, k + r * qk_stride + kh * dk, q + r * qk_stride + kh * dk,
-                      v + r * v_stride + h * dv, expf(g[r * gate_stride + h]), beta[r * gate_stride + h], dk, dv,
-                      scratch, out + r * out_stride + h * dv, isa);
+            kvserve_gated_delta_head(state + h * head_size, k + r * qk_stride + kh * dk,
+                                     q + r * qk_stride + kh * dk, v + r * v_stride + h * dv,
+                                     expf(g[r * gate_stride + h]), beta[r * gate_stride + h], dk, dv, scratch,
+                                     out + r * out_stride + h * dv, isa);
         }
     }
     return 0;

@@ -1,0 +1,98 @@
+"""A mixture-of-experts layer's routed experts run in one native call (#28) where every expert's
+projections are GGUF blocks as stored (`StoredWeight`, views of the file's mapping).
+
+`StoredExperts` holds a table of each expert's gate, up and down blocks (addresses and ggml
+types) for csrc/linear/moe_experts.c, which groups the step's (token, slot) pairs by expert,
+runs every chosen expert's SiLU-gated MLP through the same row kernels as a dense layer
+(kvserve_gguf_rows) and sums the weighted outputs, bit for bit as the per-op path
+(`SparseMoeBlock` expert by expert) does: the Python overhead per active expert (gather,
+three matmuls, SiLU*up, scale, scatter-add) becomes one call per layer. It takes the
+experts the per-op path would run through the row kernel: SiLU-gated, no biases, float32
+activations, steps of fewer rows than the weights' dense-GEMM threshold.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.model import stored_weight
+from kvserve.model.stored_parts import StoredParts
+from kvserve.model.stored_weight import StoredWeight
+from kvserve.native import cpu_kernels
+from kvserve.native import isa as isa_table
+
+
+@dataclass
+class StoredExperts:
+    """The experts' blocks: `table` int64 [experts, 6] (gate blocks, gate type, up blocks, up
+    type, down blocks, down type), `weights` the StoredWeights it points into (held so that the
+    blocks stay alive), `width` the expert width (this rank's), `isa` the kernel path,
+    `gemm_rows` the weights' dense-GEMM threshold (0: never)."""
+
+    table: torch.Tensor
+    weights: list[StoredWeight]
+    width: int
+    hidden: int
+    isa: str
+    gemm_rows: int
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether a step of activations x runs here (as the per-op path's row kernel would)."""
+        return (x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[1] == self.hidden
+                and (not self.gemm_rows or x.shape[0] < self.gemm_rows))
+
+    def __call__(self, x: torch.Tensor, expert_ids: torch.Tensor, gate_weights: torch.Tensor) -> torch.Tensor:
+        """sum_k gate_weights[:, k] * expert_{ids[:, k]}(x) [T, hidden], unreduced across ranks."""
+        ids = expert_ids.to(torch.int64).contiguous()
+        weights = gate_weights.to(torch.float32).contiguous()
+        out = torch.empty_like(x)
+        code = stored_weight._lib().kvserve_moe_experts(
+            x.data_ptr(), x.shape[0], self.hidden, ids.data_ptr(), weights.data_ptr(), ids.shape[1],
+            self.table.data_ptr(), self.table.shape[0], self.width, out.data_ptr(), isa_table.ISA_CODES[self.isa],
+            torch.get_num_threads())
+        if code == -2:
+            raise cpu_kernels.KernelArgumentError(f"the {self.isa} path of the GGUF kernels does not run on this CPU")
+        if code:
+            raise cpu_kernels.KernelArgumentError(f"the stored-experts kernel rejected its arguments (code {code})")
+        return out
+
+
+def gate_and_up(weight) -> tuple[StoredWeight, StoredWeight] | None:
+    """An expert's fused gate/up weight as its (gate, up) StoredWeights, or None where it is not
+    two stored halves of one width."""
+    if isinstance(weight, StoredParts) and len(weight.parts) == 2:
+        gate, up = weight.parts
+    elif isinstance(weight, StoredWeight) and weight.out_features % 2 == 0:
+        half = weight.out_features // 2
+        gate, up = weight.rows(slice(0, half)), weight.rows(slice(half, None))
+    else:
+        return None
+    return (gate, up) if gate.out_features == up.out_features else None
+
+
+def stored_experts(experts) -> StoredExperts | None:
+    """The table of `experts` (GatedMLPs), or None where one of them cannot run in the native
+    call: not SiLU-gated with the native SiLU*up, a bias, a projection not held as stored, or
+    kernel choices that differ between them."""
+    rows, held = [], []
+    for expert in experts:
+        halves = gate_and_up(expert.gate_up_proj.quant_weight)
+        down = expert.down_proj.quant_weight
+        if (halves is None or not isinstance(down, StoredWeight) or not (expert.is_silu and expert.native)
+                or expert.gate_up_proj.bias is not None or expert.down_proj.bias is not None):
+            return None
+        gate, up = halves
+        if gate.in_features != down.out_features or down.in_features != gate.out_features:
+            return None
+        held += [gate, up, down]
+        rows.append([value for w in (gate, up, down) for value in (w.blocks.data_ptr(), w.ggml_type)])
+    choices = {(w.isa, w.gemm_rows) for w in held}
+    if not rows or len(choices) != 1:
+        return None
+    isa, gemm_rows = choices.pop()
+    isa = isa or stored_weight._default_isa()
+    if not all(stored_weight.supported(w.type_name, isa) for w in held):
+        return None
+    return StoredExperts(torch.tensor(rows, dtype=torch.int64), held, held[0].out_features, held[0].in_features,
+                         isa, gemm_rows)

@@ -1,0 +1,218 @@
+/* The routed experts of a mixture-of-experts layer in one call (#28): for a step's tokens,
+ * already routed (expert ids and gate weights [tokens, top_k]), every chosen expert's
+ * SiLU-gated MLP, down(silu(gate x) * up x), on the rows of the tokens that picked it, the
+ * outputs scaled by their gate weights and summed into out [tokens, hidden].
+ *
+ * Each projection is GGUF blocks as stored (gguf_rows.c; the weights may be views of the
+ * mmapped file): an expert's gate, up and down matrices are read once per step whatever
+ * its row count, and an expert no token picks is never read. The arithmetic is the per-op
+ * path's (kvserve/model/moe.py with stored weights): the same activation rounding
+ * (kvserve_quant_activations on the expert's rows), the same row sums (gguf_rows.c's sums
+ * do not depend on the batch, the range or the thread), kvserve_silu_mul, the product by
+ * the gate weight rounded before it is added, and the sums formed in ascending expert id,
+ * an expert's rows ordered by (slot, token). So the result equals the per-op path's bit
+ * for bit.
+ *
+ * The pairs (token, slot) are sorted by expert (a counting sort, stable in slot-major
+ * order), then the threads split each phase's work: gathering and rounding the rows, the
+ * gate/up rows of every active expert (chunks of CHUNK_ROWS weight rows), SiLU*up and its
+ * rounding, the down rows, the weighting and the sum (by output columns).
+ */
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "kvserve.h"
+
+#define CHUNK_ROWS 64                /* weight rows of one work item (whole GGUF tiles) */
+#define PARALLEL_MIN_BYTES (256 * 1024) /* expert weight bytes a step reads: below this one thread */
+#define SUM_COLUMNS 256              /* output columns of one summing work item */
+
+/* The table row of expert e: gate blocks, gate type, up blocks, up type, down blocks, down type. */
+enum { GATE_W, GATE_T, UP_W, UP_T, DOWN_W, DOWN_T, TABLE_COLUMNS };
+
+typedef struct {
+    const float *x;
+    const int64_t *table;
+    float *out;
+    int64_t tokens, hidden, width, pairs, active;
+    int isa;
+    const int64_t *experts; /* [active] the active expert ids, ascending */
+    const int64_t *start;   /* [active + 1] each active expert's first sorted pair */
+    const int64_t *token;   /* [pairs] the token of each sorted pair */
+    const float *weight;    /* [pairs] its gate weight */
+    float *rows;            /* [pairs, hidden] gathered activations, then the down outputs */
+    int8_t *qx;             /* [pairs, hidden] */
+    float *sx;              /* 2 * pairs * hidden / 32 */
+    float *gate_up;         /* [pairs, 2 width] */
+    float *h;               /* [pairs, width] */
+    int8_t *qh;             /* [pairs, width] */
+    float *sh;              /* 2 * pairs * width / 32 */
+} MoeStep;
+
+static const uint8_t *blocks_of(const MoeStep *s, int64_t e, int column) {
+    return (const uint8_t *)(intptr_t)s->table[e * TABLE_COLUMNS + column];
+}
+
+/* Gather and round the rows of active expert a (its activations, laid out for a batch of its rows). */
+static void round_inputs(const MoeStep *s, int64_t a) {
+    const int64_t first = s->start[a], n = s->start[a + 1] - first;
+    for (int64_t r = first; r < first + n; r++)
+        memcpy(s->rows + r * s->hidden, s->x + s->token[r] * s->hidden, sizeof(float) * (size_t)s->hidden);
+    kvserve_quant_activations(s->rows + first * s->hidden, s->hidden, n, s->hidden, 8, s->qx + first * s->hidden,
+                              s->sx + 2 * first * (s->hidden / 32));
+}
+
+/* Work item i of a phase over `per` chunks of each active expert's `rows` weight rows. */
+static void chunk_of(int64_t i, int64_t per, int64_t rows, int64_t *a, int64_t *row_begin, int64_t *row_end) {
+    *a = i / per;
+    *row_begin = i % per * CHUNK_ROWS;
+    *row_end = *row_begin + CHUNK_ROWS < rows ? *row_begin + CHUNK_ROWS : rows;
+}
+
+static void gate_up_item(const MoeStep *s, int64_t i, int64_t chunks) {
+    int64_t a, begin, end;
+    const int up = i % (2 * chunks) >= chunks;
+    chunk_of(i / (2 * chunks) * chunks + i % chunks, chunks, s->width, &a, &begin, &end);
+    const int64_t e = s->experts[a], first = s->start[a], n = s->start[a + 1] - first;
+    kvserve_gguf_rows(s->qx + first * s->hidden, s->sx + 2 * first * (s->hidden / 32), n,
+                      blocks_of(s, e, up ? UP_W : GATE_W), (int)s->table[e * TABLE_COLUMNS + (up ? UP_T : GATE_T)],
+                      s->hidden, NULL, s->gate_up + first * 2 * s->width + (up ? s->width : 0), 2 * s->width, s->isa,
+                      begin, end);
+}
+
+static void gated_item(const MoeStep *s, int64_t a) {
+    const int64_t first = s->start[a], n = s->start[a + 1] - first;
+    kvserve_silu_mul(s->gate_up + first * 2 * s->width, s->h + first * s->width, n, s->width, F32, 1);
+    kvserve_quant_activations(s->h + first * s->width, s->width, n, s->width, 8, s->qh + first * s->width,
+                              s->sh + 2 * first * (s->width / 32));
+}
+
+static void down_item(const MoeStep *s, int64_t i, int64_t chunks) {
+    int64_t a, begin, end;
+    chunk_of(i, chunks, s->hidden, &a, &begin, &end);
+    const int64_t e = s->experts[a], first = s->start[a], n = s->start[a + 1] - first;
+    kvserve_gguf_rows(s->qh + first * s->width, s->sh + 2 * first * (s->width / 32), n, blocks_of(s, e, DOWN_W),
+                      (int)s->table[e * TABLE_COLUMNS + DOWN_T], s->width, NULL, s->rows + first * s->hidden, s->hidden,
+                      s->isa, begin, end);
+}
+
+/* Columns c0..c1 of out: zero, then each pair's weighted row added, experts ascending. The
+ * products are rounded in their own pass (as the per-op path's y * w before index_add_). */
+static void sum_item(const MoeStep *s, int64_t c0, int64_t c1) {
+    for (int64_t r = 0; r < s->pairs; r++)
+        for (int64_t c = c0; c < c1; c++) s->rows[r * s->hidden + c] *= s->weight[r];
+    for (int64_t t = 0; t < s->tokens; t++) memset(s->out + t * s->hidden + c0, 0, sizeof(float) * (size_t)(c1 - c0));
+    for (int64_t r = 0; r < s->pairs; r++) {
+        float *dst = s->out + s->token[r] * s->hidden;
+        const float *src = s->rows + r * s->hidden;
+        for (int64_t c = c0; c < c1; c++) dst[c] += src[c];
+    }
+}
+
+/* Every phase, the work split over the calling team (or run alone outside a parallel region). */
+static void run_step(const MoeStep *s) {
+    const int64_t width_chunks = (s->width + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    const int64_t hidden_chunks = (s->hidden + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    const int64_t sum_items = (s->hidden + SUM_COLUMNS - 1) / SUM_COLUMNS;
+#pragma omp for schedule(static)
+    for (int64_t a = 0; a < s->active; a++) round_inputs(s, a);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < s->active * 2 * width_chunks; i++) gate_up_item(s, i, width_chunks);
+#pragma omp for schedule(static)
+    for (int64_t a = 0; a < s->active; a++) gated_item(s, a);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < s->active * hidden_chunks; i++) down_item(s, i, hidden_chunks);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < sum_items; i++)
+        sum_item(s, i * SUM_COLUMNS, (i + 1) * SUM_COLUMNS < s->hidden ? (i + 1) * SUM_COLUMNS : s->hidden);
+}
+
+/* Whether every expert some pair picks has blocks the kernels take at these widths; adds up
+ * the bytes a step reads. */
+static int check_experts(const int64_t *table, const int64_t *experts, int64_t active, int64_t hidden, int64_t width,
+                         int isa, int64_t *bytes) {
+    *bytes = 0;
+    for (int64_t a = 0; a < active; a++) {
+        const int64_t *row = table + experts[a] * TABLE_COLUMNS;
+        const int64_t gate = kvserve_gguf_row_bytes((int)row[GATE_T], hidden);
+        const int64_t up = kvserve_gguf_row_bytes((int)row[UP_T], hidden);
+        const int64_t down = kvserve_gguf_row_bytes((int)row[DOWN_T], width);
+        if (gate < 0 || up < 0 || down < 0 || !row[GATE_W] || !row[UP_W] || !row[DOWN_W]) return 0;
+        if (!kvserve_gguf_supported((int)row[GATE_T], isa) || !kvserve_gguf_supported((int)row[UP_T], isa) ||
+            !kvserve_gguf_supported((int)row[DOWN_T], isa))
+            return 0;
+        *bytes += (gate + up) * width + down * hidden;
+    }
+    return 1;
+}
+
+/* out [tokens, hidden] = sum over each token's top_k picks (ids [tokens, top_k] int64, gate
+ * weights float32 alike) of weight * expert(x row), x float32 [tokens, hidden] contiguous.
+ * table [num_experts, 6] int64: per expert its gate, up and down blocks (addresses) and ggml
+ * types (gate and up [width, hidden], down [hidden, width]). isa: gguf_rows.c's path.
+ * Returns 0; -1 for bad arguments (an id out of range, a type or width the kernels do not
+ * take), -2 when `isa` does not run here, -3 when out of memory. */
+int kvserve_moe_experts(const float *x, int64_t tokens, int64_t hidden, const int64_t *ids, const float *weights,
+                        int64_t top_k, const int64_t *table, int64_t num_experts, int64_t width, float *out, int isa,
+                        int num_threads) {
+    if (tokens < 0 || top_k <= 0 || num_experts <= 0 || hidden <= 0 || width <= 0 || hidden % 32 || width % 32)
+        return -1;
+    if (isa < 0 || isa >= ISA_COUNT || !kvserve_isa_available(KV_KERNEL_QUANT, isa)) return -2;
+    if (tokens == 0) return 0;
+    const int64_t pairs = tokens * top_k;
+    for (int64_t p = 0; p < pairs; p++)
+        if (ids[p] < 0 || ids[p] >= num_experts) return -1;
+    /* index: count [E], experts [E] (the active ones, ascending), start [E + 1], token [pairs] */
+    int64_t *index = calloc((size_t)(3 * num_experts + 1 + pairs), sizeof(int64_t));
+    const size_t floats = (size_t)(pairs * (hidden + 2 * (hidden / 32) + 3 * width + 2 * (width / 32) + 1));
+    float *buffer = malloc(sizeof(float) * floats);
+    int8_t *quantized = malloc((size_t)(pairs * (hidden + width)) + 64);
+    if (!index || !buffer || !quantized) {
+        free(index);
+        free(buffer);
+        free(quantized);
+        return -3;
+    }
+    int64_t *count = index, *experts = count + num_experts, *start = experts + num_experts;
+    int64_t *token = start + num_experts + 1;
+    float *weight = buffer + floats - (size_t)pairs;
+    /* A counting sort of the pairs (slot * tokens + token) by expert, stable: within an expert
+     * in (slot, token) order, as the per-op path's stable argsort. */
+    for (int64_t p = 0; p < pairs; p++) count[ids[p]]++;
+    int64_t active = 0;
+    for (int64_t e = 0, at = 0; e < num_experts; e++) {
+        const int64_t n = count[e];
+        count[e] = at; /* from here: the next free sorted position of expert e */
+        if (n) {
+            start[active] = at;
+            experts[active++] = e;
+        }
+        at += n;
+    }
+    start[active] = pairs;
+    for (int64_t slot = 0; slot < top_k; slot++)
+        for (int64_t t = 0; t < tokens; t++) {
+            const int64_t at = count[ids[t * top_k + slot]]++;
+            token[at] = t;
+            weight[at] = weights[t * top_k + slot];
+        }
+    int64_t bytes;
+    int code = 0;
+    if (!check_experts(table, experts, active, hidden, width, isa, &bytes)) {
+        code = -1;
+    } else {
+        float *rows = buffer, *sx = rows + pairs * hidden, *gate_up = sx + 2 * pairs * (hidden / 32);
+        float *h = gate_up + 2 * pairs * width, *sh = h + pairs * width;
+        MoeStep step = {x, table, out, tokens, hidden, width, pairs, active, isa, experts, start, token, weight,
+                        rows, quantized, sx, gate_up, h, quantized + pairs * hidden, sh};
+        const int threads = bytes >= PARALLEL_MIN_BYTES && num_threads > 1 ? num_threads : 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+        run_step(&step);
+    }
+    free(index);
+    free(buffer);
+    free(quantized);
+    return code;
+}
