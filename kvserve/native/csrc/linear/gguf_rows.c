@@ -83,24 +83,35 @@ static GgufTileFn tile_for(const GgufType *type, int isa) {
     return type->tile[ISA_PORTABLE];
 }
 
+/* One tile: `rows` rows from w (row_bytes apart) over `blocks` blocks from 32-column block
+ * `first`, against batch rows b0.. (at most GGUF_TILE_BATCH) into sums; returns its batch rows. */
+static int run_tile(const GgufType *type, GgufTileFn tile, const int8_t *qx, const float *scales, int64_t batch,
+                    int64_t b0, const uint8_t *w, int64_t row_bytes, int64_t in, int64_t first, int64_t blocks,
+                    int rows, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH]) {
+    const int64_t nb32 = in / GGUF_QBLOCK;
+    GgufTile t = {w + first / (type->block_cols / GGUF_QBLOCK) * type->block_bytes, row_bytes, blocks,
+                  qx + b0 * in + first * GGUF_QBLOCK, scales + b0 * nb32 + first,
+                  scales + batch * nb32 + b0 * nb32 + first, in, rows,
+                  batch - b0 < GGUF_TILE_BATCH ? (int)(batch - b0) : GGUF_TILE_BATCH};
+    if (tile)
+        tile(&t, sums);
+    else
+        tile_by_dot(type, &t, sums);
+    return t.batch;
+}
+
 /* Rows row..row_end (at most one panel) against batch rows b0..b0 + 4, tile by tile. */
 static void panel_of(const GgufType *type, GgufTileFn tile, const int8_t *qx, const float *scales, int64_t batch,
                      int64_t b0, const uint8_t *w, int64_t in, const float *bias, float *y, int64_t y_stride,
                      int64_t row, int64_t row_end) {
-    const int64_t nb32 = in / GGUF_QBLOCK, row_bytes = in / type->block_cols * type->block_bytes;
+    const int64_t row_bytes = in / type->block_cols * type->block_bytes;
     float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
     while (row < row_end) {
         const int rows = row_end - row >= GGUF_TILE_ROWS ? GGUF_TILE_ROWS : 1;
-        GgufTile t = {w + row * row_bytes, row_bytes, in / type->block_cols, qx + b0 * in,
-                      scales + b0 * nb32, scales + batch * nb32 + b0 * nb32, in, rows,
-                      batch - b0 < GGUF_TILE_BATCH ? (int)(batch - b0) : GGUF_TILE_BATCH};
-        if (tile)
-            tile(&t, sums);
-        else
-            tile_by_dot(type, &t, sums);
+        const int n = run_tile(type, tile, qx, scales, batch, b0, w + row * row_bytes, row_bytes, in, 0,
+                               in / type->block_cols, rows, sums);
         for (int r = 0; r < rows; r++)
-            for (int b = 0; b < t.batch; b++)
-                y[(b0 + b) * y_stride + row + r] = sums[r][b] + (bias ? bias[row + r] : 0.0f);
+            for (int b = 0; b < n; b++) y[(b0 + b) * y_stride + row + r] = sums[r][b] + (bias ? bias[row + r] : 0.0f);
         row += rows;
     }
 }
@@ -185,25 +196,17 @@ void kvserve_gguf_partials(const int8_t *qx, const float *scales, int64_t batch,
     const int64_t row_bytes = kvserve_gguf_row_bytes(type, in);
     if (!type_info || row_bytes < 0) return;
     const GgufTileFn tile = tile_for(type_info, isa);
-    const int64_t nb32 = in / GGUF_QBLOCK, per = type_info->block_cols / GGUF_QBLOCK;
+    const int64_t per = type_info->block_cols / GGUF_QBLOCK;
     float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
     for (int64_t row = row_begin; row < row_end;) {
         const int rows = row_end - row >= GGUF_TILE_ROWS ? GGUF_TILE_ROWS : 1;
-        for (int64_t c = 0; c < num_runs; c++) {
-            const int64_t first = bounds[c], blocks = (bounds[c + 1] - first) / per;
+        for (int64_t c = 0; c < num_runs; c++)
             for (int64_t b0 = 0; b0 < batch; b0 += GGUF_TILE_BATCH) {
-                GgufTile t = {w + row * row_bytes + first / per * type_info->block_bytes, row_bytes, blocks,
-                              qx + b0 * in + first * GGUF_QBLOCK, scales + b0 * nb32 + first,
-                              scales + batch * nb32 + b0 * nb32 + first, in, rows,
-                              batch - b0 < GGUF_TILE_BATCH ? (int)(batch - b0) : GGUF_TILE_BATCH};
-                if (tile)
-                    tile(&t, sums);
-                else
-                    tile_by_dot(type_info, &t, sums);
+                const int n = run_tile(type_info, tile, qx, scales, batch, b0, w + row * row_bytes, row_bytes, in,
+                                       bounds[c], (bounds[c + 1] - bounds[c]) / per, rows, sums);
                 for (int r = 0; r < rows; r++)
-                    for (int b = 0; b < t.batch; b++) y[c * run_stride + (b0 + b) * y_stride + row + r] = sums[r][b];
+                    for (int b = 0; b < n; b++) y[c * run_stride + (b0 + b) * y_stride + row + r] = sums[r][b];
             }
-        }
         row += rows;
     }
 }
