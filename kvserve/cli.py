@@ -7,6 +7,8 @@ quickly. Errors print one line and exit non-zero (a traceback with --debug).
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import json
 import logging
 import os
@@ -167,7 +169,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((arg for arg in argv if not arg.startswith("-")), None)
     debug = "--debug" in argv
-    _quiet_libraries(debug)
+    # The KV pool's start-up line: on a terminal, and always for the server (whose log it is);
+    # a piped `generate` keeps stderr for errors and the max-tokens note.
+    _quiet_libraries(debug, show_kv_size=command not in ("generate", "chat") or sys.stderr.isatty())
     try:
         parser = build_parser(command if command in COMMANDS else None)
     except ImportError as exc:
@@ -180,6 +184,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
+    # Python's final collection walks every object torch and the model created (0.3 s or more
+    # of the exit); objects frozen at exit are skipped by it, and freed with their modules.
+    atexit.unregister(gc.freeze)
+    atexit.register(gc.freeze)
     try:
         return _run_command(args)
     except KeyboardInterrupt:
@@ -192,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_command(args: argparse.Namespace) -> int:
+    if args.command in ("generate", "chat", "serve", "run-batch"):
+        _resolve_zoo_model(args)
     if args.command == "generate":
         return run_generate(args)
     if args.command == "chat":
@@ -211,6 +221,21 @@ def _run_command(args: argparse.Namespace) -> int:
     return int(run_bench(args) or 0)
 
 
+def _resolve_zoo_model(args: argparse.Namespace) -> None:
+    """`--model zoo:SHAPE-TYPE` (as the bench commands take it): the zoo file's path, built
+    first when it is not cached; the server keeps the zoo name as the model's name."""
+    model = getattr(args, "model", None)
+    if not (isinstance(model, str) and model.startswith("zoo:")):
+        return
+    from kvserve.bench import zoo
+    path = zoo.zoo_path(zoo.parse_zoo_name(model))  # an unknown shape or type: one-line ZooError
+    if not os.path.isfile(path):
+        sys.stderr.write(f"building {model} (once; cached in {zoo.zoo_dir()})...\n")
+    args.model = zoo.resolve_zoo_model(model)
+    if hasattr(args, "served_model_name") and not args.served_model_name:
+        args.served_model_name = model
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, (ValueError, OSError, RuntimeError)) and str(exc):
         return str(exc).strip().splitlines()[0]
@@ -222,7 +247,7 @@ def _fail(message: str) -> int:
     return EXIT_ERROR
 
 
-def _quiet_libraries(debug: bool) -> None:
+def _quiet_libraries(debug: bool, show_kv_size: bool = True) -> None:
     """No warnings or library logging on the terminal unless --debug."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if debug:
@@ -233,6 +258,8 @@ def _quiet_libraries(debug: bool) -> None:
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # also for worker processes (TP)
     warnings.simplefilter("ignore")
     logging.basicConfig(level=logging.ERROR, format="kvserve: %(message)s")
+    if show_kv_size:
+        logging.getLogger("kvserve.kv_cache_size").setLevel(logging.INFO)
 
 
 # ---------------------------------------------------------------- generate / chat
@@ -362,19 +389,23 @@ class _DeferredInterrupt:
             signal.signal(signal.SIGINT, self._previous)
 
 
-# One conversation at a time: a KV pool for a full 8k-token context (on the
-# default model) instead of the engine's batch-sized default, which takes
-# seconds to allocate at start-up.
-INTERACTIVE_KV_CACHE_MEMORY = "512MiB"
-INTERACTIVE_MAX_NUM_SEQS = 8
+# One prompt or conversation at a time: the KV pool's default is sized for one sequence of
+# the model's context (within the free memory; see ModelRunner.available_kv_memory_bytes).
+INTERACTIVE_MAX_NUM_SEQS = 1
 
 
 def _make_llm(args: argparse.Namespace) -> Any:
-    from kvserve.engine.llm import LLM
+    """The engine for generate/chat. The cyclic garbage collector is off while it starts:
+    importing torch and building the model create objects by the hundred thousand, none of
+    them garbage, and each collection pass on the way walks them all again."""
     kwargs = engine_kwargs_from_args(args)
-    kwargs.setdefault("kv_cache_memory", INTERACTIVE_KV_CACHE_MEMORY)
     kwargs.setdefault("max_num_seqs", INTERACTIVE_MAX_NUM_SEQS)
-    return LLM(**kwargs)
+    gc.disable()
+    try:
+        from kvserve.engine.llm import LLM
+        return LLM(**kwargs)
+    finally:
+        gc.enable()
 
 
 def _sampling_params(args: argparse.Namespace) -> Any:

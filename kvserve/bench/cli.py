@@ -18,7 +18,7 @@ from kvserve.bench.cli_output import FORMATTERS
 from kvserve.bench.report import bar_plot, default_output_path, environment_info, run_tag, write_json
 
 SUBCOMMANDS = ("roofline", "throughput", "serve", "serve-compare", "prefix", "compare", "profile", "host", "scheduler",
-               "kv", "attention", "gguf", "structured", "route", "spec", "plan-check", "allreduce", "zoo")
+               "kv", "attention", "gguf", "structured", "route", "spec", "plan-check", "allreduce", "startup", "zoo")
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -365,7 +365,13 @@ def _run_allreduce(args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------- dispatch
 
 
-_NAMED_RUNS = ("compare", "serve-compare")
+_NAMED_RUNS = ("compare", "serve-compare", "startup")
+
+def _run_startup(args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.bench import startup
+    return startup.run(os.path.abspath(args.model), rounds=args.rounds, max_tokens=args.max_tokens,
+                       prompt=args.prompt, cold=args.cold, n_ctx=args.n_ctx)
+
 
 _RUNNERS = {
     "roofline": _run_roofline, "throughput": _run_throughput, "serve": _run_serve,
@@ -378,4 +384,5 @@ _RUNNERS = {
     "route": _run_route,
     "plan-check": _run_plan_check,
     "allreduce": _run_allreduce,
+    "startup": _run_startup,
 }

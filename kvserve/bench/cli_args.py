@@ -147,6 +147,18 @@ def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     _add_engine_arguments(parser)
 
 
+def _add_startup_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="a .gguf file or zoo:SHAPE-TYPE (llama.cpp runs the same file)")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of both engines")
+    parser.add_argument("--max-tokens", type=int, default=8, help="greedy tokens of the answer")
+    parser.add_argument("--prompt", default="Hi", help="the prompt (kvserve applies the chat template)")
+    parser.add_argument("--cold", action="store_true",
+                        help="evict the model file (and kvserve's caches of it) from the page cache before each run")
+    parser.add_argument("--n-ctx", type=int, default=None,
+                        help="llama.cpp's context (default: the model's context, as kvserve's default KV pool)")
+
+
 def _add_zoo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("names", nargs="*", metavar="SHAPE-TYPE",
                         help="zoo models to build, e.g. llama-1b-q4_k_m (none: list the zoo)")
@@ -315,5 +327,7 @@ COMMANDS = {
     "route": (_add_route_arguments, "N replicas behind SGLang's Model Gateway: hit rate, TTFT, spread per policy"),
     "plan-check": (_add_plan_check_arguments, "`kvserve plan`'s calibrated prediction against a measured run"),
     "allreduce": (_add_allreduce_arguments, "gloo all-reduce latency and bandwidth between local processes"),
+    "startup": (_add_startup_arguments, "start-up time and peak RSS of kvserve generate against llama.cpp, "
+                                        "each a fresh process"),
     "zoo": (_add_zoo_arguments, "list or build the random-weight GGUF models that --model zoo:SHAPE-TYPE names"),
 }

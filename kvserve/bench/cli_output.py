@@ -111,4 +111,5 @@ FORMATTERS = {
     "route": (_lazy_formatter("route"), None),
     "plan-check": (_lazy_formatter("plan_check"), None),
     "allreduce": (_lazy_formatter("interconnect"), None),
+    "startup": (_lazy_formatter("startup"), None),
 }

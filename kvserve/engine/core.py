@@ -35,6 +35,8 @@ from kvserve.scheduler.stats import SchedulerStats
 from kvserve.worker.executor import Executor, ExecutorDeadError, UniProcExecutor
 
 logger = logging.getLogger(__name__)
+# The start-up line that says what the KV pool took and why; the CLI shows it.
+kv_size_logger = logging.getLogger("kvserve.kv_cache_size")
 
 # Steps submitted to the executor and not yet applied under async scheduling:
 # the one executing and the one scheduled ahead of it.
@@ -307,14 +309,17 @@ def _initialize_kv_cache(engine_config: EngineConfig, executor: Executor) -> KVC
     scheduler_config = engine_config.scheduler_config
     sizing = StatePoolSizing(max_num_seqs=scheduler_config.max_num_seqs,
                              max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
-                             enable_caching=engine_config.cache_config.enable_prefix_caching)
+                             enable_caching=engine_config.cache_config.enable_prefix_caching,
+                             max_model_len=engine_config.max_model_len)
     kv_cache_config = get_kv_cache_config(executor.get_kv_cache_specs(), available_bytes,
                                           state_pool_sizing=sizing)
     block_size = engine_config.cache_config.block_size
     capacity_tokens = (kv_cache_config.num_blocks - 1) * block_size
-    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %d groups)",
-                kv_cache_config.num_blocks, block_size, available_bytes / 2**20,
-                len(kv_cache_config.kv_cache_groups))
+    kv_size_logger.info("KV cache: %d blocks, %.0f MiB (%s; %d-token blocks, %d groups)",
+                        kv_cache_config.num_blocks,
+                        sum(tensor.size for tensor in kv_cache_config.kv_cache_tensors) / 2**20,
+                        executor.kv_memory_note or "as the executor gave it", block_size,
+                        len(kv_cache_config.kv_cache_groups))
     shares = budget_split(kv_cache_config)
     if len(shares) > 1:
         logger.info("KV budget split: %s", "; ".join(

@@ -17,7 +17,8 @@ torch path for any step it declines (None):
   `MAX_PARTS` tensors side by side), block-quantized or a plain
   float32 or bfloat16 matrix, SiLU or GELU(tanh) gates, head size <= 256, at
   most 32 query heads per KV head; under tensor parallelism no bias on the O
-  and down projections (see below);
+  and down projections (see below); mixture-of-experts MLPs (`SparseMoeBlock`:
+  softmax routing, a gated shared expert; not gpt-oss's, not under tensor parallelism);
 - step: at most `max_tokens` tokens (above), every KV-cache group a block table (not a
   circular ring, whose read-before-write order the kernel does not follow),
   caches float32 or bfloat16 and contiguous.
@@ -58,6 +59,7 @@ from kvserve.kv_cache.interface import CircularBufferSpec
 from kvserve.model import quantized
 from kvserve.model.attention import AttentionMetadata, StateMetadata
 from kvserve.model.linear_attention.gated_deltanet import GatedDeltaNet
+from kvserve.model.moe import SparseMoeBlock
 from kvserve.sample.structured.grammar_mask import HeadMask
 from kvserve.model.shm_all_reduce import SharedMemoryAllReduce
 from kvserve.native import cpu_kernels, dispatch
@@ -65,7 +67,7 @@ from kvserve.native.isa import ISA_CODES
 from kvserve.model.stored_parts import StoredParts
 from kvserve.model.stored_weight import StoredWeight
 from kvserve.native.abi import (ALL_REDUCE_FN, DTYPE_CODES, F32_PANELS, MAX_GROUPS, MAX_PARTS, NativeDeltaNet, NativeLayer,
-                                NativeLinear, NativeLogits, NativeModel, NativeStep, NativeTokenMask)
+                                NativeLinear, NativeLogits, NativeModel, NativeMoe, NativeStep, NativeTokenMask)
 from kvserve.native.config import KernelConfig
 
 logger = logging.getLogger(__name__)
@@ -185,8 +187,9 @@ class _TensorParallelReduce:
 
 def _check_layers_covered(config) -> None:
     """Raise NativeDeclined for layers the one-call decoder does not implement."""
-    if config.is_moe:
-        raise NativeDeclined("mixture-of-experts layers (the per-op path runs them)")
+    if config.softmax_after_topk or config.expert_bias or config.swiglu_limit is not None or config.attention_sinks:
+        raise NativeDeclined("gpt-oss's attention sinks and experts (softmax after top-k, biased clamped SwiGLU): "
+                              "the per-op path runs them")
     if config.mamba is not None or config.shared_expert_size or not config.use_rope:
         raise NativeDeclined("Mamba-2 layers, a shared expert or attention without RoPE (the per-op path runs them)")
     if (config.embedding_multiplier, config.residual_multiplier, config.logits_scaling) != (1.0, 1.0, 1.0):
@@ -209,6 +212,16 @@ def _check_state_layers_covered(model) -> None:
         raise NativeDeclined("no attention layer")
 
 
+def _widest_mlp(layer) -> int:
+    """The widest MLP input of `layer` (a dense MLP's, an expert's or the shared expert's): the
+    call's buffers hold that many columns a token."""
+    mlp = layer.mlp
+    if not isinstance(mlp, SparseMoeBlock):
+        return mlp.down_proj.shard_input
+    shared = mlp.shared_expert.down_proj.shard_input if mlp.shared_expert is not None else 0
+    return max(mlp.experts[0].down_proj.shard_input, shared)
+
+
 def _ptr_of(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -224,6 +237,7 @@ class NativeDecoder:
         _check_state_layers_covered(model)  # before any layer is described
         self.model = model
         self._keep: list[torch.Tensor] = []
+        self._structs: list = []  # the MoE descriptions the layers point at
         self._layer_bytes = 0  # weight bytes of one layer's projections
         self._panel_rows = 0  # steps of this many tokens run the panel GEMM (the weights' own threshold)
         self._all_panel = True  # every projection quantized with a panel path or float32 in panels
@@ -261,6 +275,7 @@ class NativeDecoder:
         # Wall time inside the native call, summed over calls (`kvserve bench host` reads them).
         self.num_calls = 0
         self.call_ns = 0
+        self.num_routing_ties = 0  # steps handed back to the per-op path for a routing tie
         self._reduce: _TensorParallelReduce | None = None
         if model.tp.size > 1:
             self._reduce = _TensorParallelReduce(model.tp, self.max_tokens * self._desc.hidden,
@@ -300,6 +315,8 @@ class NativeDecoder:
     def _describe_model(self, model) -> NativeModel:
         config = model.config
         attn = next(layer.self_attn for layer in model.layers if not layer.is_state_layer)
+        if model.tp.size != 1 and config.is_moe:
+            raise NativeDeclined("mixture-of-experts layers under tensor parallelism (the per-op path runs them)")
         if model.tp.size != 1 and any(layer.mixer.o_proj.bias is not None or layer.mlp.down_proj.bias is not None
                                       for layer in model.layers):
             raise NativeDeclined("a bias on a row-parallel projection under tensor parallelism")
@@ -318,7 +335,7 @@ class NativeDecoder:
             raise NativeDeclined("a rotary embedding wider than the head, or local and global ones of other widths")
         desc = NativeModel(num_layers=len(model.layers), hidden=config.hidden_size, num_heads=attn.num_heads,
                            num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, panel_rows=self._panel_rows,
-                           intermediate=model.layers[0].mlp.down_proj.shard_input, final_norm=self._norm(model.norm),
+                           intermediate=max(map(_widest_mlp, model.layers)), final_norm=self._norm(model.norm),
                            eps=config.rms_norm_eps, scale=attn.params.scale, softcap=attn.params.softcap or 0.0,
                            adds_one=int(config.norm_adds_one), sandwich=int(config.sandwich_norms),
                            gelu=int(config.hidden_act.startswith("gelu")), rotary_dim=rotary_dim,
@@ -331,9 +348,9 @@ class NativeDecoder:
 
     def _describe_layer(self, desc: NativeLayer, layer) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        for field, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
-                              ("down", mlp.down_proj)):
+        for field, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj)):
             self._describe_linear(getattr(desc, field), module)
+        self._describe_mlp(desc, mlp)
         desc.input_norm = self._norm(layer.input_layernorm)
         desc.post_attention_norm = self._norm(layer.post_attention_layernorm)
         if layer.sandwich:
@@ -344,14 +361,45 @@ class NativeDecoder:
         desc.window = attn.sliding_window or 0
         desc.local_rope = int(attn.sliding_window is not None and self.model.rotary_local is not None)
 
+    def _describe_mlp(self, desc: NativeLayer, mlp) -> None:
+        """A layer's MLP: dense (gate_up, down) or a mixture of experts (moe)."""
+        if isinstance(mlp, SparseMoeBlock):
+            desc.moe = ctypes.pointer(self._describe_moe(mlp))
+        else:
+            self._describe_linear(desc.gate_up, mlp.gate_up_proj)
+            self._describe_linear(desc.down, mlp.down_proj)
+
+    def _describe_moe(self, block: SparseMoeBlock) -> NativeMoe:
+        """The block's router (float32), experts and shared expert for the call (held here)."""
+        num_experts = len(block.experts)
+        gate_up, down = (NativeLinear * num_experts)(), (NativeLinear * num_experts)()
+        for i, expert in enumerate(block.experts):
+            self._describe_linear(gate_up[i], expert.gate_up_proj)
+            self._describe_linear(down[i], expert.down_proj)
+        desc = NativeMoe(gate_up=gate_up, down=down, num_experts=num_experts, top_k=block.top_k,
+                         renormalize=int(block.renormalize))
+        self._describe_float(desc.router, block.gate)
+        if block.shared_expert is not None:
+            self._describe_linear(desc.shared_gate_up, block.shared_expert.gate_up_proj)
+            self._describe_linear(desc.shared_down, block.shared_expert.down_proj)
+            self._describe_float(desc.shared_gate, block.shared_expert_gate)
+        self._structs += [gate_up, down, desc]
+        return desc
+
+    def _describe_float(self, desc: NativeLinear, router) -> None:
+        """A router's rows (and bias) as a plain float32 matrix: the call computes its logits in float32."""
+        weight = self._hold(router.weight.detach().float().contiguous())
+        bias = None if router.bias is None else self._hold(router.bias.detach().float().contiguous())
+        desc.w, desc.bias, desc.w_dtype, desc.panel_isa = weight.data_ptr(), _ptr_of(bias), DTYPE_CODES[torch.float32], -1
+        desc.out, desc.in_ = weight.shape
+
     def _describe_delta_net(self, desc: NativeLayer, layer, index: int) -> None:
         """A Gated DeltaNet layer: its mixer's weights (state slots bound per cache dict) and MLP."""
         mixer, mlp = layer.mixer, layer.mlp
         net = self._delta_nets[index] = NativeDeltaNet()
         for field, module in (("qkvz", mixer.in_proj_qkvz), ("ba", mixer.in_proj_ba), ("out", mixer.out_proj)):
             self._describe_linear(getattr(net, field), module)
-        for field, module in (("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
-            self._describe_linear(getattr(desc, field), module)
+        self._describe_mlp(desc, mlp)
         net.conv_weight = self._hold(mixer.conv1d.weight.detach()[:, 0].float().contiguous()).data_ptr()
         net.dt_bias = self._hold(mixer.dt_bias.detach().float().contiguous()).data_ptr()
         net.neg_a = self._hold(-mixer.A_log.detach().float().exp()).data_ptr()
@@ -518,6 +566,8 @@ class NativeDecoder:
         too when none are asked for or the LM head is not one the call runs.
         `num_draft_tokens` of the tokens (each with a logits row) are speculative drafts: the
         matmul kernels are those of the step without them (see `quantized.linear`'s `num_draft_rows`).
+        A step where some token's top-k experts end in a tie of router logits is None too (the
+        per-op path's torch.topk breaks such ties; it writes the same KV slots again).
         With `head_mask` the head applies that grammar mask once it is filled (see `HeadMask`;
         it sets `head_mask.applied` when it did)."""
         num_tokens = input_ids.shape[0]
@@ -566,6 +616,9 @@ class NativeDecoder:
             None if head is None else ctypes.byref(head), self.num_threads)
         self.call_ns += time.perf_counter_ns() - started_ns
         self.num_calls += 1
+        if failed == 4:  # a tie at a token's top-k boundary: torch.topk's order decides it (see fused_decoder.c)
+            self.num_routing_ties += 1
+            return None
         if failed == 3:
             self._reduce.raise_error()
         if failed == 2:

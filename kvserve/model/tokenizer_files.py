@@ -6,7 +6,9 @@ token masks for structured output); `kvserve.engine.tokenizer` re-exports it.
 Building a fast tokenizer from GGUF metadata takes several seconds (the
 vocabulary and merges are rebuilt in Python), so the result is saved once to
 an on-disk cache keyed by the file's path, size and modification time, and
-later loads read the saved `tokenizer.json` (a fraction of a second).
+later loads read the saved `tokenizer.json` (a fraction of a second) with the
+`tokenizers` library alone (`kvserve.model.fast_tokenizer`: transformers is not imported
+on that path).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import tempfile
 import threading
 from typing import Any
 
+from kvserve.model.fast_tokenizer import FastTokenizer, fast_tokenizer_supports
 from kvserve.paths import cache_root
 
 logger = logging.getLogger(__name__)
@@ -101,7 +104,7 @@ def _load_gguf_tokenizer(path: str) -> Any:
     cached_dir = os.path.join(tokenizer_cache_dir(), _gguf_cache_key(path))
     if os.path.isfile(os.path.join(cached_dir, "tokenizer.json")):
         try:
-            return _from_pretrained(cached_dir, fast_only=True)
+            return _load_saved(cached_dir)
         except TokenizerError:
             logger.warning("ignoring unreadable tokenizer cache %s", cached_dir)
     directory, file_name = os.path.split(path)
@@ -109,6 +112,16 @@ def _load_gguf_tokenizer(path: str) -> Any:
                                  gguf_file=file_name)
     _save_to_cache(tokenizer, cached_dir)
     return tokenizer
+
+
+def _load_saved(directory: str) -> Any:
+    """A tokenizer we saved: read by `FastTokenizer` where it behaves as transformers would."""
+    if fast_tokenizer_supports(directory):
+        try:
+            return FastTokenizer(directory)
+        except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception
+            raise TokenizerError(f"cannot read the tokenizer in {directory!r}: {exc}") from exc
+    return _from_pretrained(directory, fast_only=True)
 
 
 def _save_to_cache(tokenizer: Any, cached_dir: str) -> None:

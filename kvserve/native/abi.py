@@ -38,6 +38,15 @@ class NativeLinear(ctypes.Structure):
                 ("part_blocks", _ptr * MAX_PARTS), ("part_end", _i64 * MAX_PARTS)]
 
 
+class NativeMoe(ctypes.Structure):
+    """A mixture-of-experts MLP: the float32 router, each expert's gate/up and down (arrays of
+    `num_experts`), the optional shared expert (`shared_down.out` 0: none) and its gate row."""
+    _fields_ = [("router", NativeLinear), ("gate_up", ctypes.POINTER(NativeLinear)),
+                ("down", ctypes.POINTER(NativeLinear)), ("shared_gate_up", NativeLinear),
+                ("shared_down", NativeLinear), ("shared_gate", NativeLinear), ("num_experts", _i64),
+                ("top_k", _i64), ("renormalize", _i32), ("unused", _i32)]
+
+
 class NativeDeltaNet(ctypes.Structure):
     """One Gated DeltaNet mixer: its projections, convolution, decay and norm weights, state slots."""
     _fields_ = [("qkvz", NativeLinear), ("ba", NativeLinear), ("out", NativeLinear), ("conv_weight", _ptr),
@@ -46,8 +55,9 @@ class NativeDeltaNet(ctypes.Structure):
 
 
 class NativeLayer(ctypes.Structure):
-    """One decoder layer: its projections, norm weights and KV-cache group."""
+    """One decoder layer: its projections (a dense MLP's, or `moe`), norm weights and KV-cache group."""
     _fields_ = [("qkv", NativeLinear), ("o", NativeLinear), ("gate_up", NativeLinear), ("down", NativeLinear),
+                ("moe", ctypes.POINTER(NativeMoe)),
                 ("input_norm", _ptr), ("post_attention_norm", _ptr), ("pre_feedforward_norm", _ptr),
                 ("post_feedforward_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
                 ("k_cache", _ptr), ("v_cache", _ptr), ("cache_head_stride", _i64), ("block_size", _i64),
@@ -117,6 +127,7 @@ SIGNATURES = {
     "kvserve_store_kv": ([_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _int, _int], None),
     "kvserve_rms_norm": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _f32, _int, _int, _int], None),
     "kvserve_silu_mul": ([_ptr, _ptr, _i64, _i64, _int, _int], None),
+    "kvserve_swiglu_clamped": ([_ptr, _ptr, _i64, _i64, _f32, _f32, _int, _int], None),
     "kvserve_rotary": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _int, _int], None),
     "kvserve_small_linear_supported": ([_int], _int),
     "kvserve_small_linear": ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _int, _int], _int),
@@ -152,7 +163,10 @@ SIGNATURES = {
     "kvserve_gguf_rows": ([_ptr, _ptr, _i64, _ptr, _int, _i64, _ptr, _ptr, _i64, _int, _i64, _i64], None),
     "kvserve_gguf_linear": ([_ptr, _i64, _i64, _ptr, _int, _i64, _ptr, _ptr, _i64, _int], _int),
     "kvserve_gguf_dequantize": ([_ptr, _int, _i64, _ptr, _i64, _ptr, _int], _int),
-    "kvserve_moe_experts": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _int, _int], _int),
+    "kvserve_gguf_gemm_supported": ([_int, _int], _int),
+    "kvserve_gguf_gemm_min_batch": ([], _int),
+    "kvserve_moe_experts": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _int, _f32, _f32, _ptr, _int,
+                             _int], _int),
     "kvserve_gemv_partials": ([_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64],
                               _int),
 }
@@ -164,7 +178,8 @@ PROBE_EXPORTS = ("kvserve_cpuid_features", "kvserve_xcr0", "kvserve_request_amx_
                  "kvserve_isa_available")
 
 # The structs csrc/cpu/abi_layout.c reports, in its order, and the constants after them.
-LAYOUT_STRUCTS = (NativeLinear, NativeDeltaNet, NativeLayer, NativeModel, NativeStep, NativeTokenMask, NativeLogits, ShmAllReduce)
+LAYOUT_STRUCTS = (NativeLinear, NativeMoe, NativeDeltaNet, NativeLayer, NativeModel, NativeStep, NativeTokenMask,
+                  NativeLogits, ShmAllReduce)
 LAYOUT_CONSTANTS = {"MAX_GROUPS": MAX_GROUPS, "F32_PANELS": F32_PANELS, "ISA_COUNT": len(isa.ISAS),
                     "KV_KERNEL_COUNT": len(isa.KERNELS), "MAX_PARTS": MAX_PARTS}
 

@@ -111,31 +111,49 @@ def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
                                   f"{q.shape[1]} heads, {num_kv_heads} KV heads, head size {head_dim}")
 
 
-_HUGE_PAGE = 2 << 20
+HUGE_PAGE_BYTES = _HUGE_PAGE = 2 << 20
+_SMALL_PAGE = 4096
 _MADV_HUGEPAGE = 14
+_MADV_NOHUGEPAGE = 15
 
 
-def zeros_on_huge_pages(nbytes: int) -> torch.Tensor:
-    """A zeroed CPU byte buffer whose 2 MiB-aligned part is backed by transparent huge
-    pages where the kernel allows (Linux, THP in "madvise" or "always" mode).
+def zeros_on_huge_pages(nbytes: int, advise: bool = True) -> torch.Tensor:
+    """A zeroed CPU byte buffer, 2 MiB-aligned on Linux, whose aligned part is backed by
+    transparent huge pages where the kernel allows (THP in "madvise" or "always" mode) when
+    `advise`; else on ordinary pages until `advise_huge_pages` moves ranges of it.
 
     The paged attention kernel reads KV blocks scattered over a large buffer: on
     4 KiB pages nearly every block costs a TLB miss (about 15% of its time).
     Elsewhere this is a plain `torch.zeros`. The zeros come from calloc (numpy), so
-    the OS supplies zeroed pages on first touch: blocks never used take no memory
-    (`kvserve generate` stays small however large the pool)."""
+    the OS supplies zeroed pages on first touch: pages never used take no memory. A
+    huge page is faulted in whole (2 MiB) on its first byte, so a KV pool is advised
+    only as its used part grows (`kvserve.worker.kv_tensors.KVHugePageGrowth`); numpy
+    advises huge pages for its own large arrays, which `advise=False` takes back."""
     if nbytes < 4 * _HUGE_PAGE or not sys.platform.startswith("linux"):
         return torch.zeros(nbytes, dtype=torch.uint8)
     raw = torch.from_numpy(np.zeros(nbytes + _HUGE_PAGE, dtype=np.uint8))  # calloc: no pages touched yet
     start = (-raw.data_ptr()) % _HUGE_PAGE
     buffer = raw[start:start + nbytes]
+    _madvise(buffer.data_ptr(), nbytes - nbytes % _HUGE_PAGE, _MADV_HUGEPAGE if advise else _MADV_NOHUGEPAGE)
+    return buffer
+
+
+def advise_huge_pages(address: int, nbytes: int) -> bool:
+    """madvise(MADV_HUGEPAGE) over [address, address + nbytes), shrunk to whole 4 KiB pages;
+    False where the OS refused or has no such advice (the range keeps ordinary pages)."""
+    return _madvise(address, nbytes, _MADV_HUGEPAGE)
+
+
+def _madvise(address: int, nbytes: int, advice: int) -> bool:
+    start = -(-address // _SMALL_PAGE) * _SMALL_PAGE
+    end = (address + nbytes) // _SMALL_PAGE * _SMALL_PAGE
+    if end <= start or not sys.platform.startswith("linux"):
+        return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(buffer.data_ptr()), ctypes.c_size_t(nbytes - nbytes % _HUGE_PAGE),
-                     _MADV_HUGEPAGE)  # advice only: a refusal leaves ordinary pages
+        return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice) == 0
     except (OSError, AttributeError):
-        pass
-    return buffer
+        return False
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
@@ -174,6 +192,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(rows, width)
     load_library().kvserve_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width,
                                     _DTYPE_CODES[gate_up.dtype], _threads())
+    return out
+
+
+def swiglu_clamped(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's (clamp(up) + 1) * (g * sigmoid(alpha g)), g = min(gate, limit), for gate_up
+    [rows, 2 * width] (contiguous) -> [rows, width]."""
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(rows, width)
+    load_library().kvserve_swiglu_clamped(gate_up.data_ptr(), out.data_ptr(), rows, width, limit, alpha,
+                                          _DTYPE_CODES[gate_up.dtype], _threads())
     return out
 
 

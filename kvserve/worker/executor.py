@@ -56,6 +56,11 @@ class Executor:
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         raise NotImplementedError
 
+    @property
+    def kv_memory_note(self) -> str | None:
+        """Why `determine_available_memory` gave its size (the start-up log line); None: not known."""
+        return None
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its output."""
         return self.execute_model_async(scheduler_output).result()
@@ -115,6 +120,10 @@ class UniProcExecutor(Executor):
 
     def determine_available_memory(self) -> int:
         return self.model_runner.available_kv_memory_bytes()
+
+    @property
+    def kv_memory_note(self) -> str | None:
+        return self.model_runner.kv_memory_note
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self.model_runner.initialize_kv_cache(kv_cache_config)

@@ -5,8 +5,9 @@ Layout per attention layer: `[2, num_kv_heads, num_blocks, block_size, head_size
 (see `kvserve.model.attention.metadata`). A recurrent-state layer (`StateSpec`)
 gets a tuple of tensors `[num_slots, *shape]`, one per state shape (slot id =
 block id of the state groups' pool: `num_state_blocks` slots when the layout gives
-them a pool of their own, else `num_blocks`), carved one after another from its buffer. On the CPU the buffers sit
-on transparent huge pages where the OS allows (`cpu_kernels.zeros_on_huge_pages`).
+them a pool of their own, else `num_blocks`), carved one after another from its buffer.
+On the CPU the buffers are calloc'ed (untouched blocks take no memory) and move to
+transparent huge pages as their used part grows (`KVHugePageGrowth`).
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def allocate_kv_caches(kv_cache_config: KVCacheConfig, layer_specs: dict[str, KV
     caches: dict[str, torch.Tensor] = {}
     for tensor in kv_cache_config.kv_cache_tensors:
         if torch.device(device).type == "cpu":
-            buffer = cpu_kernels.zeros_on_huge_pages(tensor.size).view(torch.int8)
+            buffer = cpu_kernels.zeros_on_huge_pages(tensor.size, advise=False).view(torch.int8)
         else:
             buffer = torch.zeros(tensor.size, dtype=torch.int8, device=device)
         for name in tensor.shared_by:
@@ -65,6 +66,65 @@ def allocate_kv_caches(kv_cache_config: KVCacheConfig, layer_specs: dict[str, KV
                 buffer = torch.zeros(spec.page_size_bytes * num_blocks, dtype=torch.int8, device=device)
                 caches[name] = _layer_cache(buffer, spec, num_blocks)
     return caches
+
+
+class KVHugePageGrowth:
+    """Moves the KV tensors' used part to transparent huge pages as it grows.
+
+    Each attention layer tensor is 2 x kv-heads regions, one per (K/V, head), each
+    `num_blocks` block slices long; block b lies at the same offset in every region. A huge
+    page is faulted in whole on its first byte, so advising a whole pool at allocation made
+    2 MiB of every region resident on the first token (512 MiB for a Llama-3.2-1B at any pool
+    size). Blocks are handed out from the low ids up, so the used part of every region is
+    about [0, highest block id in use]. Advice starts once that part is a huge page long
+    and then covers twice the used part, rounded up to whole huge pages: huge pages faulted
+    ahead of use are at most as many bytes as the used ones (plus one), and a long context (where
+    the TLB misses cost) still reads its
+    blocks through huge pages (those already faulted as 4 KiB pages are merged by khugepaged).
+    """
+
+    def __init__(self, kv_caches: dict) -> None:
+        regions: dict[int, tuple[int, int]] = {}
+        for cache in kv_caches.values():
+            if not isinstance(cache, torch.Tensor) or cache.dim() != 5 or cache.device.type != "cpu":
+                continue
+            block_bytes = cache.stride(2) * cache.element_size()
+            region_bytes = cache.shape[2] * block_bytes
+            for index in range(cache.shape[0] * cache.shape[1]):
+                regions[cache.data_ptr() + index * region_bytes] = (region_bytes, block_bytes)
+        self.regions = regions
+        self.advised_bytes = dict.fromkeys(regions, 0)
+        self.num_blocks_seen = 0
+
+    def note_blocks(self, highest_block_id: int) -> None:
+        """Called with the highest block id a step uses; advises more huge pages when due."""
+        if highest_block_id < self.num_blocks_seen:
+            return
+        self.num_blocks_seen = highest_block_id + 1
+        for start, (region_bytes, block_bytes) in self.regions.items():
+            used = self.num_blocks_seen * block_bytes
+            if used < cpu_kernels.HUGE_PAGE_BYTES:
+                continue
+            huge = cpu_kernels.HUGE_PAGE_BYTES
+            target = min(region_bytes, -(-2 * used // huge) * huge)  # whole huge pages: few calls
+            advised = self.advised_bytes[start]
+            if target > advised:
+                cpu_kernels.advise_huge_pages(start + advised, target - advised)
+                self.advised_bytes[start] = target
+
+
+def highest_block_id(scheduler_output) -> int:
+    """The highest block id a step's new and newly grown block tables hold (-1: none)."""
+    highest = -1
+    for new_req in scheduler_output.scheduled_new_reqs:
+        for ids in new_req.block_ids:
+            if ids:
+                highest = max(highest, max(ids))
+    for group_ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
+        for ids in group_ids or ():
+            if ids:
+                highest = max(highest, max(ids))
+    return highest
 
 
 def copy_kv_blocks(kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConfig,

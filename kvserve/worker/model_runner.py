@@ -32,7 +32,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.messages import ModelRunnerOutput, SchedulerOutput
 from kvserve.worker.draft_model import DraftModelProposer
 from kvserve.worker.input_batch import InputBatch, PreparedBatch
-from kvserve.worker.kv_tensors import allocate_kv_caches, copy_kv_blocks
+from kvserve.worker.kv_tensors import KVHugePageGrowth, allocate_kv_caches, copy_kv_blocks, highest_block_id
 from kvserve.sample.logits_constraints import LogitsConstraints, PendingMasks
 from kvserve.worker.prompt_logprobs import PromptLogprobsPlan, gather_prompt_logprobs, plan_prompt_logprobs
 
@@ -65,6 +65,9 @@ class ModelRunner:
         self.model = None
         self.kv_cache_config: KVCacheConfig | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
+        self.kv_huge_pages: KVHugePageGrowth | None = None
+        # Why the KV pool has its size (for the start-up log line); None where not known.
+        self.kv_memory_note: str | None = None
         self.input_batch: InputBatch | None = None
         self.sampler = None
         self.logits_constraints = LogitsConstraints(model_config, load_tokenizer, self.device, self.kernel_config)
@@ -135,9 +138,11 @@ class ModelRunner:
         CUDA: `gpu_memory_utilization` of the device, minus what is in use,
         minus a reserve for activations. CPU: enough for max_num_seqs
         sequences of max_model_len tokens (and a hybrid's state pool,
-        `kv_bytes_wanted`), capped at 2 GiB and a quarter of the free RAM.
+        `kv_bytes_wanted`), capped at 2 GiB and a quarter of the free RAM
+        (`default_cpu_kv_bytes`); `kv_memory_note` says which.
         """
         if self.cache_config.kv_cache_memory_bytes is not None:
+            self.kv_memory_note = "set by kv_cache_memory"
             return self.cache_config.kv_cache_memory_bytes
         if self.device.type == "cuda":
             free_bytes, total_bytes = torch.cuda.mem_get_info(self.device)
@@ -146,19 +151,19 @@ class ModelRunner:
         sizing = StatePoolSizing(max_num_seqs=self.scheduler_config.max_num_seqs,
                                  max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
                                  enable_caching=self.cache_config.enable_prefix_caching)
-        wanted = kv_bytes_wanted(self.get_kv_cache_specs(), self.max_model_len, sizing)
+        wanted = kv_bytes_with_null_block(self.get_kv_cache_specs(), self.max_model_len, sizing)
         free = _free_ram_bytes()
         chosen, bound = default_cpu_kv_bytes(wanted, free)
-        if self.tp_rank == 0:
-            logger.info("KV cache size by default: %.0f MiB, %s (%d sequences x %d tokens want %.0f MiB; cap %.0f MiB; "
-                        "%.0f MiB free); --kv-cache-memory sets it", chosen / 2**20, bound,
-                        self.scheduler_config.max_num_seqs, self.max_model_len, wanted / 2**20,
-                        CPU_DEFAULT_KV_CAP_BYTES / 2**20, free / 2**20)
+        self.kv_memory_note = (f"free memory {free / 2**20:.0f} MiB; {self.scheduler_config.max_num_seqs} "
+                               f"sequences x {self.max_model_len} tokens want {wanted / 2**20:.0f} MiB; "
+                               f"sized by {bound}; --kv-cache-memory sets it")
         return chosen
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self.kv_cache_config = kv_cache_config
         self.kv_caches = allocate_kv_caches(kv_cache_config, self.get_kv_cache_specs(), self.device)
+        if self.device.type == "cpu":
+            self.kv_huge_pages = KVHugePageGrowth(self.kv_caches)
         self.model.bind_kv_cache_config(kv_cache_config)
         if self.drafter is not None:
             self.drafter.bind_kv_cache_config(kv_cache_config)
@@ -181,6 +186,8 @@ class ModelRunner:
     def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         batch = self.input_batch
         batch.apply_scheduler_output(scheduler_output, self._make_generator)
+        if self.kv_huge_pages is not None:
+            self.kv_huge_pages.note_blocks(highest_block_id(scheduler_output))
         self._failed_req_ids.difference_update(scheduler_output.finished_req_ids)
         if self.drafter is not None:
             self.drafter.forget(scheduler_output.finished_req_ids)
@@ -379,6 +386,13 @@ class ModelRunner:
             logprobs = [list(logprobs_by_req.get(rid, [])) for rid in req_ids]
         return ModelRunnerOutput(req_ids=list(req_ids), sampled_token_ids=tokens, logprobs=logprobs,
                                  prompt_logprobs=prompt_logprobs or None)
+
+
+def kv_bytes_with_null_block(specs: dict[str, KVCacheSpec], max_model_len: int, sizing: StatePoolSizing) -> int:
+    """`kv_bytes_wanted` plus the attention pool's null block (block 0, never handed out), without
+    which the pool holds one block less than every sequence at full length needs."""
+    null_block = sum(spec.page_size_bytes for spec in specs.values() if not isinstance(spec, StateSpec))
+    return kv_bytes_wanted(specs, max_model_len, sizing) + null_block
 
 
 def default_cpu_kv_bytes(wanted: int, free: int) -> tuple[int, str]:

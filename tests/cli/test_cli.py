@@ -103,6 +103,8 @@ def test_chat_keeps_the_conversation_and_resets():
     (["generate", "hi", "--max-num-seqs", "zero"], 2, "expected a positive integer"),
     (["generate", "hi", "--model", "/nonexistent/model.gguf"], 1, "does not exist"),
     (["generate", "hi", "--kv-cache-memory", "lots"], 1, "invalid memory size"),
+    (["generate", "hi", "--model", "zoo:llama-9b-q4_k_m"], 1, "unknown zoo model 'zoo:llama-9b-q4_k_m': shapes are"),
+    (["serve", "--model", "zoo:llama-1b-q9"], 1, "unknown quantization type 'q9'"),
 ])
 def test_bad_input_gives_one_clear_line(args, code, message):
     result = run_kvserve(*args)
@@ -154,3 +156,18 @@ def test_ctrl_c_stops_generation_cleanly():
         assert "Traceback" not in session.buffer
     finally:
         session.close()
+
+
+def test_generate_takes_a_zoo_name_and_builds_the_file(tmp_path):
+    """`--model zoo:SHAPE-TYPE` as the bench commands take it: a tiny shape in a type the gguf
+    package writes is built into an empty cache, said once on stderr, then found there."""
+    env = dict(os.environ, KVSERVE_CACHE_DIR=str(tmp_path))
+    args = ("generate", "hi", "--model", "zoo:tiny-llama-f16", "--temperature", "0", "--max-tokens", "3",
+            "--no-chat-template")
+    first = run_kvserve(*args, env=env, timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert first.stderr.splitlines()[0] == f"building zoo:tiny-llama-f16 (once; cached in {tmp_path / 'zoo'})..."
+    assert list((tmp_path / "zoo").glob("tiny-llama.*.f16.gguf"))
+    again = run_kvserve(*args, env=env, timeout=300)
+    assert again.returncode == 0 and "building" not in again.stderr
+    assert again.stdout == first.stdout

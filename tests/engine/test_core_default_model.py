@@ -95,3 +95,21 @@ def test_default_model_greedy_matches_transformers_gguf(chat_prompts, monkeypatc
         shortfall = logits.max(-1).values - logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
         assert (shortfall <= 2 * bound + 2e-3 * scale).all(), (rid, tokens, shortfall.tolist(), bound)
     assert bound < 0.05 * scale  # still tells a wrong token apart (they lose by many logits)
+
+
+def test_the_kv_pool_default_is_sized_by_the_request_and_said_at_start_up(caplog):
+    """No --kv-cache-memory: the pool holds every sequence at full length (2 x 512 tokens in
+    16-token blocks, + the null block) when the machine has the memory free, and one INFO line
+    of the `kvserve.kv_cache_size` logger (which the CLI shows) says so and why."""
+    import logging
+    with caplog.at_level(logging.INFO, logger="kvserve.kv_cache_size"):
+        core = EngineCore(create_engine_config(max_model_len=512, max_num_seqs=2, device="cpu"))
+    try:
+        assert core.kv_cache_config.num_blocks == 2 * 512 // 16 + 1
+    finally:
+        core.shutdown()
+    lines = [record.getMessage() for record in caplog.records if record.name == "kvserve.kv_cache_size"]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("KV cache: 65 blocks, ")
+    assert "free memory " in lines[0] and "2 sequences x 512 tokens" in lines[0]
+    assert "sized by every sequence at full length" in lines[0]

@@ -55,6 +55,9 @@ FEATURES = {
     "local RoPE on sliding layers": ("gemma3", {}, lambda c: c.rope_local is not None),
     "linear RoPE scaling": ("gemma3", {}, lambda c: c.rope.rope_type == "linear"),
     "head_dim apart from hidden / heads": ("qwen3", {}, lambda c: c.head_dim * c.num_heads != c.hidden_size),
+    "mixture of experts, top-k renormalized, dense layers between": (
+        "qwen3_moe", {}, lambda c: c.is_moe and c.norm_topk_prob and not all(c.sparse_layers)),
+    "mixture of experts on sliding-window layers": ("mixtral", {}, lambda c: c.is_moe and c.sliding_window),
     # Qwen3.5 (dense): driven by HybridRunner (a state group beside the attention one), one token
     # a step (the native decoder runs state layers at decode steps only), so every step native.
     "Gated DeltaNet layers, key heads shared by value heads": (
@@ -63,13 +66,14 @@ FEATURES = {
         and c.linear_key_head_dim != c.linear_value_head_dim),
     "attention output gated by sigmoid": ("qwen3_5", {}, lambda c: c.attn_output_gate),
     "partial RoPE": ("qwen3_5", {}, lambda c: c.rope.partial_rotary_factor < 1.0),
+    "mixture of experts with a gated shared expert, Gated DeltaNet layers": (
+        "qwen3_5_moe", {}, lambda c: c.is_moe and c.shared_expert_intermediate_size and all(c.sparse_layers)),
+    "mixture of experts with a gated shared expert, dense layers between": (
+        "qwen3_next", {}, lambda c: c.shared_expert_intermediate_size and not all(c.sparse_layers)),
 }
 # Features the native decoder declines (`NativeDecoder.for_model` returns None): the fast
 # path falls back to the per-op path for every step, and both stay within the bound.
 DECLINED_FEATURES = {
-    "mixture of experts, top-k renormalized, dense layers between": (
-        "qwen3_moe", {}, lambda c: c.is_moe and c.norm_topk_prob and not all(c.sparse_layers)),
-    "mixture of experts on sliding-window layers": ("mixtral", {}, lambda c: c.is_moe and c.sliding_window),
     "mixture of experts, top-k as is; Q/K norm over the whole projection": (
         "olmoe", {}, lambda c: c.is_moe and not c.norm_topk_prob and not c.qk_norm_per_head),
     "clipped Q/K/V": ("olmoe", {"clip_qkv": 0.5}, lambda c: c.clip_qkv),
@@ -84,13 +88,13 @@ FEATURE_FIELDS = {"num_kv_heads", "tie_word_embeddings", "attention_bias", "qk_n
                   "moe_intermediate_size", "norm_topk_prob", "sparse_layers", "qk_norm_per_head", "clip_qkv",
                   "softmax_after_topk", "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha",
                   "attention_sinks", "o_proj_bias", "linear_num_key_heads", "linear_num_value_heads",
-                  "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "attn_output_gate"}
+                  "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "attn_output_gate",
+                  "shared_expert_intermediate_size"}
 # Hybrid models' fields the native decoder declines: Granite's (Mamba-2 layers over state slots,
-# a shared expert, NoPE attention, Granite's multipliers; tests/model/test_granite_hybrid.py) and
-# Qwen3-Next's gated shared expert (tests/model/test_gated_deltanet_models.py); those tests run the
-# per-op path against transformers.
+# a shared expert, NoPE attention, Granite's multipliers; tests/model/test_granite_hybrid.py), whose
+# tests run the per-op path against transformers.
 HYBRID_FIELDS = {"mamba", "use_rope", "shared_expert_size", "embedding_multiplier", "residual_multiplier",
-                 "logits_scaling", "attention_multiplier", "shared_expert_intermediate_size"}
+                 "logits_scaling", "attention_multiplier"}
 # Identity, sizes and token ids: the same arithmetic on both paths whatever their value.
 NOT_FEATURES = {"path", "is_gguf", "architecture", "model_type", "num_layers", "hidden_size", "intermediate_size",
                 "num_heads", "vocab_size", "max_position_embeddings", "max_model_len", "dtype", "quantization",

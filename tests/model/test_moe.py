@@ -10,6 +10,7 @@ import torch
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from kvserve.model.moe import SparseMoeBlock, route
+from helpers.native_steps import count_native_steps
 from helpers.tiny_models import MOE_FAMILIES, min_router_margin
 from paged_kv_helper import (PagedRunner, assert_within_activation_rounding, held_weights, hf_greedy,
                              prompts_of_lengths, run_greedy, tiny_models_with_reference)
@@ -49,13 +50,14 @@ def test_moe_matches_transformers_on_paged_kv(models, family):
     hf, config = models(family)
     assert config.is_moe and config.sparse_layers == ([True, False, True] if family == "qwen3_moe" else [True, True])
     model = load_model(config)
-    assert model.native_decoder is None
     candidates = prompts_of_lengths([3, 29, 17, 40, 1, 8, 23, 35, 12, 5, 26, 14])
     expected = {req_id: hf_greedy(hf, prompt, NUM_NEW) for req_id, prompt in candidates.items()}
     prompts = {req_id: prompt for req_id, prompt in candidates.items()
                if min_router_margin(hf, prompt + expected[req_id][0]) > 2 * MAX_RELATIVE_DIFF}
     assert len(prompts) >= 4 and max(map(len, prompts.values())) > 20
     tokens, logits = run_greedy(PagedRunner(model, block_size=4), prompts, NUM_NEW, chunk=11)
+    # one-token steps ran in the native decoder, except where it declines the family
+    assert (model.native_decoder is not None) == (family in ("qwen3_moe", "mixtral"))
     for req_id in prompts:
         ref_tokens, ref_logits = expected[req_id]
         assert tokens[req_id] == ref_tokens, req_id
@@ -181,7 +183,7 @@ def test_renormalization_follows_the_family(models, family):
 # ---- GGUF experts held quantized ----------------------------------------------------------
 
 @pytest.mark.parametrize(("family", "qtype_name"), [("qwen3_moe", "Q4_0"), ("mixtral", "Q8_0"), ("olmoe", "Q4_0")])
-def test_quantized_gguf_experts_match_dequantized_model(models, tmp_path, family, qtype_name):
+def test_quantized_gguf_experts_match_dequantized_model(models, tmp_path, monkeypatch, family, qtype_name):
     """Experts stored as stacked Q8_0/Q4_0 tensors: each expert is held as its own 2-D slice
     as stored (the same values as the dequantizing loader's), and the model's logits under
     teacher forcing stay within the activation-rounding bound (tests/helpers/activation_rounding.py)
@@ -208,7 +210,10 @@ def test_quantized_gguf_experts_match_dequantized_model(models, tmp_path, family
     experts = {name: weight for name, weight in held_weights(held, plain).items() if ".experts." in name}
     assert len(experts) == 2 * config.num_experts * sum(config.sparse_layers)  # gate_up and down of each
     assert {weight.source_type for weight in experts.values()} == {qtype_name}  # as stored, not widened
+    native_steps = count_native_steps(monkeypatch)
     assert_within_activation_rounding(held, plain)
+    # its one-token steps ran in the native decoder (csrc/decoder/fused_decoder.c's moe_mlp), but OLMoE's
+    assert (native_steps[0] > 0) == (family != "olmoe")
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])

@@ -19,6 +19,8 @@ small model left free to emit whitespace can fill its whole budget with it.
 """
 from __future__ import annotations
 
+import copy
+
 import json
 import logging
 import os
@@ -89,17 +91,30 @@ def grammar_source(params: StructuredOutputsParams) -> str:
                                     type(exc).__name__) from exc
 
 
+def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> Any:
+    """llguidance's view of a fast tokenizer (transformers' or kvserve's `FastTokenizer`), built
+    from the serialized Rust tokenizer as `llguidance.hf.from_tokenizer` builds it, without
+    importing transformers (which that module does)."""
+    import llguidance
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError("structured output needs a fast tokenizer (a tokenizer.json)")
+    backend = copy.copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size,
+                                  eos_token=eos_token_ids or tokenizer.eos_token_id)
+
+
 class GrammarCompiler:
     """Compiles constraints for one vocabulary; thread-safe; caches by grammar text."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
         import llguidance
-        import llguidance.hf
 
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
-        self.ll_tokenizer = llguidance.hf.from_tokenizer(
-            hf_tokenizer, n_vocab=vocab_size, eos_token=self.eos_token_ids or None)
+        self.ll_tokenizer = _ll_tokenizer(hf_tokenizer, vocab_size, self.eos_token_ids)
         self._templates: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvserve-grammar")

@@ -20,12 +20,17 @@ static const int64_t LAYOUT[] = {
     AT(NativeLinear, zero_min), AT(NativeLinear, num_parts), AT(NativeLinear, part_type),
     AT(NativeLinear, part_blocks), AT(NativeLinear, part_end),
 
+    SIZE(NativeMoe), AT(NativeMoe, router), AT(NativeMoe, gate_up), AT(NativeMoe, down),
+    AT(NativeMoe, shared_gate_up), AT(NativeMoe, shared_down), AT(NativeMoe, shared_gate), AT(NativeMoe, num_experts),
+    AT(NativeMoe, top_k), AT(NativeMoe, renormalize), AT(NativeMoe, unused),
+
     SIZE(NativeDeltaNet), AT(NativeDeltaNet, qkvz), AT(NativeDeltaNet, ba), AT(NativeDeltaNet, out),
     AT(NativeDeltaNet, conv_weight), AT(NativeDeltaNet, dt_bias), AT(NativeDeltaNet, neg_a), AT(NativeDeltaNet, norm),
     AT(NativeDeltaNet, conv_states), AT(NativeDeltaNet, delta_states), AT(NativeDeltaNet, isa),
     AT(NativeDeltaNet, unused),
 
     SIZE(NativeLayer), AT(NativeLayer, qkv), AT(NativeLayer, o), AT(NativeLayer, gate_up), AT(NativeLayer, down),
+    AT(NativeLayer, moe),
     AT(NativeLayer, input_norm), AT(NativeLayer, post_attention_norm), AT(NativeLayer, pre_feedforward_norm),
     AT(NativeLayer, post_feedforward_norm), AT(NativeLayer, q_norm), AT(NativeLayer, k_norm),
     AT(NativeLayer, k_cache), AT(NativeLayer, v_cache), AT(NativeLayer, cache_head_stride),

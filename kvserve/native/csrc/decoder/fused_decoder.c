@@ -57,9 +57,14 @@ typedef struct {
     float *kv;        /* [T, 2, head_dim]: one KV head's K and V rows */
     float *dn;        /* [2 Dk + 2 Dv]: a Gated DeltaNet head's q, k, scratch and output */
     int64_t *bounds;  /* a split matmul's run bounds, in blocks */
+    float *gather;    /* [T, hidden]: the rows of the tokens an expert runs on */
+    float *router;    /* [T, experts]: the router's logits */
+    int64_t *route_id, *pair_token, *expert_end; /* [T, top_k], [T * top_k], [experts] */
+    float *route_weight, *pair_weight;           /* [T, top_k], [T * top_k] */
     const float *out; /* the last layer's output: Shared.out or sum */
     PhaseTimer timer;
     struct SpinBarrier *barrier;
+    int routing_tie; /* this thread found a routing tie (so did every other thread): it stops */
 } Private;
 
 /* Threads of one call meet here: arrivals count up, the last one advances `generation`. */
@@ -93,7 +98,9 @@ typedef struct {
     float *qkv, *attn, *out, *gate_up; /* [T, qkv width], [T, q size], [T, hidden], [T, 2 * intermediate] */
     float *ba;                         /* Gated DeltaNet: [T, 2 Hv] */
     float *o_runs, *down_runs;         /* a split O / down projection's partial products [runs, T, hidden] */
+    float *moe_gate_up, *moe_down;     /* experts' gate/up and down outputs, by (token, expert) pair */
     int reduce_failed;                 /* set by thread 0 when an all-reduce failed: every thread stops */
+    int routing_tie;                   /* set by every thread when a token's top k ends in a tie: all stop */
 } Shared;
 
 static void split_rows(int64_t out, int64_t unit, int tid, int nthreads, int64_t *begin, int64_t *end) {
@@ -693,6 +700,158 @@ static void gate_activation(const NativeModel *m, const float *gate_up, float *a
         kvserve_silu_mul(gate_up, act, T, width, F32, 1);
 }
 
+/* ---- mixture of experts (moe.py's SparseMoeBlock) ------------------------------------------
+ * Every thread computes the router's logits and the routing itself (the same values on each:
+ * no barrier for them), then the threads split each chosen expert's rows as a dense MLP's:
+ * the gate/up projections of every expert with tokens (and the shared expert's), one
+ * barrier, the activations and down projections, another barrier, and each thread adds the
+ * weighted outputs up in ascending expert id, as moe.py does. An expert's rows are its
+ * tokens' rows gathered (in moe.py's order: by top-k slot, then token), multiplied by the
+ * kernel a step of that many tokens takes, as moe.py multiplies them. */
+
+/* Whether expert a comes before expert b in the order the call picks them: the higher logit
+ * first, of equal logits the lower id. Where equal logits straddle the top-k boundary that order
+ * is not route()'s: torch.topk's order of equal values is its algorithm's (on CPU,
+ * torch.topk(torch.zeros(8), 2) gives experts 6 and 5), so route_token reports such a tie and
+ * the step goes to the per-op path. Equal logits both inside the top k pick the same experts
+ * either way (summed in ascending id), so they run here. */
+static int routes_before(const float *logits, int64_t a, int64_t b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+}
+
+/* Token t's top_k experts (p->route_id) and gate weights (p->route_weight): a softmax over
+ * every expert in float32, its top_k, renormalized to sum to 1 where moe->renormalize. The
+ * softmax keeps the logits' order, so the experts are picked by their logits. Returns 1 where
+ * an expert left out has the logit of the last one picked (a tie route() may break otherwise). */
+static int route_token(const NativeMoe *moe, const float *logits, int64_t *ids, float *weights) {
+    const int64_t E = moe->num_experts, K = moe->top_k;
+    float top = logits[0];
+    for (int64_t e = 1; e < E; e++) top = logits[e] > top ? logits[e] : top;
+    float total = 0.0f;
+    for (int64_t e = 0; e < E; e++) total += expf(logits[e] - top);
+    float picked = 0.0f;
+    for (int64_t j = 0; j < K; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++)
+            if ((j == 0 || routes_before(logits, ids[j - 1], e)) && (best < 0 || routes_before(logits, e, best)))
+                best = e;
+        ids[j] = best;
+        weights[j] = expf(logits[best] - top) / total;
+        picked += weights[j];
+    }
+    if (moe->renormalize)
+        for (int64_t j = 0; j < K; j++) weights[j] /= picked;
+    int64_t at_least_last = 0;
+    for (int64_t e = 0; e < E; e++) at_least_last += logits[e] >= logits[ids[K - 1]];
+    return at_least_last > K;
+}
+
+/* Routes the step's tokens and groups the (token, expert) pairs by expert: expert e's pairs are
+ * [expert_end[e - 1], expert_end[e]) of p->pair_token / p->pair_weight, by slot, then token.
+ * Returns 1, grouping nothing, where a token's top k ends in a tie (route_token). */
+static int route_step(const NativeMoe *moe, int64_t T, Private *p) {
+    const int64_t E = moe->num_experts, K = moe->top_k;
+    linear_range(&moe->router, PATH_F32, p->x, T, p, p->router, 0, E);
+    int tie = 0;
+    for (int64_t t = 0; t < T; t++)
+        tie |= route_token(moe, p->router + t * E, p->route_id + t * K, p->route_weight + t * K);
+    if (tie) return 1;
+    for (int64_t e = 0; e < E; e++) p->expert_end[e] = 0;
+    for (int64_t i = 0; i < T * K; i++) p->expert_end[p->route_id[i]]++;
+    for (int64_t e = 0, start = 0; e < E; e++) { /* expert_end: each expert's first pair, then its cursor */
+        const int64_t count = p->expert_end[e];
+        p->expert_end[e] = start;
+        start += count;
+    }
+    for (int64_t j = 0; j < K; j++)
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t at = p->expert_end[p->route_id[t * K + j]]++;
+            p->pair_token[at] = t;
+            p->pair_weight[at] = p->route_weight[t * K + j];
+        }
+    return 0;
+}
+
+static int64_t expert_begin(const Private *p, int64_t e) { return e ? p->expert_end[e - 1] : 0; }
+
+/* This thread's rows of y [rows, l->out] = x [rows, l->in] W^T for `rows` rows multiplied as a
+ * step of that many tokens; `*prepared` is the linear whose preparation of the same x p->qx
+ * holds (NULL: none; the caller passes one only where x is that linear's x: a one-token step's
+ * experts all take its one row). */
+static void expert_rows(const NativeModel *m, const NativeLinear *l, const float *x, int64_t rows, Private *p,
+                        float *y, const NativeLinear **prepared, int tid, int nthreads) {
+    const int path = linear_path(m, l, rows, rows);
+    const NativeLinear *before = *prepared;
+    if (!before || linear_path(m, before, rows, rows) != path || before->in != l->in ||
+        before->act_bits != l->act_bits || before->panel_isa != l->panel_isa)
+        linear_prepare(l, path, x, rows, p);
+    *prepared = l;
+    int64_t begin, end;
+    split_rows(l->out, path_unit(path), tid, nthreads, &begin, &end);
+    linear_range(l, path, x, rows, p, y, begin, end);
+}
+
+/* The MoE MLP of x = p->x; returns its output [T, hidden] (p->sum; under tensor parallelism
+ * Shared.out summed over the ranks), or NULL when that all-reduce failed or a routing tie
+ * stops the call (s->routing_tie). Every thread routes alike, so all of them stop there. */
+static const float *moe_mlp(const NativeModel *m, const NativeMoe *moe, const NativeStep *st, Private *p, Shared *s,
+                            int tid, int nthreads) {
+    const int64_t T = st->num_tokens, H = m->hidden, E = moe->num_experts, pairs = T * moe->top_k;
+    const int64_t width = moe->down[0].in, shared_width = moe->shared_down.out ? moe->shared_down.in : 0;
+    float *shared_gate_up = s->moe_gate_up + pairs * 2 * width, *shared_down = s->moe_down + pairs * H;
+    if (route_step(moe, T, p)) {
+#pragma omp atomic write
+        s->routing_tie = 1;
+        p->routing_tie = 1;
+        return NULL;
+    }
+    phase_mark(&p->timer, PHASE_NORMS);
+    const NativeLinear *prepared = NULL;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t first = expert_begin(p, e), rows = p->expert_end[e] - first;
+        if (!rows) continue;
+        for (int64_t i = 0; i < rows; i++)
+            memcpy(p->gather + i * H, p->x + p->pair_token[first + i] * H, sizeof(float) * (size_t)H);
+        if (T > 1) prepared = NULL;
+        expert_rows(m, &moe->gate_up[e], p->gather, rows, p, s->moe_gate_up + first * 2 * width, &prepared, tid,
+                    nthreads);
+    }
+    if (T > 1) prepared = NULL;
+    if (shared_width) expert_rows(m, &moe->shared_gate_up, p->x, T, p, shared_gate_up, &prepared, tid, nthreads);
+    wait_all(p, PHASE_GATE_UP);
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t first = expert_begin(p, e), rows = p->expert_end[e] - first;
+        if (!rows) continue;
+        gate_activation(m, s->moe_gate_up + first * 2 * width, p->act, rows, width);
+        prepared = NULL;
+        expert_rows(m, &moe->down[e], p->act, rows, p, s->moe_down + first * H, &prepared, tid, nthreads);
+    }
+    if (shared_width) {
+        gate_activation(m, shared_gate_up, p->act, T, shared_width);
+        prepared = NULL;
+        expert_rows(m, &moe->shared_down, p->act, T, p, shared_down, &prepared, tid, nthreads);
+    }
+    wait_all(p, PHASE_DOWN);
+    memset(p->sum, 0, sizeof(float) * (size_t)(T * H));
+    for (int64_t i = 0; i < pairs; i++) { /* pairs are grouped by ascending expert id */
+        const float *y = s->moe_down + i * H, w = p->pair_weight[i];
+        float *out = p->sum + p->pair_token[i] * H;
+        for (int64_t h = 0; h < H; h++) out[h] += y[h] * w;
+    }
+    if (shared_width)
+        for (int64_t t = 0; t < T; t++) {
+            const float *x = p->x + t * H, *g = (const float *)moe->shared_gate.w;
+            float dot = moe->shared_gate.bias ? moe->shared_gate.bias[0] : 0.0f;
+            for (int64_t h = 0; h < H; h++) dot += x[h] * g[h];
+            const float gate = 1.0f / (1.0f + expf(-dot));
+            for (int64_t h = 0; h < H; h++) p->sum[t * H + h] += gate * shared_down[t * H + h];
+        }
+    phase_mark(&p->timer, PHASE_NORMS);
+    if (!m->all_reduce) return p->sum;
+    if (tid == 0) memcpy(s->out, p->sum, sizeof(float) * (size_t)(T * H));
+    return all_reduce_out(m, st, p, s, tid) ? s->out : NULL;
+}
+
 /* The MLP of x = p->x; returns its output [T, hidden] (as attention_and_o's, NULL when the
  * all-reduce failed; where the down projection is split by input columns, each thread computes
  * the gate and up columns of its runs of the down projection's input, their activation and
@@ -700,7 +859,8 @@ static void gate_activation(const NativeModel *m, const float *gate_up, float *a
 static const float *mlp(const NativeModel *m, const NativeLayer *l, const NativeStep *st, Private *p, Shared *s,
                         int tid, int nthreads) {
     const int64_t T = st->num_tokens, plain = T - st->num_draft_tokens;
-    const int64_t H = m->hidden, I = m->intermediate;
+    const int64_t H = m->hidden, I = l->down.in;
+    if (l->moe) return moe_mlp(m, l->moe, st, p, s, tid, nthreads);
     if (!splits_by_input(m, &l->down, T, plain)) {
         linear_rows(m, &l->gate_up, p->x, T, plain, p, s->gate_up, tid, nthreads);
         wait_all(p, PHASE_GATE_UP);
@@ -769,6 +929,26 @@ static void layer(const NativeModel *m, const NativeLayer *l, const NativeStep *
         norm(m, p->out, NULL, l->post_feedforward_norm, p->x, T);
         for (int64_t i = 0; i < T * H; i++) p->residual[i] += p->x[i];
     }
+}
+
+/* The element counts of the MoE buffers a step of T tokens needs (at least 1 each). */
+typedef struct {
+    int64_t experts, pairs, gate_up, down;
+} MoeSizes;
+
+static MoeSizes moe_sizes(const NativeModel *m, const NativeLayer *layers, int64_t T) {
+    MoeSizes size = {1, 1, 1, 1};
+    for (int64_t i = 0; i < m->num_layers; i++) {
+        const NativeMoe *moe = layers[i].moe;
+        if (!moe) continue;
+        const int64_t pairs = T * moe->top_k, shared = moe->shared_down.out ? moe->shared_down.in : 0;
+        const int64_t gate_up = pairs * 2 * moe->down[0].in + T * 2 * shared, down = (pairs + T) * m->hidden;
+        size.experts = size.experts > moe->num_experts ? size.experts : moe->num_experts;
+        size.pairs = size.pairs > pairs ? size.pairs : pairs;
+        size.gate_up = size.gate_up > gate_up ? size.gate_up : gate_up;
+        size.down = size.down > down ? size.down : down;
+    }
+    return size;
 }
 
 static int64_t max2(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -879,8 +1059,10 @@ static void finish(const NativeModel *m, const NativeLogits *lg, const NativeSte
 /* hidden [T, hidden]: the scaled embeddings in (unless st->token_ids: then the call embeds
  * the tokens itself), the final norm's output out; with `lg` also the LM head's logits of
  * some of the tokens. Returns 0, 1 when out of memory (hidden unchanged then), 2 for a
- * token id outside the embedding table (nothing done), or 3 when an all-reduce failed
- * (hidden unchanged; the KV cache holds the layers' rows up to that one). */
+ * token id outside the embedding table (nothing done), 3 when an all-reduce failed
+ * (hidden unchanged; the KV cache holds the layers' rows up to that one), or 4 when a
+ * token's top-k experts end in a tie (route_token; hidden unchanged, the KV cache as for 3:
+ * the per-op path's run of the step writes the same slots again). */
 int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *layers, const NativeStep *st,
                                    float *hidden, const NativeLogits *lg, int num_threads) {
     const int64_t T = st->num_tokens, H = m->hidden, I = m->intermediate, W = max_width(m);
@@ -890,14 +1072,17 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
     if (st->token_ids)
         for (int64_t t = 0; t < T; t++)
             if (st->token_ids[t] < 0 || st->token_ids[t] >= m->embed.out) return 2;
+    MoeSizes moe = moe_sizes(m, layers, T);
     Shared s = {malloc(sizeof(float) * (size_t)(T * mixer_in)),
                 malloc(sizeof(float) * (size_t)(T * mixer_out)),
                 m->all_reduce ? m->reduce_buffer : malloc(sizeof(float) * (size_t)(T * H)),
                 malloc(sizeof(float) * (size_t)(T * 2 * I)),
                 malloc(sizeof(float) * (size_t)(T * 2 * m->dn_v_heads + 1)),
                 malloc(sizeof(float) * (size_t)(run_count(m->num_heads * m->head_dim) * T * H)),
-                malloc(sizeof(float) * (size_t)(run_count(I) * T * H)), 0};
-    int failed = !s.qkv || !s.attn || !s.out || !s.gate_up || !s.ba || !s.o_runs || !s.down_runs;
+                malloc(sizeof(float) * (size_t)(run_count(I) * T * H)),
+                malloc(sizeof(float) * (size_t)moe.gate_up), malloc(sizeof(float) * (size_t)moe.down), 0, 0};
+    int failed = !s.qkv || !s.attn || !s.out || !s.gate_up || !s.ba || !s.o_runs || !s.down_runs || !s.moe_gate_up ||
+                 !s.moe_down;
     SpinBarrier barrier = {0, 0, 1};
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && !failed)
     {
@@ -909,9 +1094,13 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
                      malloc((size_t)kvserve_quant_gemm_panel_bytes(W)), malloc(sizeof(float) * (size_t)(T * H)),
                      malloc(sizeof(float) * (size_t)(T * 2 * I)), malloc(sizeof(float) * (size_t)(T * 2 * m->head_dim)),
                      malloc(sizeof(float) * (size_t)(2 * m->dn_k_dim + 2 * m->dn_v_dim + 1)),
-                     malloc(sizeof(int64_t) * (size_t)(run_count(W) + 1)), s.out};
+                     malloc(sizeof(int64_t) * (size_t)(run_count(W) + 1)), malloc(sizeof(float) * (size_t)(T * H)),
+                     malloc(sizeof(float) * (size_t)(T * moe.experts)), malloc(sizeof(int64_t) * (size_t)moe.pairs),
+                     malloc(sizeof(int64_t) * (size_t)moe.pairs), malloc(sizeof(int64_t) * (size_t)moe.experts),
+                     malloc(sizeof(float) * (size_t)moe.pairs), malloc(sizeof(float) * (size_t)moe.pairs), s.out};
         int ok = p.residual && p.x && p.act && p.qx && p.scales && p.panel && p.sum && p.gate_up && p.kv && p.dn &&
-                 p.bounds;
+                 p.bounds && p.gather && p.router && p.route_id && p.pair_token && p.expert_end && p.route_weight &&
+                 p.pair_weight;
         p.barrier = &barrier;
         phase_start(&p.timer);
         if (!ok) {
@@ -926,19 +1115,21 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
                 embed_tokens(m, st, p.residual);
             else
                 memcpy(p.residual, hidden, sizeof(float) * (size_t)(T * H));
-            for (int64_t i = 0; i < m->num_layers && !s.reduce_failed; i++)
+            for (int64_t i = 0; i < m->num_layers && !s.reduce_failed && !p.routing_tie; i++)
                 layer(m, &layers[i], st, &p, &s, i == 0, tid, nthreads);
             /* a failed all-reduce: every thread saw the flag after the same barrier and stops */
-            if (!s.reduce_failed) finish(m, lg, st, hidden, &p, tid, nthreads);
+            if (!s.reduce_failed && !p.routing_tie) finish(m, lg, st, hidden, &p, tid, nthreads);
             phase_mark(&p.timer, PHASE_NORMS);
             phase_finish(&p.timer, tid);
         }
         free(p.residual), free(p.x), free(p.act), free(p.qx), free(p.scales), free(p.panel), free(p.sum),
-            free(p.gate_up), free(p.kv), free(p.dn), free(p.bounds);
+            free(p.gate_up), free(p.kv), free(p.dn), free(p.bounds), free(p.gather), free(p.router), free(p.route_id),
+            free(p.pair_token), free(p.expert_end), free(p.route_weight), free(p.pair_weight);
     }
-    free(s.qkv), free(s.attn), free(s.gate_up), free(s.ba), free(s.o_runs), free(s.down_runs);
+    free(s.qkv), free(s.attn), free(s.gate_up), free(s.ba), free(s.o_runs), free(s.down_runs), free(s.moe_gate_up),
+        free(s.moe_down);
     if (!m->all_reduce) free(s.out);
-    return failed ? 1 : s.reduce_failed ? 3 : 0;
+    return failed ? 1 : s.reduce_failed ? 3 : s.routing_tie ? 4 : 0;
 }
 
 int kvserve_decoder_forward(const NativeModel *m, const NativeLayer *layers, const NativeStep *st, float *hidden,

@@ -55,8 +55,24 @@ typedef struct {
     int32_t unused;
 } NativeDeltaNet;
 
+/* A mixture-of-experts MLP (kvserve/model/moe.py's SparseMoeBlock): the router's float32
+ * logits [T, num_experts] = x router^T (+ bias), a softmax over every expert, the top_k
+ * (equal logits across the top-k boundary: the call stops, returning 4), renormalized to sum to 1 where `renormalize`;
+ * each chosen expert's gated MLP (gate_up[e], down[e]: [2 * width, hidden] and [hidden,
+ * width], any NativeLinear kind) on its tokens, times its weight, summed over the experts in
+ * ascending id; plus, where shared_down.out > 0, the shared expert's gated MLP times
+ * sigmoid(x shared_gate^T) (one row [hidden]). */
 typedef struct {
-    NativeLinear qkv, o, gate_up, down;
+    NativeLinear router;
+    const NativeLinear *gate_up, *down; /* [num_experts] each */
+    NativeLinear shared_gate_up, shared_down, shared_gate;
+    int64_t num_experts, top_k;
+    int32_t renormalize, unused;
+} NativeMoe;
+
+typedef struct {
+    NativeLinear qkv, o, gate_up, down; /* gate_up, down: the dense MLP (unused where moe) */
+    const NativeMoe *moe;               /* NULL: a dense MLP */
     /* float32 norm weights; the last four NULL where the model has no such norm */
     const float *input_norm, *post_attention_norm, *pre_feedforward_norm, *post_feedforward_norm, *q_norm, *k_norm;
     void *k_cache, *v_cache; /* [kv_heads, blocks * block_size, head_dim] each */
@@ -191,6 +207,8 @@ void kvserve_store_kv(const void *k, const void *v, int64_t token_stride, int64_
 void kvserve_rms_norm(const void *x, void *residual, const float *weight, void *out, int64_t rows, int64_t dim,
                       int64_t row_stride, float eps, int adds_one, int dtype, int num_threads);
 void kvserve_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int dtype, int num_threads);
+void kvserve_swiglu_clamped(const void *gate_up, void *out, int64_t rows, int64_t width, float limit, float alpha,
+                            int dtype, int num_threads);
 void kvserve_rotary(void *x, int64_t token_stride, int64_t head_stride, const void *cos, const void *sin,
                     int64_t tokens, int64_t heads, int64_t dim, int dtype, int num_threads);
 
@@ -285,11 +303,16 @@ int kvserve_gguf_linear(const float *x, int64_t x_stride, int64_t batch, const u
 int kvserve_gguf_dequantize(const uint8_t *w, int type, int64_t in, const int64_t *rows, int64_t n, void *dst,
                             int dtype);
 
+/* ---- linear/gguf_gemm.c: many-row steps of GGUF blocks as stored ------------------------------ */
+
+int kvserve_gguf_gemm_supported(int type, int isa);
+int kvserve_gguf_gemm_min_batch(void);
+
 /* ---- linear/moe_experts.c: a mixture of experts' routed experts, GGUF blocks as stored ------- */
 
 int kvserve_moe_experts(const float *x, int64_t tokens, int64_t hidden, const int64_t *ids, const float *weights,
-                        int64_t top_k, const int64_t *table, int64_t num_experts, int64_t width, float *out, int isa,
-                        int num_threads);
+                        int64_t top_k, const int64_t *table, int64_t num_experts, int64_t width, int swiglu,
+                        float limit, float alpha, float *out, int isa, int num_threads);
 
 /* ---- linear/bf16_rows.c ------------------------------------------------------------------------ */
 

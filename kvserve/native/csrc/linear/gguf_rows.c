@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "gguf/gemm.h"
 #include "gguf/gguf_type.h"
 #include "kvserve.h"
 
@@ -132,6 +133,10 @@ void kvserve_gguf_rows(const int8_t *qx, const float *scales, int64_t batch, con
                        const float *bias, float *y, int64_t y_stride, int isa, int64_t row_begin, int64_t row_end) {
     const GgufType *t = type_of(type);
     if (!t || kvserve_gguf_row_bytes(type, in) < 0) return;
+    const GgufGemmType *gemm = batch >= GGUF_GEMM_MIN_BATCH ? gguf_gemm_of(type, isa) : NULL;
+    if (gemm && !gguf_gemm_rows(gemm, qx, scales, batch, w, in, kvserve_gguf_row_bytes(type, in), bias, y, y_stride,
+                                row_begin, row_end))
+        return;
     rows_of(t, tile_for(t, isa), qx, scales, batch, w, in, bias, y, y_stride, row_begin, row_end);
 }
 
@@ -157,6 +162,12 @@ int kvserve_gguf_linear(const float *x, int64_t x_stride, int64_t batch, const u
     const GgufTileFn tile = tile_for(t, isa);
     const int64_t tiles = (out + GGUF_TILE_ROWS - 1) / GGUF_TILE_ROWS;
     const int parallel = out * row_bytes >= PARALLEL_MIN_BYTES;
+    const GgufGemmType *gemm = batch >= GGUF_GEMM_MIN_BATCH ? gguf_gemm_of(type, isa) : NULL;
+    if (gemm && !gguf_gemm_linear(gemm, qx, scales, batch, w, in, row_bytes, bias, y, out, parallel)) {
+        free(qx);
+        free(scales);
+        return 0;
+    }
 #pragma omp parallel if (parallel)
     {
         const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();

@@ -1,0 +1,109 @@
+"""The KV pool's memory: calloc'ed blocks stay untouched until used, off transparent huge pages
+(a huge page is faulted in whole, 2 MiB of every (layer, K/V, head) region on the first token),
+and huge pages are advised as the used part grows, at most twice the used bytes."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from kvserve.kv_cache.interface import FullAttentionSpec
+from kvserve.kv_cache.utils import get_kv_cache_config
+from kvserve.native import cpu_kernels
+from kvserve.worker import kv_tensors
+from kvserve.worker.kv_tensors import KVHugePageGrowth, allocate_kv_caches
+
+HUGE = cpu_kernels.HUGE_PAGE_BYTES
+needs_linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and smaps are Linux's")
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(part, 16) for part in head.split("-"))
+                inside = low <= address < high
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@needs_linux
+def test_a_pool_buffer_is_kept_off_huge_pages_until_advised():
+    buffer = cpu_kernels.zeros_on_huge_pages(8 * HUGE, advise=False)
+    assert buffer.data_ptr() % HUGE == 0 and int(buffer.count_nonzero()) == 0
+    assert "nh" in _vm_flags(buffer.data_ptr())  # numpy's own huge-page advice taken back
+    assert cpu_kernels.advise_huge_pages(buffer.data_ptr() + 2 * HUGE, 2 * HUGE)
+    assert "hg" in _vm_flags(buffer.data_ptr() + 2 * HUGE)
+    assert "nh" in _vm_flags(buffer.data_ptr())
+    advised = cpu_kernels.zeros_on_huge_pages(8 * HUGE)
+    assert "hg" in _vm_flags(advised.data_ptr())
+
+
+def _pool(num_blocks: int):
+    # 2 layers x (K, V) x 2 heads = 8 regions of num_blocks blocks of 16 x 64 x 2 bytes (2 KiB).
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype="float16")
+    specs = {"l0": spec, "l1": spec}
+    return allocate_kv_caches(get_kv_cache_config(specs, 0, num_blocks=num_blocks), specs)
+
+
+def test_huge_pages_follow_the_used_blocks(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "advise_huge_pages", lambda address, nbytes: calls.append((address, nbytes)))
+    caches = _pool(num_blocks=8192)  # 16 MiB per region
+    growth = KVHugePageGrowth(caches)
+    block_bytes = 16 * 64 * 2
+    region_bytes = 8192 * block_bytes
+    starts = sorted(cache.data_ptr() + i * region_bytes for cache in caches.values() for i in range(4))
+    assert sorted(growth.regions) == starts and len(set(starts)) == 8
+
+    blocks_per_huge_page = HUGE // block_bytes
+    growth.note_blocks(blocks_per_huge_page - 2)  # used part under one huge page: no advice
+    assert calls == []
+    growth.note_blocks(blocks_per_huge_page - 1)  # one huge page used: advise twice that
+    assert sorted(calls) == [(start, 2 * HUGE) for start in starts]
+    calls.clear()
+    growth.note_blocks(10)  # a lower block id changes nothing
+    growth.note_blocks(blocks_per_huge_page)  # a little more used: twice it rounds up to 3 huge pages
+    assert sorted(calls) == [(start + 2 * HUGE, HUGE) for start in starts]
+    calls.clear()
+    growth.note_blocks(3 * blocks_per_huge_page // 2 - 1)  # 1.5 huge pages used: 3 advised already
+    assert calls == []
+    growth.note_blocks(8191)  # the whole pool: advice stops at each region's end
+    assert sorted(calls) == [(start + 3 * HUGE, region_bytes - 3 * HUGE) for start in starts]
+    assert all(advised == region_bytes for advised in growth.advised_bytes.values())
+
+
+def test_highest_block_id_of_a_step():
+    from kvserve.messages import CachedRequestData, NewRequestData, SchedulerOutput
+    from kvserve.sampling_params import SamplingParams
+    new = NewRequestData("a", [1, 2], SamplingParams(), ([3, 9],), 0)
+    cached = CachedRequestData(["b", "c"], [([4, 17],), None], [5, 6])
+    output = SchedulerOutput(step_seq=1, scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+                             num_scheduled_tokens={"a": 2, "b": 1, "c": 1}, total_num_scheduled_tokens=4)
+    assert kv_tensors.highest_block_id(output) == 17
+    assert kv_tensors.highest_block_id(SchedulerOutput(
+        step_seq=2, scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData(), num_scheduled_tokens={},
+        total_num_scheduled_tokens=0)) == -1
+
+
+@needs_linux
+def test_untouched_blocks_take_no_memory():
+    """Writing block 1 of every region of a 64 MiB pool makes about 8 small pages resident, not
+    the pool and not 8 huge pages (RssAnon of this process, compared before and after)."""
+    def anon_kib() -> int:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("RssAnon"))
+    before = anon_kib()
+    caches = _pool(num_blocks=4096)  # 64 MiB in all
+    growth = KVHugePageGrowth(caches)
+    growth.note_blocks(1)
+    for cache in caches.values():
+        cache[:, :, 1] = 1.0
+    grown_kib = anon_kib() - before
+    # 8 regions x one 4 KiB page each = 32 KiB; allow 4 MiB for whatever else this process
+    # allocated meanwhile (far under the 16 MiB that 8 huge pages would take).
+    assert grown_kib < 4096, grown_kib
