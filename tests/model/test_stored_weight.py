@@ -191,7 +191,7 @@ def test_prefill_sized_steps_run_a_dense_gemm(gemm_dtype):
     float32 summation of `in` products (in u sum |w x|), bfloat16 within the rounding of
     both operands to bfloat16 (half an ulp: 2^-8 relative each, their product 2^-16) and of
     the bfloat16 result (2^-8 of at most sum |w x|) plus that summation."""
-    weight = _weight("Q6_K", 40, 512, seed=9, gemm_rows=8, gemm_dtype=gemm_dtype)
+    weight = _weight("Q5_K", 40, 512, seed=9, gemm_rows=8, gemm_dtype=gemm_dtype)  # no native GEMM
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(9))
     w = _gguf_py(weight).astype(np.float64)
     expected = x.double().numpy() @ w.T
@@ -420,3 +420,15 @@ def test_gemm_over_several_panels_and_batch_slabs(type_name):
     assert np.all(np.abs(y.double().numpy() - expected) <= bound)
     for b in (0, 255, 256, 259):
         assert torch.equal(y[b], stored_weight.linear(x[b:b + 1], weight, isa=isa)[0]), b
+
+
+@pytest.mark.parametrize("type_name", GEMM_TYPES)
+def test_prefill_sized_steps_keep_the_native_gemm(type_name):
+    """Where the type has a native GEMM on the weight's path, steps of `gemm_rows` rows or more
+    run it rather than a dense GEMM: every row keeps its batch-one bits."""
+    weight = _weight(type_name, 24, 512, seed=18, gemm_rows=12, gemm_dtype=torch.bfloat16)
+    x = torch.randn(13, 512, generator=torch.Generator().manual_seed(18))
+    y = stored_weight.linear(x, weight)
+    if not stored_weight.has_native_gemm(weight):
+        pytest.skip(f"no native {type_name} GEMM on the widest path here ({PATHS[-1]})")
+    assert all(torch.equal(y[b], stored_weight.linear(x[b:b + 1], weight)[0]) for b in range(13))
