@@ -191,7 +191,7 @@ def test_prefill_sized_steps_run_a_dense_gemm(gemm_dtype):
     float32 summation of `in` products (in u sum |w x|), bfloat16 within the rounding of
     both operands to bfloat16 (half an ulp: 2^-8 relative each, their product 2^-16) and of
     the bfloat16 result (2^-8 of at most sum |w x|) plus that summation."""
-    weight = _weight("Q6_K", 40, 512, seed=9, gemm_rows=8, gemm_dtype=gemm_dtype)
+    weight = _weight("Q5_K", 40, 512, seed=9, gemm_rows=8, gemm_dtype=gemm_dtype)  # no native GEMM
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(9))
     w = _gguf_py(weight).astype(np.float64)
     expected = x.double().numpy() @ w.T
@@ -228,6 +228,84 @@ def test_supported_types_follow_the_table():
     lib = build.load_library()
     assert lib.kvserve_gguf_supported(1, ISA_CODES["portable"]) == 0  # F16: not a block type here
     assert ctypes.c_int64(lib.kvserve_gguf_row_bytes(1, 64)).value == -1
+
+
+def _split_bounds(weight: StoredWeight, granule: int = 0) -> list[int]:
+    """The fused decoder's runs of a split by input columns (whole multiples of `granule`
+    columns where the width allows): their bounds in 32-column blocks."""
+    lib = build.load_library()
+    runs = lib.kvserve_gguf_split_runs(weight.ggml_type, weight.in_features, granule)
+    return [lib.kvserve_gguf_split_bound(weight.ggml_type, weight.in_features, granule, c) for c in range(runs + 1)]
+
+
+def test_split_runs_are_whole_granules_where_the_width_allows():
+    """O's runs are whole heads (granule 64) so that threads holding whole heads hold whole runs:
+    SmolLM2's 9 heads of 64 over Q4_1 blocks; a K type's blocks of 256 hold 4 such heads."""
+    q4_1, q4_k = _weight("Q4_1", 1, 576), _weight("Q4_K", 1, 2048)
+    assert _split_bounds(q4_1) == [0, 4, 9, 13, 18]
+    assert _split_bounds(q4_1, 64) == [0, 4, 8, 12, 18]
+    assert _split_bounds(q4_k, 64) == _split_bounds(q4_k) == [0, 16, 32, 48, 64]
+    assert _split_bounds(_weight("Q4_1", 1, 96), 64) == [0, 3]  # not whole heads: blocks, too few for 4 runs
+
+
+def _partials(weight: StoredWeight, qx: torch.Tensor, scales: torch.Tensor, bounds: list[int], isa: str,
+              rows: tuple[int, int]) -> torch.Tensor:
+    """kvserve_gguf_partials of rows [rows[0], rows[1]) over the runs `bounds`: [runs, batch, out]
+    (NaN outside those rows)."""
+    batch, out = qx.shape[0], weight.out_features
+    y = torch.full((len(bounds) - 1, batch, out), float("nan"))
+    runs = torch.tensor(bounds, dtype=torch.int64)
+    build.load_library().kvserve_gguf_partials(qx.data_ptr(), scales.data_ptr(), batch, weight.blocks.data_ptr(),
+                                               weight.ggml_type, weight.in_features, runs.data_ptr(),
+                                               len(bounds) - 1, y.data_ptr(), out, batch * out, ISA_CODES[isa],
+                                               *rows)
+    return y
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("type_name", TYPES)
+def test_split_partials_add_up_and_do_not_depend_on_the_split(type_name, isa):
+    """The fused decoder's O/down projections split by input columns (kvserve_gguf_partials):
+    the runs are GGUF_SPLIT_RUNS of whole blocks fixed by the type and width alone; a run's
+    partial products are the same bit for bit whatever the other runs, the row range and the
+    batch; one run over the whole row is the row kernel's sum; and the runs added in order are
+    within the header's bound, each of the (runs - 1) additions of partial sums counted once
+    more (T + 13 + GGUF_SPLIT_RUNS)."""
+    block_cols = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0]
+    width = 800 if block_cols == 32 else 1280  # 25 blocks / 5 super-blocks: uneven runs
+    weight = _weight(type_name, 23, width, seed=11)
+    bounds = _split_bounds(weight)
+    per = block_cols // 32
+    assert len(bounds) == 5 and bounds[0] == 0 and bounds[-1] == width // 32
+    assert all(b % per == 0 for b in bounds) and all(a < b for a, b in zip(bounds, bounds[1:]))
+    x = torch.randn(5, width, generator=torch.Generator().manual_seed(12))
+    qx, scales = _quantized_activations(x)
+    split = _partials(weight, qx, scales, bounds, isa, (0, 23))
+    for c in range(len(bounds) - 1):  # each run alone, some rows alone, one batch row alone
+        alone = _partials(weight, qx, scales, bounds[c:c + 2], isa, (5, 18))[0]
+        assert torch.equal(alone[:, 5:18], split[c][:, 5:18])
+        one = _partials(weight, qx[3:4].contiguous(), scales[:, 3:4].contiguous(), bounds[c:c + 2], isa, (0, 23))
+        assert torch.equal(one[0, 0], split[c, 3])
+    whole = _partials(weight, qx, scales, [0, width // 32], isa, (0, 23))[0]
+    assert torch.equal(whole, stored_weight.linear(x, weight, isa=isa))
+    expected, bound = _oracle_and_bound(weight, x)
+    terms = 2 * width // 32 + 2 * width // 256
+    assert np.all(np.abs(split.sum(0, dtype=torch.float64).numpy() - expected) <=
+                  bound / (terms + 13) * (terms + 13 + len(bounds) - 1))
+
+
+def test_split_rows_quantize_each_block_alone():
+    """The split quantizes only its runs' columns of a row (kvserve_quant_activation_blocks):
+    bit for bit the blocks a whole-row quantization gives."""
+    x = torch.randn(3, 320, generator=torch.Generator().manual_seed(13))
+    qx, scales = _quantized_activations(x)
+    part_q = torch.empty(3, 96, dtype=torch.int8)
+    part_s = torch.empty(3, 2, 3)
+    for t in range(3):
+        build.load_library().kvserve_quant_activation_blocks(x[t, 128:].data_ptr(), 96, part_q[t].data_ptr(),
+                                                             part_s[t, 0].data_ptr(), part_s[t, 1].data_ptr())
+    assert torch.equal(part_q, qx[:, 128:224])
+    assert torch.equal(part_s.permute(1, 0, 2), scales[:, :, 4:7])
 
 
 # ---- the many-row GEMM (csrc/linear/gguf_gemm.c) ------------------------------------------
@@ -342,3 +420,15 @@ def test_gemm_over_several_panels_and_batch_slabs(type_name):
     assert np.all(np.abs(y.double().numpy() - expected) <= bound)
     for b in (0, 255, 256, 259):
         assert torch.equal(y[b], stored_weight.linear(x[b:b + 1], weight, isa=isa)[0]), b
+
+
+@pytest.mark.parametrize("type_name", GEMM_TYPES)
+def test_prefill_sized_steps_keep_the_native_gemm(type_name):
+    """Where the type has a native GEMM on the weight's path, steps of `gemm_rows` rows or more
+    run it rather than a dense GEMM: every row keeps its batch-one bits."""
+    weight = _weight(type_name, 24, 512, seed=18, gemm_rows=12, gemm_dtype=torch.bfloat16)
+    x = torch.randn(13, 512, generator=torch.Generator().manual_seed(18))
+    y = stored_weight.linear(x, weight)
+    if not stored_weight.has_native_gemm(weight):
+        pytest.skip(f"no native {type_name} GEMM on the widest path here ({PATHS[-1]})")
+    assert all(torch.equal(y[b], stored_weight.linear(x[b:b + 1], weight)[0]) for b in range(13))
