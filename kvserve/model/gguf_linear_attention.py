@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -64,7 +65,9 @@ def add_gated_deltanet_config(reader: Any, arch: str, hf: dict[str, Any]) -> Non
     hf.update(linear_conv_kernel_dim=ssm["conv_kernel"], linear_key_head_dim=ssm["state_size"],
               linear_num_key_heads=ssm["group_count"], linear_num_value_heads=ssm["time_step_rank"],
               linear_value_head_dim=ssm["inner_size"] // ssm["time_step_rank"])
-    layers = int(hf["num_hidden_layers"])
+    # block_count counts the multi-token prediction layers (`nextn`) after the model's own; not loaded.
+    layers = int(hf["num_hidden_layers"]) - int(reader.get(f"{arch}.nextn_predict_layers") or 0)
+    hf["num_hidden_layers"] = layers
     recurrent = reader.get(f"{arch}.attention.recurrent_layers")
     interval = reader.get(f"{arch}.full_attention_interval")
     if recurrent is not None:
@@ -96,17 +99,18 @@ def _rows(tensor: Any, name: str, order: np.ndarray) -> tuple[Any, str]:
     return dataclasses.replace(tensor, name=name, shape=(*tensor.shape[:-1], len(order)), data=data), name
 
 
-def _columns(tensor: Any, name: str, order: np.ndarray) -> tuple[Any, str]:
+def _columns(tensor: Any, name: str, order: np.ndarray, dequantize: Callable[[Any], np.ndarray]) -> tuple[Any, str]:
     """The matrix with its columns in `order`, as float32 (quantized blocks span columns)."""
     from gguf import GGMLQuantizationType
-    from kvserve.model.gguf_loader import dequantize_tensor
-    data = np.ascontiguousarray(dequantize_tensor(tensor)[:, order])
+    data = np.ascontiguousarray(dequantize(tensor)[:, order])
     return dataclasses.replace(tensor, name=name, tensor_type=GGMLQuantizationType.F32, data=data), name
 
 
-def linear_attention_parts(reader: Any, arch: str, tensor: Any) -> list[tuple[Any, str]] | None:
+def linear_attention_parts(reader: Any, arch: str, tensor: Any,
+                           dequantize: Callable[[Any], np.ndarray]) -> list[tuple[Any, str]] | None:
     """(tensor, HF name) of each part of a linear-attention tensor, in HF's layout (see the
-    module's docstring), or None where the tensor is not one."""
+    module's docstring), or None where the tensor is not one; `dequantize` makes a GGUF tensor
+    float32 (for a reordering of columns)."""
     match = re.fullmatch(r"blk\.(\d+)\.(attn_qkv|attn_gate|ssm_\w+?)(?:\.(weight|bias))?", tensor.name)
     if match is None:
         return None
@@ -146,6 +150,6 @@ def linear_attention_parts(reader: Any, arch: str, tensor: Any) -> list[tuple[An
         name = f"{prefix}.out_proj.weight"
         if not sizes.tiled or per_key == 1:
             return [(tensor, name)]
-        return [_columns(tensor, name, sizes.value_order(sizes.value_dim))]
+        return [_columns(tensor, name, sizes.value_order(sizes.value_dim), dequantize)]
     return None
 

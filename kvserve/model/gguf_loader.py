@@ -207,7 +207,7 @@ def _named_tensors(reader: GGUFFile, arch: str) -> Iterator[tuple[Any, str | Non
     one view per expert (a 2-D weight, or a 1-D bias of gpt-oss's 2-D bias stacks), named as
     that expert's projection."""
     for tensor in reader.tensors:
-        parts = linear_attention_parts(reader, arch, tensor) if arch in GATED_DELTANET_ARCHS else None
+        parts = linear_attention_parts(reader, arch, tensor, dequantize_tensor) if arch in GATED_DELTANET_ARCHS else None
         if parts is not None:
             yield from parts
             continue
