@@ -3,7 +3,7 @@ tiny_models.py) converted by llama.cpp's own convert_hf_to_gguf.py (llama-cpp-py
 sdist, which defines qwen3next, qwen35 and qwen35moe) to F32 and Q8_0, loaded by kvserve:
 the config read from the GGUF keys equals the one read from the HF directory; the F32 file
 matches transformers in float32 under teacher forcing; the Q8_0 file's weights held as
-stored run within the activation-rounding bound of the same file dequantized; `kvserve
+stored hold the same file's values dequantized; `kvserve
 generate --model x.gguf` answers (prefix caching on, the default); and a file whose
 linear-attention metadata is incomplete is refused in one line.
 
@@ -122,34 +122,20 @@ def test_float32_gguf_matches_transformers_under_teacher_forcing(gguf_files, fam
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
-def test_q8_0_gguf_held_as_stored_within_activation_rounding(gguf_files, family):
-    """The Q8_0 file with its projections held as the file's blocks (quantization "auto")
-    against the same file dequantized to float32, fed the same tokens: within the bound that
-    rounding every quantized matmul's activations gives (tests/helpers/activation_rounding.py),
-    a bound that still tells wrong weights apart. With int16 activations: the same derivation
-    for int8 gives bounds of 4 to 14 on these tiny random hybrids (the decay and beta gates
-    amplify their inputs' rounding), too loose to tell wrong weights apart; int16's step is
-    258 times finer."""
-    from helpers.activation_rounding import max_deviation, quantized_half_steps, rounding_bound
-    from kvserve.model import quantized
-    from helpers.kernel_switches import env_kernels
-    kernels = env_kernels()
-    if quantized.kernel_isa(kernels) is None:
-        pytest.skip("no native kernels")
+def test_q8_0_gguf_projections_held_as_the_files_blocks(gguf_files, family):
+    """The Q8_0 file with quantization "auto": every projection (the Gated DeltaNet's q, k, v,
+    z, b, a parts included, value heads moved back whole) is held as the file's Q8_0 blocks,
+    each holding exactly the values of the same file dequantized to float32 (`held_weights`);
+    the dequantizing load is the one the F32 test checks against transformers."""
     hf, _, path = gguf_files(family, "q8_0")
-    held = load_model(ModelConfig.from_path(path), kernel_config=kernels)
+    held = load_model(ModelConfig.from_path(path))
     plain = load_model(ModelConfig.from_path(path, quantization="none", dtype="float32"))
     weights = held_weights(held, plain)
-    assert all(weight.act_bits == 16 for weight in weights.values())
-    assert any("linear_attn.in_proj_qkvz" in name for name in weights)
-    sequences = _sequences(hf, seed=7)
-    prompt_lens = {r: len(s) // 2 for r, s in sequences.items()}
-
-    def logits_of(model):
-        return run_teacher_forced(HybridRunner(model), sequences, prompt_lens, chunk=7)
-    reference, bound = rounding_bound(plain, quantized_half_steps(plain, held), logits_of)
-    assert max_deviation(logits_of(held), reference) <= bound
-    assert bound < 0.1 * min((ref.amax(-1) - ref.amin(-1)).min().item() for ref in reference.values())
+    for layer in range(3):
+        assert f"layers.{layer}.linear_attn.in_proj_qkvz" in weights and f"layers.{layer}.linear_attn.in_proj_ba" in weights
+    assert "layers.3.self_attn.qkv_proj" in weights and "layers.3.self_attn.o_proj" in weights
+    if family == "qwen3_next":  # value heads not tiled: out_proj stays the file's blocks too
+        assert "layers.0.linear_attn.out_proj" in weights and "layers.0.mlp.shared_expert.gate_up_proj" in weights
 
 
 def _generate(path: str, prompt: str) -> subprocess.CompletedProcess:
