@@ -119,9 +119,10 @@ def _both_paths(block: SparseMoeBlock, x: torch.Tensor) -> tuple[torch.Tensor, t
 @pytest.mark.parametrize(("threads", "isa"), [(1, None), (2, None), (2, "avx2"), (2, "portable")])
 def test_native_call_equals_expert_by_expert(moe_files, type_name, threads, isa):
     """The native call and the expert-by-expert path give the same bits (the same activation
-    rounding, row sums, SiLU and sums in ascending expert id) at batch 1, a few rows and a batch
-    whose experts take several rows each, on one thread and two, on the widest kernel path here
-    and each narrower one forced (KVSERVE_QUANT_ISA's switch)."""
+    rounding, row sums, SiLU and sums in ascending expert id) at batch 1, a few rows, a batch
+    whose experts take several rows each and one whose experts take more than the GGUF GEMM's
+    least batch (csrc/linear/gguf_gemm.c, Q4_K/Q6_K on AVX-512), on one thread and two, on the
+    widest kernel path here and each narrower one forced (KVSERVE_QUANT_ISA's switch)."""
     kernels = env_kernels(quant_isa=isa)
     if isa is not None and kernel_isa(kernels) != isa:
         pytest.skip(f"the {isa} path does not run here")
@@ -132,7 +133,7 @@ def test_native_call_equals_expert_by_expert(moe_files, type_name, threads, isa)
     try:
         generator = torch.Generator().manual_seed(2)
         for block in _blocks(model):
-            for rows in (1, 3, 17):
+            for rows in (1, 3, 17, 96):  # 96 rows: 24 a step per expert on average (top 2 of 8)
                 x = torch.randn(rows, block.gate.weight.shape[1], generator=generator)
                 native, one_by_one = _both_paths(block, x)
                 assert torch.equal(native, one_by_one), (rows, (native - one_by_one).abs().max())

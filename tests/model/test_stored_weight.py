@@ -230,6 +230,84 @@ def test_supported_types_follow_the_table():
     assert ctypes.c_int64(lib.kvserve_gguf_row_bytes(1, 64)).value == -1
 
 
+def _split_bounds(weight: StoredWeight, granule: int = 0) -> list[int]:
+    """The fused decoder's runs of a split by input columns (whole multiples of `granule`
+    columns where the width allows): their bounds in 32-column blocks."""
+    lib = build.load_library()
+    runs = lib.kvserve_gguf_split_runs(weight.ggml_type, weight.in_features, granule)
+    return [lib.kvserve_gguf_split_bound(weight.ggml_type, weight.in_features, granule, c) for c in range(runs + 1)]
+
+
+def test_split_runs_are_whole_granules_where_the_width_allows():
+    """O's runs are whole heads (granule 64) so that threads holding whole heads hold whole runs:
+    SmolLM2's 9 heads of 64 over Q4_1 blocks; a K type's blocks of 256 hold 4 such heads."""
+    q4_1, q4_k = _weight("Q4_1", 1, 576), _weight("Q4_K", 1, 2048)
+    assert _split_bounds(q4_1) == [0, 4, 9, 13, 18]
+    assert _split_bounds(q4_1, 64) == [0, 4, 8, 12, 18]
+    assert _split_bounds(q4_k, 64) == _split_bounds(q4_k) == [0, 16, 32, 48, 64]
+    assert _split_bounds(_weight("Q4_1", 1, 96), 64) == [0, 3]  # not whole heads: blocks, too few for 4 runs
+
+
+def _partials(weight: StoredWeight, qx: torch.Tensor, scales: torch.Tensor, bounds: list[int], isa: str,
+              rows: tuple[int, int]) -> torch.Tensor:
+    """kvserve_gguf_partials of rows [rows[0], rows[1]) over the runs `bounds`: [runs, batch, out]
+    (NaN outside those rows)."""
+    batch, out = qx.shape[0], weight.out_features
+    y = torch.full((len(bounds) - 1, batch, out), float("nan"))
+    runs = torch.tensor(bounds, dtype=torch.int64)
+    build.load_library().kvserve_gguf_partials(qx.data_ptr(), scales.data_ptr(), batch, weight.blocks.data_ptr(),
+                                               weight.ggml_type, weight.in_features, runs.data_ptr(),
+                                               len(bounds) - 1, y.data_ptr(), out, batch * out, ISA_CODES[isa],
+                                               *rows)
+    return y
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("type_name", TYPES)
+def test_split_partials_add_up_and_do_not_depend_on_the_split(type_name, isa):
+    """The fused decoder's O/down projections split by input columns (kvserve_gguf_partials):
+    the runs are GGUF_SPLIT_RUNS of whole blocks fixed by the type and width alone; a run's
+    partial products are the same bit for bit whatever the other runs, the row range and the
+    batch; one run over the whole row is the row kernel's sum; and the runs added in order are
+    within the header's bound, each of the (runs - 1) additions of partial sums counted once
+    more (T + 13 + GGUF_SPLIT_RUNS)."""
+    block_cols = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0]
+    width = 800 if block_cols == 32 else 1280  # 25 blocks / 5 super-blocks: uneven runs
+    weight = _weight(type_name, 23, width, seed=11)
+    bounds = _split_bounds(weight)
+    per = block_cols // 32
+    assert len(bounds) == 5 and bounds[0] == 0 and bounds[-1] == width // 32
+    assert all(b % per == 0 for b in bounds) and all(a < b for a, b in zip(bounds, bounds[1:]))
+    x = torch.randn(5, width, generator=torch.Generator().manual_seed(12))
+    qx, scales = _quantized_activations(x)
+    split = _partials(weight, qx, scales, bounds, isa, (0, 23))
+    for c in range(len(bounds) - 1):  # each run alone, some rows alone, one batch row alone
+        alone = _partials(weight, qx, scales, bounds[c:c + 2], isa, (5, 18))[0]
+        assert torch.equal(alone[:, 5:18], split[c][:, 5:18])
+        one = _partials(weight, qx[3:4].contiguous(), scales[:, 3:4].contiguous(), bounds[c:c + 2], isa, (0, 23))
+        assert torch.equal(one[0, 0], split[c, 3])
+    whole = _partials(weight, qx, scales, [0, width // 32], isa, (0, 23))[0]
+    assert torch.equal(whole, stored_weight.linear(x, weight, isa=isa))
+    expected, bound = _oracle_and_bound(weight, x)
+    terms = 2 * width // 32 + 2 * width // 256
+    assert np.all(np.abs(split.sum(0, dtype=torch.float64).numpy() - expected) <=
+                  bound / (terms + 13) * (terms + 13 + len(bounds) - 1))
+
+
+def test_split_rows_quantize_each_block_alone():
+    """The split quantizes only its runs' columns of a row (kvserve_quant_activation_blocks):
+    bit for bit the blocks a whole-row quantization gives."""
+    x = torch.randn(3, 320, generator=torch.Generator().manual_seed(13))
+    qx, scales = _quantized_activations(x)
+    part_q = torch.empty(3, 96, dtype=torch.int8)
+    part_s = torch.empty(3, 2, 3)
+    for t in range(3):
+        build.load_library().kvserve_quant_activation_blocks(x[t, 128:].data_ptr(), 96, part_q[t].data_ptr(),
+                                                             part_s[t, 0].data_ptr(), part_s[t, 1].data_ptr())
+    assert torch.equal(part_q, qx[:, 128:224])
+    assert torch.equal(part_s.permute(1, 0, 2), scales[:, :, 4:7])
+
+
 # ---- the many-row GEMM (csrc/linear/gguf_gemm.c) ------------------------------------------
 # Steps of kvserve_gguf_gemm_min_batch() rows or more take it where the type has one on the
 # path (Q4_K and Q6_K on AVX-512 VNNI); elsewhere the same tests run the tiles.

@@ -93,7 +93,8 @@ typedef struct {
     NativeLinear embed;
     float embed_scale;
     int32_t fewer_barriers; /* 1: O and down split by input columns where splits_by_input allows, and
-                             * query_share_kv; 0: the matmuls split by rows (for A/B measurements) */
+                             * attention by query heads with query_share_kv on steps of a few tokens;
+                             * 0: the matmuls split by rows (for A/B measurements) */
     /* Tensor parallelism (NULL: one rank): the O and down projections give this rank's
      * partial sums into reduce_buffer [T, hidden], and thread 0 calls
      * all_reduce(reduce_ctx, reduce_buffer, T * hidden) to sum them over the ranks in place
@@ -256,6 +257,7 @@ int kvserve_quant_linear(const void *x, int64_t x_stride, int64_t batch, const u
                          int dtype, int act_bits, int isa, int num_threads);
 void kvserve_quant_activations(const float *x, int64_t x_stride, int64_t batch, int64_t in, int act_bits, void *qx,
                                float *scales);
+void kvserve_quant_activation_blocks(const float *x, int64_t in, int8_t *qx, float *dx, float *sx);
 int kvserve_quant_single_row_kernel(int act_bits, int isa);
 void kvserve_quant_rows(const void *qx, const float *scales, int64_t batch, const uint8_t *qs, const float *d,
                         const float *m, int bits, int64_t in, const float *bias, float *y, int64_t y_stride,
@@ -302,6 +304,12 @@ int kvserve_gguf_linear(const float *x, int64_t x_stride, int64_t batch, const u
                         const float *bias, float *y, int64_t out, int isa);
 int kvserve_gguf_dequantize(const uint8_t *w, int type, int64_t in, const int64_t *rows, int64_t n, void *dst,
                             int dtype);
+#define GGUF_SPLIT_RUNS 4 /* runs of a GGUF matmul split by input columns (kvserve_gguf_split_runs) */
+int64_t kvserve_gguf_split_runs(int type, int64_t in, int64_t granule);
+int64_t kvserve_gguf_split_bound(int type, int64_t in, int64_t granule, int64_t c);
+void kvserve_gguf_partials(const int8_t *qx, const float *scales, int64_t batch, const uint8_t *w, int type,
+                           int64_t in, const int64_t *bounds, int64_t num_runs, float *y, int64_t y_stride,
+                           int64_t run_stride, int isa, int64_t row_begin, int64_t row_end);
 
 /* ---- linear/gguf_gemm.c: many-row steps of GGUF blocks as stored ------------------------------ */
 

@@ -27,9 +27,12 @@
  * read from the last-level cache (each slab unpacks the weight again: once per 100+ rows). */
 #define SLAB_BYTES (2 * 1024 * 1024)
 
-static int64_t panel_rows(int64_t panel_bytes) {
-    const int64_t rows = PANEL_BYTES / panel_bytes / GGUF_GEMM_ROWS * GGUF_GEMM_ROWS;
-    return rows < GGUF_GEMM_ROWS ? GGUF_GEMM_ROWS : rows > MAX_PANEL_ROWS ? MAX_PANEL_ROWS : rows;
+/* Rows per panel for a range of `rows` weight rows (no more than the range needs). */
+static int64_t panel_rows(int64_t panel_bytes, int64_t rows) {
+    int64_t per = PANEL_BYTES / panel_bytes / GGUF_GEMM_ROWS * GGUF_GEMM_ROWS;
+    per = per < GGUF_GEMM_ROWS ? GGUF_GEMM_ROWS : per > MAX_PANEL_ROWS ? MAX_PANEL_ROWS : per;
+    const int64_t needed = (rows + GGUF_GEMM_ROWS - 1) / GGUF_GEMM_ROWS * GGUF_GEMM_ROWS;
+    return needed < per ? needed : per;
 }
 
 static const GgufGemmType *const GEMMS[] = {&gguf_q4_k_gemm_avx512, &gguf_q6_k_gemm_avx512};
@@ -84,12 +87,12 @@ static int pack_activations(const int8_t *qx, const float *scales, int64_t batch
 }
 
 /* Rows row_begin..row_end of y [batch, y_stride] from packed activations, panel by panel;
- * `panel` holds panel_rows() unpacked rows. */
+ * `panel` holds panel_rows() unpacked rows of the range. */
 static void gemm_range(const GgufGemmType *gt, const GgufGemmX *px, int64_t batch, const uint8_t *w,
                        int64_t row_bytes, const float *bias, float *y, int64_t y_stride, int64_t row_begin,
                        int64_t row_end, uint8_t *panel) {
     const int64_t pb = gt->panel_bytes(px->blocks);
-    const int64_t per_panel = panel_rows(pb);
+    const int64_t per_panel = panel_rows(pb, row_end - row_begin);
     int64_t slab = SLAB_BYTES / (GGUF_GEMM_LANES * px->blocks * 256);
     if (slab < 1) slab = 1;
     for (int64_t g0 = 0; g0 < px->groups; g0 += slab) {
@@ -113,9 +116,9 @@ static void gemm_range(const GgufGemmType *gt, const GgufGemmX *px, int64_t batc
     }
 }
 
-static uint8_t *alloc_panel(const GgufGemmType *gt, int64_t blocks) {
+static uint8_t *alloc_panel(const GgufGemmType *gt, int64_t blocks, int64_t rows) {
     const int64_t pb = gt->panel_bytes(blocks);
-    return aligned_alloc(64, (size_t)((panel_rows(pb) * pb + 63) / 64 * 64));
+    return aligned_alloc(64, (size_t)((panel_rows(pb, rows) * pb + 63) / 64 * 64));
 }
 
 int gguf_gemm_rows(const GgufGemmType *gt, const int8_t *qx, const float *scales, int64_t batch, const uint8_t *w,
@@ -123,7 +126,7 @@ int gguf_gemm_rows(const GgufGemmType *gt, const int8_t *qx, const float *scales
                    int64_t row_end) {
     GgufGemmX px;
     if (pack_activations(qx, scales, batch, in, &px)) return -3;
-    uint8_t *panel = alloc_panel(gt, px.blocks);
+    uint8_t *panel = alloc_panel(gt, px.blocks, row_end - row_begin);
     if (panel) gemm_range(gt, &px, batch, w, row_bytes, bias, y, y_stride, row_begin, row_end, panel);
     free(panel);
     free((void *)px.x);
@@ -143,7 +146,7 @@ int gguf_gemm_linear(const GgufGemmType *gt, const int8_t *qx, const float *scal
         int64_t begin = units * me / threads * GGUF_GEMM_ROWS, end = units * (me + 1) / threads * GGUF_GEMM_ROWS;
         if (end > out) end = out;
         if (begin < end) {
-            uint8_t *panel = alloc_panel(gt, px.blocks);
+            uint8_t *panel = alloc_panel(gt, px.blocks, end - begin);
             if (panel)
                 gemm_range(gt, &px, batch, w, row_bytes, bias, y, out, begin, end, panel);
             else
