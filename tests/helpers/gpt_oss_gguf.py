@@ -73,6 +73,17 @@ def save_mxfp4_gpt_oss(reference_dir: str, mxfp4_dir: str, seed: int = 1234) -> 
         json.dump(config, f)
 
 
+def converter_or_skip() -> str:
+    """llama.cpp's convert_hf_to_gguf.py (`converter_script`), or the calling test skipped where
+    neither the cached sdist nor a package index has it."""
+    import pytest
+    from kvserve.bench.llama_build import LlamaBuildError, converter_script
+    try:
+        return converter_script()
+    except LlamaBuildError as exc:
+        pytest.skip(f"llama.cpp's converter is not available: {exc}")
+
+
 def convert_to_gguf(model_dir: str, out_path: str, converter: str, pre: str = "gpt-4o", outtype: str = "f32",
                     extra_args: tuple[str, ...] = ()) -> str:
     """Run llama.cpp's `converter` (convert_hf_to_gguf.py) on `model_dir`, tensors that are not

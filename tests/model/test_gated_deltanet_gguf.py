@@ -51,13 +51,9 @@ def _hf_config(family: str, vocab_size: int):
 @pytest.fixture(scope="module")
 def gguf_files(tmp_path_factory):
     """A getter (family, outtype) -> (transformers' float32 model, its directory, the GGUF path)."""
-    from helpers.gpt_oss_gguf import MERGES, convert_to_gguf
+    from helpers.gpt_oss_gguf import MERGES, convert_to_gguf, converter_or_skip
     from helpers.harmony_model import harmony_tokenizer
-    from kvserve.bench.llama_build import LlamaBuildError, converter_script
-    try:
-        converter = converter_script()
-    except LlamaBuildError as exc:  # no cached sdist and no package index
-        pytest.skip(f"llama.cpp's converter is not available: {exc}")
+    converter = converter_or_skip()
     made = {}
 
     def get(family: str, outtype: str = "f32"):
