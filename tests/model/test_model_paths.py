@@ -58,6 +58,8 @@ FEATURES = {
     "mixture of experts, top-k renormalized, dense layers between": (
         "qwen3_moe", {}, lambda c: c.is_moe and c.norm_topk_prob and not all(c.sparse_layers)),
     "mixture of experts on sliding-window layers": ("mixtral", {}, lambda c: c.is_moe and c.sliding_window),
+    "mixture of experts, top-k weights as is (OLMoE's routing)": (
+        "qwen3_moe", {"norm_topk_prob": False}, lambda c: c.is_moe and not c.norm_topk_prob),
     # Qwen3.5 (dense): driven by HybridRunner (a state group beside the attention one), one token
     # a step (the native decoder runs state layers at decode steps only), so every step native.
     "Gated DeltaNet layers, key heads shared by value heads": (
