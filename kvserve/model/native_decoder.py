@@ -19,6 +19,7 @@ torch path for any step it declines (None):
   most 32 query heads per KV head; under tensor parallelism no bias on the O
   and down projections (see below); mixture-of-experts MLPs (`SparseMoeBlock`:
   softmax routing, a gated shared expert; not gpt-oss's, not under tensor parallelism);
+  Q/K norms per head or over the whole projection (OLMoE);
 - step: at most `max_tokens` tokens (above), every KV-cache group a block table (not a
   circular ring, whose read-before-write order the kernel does not follow),
   caches float32 or bfloat16 and contiguous.
