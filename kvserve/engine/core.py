@@ -309,7 +309,8 @@ def _initialize_kv_cache(engine_config: EngineConfig, executor: Executor) -> KVC
     scheduler_config = engine_config.scheduler_config
     sizing = StatePoolSizing(max_num_seqs=scheduler_config.max_num_seqs,
                              max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
-                             enable_caching=engine_config.cache_config.enable_prefix_caching)
+                             enable_caching=engine_config.cache_config.enable_prefix_caching,
+                             max_model_len=engine_config.max_model_len)
     kv_cache_config = get_kv_cache_config(executor.get_kv_cache_specs(), available_bytes,
                                           state_pool_sizing=sizing)
     block_size = engine_config.cache_config.block_size

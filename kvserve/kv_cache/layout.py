@@ -41,9 +41,10 @@ The state pool is sized for what the scheduler can have in use at once
 (`num_state_blocks_needed`, derivation there): each running request's running state
 and the snapshots its steps in flight write, plus, with prefix caching, as many
 again for snapshots kept in the cache. The rest of the budget goes to attention
-blocks. The state share is capped at `MAX_STATE_SHARE` of the budget: a state pool
-short of that bound only makes requests wait for slots (the scheduler preempts or
-holds them back), never computes wrong (a very short pool also caps the longest request,
+blocks. The state share is capped at `MAX_STATE_SHARE` of the budget (unless one
+request of max_model_len needs more and the budget holds it): a state pool short
+of that bound only makes requests wait for slots (the scheduler preempts or holds
+them back), never computes wrong (a very short pool also caps the longest request,
 `scheduler.admission`). A state-only model keeps one pool.
 """
 from __future__ import annotations
@@ -53,7 +54,7 @@ from dataclasses import dataclass
 from math import gcd, lcm
 
 from kvserve.kv_cache.interface import (AttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, KVCacheTensor,
-                                        StateSpec, dtype_size_bytes)
+                                        StateSpec, cdiv, dtype_size_bytes)
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class StatePoolSizing:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_caching: bool = True
+    max_model_len: int | None = None  # when known: the cap on the state share yields to one such request
 
 
 def num_state_blocks_needed(block_size: int, sizing: StatePoolSizing) -> int:
@@ -162,8 +164,8 @@ def get_kv_cache_config(layer_specs: dict[str, KVCacheSpec], available_memory_by
         if num_state_blocks is None and num_blocks is not None:
             num_state_blocks = num_state_blocks_needed(state_block_size, sizing)
         elif num_state_blocks is None:
-            num_state_blocks = _state_pool_blocks(state_block_size, state_bytes_per_block, available_memory_bytes,
-                                                  sizing)
+            num_state_blocks = _state_pool_blocks(state_block_size, state_bytes_per_block, attention_bytes_per_block,
+                                                  available_memory_bytes, sizing)
         if num_state_blocks < 2:
             raise ValueError(f"a state pool needs at least 2 blocks, got {num_state_blocks}")
         bytes_per_block = attention_bytes_per_block
@@ -187,14 +189,23 @@ def get_kv_cache_config(layer_specs: dict[str, KVCacheSpec], available_memory_by
                          num_state_blocks=num_state_blocks)
 
 
-def _state_pool_blocks(block_size: int, bytes_per_block: int, budget: int, sizing: StatePoolSizing) -> int:
-    """`num_state_blocks_needed`, cut to `MAX_STATE_SHARE` of the budget. A cut pool makes
-    requests wait for slots, and may cap the longest request (`scheduler.admission`)."""
+def _state_pool_blocks(block_size: int, bytes_per_block: int, attention_bytes_per_block: int, budget: int,
+                       sizing: StatePoolSizing) -> int:
+    """`num_state_blocks_needed`, cut to `MAX_STATE_SHARE` of the budget, but never below what
+    one request of `max_model_len` tokens needs alone (the scheduler's admission bound of its
+    state groups) while the budget also holds that request's attention blocks: a shorter state
+    pool would cap the longest request (`scheduler.admission`) below max_model_len. A cut
+    pool makes requests wait for slots."""
     needed = num_state_blocks_needed(block_size, sizing)
     cap = int(budget * MAX_STATE_SHARE) // bytes_per_block
+    if sizing.max_model_len is not None:
+        num_blocks = cdiv(sizing.max_model_len, block_size)
+        one_request = min(num_blocks, cdiv(2 * sizing.max_num_batched_tokens, block_size) + 2) + 1
+        if one_request * bytes_per_block + (num_blocks + 1) * attention_bytes_per_block <= budget:
+            cap = max(cap, one_request)
     if needed > cap:
-        logger.warning("the running requests may need %d state slots, but %.0f%% of the KV budget holds %d: "
-                       "requests wait for slots when they run short", needed, 100 * MAX_STATE_SHARE, cap)
+        logger.warning("the running requests may need %d state slots, but the KV budget gives them %d: "
+                       "requests wait for slots when they run short", needed, cap)
     return min(needed, cap)
 
 

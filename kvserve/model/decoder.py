@@ -140,9 +140,11 @@ class GatedMLP(nn.Module):
     def _gated(self, x: torch.Tensor, num_draft_rows: int) -> torch.Tensor:
         """act(gate(x)) * up(x): the down projection's input."""
         gate_up = self.gate_up_proj(x, num_draft_rows)
-        if self.native and self.is_silu and gate_up.dim() == 2 and gate_up.is_contiguous() \
-                and cpu_kernels.takes(gate_up):
-            return cpu_kernels.silu_mul(gate_up)
+        if self.native and gate_up.dim() == 2 and gate_up.is_contiguous() and cpu_kernels.takes(gate_up):
+            if self.is_silu:
+                return cpu_kernels.silu_mul(gate_up)
+            if self.swiglu_limit is not None:
+                return cpu_kernels.swiglu_clamped(gate_up, self.swiglu_limit, self.swiglu_alpha)
         gate, up = gate_up.chunk(2, dim=-1)
         if self.swiglu_limit is not None:
             gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(-self.swiglu_limit, self.swiglu_limit)

@@ -163,6 +163,9 @@ class FastTokenizer:
                 self._hf = PreTrainedTokenizerFast.from_pretrained(self.name_or_path)
         return self._hf
 
+    def __reduce__(self) -> tuple:
+        return FastTokenizer, (self.name_or_path,)  # pickled as its directory (a lock does not pickle)
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)

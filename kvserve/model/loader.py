@@ -19,7 +19,7 @@ import torch
 
 from kvserve.native.config import KernelConfig
 from kvserve.model.config import ModelConfig, ModelFilesNotFoundError
-from kvserve.model import repack_cache
+from kvserve.model import repack_cache, stored_weight
 from kvserve.model.decoder import DecoderModel
 from kvserve.model.gguf_file import release_gguf_mappings
 from kvserve.model.kernels import choose_model_kernels
@@ -180,6 +180,7 @@ def _finish_quantized(model: DecoderModel, kernel_config: KernelConfig, log: boo
         _hold_from_cache(modules, cache_file, model.config.path)
     stored: dict[str, int] = {}
     repacked: dict[str, int] = {}
+    native_gemm: set[str] = set()  # stored types whose many-row steps run csrc/linear/gguf_gemm.c
     for _, module in modules:
         weight = module.quant_weight
         if isinstance(weight, QuantizedWeight):
@@ -191,14 +192,18 @@ def _finish_quantized(model: DecoderModel, kernel_config: KernelConfig, log: boo
             choices = dict(isa=isa, gemm_rows=kernel_config.quant_gemm_rows, gemm_dtype=dense)
             module.quant_weight = weight.replace_parts(**choices) if isinstance(weight, StoredParts) \
                 else dataclasses.replace(weight, **choices)
-            for part in weight.parts if isinstance(weight, StoredParts) else [weight]:
+            for part in module.quant_weight.parts if isinstance(weight, StoredParts) else [module.quant_weight]:
                 stored[part.type_name] = stored.get(part.type_name, 0) + 1
+                if stored_weight.has_native_gemm(part):
+                    native_gemm.add(part.type_name)
     if model.config.tie_word_embeddings and model.embed_tokens.quant_weight is not None:
         model.lm_head.quant_weight = model.embed_tokens.quant_weight
         model.lm_head.register_parameter("weight", None)
     if (stored or repacked) and log:
         dense_steps = (f"steps of {kernel_config.quant_gemm_rows}+ rows: dense {str(dense).removeprefix('torch.')} GEMM"
                        if kernel_config.quant_gemm_rows else "no dense GEMM")
+        if native_gemm:
+            dense_steps += f" (native int8 GEMM at any size for {', '.join(sorted(native_gemm))})"
         counts = [f"as stored: {_counts(stored)}"] if stored else []
         counts += [f"repacked: {_counts(repacked)}"] if repacked else []
         logger.info("weights held quantized (%s) on the %s kernel path; %s", "; ".join(counts), isa, dense_steps)

@@ -7,8 +7,9 @@ runs every chosen expert's SiLU-gated MLP through the same row kernels as a dens
 (kvserve_gguf_rows) and sums the weighted outputs, bit for bit as the per-op path
 (`SparseMoeBlock` expert by expert) does: the Python overhead per active expert (gather,
 three matmuls, SiLU*up, scale, scatter-add) becomes one call per layer. It takes the
-experts the per-op path would run through the row kernel: SiLU-gated, no biases, float32
-activations, steps of fewer rows than the weights' dense-GEMM threshold.
+experts the per-op path would run through the row kernel and the native gated product:
+SiLU-gated, or gpt-oss's clamped SwiGLU with its biases; float32 activations; steps of
+fewer rows than the weights' dense-GEMM threshold.
 """
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ from kvserve.native import isa as isa_table
 
 @dataclass
 class StoredExperts:
-    """The experts' blocks: `table` int64 [experts, 6] (gate blocks, gate type, up blocks, up
-    type, down blocks, down type), `weights` the StoredWeights it points into (held so that the
-    blocks stay alive), `width` the expert width (this rank's), `isa` the kernel path,
-    `gemm_rows` the weights' dense-GEMM threshold (0: never)."""
+    """The experts' blocks: `table` int64 [experts, 9] (gate blocks, gate type, up blocks, up
+    type, down blocks, down type, then the gate, up and down biases' addresses, 0: none),
+    `weights` the StoredWeights and biases it points into (held so that they stay alive),
+    `width` the expert width (this rank's), `isa` the kernel path, `gemm_rows` the weights'
+    dense-GEMM threshold (0: never), `swiglu` gpt-oss's (limit, alpha) or None: SiLU."""
 
     table: torch.Tensor
     weights: list[StoredWeight]
@@ -36,6 +38,7 @@ class StoredExperts:
     hidden: int
     isa: str
     gemm_rows: int
+    swiglu: tuple[float, float] | None = None
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether a step of activations x runs here (as the per-op path's row kernel would)."""
@@ -49,8 +52,8 @@ class StoredExperts:
         out = torch.empty_like(x)
         code = stored_weight._lib().kvserve_moe_experts(
             x.data_ptr(), x.shape[0], self.hidden, ids.data_ptr(), weights.data_ptr(), ids.shape[1],
-            self.table.data_ptr(), self.table.shape[0], self.width, out.data_ptr(), isa_table.ISA_CODES[self.isa],
-            torch.get_num_threads())
+            self.table.data_ptr(), self.table.shape[0], self.width, int(self.swiglu is not None),
+            *(self.swiglu or (0.0, 0.0)), out.data_ptr(), isa_table.ISA_CODES[self.isa], torch.get_num_threads())
         if code == -2:
             raise cpu_kernels.KernelArgumentError(f"the {self.isa} path of the GGUF kernels does not run on this CPU")
         if code:
@@ -71,28 +74,49 @@ def gate_and_up(weight) -> tuple[StoredWeight, StoredWeight] | None:
     return (gate, up) if gate.out_features == up.out_features else None
 
 
+def _bias(linear, tp_rank_adds: bool = True) -> torch.Tensor | None:
+    """A projection's float32 bias as the per-op path adds it (None: none, or not on this rank)."""
+    bias = linear.bias if tp_rank_adds else None
+    return None if bias is None else bias.detach()
+
+
 def stored_experts(experts) -> StoredExperts | None:
     """The table of `experts` (GatedMLPs), or None where one of them cannot run in the native
-    call: not SiLU-gated with the native SiLU*up, a bias, a projection not held as stored, or
-    kernel choices that differ between them."""
-    rows, held = [], []
+    call: not SiLU-gated or gpt-oss's SwiGLU with the native gated product, a projection not
+    held as stored, a bias that is not float32, or kernel choices that differ between them."""
+    rows, held, gating = [], [], set()
     for expert in experts:
         halves = gate_and_up(expert.gate_up_proj.quant_weight)
         down = expert.down_proj.quant_weight
-        if (halves is None or not isinstance(down, StoredWeight) or not (expert.is_silu and expert.native)
-                or expert.gate_up_proj.bias is not None or expert.down_proj.bias is not None):
+        if halves is None or not isinstance(down, StoredWeight) or not expert.native:
+            return None
+        if expert.is_silu:
+            gating.add(None)
+        elif expert.swiglu_limit is not None:
+            gating.add((float(expert.swiglu_limit), float(expert.swiglu_alpha)))
+        else:
             return None
         gate, up = halves
         if gate.in_features != down.out_features or down.in_features != gate.out_features:
             return None
-        held += [gate, up, down]
-        rows.append([value for w in (gate, up, down) for value in (w.blocks.data_ptr(), w.ggml_type)])
-    choices = {(w.isa, w.gemm_rows) for w in held}
-    if not rows or len(choices) != 1:
+        gate_up_bias = _bias(expert.gate_up_proj)
+        down_bias = _bias(expert.down_proj, expert.down_proj.tp.rank == 0)  # added once, on rank 0
+        biases = [None, None] if gate_up_bias is None else list(gate_up_bias.chunk(2))
+        biases.append(down_bias)
+        if any(b is not None and (b.dtype != torch.float32 or not b.is_contiguous()) for b in biases):
+            return None
+        held += [gate, up, down] + [b for b in biases if b is not None]
+        rows.append([value for w in (gate, up, down) for value in (w.blocks.data_ptr(), w.ggml_type)]
+                    + [0 if b is None else b.data_ptr() for b in biases])
+    if not rows or len(gating) != 1:
+        return None
+    stored = [w for w in held if isinstance(w, StoredWeight)]
+    choices = {(w.isa, w.gemm_rows) for w in stored}
+    if len(choices) != 1:
         return None
     isa, gemm_rows = choices.pop()
     isa = isa or stored_weight._default_isa()
-    if not all(stored_weight.supported(w.type_name, isa) for w in held):
+    if not all(stored_weight.supported(w.type_name, isa) for w in stored):
         return None
-    return StoredExperts(torch.tensor(rows, dtype=torch.int64), held, held[0].out_features, held[0].in_features,
-                         isa, gemm_rows)
+    return StoredExperts(torch.tensor(rows, dtype=torch.int64), held, stored[0].out_features,
+                         stored[0].in_features, isa, gemm_rows, gating.pop())

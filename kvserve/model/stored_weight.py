@@ -4,10 +4,12 @@ possibly a view of the mmapped file.
 
 The kernels are csrc/linear/gguf_rows.c: a step of a few rows quantizes its activations
 per 32 columns to int8 (as `quantized.QuantizedWeight` with act_bits 8 and llama.cpp do)
-and takes integer sums against the blocks as they lie; steps of `gemm_rows` rows or more
-dequantize the weight (bfloat16 on CPUs with native bfloat16, `quantized.gemm_dtype`) and
-run a dense GEMM, where the matmul is compute-bound. Types the kernels do not take keep
-the repacked `QuantizedWeight` (`supported` says which).
+and takes integer sums against the blocks as they lie; from 10 rows, types with a GEMM on
+the path (csrc/linear/gguf_gemm.c: Q4_K and Q6_K on AVX-512 VNNI) run it, with every row
+bit for bit its batch-one result, at any step size. For the other types, steps of
+`gemm_rows` rows or more dequantize the weight (bfloat16 on CPUs with native bfloat16,
+`quantized.gemm_dtype`) and run a dense GEMM, where the matmul is compute-bound. Types the
+kernels do not take keep the repacked `QuantizedWeight` (`supported` says which).
 """
 from __future__ import annotations
 
@@ -142,18 +144,32 @@ def _default_isa() -> str:
     return _widest[0] or "portable"
 
 
+_native_gemm: dict[tuple[int, str], bool] = {}
+
+
+def has_native_gemm(weight: StoredWeight, isa: str | None = None) -> bool:
+    """Whether many-row steps of `weight` on path `isa` (None: the weight's) run the native GEMM
+    (csrc/linear/gguf_gemm.c), which keeps every row's batch-one sums, instead of a dense one."""
+    key = (weight.ggml_type, isa or weight.isa or _default_isa())
+    if key not in _native_gemm:
+        _native_gemm[key] = bool(_lib().kvserve_gguf_gemm_supported(key[0], isa_table.ISA_CODES[key[1]]))
+    return _native_gemm[key]
+
+
 def linear(x: torch.Tensor, weight: StoredWeight, bias: torch.Tensor | None = None, isa: str | None = None,
            num_draft_rows: int = 0) -> torch.Tensor:
     """x [..., in] @ W^T (+ bias) with W as stored; x float32 or bfloat16 on the CPU (rows may
     be strided), the result of x's dtype. `isa` overrides the weight's path (and keeps the
     row kernel at any row count). Steps of `weight.gemm_rows` rows or more, not counting
-    `num_draft_rows` speculative drafts, dequantize W and run a dense GEMM; the row kernel
-    gives every row the sums a batch-one step gives it, so verify steps match plain decoding."""
+    `num_draft_rows` speculative drafts, dequantize W and run a dense GEMM unless the type has
+    a native GEMM here (`has_native_gemm`); the row kernel and the native GEMM give every row
+    the sums a batch-one step gives it, so verify steps match plain decoding."""
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[-1] != weight.in_features:
         raise cpu_kernels.KernelArgumentError(f"input width {rows.shape[-1]}, weight takes {weight.in_features}")
-    if isa is None and weight.gemm_rows and rows.shape[0] - num_draft_rows >= weight.gemm_rows:
+    if (isa is None and weight.gemm_rows and rows.shape[0] - num_draft_rows >= weight.gemm_rows
+            and not has_native_gemm(weight)):
         dtype = weight.gemm_dtype
         y = torch.nn.functional.linear(rows.to(dtype), weight.dequantize(dtype=dtype),
                                        None if bias is None else bias.to(dtype))

@@ -195,6 +195,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def swiglu_clamped(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's (clamp(up) + 1) * (g * sigmoid(alpha g)), g = min(gate, limit), for gate_up
+    [rows, 2 * width] (contiguous) -> [rows, width]."""
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(rows, width)
+    load_library().kvserve_swiglu_clamped(gate_up.data_ptr(), out.data_ptr(), rows, width, limit, alpha,
+                                          _DTYPE_CODES[gate_up.dtype], _threads())
+    return out
+
+
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotates x [tokens, heads, dim] in place (rows may be strided views); cos/sin [tokens, 1, dim] contiguous."""
     tokens, heads, dim = x.shape

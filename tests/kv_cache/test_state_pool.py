@@ -177,6 +177,9 @@ def test_hits_on_states_from_the_state_pool_and_reset_covers_both_pools():
     complete_step(first, 13, output_token=99)
     manager.free(first)
     assert manager.block_pool.state_pool.cached_block_hash_to_block  # snapshots at 4, 8, 12
+    # The state pool's snapshots are published as the state group's (2) stored blocks.
+    stored = [event for event in recorder.take() if type(event).__name__ == "BlockStoredEvent"]
+    assert sum(len(event.block_hashes) for event in stored if event.group_id == 2) == 3
     second = manager.new_request("b", prompt + [7])
     num_hit, _ = admit(manager, second)
     assert num_hit == 12
@@ -215,3 +218,23 @@ def test_what_sequences_want_counts_attention_per_token_and_states_per_slot():
     state = StateSpec(block_size=4, shapes=((2,), (3, 2)), dtype="float32")  # 32 B a slot
     assert kv_bytes_wanted({"a": attention}, 10, sizing) == 4 * 3 * 64
     assert kv_bytes_wanted({"a": attention, "s0": state, "s1": state}, 10, sizing) == 4 * 3 * 64 + 2 * 89 * 32
+
+
+def test_the_cap_yields_to_one_request_of_max_model_len_when_the_budget_holds_it():
+    """Blocks of 16, a 1 KiB attention page and a 4 KiB state slot; 64 requests, 2048-token steps,
+    caching, max_model_len 8192. One request alone needs min(8192 / 16, 2 * 2048 / 16 + 2) = 258
+    state slots (the scheduler's admission bound) and 512 attention blocks, each pool's null block
+    besides. In 2 MiB half the budget holds 256 slots; the pool gets 259 instead, and the longest
+    request stays 8192 tokens. In 1.5 MiB the two do not fit together: the cap (192) stays."""
+    from kvserve.scheduler.admission import max_tokens_in_pool
+    attention = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype="float32")
+    state = StateSpec(block_size=16, shapes=((1024,),), dtype="float32")
+    layers = {"a": attention, "s": state}
+    sizing = StatePoolSizing(max_num_seqs=64, max_num_batched_tokens=2048, enable_caching=True, max_model_len=8192)
+    config = get_kv_cache_config(layers, 2 * 2**20, state_pool_sizing=sizing)
+    assert config.num_state_blocks == 259
+    assert config.num_blocks == (2 * 2**20 - 259 * 4096) // 1024
+    assert max_tokens_in_pool(config, 8192, 2048) == 8192
+    capped = get_kv_cache_config(layers, 3 * 2**19, state_pool_sizing=sizing)
+    assert capped.num_state_blocks == (3 * 2**19 // 2) // 4096 == 192
+    assert max_tokens_in_pool(capped, 8192, 2048) < 8192

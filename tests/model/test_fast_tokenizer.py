@@ -151,3 +151,11 @@ def test_a_config_with_options_transformers_applies_on_load_is_not_taken(tmp_pat
     (copy / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True}))
     assert not fast_tokenizer_supports(str(copy))
     assert not isinstance(tokenizer_files._load_saved(str(copy)), FastTokenizer)
+
+
+def test_a_fast_tokenizer_pickles_as_its_directory(tokenizer_pair):
+    import pickle
+    fast, _ = tokenizer_pair
+    copy = pickle.loads(pickle.dumps(fast))
+    assert isinstance(copy, FastTokenizer) and copy.name_or_path == fast.name_or_path
+    assert copy.encode(STRINGS[7]) == fast.encode(STRINGS[7])

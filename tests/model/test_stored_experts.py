@@ -23,6 +23,7 @@ from kvserve.model.stored_parts import StoredParts
 from kvserve.model.stored_weight import StoredWeight
 from helpers.kernel_switches import env_kernels
 from paged_kv_helper import every_token_logits, tiny_models_with_reference
+from test_gpt_oss_gguf import gpt_oss_files  # noqa: F401 (a fixture)
 from test_stored_loading import _inside, _mapped_ranges, cache_dir  # noqa: F401 (cache_dir: a fixture)
 
 gguf = pytest.importorskip("gguf")
@@ -115,21 +116,48 @@ def _both_paths(block: SparseMoeBlock, x: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "q4_k_m"])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_native_call_equals_expert_by_expert(moe_files, type_name, threads):
+@pytest.mark.parametrize(("threads", "isa"), [(1, None), (2, None), (2, "avx2"), (2, "portable")])
+def test_native_call_equals_expert_by_expert(moe_files, type_name, threads, isa):
     """The native call and the expert-by-expert path give the same bits (the same activation
-    rounding, row sums, SiLU and sums in ascending expert id) at batch 1, a few rows and a batch
-    whose experts take several rows each, on one thread and two."""
-    model = load_model(ModelConfig.from_path(_file(moe_files, type_name)))
+    rounding, row sums, SiLU and sums in ascending expert id) at batch 1, a few rows, a batch
+    whose experts take several rows each and one whose experts take more than the GGUF GEMM's
+    least batch (csrc/linear/gguf_gemm.c, Q4_K/Q6_K on AVX-512), on one thread and two, on the
+    widest kernel path here and each narrower one forced (KVSERVE_QUANT_ISA's switch)."""
+    kernels = env_kernels(quant_isa=isa)
+    if isa is not None and kernel_isa(kernels) != isa:
+        pytest.skip(f"the {isa} path does not run here")
+    model = load_model(ModelConfig.from_path(_file(moe_files, type_name)), kernel_config=kernels)
+    assert all(block.stored_experts.isa == kernel_isa(kernels) for block in _blocks(model))
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         generator = torch.Generator().manual_seed(2)
         for block in _blocks(model):
-            for rows in (1, 3, 17):
+            for rows in (1, 3, 17, 96):  # 96 rows: 24 a step per expert on average (top 2 of 8)
                 x = torch.randn(rows, block.gate.weight.shape[1], generator=generator)
                 native, one_by_one = _both_paths(block, x)
                 assert torch.equal(native, one_by_one), (rows, (native - one_by_one).abs().max())
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gpt_oss_mxfp4_experts_run_in_the_native_call_bit_for_bit(gpt_oss_files, threads):
+    """gpt-oss's MXFP4 experts (llama.cpp's converter; biases, clamped SwiGLU) run in the native
+    call, which gives the expert-by-expert path's bits (both take kvserve_swiglu_clamped)."""
+    model = load_model(ModelConfig.from_path(gpt_oss_files[2]))
+    blocks = _blocks(model)
+    assert blocks and all(block.stored_experts is not None and block.stored_experts.swiglu for block in blocks)
+    assert {part.type_name for part in _expert_parts(blocks[0])} == {"MXFP4"}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        generator = torch.Generator().manual_seed(3)
+        for block in blocks:
+            for rows in (1, 3, 17):
+                native, one_by_one = _both_paths(block, torch.randn(rows, block.gate.weight.shape[1],
+                                                                    generator=generator))
+                assert torch.equal(native, one_by_one), rows
     finally:
         torch.set_num_threads(previous)
 
@@ -151,7 +179,7 @@ def test_native_call_reads_only_picked_experts_and_groups_ties(moe_files):
             expected = _both_paths(block, x)[1]
             table = block.stored_experts
             nulled = table.table.clone()
-            nulled[k:, 0::2] = 0  # blocks of every expert no token picks
+            nulled[k:, [0, 2, 4]] = 0  # the blocks of every expert no token picks
             block.stored_experts = type(table)(nulled, table.weights, table.width, table.hidden, table.isa,
                                                table.gemm_rows)
             assert torch.equal(block(x), expected)

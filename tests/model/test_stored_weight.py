@@ -191,7 +191,7 @@ def test_prefill_sized_steps_run_a_dense_gemm(gemm_dtype):
     float32 summation of `in` products (in u sum |w x|), bfloat16 within the rounding of
     both operands to bfloat16 (half an ulp: 2^-8 relative each, their product 2^-16) and of
     the bfloat16 result (2^-8 of at most sum |w x|) plus that summation."""
-    weight = _weight("Q6_K", 40, 512, seed=9, gemm_rows=8, gemm_dtype=gemm_dtype)
+    weight = _weight("Q5_K", 40, 512, seed=9, gemm_rows=8, gemm_dtype=gemm_dtype)  # no native GEMM
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(9))
     w = _gguf_py(weight).astype(np.float64)
     expected = x.double().numpy() @ w.T
@@ -228,3 +228,207 @@ def test_supported_types_follow_the_table():
     lib = build.load_library()
     assert lib.kvserve_gguf_supported(1, ISA_CODES["portable"]) == 0  # F16: not a block type here
     assert ctypes.c_int64(lib.kvserve_gguf_row_bytes(1, 64)).value == -1
+
+
+def _split_bounds(weight: StoredWeight, granule: int = 0) -> list[int]:
+    """The fused decoder's runs of a split by input columns (whole multiples of `granule`
+    columns where the width allows): their bounds in 32-column blocks."""
+    lib = build.load_library()
+    runs = lib.kvserve_gguf_split_runs(weight.ggml_type, weight.in_features, granule)
+    return [lib.kvserve_gguf_split_bound(weight.ggml_type, weight.in_features, granule, c) for c in range(runs + 1)]
+
+
+def test_split_runs_are_whole_granules_where_the_width_allows():
+    """O's runs are whole heads (granule 64) so that threads holding whole heads hold whole runs:
+    SmolLM2's 9 heads of 64 over Q4_1 blocks; a K type's blocks of 256 hold 4 such heads."""
+    q4_1, q4_k = _weight("Q4_1", 1, 576), _weight("Q4_K", 1, 2048)
+    assert _split_bounds(q4_1) == [0, 4, 9, 13, 18]
+    assert _split_bounds(q4_1, 64) == [0, 4, 8, 12, 18]
+    assert _split_bounds(q4_k, 64) == _split_bounds(q4_k) == [0, 16, 32, 48, 64]
+    assert _split_bounds(_weight("Q4_1", 1, 96), 64) == [0, 3]  # not whole heads: blocks, too few for 4 runs
+
+
+def _partials(weight: StoredWeight, qx: torch.Tensor, scales: torch.Tensor, bounds: list[int], isa: str,
+              rows: tuple[int, int]) -> torch.Tensor:
+    """kvserve_gguf_partials of rows [rows[0], rows[1]) over the runs `bounds`: [runs, batch, out]
+    (NaN outside those rows)."""
+    batch, out = qx.shape[0], weight.out_features
+    y = torch.full((len(bounds) - 1, batch, out), float("nan"))
+    runs = torch.tensor(bounds, dtype=torch.int64)
+    build.load_library().kvserve_gguf_partials(qx.data_ptr(), scales.data_ptr(), batch, weight.blocks.data_ptr(),
+                                               weight.ggml_type, weight.in_features, runs.data_ptr(),
+                                               len(bounds) - 1, y.data_ptr(), out, batch * out, ISA_CODES[isa],
+                                               *rows)
+    return y
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("type_name", TYPES)
+def test_split_partials_add_up_and_do_not_depend_on_the_split(type_name, isa):
+    """The fused decoder's O/down projections split by input columns (kvserve_gguf_partials):
+    the runs are GGUF_SPLIT_RUNS of whole blocks fixed by the type and width alone; a run's
+    partial products are the same bit for bit whatever the other runs, the row range and the
+    batch; one run over the whole row is the row kernel's sum; and the runs added in order are
+    within the header's bound, each of the (runs - 1) additions of partial sums counted once
+    more (T + 13 + GGUF_SPLIT_RUNS)."""
+    block_cols = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0]
+    width = 800 if block_cols == 32 else 1280  # 25 blocks / 5 super-blocks: uneven runs
+    weight = _weight(type_name, 23, width, seed=11)
+    bounds = _split_bounds(weight)
+    per = block_cols // 32
+    assert len(bounds) == 5 and bounds[0] == 0 and bounds[-1] == width // 32
+    assert all(b % per == 0 for b in bounds) and all(a < b for a, b in zip(bounds, bounds[1:]))
+    x = torch.randn(5, width, generator=torch.Generator().manual_seed(12))
+    qx, scales = _quantized_activations(x)
+    split = _partials(weight, qx, scales, bounds, isa, (0, 23))
+    for c in range(len(bounds) - 1):  # each run alone, some rows alone, one batch row alone
+        alone = _partials(weight, qx, scales, bounds[c:c + 2], isa, (5, 18))[0]
+        assert torch.equal(alone[:, 5:18], split[c][:, 5:18])
+        one = _partials(weight, qx[3:4].contiguous(), scales[:, 3:4].contiguous(), bounds[c:c + 2], isa, (0, 23))
+        assert torch.equal(one[0, 0], split[c, 3])
+    whole = _partials(weight, qx, scales, [0, width // 32], isa, (0, 23))[0]
+    assert torch.equal(whole, stored_weight.linear(x, weight, isa=isa))
+    expected, bound = _oracle_and_bound(weight, x)
+    terms = 2 * width // 32 + 2 * width // 256
+    assert np.all(np.abs(split.sum(0, dtype=torch.float64).numpy() - expected) <=
+                  bound / (terms + 13) * (terms + 13 + len(bounds) - 1))
+
+
+def test_split_rows_quantize_each_block_alone():
+    """The split quantizes only its runs' columns of a row (kvserve_quant_activation_blocks):
+    bit for bit the blocks a whole-row quantization gives."""
+    x = torch.randn(3, 320, generator=torch.Generator().manual_seed(13))
+    qx, scales = _quantized_activations(x)
+    part_q = torch.empty(3, 96, dtype=torch.int8)
+    part_s = torch.empty(3, 2, 3)
+    for t in range(3):
+        build.load_library().kvserve_quant_activation_blocks(x[t, 128:].data_ptr(), 96, part_q[t].data_ptr(),
+                                                             part_s[t, 0].data_ptr(), part_s[t, 1].data_ptr())
+    assert torch.equal(part_q, qx[:, 128:224])
+    assert torch.equal(part_s.permute(1, 0, 2), scales[:, :, 4:7])
+
+
+# ---- the many-row GEMM (csrc/linear/gguf_gemm.c) ------------------------------------------
+# Steps of kvserve_gguf_gemm_min_batch() rows or more take it where the type has one on the
+# path (Q4_K and Q6_K on AVX-512 VNNI); elsewhere the same tests run the tiles.
+GEMM_TYPES = ("Q4_K", "Q6_K")
+
+
+def _gemm_batches() -> list[int]:
+    """Just below and at the GEMM's threshold, one full lane group, and a batch that leaves a
+    group of 9 lanes (16 lanes a group)."""
+    least = build.load_library().kvserve_gguf_gemm_min_batch()
+    return [least - 1, least, 16, 41]
+
+
+def test_the_gemm_runs_where_the_tiles_it_matches_run():
+    lib = build.load_library()
+    for name in GEMM_TYPES:
+        code = stored_weight.GGML_TYPE_IDS[name]
+        assert lib.kvserve_gguf_gemm_supported(code, ISA_CODES["avx512"]) == int("avx512" in PATHS)
+        assert lib.kvserve_gguf_gemm_supported(code, ISA_CODES["portable"]) == 0
+    assert lib.kvserve_gguf_gemm_supported(stored_weight.GGML_TYPE_IDS["Q8_0"], ISA_CODES["avx512"]) == 0
+    assert lib.kvserve_gguf_gemm_min_batch() > 1
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("type_name", GEMM_TYPES)
+def test_gemm_matches_the_float64_product_and_the_batch_one_rows(type_name, isa):
+    """Every batch size around the threshold, 37 rows (not whole panels of 16 or kernel calls
+    of 8), three super-blocks, a bias: within the header's bound of the float64 product, and
+    each row bit for bit its batch-one value. The header's bound holds for the GEMM (its lane
+    chains add two terms per super-block, then three levels and the bias); the bias's own
+    magnitude adds u |bias| to the rounding of that last addition."""
+    weight = _weight(type_name, 37, 768, seed=11)
+    bias = torch.randn(37, generator=torch.Generator().manual_seed(12))
+    for batch in _gemm_batches():
+        x = torch.randn(batch, 768, generator=torch.Generator().manual_seed(batch))
+        expected, bound = _oracle_and_bound(weight, x)
+        y = stored_weight.linear(x, weight, bias, isa=isa)
+        assert np.all(np.abs(y.double().numpy() - bias.double().numpy() - expected) <= bound + np.abs(
+            bias.double().numpy()) * U), batch
+        for b in {0, batch // 2, batch - 1}:
+            assert torch.equal(y[b], stored_weight.linear(x[b:b + 1], weight, bias, isa=isa)[0]), (batch, b)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("type_name", GEMM_TYPES)
+def test_gemm_rows_do_not_depend_on_the_range_or_the_threads(type_name, threads):
+    """The fused decoder's per-thread row ranges (kvserve_gguf_rows) and kvserve_gguf_linear's
+    split over one or two threads give every row its batch-one bits."""
+    isa = PATHS[-1]
+    weight = _weight(type_name, 45, 512, seed=13)
+    x = torch.randn(33, 512, generator=torch.Generator().manual_seed(14))
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batched = stored_weight.linear(x, weight, isa=isa)
+    finally:
+        torch.set_num_threads(saved)
+    ones = torch.cat([stored_weight.linear(x[b:b + 1], weight, isa=isa) for b in range(33)])
+    assert torch.equal(batched, ones)
+    qx, scales = _quantized_activations(x)
+    pieces = torch.full((33, 45), float("nan"))
+    for begin, end in ((0, 5), (5, 22), (22, 45)):
+        build.load_library().kvserve_gguf_rows(qx.data_ptr(), scales.data_ptr(), 33, weight.blocks.data_ptr(),
+                                               weight.ggml_type, 512, None, pieces.data_ptr(), 45, ISA_CODES[isa],
+                                               begin, end)
+    assert torch.equal(pieces, ones)
+
+
+def _extreme_blocks(type_name: str, rows: int, in_features: int) -> np.ndarray:
+    """Blocks whose integer sums are the largest the format allows: Q4_K every quant 15 and
+    every 6-bit scale and minimum 63; Q6_K every value -32 (all bits zero) and every scale -128."""
+    block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][1]
+    blocks = np.zeros((rows, in_features // 256, block_bytes), dtype=np.uint8)
+    if type_name == "Q4_K":
+        blocks[..., 0:2] = np.array([0.01], np.float16).view(np.uint8)
+        blocks[..., 2:4] = np.array([0.002], np.float16).view(np.uint8)
+        blocks[..., 4:16] = 0xFF
+        blocks[..., 16:144] = 0xFF
+    else:
+        blocks[..., 192:208] = 0x80
+        blocks[..., 208:210] = np.array([0.001], np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("type_name", GEMM_TYPES)
+def test_gemm_integer_sums_at_the_formats_extremes(type_name, isa):
+    """Activations of one sign at full int8 scale against the extreme blocks: the integer sums
+    reach their largest magnitude (Q6_K: 2 * 128 * 16 * 32 * 127 per 32 columns, just under
+    2^24) and must stay exact, so the results stay within the float64 bound and equal batch one."""
+    weight = stored_weight.from_gguf_blocks(type_name, _extreme_blocks(type_name, 19, 512), 512)
+    signs = torch.tensor([(-1.0) ** b for b in range(20)]).unsqueeze(1)
+    x = signs * torch.ones(20, 512)  # every activation +-127 after rounding
+    expected, bound = _oracle_and_bound(weight, x)
+    y = stored_weight.linear(x, weight, isa=isa)
+    assert np.all(np.abs(y.double().numpy() - expected) <= bound)
+    assert torch.equal(y[7], stored_weight.linear(x[7:8], weight, isa=isa)[0])
+
+
+@pytest.mark.parametrize("type_name", GEMM_TYPES)
+def test_gemm_over_several_panels_and_batch_slabs(type_name):
+    """8,192 columns: the GEMM unpacks the rows in panels of about 384 KB (32 rows of Q4_K, 24
+    of Q6_K, so 40 rows take two) and packs the batch in slabs of 2 MB (256 rows, so 260 take
+    two); every row keeps its batch-one bits and the float64 bound."""
+    isa = PATHS[-1]
+    weight = _weight(type_name, 40, 8192, seed=16)
+    x = torch.randn(260, 8192, generator=torch.Generator().manual_seed(17))
+    expected, bound = _oracle_and_bound(weight, x)
+    y = stored_weight.linear(x, weight, isa=isa)
+    assert np.all(np.abs(y.double().numpy() - expected) <= bound)
+    for b in (0, 255, 256, 259):
+        assert torch.equal(y[b], stored_weight.linear(x[b:b + 1], weight, isa=isa)[0]), b
+
+
+@pytest.mark.parametrize("type_name", GEMM_TYPES)
+def test_prefill_sized_steps_keep_the_native_gemm(type_name):
+    """Where the type has a native GEMM on the weight's path, steps of `gemm_rows` rows or more
+    run it rather than a dense GEMM: every row keeps its batch-one bits."""
+    weight = _weight(type_name, 24, 512, seed=18, gemm_rows=12, gemm_dtype=torch.bfloat16)
+    x = torch.randn(13, 512, generator=torch.Generator().manual_seed(18))
+    y = stored_weight.linear(x, weight)
+    if not stored_weight.has_native_gemm(weight):
+        pytest.skip(f"no native {type_name} GEMM on the widest path here ({PATHS[-1]})")
+    assert all(torch.equal(y[b], stored_weight.linear(x[b:b + 1], weight)[0]) for b in range(13))

@@ -11,9 +11,10 @@
  * tens of microseconds on a virtual machine, more than a layer's work at batch
  * one. Inside it the threads split each matrix's output rows and the
  * attention's KV heads, and meet at a barrier after each; with fewer_barriers
- * (off by default) they split the O and down projections by input columns and,
- * where the attention goes by query heads, compute each the QKV rows and K/V
- * writes their heads need, so that SmolLM2 on 2 threads meets twice a layer.
+ * (on by default for GGUF weights as stored) they split the O and down
+ * projections by input columns and attention by query heads, each computing the
+ * QKV rows and K/V writes its heads need, so that SmolLM2 and the Llama-1B shape
+ * on 2 threads meet twice a layer.
  * The barrier is a spinning one of our own (spin_barrier below), not OpenMP's:
  * libgomp spins only ~1000 times once its thread pools together hold more
  * threads than there are CPUs (torch's pool and this call's each count), then
@@ -222,45 +223,73 @@ static void linear_rows(const NativeModel *m, const NativeLinear *l, const float
  * columns of the MLP activation) is split by input columns instead of output rows: each
  * thread multiplies its columns into partial products, and every thread adds them up after
  * the next barrier. That saves the barrier before the projection. The columns go in fixed
- * runs of SPLIT_BLOCKS blocks (the last run takes the rest), each run's partial products in
- * a buffer of their own, added up in run order: a row's result does not depend on the
- * thread count or on the step's other rows, only its float32 summation order differs from
- * the unsplit kernel's (the integer block sums are the same). Taken where the projection
- * runs quant_gemv.c's single-row kernel (int8 activations, AVX512-VNNI, 4- or 8-bit
- * weights, one rank); other paths keep the split by rows and its barrier. */
+ * runs, each run's partial products in a buffer of their own, added up in run order: a row's
+ * result does not depend on the thread count or on the step's other rows, only its float32
+ * summation order differs from the unsplit kernel's (the integer block sums are the same).
+ * Taken where the projection runs quant_gemv.c's single-row kernel (int8 activations,
+ * AVX512-VNNI, 4- or 8-bit weights; runs of SPLIT_BLOCKS blocks, the last one taking the
+ * rest) or is one GGUF tensor as stored (every path; gguf_rows.c's runs: a few runs of
+ * whole blocks), on one rank; other paths keep the split by rows and its barrier. */
 
-/* Whether a step of T rows (plain_rows of them not drafts) splits l by its input columns. */
-static int splits_by_input(const NativeModel *m, const NativeLinear *l, int64_t T, int64_t plain_rows) {
+/* Whether a step of T rows (plain_rows of them not drafts) splits l by its input columns
+ * (never by the thread count: the split changes the float32 order of the sums). `granule`:
+ * columns a GGUF split's runs are whole multiples of where the width allows (O: the head
+ * size, so that threads holding whole heads hold whole runs), or 0. */
+static int splits_by_input(const NativeModel *m, const NativeLinear *l, int64_t granule, int64_t T,
+                           int64_t plain_rows) {
     const int path = linear_path(m, l, T, plain_rows);
-    return m->fewer_barriers && !m->all_reduce && l->qs && (l->bits == 4 || l->bits == 8) &&
-           (path == PATH_QUANT || path == PATH_SINGLE_ROWS) &&
+    if (!m->fewer_barriers || m->all_reduce) return 0;
+    if (path == PATH_GGUF)
+        return l->num_parts == 1 && kvserve_gguf_split_runs(l->part_type[0], l->in, granule) > 1;
+    return l->qs && (l->bits == 4 || l->bits == 8) && (path == PATH_QUANT || path == PATH_SINGLE_ROWS) &&
            kvserve_quant_single_row_kernel(l->act_bits, l->isa);
 }
 
-static int64_t run_count(int64_t in) {
-    const int64_t runs = in / 32 / SPLIT_BLOCKS;
+static int64_t run_count(const NativeLinear *l, int64_t granule) {
+    if (l->num_parts) return kvserve_gguf_split_runs(l->part_type[0], l->in, granule);
+    const int64_t runs = l->in / 32 / SPLIT_BLOCKS;
     return runs > 0 ? runs : 1;
 }
 
-/* The first block of run c (c = run_count: the end of the row). */
-static int64_t run_bound(int64_t in, int64_t c) { return c < run_count(in) ? c * SPLIT_BLOCKS : in / 32; }
+/* The most runs a split matmul of `in` columns has (its buffers' size). */
+static int64_t max_runs(int64_t in) {
+    const int64_t runs = in / 32 / SPLIT_BLOCKS;
+    return runs > GGUF_SPLIT_RUNS ? runs : GGUF_SPLIT_RUNS;
+}
+
+/* The first 32-column block of run c (c = run_count: the end of the row). */
+static int64_t run_bound(const NativeLinear *l, int64_t granule, int64_t c) {
+    if (l->num_parts) return kvserve_gguf_split_bound(l->part_type[0], l->in, granule, c);
+    return c < run_count(l, granule) ? c * SPLIT_BLOCKS : l->in / 32;
+}
 
 /* The run that starts at input column `col`, or -1 where none does. */
-static int64_t run_at(int64_t in, int64_t col) {
-    if (col % 32) return -1;
-    const int64_t runs = run_count(in), blk = col / 32;
-    if (blk == in / 32) return runs;
-    return blk % SPLIT_BLOCKS == 0 && blk / SPLIT_BLOCKS < runs ? blk / SPLIT_BLOCKS : -1;
+static int64_t run_at(const NativeLinear *l, int64_t granule, int64_t col) {
+    for (int64_t c = 0; c <= run_count(l, granule); c++)
+        if (run_bound(l, granule, c) * 32 == col) return c;
+    return -1;
 }
 
 /* Runs [run_begin, run_end) of x [T, in] W^T into runs [runs, T, out] (run_stride T * out):
  * this thread quantizes the runs' columns of each row and multiplies them (PHASE_QUANTIZE,
  * then `phase`). */
-static void split_range(const NativeLinear *l, const float *x, int64_t T, Private *p, float *runs,
+static void split_range(const NativeLinear *l, int64_t granule, const float *x, int64_t T, Private *p, float *runs,
                         int64_t run_begin, int64_t run_end, int phase) {
     if (run_begin >= run_end) return;
-    const int64_t nb = l->in / 32, b0 = run_bound(l->in, run_begin), b1 = run_bound(l->in, run_end);
-    for (int64_t c = run_begin; c <= run_end; c++) p->bounds[c - run_begin] = run_bound(l->in, c);
+    const int64_t nb = l->in / 32, b0 = run_bound(l, granule, run_begin), b1 = run_bound(l, granule, run_end);
+    for (int64_t c = run_begin; c <= run_end; c++) p->bounds[c - run_begin] = run_bound(l, granule, c);
+    if (l->num_parts) { /* GGUF as stored: the runs' columns of every row into the [T, in] buffers */
+        for (int64_t t = 0; t < T; t++)
+            kvserve_quant_activation_blocks(x + t * l->in + b0 * 32, (b1 - b0) * 32,
+                                            (int8_t *)p->qx + t * l->in + b0 * 32, p->scales + t * nb + b0,
+                                            p->scales + T * nb + t * nb + b0);
+        phase_mark(&p->timer, PHASE_QUANTIZE);
+        kvserve_gguf_partials((const int8_t *)p->qx, p->scales, T, l->part_blocks[0], l->part_type[0], l->in,
+                              p->bounds, run_end - run_begin, runs + run_begin * T * l->out, l->out, T * l->out,
+                              l->isa, 0, l->out);
+        phase_mark(&p->timer, phase);
+        return;
+    }
     for (int64_t t = 0; t < T; t++) {
         float *dx = single_row_scales(l, p, t);
         kvserve_quantize_row8(x + t * l->in + b0 * 32, (b1 - b0) * 32, (int8_t *)single_row_qx(l, p, t) + b0 * 32,
@@ -488,34 +517,36 @@ static void query_share_kv(const NativeModel *m, const NativeLayer *l, const Nat
 
 /* Whether each thread's query heads (query_head_share) are whole runs of the O projection's
  * input, so that a thread can multiply its heads' attention output by O without a barrier. */
-static int heads_are_runs(const NativeModel *m, int nthreads) {
-    const int64_t q_size = m->num_heads * m->head_dim;
+static int heads_are_runs(const NativeModel *m, const NativeLinear *o, int nthreads) {
     for (int t = 0; t < nthreads; t++) {
         int64_t begin, end;
         query_head_share(m, t, nthreads, &begin, &end);
-        if (run_at(q_size, begin * m->head_dim) < 0) return 0;
+        if (run_at(o, m->head_dim, begin * m->head_dim) < 0) return 0;
     }
     return 1;
 }
 
 /* The runs [begin, end) of a split matmul with `in` columns this thread takes, in its share of
  * the columns: by the thread count, or (`by_heads`) as its query heads. */
-static void run_share(const NativeModel *m, int64_t in, int by_heads, int tid, int nthreads, int64_t *begin,
-                      int64_t *end) {
+static void run_share(const NativeModel *m, const NativeLinear *l, int64_t granule, int by_heads, int tid,
+                      int nthreads, int64_t *begin, int64_t *end) {
     if (by_heads) {
         int64_t first, last;
         query_head_share(m, tid, nthreads, &first, &last);
-        *begin = run_at(in, first * m->head_dim);
-        *end = run_at(in, last * m->head_dim);
+        *begin = run_at(l, granule, first * m->head_dim);
+        *end = run_at(l, granule, last * m->head_dim);
     } else {
-        *begin = run_count(in) * tid / nthreads;
-        *end = run_count(in) * (tid + 1) / nthreads;
+        *begin = run_count(l, granule) * tid / nthreads;
+        *end = run_count(l, granule) * (tid + 1) / nthreads;
     }
 }
 
-/* Whether a step of T tokens attends by query heads (attention_query_heads). */
+/* Whether a step of T tokens attends by query heads (attention_query_heads): where the KV
+ * heads do not divide evenly among the threads, and with fewer barriers also where they do
+ * (each thread's query heads then read KV heads of its own: QKV, attention and, where its
+ * heads are whole runs of O's input, O without a barrier between). */
 static int by_query_heads(const NativeModel *m, int64_t T, int nthreads) {
-    return T < TOKEN_SPLIT_MIN && nthreads > 1 && m->num_kv_heads % nthreads;
+    return T < TOKEN_SPLIT_MIN && nthreads > 1 && (m->num_kv_heads % nthreads || m->fewer_barriers);
 }
 
 /* The QKV projection of p->x into s->qkv. With fewer barriers where the attention goes by
@@ -587,22 +618,22 @@ static const float *attention_and_o(const NativeModel *m, const NativeLayer *l, 
     } else {
         attention_heads(m, l, st, s, qk_inv, 1, tid, nthreads);
     }
-    if (!splits_by_input(m, &l->o, T, plain)) {
+    if (!splits_by_input(m, &l->o, m->head_dim, T, plain)) {
         wait_all(p, PHASE_ATTENTION);
         linear_rows(m, &l->o, s->attn, T, plain, p, s->out, tid, nthreads);
         wait_all(p, PHASE_O);
         return all_reduce_out(m, st, p, s, tid) ? s->out : NULL;
     }
-    const int by_heads = query_heads && heads_are_runs(m, nthreads);
+    const int by_heads = query_heads && heads_are_runs(m, &l->o, nthreads);
     if (by_heads)
         phase_mark(&p->timer, PHASE_ATTENTION);
     else
         wait_all(p, PHASE_ATTENTION);
     int64_t begin, end;
-    run_share(m, l->o.in, by_heads, tid, nthreads, &begin, &end);
-    split_range(&l->o, s->attn, T, p, s->o_runs, begin, end, PHASE_O);
+    run_share(m, &l->o, m->head_dim, by_heads, tid, nthreads, &begin, &end);
+    split_range(&l->o, m->head_dim, s->attn, T, p, s->o_runs, begin, end, PHASE_O);
     wait_all(p, PHASE_O);
-    sum_runs(s->o_runs, run_count(l->o.in), T, H, l->o.bias, p->sum);
+    sum_runs(s->o_runs, run_count(&l->o, m->head_dim), T, H, l->o.bias, p->sum);
     phase_mark(&p->timer, PHASE_NORMS);
     return p->sum;
 }
@@ -898,7 +929,7 @@ static const float *mlp(const NativeModel *m, const NativeLayer *l, const Native
     const int64_t T = st->num_tokens, plain = T - st->num_draft_tokens;
     const int64_t H = m->hidden, I = l->down.in;
     if (l->moe) return moe_mlp(m, l->moe, st, p, s, tid, nthreads);
-    if (!splits_by_input(m, &l->down, T, plain)) {
+    if (!splits_by_input(m, &l->down, 0, T, plain)) {
         linear_rows(m, &l->gate_up, p->x, T, plain, p, s->gate_up, tid, nthreads);
         wait_all(p, PHASE_GATE_UP);
         gate_activation(m, s->gate_up, p->act, T, I);
@@ -908,8 +939,8 @@ static const float *mlp(const NativeModel *m, const NativeLayer *l, const Native
         return all_reduce_out(m, st, p, s, tid) ? s->out : NULL;
     }
     int64_t begin, end;
-    run_share(m, I, 0, tid, nthreads, &begin, &end);
-    const int64_t c0 = run_bound(I, begin) * 32, c1 = run_bound(I, end) * 32, w = c1 - c0;
+    run_share(m, &l->down, 0, 0, tid, nthreads, &begin, &end);
+    const int64_t c0 = run_bound(&l->down, 0, begin) * 32, c1 = run_bound(&l->down, 0, end) * 32, w = c1 - c0;
     if (w > 0) {
         const int path = linear_path(m, &l->gate_up, T, plain);
         linear_prepare(&l->gate_up, path, p->x, T, p);
@@ -925,9 +956,9 @@ static const float *mlp(const NativeModel *m, const NativeLayer *l, const Native
         for (int64_t t = T - 1; t >= 0; t--) memmove(p->act + t * I + c0, p->act + t * w, sizeof(float) * (size_t)w);
         phase_mark(&p->timer, PHASE_NORMS);
     }
-    split_range(&l->down, p->act, T, p, s->down_runs, begin, end, PHASE_DOWN);
+    split_range(&l->down, 0, p->act, T, p, s->down_runs, begin, end, PHASE_DOWN);
     wait_all(p, PHASE_DOWN);
-    sum_runs(s->down_runs, run_count(I), T, H, l->down.bias, p->sum);
+    sum_runs(s->down_runs, run_count(&l->down, 0), T, H, l->down.bias, p->sum);
     phase_mark(&p->timer, PHASE_NORMS);
     return p->sum;
 }
@@ -1115,8 +1146,8 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
                 m->all_reduce ? m->reduce_buffer : malloc(sizeof(float) * (size_t)(T * H)),
                 malloc(sizeof(float) * (size_t)(T * 2 * I)),
                 malloc(sizeof(float) * (size_t)(T * 2 * m->dn_v_heads + 1)),
-                malloc(sizeof(float) * (size_t)(run_count(m->num_heads * m->head_dim) * T * H)),
-                malloc(sizeof(float) * (size_t)(run_count(I) * T * H)),
+                malloc(sizeof(float) * (size_t)(max_runs(m->num_heads * m->head_dim) * T * H)),
+                malloc(sizeof(float) * (size_t)(max_runs(I) * T * H)),
                 malloc(sizeof(float) * (size_t)moe.gate_up), malloc(sizeof(float) * (size_t)moe.down), 0, 0};
     int failed = !s.qkv || !s.attn || !s.out || !s.gate_up || !s.ba || !s.o_runs || !s.down_runs || !s.moe_gate_up ||
                  !s.moe_down;
@@ -1131,7 +1162,7 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
                      malloc((size_t)kvserve_quant_gemm_panel_bytes(W)), malloc(sizeof(float) * (size_t)(T * H)),
                      malloc(sizeof(float) * (size_t)(T * 2 * I)), malloc(sizeof(float) * (size_t)(T * 2 * m->head_dim)),
                      malloc(sizeof(float) * (size_t)(2 * m->dn_k_dim + 2 * m->dn_v_dim + 1)),
-                     malloc(sizeof(int64_t) * (size_t)(run_count(W) + 1)), malloc(sizeof(float) * (size_t)(T * H)),
+                     malloc(sizeof(int64_t) * (size_t)(max_runs(W) + 1)), malloc(sizeof(float) * (size_t)(T * H)),
                      malloc(sizeof(float) * (size_t)(T * moe.experts)), malloc(sizeof(int64_t) * (size_t)moe.pairs),
                      malloc(sizeof(int64_t) * (size_t)moe.pairs), malloc(sizeof(int64_t) * (size_t)moe.experts),
                      malloc(sizeof(float) * (size_t)moe.pairs), malloc(sizeof(float) * (size_t)moe.pairs),

@@ -102,6 +102,31 @@ void kvserve_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t widt
     DISPATCH(dtype, silu_mul(gate_up, out, rows, width, dtype_, num_threads));
 }
 
+/* gpt-oss's clamped SwiGLU: out[r] = (u + 1) * (g * sigmoid(alpha g)) with g = min(gate, limit)
+ * and u = clamp(up, -limit, limit), row r of gate_up being [gate (width), up (width)]; each
+ * step rounded to the storage type as torch's ops round theirs. */
+INLINE void swiglu_clamped(const void *gate_up, void *out, int64_t rows, int64_t width, float limit, float alpha,
+                           const int dtype, int num_threads) {
+    int threads = rows * width >= PARALLEL_MIN_ELEMENTS ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t in_base = r * 2 * width, out_base = r * width;
+        for (int64_t i = 0; i < width; i++) {
+            float g = get(gate_up, in_base + i, dtype), u = get(gate_up, in_base + width + i, dtype);
+            g = g < limit ? g : limit;
+            u = u < -limit ? -limit : (u > limit ? limit : u);
+            const float scaled = rounded(g * alpha, dtype);
+            const float gated = rounded(g * rounded(1.f / (1.f + expf(-scaled)), dtype), dtype);
+            put(out, out_base + i, dtype, rounded(u + 1.f, dtype) * gated);
+        }
+    }
+}
+
+void kvserve_swiglu_clamped(const void *gate_up, void *out, int64_t rows, int64_t width, float limit, float alpha,
+                            int dtype, int num_threads) {
+    DISPATCH(dtype, swiglu_clamped(gate_up, out, rows, width, limit, alpha, dtype_, num_threads));
+}
+
 /* Rotates the two halves of each head of x [tokens, heads, dim] in place (HF layout):
  * x1' = round(x1*cos) - round(x2*sin), x2' = round(x2*cos) + round(x1*sin), each
  * rounded as stored. cos/sin: [tokens, dim] in the same dtype (halves equal). */

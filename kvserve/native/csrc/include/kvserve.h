@@ -93,7 +93,8 @@ typedef struct {
     NativeLinear embed;
     float embed_scale;
     int32_t fewer_barriers; /* 1: O and down split by input columns where splits_by_input allows, and
-                             * query_share_kv; 0: the matmuls split by rows (for A/B measurements) */
+                             * attention by query heads with query_share_kv on steps of a few tokens;
+                             * 0: the matmuls split by rows (for A/B measurements) */
     /* Tensor parallelism (NULL: one rank): the O and down projections give this rank's
      * partial sums into reduce_buffer [T, hidden], and thread 0 calls
      * all_reduce(reduce_ctx, reduce_buffer, T * hidden) to sum them over the ranks in place
@@ -207,6 +208,8 @@ void kvserve_store_kv(const void *k, const void *v, int64_t token_stride, int64_
 void kvserve_rms_norm(const void *x, void *residual, const float *weight, void *out, int64_t rows, int64_t dim,
                       int64_t row_stride, float eps, int adds_one, int dtype, int num_threads);
 void kvserve_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int dtype, int num_threads);
+void kvserve_swiglu_clamped(const void *gate_up, void *out, int64_t rows, int64_t width, float limit, float alpha,
+                            int dtype, int num_threads);
 void kvserve_rotary(void *x, int64_t token_stride, int64_t head_stride, const void *cos, const void *sin,
                     int64_t tokens, int64_t heads, int64_t dim, int dtype, int num_threads);
 
@@ -254,6 +257,7 @@ int kvserve_quant_linear(const void *x, int64_t x_stride, int64_t batch, const u
                          int dtype, int act_bits, int isa, int num_threads);
 void kvserve_quant_activations(const float *x, int64_t x_stride, int64_t batch, int64_t in, int act_bits, void *qx,
                                float *scales);
+void kvserve_quant_activation_blocks(const float *x, int64_t in, int8_t *qx, float *dx, float *sx);
 int kvserve_quant_single_row_kernel(int act_bits, int isa);
 void kvserve_quant_rows(const void *qx, const float *scales, int64_t batch, const uint8_t *qs, const float *d,
                         const float *m, int bits, int64_t in, const float *bias, float *y, int64_t y_stride,
@@ -300,12 +304,23 @@ int kvserve_gguf_linear(const float *x, int64_t x_stride, int64_t batch, const u
                         const float *bias, float *y, int64_t out, int isa);
 int kvserve_gguf_dequantize(const uint8_t *w, int type, int64_t in, const int64_t *rows, int64_t n, void *dst,
                             int dtype);
+#define GGUF_SPLIT_RUNS 4 /* runs of a GGUF matmul split by input columns (kvserve_gguf_split_runs) */
+int64_t kvserve_gguf_split_runs(int type, int64_t in, int64_t granule);
+int64_t kvserve_gguf_split_bound(int type, int64_t in, int64_t granule, int64_t c);
+void kvserve_gguf_partials(const int8_t *qx, const float *scales, int64_t batch, const uint8_t *w, int type,
+                           int64_t in, const int64_t *bounds, int64_t num_runs, float *y, int64_t y_stride,
+                           int64_t run_stride, int isa, int64_t row_begin, int64_t row_end);
+
+/* ---- linear/gguf_gemm.c: many-row steps of GGUF blocks as stored ------------------------------ */
+
+int kvserve_gguf_gemm_supported(int type, int isa);
+int kvserve_gguf_gemm_min_batch(void);
 
 /* ---- linear/moe_experts.c: a mixture of experts' routed experts, GGUF blocks as stored ------- */
 
 int kvserve_moe_experts(const float *x, int64_t tokens, int64_t hidden, const int64_t *ids, const float *weights,
-                        int64_t top_k, const int64_t *table, int64_t num_experts, int64_t width, float *out, int isa,
-                        int num_threads);
+                        int64_t top_k, const int64_t *table, int64_t num_experts, int64_t width, int swiglu,
+                        float limit, float alpha, float *out, int isa, int num_threads);
 
 /* ---- linear/bf16_rows.c ------------------------------------------------------------------------ */
 

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "gguf/gemm.h"
 #include "gguf/gguf_type.h"
 #include "kvserve.h"
 
@@ -83,24 +84,35 @@ static GgufTileFn tile_for(const GgufType *type, int isa) {
     return type->tile[ISA_PORTABLE];
 }
 
+/* One tile: `rows` rows from w (row_bytes apart) over `blocks` blocks from 32-column block
+ * `first`, against batch rows b0.. (at most GGUF_TILE_BATCH) into sums; returns its batch rows. */
+static int run_tile(const GgufType *type, GgufTileFn tile, const int8_t *qx, const float *scales, int64_t batch,
+                    int64_t b0, const uint8_t *w, int64_t row_bytes, int64_t in, int64_t first, int64_t blocks,
+                    int rows, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH]) {
+    const int64_t nb32 = in / GGUF_QBLOCK;
+    GgufTile t = {w + first / (type->block_cols / GGUF_QBLOCK) * type->block_bytes, row_bytes, blocks,
+                  qx + b0 * in + first * GGUF_QBLOCK, scales + b0 * nb32 + first,
+                  scales + batch * nb32 + b0 * nb32 + first, in, rows,
+                  batch - b0 < GGUF_TILE_BATCH ? (int)(batch - b0) : GGUF_TILE_BATCH};
+    if (tile)
+        tile(&t, sums);
+    else
+        tile_by_dot(type, &t, sums);
+    return t.batch;
+}
+
 /* Rows row..row_end (at most one panel) against batch rows b0..b0 + 4, tile by tile. */
 static void panel_of(const GgufType *type, GgufTileFn tile, const int8_t *qx, const float *scales, int64_t batch,
                      int64_t b0, const uint8_t *w, int64_t in, const float *bias, float *y, int64_t y_stride,
                      int64_t row, int64_t row_end) {
-    const int64_t nb32 = in / GGUF_QBLOCK, row_bytes = in / type->block_cols * type->block_bytes;
+    const int64_t row_bytes = in / type->block_cols * type->block_bytes;
     float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
     while (row < row_end) {
         const int rows = row_end - row >= GGUF_TILE_ROWS ? GGUF_TILE_ROWS : 1;
-        GgufTile t = {w + row * row_bytes, row_bytes, in / type->block_cols, qx + b0 * in,
-                      scales + b0 * nb32, scales + batch * nb32 + b0 * nb32, in, rows,
-                      batch - b0 < GGUF_TILE_BATCH ? (int)(batch - b0) : GGUF_TILE_BATCH};
-        if (tile)
-            tile(&t, sums);
-        else
-            tile_by_dot(type, &t, sums);
+        const int n = run_tile(type, tile, qx, scales, batch, b0, w + row * row_bytes, row_bytes, in, 0,
+                               in / type->block_cols, rows, sums);
         for (int r = 0; r < rows; r++)
-            for (int b = 0; b < t.batch; b++)
-                y[(b0 + b) * y_stride + row + r] = sums[r][b] + (bias ? bias[row + r] : 0.0f);
+            for (int b = 0; b < n; b++) y[(b0 + b) * y_stride + row + r] = sums[r][b] + (bias ? bias[row + r] : 0.0f);
         row += rows;
     }
 }
@@ -132,7 +144,76 @@ void kvserve_gguf_rows(const int8_t *qx, const float *scales, int64_t batch, con
                        const float *bias, float *y, int64_t y_stride, int isa, int64_t row_begin, int64_t row_end) {
     const GgufType *t = type_of(type);
     if (!t || kvserve_gguf_row_bytes(type, in) < 0) return;
+    const GgufGemmType *gemm = batch >= GGUF_GEMM_MIN_BATCH ? gguf_gemm_of(type, isa) : NULL;
+    if (gemm && !gguf_gemm_rows(gemm, qx, scales, batch, w, in, kvserve_gguf_row_bytes(type, in), bias, y, y_stride,
+                                row_begin, row_end))
+        return;
     rows_of(t, tile_for(t, isa), qx, scales, batch, w, in, bias, y, y_stride, row_begin, row_end);
+}
+
+/* ---- matmuls split by their input columns ---------------------------------------------
+ * The fused decoder may split a projection by input columns (each thread multiplies the
+ * columns it holds into partial products, added up in run order): the runs are fixed by the
+ * type and `in` alone, so a row's result does not depend on the thread count. GGUF_SPLIT_RUNS
+ * runs of whole blocks as even as the blocks allow (few, long runs: each run of each row ends
+ * in a horizontal sum); one run where the row has fewer blocks (no split). */
+
+/* The columns a split's runs are whole multiples of: the type's block, or the least common
+ * multiple of it and `granule` (columns; 0: none) where `in` is whole multiples of that. */
+static int64_t split_unit(const GgufType *t, int64_t in, int64_t granule) {
+    int64_t unit = t->block_cols;
+    if (granule > 0) {
+        int64_t a = unit, b = granule;
+        while (b) {
+            const int64_t r = a % b;
+            a = b, b = r;
+        }
+        if (in % (unit / a * granule) == 0) unit = unit / a * granule;
+    }
+    return unit;
+}
+
+/* Runs of a split of `in` columns of `type` with runs whole multiples of `granule` columns
+ * where `in` allows (0: unknown type or `in` not whole blocks). */
+int64_t kvserve_gguf_split_runs(int type, int64_t in, int64_t granule) {
+    const GgufType *t = type_of(type);
+    if (!t || kvserve_gguf_row_bytes(type, in) < 0) return 0;
+    return in / split_unit(t, in, granule) >= GGUF_SPLIT_RUNS ? GGUF_SPLIT_RUNS : 1;
+}
+
+/* The first 32-column block of run c (c = the run count: the row's end). */
+int64_t kvserve_gguf_split_bound(int type, int64_t in, int64_t granule, int64_t c) {
+    const int64_t runs = kvserve_gguf_split_runs(type, in, granule);
+    if (runs == 0) return 0;
+    const int64_t unit = split_unit(type_of(type), in, granule), units = in / unit;
+    return units * c / runs * (unit / GGUF_QBLOCK);
+}
+
+/* Partial products of rows row_begin..row_end over runs of the input columns: run c covers
+ * the 32-column blocks bounds[c]..bounds[c + 1] (whole blocks of the type, ascending), and
+ * y[c * run_stride + b * y_stride + row] = the tile's sum over those blocks of W[row] . x[b]
+ * (activations as kvserve_gguf_rows takes them: only the runs' columns are read). Each run's
+ * sums do not depend on the other runs, the row range or the batch. Calling thread only. */
+void kvserve_gguf_partials(const int8_t *qx, const float *scales, int64_t batch, const uint8_t *w, int type,
+                           int64_t in, const int64_t *bounds, int64_t num_runs, float *y, int64_t y_stride,
+                           int64_t run_stride, int isa, int64_t row_begin, int64_t row_end) {
+    const GgufType *type_info = type_of(type);
+    const int64_t row_bytes = kvserve_gguf_row_bytes(type, in);
+    if (!type_info || row_bytes < 0) return;
+    const GgufTileFn tile = tile_for(type_info, isa);
+    const int64_t per = type_info->block_cols / GGUF_QBLOCK;
+    float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
+    for (int64_t row = row_begin; row < row_end;) {
+        const int rows = row_end - row >= GGUF_TILE_ROWS ? GGUF_TILE_ROWS : 1;
+        for (int64_t c = 0; c < num_runs; c++)
+            for (int64_t b0 = 0; b0 < batch; b0 += GGUF_TILE_BATCH) {
+                const int n = run_tile(type_info, tile, qx, scales, batch, b0, w + row * row_bytes, row_bytes, in,
+                                       bounds[c], (bounds[c + 1] - bounds[c]) / per, rows, sums);
+                for (int r = 0; r < rows; r++)
+                    for (int b = 0; b < n; b++) y[c * run_stride + (b0 + b) * y_stride + row + r] = sums[r][b];
+            }
+        row += rows;
+    }
 }
 
 /* y [batch, out] = x W^T (+ bias): x float32 rows x_stride apart, quantized here, the
@@ -157,6 +238,12 @@ int kvserve_gguf_linear(const float *x, int64_t x_stride, int64_t batch, const u
     const GgufTileFn tile = tile_for(t, isa);
     const int64_t tiles = (out + GGUF_TILE_ROWS - 1) / GGUF_TILE_ROWS;
     const int parallel = out * row_bytes >= PARALLEL_MIN_BYTES;
+    const GgufGemmType *gemm = batch >= GGUF_GEMM_MIN_BATCH ? gguf_gemm_of(type, isa) : NULL;
+    if (gemm && !gguf_gemm_linear(gemm, qx, scales, batch, w, in, row_bytes, bias, y, out, parallel)) {
+        free(qx);
+        free(scales);
+        return 0;
+    }
 #pragma omp parallel if (parallel)
     {
         const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();

@@ -1,14 +1,16 @@
 /* The routed experts of a mixture-of-experts layer in one call (#28): for a step's tokens,
  * already routed (expert ids and gate weights [tokens, top_k]), every chosen expert's
- * SiLU-gated MLP, down(silu(gate x) * up x), on the rows of the tokens that picked it, the
- * outputs scaled by their gate weights and summed into out [tokens, hidden].
+ * gated MLP, down(silu(gate x) * up x) (gpt-oss: its clamped SwiGLU, and biases), on the
+ * rows of the tokens that picked it, the outputs scaled by their gate weights and summed
+ * into out [tokens, hidden].
  *
  * Each projection is GGUF blocks as stored (gguf_rows.c; the weights may be views of the
  * mmapped file): an expert's gate, up and down matrices are read once per step whatever
  * its row count, and an expert no token picks is never read. The arithmetic is the per-op
  * path's (kvserve/model/moe.py with stored weights): the same activation rounding
  * (kvserve_quant_activations on the expert's rows), the same row sums (gguf_rows.c's sums
- * do not depend on the batch, the range or the thread), kvserve_silu_mul, the product by
+ * do not depend on the batch, the range or the thread), kvserve_silu_mul (or
+ * kvserve_swiglu_clamped, which the per-op path runs too), the product by
  * the gate weight rounded before it is added, and the sums formed in ascending expert id,
  * an expert's rows ordered by (slot, token). So the result equals the per-op path's bit
  * for bit.
@@ -29,15 +31,17 @@
 #define PARALLEL_MIN_BYTES (256 * 1024) /* expert weight bytes a step reads: below this one thread */
 #define SUM_COLUMNS 256              /* output columns of one summing work item */
 
-/* The table row of expert e: gate blocks, gate type, up blocks, up type, down blocks, down type. */
-enum { GATE_W, GATE_T, UP_W, UP_T, DOWN_W, DOWN_T, TABLE_COLUMNS };
+/* The table row of expert e: gate blocks, gate type, up blocks, up type, down blocks, down type,
+ * then the float32 biases of gate, up and down (0: none). */
+enum { GATE_W, GATE_T, UP_W, UP_T, DOWN_W, DOWN_T, GATE_B, UP_B, DOWN_B, TABLE_COLUMNS };
 
 typedef struct {
     const float *x;
     const int64_t *table;
     float *out;
     int64_t tokens, hidden, width, pairs, active;
-    int isa;
+    int isa, swiglu;  /* swiglu: gpt-oss's clamped SwiGLU (limit, alpha) in place of SiLU */
+    float limit, alpha;
     const int64_t *experts; /* [active] the active expert ids, ascending */
     const int64_t *start;   /* [active + 1] each active expert's first sorted pair */
     const int64_t *token;   /* [pairs] the token of each sorted pair */
@@ -53,6 +57,10 @@ typedef struct {
 
 static const uint8_t *blocks_of(const MoeStep *s, int64_t e, int column) {
     return (const uint8_t *)(intptr_t)s->table[e * TABLE_COLUMNS + column];
+}
+
+static const float *bias_of(const MoeStep *s, int64_t e, int column) {
+    return (const float *)(intptr_t)s->table[e * TABLE_COLUMNS + column];
 }
 
 /* Gather and round the rows of active expert a (its activations, laid out for a batch of its rows). */
@@ -78,13 +86,17 @@ static void gate_up_item(const MoeStep *s, int64_t i, int64_t chunks) {
     const int64_t e = s->experts[a], first = s->start[a], n = s->start[a + 1] - first;
     kvserve_gguf_rows(s->qx + first * s->hidden, s->sx + 2 * first * (s->hidden / 32), n,
                       blocks_of(s, e, up ? UP_W : GATE_W), (int)s->table[e * TABLE_COLUMNS + (up ? UP_T : GATE_T)],
-                      s->hidden, NULL, s->gate_up + first * 2 * s->width + (up ? s->width : 0), 2 * s->width, s->isa,
+                      s->hidden, bias_of(s, e, up ? UP_B : GATE_B), s->gate_up + first * 2 * s->width + (up ? s->width : 0), 2 * s->width, s->isa,
                       begin, end);
 }
 
 static void gated_item(const MoeStep *s, int64_t a) {
     const int64_t first = s->start[a], n = s->start[a + 1] - first;
-    kvserve_silu_mul(s->gate_up + first * 2 * s->width, s->h + first * s->width, n, s->width, F32, 1);
+    if (s->swiglu)
+        kvserve_swiglu_clamped(s->gate_up + first * 2 * s->width, s->h + first * s->width, n, s->width, s->limit,
+                               s->alpha, F32, 1);
+    else
+        kvserve_silu_mul(s->gate_up + first * 2 * s->width, s->h + first * s->width, n, s->width, F32, 1);
     kvserve_quant_activations(s->h + first * s->width, s->width, n, s->width, 8, s->qh + first * s->width,
                               s->sh + 2 * first * (s->width / 32));
 }
@@ -94,7 +106,7 @@ static void down_item(const MoeStep *s, int64_t i, int64_t chunks) {
     chunk_of(i, chunks, s->hidden, &a, &begin, &end);
     const int64_t e = s->experts[a], first = s->start[a], n = s->start[a + 1] - first;
     kvserve_gguf_rows(s->qh + first * s->width, s->sh + 2 * first * (s->width / 32), n, blocks_of(s, e, DOWN_W),
-                      (int)s->table[e * TABLE_COLUMNS + DOWN_T], s->width, NULL, s->rows + first * s->hidden, s->hidden,
+                      (int)s->table[e * TABLE_COLUMNS + DOWN_T], s->width, bias_of(s, e, DOWN_B), s->rows + first * s->hidden, s->hidden,
                       s->isa, begin, end);
 }
 
@@ -150,13 +162,15 @@ static int check_experts(const int64_t *table, const int64_t *experts, int64_t a
 
 /* out [tokens, hidden] = sum over each token's top_k picks (ids [tokens, top_k] int64, gate
  * weights float32 alike) of weight * expert(x row), x float32 [tokens, hidden] contiguous.
- * table [num_experts, 6] int64: per expert its gate, up and down blocks (addresses) and ggml
- * types (gate and up [width, hidden], down [hidden, width]). isa: gguf_rows.c's path.
+ * table [num_experts, 9] int64: per expert its gate, up and down blocks (addresses) and ggml
+ * types (gate and up [width, hidden], down [hidden, width]), then its gate, up and down
+ * biases (float32 addresses, 0: none). The gated product is SiLU(gate) * up, or with
+ * `swiglu` gpt-oss's clamped SwiGLU of `limit` and `alpha`. isa: gguf_rows.c's path.
  * Returns 0; -1 for bad arguments (an id out of range, a type or width the kernels do not
  * take), -2 when `isa` does not run here, -3 when out of memory. */
 int kvserve_moe_experts(const float *x, int64_t tokens, int64_t hidden, const int64_t *ids, const float *weights,
-                        int64_t top_k, const int64_t *table, int64_t num_experts, int64_t width, float *out, int isa,
-                        int num_threads) {
+                        int64_t top_k, const int64_t *table, int64_t num_experts, int64_t width, int swiglu,
+                        float limit, float alpha, float *out, int isa, int num_threads) {
     if (tokens < 0 || top_k <= 0 || num_experts <= 0 || hidden <= 0 || width <= 0 || hidden % 32 || width % 32)
         return -1;
     if (isa < 0 || isa >= ISA_COUNT || !kvserve_isa_available(KV_KERNEL_QUANT, isa)) return -2;
@@ -205,8 +219,8 @@ int kvserve_moe_experts(const float *x, int64_t tokens, int64_t hidden, const in
     } else {
         float *rows = buffer, *sx = rows + pairs * hidden, *gate_up = sx + 2 * pairs * (hidden / 32);
         float *h = gate_up + 2 * pairs * width, *sh = h + pairs * width;
-        MoeStep step = {x, table, out, tokens, hidden, width, pairs, active, isa, experts, start, token, weight,
-                        rows, quantized, sx, gate_up, h, quantized + pairs * hidden, sh};
+        MoeStep step = {x, table, out, tokens, hidden, width, pairs, active, isa, swiglu, limit, alpha, experts,
+                        start, token, weight, rows, quantized, sx, gate_up, h, quantized + pairs * hidden, sh};
         const int threads = bytes >= PARALLEL_MIN_BYTES && num_threads > 1 ? num_threads : 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
         run_step(&step);

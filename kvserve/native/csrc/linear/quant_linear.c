@@ -504,6 +504,13 @@ void kvserve_quant_activations(const float *x, int64_t x_stride, int64_t batch, 
                      scales + batch * nb + b * nb);
 }
 
+/* One row's columns x [in] quantized to int8 as kvserve_quant_activations does, each
+ * 32-column block by itself: dx and sx of its blocks to dx [in / 32] and sx [in / 32] (so a
+ * caller can quantize part of a row into its place in a batch's buffers). */
+void kvserve_quant_activation_blocks(const float *x, int64_t in, int8_t *qx, float *dx, float *sx) {
+    quantize_row(x, F32, in, 8, qx, dx, sx);
+}
+
 /* Whether a batch-one call takes the single-row kernel of quant_gemv.c, whose float sums
  * differ from the tile kernel's: a caller that must reproduce batch-one steps row for row
  * (the speculative verify steps of fused_decoder.c) then runs its rows one at a time. */

@@ -207,7 +207,7 @@ GGUF_INLINE __m512 join_ps(float low, float high) {
 
 GGUF_INLINE void tile512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH], const int ROWS,
                          const int BATCH) {
-    const int64_t nb = t->in / GROUP;
+    const int64_t nb = t->in / GROUP, groups = t->blocks * GROUPS; /* activation stride; the tile's groups */
     __m512 acc[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
     float mins[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
     for (int r = 0; r < ROWS; r++)
@@ -216,7 +216,7 @@ GGUF_INLINE void tile512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE
             mins[r][b] = 0.0f;
         }
     BlockHead ha[GGUF_TILE_ROWS], hb[GGUF_TILE_ROWS]; /* the blocks of groups at and at + 1 */
-    for (int64_t at = 0; at + 1 < nb; at += 2) {
+    for (int64_t at = 0; at + 1 < groups; at += 2) {
         const int ga = (int)(at % GROUPS), gb = (int)((at + 1) % GROUPS);
         __m512i u[GGUF_TILE_ROWS], sub16[GGUF_TILE_ROWS], min16[GGUF_TILE_ROWS];
         __m512 scale[GGUF_TILE_ROWS], min_scale[GGUF_TILE_ROWS];
@@ -264,13 +264,13 @@ GGUF_INLINE void tile512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE
     __m256 last[GGUF_TILE_ROWS][GGUF_TILE_BATCH]; /* the last group of an odd count */
     for (int r = 0; r < ROWS; r++)
         for (int b = 0; b < BATCH; b++) last[r][b] = _mm256_setzero_ps();
-    if (nb % 2) { /* 32-column types only: K-types have 8 groups per block */
+    if (groups % 2) { /* 32-column types only: K-types have 8 groups per block */
         const uint8_t *block[GGUF_TILE_ROWS];
         for (int r = 0; r < ROWS; r++) {
-            block[r] = t->w + r * t->row_bytes + (nb - 1) * BLOCK_BYTES;
+            block[r] = t->w + r * t->row_bytes + (groups - 1) * BLOCK_BYTES;
             block_head(block[r], &ha[r]);
         }
-        step256(t, block, ha, 0, nb - 1, last, mins, ROWS, BATCH, 1);
+        step256(t, block, ha, 0, groups - 1, last, mins, ROWS, BATCH, 1);
     }
     for (int r = 0; r < ROWS; r++)
         for (int b = 0; b < BATCH; b++) sums[r][b] = _mm512_reduce_add_ps(acc[r][b]) + hsum256(last[r][b]) + mins[r][b];

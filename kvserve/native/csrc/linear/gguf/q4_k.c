@@ -4,6 +4,7 @@
  * columns 32-63. Sub-block j (32 columns): w = (d sc_j) q - (dmin m_j). */
 #include "gguf_type.h"
 #include "kvserve.h"
+#include "sub_block_sums.h"
 
 #define COLS 256
 #define BYTES 144
@@ -90,17 +91,45 @@ GGUF_TILE_VARIANTS(tile_q4_k_avx2, q4_k_avx2)
 #endif
 
 #if KV_HAVE_AVX512_VNNI
+/* The sub-block scales and minimums of the tile's rows' super-block k, unpacked together (at
+ * batch one, in cache about 1.1x the scalar unpacking per row): one 128-bit lane per row (its
+ * 16-byte head: f16 d, f16 dmin, the 12 bytes gguf_k_scales reads), bytes 0-7 the eight 6-bit
+ * scales and 8-15 the eight 6-bit minimums, into out [64]. */
+GGUF_INLINE void q4_k_head_scales(const GgufTile *t, int64_t k, const int R, uint8_t out[64]) {
+    __m512i heads = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(t->w + k * BYTES)));
+    for (int r = 1; r < R; r++) /* R: 1 or 4 */
+        heads = _mm512_mask_broadcast_i32x4(heads, (__mmask16)(15u << (4 * r)),
+                                            _mm_loadu_si128((const __m128i *)(t->w + r * t->row_bytes + k * BYTES)));
+    /* low bits: scales 0-3 and minimums 0-3 (6 bits of bytes 4-7, 8-11), scales 4-7 and minimums
+     * 4-7 (the low and high nibbles of bytes 12-15); high bits: the top two of bytes 4-7, 8-11 */
+    const __m512i low_from = _mm512_broadcast_i32x4(_mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13,
+                                                                  14, 15));
+    const __m512i high_from = _mm512_broadcast_i32x4(_mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9,
+                                                                   10, 11));
+    const __m512i six_or_four = _mm512_broadcast_i32x4(_mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63,
+                                                                      0, 0, 0, 0));
+    const __m512i a = _mm512_shuffle_epi8(heads, low_from);
+    const __m512i low = _mm512_mask_blend_epi8(0xf000f000f000f000ull, _mm512_and_si512(a, six_or_four),
+                                               _mm512_and_si512(_mm512_srli_epi16(a, 4), _mm512_set1_epi8(15)));
+    const __m512i high = _mm512_and_si512(_mm512_srli_epi16(_mm512_shuffle_epi8(heads, high_from), 2),
+                                          _mm512_set1_epi8(0x30));
+    _mm512_storeu_si512(out, _mm512_or_si512(low, high));
+}
+
 /* Per 128 columns one 64-byte load: its low nibbles are sub-blocks 4c and 4c + 2 (bytes
  * 0-31, 32-63), its high ones 4c + 1 and 4c + 3; the activations are gathered once per batch
  * row and super-block into that order. vpdpbusd (unsigned quants x int8 activations) gives
- * 8 lanes per sub-block, each times its d sc dx; minus (dmin m) . sx in the lower lanes. */
+ * 8 lanes per sub-block, added up to each sub-block's integer sum; then the float order of
+ * sub_block_sums.h (the GEMM's, gguf_gemm.c), eight lanes, one per sub-block. */
 GGUF_INLINE void q4_k_avx512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH], const int R,
                              const int B) {
     const int64_t nb32 = t->in / GGUF_QBLOCK;
     const __m512i low4 = _mm512_set1_epi8(15);
-    __m512 acc[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
+    const __m512i order = _mm512_setr_epi32(0, 8, 4, 12, 1, 9, 5, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i d_then_dmin = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m256 acc[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
     for (int r = 0; r < R; r++)
-        for (int b = 0; b < B; b++) acc[r][b] = _mm512_setzero_ps();
+        for (int b = 0; b < B; b++) acc[r][b] = _mm256_setzero_ps();
     for (int64_t k = 0; k < t->blocks; k++) {
         __m512i xs[GGUF_TILE_BATCH][4]; /* activations of sub-blocks (0, 2), (1, 3), (4, 6), (5, 7) */
         for (int b = 0; b < B; b++) {
@@ -111,15 +140,29 @@ GGUF_INLINE void q4_k_avx512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_
                                               _mm256_loadu_si256((const __m256i *)(first + 64)), 1);
             }
         }
+        uint8_t scale_bytes[64];
+        if (B == 1) q4_k_head_scales(t, k, R, scale_bytes);
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = t->w + r * t->row_bytes + k * BYTES;
             gguf_prefetch(blk, BYTES, gguf_prefetch_ahead(t));
-            uint64_t scale_word, min_word;
-            gguf_k_scale_words(blk + 4, &scale_word, &min_word);
-            const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(gguf_f16(blk)),
-                                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)scale_word))));
-            const __m512 low = _mm512_zextps256_ps512(_mm256_mul_ps(
-                _mm256_set1_ps(gguf_f16(blk + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)min_word)))));
+            __m256 scale, low; /* d sc_j, dmin m_j: the same products either way */
+            if (B == 1) {
+                uint32_t d_bits;
+                memcpy(&d_bits, blk, 4);
+                const __m512 both = _mm512_mul_ps(
+                    _mm512_permutexvar_ps(d_then_dmin,
+                                          _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)d_bits)))),
+                    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(scale_bytes + 16 * r)))));
+                scale = _mm512_castps512_ps256(both);
+                low = _mm512_castps512_ps256(_mm512_shuffle_f32x4(both, both, _MM_SHUFFLE(3, 2, 3, 2)));
+            } else { /* fewer registers where the batch rows hold many */
+                uint64_t scale_word, min_word;
+                gguf_k_scale_words(blk + 4, &scale_word, &min_word);
+                scale = _mm256_mul_ps(_mm256_set1_ps(gguf_f16(blk)),
+                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)scale_word))));
+                low = _mm256_mul_ps(_mm256_set1_ps(gguf_f16(blk + 2)),
+                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)min_word))));
+            }
             __m512i q[4];
             for (int h = 0; h < 2; h++) {
                 const __m512i bytes = _mm512_loadu_si512(blk + 16 + 64 * h);
@@ -127,20 +170,17 @@ GGUF_INLINE void q4_k_avx512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_
                 q[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
             }
             for (int b = 0; b < B; b++) {
+                __m512i p[4];
+                for (int c = 0; c < 4; c++) p[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[c], xs[b][c]);
                 const __m256 s = _mm256_mul_ps(scale, _mm256_loadu_ps(t->dx + b * nb32 + k * 8));
-                __m512 a = acc[r][b];
-                for (int c = 0; c < 4; c++) {
-                    const int first = 4 * (c / 2) + c % 2; /* sub-blocks first, first + 2 */
-                    const __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[c], xs[b][c]);
-                    a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), gguf_spread2(s, first, first + 2), a);
-                }
-                const __m512 sx = _mm512_zextps256_ps512(_mm256_loadu_ps(t->sx + b * nb32 + k * 8));
-                acc[r][b] = _mm512_fnmadd_ps(low, sx, a);
+                const __m256 sx = _mm256_loadu_ps(t->sx + b * nb32 + k * 8);
+                const __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gguf_sub_block_sums(p, order)), s, acc[r][b]);
+                acc[r][b] = _mm256_fnmadd_ps(low, sx, a);
             }
         }
     }
     for (int r = 0; r < R; r++)
-        for (int b = 0; b < B; b++) sums[r][b] = gguf_sum512(acc[r][b]);
+        for (int b = 0; b < B; b++) sums[r][b] = gguf_sum256(acc[r][b]);
 }
 GGUF_TILE_VARIANTS(tile_q4_k_avx512, q4_k_avx512)
 #endif

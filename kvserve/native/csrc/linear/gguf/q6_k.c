@@ -5,6 +5,7 @@
  * w = (d sc_{c / 16}) (q - 32), q the 6-bit value. */
 #include "gguf_type.h"
 #include "kvserve.h"
+#include "sub_block_sums.h"
 
 #define COLS 256
 #define BYTES 210
@@ -114,33 +115,30 @@ GGUF_TILE_VARIANTS(tile_q6_k_avx2, q6_k_avx2)
 /* Per half h (128 columns) one 64-byte load of ql: its low nibbles are columns 0-63, its
  * high ones 64-127, each with two bits of qh on top: 6-bit unsigned quants q against the
  * int8 activations by vpdpbusd, minus 32 sum(qx) (the same vpdpbusd on a vector of 32s, once
- * per batch row and super-block), times the int8 scale of each 16 columns (4 lanes), then
- * per 32 columns dx, and d per super-block. */
+ * per batch row and super-block), times the int8 scale of each 16 columns (4 lanes), added
+ * up per 32 columns; then the float order of sub_block_sums.h (the GEMM's, gguf_gemm.c). */
 GGUF_INLINE void q6_k_avx512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH], const int R,
                              const int B) {
     const int64_t nb32 = t->in / GGUF_QBLOCK;
     const __m512i low4 = _mm512_set1_epi8(15), pair = _mm512_set1_epi8(0x30), offset = _mm512_set1_epi8(32);
-    __m512 acc[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m256 acc[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
     for (int r = 0; r < R; r++)
-        for (int b = 0; b < B; b++) acc[r][b] = _mm512_setzero_ps();
+        for (int b = 0; b < B; b++) acc[r][b] = _mm256_setzero_ps();
     for (int64_t k = 0; k < t->blocks; k++) {
-        __m512 dxs[GGUF_TILE_BATCH][4]; /* per 64 columns: dx of their two 32-column blocks */
         __m512i minus[GGUF_TILE_BATCH][4]; /* -32 sum(qx) per lane */
         for (int b = 0; b < B; b++) {
             const int8_t *x = t->qx + b * t->in + k * COLS;
-            const __m256 dx = _mm256_loadu_ps(t->dx + b * nb32 + k * 8);
-            for (int c = 0; c < 4; c++) {
-                dxs[b][c] = gguf_spread2(dx, 2 * c, 2 * c + 1);
+            for (int c = 0; c < 4; c++)
                 minus[b][c] = _mm512_sub_epi32(_mm512_setzero_si512(),
                                                _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset,
                                                                    _mm512_loadu_si512(x + 64 * c)));
-            }
         }
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = t->w + r * t->row_bytes + k * BYTES;
             gguf_prefetch(blk, BYTES, gguf_prefetch_ahead(t));
             const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)));
-            const __m512 d = _mm512_set1_ps(gguf_f16(blk + 208));
+            const __m256 d = _mm256_set1_ps(gguf_f16(blk + 208));
             __m512i q[4], scs[4];
             for (int h = 0; h < 2; h++) {
                 const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
@@ -156,17 +154,17 @@ GGUF_INLINE void q6_k_avx512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_
             }
             for (int b = 0; b < B; b++) {
                 const int8_t *x = t->qx + b * t->in + k * COLS;
-                __m512 part = _mm512_setzero_ps();
-                for (int c = 0; c < 4; c++) {
-                    const __m512i sum = _mm512_dpbusd_epi32(minus[b][c], q[c], _mm512_loadu_si512(x + 64 * c));
-                    part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(sum, scs[c])), dxs[b][c], part);
-                }
-                acc[r][b] = _mm512_fmadd_ps(part, d, acc[r][b]);
+                __m512i p[4];
+                for (int c = 0; c < 4; c++)
+                    p[c] = _mm512_mullo_epi32(_mm512_dpbusd_epi32(minus[b][c], q[c], _mm512_loadu_si512(x + 64 * c)),
+                                              scs[c]);
+                const __m256 s = _mm256_mul_ps(d, _mm256_loadu_ps(t->dx + b * nb32 + k * 8));
+                acc[r][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gguf_sub_block_sums(p, order)), s, acc[r][b]);
             }
         }
     }
     for (int r = 0; r < R; r++)
-        for (int b = 0; b < B; b++) sums[r][b] = gguf_sum512(acc[r][b]);
+        for (int b = 0; b < B; b++) sums[r][b] = gguf_sum256(acc[r][b]);
 }
 GGUF_TILE_VARIANTS(tile_q6_k_avx512, q6_k_avx512)
 #endif

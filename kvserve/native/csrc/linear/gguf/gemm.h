@@ -1,0 +1,109 @@
+/* What a block type's many-row GEMM (csrc/linear/gguf/<type>_gemm.c) gives the framework
+ * (csrc/linear/gguf_gemm.c), for steps of many activation rows (#27).
+ *
+ * The activations are packed once per step with batch rows in the vector lanes: groups of
+ * GGUF_GEMM_LANES rows (the last padded with zeros), and for each group, 32-column block
+ * position j of a super-block (0..7), super-block k and 4-column step s, the 4 bytes x + 128
+ * (unsigned, for vpdpbusd) of each lane's row: x [group][j][k][s][lane][4]; dx and sx per
+ * [group][j][k][lane]. A weight panel holds a few rows unpacked once (int8 values and float
+ * scales, laid out by the type) and serves every group of the step. The float operations
+ * per output element are those of the type's batch-one tile (sub_block_sums.h), so every
+ * row's result is the same at any batch.
+ */
+#ifndef KVSERVE_GGUF_GEMM_H
+#define KVSERVE_GGUF_GEMM_H
+
+#include <stdint.h>
+
+#include "gguf_type.h"
+#include "sub_block_sums.h"
+
+#define GGUF_GEMM_LANES 16 /* activation rows per vector (float32 lanes of a zmm) */
+#define GGUF_GEMM_ROWS 8       /* weight rows per kernel call (a panel is padded to whole ones with zeros) */
+#define GGUF_GEMM_MIN_BATCH 10 /* steps of this many activation rows or more take the GEMM (at 8 the tiles match it) */
+
+/* A step's packed activations (see above) for super-blocks of 256 columns. */
+typedef struct {
+    const uint8_t *x;
+    const float *dx, *sx;
+    int64_t blocks; /* super-blocks per row */
+    int64_t groups; /* lane groups */
+} GgufGemmX;
+
+/* Where a kernel call's outputs go: y[(16 group + lane) * y_stride + row + r] for the first
+ * `rows` panel rows and `lanes` lanes, plus bias[r] (bias NULL: plus 0, as the tiles do). */
+typedef struct {
+    float *y;
+    int64_t y_stride, row;
+    int rows, lanes;
+    const float *bias;
+} GgufGemmOut;
+
+/* Bytes of one unpacked row of `blocks` super-blocks. */
+typedef int64_t (*GgufPanelBytesFn)(int64_t blocks);
+/* One weight row (`blocks` super-blocks as the file stores them) into its panel layout. */
+typedef void (*GgufUnpackFn)(const uint8_t *row, int64_t blocks, uint8_t *panel);
+/* GGUF_GEMM_ROWS panel rows (panel_bytes apart) against lane group `group`, written to `o`. */
+typedef void (*GgufGemmKernelFn)(const uint8_t *panel, int64_t panel_bytes, const GgufGemmX *x, int64_t group,
+                                 const GgufGemmOut *o);
+
+typedef struct {
+    int type; /* ggml's type id */
+    int isa;  /* the path whose batch-one tile the kernel matches (KvIsa) */
+    GgufPanelBytesFn panel_bytes;
+    GgufUnpackFn unpack;
+    GgufGemmKernelFn kernel;
+} GgufGemmType;
+
+GGUF_FIXED_FLOAT_BEGIN
+#if KV_HAVE_AVX512_VNNI
+/* The packed activations of lane group g, 32-column position j, super-block k (8 steps of 64
+ * bytes), and the offset of their dx / sx (16 floats). */
+GGUF_INLINE const uint8_t *gguf_gemm_x(const GgufGemmX *x, int64_t g, int j, int64_t k) {
+    return x->x + ((g * 8 + j) * x->blocks + k) * 32 * GGUF_GEMM_LANES;
+}
+GGUF_INLINE int64_t gguf_gemm_scale_at(const GgufGemmX *x, int64_t g, int j, int64_t k) {
+    return ((g * 8 + j) * x->blocks + k) * GGUF_GEMM_LANES;
+}
+
+/* sum[r] += the packed activations' steps s0..s1 (4 columns each) at xs against panel row r's
+ * int8 values at qs + r * panel_bytes, 4 broadcast at a time: exact int32 sums per lane. */
+GGUF_INLINE void gguf_gemm_steps(__m512i sum[GGUF_GEMM_ROWS], const uint8_t *xs, const uint8_t *qs,
+                                 int64_t panel_bytes, const int s0, const int s1) {
+#pragma GCC unroll 8
+    for (int s = s0; s < s1; s++) {
+        const __m512i xv = _mm512_loadu_si512(xs + 64 * s);
+        for (int r = 0; r < GGUF_GEMM_ROWS; r++) {
+            int32_t word;
+            memcpy(&word, qs + r * panel_bytes + 4 * s, 4);
+            sum[r] = _mm512_dpbusd_epi32(sum[r], xv, _mm512_set1_epi32(word));
+        }
+    }
+}
+
+/* The outputs of the call's rows from their eight accumulators (sub_block_sums.h's order), plus
+ * the bias, by a masked scatter down each row's column of y. */
+GGUF_INLINE void gguf_gemm_store(const GgufGemmOut *o, const __m512 acc[GGUF_GEMM_ROWS][8]) {
+    const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32((int)o->y_stride));
+    for (int r = 0; r < o->rows; r++) {
+        const __m512 y = _mm512_add_ps(gguf_sum8_lanes(acc[r]), _mm512_set1_ps(o->bias ? o->bias[r] : 0.0f));
+        _mm512_mask_i32scatter_ps(o->y + o->row + r, (__mmask16)((1u << o->lanes) - 1), lanes, y, 4);
+    }
+}
+#endif
+GGUF_FIXED_FLOAT_END
+
+extern const GgufGemmType gguf_q4_k_gemm_avx512, gguf_q6_k_gemm_avx512;
+
+/* For gguf_rows.c (gguf_gemm.c): the GEMM of `type` on path `isa` or NULL; rows
+ * row_begin..row_end of y [batch, y_stride] on the calling thread; all `out` rows split over
+ * the OpenMP threads (`parallel`). Both return 0, or -3 when out of memory (nothing written). */
+const GgufGemmType *gguf_gemm_of(int type, int isa);
+int gguf_gemm_rows(const GgufGemmType *gt, const int8_t *qx, const float *scales, int64_t batch, const uint8_t *w,
+                   int64_t in, int64_t row_bytes, const float *bias, float *y, int64_t y_stride, int64_t row_begin,
+                   int64_t row_end);
+int gguf_gemm_linear(const GgufGemmType *gt, const int8_t *qx, const float *scales, int64_t batch, const uint8_t *w,
+                     int64_t in, int64_t row_bytes, const float *bias, float *y, int64_t out, int parallel);
+
+#endif
