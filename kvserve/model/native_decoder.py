@@ -19,6 +19,7 @@ torch path for any step it declines (None):
   most 32 query heads per KV head; under tensor parallelism no bias on the O
   and down projections (see below); mixture-of-experts MLPs (`SparseMoeBlock`:
   softmax routing, a gated shared expert; not gpt-oss's, not under tensor parallelism);
+  Q/K norms per head or over the whole projection (OLMoE);
 - step: at most `max_tokens` tokens (above), every KV-cache group a block table (not a
   circular ring, whose read-before-write order the kernel does not follow),
   caches float32 or bfloat16 and contiguous.
@@ -194,8 +195,8 @@ def _check_layers_covered(config) -> None:
         raise NativeDeclined("Mamba-2 layers, a shared expert or attention without RoPE (the per-op path runs them)")
     if (config.embedding_multiplier, config.residual_multiplier, config.logits_scaling) != (1.0, 1.0, 1.0):
         raise NativeDeclined("Granite's embedding, residual or logits scaling")
-    if (config.qk_norm and not config.qk_norm_per_head) or config.clip_qkv is not None:
-        raise NativeDeclined("a Q/K norm over the whole projection or clipped Q/K/V")
+    if config.clip_qkv is not None:
+        raise NativeDeclined("clipped Q/K/V")
 
 
 def _check_state_layers_covered(model) -> None:
@@ -343,7 +344,8 @@ class NativeDecoder:
                            eps=config.rms_norm_eps, scale=attn.params.scale, softcap=attn.params.softcap or 0.0,
                            adds_one=int(config.norm_adds_one), sandwich=int(config.sandwich_norms),
                            gelu=int(config.hidden_act.startswith("gelu")), rotary_dim=rotary_dim,
-                           output_gate=int(attn.output_gate))
+                           output_gate=int(attn.output_gate),
+                           qk_norm_whole=int(attn.q_norm is not None and not attn.qk_norm_per_head))
         mixer = next((layer.mixer for layer in model.layers if layer.is_state_layer), None)
         if mixer is not None:
             desc.dn_k_heads, desc.dn_v_heads = mixer.num_k_heads, mixer.num_v_heads

@@ -43,7 +43,7 @@ static const int64_t LAYOUT[] = {
     AT(NativeModel, adds_one), AT(NativeModel, sandwich), AT(NativeModel, gelu), AT(NativeModel, panel_rows),
     AT(NativeModel, embed), AT(NativeModel, embed_scale), AT(NativeModel, fewer_barriers),
     AT(NativeModel, reduce_buffer), AT(NativeModel, all_reduce), AT(NativeModel, reduce_ctx),
-    AT(NativeModel, rotary_dim), AT(NativeModel, output_gate), AT(NativeModel, unused), AT(NativeModel, dn_k_heads),
+    AT(NativeModel, rotary_dim), AT(NativeModel, output_gate), AT(NativeModel, qk_norm_whole), AT(NativeModel, dn_k_heads),
     AT(NativeModel, dn_v_heads), AT(NativeModel, dn_k_dim), AT(NativeModel, dn_v_dim), AT(NativeModel, dn_conv_width),
 
     SIZE(NativeStep), AT(NativeStep, num_tokens), AT(NativeStep, num_draft_tokens), AT(NativeStep, positions),
