@@ -14,6 +14,8 @@ import numpy as np
 
 from kvserve.model.errors import ModelConfigError, UnsupportedArchitectureError
 from kvserve.model.gguf_file import GGUFFile, open_gguf
+from kvserve.model.gguf_linear_attention import (GATED_DELTANET_ARCHS, add_gated_deltanet_config,
+                                                 linear_attention_parts)
 
 logger = logging.getLogger(__name__)
 
@@ -28,12 +30,15 @@ GGUF_ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
+    "qwen3next": "Qwen3NextForCausalLM",
+    "qwen35": "Qwen3_5ForCausalLM",
+    "qwen35moe": "Qwen3_5MoeForCausalLM",
 }
 # llama.cpp writes Mixtral as "llama" with experts.
 _LLAMA_WITH_EXPERTS = "MixtralForCausalLM"
 # Whether llama.cpp renormalizes the top-k gate weights, where the file does not say
 # (`expert_weights_norm`): Qwen3-MoE and Mixtral do, OLMoE does not.
-_NORM_TOPK_DEFAULT = {"qwen3moe": True, "llama": True, "olmoe": False}
+_NORM_TOPK_DEFAULT = {"qwen3moe": True, "llama": True, "olmoe": False, "qwen3next": True, "qwen35moe": True}
 
 # llama.cpp interleaves the two rotary halves of Q and K rows; HF keeps them split.
 _PERMUTED_ARCHS = ("llama", "mistral")
@@ -58,6 +63,7 @@ _METADATA_KEYS = {
     "expert_count": "num_experts",
     "expert_used_count": "num_experts_per_tok",
     "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
 }
 
 _BLOCK_TENSORS = {
@@ -68,6 +74,8 @@ _BLOCK_TENSORS = {
     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
     "ffn_gate_inp": "mlp.gate",
     "attn_sinks": "self_attn.sinks",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # Experts stacked in one 3-D tensor [experts, rows, columns] -> each expert's projection.
 _EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
@@ -112,6 +120,8 @@ def read_gguf_hf_config(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     if arch == "gemma3":
         hf.setdefault("rope_local_base_freq", 10000.0)
         hf["query_pre_attn_scalar"] = hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
+    if arch in GATED_DELTANET_ARCHS:
+        add_gated_deltanet_config(reader, arch, hf)
     if arch == "gemma2":
         hf["query_pre_attn_scalar"] = hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
     hf["tie_word_embeddings"] = "output.weight" not in names
@@ -197,6 +207,10 @@ def _named_tensors(reader: GGUFFile, arch: str) -> Iterator[tuple[Any, str | Non
     one view per expert (a 2-D weight, or a 1-D bias of gpt-oss's 2-D bias stacks), named as
     that expert's projection."""
     for tensor in reader.tensors:
+        parts = linear_attention_parts(reader, arch, tensor, dequantize_tensor) if arch in GATED_DELTANET_ARCHS else None
+        if parts is not None:
+            yield from parts
+            continue
         stem, _, suffix = tensor.name.rpartition(".")
         match = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
         dims = 2 if suffix == "bias" else 3
@@ -263,7 +277,9 @@ def iter_gguf_tensors(path: str, num_heads: int, num_kv_heads: int,
     """
     reader = open_gguf(path)
     arch = _field_value(reader, "general.architecture")
-    norm_minus_one = arch in ("gemma2", "gemma3")
+    # llama.cpp stores Gemma's and Qwen3-Next's / Qwen3.5's (1 + w) norms as 1 + w (not the
+    # gated norm of the linear attention, a plain w): our RMSNorm adds the 1 itself.
+    norm_minus_one = arch in ("gemma2", "gemma3", *GATED_DELTANET_ARCHS)
     for tensor, name in _named_tensors(reader, arch):
         if tensor.name == "rope_freqs.weight":
             yield "rope_freq_factors", dequantize_tensor(tensor)
@@ -293,8 +309,7 @@ def iter_gguf_tensors(path: str, num_heads: int, num_kv_heads: int,
         heads = _permuted_heads(arch, name, num_heads, num_kv_heads)
         if heads:
             array = _unpermute(array, heads, full_rows)
-        if norm_minus_one and "norm" in name:
-            # llama.cpp stores Gemma norms as (1 + w); our RMSNorm adds the 1 itself.
+        if norm_minus_one and "norm" in name and not name.endswith("linear_attn.norm.weight"):
             array = array - 1.0
         yield name, array
 

@@ -51,6 +51,8 @@ _GRANITE_NAMES = ((re.compile(r"\.block_sparse_moe\.input_linear\.weight$"), ".b
                   (re.compile(r"\.block_sparse_moe\.output_linear\.weight$"), ".block_sparse_moe.experts.down_proj"),
                   (re.compile(r"\.block_sparse_moe\.router\.layer\."), ".block_sparse_moe.router."),
                   (re.compile(r"\.shared_mlp\.output_linear\."), ".shared_mlp.down_proj."))
+# Gated DeltaNet's input projections as parts (`gated_deltanet.split_checkpoint_tensor`, the GGUF loader).
+_LINEAR_ATTENTION_PART = re.compile(r"\.in_proj_[qkvzba]\.weight$")
 _SHARED_GATE_UP = re.compile(r"(.*\.shared_mlp)\.input_linear\.(weight|bias)$")
 
 _FUSED_PARTS = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -107,7 +109,8 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", tp
 
 def _is_matrix_weight(name: str) -> bool:
     """Checkpoint tensors that may stay quantized: the projections, embeddings and LM head."""
-    return name.endswith(("_proj.weight", "embed_tokens.weight", "lm_head.weight"))
+    return name.endswith(("_proj.weight", "embed_tokens.weight", "lm_head.weight")) or _LINEAR_ATTENTION_PART.search(
+        name) is not None
 
 
 def _stored_copies(model_config: ModelConfig, select, stored: frozenset[str], kernel_config: KernelConfig,

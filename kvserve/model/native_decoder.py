@@ -19,6 +19,7 @@ torch path for any step it declines (None):
   most 32 query heads per KV head; under tensor parallelism no bias on the O
   and down projections (see below); mixture-of-experts MLPs (`SparseMoeBlock`:
   softmax routing, a gated shared expert; not gpt-oss's, not under tensor parallelism);
+  Q/K norms per head or over the whole projection (OLMoE);
 - step: at most `max_tokens` tokens (above), every KV-cache group a block table (not a
   circular ring, whose read-before-write order the kernel does not follow),
   caches float32 or bfloat16 and contiguous.
@@ -199,8 +200,8 @@ def _check_layers_covered(config) -> None:
         raise NativeDeclined("Granite's shared expert beside its routed ones (the per-op path runs them)")
     if config.sandwich_norms and config.residual_multiplier != 1.0:
         raise NativeDeclined("sandwich norms with a residual multiplier")
-    if (config.qk_norm and not config.qk_norm_per_head) or config.clip_qkv is not None:
-        raise NativeDeclined("a Q/K norm over the whole projection or clipped Q/K/V")
+    if config.clip_qkv is not None:
+        raise NativeDeclined("clipped Q/K/V")
 
 
 def _check_state_layers_covered(model) -> None:
@@ -267,11 +268,13 @@ class NativeDecoder:
         if model.tp.size == 1:
             self._describe_embedding(self._desc.embed)
         self._head = self._describe_head(model.lm_head) if model.tp.size == 1 else None
-        # On where every O and down projection is one GGUF tensor as stored (gguf_rows.c's few
-        # runs per row, on every kernel path); off for the repacked weights, whose split changed
-        # greedy int8 trajectories (the structured-output server test's JSON no longer closed
-        # within its token budget).
-        self.fewer_barriers = all(layer.o.num_parts == 1 and layer.down.num_parts == 1 for layer in self._layers)
+        # Off by default for now. Stored GGUF weights split on every kernel path; on SmolLM2 (2
+        # threads, alternating rounds in one process) it ran 0.63-0.76x when the machine was
+        # calm and 1.3-2.4x when other work loaded it (barriers are what a loaded machine pays
+        # for): the short rows' partial products cost more than the barriers they save. The
+        # repacked weights' split changed greedy int8 trajectories (the structured-output
+        # server test's JSON no longer closed within its token budget).
+        self.fewer_barriers = False
         # Layers this small are not worth a second thread: the barriers between the
         # matmuls would cost more than the rows they share out.
         self.num_threads = torch.get_num_threads() if self._layer_bytes >= _PARALLEL_MIN_LAYER_BYTES else 1
@@ -299,12 +302,11 @@ class NativeDecoder:
 
     @property
     def fewer_barriers(self) -> bool:
-        """Whether the call meets at fewer barriers a layer (by default where the O and down
-        projections are GGUF tensors as stored): the O and down projections split by input
-        columns where their kernel allows, attention by query heads (each thread computing the
-        QKV rows and writing the K/V its heads read) on steps of a few tokens. Off: every
-        matmul split by output rows, the K/V written once (for A/B measurements, `kvserve
-        bench profile --ab-fewer-barriers`)."""
+        """Whether the call meets at fewer barriers a layer (off by default): the O and down
+        projections split by input columns where their kernel allows, attention by query heads
+        (each thread computing the QKV rows and writing the K/V its heads read) on steps of a few
+        tokens. Off: every matmul split by output rows, the K/V written once (for A/B
+        measurements, `kvserve bench profile --ab-fewer-barriers`)."""
         return bool(self._desc.fewer_barriers)
 
     @fewer_barriers.setter
@@ -355,7 +357,8 @@ class NativeDecoder:
                            adds_one=int(config.norm_adds_one), sandwich=int(config.sandwich_norms),
                            gelu=int(config.hidden_act.startswith("gelu")), rotary_dim=rotary_dim,
                            output_gate=int(attn.output_gate), no_rope=int(not attn.use_rope),
-                           residual_multiplier=config.residual_multiplier)
+                           residual_multiplier=config.residual_multiplier,
+                           qk_norm_whole=int(attn.q_norm is not None and not attn.qk_norm_per_head))
         for mixer in (layer.mixer for layer in model.layers if layer.is_state_layer):
             if isinstance(mixer, GatedDeltaNet):
                 desc.dn_k_heads, desc.dn_v_heads = mixer.num_k_heads, mixer.num_v_heads

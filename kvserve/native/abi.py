@@ -84,9 +84,10 @@ class NativeModel(ctypes.Structure):
                 ("softcap", _f32), ("adds_one", _i32), ("sandwich", _i32), ("gelu", _i32), ("panel_rows", _i32),
                 ("embed", NativeLinear), ("embed_scale", _f32), ("fewer_barriers", _i32), ("reduce_buffer", _ptr),
                 ("all_reduce", ALL_REDUCE_FN), ("reduce_ctx", _ptr), ("rotary_dim", _i64), ("output_gate", _i32),
-                ("unused", _i32), ("dn_k_heads", _i64), ("dn_v_heads", _i64), ("dn_k_dim", _i64), ("dn_v_dim", _i64),
-                ("dn_conv_width", _i64), ("mb_heads", _i64), ("mb_head_dim", _i64), ("mb_state", _i64),
-                ("mb_groups", _i64), ("mb_conv_width", _i64), ("residual_multiplier", _f32), ("no_rope", _i32)]
+                ("qk_norm_whole", _i32), ("dn_k_heads", _i64), ("dn_v_heads", _i64), ("dn_k_dim", _i64),
+                ("dn_v_dim", _i64), ("dn_conv_width", _i64), ("mb_heads", _i64), ("mb_head_dim", _i64),
+                ("mb_state", _i64), ("mb_groups", _i64), ("mb_conv_width", _i64), ("residual_multiplier", _f32),
+                ("no_rope", _i32)]
 
 
 class NativeStep(ctypes.Structure):

@@ -22,11 +22,11 @@ FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -
 # byte-level vocabulary without them).
 MERGES = (("a", "b"),)
 # The converter recognizes a tokenizer's pre-tokenizer by hashing what it does to a sample
-# text; this byte-level test tokenizer is none it knows, so it is told gpt-oss's own.
+# text; this byte-level test tokenizer is none it knows, so it is told the model's own.
 _CONVERT = """import runpy, sys
 sys.path[:0] = [{src!r}, {src!r} + "/gguf-py"]
 from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-4o"
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
 runpy.run_path({src!r} + "/convert_hf_to_gguf.py", run_name="__main__")
 """
@@ -73,12 +73,24 @@ def save_mxfp4_gpt_oss(reference_dir: str, mxfp4_dir: str, seed: int = 1234) -> 
         json.dump(config, f)
 
 
-def convert_to_gguf(model_dir: str, out_path: str, converter: str) -> str:
+def converter_or_skip() -> str:
+    """llama.cpp's convert_hf_to_gguf.py (`converter_script`), or the calling test skipped where
+    neither the cached sdist nor a package index has it."""
+    import pytest
+    from kvserve.bench.llama_build import LlamaBuildError, converter_script
+    try:
+        return converter_script()
+    except LlamaBuildError as exc:
+        pytest.skip(f"llama.cpp's converter is not available: {exc}")
+
+
+def convert_to_gguf(model_dir: str, out_path: str, converter: str, pre: str = "gpt-4o", outtype: str = "f32",
+                    extra_args: tuple[str, ...] = ()) -> str:
     """Run llama.cpp's `converter` (convert_hf_to_gguf.py) on `model_dir`, tensors that are not
-    MXFP4 written as float32; returns `out_path`."""
+    MXFP4 written as `outtype`, the tokenizer's pre-tokenizer named `pre`; returns `out_path`."""
     source = os.path.dirname(converter)
-    completed = subprocess.run([sys.executable, "-c", _CONVERT.format(src=source), model_dir,
-                                "--outfile", out_path, "--outtype", "f32"],
+    completed = subprocess.run([sys.executable, "-c", _CONVERT.format(src=source, pre=pre), model_dir,
+                                "--outfile", out_path, "--outtype", outtype, *extra_args],
                                capture_output=True, text=True, timeout=600)
     if completed.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{completed.stderr[-3000:]}")

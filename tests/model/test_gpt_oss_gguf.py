@@ -35,12 +35,8 @@ SEQUENCE_LENGTHS = [9, 17, 26, 33, 40, 14]
 @pytest.fixture(scope="module")
 def gpt_oss_files(tmp_path_factory):
     """(transformers' float32 reference model, its directory, the GGUF path)."""
-    from helpers.gpt_oss_gguf import convert_to_gguf, save_mxfp4_gpt_oss
-    from kvserve.bench.llama_build import LlamaBuildError, converter_script
-    try:
-        converter = converter_script()
-    except LlamaBuildError as exc:  # no cached sdist and no package index
-        pytest.skip(f"llama.cpp's converter is not available: {exc}")
+    from helpers.gpt_oss_gguf import convert_to_gguf, converter_or_skip, save_mxfp4_gpt_oss
+    converter = converter_or_skip()
     root = tmp_path_factory.mktemp("gpt_oss_gguf")
     reference_dir, mxfp4_dir = str(root / "reference"), str(root / "mxfp4")
     save_mxfp4_gpt_oss(reference_dir, mxfp4_dir)

@@ -58,6 +58,10 @@ FEATURES = {
     "mixture of experts, top-k renormalized, dense layers between": (
         "qwen3_moe", {}, lambda c: c.is_moe and c.norm_topk_prob and not all(c.sparse_layers)),
     "mixture of experts on sliding-window layers": ("mixtral", {}, lambda c: c.is_moe and c.sliding_window),
+    "mixture of experts, top-k weights as is (OLMoE's routing)": (
+        "qwen3_moe", {"norm_topk_prob": False}, lambda c: c.is_moe and not c.norm_topk_prob),
+    "mixture of experts, top-k as is; Q/K norm over the whole projection": (
+        "olmoe", {}, lambda c: c.is_moe and not c.norm_topk_prob and not c.qk_norm_per_head),
     # Qwen3.5 (dense): driven by HybridRunner (a state group beside the attention one), one token
     # a step (the native decoder runs state layers at decode steps only), so every step native.
     "Gated DeltaNet layers, key heads shared by value heads": (
@@ -82,8 +86,6 @@ HYBRID_FAMILIES = (*GATED_DELTANET_FAMILIES, "granitemoehybrid")
 # Features the native decoder declines (`NativeDecoder.for_model` returns None): the fast
 # path falls back to the per-op path for every step, and both stay within the bound.
 DECLINED_FEATURES = {
-    "mixture of experts, top-k as is; Q/K norm over the whole projection": (
-        "olmoe", {}, lambda c: c.is_moe and not c.norm_topk_prob and not c.qk_norm_per_head),
     "clipped Q/K/V": ("olmoe", {"clip_qkv": 0.5}, lambda c: c.clip_qkv),
     "gpt-oss: attention sinks, softmax after top-k, router bias, biased clamped-SwiGLU experts, O bias": (
         "gpt_oss", {}, lambda c: c.attention_sinks and c.softmax_after_topk and c.router_bias and c.expert_bias

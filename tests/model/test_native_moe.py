@@ -1,7 +1,8 @@
 """The native decoder's mixture-of-experts layers (#28, csrc/decoder/fused_decoder.c's moe_mlp)
 against the per-op path of the same weights (moe.py's SparseMoeBlock), both fed the same tokens
-(teacher forcing): tiny Qwen3-MoE (a dense layer between sparse ones), Mixtral (sliding window)
-and a Qwen3-MoE with a gated shared expert, in float32; routing edge cases (ties at and inside
+(teacher forcing): tiny Qwen3-MoE (a dense layer between sparse ones), Mixtral (sliding window),
+OLMoE (top-k weights as is, a Q/K norm over the whole projection) and a Qwen3-MoE with a gated
+shared expert, in float32; routing edge cases (ties at and inside
 the top-k boundary, experts no token picks); the same bits on 1, 2 and 3 threads, float32 and
 GGUF experts held as stored (Q8_0, and llama.cpp's Q4_K_M where llama-quantize is built).
 Quantized experts against the dequantized model: tests/model/test_moe.py's GGUF test, whose
@@ -146,7 +147,7 @@ def _margin_ok_seed(config: ModelConfig, edit=None) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("name,threads", [("qwen3_moe", 1), ("qwen3_moe", 2), ("mixtral", 1), ("mixtral", 3),
-                                          ("shared", 1), ("shared", 2)])
+                                          ("olmoe", 1), ("olmoe", 3), ("shared", 1), ("shared", 2)])
 def test_native_moe_matches_per_op_path(configs, monkeypatch, name, threads):
     """Every step native (prompt chunks over cached context and one-token steps, up to 6 tokens),
     logits within the float-order bound of the per-op path's."""

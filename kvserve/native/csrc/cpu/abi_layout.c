@@ -48,7 +48,7 @@ static const int64_t LAYOUT[] = {
     AT(NativeModel, adds_one), AT(NativeModel, sandwich), AT(NativeModel, gelu), AT(NativeModel, panel_rows),
     AT(NativeModel, embed), AT(NativeModel, embed_scale), AT(NativeModel, fewer_barriers),
     AT(NativeModel, reduce_buffer), AT(NativeModel, all_reduce), AT(NativeModel, reduce_ctx),
-    AT(NativeModel, rotary_dim), AT(NativeModel, output_gate), AT(NativeModel, unused), AT(NativeModel, dn_k_heads),
+    AT(NativeModel, rotary_dim), AT(NativeModel, output_gate), AT(NativeModel, qk_norm_whole), AT(NativeModel, dn_k_heads),
     AT(NativeModel, dn_v_heads), AT(NativeModel, dn_k_dim), AT(NativeModel, dn_v_dim), AT(NativeModel, dn_conv_width),
     AT(NativeModel, mb_heads), AT(NativeModel, mb_head_dim), AT(NativeModel, mb_state), AT(NativeModel, mb_groups),
     AT(NativeModel, mb_conv_width), AT(NativeModel, residual_multiplier), AT(NativeModel, no_rope),

@@ -11,7 +11,7 @@
  * tens of microseconds on a virtual machine, more than a layer's work at batch
  * one. Inside it the threads split each matrix's output rows and the
  * attention's KV heads, and meet at a barrier after each; with fewer_barriers
- * (on by default for GGUF weights as stored) they split the O and down
+ * (off by default) they split the O and down
  * projections by input columns and attention by query heads, each computing the
  * QKV rows and K/V writes its heads need, so that SmolLM2 and the Llama-1B shape
  * on 2 threads meet twice a layer.
@@ -62,6 +62,7 @@ typedef struct {
     float *router;    /* [T, experts]: the router's logits */
     int64_t *route_id, *pair_token, *expert_end; /* [T, top_k], [T * top_k], [experts] */
     float *route_weight, *pair_weight;           /* [T, top_k], [T * top_k] */
+    float *qk_inv;    /* [T, 2]: a Q/K norm over the whole projection: each token's 1 / rms of Q and of K */
     const float *out; /* the last layer's output: Shared.out or sum */
     PhaseTimer timer;
     struct SpinBarrier *barrier;
@@ -371,8 +372,42 @@ static void gate_output(const NativeModel *m, const Shared *s, int64_t t0, int64
 
 /* Q/K norms, RoPE and K/V write of the KV heads this thread owns; with `attend`, also
  * their attention (writing those heads' query rows of s->attn). */
+/* Scales x [width] by the RMSNorm factor inv and the weights w as kvserve_rms_norm does. */
+static void scale_norm(const NativeModel *m, float *x, int64_t width, float inv, const float *w) {
+    for (int64_t i = 0; i < width; i++) x[i] = m->adds_one ? x[i] * inv * (1.0f + w[i]) : w[i] * (x[i] * inv);
+}
+
+/* A Q/K norm over the whole projection (OLMoE): p->qk_inv = each token's 1 / rms of its Q row
+ * and of its K row, read from the whole s->qkv (after the QKV barrier, before any thread
+ * normalizes its heads in place: a barrier follows). */
+static void whole_qk_scales(const NativeModel *m, const NativeStep *st, const Shared *s, Private *p) {
+    const int64_t q_size = m->num_heads * m->head_dim, kv_size = m->num_kv_heads * m->head_dim;
+    for (int64_t t = 0; t < st->num_tokens; t++) {
+        const float *row = s->qkv + t * qkv_width(m), *k = row + m->num_heads * q_stride(m);
+        float q_sum = 0.0f, k_sum = 0.0f;
+        for (int64_t i = 0; i < q_size; i++) q_sum += row[i] * row[i];
+        for (int64_t i = 0; i < kv_size; i++) k_sum += k[i] * k[i];
+        p->qk_inv[2 * t] = 1.0f / sqrtf(q_sum / (float)q_size + m->eps);
+        p->qk_inv[2 * t + 1] = 1.0f / sqrtf(k_sum / (float)kv_size + m->eps);
+    }
+}
+
+/* The Q/K norms of token t's query heads [first, first + group) and KV head h, in place: per head,
+ * or (qk_inv) over the whole projection by the factors whole_qk_scales found. */
+static void qk_norms(const NativeModel *m, const NativeLayer *l, float *q, float *k, int64_t QS, int64_t first,
+                     int64_t group, int64_t h, const float *qk_inv, int64_t t) {
+    const int64_t D = m->head_dim;
+    if (!qk_inv) {
+        if (l->q_norm) kvserve_rms_norm(q, NULL, l->q_norm, q, group, D, QS, m->eps, m->adds_one, F32, 1);
+        if (l->k_norm) kvserve_rms_norm(k, NULL, l->k_norm, k, 1, D, D, m->eps, m->adds_one, F32, 1);
+        return;
+    }
+    for (int64_t j = 0; j < group; j++) scale_norm(m, q + j * QS, D, qk_inv[2 * t], l->q_norm + (first + j) * D);
+    scale_norm(m, k, D, qk_inv[2 * t + 1], l->k_norm + h * D);
+}
+
 static void attention_heads(const NativeModel *m, const NativeLayer *l, const NativeStep *st, const Shared *s,
-                            int attend, int tid, int nthreads) {
+                            const float *qk_inv, int attend, int tid, int nthreads) {
     const int64_t T = st->num_tokens, D = m->head_dim, group = m->num_heads / m->num_kv_heads, QS = q_stride(m);
     const int64_t q_size = m->num_heads * D, q_rows = m->num_heads * QS, kv_size = m->num_kv_heads * D;
     const int64_t width = qkv_width(m);
@@ -380,12 +415,8 @@ static void attention_heads(const NativeModel *m, const NativeLayer *l, const Na
     const int64_t elem = l->kv_dtype == F32 ? 4 : 2;
     for (int64_t h = tid; h < m->num_kv_heads; h += nthreads) {
         float *q = s->qkv + h * group * QS, *k = s->qkv + q_rows + h * D, *v = s->qkv + q_rows + kv_size + h * D;
-        for (int64_t t = 0; t < T; t++) {
-            if (l->q_norm) kvserve_rms_norm(q + t * width, NULL, l->q_norm, q + t * width, group, D, QS, m->eps,
-                                            m->adds_one, F32, 1);
-            if (l->k_norm) kvserve_rms_norm(k + t * width, NULL, l->k_norm, k + t * width, 1, D, D, m->eps,
-                                            m->adds_one, F32, 1);
-        }
+        for (int64_t t = 0; t < T; t++)
+            qk_norms(m, l, q + t * width, k + t * width, QS, h * group, group, h, qk_inv, t);
         rope(m, st, q, width, QS, group, cos, sin);
         rope(m, st, k, width, D, 1, cos, sin);
         char *k_cache = (char *)l->k_cache + h * l->cache_head_stride * elem;
@@ -529,7 +560,7 @@ static void qkv_projection(const NativeModel *m, const NativeLayer *l, int64_t T
                            const Shared *s, int tid, int nthreads) {
     const int64_t D = m->head_dim, group = m->num_heads / m->num_kv_heads;
     const int64_t q_size = m->num_heads * D, kv_size = m->num_kv_heads * D;
-    if (!m->fewer_barriers || !by_query_heads(m, T, nthreads) || D % 16 || m->output_gate) {
+    if (!m->fewer_barriers || !by_query_heads(m, T, nthreads) || D % 16 || m->output_gate || m->qk_norm_whole) {
         linear_rows(m, &l->qkv, p->x, T, plain, p, s->qkv, tid, nthreads);
         wait_all(p, PHASE_QKV);
         return;
@@ -569,19 +600,25 @@ static const float *attention_and_o(const NativeModel *m, const NativeLayer *l, 
                                     Shared *s, int64_t plain, int tid, int nthreads) {
     const int64_t T = st->num_tokens, H = m->hidden;
     const int query_heads = by_query_heads(m, T, nthreads);
+    const float *qk_inv = NULL;
+    if (m->qk_norm_whole && l->q_norm) {
+        whole_qk_scales(m, st, s, p);
+        qk_inv = p->qk_inv;
+        wait_all(p, PHASE_NORMS);
+    }
     if (T >= TOKEN_SPLIT_MIN && nthreads > 1) {
-        attention_heads(m, l, st, s, 0, tid, nthreads);
+        attention_heads(m, l, st, s, qk_inv, 0, tid, nthreads);
         wait_all(p, PHASE_ATTENTION);
         attention_tokens(m, l, st, s, tid, nthreads);
-    } else if (query_heads && m->fewer_barriers) {
+    } else if (query_heads && m->fewer_barriers && !m->qk_norm_whole) {
         query_share_kv(m, l, st, s, p, tid, nthreads);
         attention_query_heads(m, l, st, s, tid, nthreads);
     } else if (query_heads) {
-        attention_heads(m, l, st, s, 0, tid, nthreads);
+        attention_heads(m, l, st, s, qk_inv, 0, tid, nthreads);
         wait_all(p, PHASE_ATTENTION);
         attention_query_heads(m, l, st, s, tid, nthreads);
     } else {
-        attention_heads(m, l, st, s, 1, tid, nthreads);
+        attention_heads(m, l, st, s, qk_inv, 1, tid, nthreads);
     }
     if (!splits_by_input(m, &l->o, m->head_dim, T, plain)) {
         wait_all(p, PHASE_ATTENTION);
@@ -1196,10 +1233,11 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
                      malloc(sizeof(int64_t) * (size_t)(max_runs(W) + 1)), malloc(sizeof(float) * (size_t)(T * H)),
                      malloc(sizeof(float) * (size_t)(T * moe.experts)), malloc(sizeof(int64_t) * (size_t)moe.pairs),
                      malloc(sizeof(int64_t) * (size_t)moe.pairs), malloc(sizeof(int64_t) * (size_t)moe.experts),
-                     malloc(sizeof(float) * (size_t)moe.pairs), malloc(sizeof(float) * (size_t)moe.pairs), s.out};
+                     malloc(sizeof(float) * (size_t)moe.pairs), malloc(sizeof(float) * (size_t)moe.pairs),
+                     malloc(sizeof(float) * (size_t)(2 * T)), s.out};
         int ok = p.residual && p.x && p.act && p.qx && p.scales && p.panel && p.sum && p.gate_up && p.kv && p.dn &&
                  p.bounds && p.gather && p.router && p.route_id && p.pair_token && p.expert_end && p.route_weight &&
-                 p.pair_weight;
+                 p.pair_weight && p.qk_inv;
         p.barrier = &barrier;
         phase_start(&p.timer);
         if (!ok) {
@@ -1223,7 +1261,8 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
         }
         free(p.residual), free(p.x), free(p.act), free(p.qx), free(p.scales), free(p.panel), free(p.sum),
             free(p.gate_up), free(p.kv), free(p.dn), free(p.bounds), free(p.gather), free(p.router), free(p.route_id),
-            free(p.pair_token), free(p.expert_end), free(p.route_weight), free(p.pair_weight);
+            free(p.pair_token), free(p.expert_end), free(p.route_weight), free(p.pair_weight),
+            free(p.qk_inv);
     }
     free(s.qkv), free(s.attn), free(s.gate_up), free(s.ba), free(s.conv_out), free(s.o_runs), free(s.down_runs),
         free(s.moe_gate_up), free(s.moe_down);

@@ -121,7 +121,7 @@ typedef struct {
     int64_t rotary_dim; /* RoPE rotates the first rotary_dim dimensions of each head (partial RoPE: < head_dim) */
     int32_t output_gate; /* Qwen3-Next: each query head's rows followed by as many of a gate; attention
                           * output times sigmoid(gate) */
-    int32_t unused;
+    int32_t qk_norm_whole; /* the layers' q_norm / k_norm span the whole Q / K projection (OLMoE), not a head */
     /* Gated DeltaNet layers' shapes (0 where the model has none): key heads, value heads, their
      * sizes, the convolution's width K */
     int64_t dn_k_heads, dn_v_heads, dn_k_dim, dn_v_dim, dn_conv_width;
