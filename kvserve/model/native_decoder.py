@@ -256,11 +256,13 @@ class NativeDecoder:
         if model.tp.size == 1:
             self._describe_embedding(self._desc.embed)
         self._head = self._describe_head(model.lm_head) if model.tp.size == 1 else None
-        # On where every O and down projection is one GGUF tensor as stored (gguf_rows.c's few
-        # runs per row, on every kernel path); off for the repacked weights, whose split changed
-        # greedy int8 trajectories (the structured-output server test's JSON no longer closed
-        # within its token budget).
-        self.fewer_barriers = all(layer.o.num_parts == 1 and layer.down.num_parts == 1 for layer in self._layers)
+        # Off by default for now. Stored GGUF weights split on every kernel path; on SmolLM2 (2
+        # threads, alternating rounds in one process) it ran 0.63-0.76x when the machine was
+        # calm and 1.3-2.4x when other work loaded it (barriers are what a loaded machine pays
+        # for): the short rows' partial products cost more than the barriers they save. The
+        # repacked weights' split changed greedy int8 trajectories (the structured-output
+        # server test's JSON no longer closed within its token budget).
+        self.fewer_barriers = False
         # Layers this small are not worth a second thread: the barriers between the
         # matmuls would cost more than the rows they share out.
         self.num_threads = torch.get_num_threads() if self._layer_bytes >= _PARALLEL_MIN_LAYER_BYTES else 1
@@ -288,12 +290,11 @@ class NativeDecoder:
 
     @property
     def fewer_barriers(self) -> bool:
-        """Whether the call meets at fewer barriers a layer (by default where the O and down
-        projections are GGUF tensors as stored): the O and down projections split by input
-        columns where their kernel allows, attention by query heads (each thread computing the
-        QKV rows and writing the K/V its heads read) on steps of a few tokens. Off: every
-        matmul split by output rows, the K/V written once (for A/B measurements, `kvserve
-        bench profile --ab-fewer-barriers`)."""
+        """Whether the call meets at fewer barriers a layer (off by default): the O and down
+        projections split by input columns where their kernel allows, attention by query heads
+        (each thread computing the QKV rows and writing the K/V its heads read) on steps of a few
+        tokens. Off: every matmul split by output rows, the K/V written once (for A/B
+        measurements, `kvserve bench profile --ab-fewer-barriers`)."""
         return bool(self._desc.fewer_barriers)
 
     @fewer_barriers.setter

@@ -1,5 +1,5 @@
-"""The native decoder's layers with fewer barriers (csrc/decoder/fused_decoder.c, on by default
-for GGUF files held as stored): the O and down projections split by input columns (here GGUF
+"""The native decoder's layers with fewer barriers (csrc/decoder/fused_decoder.c,
+NativeDecoder.fewer_barriers): the O and down projections split by input columns (here GGUF
 tensors as stored, on every kernel path: gguf_rows.c's runs), each thread multiplying its own
 columns (its attention heads' output, its columns of the MLP activation) into partial products
 over fixed runs of input blocks, added up in run order after one barrier; on steps of a few
@@ -62,7 +62,7 @@ def _model(path: str, threads: int | None, **switches):
     else:
         model._native = native_decoder.NativeDecoder.for_model(model)
         model._native.num_threads = threads
-        assert model._native.fewer_barriers  # the default for stored weights
+        model._native.fewer_barriers = True
     return model
 
 

@@ -11,7 +11,7 @@
  * tens of microseconds on a virtual machine, more than a layer's work at batch
  * one. Inside it the threads split each matrix's output rows and the
  * attention's KV heads, and meet at a barrier after each; with fewer_barriers
- * (on by default for GGUF weights as stored) they split the O and down
+ * (off by default) they split the O and down
  * projections by input columns and attention by query heads, each computing the
  * QKV rows and K/V writes its heads need, so that SmolLM2 and the Llama-1B shape
  * on 2 threads meet twice a layer.
