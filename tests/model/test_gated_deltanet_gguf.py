@@ -3,7 +3,7 @@ tiny_models.py) converted by llama.cpp's own convert_hf_to_gguf.py (llama-cpp-py
 sdist, which defines qwen3next, qwen35 and qwen35moe) to F32 and Q8_0, loaded by kvserve:
 the config read from the GGUF keys equals the one read from the HF directory; the F32 file
 matches transformers in float32 under teacher forcing; the Q8_0 file's weights held as
-stored hold the same file's values dequantized; `kvserve
+stored hold the same file's values dequantized and run within the activation-rounding bound of it (int16 activations); `kvserve
 generate --model x.gguf` answers (prefix caching on, the default); and a file whose
 linear-attention metadata is incomplete is refused in one line.
 
@@ -173,3 +173,32 @@ def test_incomplete_hybrid_metadata_is_refused_in_one_line(gguf_files, tmp_path)
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "qwen35.ssm.state_size" in lines[0] and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_q8_0_gguf_held_as_stored_within_activation_rounding(gguf_files, family):
+    """The Q8_0 file with its projections held as the file's blocks, every step through the
+    integer kernel (no panel or dense-GEMM paths, whose rounding is another), against the same
+    file dequantized to float32, fed the same tokens: within the bound that rounding every
+    quantized matmul's activations gives (tests/helpers/activation_rounding.py), a bound that
+    still tells wrong weights apart. With int16 activations: the same derivation for int8 gives
+    a bound near a fifth of the logits' range on these tiny random hybrids (the decay and beta
+    gates amplify their inputs' rounding), too loose to tell wrong weights apart."""
+    from helpers.activation_rounding import max_deviation, quantized_half_steps, rounding_bound
+    from helpers.kernel_switches import env_kernels
+    from kvserve.model import quantized
+    kernels = env_kernels(quant_gemm_rows=0, quant_panel_rows=0, quant_act_bits=16)
+    if quantized.kernel_isa(kernels) is None:
+        pytest.skip("no native kernels")
+    hf, _, path = gguf_files(family, "q8_0")
+    held = load_model(ModelConfig.from_path(path), kernel_config=kernels)
+    plain = load_model(ModelConfig.from_path(path, quantization="none", dtype="float32"))
+    assert all(weight.act_bits == 16 for weight in held_weights(held, plain).values())
+    sequences = dict(list(_sequences(hf, seed=7).items())[:3])
+    prompt_lens = {r: len(s) // 2 for r, s in sequences.items()}
+
+    def logits_of(model):
+        return run_teacher_forced(HybridRunner(model), sequences, prompt_lens, chunk=7)
+    reference, bound = rounding_bound(plain, quantized_half_steps(plain, held), logits_of)
+    assert max_deviation(logits_of(held), reference) <= bound
+    assert bound < 0.1 * min((ref.amax(-1) - ref.amin(-1)).min().item() for ref in reference.values())
