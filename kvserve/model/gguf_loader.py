@@ -16,6 +16,7 @@ from kvserve.model.errors import ModelConfigError, UnsupportedArchitectureError
 from kvserve.model.gguf_file import GGUFFile, open_gguf
 from kvserve.model.gguf_linear_attention import (GATED_DELTANET_ARCHS, add_gated_deltanet_config,
                                                  linear_attention_parts)
+from kvserve.model.gguf_mamba import MAMBA_ARCHS, add_mamba_hybrid_config, mamba_hybrid_parts
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ GGUF_ARCHITECTURES = {
     "qwen3next": "Qwen3NextForCausalLM",
     "qwen35": "Qwen3_5ForCausalLM",
     "qwen35moe": "Qwen3_5MoeForCausalLM",
+    "granitehybrid": "GraniteMoeHybridForCausalLM",
 }
 # llama.cpp writes Mixtral as "llama" with experts.
 _LLAMA_WITH_EXPERTS = "MixtralForCausalLM"
@@ -122,6 +124,8 @@ def read_gguf_hf_config(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
         hf["query_pre_attn_scalar"] = hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
     if arch in GATED_DELTANET_ARCHS:
         add_gated_deltanet_config(reader, arch, hf)
+    if arch in MAMBA_ARCHS:
+        add_mamba_hybrid_config(reader, arch, hf, names)
     if arch == "gemma2":
         hf["query_pre_attn_scalar"] = hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
     hf["tie_word_embeddings"] = "output.weight" not in names
@@ -207,7 +211,7 @@ def _named_tensors(reader: GGUFFile, arch: str) -> Iterator[tuple[Any, str | Non
     one view per expert (a 2-D weight, or a 1-D bias of gpt-oss's 2-D bias stacks), named as
     that expert's projection."""
     for tensor in reader.tensors:
-        parts = linear_attention_parts(reader, arch, tensor, dequantize_tensor) if arch in GATED_DELTANET_ARCHS else None
+        parts = _state_layer_parts(reader, arch, tensor)
         if parts is not None:
             yield from parts
             continue
@@ -221,6 +225,15 @@ def _named_tensors(reader: GGUFFile, arch: str) -> Iterator[tuple[Any, str | Non
         for expert in range(int(tensor.shape[-1])):
             name = f"{prefix}.{expert}.{_EXPERT_TENSORS[match.group(2)]}.{suffix}"
             yield dataclasses.replace(tensor, name=name, shape=tensor.shape[:-1], data=tensor.data[expert]), name
+
+
+def _state_layer_parts(reader: GGUFFile, arch: str, tensor: Any) -> list[tuple[Any, str]] | None:
+    """(tensor, HF name) of each part of a hybrid's linear-attention or Mamba-2 tensor, or None."""
+    if arch in GATED_DELTANET_ARCHS:
+        return linear_attention_parts(reader, arch, tensor, dequantize_tensor)
+    if arch in MAMBA_ARCHS:
+        return mamba_hybrid_parts(tensor)
+    return None
 
 
 def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:

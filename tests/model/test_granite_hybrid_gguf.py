@@ -1,0 +1,112 @@
+"""Granite 4 hybrids from GGUF (#29, llama.cpp's `granitehybrid`): tiny random
+GraniteMoeHybridForCausalLM models (tests/helpers/tiny_models.py), with routed and shared
+experts and with the shared MLP alone, converted by llama.cpp's own convert_hf_to_gguf.py
+(llama-cpp-python 0.3.36's sdist) to F32 and Q8_0, loaded by kvserve: the config read from the
+GGUF keys equals the one read from the HF directory; the F32 file matches transformers in
+float32 under teacher forcing; the Q8_0 file's weights held as stored run within the
+activation-rounding bound of the same file dequantized (int16 activations).
+
+transformers 5 saves the layer types as "linear_attention" / "full_attention", which the
+converter reads as all Mamba (its KV head counts all 0); the loader then finds the attention
+layers by their tensors. The converter writes no RoPE for hybrids, so the models here are NoPE,
+as IBM's Granite 4 hybrids are.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import transformers
+
+from kvserve.model.config import ModelConfig
+from kvserve.model.loader import load_model
+from helpers.tiny_models import GRANITE_HYBRID_BOUND, min_router_margin, tiny_granite_hybrid_config
+from hybrid_runner import HybridRunner
+from paged_kv_helper import held_weights, load_hf, run_teacher_forced
+
+pytest.importorskip("gguf")
+
+# |our logit - transformers' logit| <= MAX_RELATIVE_DIFF * max(1, max |transformers' logit|):
+# derived next to GRANITE_HYBRID_BOUND for these tiny models in float32 (49 reduction stages).
+# The file's float32 values are the checkpoint's except A = -exp(A_log), whose log (taken in
+# float64, rounded once) gives back A_log within an ulp, so exp(A_log) moves by 2**-23 relative,
+# and the residual multiplier stored as float32 (0.7 -> 0.7 (1 - 1.7e-8)): each one more rounding
+# beside the 49 stages' 7.6e-6 each, well inside the bound's slack.
+MAX_RELATIVE_DIFF = GRANITE_HYBRID_BOUND
+SEQUENCE_LENGTHS = [9, 17, 26, 33, 40, 14, 21, 30, 12, 37]
+VOCAB_LIMIT = 256  # token ids drawn below it (the byte-level vocabulary, no special tokens)
+VARIANTS = ["moe", "dense"]
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory):
+    """A getter (variant, outtype) -> (transformers' float32 model, its directory, the GGUF path)."""
+    from helpers.gpt_oss_gguf import MERGES, convert_to_gguf, converter_or_skip
+    from helpers.harmony_model import harmony_tokenizer
+    converter = converter_or_skip()
+    made = {}
+
+    def get(variant: str, outtype: str = "f32"):
+        if variant not in made:
+            root = tmp_path_factory.mktemp(variant)
+            tokenizer = harmony_tokenizer(MERGES)
+            torch.manual_seed(0)
+            config = tiny_granite_hybrid_config(len(tokenizer), experts=variant == "moe")
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+            model.eval().save_pretrained(str(root))
+            tokenizer.save_pretrained(str(root))
+            made[variant] = (load_hf(str(root)), str(root))
+        hf, directory = made[variant]
+        path = os.path.join(directory, f"tiny-{outtype}.gguf")
+        if not os.path.exists(path):
+            convert_to_gguf(directory, path, converter, pre="qwen2", outtype=outtype)
+        return hf, directory, path
+    return get
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gguf_config_equals_the_hf_directory_config(gguf_files, variant):
+    """Every field the hybrid decoder reads, from the GGUF keys (ssm.*, the multipliers, the
+    experts' and shared expert's sizes, the attention layers) as from config.json. Not compared:
+    the context length (the converter writes 2**20 for NoPE hybrids) and the special tokens
+    (the GGUF's come from the tokenizer)."""
+    _, directory, path = gguf_files(variant)
+    ours, theirs = ModelConfig.from_path(path), ModelConfig.from_path(directory)
+    fields = ("architecture", "family", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+              "vocab_size", "layer_types", "rope", "use_rope", "mamba", "num_experts", "num_experts_per_tok",
+              "moe_intermediate_size", "intermediate_size", "sparse_layers", "softmax_after_topk",
+              "shared_expert_size", "tie_word_embeddings", "embedding_multiplier", "logits_scaling",
+              "attention_multiplier")
+    assert {f: getattr(ours, f) for f in fields} == {f: getattr(theirs, f) for f in fields}
+    assert ours.layer_types == ["mamba", "full", "mamba", "mamba"]
+    for field in ("rms_norm_eps", "residual_multiplier"):  # stored as float32
+        assert getattr(ours, field) == pytest.approx(getattr(theirs, field), rel=2 ** -23)
+
+
+def _sequences(hf, seed: int) -> dict[str, list[int]]:
+    """Random sequences whose every routing decision (MoE) is clear of a tie by more than rounding can move it."""
+    generator = torch.Generator().manual_seed(seed)
+    candidates = {f"r{i}": torch.randint(3, VOCAB_LIMIT, (n,), generator=generator).tolist()
+                  for i, n in enumerate(SEQUENCE_LENGTHS)}
+    if not hf.config.num_local_experts:
+        return candidates
+    return {r: s for r, s in candidates.items() if min_router_margin(hf, s) > 2 * MAX_RELATIVE_DIFF}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_float32_gguf_matches_transformers_under_teacher_forcing(gguf_files, variant):
+    """The F32 file on a hybrid paged cache (blocks of 4, prefill chunks of 7 beside one-token
+    steps, state snapshots inside chunks) against transformers on the source model: every row
+    of logits within MAX_RELATIVE_DIFF."""
+    hf, _, path = gguf_files(variant)
+    model = load_model(ModelConfig.from_path(path, quantization="none", dtype="float32"))
+    sequences = _sequences(hf, seed=5)
+    assert len(sequences) >= 3
+    prompt_lens = {r: len(s) // 2 for r, s in sequences.items()}
+    logits = run_teacher_forced(HybridRunner(model), sequences, prompt_lens, chunk=7)
+    with torch.inference_mode():
+        for req_id, tokens in sequences.items():
+            ref = hf(torch.tensor([tokens])).logits[0, prompt_lens[req_id] - 1:].float()
+            assert logits[req_id].shape == ref.shape
+            assert (logits[req_id] - ref).abs().max().item() <= MAX_RELATIVE_DIFF * max(1.0, ref.abs().max().item())
