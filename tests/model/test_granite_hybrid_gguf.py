@@ -110,3 +110,32 @@ def test_float32_gguf_matches_transformers_under_teacher_forcing(gguf_files, var
             ref = hf(torch.tensor([tokens])).logits[0, prompt_lens[req_id] - 1:].float()
             assert logits[req_id].shape == ref.shape
             assert (logits[req_id] - ref).abs().max().item() <= MAX_RELATIVE_DIFF * max(1.0, ref.abs().max().item())
+
+
+def test_q8_0_gguf_held_as_stored_within_activation_rounding(gguf_files):
+    """The Q8_0 file with its projections held as the file's blocks, every step through the
+    integer kernel (no panel or dense-GEMM paths, whose rounding is another), against the same
+    file dequantized to float32, fed the same tokens: within the bound that rounding every
+    quantized matmul's activations gives (tests/helpers/activation_rounding.py), a bound that
+    still tells wrong weights apart. With int16 activations, as for the Gated DeltaNet hybrids
+    (test_gated_deltanet_gguf.py): the SSM's gates amplify their inputs' rounding."""
+    from helpers.activation_rounding import max_deviation, quantized_half_steps, rounding_bound
+    from helpers.kernel_switches import env_kernels
+    from kvserve.model import quantized
+    kernels = env_kernels(quant_gemm_rows=0, quant_panel_rows=0, quant_act_bits=16)
+    if quantized.kernel_isa(kernels) is None:
+        pytest.skip("no native kernels")
+    hf, _, path = gguf_files("moe", "q8_0")
+    held = load_model(ModelConfig.from_path(path), kernel_config=kernels)
+    plain = load_model(ModelConfig.from_path(path, quantization="none", dtype="float32"))
+    weights = held_weights(held, plain)
+    assert any(name.endswith("mamba.in_proj") for name in weights) and any("experts" in name for name in weights)
+    assert all(weight.act_bits == 16 for weight in weights.values())
+    sequences = dict(list(_sequences(hf, seed=7).items())[:3])
+    prompt_lens = {r: len(s) // 2 for r, s in sequences.items()}
+
+    def logits_of(model):
+        return run_teacher_forced(HybridRunner(model), sequences, prompt_lens, chunk=7)
+    reference, bound = rounding_bound(plain, quantized_half_steps(plain, held), logits_of)
+    assert max_deviation(logits_of(held), reference) <= bound
+    assert bound < 0.1 * min((ref.amax(-1) - ref.amin(-1)).min().item() for ref in reference.values())
