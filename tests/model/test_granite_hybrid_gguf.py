@@ -20,10 +20,9 @@ import torch
 import transformers
 
 from kvserve.model.config import ModelConfig
-from kvserve.model.loader import load_model
-from helpers.tiny_models import GRANITE_HYBRID_BOUND, min_router_margin, tiny_granite_hybrid_config
-from hybrid_runner import HybridRunner
-from paged_kv_helper import held_weights, load_hf, run_teacher_forced
+from helpers.tiny_models import GRANITE_HYBRID_BOUND, tiny_granite_hybrid_config
+from hybrid_gguf_checks import assert_float32_gguf_matches, assert_held_within_activation_rounding, clear_sequences
+from paged_kv_helper import load_hf
 
 pytest.importorskip("gguf")
 
@@ -34,8 +33,6 @@ pytest.importorskip("gguf")
 # and the residual multiplier stored as float32 (0.7 -> 0.7 (1 - 1.7e-8)): each one more rounding
 # beside the 49 stages' 7.6e-6 each, well inside the bound's slack.
 MAX_RELATIVE_DIFF = GRANITE_HYBRID_BOUND
-SEQUENCE_LENGTHS = [9, 17, 26, 33, 40, 14, 21, 30, 12, 37]
-VOCAB_LIMIT = 256  # token ids drawn below it (the byte-level vocabulary, no special tokens)
 VARIANTS = ["moe", "dense"]
 
 
@@ -85,13 +82,7 @@ def test_gguf_config_equals_the_hf_directory_config(gguf_files, variant):
 
 
 def _sequences(hf, seed: int) -> dict[str, list[int]]:
-    """Random sequences whose every routing decision (MoE) is clear of a tie by more than rounding can move it."""
-    generator = torch.Generator().manual_seed(seed)
-    candidates = {f"r{i}": torch.randint(3, VOCAB_LIMIT, (n,), generator=generator).tolist()
-                  for i, n in enumerate(SEQUENCE_LENGTHS)}
-    if not hf.config.num_local_experts:
-        return candidates
-    return {r: s for r, s in candidates.items() if min_router_margin(hf, s) > 2 * MAX_RELATIVE_DIFF}
+    return clear_sequences(hf, seed, MAX_RELATIVE_DIFF, hf.config.num_local_experts)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -100,42 +91,23 @@ def test_float32_gguf_matches_transformers_under_teacher_forcing(gguf_files, var
     steps, state snapshots inside chunks) against transformers on the source model: every row
     of logits within MAX_RELATIVE_DIFF."""
     hf, _, path = gguf_files(variant)
-    model = load_model(ModelConfig.from_path(path, quantization="none", dtype="float32"))
-    sequences = _sequences(hf, seed=5)
-    assert len(sequences) >= 3
-    prompt_lens = {r: len(s) // 2 for r, s in sequences.items()}
-    logits = run_teacher_forced(HybridRunner(model), sequences, prompt_lens, chunk=7)
-    with torch.inference_mode():
-        for req_id, tokens in sequences.items():
-            ref = hf(torch.tensor([tokens])).logits[0, prompt_lens[req_id] - 1:].float()
-            assert logits[req_id].shape == ref.shape
-            assert (logits[req_id] - ref).abs().max().item() <= MAX_RELATIVE_DIFF * max(1.0, ref.abs().max().item())
+    assert_float32_gguf_matches(hf, path, _sequences(hf, seed=5), MAX_RELATIVE_DIFF)
 
 
 def test_q8_0_gguf_held_as_stored_within_activation_rounding(gguf_files):
-    """The Q8_0 file with its projections held as the file's blocks, every step through the
-    integer kernel (no panel or dense-GEMM paths, whose rounding is another), against the same
-    file dequantized to float32, fed the same tokens: within the bound that rounding every
-    quantized matmul's activations gives (tests/helpers/activation_rounding.py), a bound that
-    still tells wrong weights apart. With int16 activations, as for the Gated DeltaNet hybrids
+    """The Q8_0 file with its projections (Mamba-2's, attention's, routed and shared experts')
+    held as the file's blocks, every step through the integer kernel (no panel or dense-GEMM
+    paths, whose rounding is another), against the same file dequantized to float32, fed the
+    same tokens: within the bound that rounding every quantized matmul's activations gives
+    (hybrid_gguf_checks.py). With int16 activations, as for the Gated DeltaNet hybrids
     (test_gated_deltanet_gguf.py): the SSM's gates amplify their inputs' rounding."""
-    from helpers.activation_rounding import max_deviation, quantized_half_steps, rounding_bound
     from helpers.kernel_switches import env_kernels
     from kvserve.model import quantized
     kernels = env_kernels(quant_gemm_rows=0, quant_panel_rows=0, quant_act_bits=16)
     if quantized.kernel_isa(kernels) is None:
         pytest.skip("no native kernels")
     hf, _, path = gguf_files("moe", "q8_0")
-    held = load_model(ModelConfig.from_path(path), kernel_config=kernels)
-    plain = load_model(ModelConfig.from_path(path, quantization="none", dtype="float32"))
-    weights = held_weights(held, plain)
-    assert any(name.endswith("mamba.in_proj") for name in weights) and any("experts" in name for name in weights)
-    assert all(weight.act_bits == 16 for weight in weights.values())
     sequences = dict(list(_sequences(hf, seed=7).items())[:3])
-    prompt_lens = {r: len(s) // 2 for r, s in sequences.items()}
-
-    def logits_of(model):
-        return run_teacher_forced(HybridRunner(model), sequences, prompt_lens, chunk=7)
-    reference, bound = rounding_bound(plain, quantized_half_steps(plain, held), logits_of)
-    assert max_deviation(logits_of(held), reference) <= bound
-    assert bound < 0.1 * min((ref.amax(-1) - ref.amin(-1)).min().item() for ref in reference.values())
+    weights = assert_held_within_activation_rounding(path, kernels, sequences)
+    # (the shared down projection, 48 columns, is no whole number of Q8_0 blocks: the converter writes it F16)
+    assert {"layers.0.mamba.in_proj", "layers.1.self_attn.qkv_proj", "layers.0.shared_mlp.gate_up_proj"} <= set(weights)
