@@ -46,11 +46,13 @@ class _Sizes:
         return rows.reshape(per_key, self.key_heads, width).transpose(1, 0, 2).reshape(-1)
 
 
-def _ssm_metadata(reader: Any, arch: str) -> dict[str, int]:
+def ssm_metadata(reader: Any, arch: str) -> dict[str, int]:
+    """The file's `{arch}.ssm.*` sizes (shared by the Gated DeltaNet and Mamba-2 hybrids), or a
+    one-line error naming the missing keys."""
     values = {key: reader.get(f"{arch}.ssm.{key}") for key in _SSM_KEYS}
     missing = [f"{arch}.ssm.{key}" for key, value in values.items() if value is None]
     if missing:
-        raise ModelConfigError(f"GGUF {arch} file lacks the linear-attention metadata {', '.join(missing)}")
+        raise ModelConfigError(f"GGUF {arch} file lacks the state-layer metadata {', '.join(missing)}")
     return {key: int(value) for key, value in values.items()}
 
 
@@ -58,7 +60,7 @@ def add_gated_deltanet_config(reader: Any, arch: str, hf: dict[str, Any]) -> Non
     """The config.json fields of Qwen3-Next / Qwen3.5 that their GGUF keys hold: the linear
     attention's sizes (ssm.*), which layers are linear (`attention.recurrent_layers`, else every
     `full_attention_interval`th full), and the rotated share of each head (rope.dimension_count)."""
-    ssm = _ssm_metadata(reader, arch)
+    ssm = ssm_metadata(reader, arch)
     if ssm["inner_size"] % ssm["time_step_rank"]:
         raise ModelConfigError(f"GGUF {arch}: ssm.inner_size {ssm['inner_size']} is not a multiple of "
                                f"ssm.time_step_rank {ssm['time_step_rank']}")
@@ -88,7 +90,7 @@ def add_gated_deltanet_config(reader: Any, arch: str, hf: dict[str, Any]) -> Non
 
 
 def _sizes(reader: Any, arch: str) -> _Sizes:
-    ssm = _ssm_metadata(reader, arch)
+    ssm = ssm_metadata(reader, arch)
     return _Sizes(key_heads=ssm["group_count"], value_heads=ssm["time_step_rank"], key_dim=ssm["state_size"],
                   value_dim=ssm["inner_size"] // ssm["time_step_rank"], tiled=arch in _TILED_VALUE_HEADS)
 

@@ -26,21 +26,13 @@ from typing import Any
 import numpy as np
 
 from kvserve.model.errors import ModelConfigError
+from kvserve.model.gguf_linear_attention import ssm_metadata
 
 MAMBA_ARCHS = ("granitehybrid",)
-_SSM_KEYS = ("conv_kernel", "state_size", "group_count", "time_step_rank", "inner_size")
 # Granite's config.json multipliers and their GGUF keys.
 _MULTIPLIERS = {"attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
                 "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}
 _SHARED_EXPERT = {"ffn_gate_shexp": "gate_proj", "ffn_up_shexp": "up_proj", "ffn_down_shexp": "down_proj"}
-
-
-def _ssm_metadata(reader: Any, arch: str) -> dict[str, int]:
-    values = {key: reader.get(f"{arch}.ssm.{key}") for key in _SSM_KEYS}
-    missing = [f"{arch}.ssm.{key}" for key, value in values.items() if value is None]
-    if missing:
-        raise ModelConfigError(f"GGUF {arch} file lacks the Mamba-2 metadata {', '.join(missing)}")
-    return {key: int(value) for key, value in values.items()}
 
 
 def _attention_layers(reader: Any, arch: str, layers: int, names: Collection[str]) -> list[bool]:
@@ -68,7 +60,7 @@ def _kv_heads(reader: Any, arch: str, hf: dict[str, Any], attention: list[bool])
 def add_mamba_hybrid_config(reader: Any, arch: str, hf: dict[str, Any], names: Collection[str]) -> None:
     """The config.json fields of a Granite 4 hybrid that its GGUF keys hold (see the module's
     docstring), in the names `config._parse_granite_hybrid` reads; `names`: the file's tensors."""
-    ssm = _ssm_metadata(reader, arch)
+    ssm = ssm_metadata(reader, arch)
     hidden, layers = int(hf["hidden_size"]), int(hf["num_hidden_layers"])
     if ssm["inner_size"] % hidden or ssm["inner_size"] % ssm["time_step_rank"]:
         raise ModelConfigError(f"GGUF {arch}: ssm.inner_size {ssm['inner_size']} is not a multiple of the hidden "

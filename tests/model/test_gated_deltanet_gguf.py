@@ -23,9 +23,9 @@ import transformers
 
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
-from helpers.tiny_models import GATED_DELTANET_FAMILIES, min_router_margin, tiny_gated_deltanet_config
-from hybrid_runner import HybridRunner
-from paged_kv_helper import held_weights, load_hf, run_teacher_forced
+from helpers.tiny_models import GATED_DELTANET_FAMILIES, tiny_gated_deltanet_config
+from hybrid_gguf_checks import assert_float32_gguf_matches, assert_held_within_activation_rounding, clear_sequences
+from paged_kv_helper import held_weights, load_hf
 
 pytest.importorskip("gguf")
 
@@ -37,8 +37,6 @@ pytest.importorskip("gguf")
 # exp(A_log) moves by 2**-23 relative, one more rounding of the decay among the 33 stages'
 # thousands of ulps: the same bound holds.
 MAX_RELATIVE_DIFF = 5e-4
-SEQUENCE_LENGTHS = [9, 17, 26, 33, 40, 14, 21, 30, 12, 37]
-VOCAB_LIMIT = 256  # token ids drawn below it (the byte-level vocabulary, no special tokens)
 
 
 def _hf_config(family: str, vocab_size: int):
@@ -90,13 +88,7 @@ def test_gguf_config_equals_the_hf_directory_config(gguf_files, family):
 
 
 def _sequences(hf, seed: int) -> dict[str, list[int]]:
-    """Random sequences whose every routing decision (MoE) is clear of a tie by more than rounding can move it."""
-    generator = torch.Generator().manual_seed(seed)
-    candidates = {f"r{i}": torch.randint(3, VOCAB_LIMIT, (n,), generator=generator).tolist()
-                  for i, n in enumerate(SEQUENCE_LENGTHS)}
-    if not getattr(hf.config, "num_experts", 0):
-        return candidates
-    return {r: s for r, s in candidates.items() if min_router_margin(hf, s) > 2 * MAX_RELATIVE_DIFF}
+    return clear_sequences(hf, seed, MAX_RELATIVE_DIFF, getattr(hf.config, "num_experts", 0))
 
 
 @pytest.mark.parametrize("family", GATED_DELTANET_FAMILIES)
@@ -105,16 +97,7 @@ def test_float32_gguf_matches_transformers_under_teacher_forcing(gguf_files, fam
     steps, state snapshots inside chunks) against transformers on the source model: every row
     of logits within MAX_RELATIVE_DIFF."""
     hf, _, path = gguf_files(family)
-    model = load_model(ModelConfig.from_path(path, quantization="none", dtype="float32"))
-    sequences = _sequences(hf, seed=5)
-    assert len(sequences) >= 3
-    prompt_lens = {r: len(s) // 2 for r, s in sequences.items()}
-    logits = run_teacher_forced(HybridRunner(model), sequences, prompt_lens, chunk=7)
-    with torch.inference_mode():
-        for req_id, tokens in sequences.items():
-            ref = hf(torch.tensor([tokens])).logits[0, prompt_lens[req_id] - 1:].float()
-            assert logits[req_id].shape == ref.shape
-            assert (logits[req_id] - ref).abs().max().item() <= MAX_RELATIVE_DIFF * max(1.0, ref.abs().max().item())
+    assert_float32_gguf_matches(hf, path, _sequences(hf, seed=5), MAX_RELATIVE_DIFF)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
@@ -184,21 +167,10 @@ def test_q8_0_gguf_held_as_stored_within_activation_rounding(gguf_files, family)
     still tells wrong weights apart. With int16 activations: the same derivation for int8 gives
     a bound near a fifth of the logits' range on these tiny random hybrids (the decay and beta
     gates amplify their inputs' rounding), too loose to tell wrong weights apart."""
-    from helpers.activation_rounding import max_deviation, quantized_half_steps, rounding_bound
     from helpers.kernel_switches import env_kernels
     from kvserve.model import quantized
     kernels = env_kernels(quant_gemm_rows=0, quant_panel_rows=0, quant_act_bits=16)
     if quantized.kernel_isa(kernels) is None:
         pytest.skip("no native kernels")
     hf, _, path = gguf_files(family, "q8_0")
-    held = load_model(ModelConfig.from_path(path), kernel_config=kernels)
-    plain = load_model(ModelConfig.from_path(path, quantization="none", dtype="float32"))
-    assert all(weight.act_bits == 16 for weight in held_weights(held, plain).values())
-    sequences = dict(list(_sequences(hf, seed=7).items())[:3])
-    prompt_lens = {r: len(s) // 2 for r, s in sequences.items()}
-
-    def logits_of(model):
-        return run_teacher_forced(HybridRunner(model), sequences, prompt_lens, chunk=7)
-    reference, bound = rounding_bound(plain, quantized_half_steps(plain, held), logits_of)
-    assert max_deviation(logits_of(held), reference) <= bound
-    assert bound < 0.1 * min((ref.amax(-1) - ref.amin(-1)).min().item() for ref in reference.values())
+    assert_held_within_activation_rounding(path, kernels, dict(list(_sequences(hf, seed=7).items())[:3]))
