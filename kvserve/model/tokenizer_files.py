@@ -82,8 +82,9 @@ def _from_pretrained(directory: str, fast_only: bool = False, **kwargs: Any) -> 
 
 
 # GGUF architectures whose model config AutoTokenizer cannot read (transformers 5 fails on
-# gpt-oss's rope.scaling keys): their tokenizer is built from the file's tokenizer keys alone.
-_FAST_ONLY_GGUF_ARCHS = ("gpt-oss",)
+# gpt-oss's rope.scaling keys, and does not know granitehybrid): their tokenizer is built from
+# the file's tokenizer keys alone.
+_FAST_ONLY_GGUF_ARCHS = ("gpt-oss", "granitehybrid")
 
 
 def _gguf_architecture(path: str) -> str | None:

@@ -13,7 +13,10 @@ as IBM's Granite 4 hybrids are.
 """
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -111,3 +114,24 @@ def test_q8_0_gguf_held_as_stored_within_activation_rounding(gguf_files):
     weights = assert_held_within_activation_rounding(path, kernels, sequences)
     # (the shared down projection, 48 columns, is no whole number of Q8_0 blocks: the converter writes it F16)
     assert {"layers.0.mamba.in_proj", "layers.1.self_attn.qkv_proj", "layers.0.shared_mlp.gate_up_proj"} <= set(weights)
+
+
+def test_kvserve_generate_answers_from_the_gguf(gguf_files):
+    """`kvserve generate --model granite.gguf` in float32, prefix caching on (the default), its
+    tokenizer built from the file's keys: each token it picks is transformers' argmax on the same
+    sequence (teacher forced), or within the bound of it (a near-tie either may break its way)."""
+    hf, directory, path = gguf_files("moe")
+    prompt = "hello world"
+    result = subprocess.run([sys.executable, "-m", "kvserve", "generate", "--model", path, "--json", "--max-tokens",
+                             "6", "--temperature", "0", "--no-chat-template", "--quantization", "none", "--dtype",
+                             "float32", prompt], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "KVSERVE_LOG_LEVEL": "ERROR"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    reply = json.loads(result.stdout.strip().splitlines()[-1])
+    prompt_ids = transformers.AutoTokenizer.from_pretrained(directory).encode(prompt)
+    assert reply["num_prompt_tokens"] == len(prompt_ids) and reply["num_generated_tokens"] == 6
+    tokens = reply["token_ids"]
+    with torch.inference_mode():
+        rows = hf(torch.tensor([prompt_ids + tokens[:-1]])).logits[0, len(prompt_ids) - 1:].float()
+    for token, row in zip(tokens, rows):
+        assert row.max().item() - row[token].item() <= 2 * MAX_RELATIVE_DIFF * max(1.0, row.abs().max().item())
