@@ -12,20 +12,15 @@ llama.cpp's qwen3next has no dense layers beside sparse ones (its converter cann
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
-import torch
-import transformers
 
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from helpers.tiny_models import GATED_DELTANET_FAMILIES, tiny_gated_deltanet_config
-from hybrid_gguf_checks import assert_float32_gguf_matches, assert_held_within_activation_rounding, clear_sequences
-from paged_kv_helper import held_weights, load_hf
+from hybrid_gguf_checks import (assert_float32_gguf_matches, assert_generate_answers, assert_held_within_activation_rounding,
+                                clear_sequences, gguf_getter, kvserve_generate)
+from paged_kv_helper import held_weights
 
 pytest.importorskip("gguf")
 
@@ -49,26 +44,7 @@ def _hf_config(family: str, vocab_size: int):
 @pytest.fixture(scope="module")
 def gguf_files(tmp_path_factory):
     """A getter (family, outtype) -> (transformers' float32 model, its directory, the GGUF path)."""
-    from helpers.gpt_oss_gguf import MERGES, convert_to_gguf, converter_or_skip
-    from helpers.harmony_model import harmony_tokenizer
-    converter = converter_or_skip()
-    made = {}
-
-    def get(family: str, outtype: str = "f32"):
-        if family not in made:
-            root = tmp_path_factory.mktemp(family)
-            tokenizer = harmony_tokenizer(MERGES)
-            torch.manual_seed(0)
-            model = transformers.AutoModelForCausalLM.from_config(_hf_config(family, len(tokenizer)))
-            model.eval().save_pretrained(str(root))
-            tokenizer.save_pretrained(str(root))
-            made[family] = (load_hf(str(root)), str(root))
-        hf, directory = made[family]
-        path = os.path.join(directory, f"tiny-{outtype}.gguf")
-        if not os.path.exists(path):
-            convert_to_gguf(directory, path, converter, pre="qwen2", outtype=outtype, extra_args=("--no-mtp",))
-        return hf, directory, path
-    return get
+    return gguf_getter(tmp_path_factory, _hf_config, extra_args=("--no-mtp",))
 
 
 @pytest.mark.parametrize("family", GATED_DELTANET_FAMILIES)
@@ -117,29 +93,12 @@ def test_q8_0_gguf_projections_held_as_the_files_blocks(gguf_files, family):
         assert "layers.0.linear_attn.out_proj" in weights and "layers.0.mlp.shared_expert.gate_up_proj" in weights
 
 
-def _generate(path: str, prompt: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvserve", "generate", "--model", path, "--json", "--max-tokens", "6",
-                           "--temperature", "0", "--no-chat-template", "--quantization", "none", "--dtype",
-                           "float32", prompt], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "KVSERVE_LOG_LEVEL": "ERROR"})
-
-
 def test_kvserve_generate_answers_from_the_gguf(gguf_files):
     """`kvserve generate --model qwen35.gguf` in float32, prefix caching on (the default): each
     token it picks is transformers' argmax on the same sequence (teacher forced), or within the
     bound of it (a near-tie either may break its way)."""
     hf, directory, path = gguf_files("qwen3_5")
-    prompt = "hello world"
-    result = _generate(path, prompt)
-    assert result.returncode == 0, result.stderr[-2000:]
-    reply = json.loads(result.stdout.strip().splitlines()[-1])
-    prompt_ids = transformers.AutoTokenizer.from_pretrained(directory).encode(prompt)
-    assert reply["num_prompt_tokens"] == len(prompt_ids) and reply["num_generated_tokens"] == 6
-    tokens = reply["token_ids"]
-    with torch.inference_mode():
-        rows = hf(torch.tensor([prompt_ids + tokens[:-1]])).logits[0, len(prompt_ids) - 1:].float()
-    for token, row in zip(tokens, rows):
-        assert row.max().item() - row[token].item() <= 2 * MAX_RELATIVE_DIFF * max(1.0, row.abs().max().item())
+    assert_generate_answers(hf, directory, path, MAX_RELATIVE_DIFF)
 
 
 def test_incomplete_hybrid_metadata_is_refused_in_one_line(gguf_files, tmp_path):
@@ -152,7 +111,7 @@ def test_incomplete_hybrid_metadata_is_refused_in_one_line(gguf_files, tmp_path)
     assert data.count(key) == 1
     broken = tmp_path / "incomplete.gguf"
     broken.write_bytes(data.replace(key, b"qwen35.ssm.state_sizX"))
-    result = _generate(str(broken), "hello")
+    result = kvserve_generate(str(broken), "hello")
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "qwen35.ssm.state_size" in lines[0] and "Traceback" not in result.stderr

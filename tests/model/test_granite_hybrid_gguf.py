@@ -13,19 +13,13 @@ as IBM's Granite 4 hybrids are.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
-import torch
-import transformers
 
 from kvserve.model.config import ModelConfig
 from helpers.tiny_models import GRANITE_HYBRID_BOUND, tiny_granite_hybrid_config
-from hybrid_gguf_checks import assert_float32_gguf_matches, assert_held_within_activation_rounding, clear_sequences
-from paged_kv_helper import load_hf
+from hybrid_gguf_checks import (assert_float32_gguf_matches, assert_generate_answers, assert_held_within_activation_rounding,
+                                clear_sequences, gguf_getter)
 
 pytest.importorskip("gguf")
 
@@ -39,30 +33,14 @@ MAX_RELATIVE_DIFF = GRANITE_HYBRID_BOUND
 VARIANTS = ["moe", "dense"]
 
 
+def _hf_config(variant: str, vocab_size: int):
+    return tiny_granite_hybrid_config(vocab_size, experts=variant == "moe")
+
+
 @pytest.fixture(scope="module")
 def gguf_files(tmp_path_factory):
     """A getter (variant, outtype) -> (transformers' float32 model, its directory, the GGUF path)."""
-    from helpers.gpt_oss_gguf import MERGES, convert_to_gguf, converter_or_skip
-    from helpers.harmony_model import harmony_tokenizer
-    converter = converter_or_skip()
-    made = {}
-
-    def get(variant: str, outtype: str = "f32"):
-        if variant not in made:
-            root = tmp_path_factory.mktemp(variant)
-            tokenizer = harmony_tokenizer(MERGES)
-            torch.manual_seed(0)
-            config = tiny_granite_hybrid_config(len(tokenizer), experts=variant == "moe")
-            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-            model.eval().save_pretrained(str(root))
-            tokenizer.save_pretrained(str(root))
-            made[variant] = (load_hf(str(root)), str(root))
-        hf, directory = made[variant]
-        path = os.path.join(directory, f"tiny-{outtype}.gguf")
-        if not os.path.exists(path):
-            convert_to_gguf(directory, path, converter, pre="qwen2", outtype=outtype)
-        return hf, directory, path
-    return get
+    return gguf_getter(tmp_path_factory, _hf_config)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -121,17 +99,4 @@ def test_kvserve_generate_answers_from_the_gguf(gguf_files):
     tokenizer built from the file's keys: each token it picks is transformers' argmax on the same
     sequence (teacher forced), or within the bound of it (a near-tie either may break its way)."""
     hf, directory, path = gguf_files("moe")
-    prompt = "hello world"
-    result = subprocess.run([sys.executable, "-m", "kvserve", "generate", "--model", path, "--json", "--max-tokens",
-                             "6", "--temperature", "0", "--no-chat-template", "--quantization", "none", "--dtype",
-                             "float32", prompt], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "KVSERVE_LOG_LEVEL": "ERROR"})
-    assert result.returncode == 0, result.stderr[-2000:]
-    reply = json.loads(result.stdout.strip().splitlines()[-1])
-    prompt_ids = transformers.AutoTokenizer.from_pretrained(directory).encode(prompt)
-    assert reply["num_prompt_tokens"] == len(prompt_ids) and reply["num_generated_tokens"] == 6
-    tokens = reply["token_ids"]
-    with torch.inference_mode():
-        rows = hf(torch.tensor([prompt_ids + tokens[:-1]])).logits[0, len(prompt_ids) - 1:].float()
-    for token, row in zip(tokens, rows):
-        assert row.max().item() - row[token].item() <= 2 * MAX_RELATIVE_DIFF * max(1.0, row.abs().max().item())
+    assert_generate_answers(hf, directory, path, MAX_RELATIVE_DIFF)
