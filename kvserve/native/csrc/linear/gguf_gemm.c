@@ -122,15 +122,6 @@ static void pack_group(const int8_t *qx, const float *scales, int64_t batch, int
 #endif
 }
 
-/* Prefetches (to L2) lines [from, to) of bytes at p. */
-static void prefetch_lines(const uint8_t *p, int64_t from, int64_t to) {
-#if KV_HAVE_AVX512_VNNI
-    for (int64_t i = from; i < to; i++) _mm_prefetch((const char *)(p + 64 * i), _MM_HINT_T1);
-#else
-    (void)p, (void)from, (void)to;
-#endif
-}
-
 /* Rows row_begin..row_end of y [batch, y_stride] from packed activations, panel by panel;
  * `panel` holds panel_rows() unpacked rows of the range. While a panel is computed, the next
  * one's stored rows are prefetched a share per kernel call, so memory and the kernel overlap. */
@@ -153,17 +144,21 @@ static void gemm_range(const GgufGemmType *gt, const GgufGemmX *px, int64_t batc
             /* the next panel's rows (or the next slab's first panel), a share per call */
             const int64_t next = first + rows < row_end ? first + rows : g1 < px->groups ? row_begin : row_end;
             const int64_t next_rows = row_end - next < per_panel ? row_end - next : per_panel;
-            const int64_t lines = next_rows * row_bytes / 64, calls = (g1 - g0) * strips;
+            const int64_t lines = (next_rows * row_bytes + 63) / 64, calls = (g1 - g0) * strips;
             int64_t call = 0;
             for (int64_t g = g0; g < g1; g++) {
                 const int64_t lanes = batch - g * GGUF_GEMM_LANES;
                 for (int64_t s = 0; s < strips; s++, call++) {
-                    prefetch_lines(w + next * row_bytes, lines * call / calls, lines * (call + 1) / calls);
+                    const int64_t from = lines * call / calls, to = lines * (call + 1) / calls;
                     const int64_t r = s * GGUF_GEMM_ROWS;
-                    const GgufGemmOut o = {y + g * GGUF_GEMM_LANES * y_stride, y_stride, first + r,
+                    const GgufGemmOut o = {y + g * GGUF_GEMM_LANES * y_stride,
+                                           y_stride,
+                                           first + r,
                                            (int)(rows - r < GGUF_GEMM_ROWS ? rows - r : GGUF_GEMM_ROWS),
                                            (int)(lanes < GGUF_GEMM_LANES ? lanes : GGUF_GEMM_LANES),
-                                           bias ? bias + first + r : NULL};
+                                           bias ? bias + first + r : NULL,
+                                           w + next * row_bytes + 64 * from,
+                                           to - from};
                     gt->kernel(panel + s * strip, px, g, &o);
                 }
             }

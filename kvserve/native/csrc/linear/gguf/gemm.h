@@ -35,12 +35,16 @@ typedef struct {
 } GgufGemmX;
 
 /* Where a kernel call's outputs go: y[(16 group + lane) * y_stride + row + r] for the first
- * `rows` panel rows and `lanes` lanes, plus bias[r] (bias NULL: plus 0, as the tiles do). */
+ * `rows` panel rows and `lanes` lanes, plus bias[r] (bias NULL: plus 0, as the tiles do).
+ * The call also prefetches `prefetch_lines` cache lines from `prefetch` (the next panel's
+ * stored rows), a few per step (gguf_gemm_prefetch), so memory and the kernel overlap. */
 typedef struct {
     float *y;
     int64_t y_stride, row;
     int rows, lanes;
     const float *bias;
+    const uint8_t *prefetch;
+    int64_t prefetch_lines;
 } GgufGemmOut;
 
 /* Bytes of one unpacked row of `blocks` super-blocks (a strip holds GGUF_GEMM_ROWS of them). */
@@ -88,6 +92,13 @@ GGUF_INLINE void gguf_gemm_steps(__m512i sum[GGUF_GEMM_ROWS], const uint8_t *xs,
         for (int r = 0; r < GGUF_GEMM_ROWS; r++)
             sum[r] = _mm512_dpbusd_epi32(sum[r], xv, _mm512_set1_epi32(*(const GgufWord *)(qs + 32 * r + 4 * s)));
     }
+}
+
+/* Step `step` of a call's `steps` (block positions (j, k)): its share of o's prefetches. */
+GGUF_INLINE void gguf_gemm_prefetch(const GgufGemmOut *o, int64_t step, int64_t steps) {
+    const int64_t per = (o->prefetch_lines + steps - 1) / steps, from = step * per;
+    const int64_t to = from + per < o->prefetch_lines ? from + per : o->prefetch_lines;
+    for (int64_t i = from; i < to; i++) _mm_prefetch((const char *)(o->prefetch + 64 * i), _MM_HINT_T0);
 }
 
 /* The outputs of the call's rows from their eight accumulators (sub_block_sums.h's order), plus

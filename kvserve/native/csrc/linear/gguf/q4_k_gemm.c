@@ -68,6 +68,7 @@ static void kernel_q4_k(const uint8_t *strip, const GgufGemmX *x, int64_t g, con
         __m512 a[R];
         for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k++) {
+            gguf_gemm_prefetch(o, j * K + k, 8 * K);
             const uint8_t *meta = meta_q4_k((uint8_t *)strip, K, k, j);
             const int32_t *corr = (const int32_t *)meta;
             const float *scale = (const float *)(meta + 32 * R), *low = (const float *)(meta + 64 * R);

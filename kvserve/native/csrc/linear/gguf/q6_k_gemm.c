@@ -70,6 +70,7 @@ static void kernel_q6_k(const uint8_t *strip, const GgufGemmX *x, int64_t g, con
         __m512 a[R];
         for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k++) {
+            gguf_gemm_prefetch(o, j * K + k, 8 * K);
             const uint8_t *xs = gguf_gemm_x(x, g, j, k), *qs = gguf_gemm_strip_q(strip, K, j, k);
             __m512i total[R];
             for (int half = 0; half < 2; half++) { /* 16 columns each, with their own scale */
