@@ -122,6 +122,17 @@ static void pack_group(const int8_t *qx, const float *scales, int64_t batch, int
 #endif
 }
 
+/* Rows of the panel at weight row `first` of the range [row_begin, row_end) in the slab from
+ * lane group g0. The step's first panels grow from one strip (8, 8, 16, 32, ... rows up to
+ * per_panel): the first rows come from memory with no prefetch ahead of them, so the kernel
+ * starts after a few, and each later panel is prefetched while the one before it is computed. */
+static int64_t panel_at(int64_t first, int64_t g0, int64_t row_begin, int64_t row_end, int64_t per_panel) {
+    const int64_t done = first - row_begin;
+    int64_t rows = per_panel;
+    if (g0 == 0 && done < per_panel) rows = done > GGUF_GEMM_ROWS ? done : GGUF_GEMM_ROWS;
+    return row_end - first < rows ? row_end - first : rows;
+}
+
 /* Rows row_begin..row_end of y [batch, y_stride] from packed activations, panel by panel;
  * `panel` holds panel_rows() unpacked rows of the range. While a panel is computed, the next
  * one's stored rows are prefetched a share per kernel call, so memory and the kernel overlap. */
@@ -134,8 +145,8 @@ static void gemm_range(const GgufGemmType *gt, const GgufGemmX *px, int64_t batc
     if (slab < 1) slab = 1;
     for (int64_t g0 = 0; g0 < px->groups; g0 += slab) {
         const int64_t g1 = px->groups - g0 < slab ? px->groups : g0 + slab;
-        for (int64_t first = row_begin; first < row_end; first += per_panel) {
-            const int64_t rows = row_end - first < per_panel ? row_end - first : per_panel;
+        for (int64_t first = row_begin, rows; first < row_end; first += rows) {
+            rows = panel_at(first, g0, row_begin, row_end, per_panel);
             const int64_t strips = (rows + GGUF_GEMM_ROWS - 1) / GGUF_GEMM_ROWS;
             if (rows % GGUF_GEMM_ROWS) memset(panel + (strips - 1) * strip, 0, (size_t)strip);
             for (int64_t i = 0; i < rows; i++)
@@ -143,7 +154,7 @@ static void gemm_range(const GgufGemmType *gt, const GgufGemmX *px, int64_t batc
                            (int)(i % GGUF_GEMM_ROWS));
             /* the next panel's rows (or the next slab's first panel), a share per call */
             const int64_t next = first + rows < row_end ? first + rows : g1 < px->groups ? row_begin : row_end;
-            const int64_t next_rows = row_end - next < per_panel ? row_end - next : per_panel;
+            const int64_t next_rows = panel_at(next, next == row_begin ? g1 : g0, row_begin, row_end, per_panel);
             const int64_t lines = (next_rows * row_bytes + 63) / 64, calls = (g1 - g0) * strips;
             int64_t call = 0;
             for (int64_t g = g0; g < g1; g++) {
