@@ -22,6 +22,7 @@ from kvserve.model.native_decoder import NativeDecoder
 from kvserve.native import cpu_kernels
 from helpers.float_order import float32_reorder_bound
 from helpers.native_steps import count_native_steps
+from helpers.router_logits import RouterLogits
 from paged_kv_helper import VOCAB, PagedRunner, every_token_logits, run_teacher_forced, save_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no native kernels")
@@ -68,31 +69,6 @@ def configs(tmp_path_factory):
     return get
 
 
-class _RouterLogits:
-    """`moe.route` that keeps every call's router logits and picks."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def __call__(self, logits, top_k, renormalize, softmax_after_topk=False):
-        weights, ids = _ROUTE(logits, top_k, renormalize, softmax_after_topk)
-        self.calls.append((logits.detach().float().clone(), ids.clone()))
-        return weights, ids
-
-    def min_margin(self, top_k: int) -> float:
-        """The smallest gap between the k-th and (k+1)-th router logit, relative to the logits'
-        scale (at least 1), over every token and call, exact ties excluded."""
-        gaps = []
-        for logits, _ in self.calls:
-            top = logits.topk(top_k + 1, dim=-1).values
-            gap = (top[:, top_k - 1] - top[:, top_k]) / logits.abs().amax(-1).clamp(min=1.0)
-            gaps += [g for g in gap.tolist() if g > 0]
-        return min(gaps)
-
-
-_ROUTE = moe.route
-
-
 def _sequences(config: ModelConfig, seed: int) -> tuple[dict[str, list[int]], dict[str, int]]:
     generator = torch.Generator().manual_seed(seed)
     sequences = {f"r{i}": torch.randint(3, VOCAB, (n + NEW_TOKENS,), generator=generator).tolist()
@@ -137,7 +113,7 @@ def _margin_ok_seed(config: ModelConfig, edit=None) -> tuple[dict, dict]:
     rounding bound covers; random routers put about one decision in a few hundred that close)."""
     for seed in range(20):
         sequences, prompt_lens = _sequences(config, seed)
-        recorder = _RouterLogits()
+        recorder = RouterLogits()
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(moe, "route", recorder)
             every_token_logits(_per_op(config, edit), sequences, prompt_lens)
@@ -196,9 +172,9 @@ def _dominant(signs: list[int], top_k: int, unpicked_nan: bool = False):
     return edit
 
 
-def _edge_case(config, monkeypatch, edit) -> tuple[dict, dict, _RouterLogits, NativeDecoder, list[int], int]:
+def _edge_case(config, monkeypatch, edit) -> tuple[dict, dict, RouterLogits, NativeDecoder, list[int], int]:
     sequences, prompt_lens = _sequences(config, 0)
-    recorder = _RouterLogits()
+    recorder = RouterLogits()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(moe, "route", recorder)
         per_op = _run(_per_op(config, edit), sequences, prompt_lens)
