@@ -15,14 +15,14 @@ import torch
 from kvserve.model import moe
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
-from kvserve.model.native_decoder import NativeDecoder
 from kvserve.native import cpu_kernels
 from helpers.activation_rounding import max_deviation, quantized_half_steps, rounding_bound
 from helpers.float_order import float32_reorder_bound
 from helpers.kernel_switches import env_kernels
-from helpers.native_steps import count_native_steps
+from helpers.native_steps import (count_native_steps, largest_relative_diff, native_model, per_op_model,
+                                  run_chunks_of_two, steps_in_chunks_of_two)
 from helpers.router_logits import RouterLogits
-from paged_kv_helper import PagedRunner, every_token_logits, run_teacher_forced, save_tiny_model
+from paged_kv_helper import every_token_logits, save_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no native kernels")
 
@@ -67,37 +67,6 @@ def _sequences(config: ModelConfig, seed: int) -> tuple[dict[str, list[int]], di
     return sequences, {f"r{i}": n for i, n in enumerate(PROMPT_LENS)}
 
 
-def _per_op(config: ModelConfig, edit=None, kernels=None):
-    model = load_model(config, kernel_config=kernels)
-    if edit:
-        edit(model)
-    model._native = None  # decided: the per-op path only
-    return model
-
-
-def _native(config: ModelConfig, threads: int | None = None, edit=None, kernels=None):
-    model = load_model(config, kernel_config=kernels)
-    if edit:
-        edit(model)
-    model._native = NativeDecoder.for_model(model)
-    assert model._native is not None
-    if threads:
-        model._native.num_threads = threads
-    return model
-
-
-def _run(model, sequences, prompt_lens) -> dict[str, torch.Tensor]:
-    return run_teacher_forced(PagedRunner(model, block_size=4), sequences, prompt_lens, chunk=2)
-
-
-def _num_steps(sequences, prompt_lens) -> int:
-    return max(-(-p // 2) + len(s) - p for s, p in zip(sequences.values(), prompt_lens.values()))
-
-
-def _relative_diff(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
-    return max(((ours[r] - ref[r]).abs().amax(-1) / ref[r].abs().amax(-1).clamp(min=1.0)).max().item() for r in ref)
-
-
 def _margin_ok_seed(config: ModelConfig, margin: float, edit=None, kernels=None) -> tuple[dict, dict]:
     """Sequences whose every routing decision on the per-op path is clear of a tie by more than
     `margin` (within it another float order may pick another expert: a jump no bound covers)."""
@@ -106,7 +75,7 @@ def _margin_ok_seed(config: ModelConfig, margin: float, edit=None, kernels=None)
         recorder = RouterLogits()
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(moe, "route", recorder)
-            every_token_logits(_per_op(config, edit, kernels), sequences, prompt_lens)
+            every_token_logits(per_op_model(config, edit, kernels), sequences, prompt_lens)
         if recorder.min_margin(config.num_experts_per_tok) > margin:
             return sequences, prompt_lens
     raise AssertionError("no seed of 20 routes clear of ties")
@@ -134,12 +103,12 @@ def test_native_gpt_oss_matches_per_op_path(tiny, monkeypatch, threads):
     assert all(layer.self_attn.sinks.abs().min() > 0 for layer in model.layers)
     sequences, prompt_lens = _margin_ok_seed(tiny, 2 * BOUND)
     assert max(map(len, sequences.values())) > 3 * WINDOW
-    per_op = _run(_per_op(tiny), sequences, prompt_lens)
+    per_op = run_chunks_of_two(per_op_model(tiny), sequences, prompt_lens)
     native_steps = count_native_steps(monkeypatch)
-    native = _native(tiny, threads)
-    ours = _run(native, sequences, prompt_lens)
-    assert native_steps[0] == _num_steps(sequences, prompt_lens) and native._native.num_routing_ties == 0
-    assert _relative_diff(ours, per_op) <= BOUND
+    native = native_model(tiny, threads)
+    ours = run_chunks_of_two(native, sequences, prompt_lens)
+    assert native_steps[0] == steps_in_chunks_of_two(sequences, prompt_lens) and native._native.num_routing_ties == 0
+    assert largest_relative_diff(ours, per_op) <= BOUND
 
 
 @pytest.mark.parametrize("drop", ["sinks", "window"])
@@ -147,15 +116,15 @@ def test_sinks_and_window_matter_on_these_sequences(tiny, drop):
     """The native call without layer 0's sinks, or without its window, moves the logits by far
     more than the bound: the comparison above tells them apart."""
     sequences, prompt_lens = _margin_ok_seed(tiny, 2 * BOUND)
-    reference = _run(_native(tiny), sequences, prompt_lens)
-    model = _native(tiny)
+    reference = run_chunks_of_two(native_model(tiny), sequences, prompt_lens)
+    model = native_model(tiny)
     layer = model._native._layers[0]
     if drop == "sinks":
         layer.sinks = None
     else:
         assert layer.window == WINDOW
         layer.window = 0
-    assert _relative_diff(_run(model, sequences, prompt_lens), reference) > 100 * BOUND
+    assert largest_relative_diff(run_chunks_of_two(model, sequences, prompt_lens), reference) > 100 * BOUND
 
 
 def test_top_k_boundary_tie_goes_to_the_per_op_path(tiny, monkeypatch):
@@ -169,11 +138,11 @@ def test_top_k_boundary_tie_goes_to_the_per_op_path(tiny, monkeypatch):
                 layer.mlp.gate.bias.zero_()
 
     sequences, prompt_lens = _sequences(tiny, 0)
-    per_op = _run(_per_op(tiny, zero_router), sequences, prompt_lens)
+    per_op = run_chunks_of_two(per_op_model(tiny, zero_router), sequences, prompt_lens)
     native_steps = count_native_steps(monkeypatch)
-    model = _native(tiny, edit=zero_router)
-    ours = _run(model, sequences, prompt_lens)
-    assert native_steps[0] == 0 and model._native.num_routing_ties == _num_steps(sequences, prompt_lens)
+    model = native_model(tiny, edit=zero_router)
+    ours = run_chunks_of_two(model, sequences, prompt_lens)
+    assert native_steps[0] == 0 and model._native.num_routing_ties == steps_in_chunks_of_two(sequences, prompt_lens)
     assert all(torch.equal(ours[r], per_op[r]) for r in per_op)
 
 
@@ -201,7 +170,7 @@ def test_gguf_native_matches_per_op_path(gguf_paths, monkeypatch, source):
     config = _gguf_config(gguf_paths, source)
     edit = None if source == "dequantized" else _dominant_routers
     kernels = env_kernels(quant_act_bits=16) if source == "q8_0" else None
-    model = _native(config, edit=edit, kernels=kernels)
+    model = native_model(config, edit=edit, kernels=kernels)
     stored = {part.type_name for layer in model.layers for expert in layer.mlp.experts
               for part in getattr(expert.gate_up_proj.quant_weight, "parts", [expert.gate_up_proj.quant_weight])
               if part is not None}
@@ -211,7 +180,7 @@ def test_gguf_native_matches_per_op_path(gguf_paths, monkeypatch, source):
         sequences, prompt_lens = _margin_ok_seed(config, 2 * BOUND)
         bound = BOUND  # relative to each row's scale
     else:
-        plain = _per_op(_gguf_config(gguf_paths, "dequantized" if source == "mxfp4" else "q8_0 dequantized"), edit)
+        plain = per_op_model(_gguf_config(gguf_paths, "dequantized" if source == "mxfp4" else "q8_0 dequantized"), edit)
         sequences, prompt_lens = _sequences(config, 0)
         reference, rounding = rounding_bound(plain, quantized_half_steps(plain, model),
                                              lambda m: every_token_logits(m, sequences, prompt_lens))
@@ -219,12 +188,12 @@ def test_gguf_native_matches_per_op_path(gguf_paths, monkeypatch, source):
         bound = BOUND + rounding / scale  # relative to the logits' scale
         assert bound < 0.05  # still tells wrong weights apart
         sequences, prompt_lens = _margin_ok_seed(config, 2 * bound, edit, kernels)
-    per_op = _run(_per_op(config, edit, kernels), sequences, prompt_lens)
+    per_op = run_chunks_of_two(per_op_model(config, edit, kernels), sequences, prompt_lens)
     native_steps = count_native_steps(monkeypatch)
-    results = [_run(_native(config, threads, edit, kernels), sequences, prompt_lens) for threads in (1, 2, 3)]
-    assert native_steps[0] == 3 * _num_steps(sequences, prompt_lens)
+    results = [run_chunks_of_two(native_model(config, threads, edit, kernels), sequences, prompt_lens) for threads in (1, 2, 3)]
+    assert native_steps[0] == 3 * steps_in_chunks_of_two(sequences, prompt_lens)
     if source == "dequantized":
-        assert _relative_diff(results[0], per_op) <= bound
+        assert largest_relative_diff(results[0], per_op) <= bound
     else:
         scale = max(ref.abs().max().item() for ref in per_op.values())
         assert max_deviation(results[0], per_op) <= bound * scale
