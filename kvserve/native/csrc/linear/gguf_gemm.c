@@ -178,7 +178,8 @@ static void gemm_range(const GgufGemmType *gt, const GgufGemmX *px, int64_t batc
                         GgufGemmOut o[2];
                         for (int c = 0; c < pair; c++)
                             o[c] = (GgufGemmOut){tile[c], r, n, bias ? bias + first + r : NULL,
-                                                 w + next * row_bytes + 64 * from, to - from};
+                                                 w + next * row_bytes + 64 * from, to - from,
+                                                 (to - from + 8 * px->blocks - 1) / (8 * px->blocks)};
                         if (pair == 2)
                             gt->pair(panel + s * strip, half, px, g, o);
                         else
