@@ -24,7 +24,7 @@
 
 #define GGUF_GEMM_LANES 16 /* activation rows per vector (float32 lanes of a zmm) */
 #define GGUF_GEMM_ROWS 8       /* weight rows per kernel call (a panel is padded to whole ones with zeros) */
-#define GGUF_GEMM_MIN_BATCH 10 /* steps of this many activation rows or more take the GEMM (at 8 the tiles match it) */
+#define GGUF_GEMM_MIN_BATCH 9 /* steps of this many activation rows or more take the GEMM (at 8 the tiles match it) */
 
 /* A step's packed activations (see above) for super-blocks of 256 columns. */
 typedef struct {
