@@ -111,6 +111,42 @@ def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
                                   f"{q.shape[1]} heads, {num_kv_heads} KV heads, head size {head_dim}")
 
 
+def prefill_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, chunk_start: torch.Tensor,
+                          chunk_len: torch.Tensor, chunk_pos: torch.Tensor, chunk_row: torch.Tensor,
+                          block_table: torch.Tensor, window: int | None, scale: float, softcap: float | None,
+                          isa: str | None = None) -> None:
+    """Writes the causal attention of prompt chunks (csrc/attention/prefill_attention.c) into `out`.
+
+    Chunk c is the `chunk_len[c]` tokens at rows chunk_start[c].. of q [T, Hq, D] (and of
+    `out`), at positions chunk_pos[c].. of the request whose block ids are row `chunk_row[c]`
+    of `block_table`; each token attends to keys max(0, pos - window + 1)..pos, all already in
+    `kv_cache` [2, Hkv, blocks, block_size, D]. Index tensors are int64 and contiguous. `isa`:
+    the kernel's path (None: the widest `attention_isa_available`; "avx2" runs the portable code)."""
+    lib = load_library()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not available")
+    num_chunks = chunk_start.numel()
+    if num_chunks == 0:
+        return
+    _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+    if q.stride(2) != 1 or out.stride(2) != 1 or not kv_cache.is_contiguous():
+        raise KernelArgumentError("q/out rows and the KV cache must be contiguous in the head dimension")
+    code = lib.kvserve_prefill_attention(
+        q.data_ptr(), q.stride(0), q.stride(1), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+        num_blocks * block_size * head_dim, out.data_ptr(), out.stride(0), out.stride(1), chunk_start.data_ptr(),
+        chunk_len.data_ptr(), chunk_pos.data_ptr(), chunk_row.data_ptr(), block_table.data_ptr(),
+        block_table.stride(0), num_chunks, q.shape[1], num_kv_heads, head_dim, block_size, window or 0, scale,
+        softcap or 0.0, _DTYPE_CODES[q.dtype], _KV_DTYPE_CODES[kv_cache.dtype],
+        ATTENTION_ISA_CODES[isa or widest_attention_isa()], _threads())
+    if code == 3:
+        raise KernelArgumentError(f"the {isa} path of the CPU attention kernels does not run on this CPU")
+    if code == 2:
+        raise MemoryError("the prefill attention kernel could not allocate its tile buffers")
+    if code:
+        raise KernelArgumentError(f"prefill attention kernel rejected its arguments (code {code}): "
+                                  f"{q.shape[1]} heads, {num_kv_heads} KV heads, head size {head_dim}")
+
+
 HUGE_PAGE_BYTES = _HUGE_PAGE = 2 << 20
 _SMALL_PAGE = 4096
 _MADV_HUGEPAGE = 14
