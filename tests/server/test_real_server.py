@@ -31,7 +31,10 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
 
 @pytest.fixture(scope="module")
 def server():
-    process = ServerProcess("--api-key", API_KEY, "--served-model-name", MODEL, *ENGINE_FLAGS)
+    # A drain window far past the 22 tokens test_sigterm_lets_an_in_flight_stream_finish waits
+    # for (the default 10 s is for users; on a loaded 2-core CI machine a step can take 100x longer).
+    process = ServerProcess("--api-key", API_KEY, "--served-model-name", MODEL, "--shutdown-timeout", "120",
+                            *ENGINE_FLAGS)
     yield process
     # uvicorn re-raises the signal after its graceful shutdown, hence -SIGTERM.
     assert process.stop() in (0, -signal.SIGTERM), process.log_text()
