@@ -80,24 +80,30 @@ def _threads() -> int:
 
 def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, token_index: torch.Tensor,
                         positions: torch.Tensor, block_table: torch.Tensor, table_row: torch.Tensor,
-                        window: int | None, scale: float, softcap: float | None, isa: str | None = None) -> None:
+                        window: int | None, scale: float, softcap: float | None, isa: str | None = None,
+                        sinks: torch.Tensor | None = None) -> None:
     """Writes attention for the tokens `token_index` (rows of q [T, Hq, D]) into the same rows of `out`.
 
     Token t sits at `positions[t]` of the request whose block ids are row
     `table_row[t]` of `block_table` (int64); it attends to keys
     max(0, pos - window + 1)..pos, all of which must already be in `kv_cache`
     [2, Hkv, blocks, block_size, D] (float32, bfloat16 or float16). Index tensors are
-    int64 and contiguous. `isa`: the kernel's path (None: the widest `attention_isa_available`)."""
+    int64 and contiguous. `isa`: the kernel's path (None: the widest `attention_isa_available`).
+    `sinks`: float32 [Hq], contiguous: a logit per query head joining its softmax (gpt-oss)."""
     num_tokens = token_index.numel()
     if num_tokens == 0:
         return
     lib, num_kv_heads, head_stride, block_size, head_dim = _attention_layout(q, kv_cache, out)
+    if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()
+                              or sinks.shape != (q.shape[1],)):
+        raise KernelArgumentError(f"sinks must be float32 [{q.shape[1]}], contiguous")
     code = lib.kvserve_paged_attention(q.data_ptr(), q.stride(0), q.stride(1),
               kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), head_stride,
               out.data_ptr(), out.stride(0), out.stride(1),
               token_index.data_ptr(), positions.data_ptr(), block_table.data_ptr(), block_table.stride(0),
               table_row.data_ptr(), num_tokens, q.shape[1], num_kv_heads, head_dim, block_size,
-              window or 0, scale, softcap or 0.0, _DTYPE_CODES[q.dtype], _KV_DTYPE_CODES[kv_cache.dtype],
+              window or 0, scale, softcap or 0.0, None if sinks is None else sinks.data_ptr(),
+              _DTYPE_CODES[q.dtype], _KV_DTYPE_CODES[kv_cache.dtype],
               ATTENTION_ISA_CODES[isa or widest_attention_isa()], _threads())
     _check_attention_code(code, "attention", isa, q.shape[1], num_kv_heads, head_dim)
 

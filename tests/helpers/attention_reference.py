@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 
-def paged_reference(q, cache, block_table, table_row, positions, window, scale, softcap, weights=False):
+def paged_reference(q, cache, block_table, table_row, positions, window, scale, softcap, sinks=None, weights=False):
     """Float64 attention of each token (row t of q [T, Hq, D]) over the keys it may read,
     max(0, pos - window + 1)..pos of the request in row table_row[t] of block_table, gathered
     position by position from cache [2, Hkv, blocks, block_size, D]. With `weights`, also
@@ -27,7 +27,11 @@ def paged_reference(q, cache, block_table, table_row, positions, window, scale, 
         scores = torch.einsum("hgd,hnd->hgn", qt, k) * scale
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
-        probs = scores.softmax(-1)
+        if sinks is not None:
+            sink = sinks.double().view(hkv, hq // hkv, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
         out[t] = torch.einsum("hgn,hnd->hgd", probs, v).reshape(hq, d)
         if weights:
             abs_values[t] = torch.einsum("hgn,hnd->hgd", probs, v.abs()).reshape(hq, d)

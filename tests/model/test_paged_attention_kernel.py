@@ -2,8 +2,8 @@
 reference computed from the cache as stored: every kernel path this CPU runs, float32,
 bfloat16 and float16 caches, GQA ratios, head sizes the vector paths do and do not
 take whole, odd context lengths, scattered blocks with holes (the null block and unused
-blocks hold NaN: reading one would show), sliding windows and soft-capping. Also the
-K/V write's rounding to 16 bits against torch's."""
+blocks hold NaN: reading one would show), sliding windows and soft-capping, attention
+sinks (gpt-oss). Also the K/V write's rounding to 16 bits against torch's."""
 from __future__ import annotations
 
 import math
@@ -68,6 +68,28 @@ def test_kernel_matches_float64_reference(isa, kv_dtype, shape, window, softcap)
                                     isa)
     expected = _reference(q, cache, table, table_row, positions, window, scale, softcap)
     # Float32 math over the stored values: the reference reads the same stored values.
+    torch.testing.assert_close(out.double(), expected, atol=3e-6, rtol=3e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(8, 1, 64), (4, 2, 16), (4, 2, 12)], ids=str)
+@pytest.mark.parametrize("window", [None, 5])
+def test_sinks_match_float64_reference(isa, kv_dtype, shape, window):
+    """gpt-oss's attention sinks: per query head, a logit in the softmax's denominator (not scaled,
+    not soft-capped), some below every score, some above (most of the weight on the sink), on
+    every path. Tolerance as test_kernel_matches_float64_reference's: the same float32 math
+    over the same stored values, the sink one more term of each denominator (one rounding)."""
+    contexts = [1, 4, 6, 17, 40] if window else CONTEXTS
+    cache, table, table_row, positions, q = _paged_case(shape, kv_dtype, contexts, window, seed=7 + sum(shape))
+    scale = shape[2] ** -0.5
+    sinks = torch.linspace(-6.0, 6.0, shape[0])
+    out = torch.full_like(q, float("nan"))
+    cpu_kernels.paged_attention_cpu(q, cache, out, torch.arange(q.shape[0]), positions, table, table_row, window,
+                                    scale, None, isa, sinks=sinks)
+    expected = _reference(q, cache, table, table_row, positions, window, scale, None, sinks)
+    without = _reference(q, cache, table, table_row, positions, window, scale, None)
+    assert (expected - without).abs().max() > 0.1  # the sinks move the output: the test tells them apart
     torch.testing.assert_close(out.double(), expected, atol=3e-6, rtol=3e-5)
 
 
