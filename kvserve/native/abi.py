@@ -44,7 +44,7 @@ class NativeMoe(ctypes.Structure):
     _fields_ = [("router", NativeLinear), ("gate_up", ctypes.POINTER(NativeLinear)),
                 ("down", ctypes.POINTER(NativeLinear)), ("shared_gate_up", NativeLinear),
                 ("shared_down", NativeLinear), ("shared_gate", NativeLinear), ("num_experts", _i64),
-                ("top_k", _i64), ("renormalize", _i32), ("unused", _i32)]
+                ("top_k", _i64), ("renormalize", _i32), ("split", _i32)]
 
 
 class NativeDeltaNet(ctypes.Structure):

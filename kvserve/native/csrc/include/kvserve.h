@@ -82,8 +82,12 @@ typedef struct {
     const NativeLinear *gate_up, *down; /* [num_experts] each */
     NativeLinear shared_gate_up, shared_down, shared_gate;
     int64_t num_experts, top_k;
-    int32_t renormalize, unused;
+    int32_t renormalize;
+    int32_t split; /* how the threads share the experts' matmuls: MOE_SPLIT_AUTO (0), MOE_SPLIT_ROWS
+                    * (each expert's rows split over the threads) or MOE_SPLIT_EXPERTS (whole experts) */
 } NativeMoe;
+
+enum { MOE_SPLIT_AUTO, MOE_SPLIT_ROWS, MOE_SPLIT_EXPERTS };
 
 typedef struct {
     NativeLinear qkv, o, gate_up, down; /* gate_up, down: the dense MLP (unused where moe) */
