@@ -19,10 +19,11 @@
  * order), then the threads split each phase's work: gathering and rounding the rows, the
  * gate/up rows of every active expert, SiLU*up and its rounding, the down rows, the weighting
  * and the sum (by output columns). The matmul phases go in work items of an expert's weight
- * rows, handed out largest first (a prompt's tokens crowd onto a few experts, so the items
- * differ a lot): CHUNK_ROWS rows for an expert of a few rows, and for one of many rows (the
- * dense GEMM's, which packs its activations once per call) a thread's share of the matrix, so
- * that its rows are packed once per thread and not once per 64 weight rows.
+ * rows: CHUNK_ROWS rows for an expert of a few rows, and for one of many rows (the dense
+ * GEMM's, which packs its activations once per call) a thread's share of the matrix, so that
+ * its rows are packed once per thread and not once per 64 weight rows. Each thread takes a run
+ * of consecutive items (its weight reads stream on from one item to the next) of about equal
+ * work (item_owner): a prompt's tokens crowd onto a few experts, so the items differ a lot.
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -40,9 +41,9 @@
 enum { GATE_W, GATE_T, UP_W, UP_T, DOWN_W, DOWN_T, GATE_B, UP_B, DOWN_B, TABLE_COLUMNS };
 
 /* One matmul work item: weight rows [begin, end) of active expert a's gate (part 0), up (1) or
- * down (2) projection; `cost` orders the items, largest first. */
+ * down (2) projection; `before` the work of the phase's items ahead of it, `work` its own. */
 typedef struct {
-    int64_t a, begin, end, cost;
+    int64_t a, begin, end, before, work;
     int part;
 } MoeItem;
 
@@ -65,7 +66,7 @@ typedef struct {
     int8_t *qh;             /* [pairs, width] */
     float *sh;              /* 2 * pairs * width / 32 */
     const MoeItem *gate_up_items, *down_items;
-    int64_t gate_up_count, down_count;
+    int64_t gate_up_count, down_count, gate_up_work, down_work;
 } MoeStep;
 
 static const uint8_t *blocks_of(const MoeStep *s, int64_t e, int column) {
@@ -113,12 +114,6 @@ static void down_rows(const MoeStep *s, int64_t a, int64_t begin, int64_t end) {
                       s->isa, begin, end);
 }
 
-static int by_cost_descending(const void *a, const void *b) {
-    const MoeItem *x = a, *y = b;
-    if (x->cost != y->cost) return x->cost > y->cost ? -1 : 1;
-    return x->a != y->a ? (x->a < y->a ? -1 : 1) : (x->begin < y->begin ? -1 : x->begin > y->begin);
-}
-
 /* The rows of one item of a projection of `rows` weight rows for active expert a of n tokens:
  * CHUNK_ROWS, or from the GEMM's batch on, a thread's share in whole CHUNK_ROWS. */
 static int64_t item_rows(int64_t n, int64_t rows, int threads) {
@@ -127,14 +122,24 @@ static int64_t item_rows(int64_t n, int64_t rows, int threads) {
     return (share + CHUNK_ROWS - 1) / CHUNK_ROWS * CHUNK_ROWS;
 }
 
-/* Appends active expert a's items of projection `part` (`rows` weight rows) to items; returns the new count. */
-static int64_t add_items(MoeItem *items, int64_t count, int64_t a, int64_t n, int part, int64_t rows, int threads) {
+/* Appends active expert a's items of projection `part` (`rows` weight rows) to items, adding
+ * their work to *total; returns the new count. An item's work: its weight rows times the cost of
+ * reading one (about that of multiplying it by 1.25 activation rows) plus multiplying it by n. */
+static int64_t add_items(MoeItem *items, int64_t count, int64_t a, int64_t n, int part, int64_t rows, int threads,
+                         int64_t *total) {
     const int64_t step = item_rows(n, rows, threads);
     for (int64_t begin = 0; begin < rows; begin += step) {
-        const int64_t end = begin + step < rows ? begin + step : rows;
-        items[count++] = (MoeItem){a, begin, end, (end - begin) * (n + 2), part};
+        const int64_t end = begin + step < rows ? begin + step : rows, work = (end - begin) * (5 + 4 * n);
+        items[count++] = (MoeItem){a, begin, end, *total, work, part};
+        *total += work;
     }
     return count;
+}
+
+/* The thread that runs an item: the one whose share of the phase's work holds the item's middle. */
+static int item_owner(const MoeItem *item, int64_t total, int threads) {
+    const int owner = (int)((2 * item->before + item->work) * threads / (2 * total));
+    return owner < threads ? owner : threads - 1;
 }
 
 /* Columns c0..c1 of out: zero, then each pair's weighted row added, experts ascending. The
@@ -153,20 +158,21 @@ static void sum_item(const MoeStep *s, int64_t c0, int64_t c1) {
 /* Every phase, the work split over the calling team (or run alone outside a parallel region). */
 static void run_step(const MoeStep *s) {
     const int64_t sum_items = (s->hidden + SUM_COLUMNS - 1) / SUM_COLUMNS;
-#pragma omp for schedule(dynamic, 1)
+    const int tid = omp_get_thread_num(), threads = omp_get_num_threads();
+#pragma omp for schedule(static)
     for (int64_t a = 0; a < s->active; a++) round_inputs(s, a);
-#pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < s->gate_up_count; i++) {
         const MoeItem *item = &s->gate_up_items[i];
-        gate_up_rows(s, item->a, item->part, item->begin, item->end);
+        if (item_owner(item, s->gate_up_work, threads) == tid) gate_up_rows(s, item->a, item->part, item->begin, item->end);
     }
-#pragma omp for schedule(dynamic, 1)
+#pragma omp barrier
+#pragma omp for schedule(static)
     for (int64_t a = 0; a < s->active; a++) gated_item(s, a);
-#pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < s->down_count; i++) {
         const MoeItem *item = &s->down_items[i];
-        down_rows(s, item->a, item->begin, item->end);
+        if (item_owner(item, s->down_work, threads) == tid) down_rows(s, item->a, item->begin, item->end);
     }
+#pragma omp barrier
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < sum_items; i++)
         sum_item(s, i * SUM_COLUMNS, (i + 1) * SUM_COLUMNS < s->hidden ? (i + 1) * SUM_COLUMNS : s->hidden);
@@ -256,20 +262,19 @@ int kvserve_moe_experts(const float *x, int64_t tokens, int64_t hidden, const in
         if (!items) {
             code = -3;
         } else {
-            int64_t gate_up_count = 0, down_count = 0;
+            int64_t gate_up_count = 0, down_count = 0, gate_up_work = 0, down_work = 0;
             for (int64_t a = 0; a < active; a++) {
                 const int64_t n = start[a + 1] - start[a];
-                gate_up_count = add_items(items, gate_up_count, a, n, 0, width, threads);
-                gate_up_count = add_items(items, gate_up_count, a, n, 1, width, threads);
+                gate_up_count = add_items(items, gate_up_count, a, n, 0, width, threads, &gate_up_work);
+                gate_up_count = add_items(items, gate_up_count, a, n, 1, width, threads, &gate_up_work);
             }
             MoeItem *down_items = items + gate_up_count;
             for (int64_t a = 0; a < active; a++)
-                down_count = add_items(down_items, down_count, a, start[a + 1] - start[a], 2, hidden, threads);
-            qsort(items, (size_t)gate_up_count, sizeof(MoeItem), by_cost_descending);
-            qsort(down_items, (size_t)down_count, sizeof(MoeItem), by_cost_descending);
+                down_count = add_items(down_items, down_count, a, start[a + 1] - start[a], 2, hidden, threads,
+                                       &down_work);
             MoeStep step = {x, table, out, tokens, hidden, width, pairs, active, isa, swiglu, limit, alpha, experts,
                             start, token, weight, rows, quantized, sx, gate_up, h, quantized + pairs * hidden, sh,
-                            items, down_items, gate_up_count, down_count};
+                            items, down_items, gate_up_count, down_count, gate_up_work, down_work};
 #pragma omp parallel num_threads(threads) if (threads > 1)
             run_step(&step);
             free(items);
