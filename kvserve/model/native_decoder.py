@@ -18,7 +18,8 @@ torch path for any step it declines (None):
   float32 or bfloat16 matrix, SiLU or GELU(tanh) gates, head size <= 256, at
   most 32 query heads per KV head; under tensor parallelism no bias on the O
   and down projections (see below); mixture-of-experts MLPs (`SparseMoeBlock`:
-  softmax routing, a gated shared expert; not gpt-oss's, not under tensor parallelism);
+  softmax routing, a gated shared expert, gpt-oss's softmax over the top k and biased
+  clamped-SwiGLU experts; not under tensor parallelism); attention sinks (gpt-oss);
   Q/K norms per head or over the whole projection (OLMoE);
 - step: at most `max_tokens` tokens (above), every KV-cache group a block table (not a
   circular ring, whose read-before-write order the kernel does not follow),

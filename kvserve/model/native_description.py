@@ -36,11 +36,6 @@ class NativeDeclined(Exception):
 
 def _check_layers_covered(config) -> None:
     """Raise NativeDeclined for layers the one-call decoder does not implement."""
-    # (Granite's config sets softmax_after_topk without routed experts too: nothing is routed then)
-    if config.attention_sinks or (config.is_moe and (config.softmax_after_topk or config.expert_bias
-                                                     or config.swiglu_limit is not None)):
-        raise NativeDeclined("gpt-oss's attention sinks and experts (softmax after top-k, biased clamped SwiGLU): "
-                             "the per-op path runs them")
     if config.shared_expert_size:
         raise NativeDeclined("Granite's shared expert beside its routed ones (the per-op path runs them)")
     if config.sandwich_norms and config.residual_multiplier != 1.0:
@@ -171,6 +166,8 @@ class ModelDescription:
             desc.q_norm, desc.k_norm = self._norm(attn.q_norm), self._norm(attn.k_norm)
         desc.window = attn.sliding_window or 0
         desc.local_rope = int(attn.sliding_window is not None and self.model.rotary_local is not None)
+        if attn.sinks is not None:  # gpt-oss: float32 [this rank's query heads]
+            desc.sinks = self._hold(attn.sinks.detach().float().contiguous()).data_ptr()
 
     def _describe_mlp(self, desc: NativeLayer, mlp) -> None:
         """A layer's MLP: dense (gate_up, down) or a mixture of experts (moe)."""
@@ -188,7 +185,13 @@ class ModelDescription:
             self._describe_linear(gate_up[i], expert.gate_up_proj)
             self._describe_linear(down[i], expert.down_proj)
         desc = NativeMoe(gate_up=gate_up, down=down, num_experts=num_experts, top_k=block.top_k,
-                         renormalize=int(block.renormalize))
+                         renormalize=int(block.renormalize), softmax_after_topk=int(block.softmax_after_topk))
+        gating = {(expert.swiglu_limit, expert.swiglu_alpha) for expert in block.experts}
+        if len(gating) != 1:
+            raise NativeDeclined("experts with different gate activations")
+        limit, alpha = gating.pop()
+        if limit is not None:  # gpt-oss's clamped SwiGLU (fused_ops.c's kvserve_swiglu_clamped)
+            desc.swiglu, desc.swiglu_limit, desc.swiglu_alpha = 1, limit, alpha
         self._describe_float(desc.router, block.gate)
         if block.shared_expert is not None:
             self._describe_linear(desc.shared_gate_up, block.shared_expert.gate_up_proj)

@@ -44,7 +44,8 @@ class NativeMoe(ctypes.Structure):
     _fields_ = [("router", NativeLinear), ("gate_up", ctypes.POINTER(NativeLinear)),
                 ("down", ctypes.POINTER(NativeLinear)), ("shared_gate_up", NativeLinear),
                 ("shared_down", NativeLinear), ("shared_gate", NativeLinear), ("num_experts", _i64),
-                ("top_k", _i64), ("renormalize", _i32), ("split", _i32)]
+                ("top_k", _i64), ("renormalize", _i32), ("softmax_after_topk", _i32), ("swiglu", _i32),
+                ("swiglu_limit", _f32), ("swiglu_alpha", _f32), ("split", _i32)]
 
 
 class NativeDeltaNet(ctypes.Structure):
@@ -69,7 +70,8 @@ class NativeLayer(ctypes.Structure):
                 ("post_feedforward_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
                 ("k_cache", _ptr), ("v_cache", _ptr), ("cache_head_stride", _i64), ("block_size", _i64),
                 ("window", _i64), ("group", _i32), ("local_rope", _i32), ("kv_dtype", _i32), ("attention_isa", _i32),
-                ("delta_net", ctypes.POINTER(NativeDeltaNet)), ("mamba", ctypes.POINTER(NativeMamba))]
+                ("delta_net", ctypes.POINTER(NativeDeltaNet)), ("mamba", ctypes.POINTER(NativeMamba)),
+                ("sinks", _ptr)]
 
 
 # The all-reduce the decoder call makes under tensor parallelism: (context, float32 buffer,
@@ -132,7 +134,10 @@ SIGNATURES = {
     "kvserve_isa_available": ([_int, _int], _int),
     "kvserve_abi_layout": ([_ptr, _i64], _i64),
     "kvserve_paged_attention": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr,
-                                 _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _int, _int, _int, _int], _int),
+                                 _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _ptr, _int, _int, _int, _int], _int),
+    "kvserve_prefill_attention": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr,
+                                   _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _int, _int, _int, _int],
+                                  _int),
     "kvserve_store_kv": ([_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _int, _int], None),
     "kvserve_rms_norm": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _f32, _int, _int, _int], None),
     "kvserve_silu_mul": ([_ptr, _ptr, _i64, _i64, _int, _int], None),

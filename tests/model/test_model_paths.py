@@ -80,6 +80,11 @@ FEATURES = {
         "qwen3_5_moe", {}, lambda c: c.is_moe and c.shared_expert_intermediate_size and all(c.sparse_layers)),
     "mixture of experts with a gated shared expert, dense layers between": (
         "qwen3_next", {}, lambda c: c.shared_expert_intermediate_size and not all(c.sparse_layers)),
+    "gpt-oss: attention sinks, sliding and full layers, YaRN RoPE, softmax after top-k, router bias, "
+    "biased clamped-SwiGLU experts, O bias": (
+        "gpt_oss", {}, lambda c: c.attention_sinks and c.softmax_after_topk and c.router_bias and c.expert_bias
+        and c.swiglu_limit and c.swiglu_alpha and c.o_proj_bias and not c.rope.truncate
+        and c.rope.rope_type == "yarn" and c.layer_types == ["sliding", "full"]),
 }
 # Families HybridRunner drives (a state group beside the attention one), one token a step.
 HYBRID_FAMILIES = (*GATED_DELTANET_FAMILIES, "granitemoehybrid")
@@ -87,9 +92,6 @@ HYBRID_FAMILIES = (*GATED_DELTANET_FAMILIES, "granitemoehybrid")
 # path falls back to the per-op path for every step, and both stay within the bound.
 DECLINED_FEATURES = {
     "clipped Q/K/V": ("olmoe", {"clip_qkv": 0.5}, lambda c: c.clip_qkv),
-    "gpt-oss: attention sinks, softmax after top-k, router bias, biased clamped-SwiGLU experts, O bias": (
-        "gpt_oss", {}, lambda c: c.attention_sinks and c.softmax_after_topk and c.router_bias and c.expert_bias
-        and c.swiglu_limit and c.swiglu_alpha and c.o_proj_bias and not c.rope.truncate),
 }
 # The ModelConfig fields each row above reads (a new field must join a row or NOT_FEATURES).
 FEATURE_FIELDS = {"num_kv_heads", "tie_word_embeddings", "attention_bias", "qk_norm", "rope", "sliding_window",

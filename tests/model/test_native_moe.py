@@ -17,12 +17,13 @@ from safetensors.torch import load_file, save_file
 
 from kvserve.model import moe
 from kvserve.model.config import ModelConfig
-from kvserve.model.loader import load_model
 from kvserve.model.native_decoder import NativeDecoder
 from kvserve.native import cpu_kernels
 from helpers.float_order import float32_reorder_bound
-from helpers.native_steps import count_native_steps
-from paged_kv_helper import VOCAB, PagedRunner, every_token_logits, run_teacher_forced, save_tiny_model
+from helpers.native_steps import (count_native_steps, largest_relative_diff, native_model, per_op_model,
+                                  run_chunks_of_two, steps_in_chunks_of_two)
+from helpers.router_logits import RouterLogits
+from paged_kv_helper import VOCAB, every_token_logits, save_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no native kernels")
 
@@ -68,67 +69,11 @@ def configs(tmp_path_factory):
     return get
 
 
-class _RouterLogits:
-    """`moe.route` that keeps every call's router logits and picks."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def __call__(self, logits, top_k, renormalize, softmax_after_topk=False):
-        weights, ids = _ROUTE(logits, top_k, renormalize, softmax_after_topk)
-        self.calls.append((logits.detach().float().clone(), ids.clone()))
-        return weights, ids
-
-    def min_margin(self, top_k: int) -> float:
-        """The smallest gap between the k-th and (k+1)-th router logit, relative to the logits'
-        scale (at least 1), over every token and call, exact ties excluded."""
-        gaps = []
-        for logits, _ in self.calls:
-            top = logits.topk(top_k + 1, dim=-1).values
-            gap = (top[:, top_k - 1] - top[:, top_k]) / logits.abs().amax(-1).clamp(min=1.0)
-            gaps += [g for g in gap.tolist() if g > 0]
-        return min(gaps)
-
-
-_ROUTE = moe.route
-
-
 def _sequences(config: ModelConfig, seed: int) -> tuple[dict[str, list[int]], dict[str, int]]:
     generator = torch.Generator().manual_seed(seed)
     sequences = {f"r{i}": torch.randint(3, VOCAB, (n + NEW_TOKENS,), generator=generator).tolist()
                  for i, n in enumerate(PROMPT_LENS)}
     return sequences, {f"r{i}": n for i, n in enumerate(PROMPT_LENS)}
-
-
-def _per_op(config: ModelConfig, edit=None):
-    model = load_model(config)
-    if edit:
-        edit(model)
-    model._native = None  # decided: the per-op path only
-    return model
-
-
-def _native(config: ModelConfig, edit=None, threads: int | None = None):
-    model = load_model(config)
-    if edit:
-        edit(model)
-    model._native = NativeDecoder.for_model(model)
-    assert model._native is not None
-    if threads:
-        model._native.num_threads = threads
-    return model
-
-
-def _run(model, sequences, prompt_lens) -> dict[str, torch.Tensor]:
-    return run_teacher_forced(PagedRunner(model, block_size=4), sequences, prompt_lens, chunk=2)
-
-
-def _num_steps(sequences, prompt_lens) -> int:
-    return max(-(-p // 2) + len(s) - p for s, p in zip(sequences.values(), prompt_lens.values()))
-
-
-def _largest_relative_diff(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
-    return max(((ours[r] - ref[r]).abs().amax(-1) / ref[r].abs().amax(-1).clamp(min=1.0)).max().item() for r in ref)
 
 
 def _margin_ok_seed(config: ModelConfig, edit=None) -> tuple[dict, dict]:
@@ -137,10 +82,10 @@ def _margin_ok_seed(config: ModelConfig, edit=None) -> tuple[dict, dict]:
     rounding bound covers; random routers put about one decision in a few hundred that close)."""
     for seed in range(20):
         sequences, prompt_lens = _sequences(config, seed)
-        recorder = _RouterLogits()
+        recorder = RouterLogits()
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(moe, "route", recorder)
-            every_token_logits(_per_op(config, edit), sequences, prompt_lens)
+            every_token_logits(per_op_model(config, edit), sequences, prompt_lens)
         if recorder.min_margin(config.num_experts_per_tok) > 2 * BOUND:
             return sequences, prompt_lens
     raise AssertionError("no seed of 20 routes clear of ties")
@@ -154,11 +99,11 @@ def test_native_moe_matches_per_op_path(configs, monkeypatch, name, threads):
     config = configs(name)
     assert config.is_moe and (config.shared_expert_intermediate_size > 0) == (name == "shared")
     sequences, prompt_lens = _margin_ok_seed(config)
-    per_op = _run(_per_op(config), sequences, prompt_lens)
+    per_op = run_chunks_of_two(per_op_model(config), sequences, prompt_lens)
     native_steps = count_native_steps(monkeypatch)
-    native = _run(_native(config, threads=threads), sequences, prompt_lens)
-    assert native_steps[0] == _num_steps(sequences, prompt_lens)
-    assert _largest_relative_diff(native, per_op) <= BOUND
+    native = run_chunks_of_two(native_model(config, threads=threads), sequences, prompt_lens)
+    assert native_steps[0] == steps_in_chunks_of_two(sequences, prompt_lens)
+    assert largest_relative_diff(native, per_op) <= BOUND
 
 
 def _set_routers(rows):
@@ -196,16 +141,16 @@ def _dominant(signs: list[int], top_k: int, unpicked_nan: bool = False):
     return edit
 
 
-def _edge_case(config, monkeypatch, edit) -> tuple[dict, dict, _RouterLogits, NativeDecoder, list[int], int]:
+def _edge_case(config, monkeypatch, edit) -> tuple[dict, dict, RouterLogits, NativeDecoder, list[int], int]:
     sequences, prompt_lens = _sequences(config, 0)
-    recorder = _RouterLogits()
+    recorder = RouterLogits()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(moe, "route", recorder)
-        per_op = _run(_per_op(config, edit), sequences, prompt_lens)
+        per_op = run_chunks_of_two(per_op_model(config, edit), sequences, prompt_lens)
     native_steps = count_native_steps(monkeypatch)
-    model = _native(config, edit)
-    native = _run(model, sequences, prompt_lens)
-    return per_op, native, recorder, model._native, native_steps, _num_steps(sequences, prompt_lens)
+    model = native_model(config, edit=edit)
+    native = run_chunks_of_two(model, sequences, prompt_lens)
+    return per_op, native, recorder, model._native, native_steps, steps_in_chunks_of_two(sequences, prompt_lens)
 
 
 def test_ties_inside_the_top_k_run_natively(configs, monkeypatch):
@@ -218,7 +163,7 @@ def test_ties_inside_the_top_k_run_natively(configs, monkeypatch):
     picks = torch.cat([ids for _, ids in recorder.calls])
     assert (picks.sort(-1).values == torch.tensor([0, 1])).all(-1).any()  # the tied pair picked
     assert decoder.num_routing_ties == 0 and native_steps[0] == num_steps
-    assert _largest_relative_diff(native, per_op) <= BOUND
+    assert largest_relative_diff(native, per_op) <= BOUND
 
 
 @pytest.mark.parametrize("rows", ["tied pair", "zero router"])
@@ -235,7 +180,7 @@ def test_ties_at_the_top_k_boundary_go_to_the_per_op_path(configs, monkeypatch, 
     if rows == "zero router":
         assert native_steps[0] == 0 and decoder.num_routing_ties == num_steps
         assert all(torch.equal(native[r], per_op[r]) for r in per_op)
-    assert _largest_relative_diff(native, per_op) <= BOUND
+    assert largest_relative_diff(native, per_op) <= BOUND
 
 
 def test_experts_no_token_picks_are_never_read(configs, monkeypatch):
@@ -247,7 +192,7 @@ def test_experts_no_token_picks_are_never_read(configs, monkeypatch):
     assert set(torch.cat([ids for _, ids in recorder.calls]).flatten().tolist()) == {0, 1}
     assert native_steps[0] == num_steps
     assert all(torch.isfinite(native[r]).all() for r in native)
-    assert _largest_relative_diff(native, per_op) <= BOUND
+    assert largest_relative_diff(native, per_op) <= BOUND
 
 
 def _moe_gguf(tmp_path, configs, type_name: str) -> str:
@@ -277,7 +222,7 @@ def test_thread_count_gives_the_same_bits(configs, tmp_path, source):
     config = configs("qwen3_moe") if source == "float32" else ModelConfig.from_path(_moe_gguf(tmp_path, configs, source))
     sequences, prompt_lens = _sequences(config, 0)
     sequences = {r: [t % config.vocab_size for t in s] for r, s in sequences.items()}
-    results = [_run(_native(config, threads=threads), sequences, prompt_lens) for threads in (1, 2, 3)]
+    results = [run_chunks_of_two(native_model(config, threads=threads), sequences, prompt_lens) for threads in (1, 2, 3)]
     for other in results[1:]:
         assert all(torch.equal(other[r], results[0][r]) for r in results[0])
 
@@ -287,10 +232,10 @@ def _split_runs(config, edit, sequences, prompt_lens) -> dict[tuple[str, int], d
     results = {}
     for split in ("rows", "experts"):
         for threads in (1, 2, 3):
-            model = _native(config, edit, threads=threads)
+            model = native_model(config, threads=threads, edit=edit)
             model._native.moe_split = split
             assert model._native.moe_split == split
-            results[split, threads] = _run(model, sequences, prompt_lens)
+            results[split, threads] = run_chunks_of_two(model, sequences, prompt_lens)
     return results
 
 
@@ -305,7 +250,7 @@ def test_whole_experts_per_thread_give_the_same_bits(configs, tmp_path, monkeypa
     sequences = {r: [t % config.vocab_size for t in s] for r, s in sequences.items()}
     native_steps = count_native_steps(monkeypatch)
     results = _split_runs(config, None, sequences, prompt_lens)
-    assert native_steps[0] == len(results) * _num_steps(sequences, prompt_lens)
+    assert native_steps[0] == len(results) * steps_in_chunks_of_two(sequences, prompt_lens)
     first = results["rows", 1]
     for other in results.values():
         assert all(torch.equal(other[r], first[r]) for r in first)
@@ -334,16 +279,16 @@ def test_whole_experts_per_thread_routing_edge_cases(configs, monkeypatch, case)
     config = configs("mixtral")
     edit = _all_on_expert_0 if case == "every token on one expert" else _dominant([1, -1], 1, unpicked_nan=True)
     sequences, prompt_lens = _sequences(config, 0)
-    recorder = _RouterLogits()
+    recorder = RouterLogits()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(moe, "route", recorder)
-        per_op = _run(_per_op(config, edit), sequences, prompt_lens)
+        per_op = run_chunks_of_two(per_op_model(config, edit), sequences, prompt_lens)
     picked = set(torch.cat([ids for _, ids in recorder.calls]).flatten().tolist())
     assert picked == ({0} if case == "every token on one expert" else {0, 1})
     native_steps = count_native_steps(monkeypatch)
     results = _split_runs(config, edit, sequences, prompt_lens)
-    assert native_steps[0] == len(results) * _num_steps(sequences, prompt_lens)
+    assert native_steps[0] == len(results) * steps_in_chunks_of_two(sequences, prompt_lens)
     first = results["rows", 1]
     for other in results.values():
         assert all(torch.equal(other[r], first[r]) and torch.isfinite(other[r]).all() for r in first)
-    assert _largest_relative_diff(first, per_op) <= BOUND
+    assert largest_relative_diff(first, per_op) <= BOUND

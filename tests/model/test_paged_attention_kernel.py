@@ -2,8 +2,8 @@
 reference computed from the cache as stored: every kernel path this CPU runs, float32,
 bfloat16 and float16 caches, GQA ratios, head sizes the vector paths do and do not
 take whole, odd context lengths, scattered blocks with holes (the null block and unused
-blocks hold NaN: reading one would show), sliding windows and soft-capping. Also the
-K/V write's rounding to 16 bits against torch's."""
+blocks hold NaN: reading one would show), sliding windows and soft-capping, attention
+sinks (gpt-oss). Also the K/V write's rounding to 16 bits against torch's."""
 from __future__ import annotations
 
 import math
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvserve.native import cpu_kernels
+from helpers.attention_reference import paged_reference as _reference
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no native kernels")
 
@@ -24,26 +25,6 @@ BLOCK = 16
 # size the AVX-512 path does not take whole (AVX2 does), and one neither vector path takes.
 SHAPES = [(9, 3, 64), (4, 4, 128), (8, 1, 64), (6, 2, 24), (4, 2, 12)]
 CONTEXTS = [1, 15, 16, 17, 31, 100, 257]
-
-
-def _reference(q, cache, block_table, table_row, positions, window, scale, softcap):
-    """Float64 attention of each token over the keys it may read, gathered position by position."""
-    _, hkv, _, bs, d = cache.shape
-    hq = q.shape[1]
-    k_all, v_all = cache[0].double(), cache[1].double()
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for t in range(q.shape[0]):
-        pos = int(positions[t])
-        lo = max(0, pos - window + 1) if window else 0
-        keys = torch.arange(lo, pos + 1)
-        blocks, slots = block_table[int(table_row[t])][keys // bs], keys % bs
-        k, v = k_all[:, blocks, slots], v_all[:, blocks, slots]  # [hkv, n, d]
-        qt = q[t].double().view(hkv, hq // hkv, d)
-        scores = torch.einsum("hgd,hnd->hgn", qt, k) * scale
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        out[t] = torch.einsum("hgn,hnd->hgd", scores.softmax(-1), v).reshape(hq, d)
-    return out
 
 
 def _paged_case(shape, kv_dtype, contexts, window, seed):
@@ -87,6 +68,28 @@ def test_kernel_matches_float64_reference(isa, kv_dtype, shape, window, softcap)
                                     isa)
     expected = _reference(q, cache, table, table_row, positions, window, scale, softcap)
     # Float32 math over the stored values: the reference reads the same stored values.
+    torch.testing.assert_close(out.double(), expected, atol=3e-6, rtol=3e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(8, 1, 64), (4, 2, 16), (4, 2, 12)], ids=str)
+@pytest.mark.parametrize("window", [None, 5])
+def test_sinks_match_float64_reference(isa, kv_dtype, shape, window):
+    """gpt-oss's attention sinks: per query head, a logit in the softmax's denominator (not scaled,
+    not soft-capped), some below every score, some above (most of the weight on the sink), on
+    every path. Tolerance as test_kernel_matches_float64_reference's: the same float32 math
+    over the same stored values, the sink one more term of each denominator (one rounding)."""
+    contexts = [1, 4, 6, 17, 40] if window else CONTEXTS
+    cache, table, table_row, positions, q = _paged_case(shape, kv_dtype, contexts, window, seed=7 + sum(shape))
+    scale = shape[2] ** -0.5
+    sinks = torch.linspace(-6.0, 6.0, shape[0])
+    out = torch.full_like(q, float("nan"))
+    cpu_kernels.paged_attention_cpu(q, cache, out, torch.arange(q.shape[0]), positions, table, table_row, window,
+                                    scale, None, isa, sinks=sinks)
+    expected = _reference(q, cache, table, table_row, positions, window, scale, None, sinks)
+    without = _reference(q, cache, table, table_row, positions, window, scale, None)
+    assert (expected - without).abs().max() > 0.1  # the sinks move the output: the test tells them apart
     torch.testing.assert_close(out.double(), expected, atol=3e-6, rtol=3e-5)
 
 

@@ -422,6 +422,29 @@ def test_gemm_over_several_panels_and_batch_slabs(type_name):
         assert torch.equal(y[b], stored_weight.linear(x[b:b + 1], weight, isa=isa)[0]), b
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("type_name", GEMM_TYPES)
+def test_gemm_buffers_kept_between_steps_of_any_shape(type_name, threads):
+    """The GEMM keeps its packed activations and panel per thread between steps: steps that
+    grow and shrink (columns, batch, rows not whole strips of 8 or lane groups of 16) each give
+    every row its batch-one bits and stay within the float64 bound."""
+    isa = PATHS[-1]
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for step, (rows, in_features, batch) in enumerate(((13, 512, 17), (45, 8192, 70), (9, 768, 41),
+                                                           (21, 512, 12), (40, 8192, 33))):
+            weight = _weight(type_name, rows, in_features, seed=30 + step)
+            x = torch.randn(batch, in_features, generator=torch.Generator().manual_seed(40 + step))
+            expected, bound = _oracle_and_bound(weight, x)
+            y = stored_weight.linear(x, weight, isa=isa)
+            assert np.all(np.abs(y.double().numpy() - expected) <= bound), step
+            for b in (0, batch // 2, batch - 1):
+                assert torch.equal(y[b], stored_weight.linear(x[b:b + 1], weight, isa=isa)[0]), (step, b)
+    finally:
+        torch.set_num_threads(saved)
+
+
 @pytest.mark.parametrize("type_name", GEMM_TYPES)
 def test_prefill_sized_steps_keep_the_native_gemm(type_name):
     """Where the type has a native GEMM on the weight's path, steps of `gemm_rows` rows or more

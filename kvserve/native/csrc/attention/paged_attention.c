@@ -14,6 +14,11 @@
  * sum of V). Three paths, picked per call (`isa`, capped by KVSERVE_QUANT_ISA):
  * AVX-512 (16 keys' dot products reduced together, a vector exp, the output
  * rows held in registers), AVX2 + F16C, and portable C.
+ *
+ * Attention sinks (gpt-oss): a learned logit per query head joins each softmax's
+ * denominator (its own probability dropped): out = sum_j e^(s_j - M) v_j / (sum_j
+ * e^(s_j - M) + e^(sink - M)), M the largest of the scores and the sink. The sink is
+ * neither scaled nor soft-capped (torch_backend.py's _attend).
  */
 #include <math.h>
 #include <stdint.h>
@@ -22,6 +27,7 @@
 
 #include "bf16.h"
 #include "kvserve.h"
+#include "vec_exp.h"
 
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 32
@@ -60,6 +66,7 @@ typedef struct {
     const int64_t *table_row;   /* [n] block-table row of the token's request */
     int64_t num_heads, num_kv_heads, head_dim, block_size, window;
     float scale, softcap;
+    const float *sinks; /* [num_heads] or NULL: no sinks */
     int q_dtype, kv_dtype, isa;
 } Args;
 
@@ -84,15 +91,17 @@ static void scores_portable(const Args *a, const float (*qf)[MAX_HEAD_DIM], cons
     }
 }
 
-/* scores -> exp(score - max) in place; returns 1 / their sum. */
-static float softmax_portable(float *s, int64_t n) {
-    float m = -INFINITY, sum = 0.f;
+/* scores -> exp(score - max) in place; returns 1 / their sum, with a `sink` (NULL: none) also
+ * exp(*sink - max) in the sum and the max taken over the scores and the sink. (No sink is no
+ * term at all, not exp(-inf): the kernels build with -ffast-math, which assumes no infinities.) */
+static float softmax_portable(float *s, int64_t n, const float *sink) {
+    float m = sink ? *sink : -INFINITY, sum = 0.f;
     for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
     for (int64_t j = 0; j < n; j++) {
         s[j] = expf(s[j] - m);
         sum += s[j];
     }
-    return 1.f / sum;
+    return 1.f / (sink ? sum + expf(*sink - m) : sum);
 }
 
 static void values_portable(const Args *a, const Keys *k, const float *inv_sum, int64_t dim,
@@ -194,24 +203,6 @@ static inline __m512 sum16(const __m512 *p) {
                          _mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* exp(x) for x <= 0 (scores less their maximum): 2^n * e^r, |r| <= ln2 / 2, e^r by its
- * Taylor polynomial to r^6 (relative error ~1e-7). */
-static inline __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f)); /* e^-104 is 0 in float32 */
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.f / 720.f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
-
 static inline __mmask16 tail_mask(int64_t count) {
     return count >= VEC ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);
 }
@@ -253,11 +244,12 @@ static inline __attribute__((always_inline)) void scores_avx512(const Args *a, c
     }
 }
 
-static float softmax_avx512(float *s, int64_t n) {
-    __m512 m = _mm512_set1_ps(-INFINITY);
+static float softmax_avx512(float *s, int64_t n, const float *sink) {
+    __m512 m = _mm512_set1_ps(sink ? *sink : -INFINITY);
     for (int64_t j = 0; j < n; j += VEC)
         m = _mm512_max_ps(m, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(n - j), s + j));
-    const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    const float top = _mm512_reduce_max_ps(m);
+    const __m512 max = _mm512_set1_ps(top);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += VEC) {
         const __mmask16 mask = tail_mask(n - j);
@@ -265,7 +257,8 @@ static float softmax_avx512(float *s, int64_t n) {
         _mm512_mask_storeu_ps(s + j, mask, e);
         sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
     }
-    return 1.f / _mm512_reduce_add_ps(sum);
+    const float total = _mm512_reduce_add_ps(sum);
+    return 1.f / (sink ? total + expf(*sink - top) : total);
 }
 
 /* Query heads [g0, g0 + SUB) (those below k->group) of the item, their output rows held in
@@ -356,15 +349,16 @@ static inline __attribute__((always_inline)) void attend_item(const Args *a, int
     if (path == ISA_PORTABLE) scores_portable(a, q, &keys, dim);
     for (int64_t g = 0; g < group; g++) {
         float *s = scores + g * keys.num_keys;
+        const float *sink = a->sinks ? a->sinks + kv_head * group + g : NULL;
         if (a->softcap > 0.f)
             for (int64_t j = 0; j < keys.num_keys; j++) s[j] = tanhf(s[j] / a->softcap) * a->softcap;
 #if KV_HAVE_AVX512F
         if (path == ISA_AVX512) {
-            inv_sum[g] = softmax_avx512(s, keys.num_keys);
+            inv_sum[g] = softmax_avx512(s, keys.num_keys, sink);
             continue;
         }
 #endif
-        inv_sum[g] = softmax_portable(s, keys.num_keys);
+        inv_sum[g] = softmax_portable(s, keys.num_keys, sink);
     }
 #if KV_HAVE_AVX512F
     if (path == ISA_AVX512) values_avx512(a, &keys, inv_sum, dim, acc);
@@ -386,14 +380,15 @@ static void attend_range(const Args *a, int64_t item, float *scores, int64_t *of
     }
 }
 
-/* Returns 0 on success, a positive code for arguments the kernel cannot take. */
+/* Returns 0 on success, a positive code for arguments the kernel cannot take. `sinks`:
+ * float32 [num_heads], a logit per query head joining its softmax (NULL: none). */
 int kvserve_paged_attention(const void *q, int64_t q_token_stride, int64_t q_head_stride,
                             const void *k_cache, const void *v_cache, int64_t cache_head_stride,
                             void *out, int64_t out_token_stride, int64_t out_head_stride,
                             const int64_t *token_index, const int64_t *positions,
                             const int64_t *block_table, int64_t block_table_stride, const int64_t *table_row,
                             int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t block_size, int64_t window, float scale, float softcap,
+                            int64_t block_size, int64_t window, float scale, float softcap, const float *sinks,
                             int q_dtype, int kv_dtype, int isa, int num_threads) {
     if (head_dim > MAX_HEAD_DIM || num_kv_heads <= 0 || num_heads % num_kv_heads != 0
         || num_heads / num_kv_heads > MAX_GROUP)
@@ -401,7 +396,7 @@ int kvserve_paged_attention(const void *q, int64_t q_token_stride, int64_t q_hea
     if (!kvserve_isa_available(KV_KERNEL_ATTENTION, isa)) return 3;
     Args a = {q, q_token_stride, q_head_stride, k_cache, v_cache, cache_head_stride, out, out_token_stride,
               out_head_stride, token_index, positions, block_table, block_table_stride, table_row,
-              num_heads, num_kv_heads, head_dim, block_size, window, scale, softcap, q_dtype, kv_dtype, isa};
+              num_heads, num_kv_heads, head_dim, block_size, window, scale, softcap, sinks, q_dtype, kv_dtype, isa};
     int64_t max_keys = 0, total_keys = 0;
     for (int64_t t = 0; t < num_tokens; t++) {
         int64_t keys = positions[t] + 1;

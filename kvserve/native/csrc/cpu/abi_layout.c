@@ -22,7 +22,8 @@ static const int64_t LAYOUT[] = {
 
     SIZE(NativeMoe), AT(NativeMoe, router), AT(NativeMoe, gate_up), AT(NativeMoe, down),
     AT(NativeMoe, shared_gate_up), AT(NativeMoe, shared_down), AT(NativeMoe, shared_gate), AT(NativeMoe, num_experts),
-    AT(NativeMoe, top_k), AT(NativeMoe, renormalize), AT(NativeMoe, split),
+    AT(NativeMoe, top_k), AT(NativeMoe, renormalize), AT(NativeMoe, softmax_after_topk), AT(NativeMoe, swiglu),
+    AT(NativeMoe, swiglu_limit), AT(NativeMoe, swiglu_alpha), AT(NativeMoe, split),
 
     SIZE(NativeDeltaNet), AT(NativeDeltaNet, qkvz), AT(NativeDeltaNet, ba), AT(NativeDeltaNet, out),
     AT(NativeDeltaNet, conv_weight), AT(NativeDeltaNet, dt_bias), AT(NativeDeltaNet, neg_a), AT(NativeDeltaNet, norm),
@@ -41,6 +42,7 @@ static const int64_t LAYOUT[] = {
     AT(NativeLayer, k_cache), AT(NativeLayer, v_cache), AT(NativeLayer, cache_head_stride),
     AT(NativeLayer, block_size), AT(NativeLayer, window), AT(NativeLayer, group), AT(NativeLayer, local_rope),
     AT(NativeLayer, kv_dtype), AT(NativeLayer, attention_isa), AT(NativeLayer, delta_net), AT(NativeLayer, mamba),
+    AT(NativeLayer, sinks),
 
     SIZE(NativeModel), AT(NativeModel, num_layers), AT(NativeModel, hidden), AT(NativeModel, num_heads),
     AT(NativeModel, num_kv_heads), AT(NativeModel, head_dim), AT(NativeModel, intermediate),

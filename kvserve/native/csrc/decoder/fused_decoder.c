@@ -427,7 +427,8 @@ static void attention_heads(const NativeModel *m, const NativeLayer *l, const Na
         kvserve_paged_attention(q, width, QS, k_cache, v_cache, l->cache_head_stride, s->attn + h * group * D, q_size,
                                 D, st->token_index, st->positions, st->block_table[l->group],
                                 st->block_table_stride[l->group], st->table_row, T, group, 1, D, l->block_size,
-                                l->window, m->scale, m->softcap, F32, l->kv_dtype, l->attention_isa, 1);
+                                l->window, m->scale, m->softcap, l->sinks ? l->sinks + h * group : NULL, F32,
+                                l->kv_dtype, l->attention_isa, 1);
         gate_output(m, s, 0, T, h * group, (h + 1) * group);
     }
 }
@@ -442,8 +443,8 @@ static void attention_tokens(const NativeModel *m, const NativeLayer *l, const N
     kvserve_paged_attention(s->qkv, width, q_stride(m), l->k_cache, l->v_cache, l->cache_head_stride, s->attn, q_size, D,
                             st->token_index + begin, st->positions + begin, st->block_table[l->group],
                             st->block_table_stride[l->group], st->table_row + begin, end - begin, m->num_heads,
-                            m->num_kv_heads, D, l->block_size, l->window, m->scale, m->softcap, F32, l->kv_dtype,
-                            l->attention_isa, 1);
+                            m->num_kv_heads, D, l->block_size, l->window, m->scale, m->softcap, l->sinks, F32,
+                            l->kv_dtype, l->attention_isa, 1);
     gate_output(m, s, begin, end, 0, m->num_heads);
 }
 
@@ -477,8 +478,8 @@ static void attention_query_heads(const NativeModel *m, const NativeLayer *l, co
                                 (char *)l->v_cache + h * l->cache_head_stride * elem, l->cache_head_stride,
                                 s->attn + first * D, q_size, D, st->token_index, st->positions,
                                 st->block_table[l->group], st->block_table_stride[l->group], st->table_row, T,
-                                last - first, 1, D, l->block_size, l->window, m->scale, m->softcap, F32, l->kv_dtype,
-                                l->attention_isa, 1);
+                                last - first, 1, D, l->block_size, l->window, m->scale, m->softcap,
+                                l->sinks ? l->sinks + first : NULL, F32, l->kv_dtype, l->attention_isa, 1);
         first = last;
     }
     gate_output(m, s, 0, T, begin, end);
@@ -830,6 +831,15 @@ static void gate_activation(const NativeModel *m, const float *gate_up, float *a
         kvserve_silu_mul(gate_up, act, T, width, F32, 1);
 }
 
+/* An expert's activation: gpt-oss's clamped SwiGLU (fused_ops.c, as the per-op path) or the model's gate. */
+static void expert_activation(const NativeModel *m, const NativeMoe *moe, const float *gate_up, float *act, int64_t T,
+                              int64_t width) {
+    if (moe->swiglu)
+        kvserve_swiglu_clamped(gate_up, act, T, width, moe->swiglu_limit, moe->swiglu_alpha, F32, 1);
+    else
+        gate_activation(m, gate_up, act, T, width);
+}
+
 /* ---- mixture of experts (moe.py's SparseMoeBlock) ------------------------------------------
  * Every thread computes the router's logits and the routing itself (the same values on each:
  * no barrier for them), then the threads share the chosen experts' matmuls one of two ways:
@@ -868,26 +878,31 @@ static int routes_before(const float *logits, int64_t a, int64_t b) {
 }
 
 /* Token t's top_k experts (p->route_id) and gate weights (p->route_weight): a softmax over
- * every expert in float32, its top_k, renormalized to sum to 1 where moe->renormalize. The
- * softmax keeps the logits' order, so the experts are picked by their logits. Returns 1 where
- * an expert left out has the logit of the last one picked (a tie route() may break otherwise). */
+ * every expert in float32, its top_k, renormalized to sum to 1 where moe->renormalize; or
+ * (softmax_after_topk, gpt-oss) a softmax over the top_k logits alone. The softmax keeps the
+ * logits' order, so the experts are picked by their logits. Returns 1 where an expert left out
+ * has the logit of the last one picked (a tie route() may break otherwise). */
 static int route_token(const NativeMoe *moe, const float *logits, int64_t *ids, float *weights) {
     const int64_t E = moe->num_experts, K = moe->top_k;
     float top = logits[0];
     for (int64_t e = 1; e < E; e++) top = logits[e] > top ? logits[e] : top;
-    float total = 0.0f;
-    for (int64_t e = 0; e < E; e++) total += expf(logits[e] - top);
-    float picked = 0.0f;
+    float total = 0.0f; /* the softmax's denominator: over every expert, or (softmax_after_topk) the top k */
+    for (int64_t e = 0; e < E && !moe->softmax_after_topk; e++) total += expf(logits[e] - top);
     for (int64_t j = 0; j < K; j++) {
         int64_t best = -1;
         for (int64_t e = 0; e < E; e++)
             if ((j == 0 || routes_before(logits, ids[j - 1], e)) && (best < 0 || routes_before(logits, e, best)))
                 best = e;
         ids[j] = best;
-        weights[j] = expf(logits[best] - top) / total;
+        weights[j] = expf(logits[best] - top);
+        if (moe->softmax_after_topk) total += weights[j];
+    }
+    float picked = 0.0f;
+    for (int64_t j = 0; j < K; j++) {
+        weights[j] /= total;
         picked += weights[j];
     }
-    if (moe->renormalize)
+    if (moe->renormalize && !moe->softmax_after_topk)
         for (int64_t j = 0; j < K; j++) weights[j] /= picked;
     int64_t at_least_last = 0;
     for (int64_t e = 0; e < E; e++) at_least_last += logits[e] >= logits[ids[K - 1]];
@@ -985,7 +1000,7 @@ static void own_experts(const NativeModel *m, const NativeMoe *moe, Private *p, 
         linear_prepare(gate_up, gate_up_path, p->gather, rows, p);
         linear_range(gate_up, gate_up_path, p->gather, rows, p, s->moe_gate_up + first * 2 * width, 0, gate_up->out);
         phase_mark(&p->timer, PHASE_GATE_UP);
-        gate_activation(m, s->moe_gate_up + first * 2 * width, p->act, rows, width);
+        expert_activation(m, moe, s->moe_gate_up + first * 2 * width, p->act, rows, width);
         phase_mark(&p->timer, PHASE_NORMS);
         linear_prepare(down, down_path, p->act, rows, p);
         linear_range(down, down_path, p->act, rows, p, s->moe_down + first * H, 0, down->out);
@@ -1056,7 +1071,7 @@ static const float *moe_mlp(const NativeModel *m, const NativeMoe *moe, const Na
     for (int64_t e = 0; e < E; e++) {
         const int64_t first = expert_begin(p, e), rows = p->expert_end[e] - first;
         if (!rows) continue;
-        gate_activation(m, s->moe_gate_up + first * 2 * width, p->act, rows, width);
+        expert_activation(m, moe, s->moe_gate_up + first * 2 * width, p->act, rows, width);
         prepared = NULL;
         expert_rows(m, &moe->down[e], p->act, rows, p, s->moe_down + first * H, &prepared, tid, nthreads);
     }

@@ -83,6 +83,9 @@ typedef struct {
     NativeLinear shared_gate_up, shared_down, shared_gate;
     int64_t num_experts, top_k;
     int32_t renormalize;
+    int32_t softmax_after_topk;        /* gpt-oss: the top k of the logits, then a softmax over those k */
+    int32_t swiglu;                    /* gpt-oss: the experts' clamped SwiGLU (limit, alpha) in place of SiLU */
+    float swiglu_limit, swiglu_alpha;
     int32_t split; /* how the threads share the experts' matmuls: MOE_SPLIT_AUTO (0), MOE_SPLIT_ROWS
                     * (each expert's rows split over the threads) or MOE_SPLIT_EXPERTS (whole experts) */
 } NativeMoe;
@@ -100,6 +103,7 @@ typedef struct {
     int32_t attention_isa;               /* paged_attention.c's path */
     const NativeDeltaNet *delta_net;     /* non-NULL: a Gated DeltaNet layer (no attention, no KV cache) */
     const NativeMamba *mamba;            /* non-NULL: a Mamba-2 layer (no attention, no KV cache) */
+    const float *sinks;                  /* [num_heads] float32: gpt-oss's attention sinks (NULL: none) */
 } NativeLayer;
 
 typedef struct {
@@ -222,11 +226,21 @@ int kvserve_paged_attention(const void *q, int64_t q_token_stride, int64_t q_hea
                             int64_t out_head_stride, const int64_t *token_index, const int64_t *positions,
                             const int64_t *block_table, int64_t block_table_stride, const int64_t *table_row,
                             int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t block_size, int64_t window, float scale, float softcap, int q_dtype, int kv_dtype,
-                            int isa, int num_threads);
+                            int64_t block_size, int64_t window, float scale, float softcap, const float *sinks,
+                            int q_dtype, int kv_dtype, int isa, int num_threads);
 void kvserve_store_kv(const void *k, const void *v, int64_t token_stride, int64_t head_stride, void *k_cache,
                       void *v_cache, int64_t cache_head_stride, const int64_t *slots, const int64_t *tokens,
                       int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int in_dtype, int cache_dtype);
+
+/* ---- attention/prefill_attention.c --------------------------------------------------------- */
+
+int kvserve_prefill_attention(const void *q, int64_t q_token_stride, int64_t q_head_stride, const void *k_cache,
+                              const void *v_cache, int64_t cache_head_stride, void *out, int64_t out_token_stride,
+                              int64_t out_head_stride, const int64_t *chunk_start, const int64_t *chunk_len,
+                              const int64_t *chunk_pos, const int64_t *chunk_row, const int64_t *block_table,
+                              int64_t block_table_stride, int64_t num_chunks, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t head_dim, int64_t block_size, int64_t window, float scale, float softcap,
+                              int q_dtype, int kv_dtype, int isa, int num_threads);
 
 /* ---- decoder/fused_ops.c ----------------------------------------------------------------- */
 

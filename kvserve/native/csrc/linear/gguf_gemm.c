@@ -49,112 +49,200 @@ int kvserve_gguf_gemm_supported(int type, int isa) { return gguf_gemm_of(type, i
 
 int kvserve_gguf_gemm_min_batch(void) { return GGUF_GEMM_MIN_BATCH; }
 
-/* Packs `batch` rows of qx [batch, in] and their scales (dx [batch, in / 32], then sx) as
- * gemm.h describes. Returns 0, or -3 when out of memory (px then holds nothing). */
-static int pack_activations(const int8_t *qx, const float *scales, int64_t batch, int64_t in, GgufGemmX *px) {
-    const int64_t K = in / 256, nb32 = in / 32, groups = (batch + GGUF_GEMM_LANES - 1) / GGUF_GEMM_LANES;
-    const int64_t lanes = groups * GGUF_GEMM_LANES;
-    uint8_t *x = aligned_alloc(64, (size_t)(lanes * in));
-    float *dx = aligned_alloc(64, sizeof(float) * (size_t)(2 * lanes * nb32));
-    if (!x || !dx) {
-        free(x);
-        free(dx);
-        return -3;
+/* Per-thread buffers kept between calls (a step's packed activations, a panel): fresh pages
+ * would cost again at every matmul. Up to KEEP_BYTES each: a larger one (a prefill step of
+ * thousands of rows of a wide matrix) is freed after its call, so a thread holds no more
+ * than that between steps. */
+#define KEEP_BYTES (32u << 20)
+typedef struct {
+    void *data;
+    size_t bytes;
+} Scratch;
+static _Thread_local Scratch packed_scratch, panel_scratch;
+
+/* At least `bytes` of this thread's buffer `s` (its old contents lost), or NULL. */
+static void *scratch(Scratch *s, size_t bytes) {
+    if (s->bytes < bytes) {
+        free(s->data);
+        s->data = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        s->bytes = s->data ? bytes : 0;
     }
-    float *sx = dx + lanes * nb32;
-    if (lanes > batch) { /* padding lanes: x = 0, no scale */
-        memset(x, 0x80, (size_t)(lanes * in));
-        memset(dx, 0, sizeof(float) * (size_t)(2 * lanes * nb32));
+    return s->data;
+}
+
+/* Frees `s` if it is larger than KEEP_BYTES. */
+static void scratch_trim(Scratch *s) {
+    if (s->bytes > KEEP_BYTES) {
+        free(s->data);
+        *s = (Scratch){NULL, 0};
     }
-    for (int64_t b = 0; b < batch; b++) {
-        const int64_t g = b / GGUF_GEMM_LANES, lane = b % GGUF_GEMM_LANES;
-        for (int64_t n = 0; n < nb32; n++) {
-            const int64_t k = n / 8, j = n % 8, block = ((g * 8 + j) * K + k);
-            const int8_t *src = qx + b * in + n * 32;
-            uint8_t *dst = x + block * 32 * GGUF_GEMM_LANES + 4 * lane;
+}
+
+/* The layout of `batch` rows of `in` columns packed (gemm.h) in `buffer` (packed_bytes). */
+static GgufGemmX packed_layout(const void *buffer, int64_t batch, int64_t in) {
+    const int64_t groups = (batch + GGUF_GEMM_LANES - 1) / GGUF_GEMM_LANES, lanes = groups * GGUF_GEMM_LANES;
+    const float *dx = (const float *)((const uint8_t *)buffer + lanes * in);
+    return (GgufGemmX){buffer, dx, dx + lanes * (in / 32), in / 256, groups};
+}
+static size_t packed_bytes(int64_t batch, int64_t in) {
+    const int64_t lanes = (batch + GGUF_GEMM_LANES - 1) / GGUF_GEMM_LANES * GGUF_GEMM_LANES;
+    return (size_t)(lanes * in + sizeof(float) * 2 * lanes * (in / 32));
+}
+
+/* Lane group g of `batch` rows of qx [batch, in] and their scales (dx [batch, in / 32], then
+ * sx) packed into px as gemm.h describes; lanes past the batch get x = 0 (byte 0x80) and no
+ * scale. A 16 x 4-byte gather per step, the lanes' rows being `in` bytes apart. */
+static void pack_group(const int8_t *qx, const float *scales, int64_t batch, int64_t in, int64_t g,
+                       const GgufGemmX *px) {
+    const int64_t K = px->blocks, nb32 = in / 32, first = g * GGUF_GEMM_LANES;
+    const int lanes = batch - first < GGUF_GEMM_LANES ? (int)(batch - first) : GGUF_GEMM_LANES;
+    uint8_t *x = (uint8_t *)px->x;
+    float *dx = (float *)px->dx, *sx = (float *)px->sx;
+#if KV_HAVE_AVX512_VNNI
+    const __mmask16 mask = (__mmask16)((1u << lanes) - 1);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i rows = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)in));
+    const __m512i scale_rows = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)nb32));
+    const __m512i flip = _mm512_set1_epi32((int)0x80808080u); /* x + 128 as unsigned bytes */
+    for (int j = 0; j < 8; j++)
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t n = k * 8 + j, at = gguf_gemm_scale_at(px, g, j, k);
+            const int8_t *src = qx + first * in + n * 32;
+            uint8_t *dst = x + at * 32;
             for (int s = 0; s < 8; s++) {
-                uint32_t word;
-                memcpy(&word, src + 4 * s, 4);
-                word ^= 0x80808080u; /* x + 128 as unsigned bytes */
-                memcpy(dst + s * 4 * GGUF_GEMM_LANES, &word, 4);
+                const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, rows, src + 4 * s, 1);
+                _mm512_storeu_si512(dst + 64 * s, _mm512_xor_si512(words, flip));
             }
-            dx[block * GGUF_GEMM_LANES + lane] = scales[b * nb32 + n];
-            sx[block * GGUF_GEMM_LANES + lane] = scales[batch * nb32 + b * nb32 + n];
+            const float *d = scales + first * nb32 + n;
+            _mm512_storeu_ps(dx + at, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, scale_rows, d, 4));
+            _mm512_storeu_ps(sx + at, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, scale_rows, d + batch * nb32, 4));
         }
-    }
-    *px = (GgufGemmX){x, dx, sx, K, groups};
-    return 0;
+#else
+    for (int j = 0; j < 8; j++)
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t n = k * 8 + j, at = ((g * 8 + j) * K + k) * GGUF_GEMM_LANES;
+            for (int lane = 0; lane < GGUF_GEMM_LANES; lane++) {
+                const int8_t *src = qx + (first + lane) * in + n * 32;
+                for (int s = 0; s < 8; s++)
+                    for (int i = 0; i < 4; i++)
+                        x[at * 32 + 64 * s + 4 * lane + i] = lane < lanes ? (uint8_t)(src[4 * s + i] ^ 0x80) : 0x80;
+                dx[at + lane] = lane < lanes ? scales[(first + lane) * nb32 + n] : 0.0f;
+                sx[at + lane] = lane < lanes ? scales[batch * nb32 + (first + lane) * nb32 + n] : 0.0f;
+            }
+        }
+#endif
+}
+
+/* Rows of the panel at weight row `first` of the range [row_begin, row_end) in the slab from
+ * lane group g0. The step's first panels grow from one strip (8, 8, 16, 32, ... rows up to
+ * per_panel): the first rows come from memory with no prefetch ahead of them, so the kernel
+ * starts after a few, and each later panel is prefetched while the one before it is computed. */
+static int64_t panel_at(int64_t first, int64_t g0, int64_t row_begin, int64_t row_end, int64_t per_panel) {
+    const int64_t done = first - row_begin;
+    int64_t rows = per_panel;
+    if (g0 == 0 && done < per_panel) rows = done > GGUF_GEMM_ROWS ? done : GGUF_GEMM_ROWS;
+    return row_end - first < rows ? row_end - first : rows;
+}
+
+/* A lane group's tile of a panel's `rows` outputs (tile [row][16 lanes]) into y [batch, y_stride]
+ * (y at the panel's first row): its lanes that are batch rows. */
+static void copy_tile(const float *tile, int64_t batch, int64_t g, int64_t rows, float *y, int64_t y_stride) {
+    const int64_t first = g * GGUF_GEMM_LANES, lanes = batch - first < GGUF_GEMM_LANES ? batch - first : GGUF_GEMM_LANES;
+    for (int64_t lane = 0; lane < lanes; lane++)
+        for (int64_t r = 0; r < rows; r++) y[(first + lane) * y_stride + r] = tile[r * GGUF_GEMM_LANES + lane];
 }
 
 /* Rows row_begin..row_end of y [batch, y_stride] from packed activations, panel by panel;
- * `panel` holds panel_rows() unpacked rows of the range. */
+ * `panel` holds panel_rows() unpacked rows of the range. While a panel is computed, the next
+ * one's stored rows are prefetched a share per kernel call, so memory and the kernel overlap. */
 static void gemm_range(const GgufGemmType *gt, const GgufGemmX *px, int64_t batch, const uint8_t *w,
                        int64_t row_bytes, const float *bias, float *y, int64_t y_stride, int64_t row_begin,
                        int64_t row_end, uint8_t *panel) {
-    const int64_t pb = gt->panel_bytes(px->blocks);
-    const int64_t per_panel = panel_rows(pb, row_end - row_begin);
+    const int64_t strip = GGUF_GEMM_ROWS * gt->panel_bytes(px->blocks);
+    const int64_t per_panel = panel_rows(strip / GGUF_GEMM_ROWS, row_end - row_begin);
+    float tile[2][MAX_PANEL_ROWS * GGUF_GEMM_LANES] __attribute__((aligned(64))); /* a lane group's outputs */
     int64_t slab = SLAB_BYTES / (GGUF_GEMM_LANES * px->blocks * 256);
     if (slab < 1) slab = 1;
     for (int64_t g0 = 0; g0 < px->groups; g0 += slab) {
         const int64_t g1 = px->groups - g0 < slab ? px->groups : g0 + slab;
-        for (int64_t first = row_begin; first < row_end; first += per_panel) {
-            const int64_t rows = row_end - first < per_panel ? row_end - first : per_panel;
-            const int64_t padded = (rows + GGUF_GEMM_ROWS - 1) / GGUF_GEMM_ROWS * GGUF_GEMM_ROWS;
-            for (int64_t i = 0; i < rows; i++) gt->unpack(w + (first + i) * row_bytes, px->blocks, panel + i * pb);
-            if (padded > rows) memset(panel + rows * pb, 0, (size_t)((padded - rows) * pb));
-            for (int64_t g = g0; g < g1; g++) {
-                const int64_t lanes = batch - g * GGUF_GEMM_LANES;
-                for (int64_t r = 0; r < padded; r += GGUF_GEMM_ROWS) {
-                    const GgufGemmOut o = {y + g * GGUF_GEMM_LANES * y_stride, y_stride, first + r,
-                                           (int)(rows - r < GGUF_GEMM_ROWS ? rows - r : GGUF_GEMM_ROWS),
-                                           (int)(lanes < GGUF_GEMM_LANES ? lanes : GGUF_GEMM_LANES),
-                                           bias ? bias + first + r : NULL};
-                    gt->kernel(panel + r * pb, pb, px, g, &o);
-                }
+        for (int64_t first = row_begin, rows; first < row_end; first += rows) {
+            rows = panel_at(first, g0, row_begin, row_end, per_panel);
+            const int64_t strips = (rows + GGUF_GEMM_ROWS - 1) / GGUF_GEMM_ROWS;
+            if (rows % GGUF_GEMM_ROWS) memset(panel + (strips - 1) * strip, 0, (size_t)strip);
+            for (int64_t i = 0; i < rows; i++)
+                gt->unpack(w + (first + i) * row_bytes, px->blocks, panel + i / GGUF_GEMM_ROWS * strip,
+                           (int)(i % GGUF_GEMM_ROWS));
+            /* the next panel's rows (or the next slab's first panel), a share per call */
+            const int64_t next = first + rows < row_end ? first + rows : g1 < px->groups ? row_begin : row_end;
+            const int64_t next_rows = panel_at(next, next == row_begin ? g1 : g0, row_begin, row_end, per_panel);
+            /* kernel calls: two per strip for each pair of lane groups, one for a group left over */
+            const int64_t lines = (next_rows * row_bytes + 63) / 64, calls = (g1 - g0) * strips;
+            int64_t call = 0;
+            for (int64_t g = g0; g < g1;) {
+                const int pair = g + 1 < g1 && gt->pair ? 2 : 1;
+                for (int64_t s = 0; s < strips; s++)
+                    for (int half = 0; half < pair; half++, call++) {
+                        const int64_t r = s * GGUF_GEMM_ROWS + (pair == 2 ? GGUF_GEMM_ROWS / 2 * half : 0);
+                        const int64_t from = lines * call / calls, to = lines * (call + 1) / calls;
+                        const int n = (int)(rows - r < GGUF_GEMM_ROWS / pair ? rows - r : GGUF_GEMM_ROWS / pair);
+                        if (n <= 0) continue; /* the padding half of the last strip */
+                        GgufGemmOut o[2];
+                        for (int c = 0; c < pair; c++)
+                            o[c] = (GgufGemmOut){tile[c], r, n, bias ? bias + first + r : NULL,
+                                                 w + next * row_bytes + 64 * from, to - from,
+                                                 (to - from + 8 * px->blocks - 1) / (8 * px->blocks)};
+                        if (pair == 2)
+                            gt->pair(panel + s * strip, half, px, g, o);
+                        else
+                            gt->kernel(panel + s * strip, px, g, o);
+                    }
+                for (int c = 0; c < pair; c++, g++) copy_tile(tile[c], batch, g, rows, y + first, y_stride);
             }
         }
     }
 }
 
-static uint8_t *alloc_panel(const GgufGemmType *gt, int64_t blocks, int64_t rows) {
+/* This thread's panel buffer for `rows` weight rows, or NULL. */
+static uint8_t *thread_panel(const GgufGemmType *gt, int64_t blocks, int64_t rows) {
     const int64_t pb = gt->panel_bytes(blocks);
-    return aligned_alloc(64, (size_t)((panel_rows(pb, rows) * pb + 63) / 64 * 64));
+    return scratch(&panel_scratch, (size_t)(panel_rows(pb, rows) * pb));
 }
 
 int gguf_gemm_rows(const GgufGemmType *gt, const int8_t *qx, const float *scales, int64_t batch, const uint8_t *w,
                    int64_t in, int64_t row_bytes, const float *bias, float *y, int64_t y_stride, int64_t row_begin,
                    int64_t row_end) {
-    GgufGemmX px;
-    if (pack_activations(qx, scales, batch, in, &px)) return -3;
-    uint8_t *panel = alloc_panel(gt, px.blocks, row_end - row_begin);
-    if (panel) gemm_range(gt, &px, batch, w, row_bytes, bias, y, y_stride, row_begin, row_end, panel);
-    free(panel);
-    free((void *)px.x);
-    free((void *)px.dx);
-    return panel ? 0 : -3;
+    const void *packed = scratch(&packed_scratch, packed_bytes(batch, in));
+    uint8_t *panel = thread_panel(gt, in / 256, row_end - row_begin);
+    if (!packed || !panel) return -3;
+    const GgufGemmX px = packed_layout(packed, batch, in);
+    for (int64_t g = 0; g < px.groups; g++) pack_group(qx, scales, batch, in, g, &px);
+    gemm_range(gt, &px, batch, w, row_bytes, bias, y, y_stride, row_begin, row_end, panel);
+    scratch_trim(&packed_scratch);
+    return 0;
 }
 
 int gguf_gemm_linear(const GgufGemmType *gt, const int8_t *qx, const float *scales, int64_t batch, const uint8_t *w,
                      int64_t in, int64_t row_bytes, const float *bias, float *y, int64_t out, int parallel) {
-    GgufGemmX px;
-    if (pack_activations(qx, scales, batch, in, &px)) return -3;
+    const void *packed = scratch(&packed_scratch, packed_bytes(batch, in));
+    if (!packed) return -3;
+    const GgufGemmX px = packed_layout(packed, batch, in);
     int failed = 0;
     const int64_t units = (out + GGUF_GEMM_ROWS - 1) / GGUF_GEMM_ROWS;
 #pragma omp parallel if (parallel) reduction(| : failed)
     {
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < px.groups; g++) pack_group(qx, scales, batch, in, g, &px);
         const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
         int64_t begin = units * me / threads * GGUF_GEMM_ROWS, end = units * (me + 1) / threads * GGUF_GEMM_ROWS;
         if (end > out) end = out;
         if (begin < end) {
-            uint8_t *panel = alloc_panel(gt, px.blocks, end - begin);
+            uint8_t *panel = thread_panel(gt, px.blocks, end - begin);
             if (panel)
                 gemm_range(gt, &px, batch, w, row_bytes, bias, y, out, begin, end, panel);
             else
                 failed = 1;
-            free(panel);
         }
     }
-    free((void *)px.x);
-    free((void *)px.dx);
+    scratch_trim(&packed_scratch);
     return failed ? -3 : 0;
 }

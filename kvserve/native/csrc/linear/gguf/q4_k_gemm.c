@@ -1,9 +1,10 @@
 /* Q4_K's many-row GEMM on AVX-512 VNNI (gemm.h), in the float order of its batch-one tile
  * (q4_k.c, sub_block_sums.h).
  *
- * Panel row: the quants q [j][k][32] (0..15, as int8), then per super-block k and sub-block
- * j: -128 sum(q) (int32: the packed activations are x + 128), d sc_j and dmin m_j (float32,
- * rounded as the tile rounds them). The kernel: for each sub-block position j, over the
+ * Strip (GGUF_GEMM_ROWS rows): the quants q [j][k][row][32] (0..15, as int8), then per
+ * super-block k: -128 sum(q) [row][j] (int32: the packed activations are x + 128), d sc_j
+ * [row][j] and dmin m_j [row][j] (float32, rounded as the tile rounds them). The kernel (8
+ * rows against one lane group, or 4 against two): for each sub-block position j, over the
  * super-blocks in order, each lane's integer sum by vpdpbusd of 4 packed activation bytes
  * against 4 quants broadcast, then A_j = fma(I, (d sc_j) dx, A_j), A_j -= (dmin m_j) sx. */
 #include "gemm.h"
@@ -15,12 +16,17 @@
 #define BYTES 144
 
 #if KV_HAVE_AVX512_VNNI
+enum { R = GGUF_GEMM_ROWS, META = 3 * R * 8 * 4 /* bytes of super-block k's corr, scale, low for a strip */ };
+
 static int64_t panel_bytes_q4_k(int64_t blocks) { return blocks * (COLS + 8 * 12); }
 
-static void unpack_q4_k(const uint8_t *row, int64_t blocks, uint8_t *panel) {
-    int8_t *q = (int8_t *)panel;
-    int32_t *corr = (int32_t *)(panel + blocks * COLS);
-    float *scale = (float *)(corr + 8 * blocks), *low = scale + 8 * blocks;
+/* The strip's corr of super-block k, sub-block j, row 0 (row r: 32 r bytes on; its scale and
+ * low: R * 32 and 2 R * 32 bytes on). */
+static uint8_t *meta_q4_k(uint8_t *strip, int64_t blocks, int64_t k, int j) {
+    return strip + blocks * COLS * R + k * META + 4 * j;
+}
+
+static void unpack_q4_k(const uint8_t *row, int64_t blocks, uint8_t *strip, int r) {
     const __m512i low4 = _mm512_set1_epi8(15), ones = _mm512_set1_epi8(1);
     /* gguf_sub_block_sums of (sub-blocks 0, 2), (1, 3), (4, 6), (5, 7): j order */
     const __m512i order = _mm512_setr_epi32(0, 8, 4, 12, 1, 9, 5, 13, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -36,58 +42,69 @@ static void unpack_q4_k(const uint8_t *row, int64_t blocks, uint8_t *panel) {
         __m512i counts[4];
         for (int c = 0; c < 4; c++) {
             const int j = 4 * (c / 2) + c % 2;
-            _mm256_storeu_si256((__m256i *)(q + (j * blocks + k) * 32), _mm512_castsi512_si256(halves[c]));
-            _mm256_storeu_si256((__m256i *)(q + ((j + 2) * blocks + k) * 32), _mm512_extracti64x4_epi64(halves[c], 1));
+            _mm256_storeu_si256((__m256i *)(gguf_gemm_strip_q(strip, blocks, j, k) + 32 * r),
+                                _mm512_castsi512_si256(halves[c]));
+            _mm256_storeu_si256((__m256i *)(gguf_gemm_strip_q(strip, blocks, j + 2, k) + 32 * r),
+                                _mm512_extracti64x4_epi64(halves[c], 1));
             counts[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), halves[c], ones);
         }
-        _mm256_storeu_si256((__m256i *)(corr + 8 * k),
-                            _mm256_mullo_epi32(gguf_sub_block_sums(counts, order), _mm256_set1_epi32(-128)));
+        uint8_t *meta = meta_q4_k(strip, blocks, k, 0) + 32 * r;
+        _mm256_storeu_si256((__m256i *)meta, _mm256_mullo_epi32(gguf_sub_block_sums(counts, order), _mm256_set1_epi32(-128)));
         uint64_t scale_word, min_word;
         gguf_k_scale_words(blk + 4, &scale_word, &min_word);
         /* rounded as the tile rounds them: one product each */
-        _mm256_storeu_ps(scale + 8 * k, _mm256_mul_ps(_mm256_set1_ps(gguf_f16(blk)),
-                                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)scale_word)))));
-        _mm256_storeu_ps(low + 8 * k, _mm256_mul_ps(_mm256_set1_ps(gguf_f16(blk + 2)),
-                                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)min_word)))));
+        _mm256_storeu_ps((float *)(meta + 32 * R), _mm256_mul_ps(_mm256_set1_ps(gguf_f16(blk)),
+                                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)scale_word)))));
+        _mm256_storeu_ps((float *)(meta + 64 * R), _mm256_mul_ps(_mm256_set1_ps(gguf_f16(blk + 2)),
+                                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)min_word)))));
     }
 }
 
 GGUF_FIXED_FLOAT_BEGIN
-/* GGUF_GEMM_ROWS panel rows against lane group g. */
-static void kernel_q4_k(const uint8_t *panel, int64_t panel_bytes, const GgufGemmX *x, int64_t g,
-                        const GgufGemmOut *o) {
-    enum { R = GGUF_GEMM_ROWS };
+/* `rows` strip rows from row0 against `groups` lane groups from g (constants where inlined). */
+GGUF_INLINE void tile_q4_k(const uint8_t *strip, const int row0, const int rows, const int groups, const GgufGemmX *x,
+                           int64_t g, const GgufGemmOut *o) {
     const int64_t K = x->blocks;
-    const int32_t *corr[R];
-    const float *scale[R], *low[R];
-    for (int r = 0; r < R; r++) {
-        corr[r] = (const int32_t *)(panel + r * panel_bytes + K * COLS);
-        scale[r] = (const float *)(corr[r] + 8 * K);
-        low[r] = scale[r] + 8 * K;
-    }
-    __m512 acc[R][8];
+    __m512 acc[2][R][8];
     for (int j = 0; j < 8; j++) {
-        __m512 a[R];
-        for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();
+        __m512 a[2][R];
+        for (int c = 0; c < groups; c++)
+            for (int r = 0; r < rows; r++) a[c][r] = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k++) {
-            __m512i sum[R];
-            for (int r = 0; r < R; r++) sum[r] = _mm512_set1_epi32(corr[r][k * 8 + j]);
-            gguf_gemm_steps(sum, gguf_gemm_x(x, g, j, k), panel + (j * K + k) * 32, panel_bytes, 0, 8);
-            const int64_t at = gguf_gemm_scale_at(x, g, j, k);
-            const __m512 dx = _mm512_loadu_ps(x->dx + at), sx = _mm512_loadu_ps(x->sx + at);
-            for (int r = 0; r < R; r++) {
-                const __m512 s = _mm512_mul_ps(_mm512_set1_ps(scale[r][k * 8 + j]), dx);
-                a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), s, a[r]);
-                a[r] = _mm512_fnmadd_ps(_mm512_set1_ps(low[r][k * 8 + j]), sx, a[r]);
+            gguf_gemm_prefetch(o, j * K + k);
+            const uint8_t *meta = meta_q4_k((uint8_t *)strip, K, k, j) + 32 * row0;
+            const int32_t *corr = (const int32_t *)meta;
+            const float *scale = (const float *)(meta + 32 * R), *low = (const float *)(meta + 64 * R);
+            __m512i sum[2][R];
+            for (int c = 0; c < groups; c++)
+                for (int r = 0; r < rows; r++) sum[c][r] = _mm512_set1_epi32(corr[8 * r]);
+            const uint8_t *const xs[2] = {gguf_gemm_x(x, g, j, k), groups > 1 ? gguf_gemm_x(x, g + 1, j, k) : NULL};
+            gguf_gemm_steps(sum, xs, gguf_gemm_strip_q(strip, K, j, k) + 32 * row0, rows, groups, 0, 8);
+            for (int c = 0; c < groups; c++) {
+                const int64_t at = gguf_gemm_scale_at(x, g + c, j, k);
+                const __m512 dx = _mm512_loadu_ps(x->dx + at), sx = _mm512_loadu_ps(x->sx + at);
+                for (int r = 0; r < rows; r++) {
+                    const __m512 s = _mm512_mul_ps(_mm512_set1_ps(scale[8 * r]), dx);
+                    a[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[c][r]), s, a[c][r]);
+                    a[c][r] = _mm512_fnmadd_ps(_mm512_set1_ps(low[8 * r]), sx, a[c][r]);
+                }
             }
         }
-        for (int r = 0; r < R; r++) acc[r][j] = a[r];
+        for (int c = 0; c < groups; c++)
+            for (int r = 0; r < rows; r++) acc[c][r][j] = a[c][r];
     }
-    gguf_gemm_store(o, (const __m512(*)[8])acc);
+    for (int c = 0; c < groups; c++) gguf_gemm_store(o + c, (const __m512(*)[8])acc[c]);
+}
+
+static void kernel_q4_k(const uint8_t *strip, const GgufGemmX *x, int64_t g, const GgufGemmOut *o) {
+    tile_q4_k(strip, 0, R, 1, x, g, o);
+}
+static void pair_q4_k(const uint8_t *strip, int half, const GgufGemmX *x, int64_t g, const GgufGemmOut o[2]) {
+    tile_q4_k(strip, R / 2 * half, R / 2, 2, x, g, o);
 }
 GGUF_FIXED_FLOAT_END
 
-const GgufGemmType gguf_q4_k_gemm_avx512 = {12, ISA_AVX512, panel_bytes_q4_k, unpack_q4_k, kernel_q4_k};
+const GgufGemmType gguf_q4_k_gemm_avx512 = {12, ISA_AVX512, panel_bytes_q4_k, unpack_q4_k, kernel_q4_k, pair_q4_k};
 #else
-const GgufGemmType gguf_q4_k_gemm_avx512 = {12, ISA_AVX512, NULL, NULL, NULL};
+const GgufGemmType gguf_q4_k_gemm_avx512 = {12, ISA_AVX512, NULL, NULL, NULL, NULL};
 #endif

@@ -1,9 +1,10 @@
 /* Q6_K's many-row GEMM on AVX-512 VNNI (gemm.h), in the float order of its batch-one tile
  * (q6_k.c, sub_block_sums.h).
  *
- * Panel row: the values q - 32 [j][k][32] (int8), then per super-block k and 16-column
- * half: -128 sum(q - 32) (int32: the packed activations are x + 128) and the int8 scale
- * (as int32), then d per super-block. The kernel: for each 32-column position j, over the
+ * Strip (GGUF_GEMM_ROWS rows): the values q - 32 [j][k][row][32] (int8), then per
+ * super-block k: -128 sum(q - 32) of each 16-column half [row][half] (int32: the packed
+ * activations are x + 128), the halves' int8 scales [row][half] (as int32) and d [row]. The
+ * kernel (8 rows against one lane group, or 4 against two): for each position j, over the
  * super-blocks in order, each half's integer sum by vpdpbusd of 4 packed activation bytes
  * against 4 values broadcast, I_j = sc_a isum_a + sc_b isum_b, then A_j = fma(I_j, d dx, A_j). */
 #include "gemm.h"
@@ -15,15 +16,23 @@
 #define BYTES 210
 
 #if KV_HAVE_AVX512_VNNI
+enum { R = GGUF_GEMM_ROWS, META = (2 * 16 + 1) * R * 4 /* bytes of super-block k's corrs, scales, d for a strip */ };
+
 static int64_t panel_bytes_q6_k(int64_t blocks) { return blocks * (COLS + 16 * 8 + 4); }
 
-static void unpack_q6_k(const uint8_t *row, int64_t blocks, uint8_t *panel) {
-    int8_t *q = (int8_t *)panel;
-    int32_t *corr = (int32_t *)(panel + blocks * COLS), *scales = corr + 16 * blocks;
-    float *d = (float *)(scales + 16 * blocks);
+/* The strip's corr of super-block k, 16-column half `at`, row 0 (row r: 64 r bytes on; its
+ * scale R * 64 bytes on). */
+static uint8_t *meta_q6_k(uint8_t *strip, int64_t blocks, int64_t k, int at) {
+    return strip + blocks * COLS * R + k * META + 4 * at;
+}
+/* The strip's d [row] of super-block k. */
+static uint8_t *d_q6_k(uint8_t *strip, int64_t blocks, int64_t k) { return meta_q6_k(strip, blocks, k, 0) + 128 * R; }
+
+static void unpack_q6_k(const uint8_t *row, int64_t blocks, uint8_t *strip, int r) {
     const __m512i low4 = _mm512_set1_epi8(15), pair = _mm512_set1_epi8(0x30), offset = _mm512_set1_epi8(32);
     for (int64_t k = 0; k < blocks; k++) {
         const uint8_t *blk = row + k * BYTES;
+        uint8_t *corr = meta_q6_k(strip, blocks, k, 0) + 64 * r;
         for (int h = 0; h < 2; h++) {
             const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
             const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
@@ -35,62 +44,75 @@ static void unpack_q6_k(const uint8_t *row, int64_t blocks, uint8_t *panel) {
             for (int n = 0; n < 2; n++) {
                 const int c = 2 * h + n; /* 32-column blocks 2c, 2c + 1; 16-column halves 4c..4c+3 */
                 const __m512i values = _mm512_sub_epi8(six[n], offset);
-                _mm256_storeu_si256((__m256i *)(q + (2 * c * blocks + k) * 32), _mm512_castsi512_si256(values));
-                _mm256_storeu_si256((__m256i *)(q + ((2 * c + 1) * blocks + k) * 32), _mm512_extracti64x4_epi64(values, 1));
+                _mm256_storeu_si256((__m256i *)(gguf_gemm_strip_q(strip, blocks, 2 * c, k) + 32 * r),
+                                    _mm512_castsi512_si256(values));
+                _mm256_storeu_si256((__m256i *)(gguf_gemm_strip_q(strip, blocks, 2 * c + 1, k) + 32 * r),
+                                    _mm512_extracti64x4_epi64(values, 1));
                 /* per 16 columns (a 128-bit lane): sum(q) - 512 = sum(q - 32), times -128 */
                 const __m512i sad = _mm512_sad_epu8(six[n], _mm512_setzero_si512());
                 const __m512i sums = _mm512_add_epi64(sad, _mm512_shuffle_epi32(sad, _MM_PERM_BADC));
                 const __m128i four = _mm256_castsi256_si128(_mm512_cvtepi64_epi32(_mm512_maskz_compress_epi64(0x55, sums)));
-                _mm_storeu_si128((__m128i *)(corr + k * 16 + 4 * c),
+                _mm_storeu_si128((__m128i *)(corr + 16 * c),
                                  _mm_mullo_epi32(_mm_sub_epi32(four, _mm_set1_epi32(512)), _mm_set1_epi32(-128)));
             }
         }
-        _mm512_storeu_si512(scales + k * 16, _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192))));
-        d[k] = gguf_f16(blk + 208);
+        _mm512_storeu_si512(corr + 64 * R, _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192))));
+        const float d = gguf_f16(blk + 208);
+        memcpy(d_q6_k(strip, blocks, k) + 4 * r, &d, 4);
     }
 }
 
 GGUF_FIXED_FLOAT_BEGIN
-/* GGUF_GEMM_ROWS panel rows against lane group g. */
-static void kernel_q6_k(const uint8_t *panel, int64_t panel_bytes, const GgufGemmX *x, int64_t g,
-                        const GgufGemmOut *o) {
-    enum { R = GGUF_GEMM_ROWS };
+/* `rows` strip rows from row0 against `groups` lane groups from g (constants where inlined). */
+GGUF_INLINE void tile_q6_k(const uint8_t *strip, const int row0, const int rows, const int groups, const GgufGemmX *x,
+                           int64_t g, const GgufGemmOut *o) {
     const int64_t K = x->blocks;
-    const int32_t *corr[R], *scales[R];
-    const float *d[R];
-    for (int r = 0; r < R; r++) {
-        corr[r] = (const int32_t *)(panel + r * panel_bytes + K * COLS);
-        scales[r] = corr[r] + 16 * K;
-        d[r] = (const float *)(scales[r] + 16 * K);
-    }
-    __m512 acc[R][8];
+    __m512 acc[2][R][8];
     for (int j = 0; j < 8; j++) {
-        __m512 a[R];
-        for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();
+        __m512 a[2][R];
+        for (int c = 0; c < groups; c++)
+            for (int r = 0; r < rows; r++) a[c][r] = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k++) {
-            const uint8_t *xs = gguf_gemm_x(x, g, j, k), *qs = panel + (j * K + k) * 32;
-            __m512i total[R];
+            gguf_gemm_prefetch(o, j * K + k);
+            const uint8_t *const xs[2] = {gguf_gemm_x(x, g, j, k), groups > 1 ? gguf_gemm_x(x, g + 1, j, k) : NULL};
+            const uint8_t *qs = gguf_gemm_strip_q(strip, K, j, k) + 32 * row0;
+            __m512i total[2][R];
             for (int half = 0; half < 2; half++) { /* 16 columns each, with their own scale */
-                const int64_t at = k * 16 + 2 * j + half;
-                __m512i sum[R];
-                for (int r = 0; r < R; r++) sum[r] = _mm512_set1_epi32(corr[r][at]);
-                gguf_gemm_steps(sum, xs, qs, panel_bytes, 4 * half, 4 * half + 4);
-                for (int r = 0; r < R; r++) {
-                    const __m512i scaled = _mm512_mullo_epi32(sum[r], _mm512_set1_epi32(scales[r][at]));
-                    total[r] = half ? _mm512_add_epi32(total[r], scaled) : scaled;
-                }
+                const int32_t *corr = (const int32_t *)meta_q6_k((uint8_t *)strip, K, k, 2 * j + half) + 16 * row0,
+                              *scale = corr + 16 * R;
+                __m512i sum[2][R];
+                for (int c = 0; c < groups; c++)
+                    for (int r = 0; r < rows; r++) sum[c][r] = _mm512_set1_epi32(corr[16 * r]);
+                gguf_gemm_steps(sum, xs, qs, rows, groups, 4 * half, 4 * half + 4);
+                for (int c = 0; c < groups; c++)
+                    for (int r = 0; r < rows; r++) {
+                        const __m512i scaled = _mm512_mullo_epi32(sum[c][r], _mm512_set1_epi32(scale[16 * r]));
+                        total[c][r] = half ? _mm512_add_epi32(total[c][r], scaled) : scaled;
+                    }
             }
-            const __m512 dx = _mm512_loadu_ps(x->dx + gguf_gemm_scale_at(x, g, j, k));
-            for (int r = 0; r < R; r++)
-                a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[r]), _mm512_mul_ps(_mm512_set1_ps(d[r][k]), dx), a[r]);
+            const float *d = (const float *)d_q6_k((uint8_t *)strip, K, k) + row0;
+            for (int c = 0; c < groups; c++) {
+                const __m512 dx = _mm512_loadu_ps(x->dx + gguf_gemm_scale_at(x, g + c, j, k));
+                for (int r = 0; r < rows; r++)
+                    a[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[c][r]), _mm512_mul_ps(_mm512_set1_ps(d[r]), dx),
+                                              a[c][r]);
+            }
         }
-        for (int r = 0; r < R; r++) acc[r][j] = a[r];
+        for (int c = 0; c < groups; c++)
+            for (int r = 0; r < rows; r++) acc[c][r][j] = a[c][r];
     }
-    gguf_gemm_store(o, (const __m512(*)[8])acc);
+    for (int c = 0; c < groups; c++) gguf_gemm_store(o + c, (const __m512(*)[8])acc[c]);
+}
+
+static void kernel_q6_k(const uint8_t *strip, const GgufGemmX *x, int64_t g, const GgufGemmOut *o) {
+    tile_q6_k(strip, 0, R, 1, x, g, o);
+}
+static void pair_q6_k(const uint8_t *strip, int half, const GgufGemmX *x, int64_t g, const GgufGemmOut o[2]) {
+    tile_q6_k(strip, R / 2 * half, R / 2, 2, x, g, o);
 }
 GGUF_FIXED_FLOAT_END
 
-const GgufGemmType gguf_q6_k_gemm_avx512 = {14, ISA_AVX512, panel_bytes_q6_k, unpack_q6_k, kernel_q6_k};
+const GgufGemmType gguf_q6_k_gemm_avx512 = {14, ISA_AVX512, panel_bytes_q6_k, unpack_q6_k, kernel_q6_k, pair_q6_k};
 #else
-const GgufGemmType gguf_q6_k_gemm_avx512 = {14, ISA_AVX512, NULL, NULL, NULL};
+const GgufGemmType gguf_q6_k_gemm_avx512 = {14, ISA_AVX512, NULL, NULL, NULL, NULL};
 #endif
