@@ -49,8 +49,11 @@ int kvserve_gguf_gemm_supported(int type, int isa) { return gguf_gemm_of(type, i
 
 int kvserve_gguf_gemm_min_batch(void) { return GGUF_GEMM_MIN_BATCH; }
 
-/* Per-thread buffers kept between calls (a step's packed activations, a panel): a prefill-sized
- * step packs tens of MB, which fresh pages would cost again at every matmul. */
+/* Per-thread buffers kept between calls (a step's packed activations, a panel): fresh pages
+ * would cost again at every matmul. Up to KEEP_BYTES each: a larger one (a prefill step of
+ * thousands of rows of a wide matrix) is freed after its call, so a thread holds no more
+ * than that between steps. */
+#define KEEP_BYTES (32u << 20)
 typedef struct {
     void *data;
     size_t bytes;
@@ -65,6 +68,14 @@ static void *scratch(Scratch *s, size_t bytes) {
         s->bytes = s->data ? bytes : 0;
     }
     return s->data;
+}
+
+/* Frees `s` if it is larger than KEEP_BYTES. */
+static void scratch_trim(Scratch *s) {
+    if (s->bytes > KEEP_BYTES) {
+        free(s->data);
+        *s = (Scratch){NULL, 0};
+    }
 }
 
 /* The layout of `batch` rows of `in` columns packed (gemm.h) in `buffer` (packed_bytes). */
@@ -178,7 +189,8 @@ static void gemm_range(const GgufGemmType *gt, const GgufGemmX *px, int64_t batc
                         GgufGemmOut o[2];
                         for (int c = 0; c < pair; c++)
                             o[c] = (GgufGemmOut){tile[c], r, n, bias ? bias + first + r : NULL,
-                                                 w + next * row_bytes + 64 * from, to - from};
+                                                 w + next * row_bytes + 64 * from, to - from,
+                                                 (to - from + 8 * px->blocks - 1) / (8 * px->blocks)};
                         if (pair == 2)
                             gt->pair(panel + s * strip, half, px, g, o);
                         else
@@ -205,6 +217,7 @@ int gguf_gemm_rows(const GgufGemmType *gt, const int8_t *qx, const float *scales
     const GgufGemmX px = packed_layout(packed, batch, in);
     for (int64_t g = 0; g < px.groups; g++) pack_group(qx, scales, batch, in, g, &px);
     gemm_range(gt, &px, batch, w, row_bytes, bias, y, y_stride, row_begin, row_end, panel);
+    scratch_trim(&packed_scratch);
     return 0;
 }
 
@@ -230,5 +243,6 @@ int gguf_gemm_linear(const GgufGemmType *gt, const int8_t *qx, const float *scal
                 failed = 1;
         }
     }
+    scratch_trim(&packed_scratch);
     return failed ? -3 : 0;
 }

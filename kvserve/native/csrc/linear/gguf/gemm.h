@@ -24,7 +24,7 @@
 
 #define GGUF_GEMM_LANES 16 /* activation rows per vector (float32 lanes of a zmm) */
 #define GGUF_GEMM_ROWS 8       /* weight rows per kernel call (a panel is padded to whole ones with zeros) */
-#define GGUF_GEMM_MIN_BATCH 10 /* steps of this many activation rows or more take the GEMM (at 8 the tiles match it) */
+#define GGUF_GEMM_MIN_BATCH 9 /* steps of this many activation rows or more take the GEMM (at 8 the tiles match it) */
 
 /* A step's packed activations (see above) for super-blocks of 256 columns. */
 typedef struct {
@@ -39,14 +39,15 @@ typedef struct {
  * do); gguf_gemm.c copies the tile's real lanes to y. (Scattered straight down y's columns,
  * y_stride apart, the stores of a call hit one cache set when the stride is a power of two.)
  * The call also prefetches `prefetch_lines` cache lines from `prefetch` (the next panel's
- * stored rows), a few per step (gguf_gemm_prefetch), so memory and the kernel overlap. */
+ * stored rows), `prefetch_step` of them per step (gguf_gemm_prefetch), so memory and the
+ * kernel overlap. */
 typedef struct {
     float *tile;
     int64_t row;
     int rows;
     const float *bias;
     const uint8_t *prefetch;
-    int64_t prefetch_lines;
+    int64_t prefetch_lines, prefetch_step;
 } GgufGemmOut;
 
 /* Bytes of one unpacked row of `blocks` super-blocks (a strip holds GGUF_GEMM_ROWS of them). */
@@ -107,10 +108,10 @@ GGUF_INLINE void gguf_gemm_steps(__m512i sum[2][GGUF_GEMM_ROWS], const uint8_t *
     }
 }
 
-/* Step `step` of a call's `steps` (block positions (j, k)): its share of o's prefetches. */
-GGUF_INLINE void gguf_gemm_prefetch(const GgufGemmOut *o, int64_t step, int64_t steps) {
-    const int64_t per = (o->prefetch_lines + steps - 1) / steps, from = step * per;
-    const int64_t to = from + per < o->prefetch_lines ? from + per : o->prefetch_lines;
+/* Step `step` of a call (block position (j, k) = j blocks + k): its share of o's prefetches. */
+GGUF_INLINE void gguf_gemm_prefetch(const GgufGemmOut *o, int64_t step) {
+    const int64_t from = step * o->prefetch_step;
+    const int64_t to = from + o->prefetch_step < o->prefetch_lines ? from + o->prefetch_step : o->prefetch_lines;
     for (int64_t i = from; i < to; i++) _mm_prefetch((const char *)(o->prefetch + 64 * i), _MM_HINT_T0);
 }
 

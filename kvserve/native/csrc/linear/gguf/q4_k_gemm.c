@@ -71,7 +71,7 @@ GGUF_INLINE void tile_q4_k(const uint8_t *strip, const int row0, const int rows,
         for (int c = 0; c < groups; c++)
             for (int r = 0; r < rows; r++) a[c][r] = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k++) {
-            gguf_gemm_prefetch(o, j * K + k, 8 * K);
+            gguf_gemm_prefetch(o, j * K + k);
             const uint8_t *meta = meta_q4_k((uint8_t *)strip, K, k, j) + 32 * row0;
             const int32_t *corr = (const int32_t *)meta;
             const float *scale = (const float *)(meta + 32 * R), *low = (const float *)(meta + 64 * R);

@@ -73,7 +73,7 @@ GGUF_INLINE void tile_q6_k(const uint8_t *strip, const int row0, const int rows,
         for (int c = 0; c < groups; c++)
             for (int r = 0; r < rows; r++) a[c][r] = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k++) {
-            gguf_gemm_prefetch(o, j * K + k, 8 * K);
+            gguf_gemm_prefetch(o, j * K + k);
             const uint8_t *const xs[2] = {gguf_gemm_x(x, g, j, k), groups > 1 ? gguf_gemm_x(x, g + 1, j, k) : NULL};
             const uint8_t *qs = gguf_gemm_strip_q(strip, K, j, k) + 32 * row0;
             __m512i total[2][R];
