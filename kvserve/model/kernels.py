@@ -70,7 +70,8 @@ def choose_model_kernels(kernel_config: KernelConfig, device: torch.device | str
               and cpu_kernels.load_library() is not None)
     attention_isa = native_decoder.attention_isa(kernel_config) if native else None
     attention = select_attention_backend(device, kv_dtype or dtype, shape.num_heads, shape.num_kv_heads,
-                                         shape.head_dim, native_kernels=native, isa=attention_isa)
+                                         shape.head_dim, native_kernels=native, isa=attention_isa,
+                                         prefill_kernel=kernel_config.prefill_attention)
     bf16 = native_decoder.bf16_isa(kernel_config) if native and dtype == torch.bfloat16 else None
     f32 = native_decoder.f32_gemm_isa(kernel_config) if native and dtype == torch.float32 \
         and kernel_config.packed_weights else None

@@ -23,6 +23,7 @@ NATIVE_DECODER_ENV = "KVSERVE_NATIVE_DECODER"
 SHM_ALL_REDUCE_ENV = "KVSERVE_SHM_ALL_REDUCE"
 GRAMMAR_MASK_ISA_ENV = "KVSERVE_GRAMMAR_MASK_ISA"
 REPACK_CACHE_ENV = "KVSERVE_REPACK_CACHE"
+PREFILL_ATTENTION_ENV = "KVSERVE_PREFILL_ATTENTION"
 # The quantized matmul's kernel paths, narrowest first (every kernel's: `isa.ISAS`).
 QUANT_ISAS = ISAS
 # KVSERVE_GRAMMAR_MASK_ISA: one of QUANT_ISAS (the grammar-mask kernel's paths), or this.
@@ -53,6 +54,8 @@ class KernelConfig:
     runs; "torch": no kernel, torch's masked_fill_).
     `repack_cache`: write a GGUF's weights, repacked for the quantized kernels, once to the
     cache and map them on later loads (model/repack_cache.py); off, every load repacks.
+    `prefill_attention`: prompt chunks of more than a few tokens attend through the tiled
+    prefill kernel (csrc/attention/prefill_attention.c); off, through torch's SDPA and matmuls.
     """
 
     cpu_kernels: bool = True
@@ -67,6 +70,7 @@ class KernelConfig:
     shm_all_reduce: bool = True
     grammar_mask_isa: str | None = None
     repack_cache: bool = True
+    prefill_attention: bool = True
 
     def __post_init__(self) -> None:
         if self.quant_isa is not None and self.quant_isa not in QUANT_ISAS:
@@ -106,7 +110,8 @@ class KernelConfig:
                    native_decoder=_switched_on(env, NATIVE_DECODER_ENV),
                    shm_all_reduce=_switched_on(env, SHM_ALL_REDUCE_ENV),
                    grammar_mask_isa=env.get(GRAMMAR_MASK_ISA_ENV, "").strip().lower() or None,
-                   repack_cache=_switched_on(env, REPACK_CACHE_ENV))
+                   repack_cache=_switched_on(env, REPACK_CACHE_ENV),
+                   prefill_attention=_switched_on(env, PREFILL_ATTENTION_ENV))
 
 
 def _switched_on(env, name: str) -> bool:

@@ -51,19 +51,25 @@ def _spec(kind: str, window: int):
     return CircularBufferSpec(**common, sliding_window=window)
 
 
+# Steps of (tokens per request): chunked prefills, a 13-token chunk wider than the ring (3
+# blocks = 12 slots), then decodes, mixed in one batch; then prompts of more than 16 tokens
+# (the native prefill kernel's), fresh and after cached context, across blocks.
+SCHEDULES = {"short": [[13, 2, 9], [10, 1, 5], [0, 1, 0], [0, 1, 0]],
+             "long": [[20, 2, 17], [19, 1, 13], [1, 1, 0], [0, 1, 0]]}
+
+
 @pytest.mark.parametrize("native", [False, pytest.param(True, marks=needs_native)])
 @pytest.mark.parametrize("kind,softcap", [("full", None), ("full", 20.0), ("sliding", None), ("circular", None),
                                           ("circular", 20.0)])
-def test_paged_attention_matches_dense(kind, softcap, native):
-    """Chunked prefills and decodes; with `native`, queries of up to 16 tokens go to the C kernel
-    (circular groups keep the torch path)."""
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_paged_attention_matches_dense(kind, softcap, native, schedule):
+    """Chunked prefills and decodes; with `native`, queries of up to 16 tokens go to the C kernel,
+    longer ones to the prefill kernel (circular groups keep the torch path)."""
     window = 6 if kind != "full" else None
     spec = _spec(kind, window or 1)
     generator = torch.Generator().manual_seed(0)
-    lengths = [23, 5, 14]
-    # Steps of (tokens per request): chunked prefills, a 13-token chunk wider than the
-    # ring (3 blocks = 12 slots), then decodes, mixed in one batch.
-    schedule = [[13, 2, 9], [10, 1, 5], [0, 1, 0], [0, 1, 0]]
+    lengths = [40, 5, 30]
+    schedule = SCHEDULES[schedule]
     qs = [torch.randn(n, HQ, D, generator=generator) for n in lengths]
     ks = [torch.randn(n, HKV, D, generator=generator) for n in lengths]
     vs = [torch.randn(n, HKV, D, generator=generator) for n in lengths]
@@ -84,8 +90,10 @@ def test_paged_attention_matches_dense(kind, softcap, native):
         q = torch.cat([qs[i][done[i]:done[i] + step[i]] for i in rows])
         k = torch.cat([ks[i][done[i]:done[i] + step[i]] for i in rows])
         v = torch.cat([vs[i][done[i]:done[i] + step[i]] for i in rows])
-        plan = md.plan(BS, window, native)
-        assert (plan.native is not None) == (native and kind != "circular")
+        plan = CpuNativeAttentionBackend().plan(md, cache, AttentionParams(0.3, softcap, window)) if native \
+            else md.plan(BS, window)
+        assert (plan.native is not None) == (native and kind != "circular" and min(query_lens) <= 16)
+        assert (plan.prefill is not None) == (native and kind != "circular" and max(query_lens) > 16)
         out = paged_attention(q, k, v, cache, md, window, 0.3, softcap, native)
         offset = 0
         for i in rows:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvserve.native import cpu_kernels
+from helpers.attention_reference import paged_reference as _reference
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no native kernels")
 
@@ -24,32 +25,6 @@ BLOCK = 16
 # size the AVX-512 path does not take whole (AVX2 does), and one neither vector path takes.
 SHAPES = [(9, 3, 64), (4, 4, 128), (8, 1, 64), (6, 2, 24), (4, 2, 12)]
 CONTEXTS = [1, 15, 16, 17, 31, 100, 257]
-
-
-def _reference(q, cache, block_table, table_row, positions, window, scale, softcap, sinks=None):
-    """Float64 attention of each token over the keys it may read, gathered position by position;
-    `sinks` [hq]: a logit per query head in each softmax, its probability dropped."""
-    _, hkv, _, bs, d = cache.shape
-    hq = q.shape[1]
-    k_all, v_all = cache[0].double(), cache[1].double()
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for t in range(q.shape[0]):
-        pos = int(positions[t])
-        lo = max(0, pos - window + 1) if window else 0
-        keys = torch.arange(lo, pos + 1)
-        blocks, slots = block_table[int(table_row[t])][keys // bs], keys % bs
-        k, v = k_all[:, blocks, slots], v_all[:, blocks, slots]  # [hkv, n, d]
-        qt = q[t].double().view(hkv, hq // hkv, d)
-        scores = torch.einsum("hgd,hnd->hgn", qt, k) * scale
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        if sinks is not None:
-            sink = sinks.double().view(hkv, hq // hkv, 1)
-            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
-        else:
-            probs = scores.softmax(-1)
-        out[t] = torch.einsum("hgn,hnd->hgd", probs, v).reshape(hq, d)
-    return out
 
 
 def _paged_case(shape, kv_dtype, contexts, window, seed):

@@ -55,6 +55,20 @@ class NativeTokens:
 
 
 @dataclass
+class PrefillChunks:
+    """Prompt chunks attended by the native prefill kernel (csrc/attention/prefill_attention.c),
+    reading K/V in place from the cache: chunk c is `length[c]` consecutive tokens from flat
+    token `start[c]` on, at positions `first_pos[c]`.. of the request in row `table_row[c]`."""
+
+    start: torch.Tensor  # [C] int64
+    length: torch.Tensor  # [C]
+    first_pos: torch.Tensor  # [C]
+    table_row: torch.Tensor  # [C]
+    block_table: torch.Tensor  # [B, max_blocks] int64, contiguous
+    window: int | None
+
+
+@dataclass
 class AttentionPlan:
     """Gather/scatter indices of one step for one KV-cache group, shared by its layers."""
 
@@ -63,6 +77,7 @@ class AttentionPlan:
     write_slots: torch.Tensor  # where they go
     write_before_read: bool = True
     native: NativeTokens | None = None
+    prefill: PrefillChunks | None = None
     # Prompts computed from scratch this step (no cached context): (first token, length).
     # They attend only to their own fresh K/V, causally, without padding or a gather.
     fresh_prompts: list[tuple[int, int]] = field(default_factory=list)
@@ -116,12 +131,14 @@ class AttentionMetadata:
             self.req_index = token_positions(self.query_start_loc.long(), self.seq_lens.long())[0]
         return self.req_index
 
-    def plan(self, block_size: int, sliding_window: int | None, native: bool = False) -> AttentionPlan:
+    def plan(self, block_size: int, sliding_window: int | None, native: bool = False,
+             prefill: bool = False) -> AttentionPlan:
         """The step's plan for layers of this block size and window; `native` gives the short
-        queries to the native CPU kernel (`NativeTokens`), which reads their keys in place."""
-        key = (block_size, sliding_window, native)
+        queries to the native CPU kernel (`NativeTokens`), which reads their keys in place, and
+        with `prefill` the longer ones to the native prefill kernel (`PrefillChunks`)."""
+        key = (block_size, sliding_window, native, prefill)
         if key not in self._plans:
-            self._plans[key] = _build_plan(self, block_size, sliding_window, native)
+            self._plans[key] = _build_plan(self, block_size, sliding_window, native, prefill)
         return self._plans[key]
 
 
@@ -235,7 +252,8 @@ def _slots(block_table: torch.Tensor, req_index: torch.Tensor, positions: torch.
     return block_table[req_index, block_index] * block_size + positions % block_size
 
 
-def _build_plan(md: AttentionMetadata, block_size: int, window: int | None, native: bool) -> AttentionPlan:
+def _build_plan(md: AttentionMetadata, block_size: int, window: int | None, native: bool,
+                prefill: bool) -> AttentionPlan:
     ring_blocks = _ring_blocks(md.spec)
     md.block_table = md.block_table.long()
     md.query_start_loc = md.query_start_loc.long()
@@ -253,11 +271,16 @@ def _build_plan(md: AttentionMetadata, block_size: int, window: int | None, nati
     else:
         decode_rows = short.nonzero().flatten()
         decode_groups = _length_groups(decode_rows, _blocks_read(context_lens[decode_rows], 1, block_size, window))
-    is_fresh = ~short & (query_lens > 1) & (context_lens == 0)
+    longer = ~short & (query_lens > 0)
+    prefill_chunks = None
+    if native and prefill:
+        prefill_chunks = _prefill_chunks(md, longer.nonzero().flatten(), query_lens, context_lens, window)
+        longer = torch.zeros_like(longer)  # nothing left for the torch path
+    is_fresh = longer & (query_lens > 1) & (context_lens == 0)
     fresh_prompts = list(zip(md.query_start_loc[:-1][is_fresh].tolist(), query_lens[is_fresh].tolist()))
     # Prompt chunks over cached context (chunked prefill, prefix hits) differ in length: each
     # group pads only to its own longest, so a batch of mixed prompts wastes little.
-    prefill_rows = (~short & ~is_fresh & (query_lens > 0)).nonzero().flatten()
+    prefill_rows = (longer & ~is_fresh).nonzero().flatten()
     prefill_groups = _length_groups(prefill_rows, _prefill_cost(query_lens[prefill_rows], context_lens[prefill_rows],
                                                                 block_size, window))
     sub_batches = []
@@ -277,8 +300,8 @@ def _build_plan(md: AttentionMetadata, block_size: int, window: int | None, nati
                              fresh_prompts=fresh_prompts, window=window)
     slots = md.slot_mapping.long() if md.slot_mapping is not None else _slots(
         md.block_table, req_index, positions, block_size, None)
-    return AttentionPlan(sub_batches, None, slots, native=native_tokens, fresh_prompts=fresh_prompts,
-                         window=window)
+    return AttentionPlan(sub_batches, None, slots, native=native_tokens, prefill=prefill_chunks,
+                         fresh_prompts=fresh_prompts, window=window)
 
 
 # Queries of up to this many tokens go to the native kernel (each token reads
@@ -295,6 +318,15 @@ def _native_tokens(md: AttentionMetadata, requests: torch.Tensor, req_index: tor
     return NativeTokens(token_index=token_index, positions=positions[token_index].contiguous(),
                         table_row=req_index[token_index].contiguous(), block_table=md.block_table.contiguous(),
                         window=window)
+
+
+def _prefill_chunks(md: AttentionMetadata, rows: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor,
+                    window: int | None) -> PrefillChunks | None:
+    if not len(rows):
+        return None
+    return PrefillChunks(start=md.query_start_loc[rows].contiguous(), length=query_lens[rows].contiguous(),
+                         first_pos=context_lens[rows].contiguous(), table_row=rows.contiguous(),
+                         block_table=md.block_table.contiguous(), window=window)
 
 
 # A decode sub-batch pads every request to its longest context. Splitting one

@@ -229,6 +229,16 @@ void kvserve_store_kv(const void *k, const void *v, int64_t token_stride, int64_
                       void *v_cache, int64_t cache_head_stride, const int64_t *slots, const int64_t *tokens,
                       int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int in_dtype, int cache_dtype);
 
+/* ---- attention/prefill_attention.c --------------------------------------------------------- */
+
+int kvserve_prefill_attention(const void *q, int64_t q_token_stride, int64_t q_head_stride, const void *k_cache,
+                              const void *v_cache, int64_t cache_head_stride, void *out, int64_t out_token_stride,
+                              int64_t out_head_stride, const int64_t *chunk_start, const int64_t *chunk_len,
+                              const int64_t *chunk_pos, const int64_t *chunk_row, const int64_t *block_table,
+                              int64_t block_table_stride, int64_t num_chunks, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t head_dim, int64_t block_size, int64_t window, float scale, float softcap,
+                              int q_dtype, int kv_dtype, int isa, int num_threads);
+
 /* ---- decoder/fused_ops.c ----------------------------------------------------------------- */
 
 void kvserve_rms_norm(const void *x, void *residual, const float *weight, void *out, int64_t rows, int64_t dim,

@@ -49,8 +49,11 @@ int kvserve_gguf_gemm_supported(int type, int isa) { return gguf_gemm_of(type, i
 
 int kvserve_gguf_gemm_min_batch(void) { return GGUF_GEMM_MIN_BATCH; }
 
-/* Per-thread buffers kept between calls (a step's packed activations, a panel): a prefill-sized
- * step packs tens of MB, which fresh pages would cost again at every matmul. */
+/* Per-thread buffers kept between calls (a step's packed activations, a panel): fresh pages
+ * would cost again at every matmul. Up to KEEP_BYTES each: a larger one (a prefill step of
+ * thousands of rows of a wide matrix) is freed after its call, so a thread holds no more
+ * than that between steps. */
+#define KEEP_BYTES (32u << 20)
 typedef struct {
     void *data;
     size_t bytes;
@@ -65,6 +68,14 @@ static void *scratch(Scratch *s, size_t bytes) {
         s->bytes = s->data ? bytes : 0;
     }
     return s->data;
+}
+
+/* Frees `s` if it is larger than KEEP_BYTES. */
+static void scratch_trim(Scratch *s) {
+    if (s->bytes > KEEP_BYTES) {
+        free(s->data);
+        *s = (Scratch){NULL, 0};
+    }
 }
 
 /* The layout of `batch` rows of `in` columns packed (gemm.h) in `buffer` (packed_bytes). */
@@ -122,6 +133,25 @@ static void pack_group(const int8_t *qx, const float *scales, int64_t batch, int
 #endif
 }
 
+/* Rows of the panel at weight row `first` of the range [row_begin, row_end) in the slab from
+ * lane group g0. The step's first panels grow from one strip (8, 8, 16, 32, ... rows up to
+ * per_panel): the first rows come from memory with no prefetch ahead of them, so the kernel
+ * starts after a few, and each later panel is prefetched while the one before it is computed. */
+static int64_t panel_at(int64_t first, int64_t g0, int64_t row_begin, int64_t row_end, int64_t per_panel) {
+    const int64_t done = first - row_begin;
+    int64_t rows = per_panel;
+    if (g0 == 0 && done < per_panel) rows = done > GGUF_GEMM_ROWS ? done : GGUF_GEMM_ROWS;
+    return row_end - first < rows ? row_end - first : rows;
+}
+
+/* A lane group's tile of a panel's `rows` outputs (tile [row][16 lanes]) into y [batch, y_stride]
+ * (y at the panel's first row): its lanes that are batch rows. */
+static void copy_tile(const float *tile, int64_t batch, int64_t g, int64_t rows, float *y, int64_t y_stride) {
+    const int64_t first = g * GGUF_GEMM_LANES, lanes = batch - first < GGUF_GEMM_LANES ? batch - first : GGUF_GEMM_LANES;
+    for (int64_t lane = 0; lane < lanes; lane++)
+        for (int64_t r = 0; r < rows; r++) y[(first + lane) * y_stride + r] = tile[r * GGUF_GEMM_LANES + lane];
+}
+
 /* Rows row_begin..row_end of y [batch, y_stride] from packed activations, panel by panel;
  * `panel` holds panel_rows() unpacked rows of the range. While a panel is computed, the next
  * one's stored rows are prefetched a share per kernel call, so memory and the kernel overlap. */
@@ -130,12 +160,13 @@ static void gemm_range(const GgufGemmType *gt, const GgufGemmX *px, int64_t batc
                        int64_t row_end, uint8_t *panel) {
     const int64_t strip = GGUF_GEMM_ROWS * gt->panel_bytes(px->blocks);
     const int64_t per_panel = panel_rows(strip / GGUF_GEMM_ROWS, row_end - row_begin);
+    float tile[2][MAX_PANEL_ROWS * GGUF_GEMM_LANES] __attribute__((aligned(64))); /* a lane group's outputs */
     int64_t slab = SLAB_BYTES / (GGUF_GEMM_LANES * px->blocks * 256);
     if (slab < 1) slab = 1;
     for (int64_t g0 = 0; g0 < px->groups; g0 += slab) {
         const int64_t g1 = px->groups - g0 < slab ? px->groups : g0 + slab;
-        for (int64_t first = row_begin; first < row_end; first += per_panel) {
-            const int64_t rows = row_end - first < per_panel ? row_end - first : per_panel;
+        for (int64_t first = row_begin, rows; first < row_end; first += rows) {
+            rows = panel_at(first, g0, row_begin, row_end, per_panel);
             const int64_t strips = (rows + GGUF_GEMM_ROWS - 1) / GGUF_GEMM_ROWS;
             if (rows % GGUF_GEMM_ROWS) memset(panel + (strips - 1) * strip, 0, (size_t)strip);
             for (int64_t i = 0; i < rows; i++)
@@ -143,24 +174,29 @@ static void gemm_range(const GgufGemmType *gt, const GgufGemmX *px, int64_t batc
                            (int)(i % GGUF_GEMM_ROWS));
             /* the next panel's rows (or the next slab's first panel), a share per call */
             const int64_t next = first + rows < row_end ? first + rows : g1 < px->groups ? row_begin : row_end;
-            const int64_t next_rows = row_end - next < per_panel ? row_end - next : per_panel;
+            const int64_t next_rows = panel_at(next, next == row_begin ? g1 : g0, row_begin, row_end, per_panel);
+            /* kernel calls: two per strip for each pair of lane groups, one for a group left over */
             const int64_t lines = (next_rows * row_bytes + 63) / 64, calls = (g1 - g0) * strips;
             int64_t call = 0;
-            for (int64_t g = g0; g < g1; g++) {
-                const int64_t lanes = batch - g * GGUF_GEMM_LANES;
-                for (int64_t s = 0; s < strips; s++, call++) {
-                    const int64_t from = lines * call / calls, to = lines * (call + 1) / calls;
-                    const int64_t r = s * GGUF_GEMM_ROWS;
-                    const GgufGemmOut o = {y + g * GGUF_GEMM_LANES * y_stride,
-                                           y_stride,
-                                           first + r,
-                                           (int)(rows - r < GGUF_GEMM_ROWS ? rows - r : GGUF_GEMM_ROWS),
-                                           (int)(lanes < GGUF_GEMM_LANES ? lanes : GGUF_GEMM_LANES),
-                                           bias ? bias + first + r : NULL,
-                                           w + next * row_bytes + 64 * from,
-                                           to - from};
-                    gt->kernel(panel + s * strip, px, g, &o);
-                }
+            for (int64_t g = g0; g < g1;) {
+                const int pair = g + 1 < g1 && gt->pair ? 2 : 1;
+                for (int64_t s = 0; s < strips; s++)
+                    for (int half = 0; half < pair; half++, call++) {
+                        const int64_t r = s * GGUF_GEMM_ROWS + (pair == 2 ? GGUF_GEMM_ROWS / 2 * half : 0);
+                        const int64_t from = lines * call / calls, to = lines * (call + 1) / calls;
+                        const int n = (int)(rows - r < GGUF_GEMM_ROWS / pair ? rows - r : GGUF_GEMM_ROWS / pair);
+                        if (n <= 0) continue; /* the padding half of the last strip */
+                        GgufGemmOut o[2];
+                        for (int c = 0; c < pair; c++)
+                            o[c] = (GgufGemmOut){tile[c], r, n, bias ? bias + first + r : NULL,
+                                                 w + next * row_bytes + 64 * from, to - from,
+                                                 (to - from + 8 * px->blocks - 1) / (8 * px->blocks)};
+                        if (pair == 2)
+                            gt->pair(panel + s * strip, half, px, g, o);
+                        else
+                            gt->kernel(panel + s * strip, px, g, o);
+                    }
+                for (int c = 0; c < pair; c++, g++) copy_tile(tile[c], batch, g, rows, y + first, y_stride);
             }
         }
     }
@@ -181,6 +217,7 @@ int gguf_gemm_rows(const GgufGemmType *gt, const int8_t *qx, const float *scales
     const GgufGemmX px = packed_layout(packed, batch, in);
     for (int64_t g = 0; g < px.groups; g++) pack_group(qx, scales, batch, in, g, &px);
     gemm_range(gt, &px, batch, w, row_bytes, bias, y, y_stride, row_begin, row_end, panel);
+    scratch_trim(&packed_scratch);
     return 0;
 }
 
@@ -206,5 +243,6 @@ int gguf_gemm_linear(const GgufGemmType *gt, const int8_t *qx, const float *scal
                 failed = 1;
         }
     }
+    scratch_trim(&packed_scratch);
     return failed ? -3 : 0;
 }

@@ -24,7 +24,7 @@
 
 #define GGUF_GEMM_LANES 16 /* activation rows per vector (float32 lanes of a zmm) */
 #define GGUF_GEMM_ROWS 8       /* weight rows per kernel call (a panel is padded to whole ones with zeros) */
-#define GGUF_GEMM_MIN_BATCH 10 /* steps of this many activation rows or more take the GEMM (at 8 the tiles match it) */
+#define GGUF_GEMM_MIN_BATCH 9 /* steps of this many activation rows or more take the GEMM (at 8 the tiles match it) */
 
 /* A step's packed activations (see above) for super-blocks of 256 columns. */
 typedef struct {
@@ -34,17 +34,20 @@ typedef struct {
     int64_t groups; /* lane groups */
 } GgufGemmX;
 
-/* Where a kernel call's outputs go: y[(16 group + lane) * y_stride + row + r] for the first
- * `rows` panel rows and `lanes` lanes, plus bias[r] (bias NULL: plus 0, as the tiles do).
+/* Where a kernel call's outputs go: its lane group's tile of the panel, tile[(row + r) * 16 +
+ * lane] for the first `rows` of the call's rows, plus bias[r] (bias NULL: plus 0, as the tiles
+ * do); gguf_gemm.c copies the tile's real lanes to y. (Scattered straight down y's columns,
+ * y_stride apart, the stores of a call hit one cache set when the stride is a power of two.)
  * The call also prefetches `prefetch_lines` cache lines from `prefetch` (the next panel's
- * stored rows), a few per step (gguf_gemm_prefetch), so memory and the kernel overlap. */
+ * stored rows), `prefetch_step` of them per step (gguf_gemm_prefetch), so memory and the
+ * kernel overlap. */
 typedef struct {
-    float *y;
-    int64_t y_stride, row;
-    int rows, lanes;
+    float *tile;
+    int64_t row;
+    int rows;
     const float *bias;
     const uint8_t *prefetch;
-    int64_t prefetch_lines;
+    int64_t prefetch_lines, prefetch_step;
 } GgufGemmOut;
 
 /* Bytes of one unpacked row of `blocks` super-blocks (a strip holds GGUF_GEMM_ROWS of them). */
@@ -53,6 +56,11 @@ typedef int64_t (*GgufPanelBytesFn)(int64_t blocks);
 typedef void (*GgufUnpackFn)(const uint8_t *row, int64_t blocks, uint8_t *strip, int r);
 /* A strip's GGUF_GEMM_ROWS rows against lane group `group`, written to `o`. */
 typedef void (*GgufGemmKernelFn)(const uint8_t *strip, const GgufGemmX *x, int64_t group, const GgufGemmOut *o);
+/* Half `half` of a strip's rows (GGUF_GEMM_ROWS / 2 from row GGUF_GEMM_ROWS / 2 * half) against
+ * lane groups `group` and `group` + 1, written to o[0] and o[1]: each weight broadcast feeds
+ * two vpdpbusd, with the same float operations per output as `kernel`. */
+typedef void (*GgufGemmPairFn)(const uint8_t *strip, int half, const GgufGemmX *x, int64_t group,
+                               const GgufGemmOut o[2]);
 
 typedef struct {
     int type; /* ggml's type id */
@@ -60,6 +68,7 @@ typedef struct {
     GgufPanelBytesFn panel_bytes;
     GgufUnpackFn unpack;
     GgufGemmKernelFn kernel;
+    GgufGemmPairFn pair;
 } GgufGemmType;
 
 GGUF_FIXED_FLOAT_BEGIN
@@ -82,34 +91,36 @@ GGUF_INLINE const uint8_t *gguf_gemm_strip_q(const uint8_t *strip, int64_t block
 /* A 4-byte word at p, any alignment (read as one memory operand). */
 typedef int32_t __attribute__((may_alias, aligned(1))) GgufWord;
 
-/* sum[r] += the packed activations' steps s0..s1 (4 columns each) at xs against strip row r's
- * int8 values at qs + 32 r, 4 broadcast at a time: exact int32 sums per lane. */
-GGUF_INLINE void gguf_gemm_steps(__m512i sum[GGUF_GEMM_ROWS], const uint8_t *xs, const uint8_t *qs, const int s0,
-                                 const int s1) {
+/* sum[c][r] += lane group c's packed activations' steps s0..s1 (4 columns each) at xs[c]
+ * against strip row r's int8 values at qs + 32 r, 4 broadcast at a time (each broadcast
+ * serving the `groups` groups): exact int32 sums per lane. `rows` and `groups` are constants
+ * where it is inlined. */
+GGUF_INLINE void gguf_gemm_steps(__m512i sum[2][GGUF_GEMM_ROWS], const uint8_t *const xs[2], const uint8_t *qs,
+                                 const int rows, const int groups, const int s0, const int s1) {
 #pragma GCC unroll 8
     for (int s = s0; s < s1; s++) {
-        const __m512i xv = _mm512_loadu_si512(xs + 64 * s);
-        for (int r = 0; r < GGUF_GEMM_ROWS; r++)
-            sum[r] = _mm512_dpbusd_epi32(sum[r], xv, _mm512_set1_epi32(*(const GgufWord *)(qs + 32 * r + 4 * s)));
+        __m512i xv[2];
+        for (int c = 0; c < groups; c++) xv[c] = _mm512_loadu_si512(xs[c] + 64 * s);
+        for (int r = 0; r < rows; r++) {
+            const __m512i word = _mm512_set1_epi32(*(const GgufWord *)(qs + 32 * r + 4 * s));
+            for (int c = 0; c < groups; c++) sum[c][r] = _mm512_dpbusd_epi32(sum[c][r], xv[c], word);
+        }
     }
 }
 
-/* Step `step` of a call's `steps` (block positions (j, k)): its share of o's prefetches. */
-GGUF_INLINE void gguf_gemm_prefetch(const GgufGemmOut *o, int64_t step, int64_t steps) {
-    const int64_t per = (o->prefetch_lines + steps - 1) / steps, from = step * per;
-    const int64_t to = from + per < o->prefetch_lines ? from + per : o->prefetch_lines;
+/* Step `step` of a call (block position (j, k) = j blocks + k): its share of o's prefetches. */
+GGUF_INLINE void gguf_gemm_prefetch(const GgufGemmOut *o, int64_t step) {
+    const int64_t from = step * o->prefetch_step;
+    const int64_t to = from + o->prefetch_step < o->prefetch_lines ? from + o->prefetch_step : o->prefetch_lines;
     for (int64_t i = from; i < to; i++) _mm_prefetch((const char *)(o->prefetch + 64 * i), _MM_HINT_T0);
 }
 
 /* The outputs of the call's rows from their eight accumulators (sub_block_sums.h's order), plus
- * the bias, by a masked scatter down each row's column of y. */
-GGUF_INLINE void gguf_gemm_store(const GgufGemmOut *o, const __m512 acc[GGUF_GEMM_ROWS][8]) {
-    const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                             _mm512_set1_epi32((int)o->y_stride));
-    for (int r = 0; r < o->rows; r++) {
-        const __m512 y = _mm512_add_ps(gguf_sum8_lanes(acc[r]), _mm512_set1_ps(o->bias ? o->bias[r] : 0.0f));
-        _mm512_mask_i32scatter_ps(o->y + o->row + r, (__mmask16)((1u << o->lanes) - 1), lanes, y, 4);
-    }
+ * the bias, into the tile. */
+GGUF_INLINE void gguf_gemm_store(const GgufGemmOut *o, const __m512 (*acc)[8]) {
+    for (int r = 0; r < o->rows; r++)
+        _mm512_storeu_ps(o->tile + (o->row + r) * GGUF_GEMM_LANES,
+                         _mm512_add_ps(gguf_sum8_lanes(acc[r]), _mm512_set1_ps(o->bias ? o->bias[r] : 0.0f)));
 }
 #endif
 GGUF_FIXED_FLOAT_END

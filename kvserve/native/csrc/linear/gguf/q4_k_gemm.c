@@ -3,9 +3,10 @@
  *
  * Strip (GGUF_GEMM_ROWS rows): the quants q [j][k][row][32] (0..15, as int8), then per
  * super-block k: -128 sum(q) [row][j] (int32: the packed activations are x + 128), d sc_j
- * [row][j] and dmin m_j [row][j] (float32, rounded as the tile rounds them). The kernel: for each sub-block position j, over the super-blocks in order, each
- * lane's integer sum by vpdpbusd of 4 packed activation bytes against 4 quants broadcast,
- * then A_j = fma(I, (d sc_j) dx, A_j), A_j -= (dmin m_j) sx. */
+ * [row][j] and dmin m_j [row][j] (float32, rounded as the tile rounds them). The kernel (8
+ * rows against one lane group, or 4 against two): for each sub-block position j, over the
+ * super-blocks in order, each lane's integer sum by vpdpbusd of 4 packed activation bytes
+ * against 4 quants broadcast, then A_j = fma(I, (d sc_j) dx, A_j), A_j -= (dmin m_j) sx. */
 #include "gemm.h"
 #include "gguf_type.h"
 #include "kvserve.h"
@@ -60,36 +61,50 @@ static void unpack_q4_k(const uint8_t *row, int64_t blocks, uint8_t *strip, int 
 }
 
 GGUF_FIXED_FLOAT_BEGIN
-/* The strip's rows against lane group g. */
-static void kernel_q4_k(const uint8_t *strip, const GgufGemmX *x, int64_t g, const GgufGemmOut *o) {
+/* `rows` strip rows from row0 against `groups` lane groups from g (constants where inlined). */
+GGUF_INLINE void tile_q4_k(const uint8_t *strip, const int row0, const int rows, const int groups, const GgufGemmX *x,
+                           int64_t g, const GgufGemmOut *o) {
     const int64_t K = x->blocks;
-    __m512 acc[R][8];
+    __m512 acc[2][R][8];
     for (int j = 0; j < 8; j++) {
-        __m512 a[R];
-        for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();
+        __m512 a[2][R];
+        for (int c = 0; c < groups; c++)
+            for (int r = 0; r < rows; r++) a[c][r] = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k++) {
-            gguf_gemm_prefetch(o, j * K + k, 8 * K);
-            const uint8_t *meta = meta_q4_k((uint8_t *)strip, K, k, j);
+            gguf_gemm_prefetch(o, j * K + k);
+            const uint8_t *meta = meta_q4_k((uint8_t *)strip, K, k, j) + 32 * row0;
             const int32_t *corr = (const int32_t *)meta;
             const float *scale = (const float *)(meta + 32 * R), *low = (const float *)(meta + 64 * R);
-            __m512i sum[R];
-            for (int r = 0; r < R; r++) sum[r] = _mm512_set1_epi32(corr[8 * r]);
-            gguf_gemm_steps(sum, gguf_gemm_x(x, g, j, k), gguf_gemm_strip_q(strip, K, j, k), 0, 8);
-            const int64_t at = gguf_gemm_scale_at(x, g, j, k);
-            const __m512 dx = _mm512_loadu_ps(x->dx + at), sx = _mm512_loadu_ps(x->sx + at);
-            for (int r = 0; r < R; r++) {
-                const __m512 s = _mm512_mul_ps(_mm512_set1_ps(scale[8 * r]), dx);
-                a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), s, a[r]);
-                a[r] = _mm512_fnmadd_ps(_mm512_set1_ps(low[8 * r]), sx, a[r]);
+            __m512i sum[2][R];
+            for (int c = 0; c < groups; c++)
+                for (int r = 0; r < rows; r++) sum[c][r] = _mm512_set1_epi32(corr[8 * r]);
+            const uint8_t *const xs[2] = {gguf_gemm_x(x, g, j, k), groups > 1 ? gguf_gemm_x(x, g + 1, j, k) : NULL};
+            gguf_gemm_steps(sum, xs, gguf_gemm_strip_q(strip, K, j, k) + 32 * row0, rows, groups, 0, 8);
+            for (int c = 0; c < groups; c++) {
+                const int64_t at = gguf_gemm_scale_at(x, g + c, j, k);
+                const __m512 dx = _mm512_loadu_ps(x->dx + at), sx = _mm512_loadu_ps(x->sx + at);
+                for (int r = 0; r < rows; r++) {
+                    const __m512 s = _mm512_mul_ps(_mm512_set1_ps(scale[8 * r]), dx);
+                    a[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[c][r]), s, a[c][r]);
+                    a[c][r] = _mm512_fnmadd_ps(_mm512_set1_ps(low[8 * r]), sx, a[c][r]);
+                }
             }
         }
-        for (int r = 0; r < R; r++) acc[r][j] = a[r];
+        for (int c = 0; c < groups; c++)
+            for (int r = 0; r < rows; r++) acc[c][r][j] = a[c][r];
     }
-    gguf_gemm_store(o, (const __m512(*)[8])acc);
+    for (int c = 0; c < groups; c++) gguf_gemm_store(o + c, (const __m512(*)[8])acc[c]);
+}
+
+static void kernel_q4_k(const uint8_t *strip, const GgufGemmX *x, int64_t g, const GgufGemmOut *o) {
+    tile_q4_k(strip, 0, R, 1, x, g, o);
+}
+static void pair_q4_k(const uint8_t *strip, int half, const GgufGemmX *x, int64_t g, const GgufGemmOut o[2]) {
+    tile_q4_k(strip, R / 2 * half, R / 2, 2, x, g, o);
 }
 GGUF_FIXED_FLOAT_END
 
-const GgufGemmType gguf_q4_k_gemm_avx512 = {12, ISA_AVX512, panel_bytes_q4_k, unpack_q4_k, kernel_q4_k};
+const GgufGemmType gguf_q4_k_gemm_avx512 = {12, ISA_AVX512, panel_bytes_q4_k, unpack_q4_k, kernel_q4_k, pair_q4_k};
 #else
-const GgufGemmType gguf_q4_k_gemm_avx512 = {12, ISA_AVX512, NULL, NULL, NULL};
+const GgufGemmType gguf_q4_k_gemm_avx512 = {12, ISA_AVX512, NULL, NULL, NULL, NULL};
 #endif

@@ -3,7 +3,8 @@
  *
  * Strip (GGUF_GEMM_ROWS rows): the values q - 32 [j][k][row][32] (int8), then per
  * super-block k: -128 sum(q - 32) of each 16-column half [row][half] (int32: the packed
- * activations are x + 128), the halves' int8 scales [row][half] (as int32) and d [row]. The kernel: for each position j, over the
+ * activations are x + 128), the halves' int8 scales [row][half] (as int32) and d [row]. The
+ * kernel (8 rows against one lane group, or 4 against two): for each position j, over the
  * super-blocks in order, each half's integer sum by vpdpbusd of 4 packed activation bytes
  * against 4 values broadcast, I_j = sc_a isum_a + sc_b isum_b, then A_j = fma(I_j, d dx, A_j). */
 #include "gemm.h"
@@ -62,40 +63,56 @@ static void unpack_q6_k(const uint8_t *row, int64_t blocks, uint8_t *strip, int 
 }
 
 GGUF_FIXED_FLOAT_BEGIN
-/* The strip's rows against lane group g. */
-static void kernel_q6_k(const uint8_t *strip, const GgufGemmX *x, int64_t g, const GgufGemmOut *o) {
+/* `rows` strip rows from row0 against `groups` lane groups from g (constants where inlined). */
+GGUF_INLINE void tile_q6_k(const uint8_t *strip, const int row0, const int rows, const int groups, const GgufGemmX *x,
+                           int64_t g, const GgufGemmOut *o) {
     const int64_t K = x->blocks;
-    __m512 acc[R][8];
+    __m512 acc[2][R][8];
     for (int j = 0; j < 8; j++) {
-        __m512 a[R];
-        for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();
+        __m512 a[2][R];
+        for (int c = 0; c < groups; c++)
+            for (int r = 0; r < rows; r++) a[c][r] = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k++) {
-            gguf_gemm_prefetch(o, j * K + k, 8 * K);
-            const uint8_t *xs = gguf_gemm_x(x, g, j, k), *qs = gguf_gemm_strip_q(strip, K, j, k);
-            __m512i total[R];
+            gguf_gemm_prefetch(o, j * K + k);
+            const uint8_t *const xs[2] = {gguf_gemm_x(x, g, j, k), groups > 1 ? gguf_gemm_x(x, g + 1, j, k) : NULL};
+            const uint8_t *qs = gguf_gemm_strip_q(strip, K, j, k) + 32 * row0;
+            __m512i total[2][R];
             for (int half = 0; half < 2; half++) { /* 16 columns each, with their own scale */
-                const int32_t *corr = (const int32_t *)meta_q6_k((uint8_t *)strip, K, k, 2 * j + half),
+                const int32_t *corr = (const int32_t *)meta_q6_k((uint8_t *)strip, K, k, 2 * j + half) + 16 * row0,
                               *scale = corr + 16 * R;
-                __m512i sum[R];
-                for (int r = 0; r < R; r++) sum[r] = _mm512_set1_epi32(corr[16 * r]);
-                gguf_gemm_steps(sum, xs, qs, 4 * half, 4 * half + 4);
-                for (int r = 0; r < R; r++) {
-                    const __m512i scaled = _mm512_mullo_epi32(sum[r], _mm512_set1_epi32(scale[16 * r]));
-                    total[r] = half ? _mm512_add_epi32(total[r], scaled) : scaled;
-                }
+                __m512i sum[2][R];
+                for (int c = 0; c < groups; c++)
+                    for (int r = 0; r < rows; r++) sum[c][r] = _mm512_set1_epi32(corr[16 * r]);
+                gguf_gemm_steps(sum, xs, qs, rows, groups, 4 * half, 4 * half + 4);
+                for (int c = 0; c < groups; c++)
+                    for (int r = 0; r < rows; r++) {
+                        const __m512i scaled = _mm512_mullo_epi32(sum[c][r], _mm512_set1_epi32(scale[16 * r]));
+                        total[c][r] = half ? _mm512_add_epi32(total[c][r], scaled) : scaled;
+                    }
             }
-            const __m512 dx = _mm512_loadu_ps(x->dx + gguf_gemm_scale_at(x, g, j, k));
-            const float *d = (const float *)d_q6_k((uint8_t *)strip, K, k);
-            for (int r = 0; r < R; r++)
-                a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[r]), _mm512_mul_ps(_mm512_set1_ps(d[r]), dx), a[r]);
+            const float *d = (const float *)d_q6_k((uint8_t *)strip, K, k) + row0;
+            for (int c = 0; c < groups; c++) {
+                const __m512 dx = _mm512_loadu_ps(x->dx + gguf_gemm_scale_at(x, g + c, j, k));
+                for (int r = 0; r < rows; r++)
+                    a[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[c][r]), _mm512_mul_ps(_mm512_set1_ps(d[r]), dx),
+                                              a[c][r]);
+            }
         }
-        for (int r = 0; r < R; r++) acc[r][j] = a[r];
+        for (int c = 0; c < groups; c++)
+            for (int r = 0; r < rows; r++) acc[c][r][j] = a[c][r];
     }
-    gguf_gemm_store(o, (const __m512(*)[8])acc);
+    for (int c = 0; c < groups; c++) gguf_gemm_store(o + c, (const __m512(*)[8])acc[c]);
+}
+
+static void kernel_q6_k(const uint8_t *strip, const GgufGemmX *x, int64_t g, const GgufGemmOut *o) {
+    tile_q6_k(strip, 0, R, 1, x, g, o);
+}
+static void pair_q6_k(const uint8_t *strip, int half, const GgufGemmX *x, int64_t g, const GgufGemmOut o[2]) {
+    tile_q6_k(strip, R / 2 * half, R / 2, 2, x, g, o);
 }
 GGUF_FIXED_FLOAT_END
 
-const GgufGemmType gguf_q6_k_gemm_avx512 = {14, ISA_AVX512, panel_bytes_q6_k, unpack_q6_k, kernel_q6_k};
+const GgufGemmType gguf_q6_k_gemm_avx512 = {14, ISA_AVX512, panel_bytes_q6_k, unpack_q6_k, kernel_q6_k, pair_q6_k};
 #else
-const GgufGemmType gguf_q6_k_gemm_avx512 = {14, ISA_AVX512, NULL, NULL, NULL};
+const GgufGemmType gguf_q6_k_gemm_avx512 = {14, ISA_AVX512, NULL, NULL, NULL, NULL};
 #endif
