@@ -45,7 +45,7 @@ class NativeMoe(ctypes.Structure):
                 ("down", ctypes.POINTER(NativeLinear)), ("shared_gate_up", NativeLinear),
                 ("shared_down", NativeLinear), ("shared_gate", NativeLinear), ("num_experts", _i64),
                 ("top_k", _i64), ("renormalize", _i32), ("softmax_after_topk", _i32), ("swiglu", _i32),
-                ("swiglu_limit", _f32), ("swiglu_alpha", _f32), ("unused", _i32)]
+                ("swiglu_limit", _f32), ("swiglu_alpha", _f32), ("split", _i32)]
 
 
 class NativeDeltaNet(ctypes.Structure):

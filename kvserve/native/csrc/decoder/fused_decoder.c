@@ -842,12 +842,30 @@ static void expert_activation(const NativeModel *m, const NativeMoe *moe, const 
 
 /* ---- mixture of experts (moe.py's SparseMoeBlock) ------------------------------------------
  * Every thread computes the router's logits and the routing itself (the same values on each:
- * no barrier for them), then the threads split each chosen expert's rows as a dense MLP's:
- * the gate/up projections of every expert with tokens (and the shared expert's), one
- * barrier, the activations and down projections, another barrier, and each thread adds the
- * weighted outputs up in ascending expert id, as moe.py does. An expert's rows are its
- * tokens' rows gathered (in moe.py's order: by top-k slot, then token), multiplied by the
- * kernel a step of that many tokens takes, as moe.py multiplies them. */
+ * no barrier for them), then the threads share the chosen experts' matmuls one of two ways:
+ * - by rows (MOE_SPLIT_ROWS): each chosen expert's rows split over the threads as a dense
+ *   MLP's: the gate/up projections of every expert with tokens (and the shared expert's), one
+ *   barrier, the activations and down projections;
+ * - by experts (MOE_SPLIT_EXPERTS): each thread takes whole experts, a run of them in
+ *   ascending id balanced by their work (expert_owner), and runs gate/up, the activation and
+ *   down of each itself: no barrier between gate/up and down, and an expert's inputs are
+ *   gathered and rounded once instead of by every thread;
+ * then a barrier, and each thread adds the weighted outputs up in ascending expert id, as
+ * moe.py does. An expert's rows are its tokens' rows gathered (in moe.py's order: by top-k
+ * slot, then token), multiplied by the kernel a step of that many tokens takes, as moe.py
+ * multiplies them; a row's result depends on neither the split nor the thread count. */
+
+/* MOE_SPLIT_AUTO splits by experts where the step chose at least EXPERT_SPLIT_MIN experts per
+ * thread, none of them with more than EXPERT_SPLIT_MAX_ROWS rows (decode steps, whose experts'
+ * work is mostly reading them): fewer experts, or a few experts holding most rows (a prompt's
+ * tokens tend to pick the same ones), leave whole experts unevenly spread over the threads. */
+#define EXPERT_SPLIT_MIN 4
+#define EXPERT_SPLIT_MAX_ROWS 4
+/* An expert's work in expert_owner's units: reading its weights costs about as much as
+ * multiplying them by 1.25 rows (a 15B-A2B Q4_K_M expert on one Zen 5 core: ~90 us for one
+ * row, ~40 us more per row), so work = EXPERT_READ_COST + EXPERT_ROW_COST * rows. */
+#define EXPERT_READ_COST 5
+#define EXPERT_ROW_COST 4
 
 /* Whether expert a comes before expert b in the order the call picks them: the higher logit
  * first, of equal logits the lower id. Where equal logits straddle the top-k boundary that order
@@ -936,6 +954,87 @@ static void expert_rows(const NativeModel *m, const NativeLinear *l, const float
     linear_range(l, path, x, rows, p, y, begin, end);
 }
 
+/* Whether the step's chosen experts go to the threads whole (see above). */
+static int splits_by_expert(const NativeMoe *moe, const Private *p, int nthreads) {
+    if (moe->shared_down.out || moe->split == MOE_SPLIT_ROWS) return 0; /* a shared expert: split by rows */
+    if (moe->split == MOE_SPLIT_EXPERTS) return 1;
+    int64_t active = 0;
+    for (int64_t e = 0; e < moe->num_experts; e++) {
+        const int64_t rows = p->expert_end[e] - expert_begin(p, e);
+        if (rows > EXPERT_SPLIT_MAX_ROWS) return 0;
+        active += rows > 0;
+    }
+    return nthreads > 1 && active >= EXPERT_SPLIT_MIN * nthreads;
+}
+
+/* The thread that runs expert e of the step (`work_before`: the work of the chosen experts below
+ * e, `total` of all): the one whose share of the total holds the middle of e's work, so the
+ * threads take runs of experts in ascending id, of about equal work. The same on every thread. */
+static int expert_owner(int64_t work_before, int64_t work, int64_t total, int nthreads) {
+    const int owner = (int)((2 * work_before + work) * nthreads / (2 * total));
+    return owner < nthreads ? owner : nthreads - 1;
+}
+
+static int64_t expert_work(int64_t rows) { return EXPERT_READ_COST + EXPERT_ROW_COST * rows; }
+
+/* By experts: this thread's experts' gate/up, activation and down, all rows of each, outputs in
+ * s->moe_gate_up / s->moe_down at the expert's pairs (as the split by rows writes them). */
+static void own_experts(const NativeModel *m, const NativeMoe *moe, Private *p, Shared *s, int tid, int nthreads) {
+    const int64_t E = moe->num_experts, H = m->hidden, width = moe->down[0].in;
+    int64_t total = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t rows = p->expert_end[e] - expert_begin(p, e);
+        total += rows ? expert_work(rows) : 0;
+    }
+    for (int64_t e = 0, before = 0; e < E; e++) {
+        const int64_t first = expert_begin(p, e), rows = p->expert_end[e] - first;
+        if (!rows) continue;
+        const int64_t work = expert_work(rows);
+        const int owner = expert_owner(before, work, total, nthreads);
+        before += work;
+        if (owner != tid) continue;
+        for (int64_t i = 0; i < rows; i++)
+            memcpy(p->gather + i * H, p->x + p->pair_token[first + i] * H, sizeof(float) * (size_t)H);
+        const NativeLinear *gate_up = &moe->gate_up[e], *down = &moe->down[e];
+        const int gate_up_path = linear_path(m, gate_up, rows, rows), down_path = linear_path(m, down, rows, rows);
+        linear_prepare(gate_up, gate_up_path, p->gather, rows, p);
+        linear_range(gate_up, gate_up_path, p->gather, rows, p, s->moe_gate_up + first * 2 * width, 0, gate_up->out);
+        phase_mark(&p->timer, PHASE_GATE_UP);
+        expert_activation(m, moe, s->moe_gate_up + first * 2 * width, p->act, rows, width);
+        phase_mark(&p->timer, PHASE_NORMS);
+        linear_prepare(down, down_path, p->act, rows, p);
+        linear_range(down, down_path, p->act, rows, p, s->moe_down + first * H, 0, down->out);
+        phase_mark(&p->timer, PHASE_DOWN);
+    }
+}
+
+/* After the barrier that follows the down projections: the weighted sum of the experts' outputs
+ * (and the gated shared expert's) into p->sum, and under tensor parallelism its all-reduce. */
+static const float *moe_sum(const NativeModel *m, const NativeMoe *moe, const NativeStep *st, Private *p, Shared *s,
+                            int tid) {
+    const int64_t T = st->num_tokens, H = m->hidden, pairs = T * moe->top_k;
+    const int64_t shared_width = moe->shared_down.out ? moe->shared_down.in : 0;
+    const float *shared_down = s->moe_down + pairs * H;
+    memset(p->sum, 0, sizeof(float) * (size_t)(T * H));
+    for (int64_t i = 0; i < pairs; i++) { /* pairs are grouped by ascending expert id */
+        const float *y = s->moe_down + i * H, w = p->pair_weight[i];
+        float *out = p->sum + p->pair_token[i] * H;
+        for (int64_t h = 0; h < H; h++) out[h] += y[h] * w;
+    }
+    if (shared_width)
+        for (int64_t t = 0; t < T; t++) {
+            const float *x = p->x + t * H, *g = (const float *)moe->shared_gate.w;
+            float dot = moe->shared_gate.bias ? moe->shared_gate.bias[0] : 0.0f;
+            for (int64_t h = 0; h < H; h++) dot += x[h] * g[h];
+            const float gate = 1.0f / (1.0f + expf(-dot));
+            for (int64_t h = 0; h < H; h++) p->sum[t * H + h] += gate * shared_down[t * H + h];
+        }
+    phase_mark(&p->timer, PHASE_NORMS);
+    if (!m->all_reduce) return p->sum;
+    if (tid == 0) memcpy(s->out, p->sum, sizeof(float) * (size_t)(T * H));
+    return all_reduce_out(m, st, p, s, tid) ? s->out : NULL;
+}
+
 /* The MoE MLP of x = p->x; returns its output [T, hidden] (p->sum; under tensor parallelism
  * Shared.out summed over the ranks), or NULL when that all-reduce failed or a routing tie
  * stops the call (s->routing_tie). Every thread routes alike, so all of them stop there. */
@@ -951,6 +1050,11 @@ static const float *moe_mlp(const NativeModel *m, const NativeMoe *moe, const Na
         return NULL;
     }
     phase_mark(&p->timer, PHASE_NORMS);
+    if (splits_by_expert(moe, p, nthreads)) {
+        own_experts(m, moe, p, s, tid, nthreads);
+        wait_all(p, PHASE_DOWN);
+        return moe_sum(m, moe, st, p, s, tid);
+    }
     const NativeLinear *prepared = NULL;
     for (int64_t e = 0; e < E; e++) {
         const int64_t first = expert_begin(p, e), rows = p->expert_end[e] - first;
@@ -977,24 +1081,7 @@ static const float *moe_mlp(const NativeModel *m, const NativeMoe *moe, const Na
         expert_rows(m, &moe->shared_down, p->act, T, p, shared_down, &prepared, tid, nthreads);
     }
     wait_all(p, PHASE_DOWN);
-    memset(p->sum, 0, sizeof(float) * (size_t)(T * H));
-    for (int64_t i = 0; i < pairs; i++) { /* pairs are grouped by ascending expert id */
-        const float *y = s->moe_down + i * H, w = p->pair_weight[i];
-        float *out = p->sum + p->pair_token[i] * H;
-        for (int64_t h = 0; h < H; h++) out[h] += y[h] * w;
-    }
-    if (shared_width)
-        for (int64_t t = 0; t < T; t++) {
-            const float *x = p->x + t * H, *g = (const float *)moe->shared_gate.w;
-            float dot = moe->shared_gate.bias ? moe->shared_gate.bias[0] : 0.0f;
-            for (int64_t h = 0; h < H; h++) dot += x[h] * g[h];
-            const float gate = 1.0f / (1.0f + expf(-dot));
-            for (int64_t h = 0; h < H; h++) p->sum[t * H + h] += gate * shared_down[t * H + h];
-        }
-    phase_mark(&p->timer, PHASE_NORMS);
-    if (!m->all_reduce) return p->sum;
-    if (tid == 0) memcpy(s->out, p->sum, sizeof(float) * (size_t)(T * H));
-    return all_reduce_out(m, st, p, s, tid) ? s->out : NULL;
+    return moe_sum(m, moe, st, p, s, tid);
 }
 
 /* The MLP of x = p->x; returns its output [T, hidden] (as attention_and_o's, NULL when the

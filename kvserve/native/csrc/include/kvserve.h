@@ -86,8 +86,11 @@ typedef struct {
     int32_t softmax_after_topk;        /* gpt-oss: the top k of the logits, then a softmax over those k */
     int32_t swiglu;                    /* gpt-oss: the experts' clamped SwiGLU (limit, alpha) in place of SiLU */
     float swiglu_limit, swiglu_alpha;
-    int32_t unused;
+    int32_t split; /* how the threads share the experts' matmuls: MOE_SPLIT_AUTO (0), MOE_SPLIT_ROWS
+                    * (each expert's rows split over the threads) or MOE_SPLIT_EXPERTS (whole experts) */
 } NativeMoe;
+
+enum { MOE_SPLIT_AUTO, MOE_SPLIT_ROWS, MOE_SPLIT_EXPERTS };
 
 typedef struct {
     NativeLinear qkv, o, gate_up, down; /* gate_up, down: the dense MLP (unused where moe) */

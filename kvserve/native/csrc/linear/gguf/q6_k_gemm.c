@@ -77,6 +77,8 @@ GGUF_INLINE void tile_q6_k(const uint8_t *strip, const int row0, const int rows,
             const uint8_t *const xs[2] = {gguf_gemm_x(x, g, j, k), groups > 1 ? gguf_gemm_x(x, g + 1, j, k) : NULL};
             const uint8_t *qs = gguf_gemm_strip_q(strip, K, j, k) + 32 * row0;
             __m512i total[2][R];
+            for (int c = 0; c < groups; c++)
+                for (int r = 0; r < rows; r++) total[c][r] = _mm512_setzero_si512();
             for (int half = 0; half < 2; half++) { /* 16 columns each, with their own scale */
                 const int32_t *corr = (const int32_t *)meta_q6_k((uint8_t *)strip, K, k, 2 * j + half) + 16 * row0,
                               *scale = corr + 16 * R;
@@ -87,7 +89,7 @@ GGUF_INLINE void tile_q6_k(const uint8_t *strip, const int row0, const int rows,
                 for (int c = 0; c < groups; c++)
                     for (int r = 0; r < rows; r++) {
                         const __m512i scaled = _mm512_mullo_epi32(sum[c][r], _mm512_set1_epi32(scale[16 * r]));
-                        total[c][r] = half ? _mm512_add_epi32(total[c][r], scaled) : scaled;
+                        total[c][r] = _mm512_add_epi32(total[c][r], scaled);
                     }
             }
             const float *d = (const float *)d_q6_k((uint8_t *)strip, K, k) + row0;
