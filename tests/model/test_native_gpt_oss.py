@@ -101,6 +101,7 @@ def test_native_gpt_oss_matches_per_op_path(tiny, monkeypatch, threads):
     keys run out of its window many times."""
     model = load_model(tiny)
     assert all(layer.self_attn.sinks.abs().min() > 0 for layer in model.layers)
+    assert model.rotary_global.attention_factor > 1.0  # YaRN's scale, in the cos/sin tables both paths read
     sequences, prompt_lens = _margin_ok_seed(tiny, 2 * BOUND)
     assert max(map(len, sequences.values())) > 3 * WINDOW
     per_op = run_chunks_of_two(per_op_model(tiny), sequences, prompt_lens)
