@@ -1069,6 +1069,7 @@ static const float *moe_mlp(const NativeModel *m, const NativeMoe *moe, const Na
         if (T > 1) prepared = NULL;
         expert_rows(m, &moe->gate_up[e], p->gather, rows, p, s->moe_gate_up + first * 2 * width, &prepared, tid,
                     nthreads);
+        phase_mark(&p->timer, PHASE_GATE_UP); /* (linear_prepare marks the rounding before it) */
     }
     if (T > 1) prepared = NULL;
     if (shared_width) expert_rows(m, &moe->shared_gate_up, p->x, T, p, shared_gate_up, &prepared, tid, nthreads);
@@ -1077,8 +1078,10 @@ static const float *moe_mlp(const NativeModel *m, const NativeMoe *moe, const Na
         const int64_t first = expert_begin(p, e), rows = p->expert_end[e] - first;
         if (!rows) continue;
         expert_activation(m, moe, s->moe_gate_up + first * 2 * width, p->act, rows, width);
+        phase_mark(&p->timer, PHASE_NORMS);
         prepared = NULL;
         expert_rows(m, &moe->down[e], p->act, rows, p, s->moe_down + first * H, &prepared, tid, nthreads);
+        phase_mark(&p->timer, PHASE_DOWN);
     }
     if (shared_width) {
         gate_activation(m, shared_gate_up, p->act, T, shared_width);
