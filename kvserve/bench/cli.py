@@ -244,7 +244,8 @@ def _run_profile(args: argparse.Namespace) -> dict[str, Any]:
     from kvserve.bench import profile
 
     return profile.run(batch_size=args.batch_size, context_len=args.context_len, steps=args.steps,
-                       ab_fewer_barriers=args.ab_fewer_barriers, **_engine_kwargs(args))
+                       ab_fewer_barriers=args.ab_fewer_barriers, ab_moe_split=args.ab_moe_split,
+                       **_engine_kwargs(args))
 
 
 def _run_host(args: argparse.Namespace) -> dict[str, Any]:

@@ -144,6 +144,9 @@ def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ab-fewer-barriers", type=int, default=0, metavar="ROUNDS",
                         help="then time ROUNDS alternating rounds of --steps steps each with the native call's "
                              "fewer barriers a layer (the default) and without (NativeDecoder.fewer_barriers)")
+    parser.add_argument("--ab-moe-split", type=int, default=0, metavar="ROUNDS",
+                        help="then time ROUNDS alternating rounds of --steps steps each with the MoE layers' chosen "
+                             "experts split over the threads whole and by rows (NativeDecoder.moe_split)")
     _add_engine_arguments(parser)
 
 

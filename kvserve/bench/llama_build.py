@@ -127,6 +127,30 @@ def converter_script() -> str:
     return script
 
 
+# Runs the converter with the tokenizer's pre-tokenizer named (the converter recognizes one by
+# hashing what it does to a sample text, and knows no test or random model's).
+_CONVERT = """import runpy, sys
+sys.path[:0] = [{src!r}, {src!r} + "/gguf-py"]
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
+runpy.run_path({src!r} + "/convert_hf_to_gguf.py", run_name="__main__")
+"""
+
+
+def convert_hf_to_gguf(model_dir: str, out_path: str, pre: str, outtype: str = "f32",
+                       extra_args: tuple[str, ...] = (), converter: str | None = None) -> str:
+    """Run llama.cpp's convert_hf_to_gguf.py (`converter`, else `converter_script()`) on the Hugging
+    Face directory `model_dir`, tensors it does not keep as they are written as `outtype`, the
+    tokenizer's pre-tokenizer named `pre`; returns `out_path`. Raises LlamaBuildError on failure."""
+    source = os.path.dirname(converter or converter_script())
+    completed = subprocess.run([sys.executable, "-c", _CONVERT.format(src=source, pre=pre), model_dir,
+                                "--outfile", out_path, "--outtype", outtype, *extra_args],
+                               capture_output=True, text=True, timeout=1800)
+    if completed.returncode != 0:
+        raise LlamaBuildError(f"convert_hf_to_gguf.py failed:\n{completed.stderr[-3000:]}")
+    return out_path
+
 def main(argv: list[str]) -> int:
     force = os.environ.get("FORCE") == "1"
     jobs = int(os.environ["JOBS"]) if os.environ.get("JOBS") else None

@@ -134,9 +134,10 @@ def _prefill(core, num_requests: int, context_len: int, decode_steps: int, vocab
 
 
 def run(*, batch_size: int = 32, context_len: int = 256, steps: int = 16, seed: int = 0, ab_fewer_barriers: int = 0,
-        **engine_kwargs: Any) -> dict[str, Any]:
+        ab_moe_split: int = 0, **engine_kwargs: Any) -> dict[str, Any]:
     """Profile `steps` decode steps of `batch_size` requests at about `context_len` tokens of context;
-    then, with `ab_fewer_barriers` rounds, A/B the native call's fewer barriers a layer."""
+    then, with `ab_fewer_barriers` rounds, A/B the native call's fewer barriers a layer, and with
+    `ab_moe_split` rounds its MoE layers' split of the experts over the threads."""
     from kvserve.engine.core import EngineCore
 
     engine_kwargs.setdefault("max_num_seqs", batch_size)
@@ -144,7 +145,7 @@ def run(*, batch_size: int = 32, context_len: int = 256, steps: int = 16, seed: 
     core = EngineCore(config)
     try:
         runner = getattr(core.executor, "model_runner", None)  # None: tensor-parallel workers run the model
-        _prefill(core, batch_size, context_len, (3 + 4 * ab_fewer_barriers) * steps + 8,
+        _prefill(core, batch_size, context_len, (3 + 4 * (ab_fewer_barriers + ab_moe_split)) * steps + 8,
                  config.model_config.vocab_size, seed)
         started = time.perf_counter()
         for _ in range(steps):
@@ -154,6 +155,7 @@ def run(*, batch_size: int = 32, context_len: int = 256, steps: int = 16, seed: 
             engine_stats, runner_stats, profiled_s = _profiled_steps(core, runner, steps)
             native_split = _native_split(core, runner.model.native_decoder, steps)
             split_ab = _fewer_barriers_ab(core, runner.model.native_decoder, steps, ab_fewer_barriers)
+            moe_ab = _moe_split_ab(core, runner.model.native_decoder, steps, ab_moe_split)
     finally:
         core.shutdown()
     result = {
@@ -179,26 +181,43 @@ def run(*, batch_size: int = 32, context_len: int = 256, steps: int = 16, seed: 
         "top_functions_model_step": _top_functions(runner_stats),
         "native_split": native_split,
         "fewer_barriers_ab": split_ab,
+        "moe_split_ab": moe_ab,
     }
 
 
 def _fewer_barriers_ab(core, native, steps: int, rounds: int) -> dict[str, Any] | None:
     """ms per step with the native call's fewer barriers a layer ("on": O and down split by
-    input columns, K/V written by each thread that reads it) and without ("off"), `rounds`
-    rounds of `steps` steps each way, the order alternating by round, each followed by as many
-    steps under the phase timer. The figure is the median of the per-round ratios off / on
-    (above 1: fewer barriers is faster)."""
+    input columns, K/V written by each thread that reads it) and without ("off"), as `_native_ab`
+    (the median ratio off / on: above 1, fewer barriers is faster)."""
+    return _native_ab(core, native, steps, rounds, "fewer_barriers", {"on": True, "off": False})
+
+
+def _moe_split_ab(core, native, steps: int, rounds: int) -> dict[str, Any] | None:
+    """ms per step with the MoE layers' chosen experts split over the threads whole ("experts")
+    and by each expert's rows ("rows"), as `_native_ab` (the median ratio rows / experts: above 1,
+    whole experts are faster); None where the model has no MoE layer in the native call."""
+    if native is None or not any(layer.moe for layer in native._layers):
+        return None
+    return _native_ab(core, native, steps, rounds, "moe_split", {"experts": "experts", "rows": "rows"})
+
+
+def _native_ab(core, native, steps: int, rounds: int, switch: str, variants: dict[str, Any]) -> dict[str, Any] | None:
+    """ms per step with the native decoder's attribute `switch` set to each of two `variants`
+    (name -> value), `rounds` rounds of `steps` steps each way, the order alternating by round,
+    each followed by as many steps under the phase timer. The figure is the median of the
+    per-round ratios second / first."""
     if native is None or rounds <= 0:
         return None
     from kvserve.model.native_decoder import phase_timing
 
-    default = native.fewer_barriers
-    step_ms: dict[str, list[float]] = {"on": [], "off": []}
-    phases: dict[str, list[list[dict[str, float]]]] = {"on": [], "off": []}
+    default = getattr(native, switch)
+    first, second = variants
+    step_ms: dict[str, list[float]] = {name: [] for name in variants}
+    phases: dict[str, list[list[dict[str, float]]]] = {name: [] for name in variants}
     try:
         for r in range(rounds):
-            for variant in (("on", "off") if r % 2 == 0 else ("off", "on")):
-                native.fewer_barriers = variant == "on"
+            for variant in ((first, second) if r % 2 == 0 else (second, first)):
+                setattr(native, switch, variants[variant])
                 core.step()
                 started = time.perf_counter()
                 for _ in range(steps):
@@ -210,13 +229,14 @@ def _fewer_barriers_ab(core, native, steps: int, rounds: int) -> dict[str, Any] 
                 calls = max(timing.get("calls", 0), 1)
                 phases[variant].append([{k: v / calls * 1000 for k, v in t.items()} for t in timing["threads"]])
     finally:
-        native.fewer_barriers = default
-    ratios = [off / on for on, off in zip(step_ms["on"], step_ms["off"])]
+        setattr(native, switch, default)
+    ratios = [b / a for a, b in zip(step_ms[first], step_ms[second])]
     median_phases = {variant: [{k: statistics.median(rnd[t][k] for rnd in rounds_)
                                 for k in rounds_[0][t]} for t in range(len(rounds_[0]))]
                      for variant, rounds_ in phases.items()}
-    return {"rounds": rounds, "steps": steps, "step_ms": step_ms, "ratios_off_over_on": ratios,
-            "median_ratio": statistics.median(ratios), "median_phases_ms_per_call": median_phases}
+    return {"switch": switch, "rounds": rounds, "steps": steps, "step_ms": step_ms,
+            f"ratios_{second}_over_{first}": ratios, "median_ratio": statistics.median(ratios),
+            "median_phases_ms_per_call": median_phases}
 
 
 def _native_split(core, native, steps: int) -> dict[str, Any] | None:
@@ -287,19 +307,23 @@ def format_result(result: dict[str, Any]) -> str:
                                        title=f"profile: inside the native decoder call ({split['calls']} calls)")
     ab = result.get("fewer_barriers_ab")
     if ab:
-        text += "\n\n" + _format_split_ab(ab)
+        text += "\n\n" + _format_ab(ab, "native call with fewer barriers a layer vs more", ("fewer", "more"))
+    ab = result.get("moe_split_ab")
+    if ab:
+        text += "\n\n" + _format_ab(ab, "MoE experts split over the threads whole vs by rows", ("experts", "rows"))
     return text
 
 
-def _format_split_ab(ab: dict[str, Any]) -> str:
-    on, off = ab["median_phases_ms_per_call"]["on"], ab["median_phases_ms_per_call"]["off"]
-    rows = [[phase, *(t[phase] for t in on), *(t[phase] for t in off)] for phase in on[0]]
-    rows.append(["total", *(sum(t.values()) for t in on), *(sum(t.values()) for t in off)])
-    header = ["phase (median of rounds)", *(f"fewer t{i}" for i in range(len(on))),
-              *(f"more t{i}" for i in range(len(off)))]
-    title = (f"A/B, native call with fewer barriers a layer vs more, {ab['rounds']} alternating rounds of "
-             f"{ab['steps']} steps: ms/step fewer {', '.join(f'{v:.2f}' for v in ab['step_ms']['on'])}; more "
-             f"{', '.join(f'{v:.2f}' for v in ab['step_ms']['off'])}; median ratio more/fewer "
+def _format_ab(ab: dict[str, Any], what: str, labels: tuple[str, str]) -> str:
+    first, second = ab["step_ms"]
+    a, b = ab["median_phases_ms_per_call"][first], ab["median_phases_ms_per_call"][second]
+    rows = [[phase, *(t[phase] for t in a), *(t[phase] for t in b)] for phase in a[0]]
+    rows.append(["total", *(sum(t.values()) for t in a), *(sum(t.values()) for t in b)])
+    header = ["phase (median of rounds)", *(f"{labels[0]} t{i}" for i in range(len(a))),
+              *(f"{labels[1]} t{i}" for i in range(len(b)))]
+    title = (f"A/B, {what}, {ab['rounds']} alternating rounds of {ab['steps']} steps: ms/step {labels[0]} "
+             f"{', '.join(f'{v:.2f}' for v in ab['step_ms'][first])}; {labels[1]} "
+             f"{', '.join(f'{v:.2f}' for v in ab['step_ms'][second])}; median ratio {labels[1]}/{labels[0]} "
              f"{ab['median_ratio']:.3f}")
     return format_table(header, rows, title=title)
 

@@ -237,6 +237,23 @@ class NativeDecoder:
     def fewer_barriers(self, on: bool) -> None:
         self._desc.fewer_barriers = int(on)
 
+    MOE_SPLITS = ("auto", "rows", "experts")
+
+    @property
+    def moe_split(self) -> str:
+        """How the threads share a MoE layer's chosen experts (fused_decoder.c's moe_mlp): "rows"
+        (each expert's rows over the threads), "experts" (whole experts per thread, balanced by
+        work) or "auto" (experts from 4 chosen experts a thread on). For tests and A/B runs: a
+        row's result is the same either way."""
+        moes = [layer.moe.contents for layer in self._layers if layer.moe]
+        return self.MOE_SPLITS[moes[0].split] if moes else "auto"
+
+    @moe_split.setter
+    def moe_split(self, split: str) -> None:
+        for layer in self._layers:
+            if layer.moe:
+                layer.moe.contents.split = self.MOE_SPLITS.index(split)
+
     @classmethod
     def for_model(cls, model) -> "NativeDecoder | None":
         """The native decoder for `model`, or None where the library is missing or it does not

@@ -9,7 +9,10 @@ runs every chosen expert's SiLU-gated MLP through the same row kernels as a dens
 three matmuls, SiLU*up, scale, scatter-add) becomes one call per layer. It takes the
 experts the per-op path would run through the row kernel and the native gated product:
 SiLU-gated, or gpt-oss's clamped SwiGLU with its biases; float32 activations; steps of
-fewer rows than the weights' dense-GEMM threshold.
+any size where every expert type has the native GEMM on the path (Q4_K and Q6_K on AVX-512
+VNNI: csrc/linear/gguf_gemm.c, whose rows keep their batch-one sums, as the per-op path's
+`stored_weight.linear` does at any size), else steps of fewer rows than the weights' dense-GEMM
+threshold (from it the per-op path dequantizes).
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ class StoredExperts:
     type, down blocks, down type, then the gate, up and down biases' addresses, 0: none),
     `weights` the StoredWeights and biases it points into (held so that they stay alive),
     `width` the expert width (this rank's), `isa` the kernel path, `gemm_rows` the weights'
-    dense-GEMM threshold (0: never), `swiglu` gpt-oss's (limit, alpha) or None: SiLU."""
+    dense-GEMM threshold (0: never), `swiglu` gpt-oss's (limit, alpha) or None: SiLU,
+    `native_gemm` whether every expert type has the native GEMM (then no threshold applies)."""
 
     table: torch.Tensor
     weights: list[StoredWeight]
@@ -39,11 +43,12 @@ class StoredExperts:
     isa: str
     gemm_rows: int
     swiglu: tuple[float, float] | None = None
+    native_gemm: bool = False
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether a step of activations x runs here (as the per-op path's row kernel would)."""
         return (x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[1] == self.hidden
-                and (not self.gemm_rows or x.shape[0] < self.gemm_rows))
+                and (not self.gemm_rows or x.shape[0] < self.gemm_rows or self.native_gemm))
 
     def __call__(self, x: torch.Tensor, expert_ids: torch.Tensor, gate_weights: torch.Tensor) -> torch.Tensor:
         """sum_k gate_weights[:, k] * expert_{ids[:, k]}(x) [T, hidden], unreduced across ranks."""
@@ -119,4 +124,5 @@ def stored_experts(experts) -> StoredExperts | None:
     if not all(stored_weight.supported(w.type_name, isa) for w in stored):
         return None
     return StoredExperts(torch.tensor(rows, dtype=torch.int64), held, stored[0].out_features,
-                         stored[0].in_features, isa, gemm_rows, gating.pop())
+                         stored[0].in_features, isa, gemm_rows, gating.pop(),
+                         all(stored_weight.has_native_gemm(w, isa) for w in stored))

@@ -45,7 +45,7 @@ class NativeMoe(ctypes.Structure):
                 ("down", ctypes.POINTER(NativeLinear)), ("shared_gate_up", NativeLinear),
                 ("shared_down", NativeLinear), ("shared_gate", NativeLinear), ("num_experts", _i64),
                 ("top_k", _i64), ("renormalize", _i32), ("softmax_after_topk", _i32), ("swiglu", _i32),
-                ("swiglu_limit", _f32), ("swiglu_alpha", _f32), ("unused", _i32)]
+                ("swiglu_limit", _f32), ("swiglu_alpha", _f32), ("split", _i32)]
 
 
 class NativeDeltaNet(ctypes.Structure):
@@ -141,6 +141,7 @@ SIGNATURES = {
     "kvserve_store_kv": ([_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _int, _int], None),
     "kvserve_rms_norm": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _f32, _int, _int, _int], None),
     "kvserve_silu_mul": ([_ptr, _ptr, _i64, _i64, _int, _int], None),
+    "kvserve_silu_mul_parts": ([_ptr, _ptr, _ptr, _i64, _i64, _int, _int], None),
     "kvserve_swiglu_clamped": ([_ptr, _ptr, _i64, _i64, _f32, _f32, _int, _int], None),
     "kvserve_rotary": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _int, _int], None),
     "kvserve_small_linear_supported": ([_int], _int),

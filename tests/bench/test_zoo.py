@@ -143,3 +143,20 @@ def test_llama_quantize_makes_a_q4_k_m_mixture_kvserve_runs(zoo_cache):
     llm = LLM(model=path, kv_cache_memory="16MiB", max_model_len=128)
     out = llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_profile_ab_of_the_moe_split(zoo_cache, tmp_path, capsys):
+    """`--ab-moe-split` on the tiny Qwen3-MoE: alternating rounds with the MoE layers' experts
+    split over the threads whole and by rows, each round's step times, ratios and phases."""
+    out_json = tmp_path / "profile.json"
+    exit_code = main(["bench", "profile", "--model", "zoo:tiny-qwen3moe-q8_0", "--batch-size", "2",
+                      "--context-len", "8", "--steps", "2", "--ab-moe-split", "3", "--kv-cache-memory", "16MiB",
+                      "--max-model-len", "128", "--output-json", str(out_json), "--no-plot"])
+    printed = capsys.readouterr().out
+    assert exit_code == 0, printed
+    ab = json.loads(out_json.read_text())["result"]["moe_split_ab"]
+    assert ab["switch"] == "moe_split" and ab["rounds"] == 3
+    assert len(ab["step_ms"]["experts"]) == len(ab["step_ms"]["rows"]) == 3
+    assert ab["median_ratio"] == sorted(ab["ratios_rows_over_experts"])[1]
+    assert all(phases[0]["gate/up matmul"] > 0 for phases in ab["median_phases_ms_per_call"].values())
+    assert "MoE experts split over the threads whole vs by rows" in printed

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -21,15 +19,6 @@ FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -
 # One merge, so that the GGUF carries `tokenizer.ggml.merges` (transformers cannot rebuild a
 # byte-level vocabulary without them).
 MERGES = (("a", "b"),)
-# The converter recognizes a tokenizer's pre-tokenizer by hashing what it does to a sample
-# text; this byte-level test tokenizer is none it knows, so it is told the model's own.
-_CONVERT = """import runpy, sys
-sys.path[:0] = [{src!r}, {src!r} + "/gguf-py"]
-from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}
-sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
-runpy.run_path({src!r} + "/convert_hf_to_gguf.py", run_name="__main__")
-"""
 
 
 def random_mxfp4(shape: tuple[int, ...], generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -88,10 +77,5 @@ def convert_to_gguf(model_dir: str, out_path: str, converter: str, pre: str = "g
                     extra_args: tuple[str, ...] = ()) -> str:
     """Run llama.cpp's `converter` (convert_hf_to_gguf.py) on `model_dir`, tensors that are not
     MXFP4 written as `outtype`, the tokenizer's pre-tokenizer named `pre`; returns `out_path`."""
-    source = os.path.dirname(converter)
-    completed = subprocess.run([sys.executable, "-c", _CONVERT.format(src=source, pre=pre), model_dir,
-                                "--outfile", out_path, "--outtype", outtype, *extra_args],
-                               capture_output=True, text=True, timeout=600)
-    if completed.returncode != 0:
-        raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{completed.stderr[-3000:]}")
-    return out_path
+    from kvserve.bench.llama_build import convert_hf_to_gguf
+    return convert_hf_to_gguf(model_dir, out_path, pre, outtype, extra_args, converter)

@@ -101,6 +101,7 @@ def test_native_gpt_oss_matches_per_op_path(tiny, monkeypatch, threads):
     keys run out of its window many times."""
     model = load_model(tiny)
     assert all(layer.self_attn.sinks.abs().min() > 0 for layer in model.layers)
+    assert model.rotary_global.attention_factor > 1.0  # YaRN's scale, in the cos/sin tables both paths read
     sequences, prompt_lens = _margin_ok_seed(tiny, 2 * BOUND)
     assert max(map(len, sequences.values())) > 3 * WINDOW
     per_op = run_chunks_of_two(per_op_model(tiny), sequences, prompt_lens)
@@ -197,5 +198,19 @@ def test_gguf_native_matches_per_op_path(gguf_paths, monkeypatch, source):
     else:
         scale = max(ref.abs().max().item() for ref in per_op.values())
         assert max_deviation(results[0], per_op) <= bound * scale
+    for other in results[1:]:
+        assert all(torch.equal(other[r], results[0][r]) for r in results[0])
+
+
+def test_whole_experts_per_thread_give_the_same_bits(tiny):
+    """gpt-oss's biased, clamped-SwiGLU experts split over the threads whole or by rows
+    (NativeDecoder.moe_split), on 1, 2 and 3 threads: the same bits."""
+    sequences, prompt_lens = _sequences(tiny, 0)
+    results = []
+    for split in ("rows", "experts"):
+        for threads in (1, 2, 3):
+            model = native_model(tiny, threads)
+            model._native.moe_split = split
+            results.append(run_chunks_of_two(model, sequences, prompt_lens))
     for other in results[1:]:
         assert all(torch.equal(other[r], results[0][r]) for r in results[0])

@@ -225,3 +225,70 @@ def test_thread_count_gives_the_same_bits(configs, tmp_path, source):
     results = [run_chunks_of_two(native_model(config, threads=threads), sequences, prompt_lens) for threads in (1, 2, 3)]
     for other in results[1:]:
         assert all(torch.equal(other[r], results[0][r]) for r in results[0])
+
+
+def _split_runs(config, edit, sequences, prompt_lens) -> dict[tuple[str, int], dict[str, torch.Tensor]]:
+    """Teacher-forced logits of the native call with each MoE split forced, on 1, 2 and 3 threads."""
+    results = {}
+    for split in ("rows", "experts"):
+        for threads in (1, 2, 3):
+            model = native_model(config, threads=threads, edit=edit)
+            model._native.moe_split = split
+            assert model._native.moe_split == split
+            results[split, threads] = run_chunks_of_two(model, sequences, prompt_lens)
+    return results
+
+
+@pytest.mark.parametrize("source", ["float32", "Q8_0"])
+def test_whole_experts_per_thread_give_the_same_bits(configs, tmp_path, monkeypatch, source):
+    """The chosen experts split over the threads whole (each thread runs gate/up, activation and
+    down of a run of experts balanced by work) or by each expert's rows: every row is multiplied
+    by the same kernel on the same inputs and summed in the same order, so both splits on 1, 2
+    and 3 threads give bit-identical logits, and every step stays native."""
+    config = configs("qwen3_moe") if source == "float32" else ModelConfig.from_path(_moe_gguf(tmp_path, configs, source))
+    sequences, prompt_lens = _sequences(config, 0)
+    sequences = {r: [t % config.vocab_size for t in s] for r, s in sequences.items()}
+    native_steps = count_native_steps(monkeypatch)
+    results = _split_runs(config, None, sequences, prompt_lens)
+    assert native_steps[0] == len(results) * steps_in_chunks_of_two(sequences, prompt_lens)
+    first = results["rows", 1]
+    for other in results.values():
+        assert all(torch.equal(other[r], first[r]) for r in first)
+
+
+def _all_on_expert_0(model) -> None:
+    """Every token's top 1 is expert 0: the embeddings' column 0 is 100 (the residual stream's
+    column 0 stays far above the rest, so each MLP input's column 0 is positive), each sparse
+    layer's MLP norm weighs it 1 and its router row 0 is 1000 e_0 (logit ~1000 x_0 against the
+    other rows' 0.2 randn . x)."""
+    with torch.inference_mode():
+        model.embed_tokens.weight[:, 0] = 100.0
+        for layer in model.layers:
+            if isinstance(layer.mlp, moe.SparseMoeBlock):
+                layer.post_attention_layernorm.weight[0] = 1.0
+                layer.mlp.top_k = 1
+                layer.mlp.gate.weight[0].zero_()
+                layer.mlp.gate.weight[0, 0] = 1000.0
+
+
+@pytest.mark.parametrize("case", ["every token on one expert", "experts no token picks"])
+def test_whole_experts_per_thread_routing_edge_cases(configs, monkeypatch, case):
+    """Every token on expert 0 (one expert holds all rows, the other threads get none), and top 1
+    of rows +1000u / -1000u with the unpicked experts' weights NaN (never read): both splits, 1
+    to 3 threads, the same finite bits, within the bound of the per-op path."""
+    config = configs("mixtral")
+    edit = _all_on_expert_0 if case == "every token on one expert" else _dominant([1, -1], 1, unpicked_nan=True)
+    sequences, prompt_lens = _sequences(config, 0)
+    recorder = RouterLogits()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(moe, "route", recorder)
+        per_op = run_chunks_of_two(per_op_model(config, edit), sequences, prompt_lens)
+    picked = set(torch.cat([ids for _, ids in recorder.calls]).flatten().tolist())
+    assert picked == ({0} if case == "every token on one expert" else {0, 1})
+    native_steps = count_native_steps(monkeypatch)
+    results = _split_runs(config, edit, sequences, prompt_lens)
+    assert native_steps[0] == len(results) * steps_in_chunks_of_two(sequences, prompt_lens)
+    first = results["rows", 1]
+    for other in results.values():
+        assert all(torch.equal(other[r], first[r]) and torch.isfinite(other[r]).all() for r in first)
+    assert largest_relative_diff(first, per_op) <= BOUND

@@ -11,6 +11,8 @@ and by llama.cpp to Q4_K_M where llama-quantize is built (CI does not build it).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ from kvserve.model.loader import load_model
 from kvserve.model.moe import SparseMoeBlock
 from kvserve.model.quantized import kernel_isa
 from kvserve.model.stored_parts import StoredParts
+from kvserve.model import stored_weight
 from kvserve.model.stored_weight import StoredWeight
 from helpers.kernel_switches import env_kernels
 from paged_kv_helper import every_token_logits, tiny_models_with_reference
@@ -48,6 +51,12 @@ def moe_files(tmp_path_factory):
         source = zoo.write_random_gguf(zoo.SHAPES["tiny-qwen3moe"], str(directory / "zoo-moe.f16.gguf"), "f16")
         files["q4_k_m"] = str(directory / "zoo-moe.q4_k_m.gguf")
         zoo.quantize_with_llama_cpp(source, files["q4_k_m"], zoo.QUANT_TYPES["q4_k_m"])
+        # Experts of width 256: every projection whole K-quant super-blocks (Q4_K / Q6_K, which
+        # have the native GEMM on AVX-512 VNNI), where width 128 leaves the down projection Q5_0.
+        wide = dataclasses.replace(zoo.SHAPES["tiny-qwen3moe"], expert_width=256)
+        source = zoo.write_random_gguf(wide, str(directory / "zoo-moe-256.f16.gguf"), "f16")
+        files["q4_k_m_256"] = str(directory / "zoo-moe-256.q4_k_m.gguf")
+        zoo.quantize_with_llama_cpp(source, files["q4_k_m_256"], zoo.QUANT_TYPES["q4_k_m"])
     return files
 
 
@@ -115,14 +124,16 @@ def _both_paths(block: SparseMoeBlock, x: torch.Tensor) -> tuple[torch.Tensor, t
     return native, one_by_one
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "q4_k_m"])
-@pytest.mark.parametrize(("threads", "isa"), [(1, None), (2, None), (2, "avx2"), (2, "portable")])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "q4_k_m", "q4_k_m_256"])
+@pytest.mark.parametrize(("threads", "isa"), [(1, None), (2, None), (3, None), (2, "avx2"), (2, "portable")])
 def test_native_call_equals_expert_by_expert(moe_files, type_name, threads, isa):
     """The native call and the expert-by-expert path give the same bits (the same activation
     rounding, row sums, SiLU and sums in ascending expert id) at batch 1, a few rows, a batch
     whose experts take several rows each and one whose experts take more than the GGUF GEMM's
-    least batch (csrc/linear/gguf_gemm.c, Q4_K/Q6_K on AVX-512), on one thread and two, on the
-    widest kernel path here and each narrower one forced (KVSERVE_QUANT_ISA's switch)."""
+    least batch (csrc/linear/gguf_gemm.c, Q4_K/Q6_K on AVX-512: those experts' projections go
+    in a thread's share of rows each), on one, two and three threads, on the widest kernel path
+    here and each narrower one forced (KVSERVE_QUANT_ISA's switch). Where every expert type has
+    the native GEMM, steps of the weights' dense-GEMM row count and more run in the call too."""
     kernels = env_kernels(quant_isa=isa)
     if isa is not None and kernel_isa(kernels) != isa:
         pytest.skip(f"the {isa} path does not run here")
@@ -133,10 +144,16 @@ def test_native_call_equals_expert_by_expert(moe_files, type_name, threads, isa)
     try:
         generator = torch.Generator().manual_seed(2)
         for block in _blocks(model):
-            for rows in (1, 3, 17, 96):  # 96 rows: 24 a step per expert on average (top 2 of 8)
+            table = block.stored_experts
+            many = table.gemm_rows + 3 if table.gemm_rows else 400  # the per-op path's dense-GEMM size
+            for rows in (1, 3, 17, 96, many):  # 96 rows: 24 a step per expert on average (top 2 of 8)
                 x = torch.randn(rows, block.gate.weight.shape[1], generator=generator)
+                assert table.takes(x) == (rows < many or table.native_gemm)
                 native, one_by_one = _both_paths(block, x)
                 assert torch.equal(native, one_by_one), (rows, (native - one_by_one).abs().max())
+        for block in _blocks(model):  # Q4_K and Q6_K experts: the native GEMM where the path has it
+            has_gemm = all(stored_weight.has_native_gemm(part, block.stored_experts.isa) for part in _expert_parts(block))
+            assert block.stored_experts.native_gemm == has_gemm
     finally:
         torch.set_num_threads(previous)
 

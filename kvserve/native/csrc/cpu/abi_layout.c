@@ -23,7 +23,7 @@ static const int64_t LAYOUT[] = {
     SIZE(NativeMoe), AT(NativeMoe, router), AT(NativeMoe, gate_up), AT(NativeMoe, down),
     AT(NativeMoe, shared_gate_up), AT(NativeMoe, shared_down), AT(NativeMoe, shared_gate), AT(NativeMoe, num_experts),
     AT(NativeMoe, top_k), AT(NativeMoe, renormalize), AT(NativeMoe, softmax_after_topk), AT(NativeMoe, swiglu),
-    AT(NativeMoe, swiglu_limit), AT(NativeMoe, swiglu_alpha), AT(NativeMoe, unused),
+    AT(NativeMoe, swiglu_limit), AT(NativeMoe, swiglu_alpha), AT(NativeMoe, split),
 
     SIZE(NativeDeltaNet), AT(NativeDeltaNet, qkvz), AT(NativeDeltaNet, ba), AT(NativeDeltaNet, out),
     AT(NativeDeltaNet, conv_weight), AT(NativeDeltaNet, dt_bias), AT(NativeDeltaNet, neg_a), AT(NativeDeltaNet, norm),

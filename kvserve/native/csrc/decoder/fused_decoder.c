@@ -59,7 +59,6 @@ typedef struct {
     float *dn;        /* [2 Dk + 2 Dv]: a Gated DeltaNet head's q, k, scratch and output */
     int64_t *bounds;  /* a split matmul's run bounds, in blocks */
     float *gather;    /* [T, hidden]: the rows of the tokens an expert runs on */
-    float *router;    /* [T, experts]: the router's logits */
     int64_t *route_id, *pair_token, *expert_end; /* [T, top_k], [T * top_k], [experts] */
     float *route_weight, *pair_weight;           /* [T, top_k], [T * top_k] */
     float *qk_inv;    /* [T, 2]: a Q/K norm over the whole projection: each token's 1 / rms of Q and of K */
@@ -102,6 +101,7 @@ typedef struct {
     float *conv_out;                   /* Mamba-2: [T, conv_dim], the step kernel's scratch */
     float *o_runs, *down_runs;         /* a split O / down projection's partial products [runs, T, hidden] */
     float *moe_gate_up, *moe_down;     /* experts' gate/up and down outputs, by (token, expert) pair */
+    float *router;                     /* [T, experts]: a MoE router's logits, each thread its share of the experts */
     int reduce_failed;                 /* set by thread 0 when an all-reduce failed: every thread stops */
     int routing_tie;                   /* set by every thread when a token's top k ends in a tie: all stop */
 } Shared;
@@ -841,13 +841,33 @@ static void expert_activation(const NativeModel *m, const NativeMoe *moe, const 
 }
 
 /* ---- mixture of experts (moe.py's SparseMoeBlock) ------------------------------------------
- * Every thread computes the router's logits and the routing itself (the same values on each:
- * no barrier for them), then the threads split each chosen expert's rows as a dense MLP's:
- * the gate/up projections of every expert with tokens (and the shared expert's), one
- * barrier, the activations and down projections, another barrier, and each thread adds the
- * weighted outputs up in ascending expert id, as moe.py does. An expert's rows are its
- * tokens' rows gathered (in moe.py's order: by top-k slot, then token), multiplied by the
- * kernel a step of that many tokens takes, as moe.py multiplies them. */
+ * The threads share out the router's float32 rows (1 MB a layer for 128 experts of hidden 2,048:
+ * as much to read as a few experts' blocks; one barrier), every thread routes each token itself
+ * (the same values on each), then the threads share the chosen experts' matmuls one of two ways:
+ * - by rows (MOE_SPLIT_ROWS): each chosen expert's rows split over the threads as a dense
+ *   MLP's: the gate/up projections of every expert with tokens (and the shared expert's), one
+ *   barrier, the activations and down projections;
+ * - by experts (MOE_SPLIT_EXPERTS): each thread takes whole experts, a run of them in
+ *   ascending id balanced by their work (expert_owner), and runs gate/up, the activation and
+ *   down of each itself: no barrier between gate/up and down, and an expert's inputs are
+ *   gathered and rounded once instead of by every thread;
+ * then a barrier, and each thread adds the weighted outputs up in ascending expert id, as
+ * moe.py does. An expert's rows are its tokens' rows gathered (in moe.py's order: by top-k
+ * slot, then token), multiplied by the kernel a step of that many tokens takes, as moe.py
+ * multiplies them; a row's result depends on neither the split nor the thread count. */
+
+/* MOE_SPLIT_AUTO splits by experts where the step chose at least EXPERT_SPLIT_MIN experts per
+ * thread, none of them with more than EXPERT_SPLIT_MAX_ROWS rows (decode steps, whose experts'
+ * work is mostly reading them): fewer experts, or a few experts holding most rows (a prompt's
+ * tokens tend to pick the same ones), leave whole experts unevenly spread over the threads. */
+#define EXPERT_SPLIT_MIN 4
+#define EXPERT_SPLIT_MAX_ROWS 4
+#define ROUTER_UNIT 8 /* router rows the threads share out in */
+/* An expert's work in expert_owner's units: reading its weights costs about as much as
+ * multiplying them by 1.25 rows (a 15B-A2B Q4_K_M expert on one Zen 5 core: ~90 us for one
+ * row, ~40 us more per row), so work = EXPERT_READ_COST + EXPERT_ROW_COST * rows. */
+#define EXPERT_READ_COST 5
+#define EXPERT_ROW_COST 4
 
 /* Whether expert a comes before expert b in the order the call picks them: the higher logit
  * first, of equal logits the lower id. Where equal logits straddle the top-k boundary that order
@@ -894,12 +914,15 @@ static int route_token(const NativeMoe *moe, const float *logits, int64_t *ids, 
 /* Routes the step's tokens and groups the (token, expert) pairs by expert: expert e's pairs are
  * [expert_end[e - 1], expert_end[e]) of p->pair_token / p->pair_weight, by slot, then token.
  * Returns 1, grouping nothing, where a token's top k ends in a tie (route_token). */
-static int route_step(const NativeMoe *moe, int64_t T, Private *p) {
+static int route_step(const NativeMoe *moe, int64_t T, Private *p, Shared *s, int tid, int nthreads) {
     const int64_t E = moe->num_experts, K = moe->top_k;
-    linear_range(&moe->router, PATH_F32, p->x, T, p, p->router, 0, E);
+    int64_t begin, end; /* the router's float32 rows are a read as long as a few experts' blocks: shared out */
+    split_rows(E, ROUTER_UNIT, tid, nthreads, &begin, &end);
+    linear_range(&moe->router, PATH_F32, p->x, T, p, s->router, begin, end);
+    wait_all(p, PHASE_NORMS);
     int tie = 0;
     for (int64_t t = 0; t < T; t++)
-        tie |= route_token(moe, p->router + t * E, p->route_id + t * K, p->route_weight + t * K);
+        tie |= route_token(moe, s->router + t * E, p->route_id + t * K, p->route_weight + t * K);
     if (tie) return 1;
     for (int64_t e = 0; e < E; e++) p->expert_end[e] = 0;
     for (int64_t i = 0; i < T * K; i++) p->expert_end[p->route_id[i]]++;
@@ -936,47 +959,67 @@ static void expert_rows(const NativeModel *m, const NativeLinear *l, const float
     linear_range(l, path, x, rows, p, y, begin, end);
 }
 
-/* The MoE MLP of x = p->x; returns its output [T, hidden] (p->sum; under tensor parallelism
- * Shared.out summed over the ranks), or NULL when that all-reduce failed or a routing tie
- * stops the call (s->routing_tie). Every thread routes alike, so all of them stop there. */
-static const float *moe_mlp(const NativeModel *m, const NativeMoe *moe, const NativeStep *st, Private *p, Shared *s,
-                            int tid, int nthreads) {
-    const int64_t T = st->num_tokens, H = m->hidden, E = moe->num_experts, pairs = T * moe->top_k;
-    const int64_t width = moe->down[0].in, shared_width = moe->shared_down.out ? moe->shared_down.in : 0;
-    float *shared_gate_up = s->moe_gate_up + pairs * 2 * width, *shared_down = s->moe_down + pairs * H;
-    if (route_step(moe, T, p)) {
-#pragma omp atomic write
-        s->routing_tie = 1;
-        p->routing_tie = 1;
-        return NULL;
+/* Whether the step's chosen experts go to the threads whole (see above). */
+static int splits_by_expert(const NativeMoe *moe, const Private *p, int nthreads) {
+    if (moe->shared_down.out || moe->split == MOE_SPLIT_ROWS) return 0; /* a shared expert: split by rows */
+    if (moe->split == MOE_SPLIT_EXPERTS) return 1;
+    int64_t active = 0;
+    for (int64_t e = 0; e < moe->num_experts; e++) {
+        const int64_t rows = p->expert_end[e] - expert_begin(p, e);
+        if (rows > EXPERT_SPLIT_MAX_ROWS) return 0;
+        active += rows > 0;
     }
-    phase_mark(&p->timer, PHASE_NORMS);
-    const NativeLinear *prepared = NULL;
+    return nthreads > 1 && active >= EXPERT_SPLIT_MIN * nthreads;
+}
+
+/* The thread that runs expert e of the step (`work_before`: the work of the chosen experts below
+ * e, `total` of all): the one whose share of the total holds the middle of e's work, so the
+ * threads take runs of experts in ascending id, of about equal work. The same on every thread. */
+static int expert_owner(int64_t work_before, int64_t work, int64_t total, int nthreads) {
+    const int owner = (int)((2 * work_before + work) * nthreads / (2 * total));
+    return owner < nthreads ? owner : nthreads - 1;
+}
+
+static int64_t expert_work(int64_t rows) { return EXPERT_READ_COST + EXPERT_ROW_COST * rows; }
+
+/* By experts: this thread's experts' gate/up, activation and down, all rows of each, outputs in
+ * s->moe_gate_up / s->moe_down at the expert's pairs (as the split by rows writes them). */
+static void own_experts(const NativeModel *m, const NativeMoe *moe, Private *p, Shared *s, int tid, int nthreads) {
+    const int64_t E = moe->num_experts, H = m->hidden, width = moe->down[0].in;
+    int64_t total = 0;
     for (int64_t e = 0; e < E; e++) {
+        const int64_t rows = p->expert_end[e] - expert_begin(p, e);
+        total += rows ? expert_work(rows) : 0;
+    }
+    for (int64_t e = 0, before = 0; e < E; e++) {
         const int64_t first = expert_begin(p, e), rows = p->expert_end[e] - first;
         if (!rows) continue;
+        const int64_t work = expert_work(rows);
+        const int owner = expert_owner(before, work, total, nthreads);
+        before += work;
+        if (owner != tid) continue;
         for (int64_t i = 0; i < rows; i++)
             memcpy(p->gather + i * H, p->x + p->pair_token[first + i] * H, sizeof(float) * (size_t)H);
-        if (T > 1) prepared = NULL;
-        expert_rows(m, &moe->gate_up[e], p->gather, rows, p, s->moe_gate_up + first * 2 * width, &prepared, tid,
-                    nthreads);
-    }
-    if (T > 1) prepared = NULL;
-    if (shared_width) expert_rows(m, &moe->shared_gate_up, p->x, T, p, shared_gate_up, &prepared, tid, nthreads);
-    wait_all(p, PHASE_GATE_UP);
-    for (int64_t e = 0; e < E; e++) {
-        const int64_t first = expert_begin(p, e), rows = p->expert_end[e] - first;
-        if (!rows) continue;
+        const NativeLinear *gate_up = &moe->gate_up[e], *down = &moe->down[e];
+        const int gate_up_path = linear_path(m, gate_up, rows, rows), down_path = linear_path(m, down, rows, rows);
+        linear_prepare(gate_up, gate_up_path, p->gather, rows, p);
+        linear_range(gate_up, gate_up_path, p->gather, rows, p, s->moe_gate_up + first * 2 * width, 0, gate_up->out);
+        phase_mark(&p->timer, PHASE_GATE_UP);
         expert_activation(m, moe, s->moe_gate_up + first * 2 * width, p->act, rows, width);
-        prepared = NULL;
-        expert_rows(m, &moe->down[e], p->act, rows, p, s->moe_down + first * H, &prepared, tid, nthreads);
+        phase_mark(&p->timer, PHASE_NORMS);
+        linear_prepare(down, down_path, p->act, rows, p);
+        linear_range(down, down_path, p->act, rows, p, s->moe_down + first * H, 0, down->out);
+        phase_mark(&p->timer, PHASE_DOWN);
     }
-    if (shared_width) {
-        gate_activation(m, shared_gate_up, p->act, T, shared_width);
-        prepared = NULL;
-        expert_rows(m, &moe->shared_down, p->act, T, p, shared_down, &prepared, tid, nthreads);
-    }
-    wait_all(p, PHASE_DOWN);
+}
+
+/* After the barrier that follows the down projections: the weighted sum of the experts' outputs
+ * (and the gated shared expert's) into p->sum, and under tensor parallelism its all-reduce. */
+static const float *moe_sum(const NativeModel *m, const NativeMoe *moe, const NativeStep *st, Private *p, Shared *s,
+                            int tid) {
+    const int64_t T = st->num_tokens, H = m->hidden, pairs = T * moe->top_k;
+    const int64_t shared_width = moe->shared_down.out ? moe->shared_down.in : 0;
+    const float *shared_down = s->moe_down + pairs * H;
     memset(p->sum, 0, sizeof(float) * (size_t)(T * H));
     for (int64_t i = 0; i < pairs; i++) { /* pairs are grouped by ascending expert id */
         const float *y = s->moe_down + i * H, w = p->pair_weight[i];
@@ -995,6 +1038,58 @@ static const float *moe_mlp(const NativeModel *m, const NativeMoe *moe, const Na
     if (!m->all_reduce) return p->sum;
     if (tid == 0) memcpy(s->out, p->sum, sizeof(float) * (size_t)(T * H));
     return all_reduce_out(m, st, p, s, tid) ? s->out : NULL;
+}
+
+/* The MoE MLP of x = p->x; returns its output [T, hidden] (p->sum; under tensor parallelism
+ * Shared.out summed over the ranks), or NULL when that all-reduce failed or a routing tie
+ * stops the call (s->routing_tie). Every thread routes alike, so all of them stop there. */
+static const float *moe_mlp(const NativeModel *m, const NativeMoe *moe, const NativeStep *st, Private *p, Shared *s,
+                            int tid, int nthreads) {
+    const int64_t T = st->num_tokens, H = m->hidden, E = moe->num_experts, pairs = T * moe->top_k;
+    const int64_t width = moe->down[0].in, shared_width = moe->shared_down.out ? moe->shared_down.in : 0;
+    float *shared_gate_up = s->moe_gate_up + pairs * 2 * width, *shared_down = s->moe_down + pairs * H;
+    if (route_step(moe, T, p, s, tid, nthreads)) {
+#pragma omp atomic write
+        s->routing_tie = 1;
+        p->routing_tie = 1;
+        return NULL;
+    }
+    phase_mark(&p->timer, PHASE_NORMS);
+    if (splits_by_expert(moe, p, nthreads)) {
+        own_experts(m, moe, p, s, tid, nthreads);
+        wait_all(p, PHASE_DOWN);
+        return moe_sum(m, moe, st, p, s, tid);
+    }
+    const NativeLinear *prepared = NULL;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t first = expert_begin(p, e), rows = p->expert_end[e] - first;
+        if (!rows) continue;
+        for (int64_t i = 0; i < rows; i++)
+            memcpy(p->gather + i * H, p->x + p->pair_token[first + i] * H, sizeof(float) * (size_t)H);
+        if (T > 1) prepared = NULL;
+        expert_rows(m, &moe->gate_up[e], p->gather, rows, p, s->moe_gate_up + first * 2 * width, &prepared, tid,
+                    nthreads);
+        phase_mark(&p->timer, PHASE_GATE_UP); /* (linear_prepare marks the rounding before it) */
+    }
+    if (T > 1) prepared = NULL;
+    if (shared_width) expert_rows(m, &moe->shared_gate_up, p->x, T, p, shared_gate_up, &prepared, tid, nthreads);
+    wait_all(p, PHASE_GATE_UP);
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t first = expert_begin(p, e), rows = p->expert_end[e] - first;
+        if (!rows) continue;
+        expert_activation(m, moe, s->moe_gate_up + first * 2 * width, p->act, rows, width);
+        phase_mark(&p->timer, PHASE_NORMS);
+        prepared = NULL;
+        expert_rows(m, &moe->down[e], p->act, rows, p, s->moe_down + first * H, &prepared, tid, nthreads);
+        phase_mark(&p->timer, PHASE_DOWN);
+    }
+    if (shared_width) {
+        gate_activation(m, shared_gate_up, p->act, T, shared_width);
+        prepared = NULL;
+        expert_rows(m, &moe->shared_down, p->act, T, p, shared_down, &prepared, tid, nthreads);
+    }
+    wait_all(p, PHASE_DOWN);
+    return moe_sum(m, moe, st, p, s, tid);
 }
 
 /* The MLP of x = p->x; returns its output [T, hidden] (as attention_and_o's, NULL when the
@@ -1231,9 +1326,10 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
                 malloc(sizeof(float) * (size_t)(T * mb_conv_dim(m) + 1)),
                 malloc(sizeof(float) * (size_t)(max_runs(m->num_heads * m->head_dim) * T * H)),
                 malloc(sizeof(float) * (size_t)(max_runs(I) * T * H)),
-                malloc(sizeof(float) * (size_t)moe.gate_up), malloc(sizeof(float) * (size_t)moe.down), 0, 0};
+                malloc(sizeof(float) * (size_t)moe.gate_up), malloc(sizeof(float) * (size_t)moe.down),
+                malloc(sizeof(float) * (size_t)(T * moe.experts)), 0, 0};
     int failed = !s.qkv || !s.attn || !s.out || !s.gate_up || !s.ba || !s.conv_out || !s.o_runs || !s.down_runs ||
-                 !s.moe_gate_up || !s.moe_down;
+                 !s.moe_gate_up || !s.moe_down || !s.router;
     SpinBarrier barrier = {0, 0, 1};
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && !failed)
     {
@@ -1246,12 +1342,12 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
                      malloc(sizeof(float) * (size_t)(T * 2 * I)), malloc(sizeof(float) * (size_t)(T * 2 * m->head_dim)),
                      malloc(sizeof(float) * (size_t)(2 * m->dn_k_dim + 2 * m->dn_v_dim + 1)),
                      malloc(sizeof(int64_t) * (size_t)(max_runs(W) + 1)), malloc(sizeof(float) * (size_t)(T * H)),
-                     malloc(sizeof(float) * (size_t)(T * moe.experts)), malloc(sizeof(int64_t) * (size_t)moe.pairs),
+                     malloc(sizeof(int64_t) * (size_t)moe.pairs),
                      malloc(sizeof(int64_t) * (size_t)moe.pairs), malloc(sizeof(int64_t) * (size_t)moe.experts),
                      malloc(sizeof(float) * (size_t)moe.pairs), malloc(sizeof(float) * (size_t)moe.pairs),
                      malloc(sizeof(float) * (size_t)(2 * T)), s.out};
         int ok = p.residual && p.x && p.act && p.qx && p.scales && p.panel && p.sum && p.gate_up && p.kv && p.dn &&
-                 p.bounds && p.gather && p.router && p.route_id && p.pair_token && p.expert_end && p.route_weight &&
+                 p.bounds && p.gather && p.route_id && p.pair_token && p.expert_end && p.route_weight &&
                  p.pair_weight && p.qk_inv;
         p.barrier = &barrier;
         phase_start(&p.timer);
@@ -1275,12 +1371,12 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
             phase_finish(&p.timer, tid);
         }
         free(p.residual), free(p.x), free(p.act), free(p.qx), free(p.scales), free(p.panel), free(p.sum),
-            free(p.gate_up), free(p.kv), free(p.dn), free(p.bounds), free(p.gather), free(p.router), free(p.route_id),
+            free(p.gate_up), free(p.kv), free(p.dn), free(p.bounds), free(p.gather), free(p.route_id),
             free(p.pair_token), free(p.expert_end), free(p.route_weight), free(p.pair_weight),
             free(p.qk_inv);
     }
     free(s.qkv), free(s.attn), free(s.gate_up), free(s.ba), free(s.conv_out), free(s.o_runs), free(s.down_runs),
-        free(s.moe_gate_up), free(s.moe_down);
+        free(s.moe_gate_up), free(s.moe_down), free(s.router);
     if (!m->all_reduce) free(s.out);
     return failed ? 1 : s.reduce_failed ? 3 : s.routing_tie ? 4 : 0;
 }

@@ -86,8 +86,11 @@ typedef struct {
     int32_t softmax_after_topk;        /* gpt-oss: the top k of the logits, then a softmax over those k */
     int32_t swiglu;                    /* gpt-oss: the experts' clamped SwiGLU (limit, alpha) in place of SiLU */
     float swiglu_limit, swiglu_alpha;
-    int32_t unused;
+    int32_t split; /* how the threads share the experts' matmuls: MOE_SPLIT_AUTO (0), MOE_SPLIT_ROWS
+                    * (each expert's rows split over the threads) or MOE_SPLIT_EXPERTS (whole experts) */
 } NativeMoe;
+
+enum { MOE_SPLIT_AUTO, MOE_SPLIT_ROWS, MOE_SPLIT_EXPERTS };
 
 typedef struct {
     NativeLinear qkv, o, gate_up, down; /* gate_up, down: the dense MLP (unused where moe) */
@@ -244,6 +247,8 @@ int kvserve_prefill_attention(const void *q, int64_t q_token_stride, int64_t q_h
 void kvserve_rms_norm(const void *x, void *residual, const float *weight, void *out, int64_t rows, int64_t dim,
                       int64_t row_stride, float eps, int adds_one, int dtype, int num_threads);
 void kvserve_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int dtype, int num_threads);
+void kvserve_silu_mul_parts(const void *gate, const void *up, void *out, int64_t rows, int64_t width, int dtype,
+                            int num_threads);
 void kvserve_swiglu_clamped(const void *gate_up, void *out, int64_t rows, int64_t width, float limit, float alpha,
                             int dtype, int num_threads);
 void kvserve_rotary(void *x, int64_t token_stride, int64_t head_stride, const void *cos, const void *sin,

@@ -17,8 +17,13 @@
  *
  * The pairs (token, slot) are sorted by expert (a counting sort, stable in slot-major
  * order), then the threads split each phase's work: gathering and rounding the rows, the
- * gate/up rows of every active expert (chunks of CHUNK_ROWS weight rows), SiLU*up and its
- * rounding, the down rows, the weighting and the sum (by output columns).
+ * gate/up rows of every active expert, SiLU*up and its rounding, the down rows, the weighting
+ * and the sum (by output columns). The matmul phases go in work items of an expert's weight
+ * rows: CHUNK_ROWS rows for an expert of a few rows, and for one of many rows (the dense
+ * GEMM's, which packs its activations once per call) a thread's share of the matrix, so that
+ * its rows are packed once per thread and not once per 64 weight rows. Each thread takes a run
+ * of consecutive items (its weight reads stream on from one item to the next) of about equal
+ * work (item_owner): a prompt's tokens crowd onto a few experts, so the items differ a lot.
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -34,6 +39,13 @@
 /* The table row of expert e: gate blocks, gate type, up blocks, up type, down blocks, down type,
  * then the float32 biases of gate, up and down (0: none). */
 enum { GATE_W, GATE_T, UP_W, UP_T, DOWN_W, DOWN_T, GATE_B, UP_B, DOWN_B, TABLE_COLUMNS };
+
+/* One matmul work item: weight rows [begin, end) of active expert a's gate (part 0), up (1) or
+ * down (2) projection; `before` the work of the phase's items ahead of it, `work` its own. */
+typedef struct {
+    int64_t a, begin, end, before, work;
+    int part;
+} MoeItem;
 
 typedef struct {
     const float *x;
@@ -53,6 +65,8 @@ typedef struct {
     float *h;               /* [pairs, width] */
     int8_t *qh;             /* [pairs, width] */
     float *sh;              /* 2 * pairs * width / 32 */
+    const MoeItem *gate_up_items, *down_items;
+    int64_t gate_up_count, down_count, gate_up_work, down_work;
 } MoeStep;
 
 static const uint8_t *blocks_of(const MoeStep *s, int64_t e, int column) {
@@ -72,17 +86,8 @@ static void round_inputs(const MoeStep *s, int64_t a) {
                               s->sx + 2 * first * (s->hidden / 32));
 }
 
-/* Work item i of a phase over `per` chunks of each active expert's `rows` weight rows. */
-static void chunk_of(int64_t i, int64_t per, int64_t rows, int64_t *a, int64_t *row_begin, int64_t *row_end) {
-    *a = i / per;
-    *row_begin = i % per * CHUNK_ROWS;
-    *row_end = *row_begin + CHUNK_ROWS < rows ? *row_begin + CHUNK_ROWS : rows;
-}
-
-static void gate_up_item(const MoeStep *s, int64_t i, int64_t chunks) {
-    int64_t a, begin, end;
-    const int up = i % (2 * chunks) >= chunks;
-    chunk_of(i / (2 * chunks) * chunks + i % chunks, chunks, s->width, &a, &begin, &end);
+/* Rows [begin, end) of active expert a's gate (0) or up (1) projection. */
+static void gate_up_rows(const MoeStep *s, int64_t a, int up, int64_t begin, int64_t end) {
     const int64_t e = s->experts[a], first = s->start[a], n = s->start[a + 1] - first;
     kvserve_gguf_rows(s->qx + first * s->hidden, s->sx + 2 * first * (s->hidden / 32), n,
                       blocks_of(s, e, up ? UP_W : GATE_W), (int)s->table[e * TABLE_COLUMNS + (up ? UP_T : GATE_T)],
@@ -101,13 +106,40 @@ static void gated_item(const MoeStep *s, int64_t a) {
                               s->sh + 2 * first * (s->width / 32));
 }
 
-static void down_item(const MoeStep *s, int64_t i, int64_t chunks) {
-    int64_t a, begin, end;
-    chunk_of(i, chunks, s->hidden, &a, &begin, &end);
+/* Rows [begin, end) of active expert a's down projection. */
+static void down_rows(const MoeStep *s, int64_t a, int64_t begin, int64_t end) {
     const int64_t e = s->experts[a], first = s->start[a], n = s->start[a + 1] - first;
     kvserve_gguf_rows(s->qh + first * s->width, s->sh + 2 * first * (s->width / 32), n, blocks_of(s, e, DOWN_W),
                       (int)s->table[e * TABLE_COLUMNS + DOWN_T], s->width, bias_of(s, e, DOWN_B), s->rows + first * s->hidden, s->hidden,
                       s->isa, begin, end);
+}
+
+/* The rows of one item of a projection of `rows` weight rows for active expert a of n tokens:
+ * CHUNK_ROWS, or from the GEMM's batch on, a thread's share in whole CHUNK_ROWS. */
+static int64_t item_rows(int64_t n, int64_t rows, int threads) {
+    if (n < kvserve_gguf_gemm_min_batch() || threads <= 1) return n < kvserve_gguf_gemm_min_batch() ? CHUNK_ROWS : rows;
+    const int64_t share = (rows + threads - 1) / threads;
+    return (share + CHUNK_ROWS - 1) / CHUNK_ROWS * CHUNK_ROWS;
+}
+
+/* Appends active expert a's items of projection `part` (`rows` weight rows) to items, adding
+ * their work to *total; returns the new count. An item's work: its weight rows times the cost of
+ * reading one (about that of multiplying it by 1.25 activation rows) plus multiplying it by n. */
+static int64_t add_items(MoeItem *items, int64_t count, int64_t a, int64_t n, int part, int64_t rows, int threads,
+                         int64_t *total) {
+    const int64_t step = item_rows(n, rows, threads);
+    for (int64_t begin = 0; begin < rows; begin += step) {
+        const int64_t end = begin + step < rows ? begin + step : rows, work = (end - begin) * (5 + 4 * n);
+        items[count++] = (MoeItem){a, begin, end, *total, work, part};
+        *total += work;
+    }
+    return count;
+}
+
+/* The thread that runs an item: the one whose share of the phase's work holds the item's middle. */
+static int item_owner(const MoeItem *item, int64_t total, int threads) {
+    const int owner = (int)((2 * item->before + item->work) * threads / (2 * total));
+    return owner < threads ? owner : threads - 1;
 }
 
 /* Columns c0..c1 of out: zero, then each pair's weighted row added, experts ascending. The
@@ -125,17 +157,22 @@ static void sum_item(const MoeStep *s, int64_t c0, int64_t c1) {
 
 /* Every phase, the work split over the calling team (or run alone outside a parallel region). */
 static void run_step(const MoeStep *s) {
-    const int64_t width_chunks = (s->width + CHUNK_ROWS - 1) / CHUNK_ROWS;
-    const int64_t hidden_chunks = (s->hidden + CHUNK_ROWS - 1) / CHUNK_ROWS;
     const int64_t sum_items = (s->hidden + SUM_COLUMNS - 1) / SUM_COLUMNS;
+    const int tid = omp_get_thread_num(), threads = omp_get_num_threads();
 #pragma omp for schedule(static)
     for (int64_t a = 0; a < s->active; a++) round_inputs(s, a);
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < s->active * 2 * width_chunks; i++) gate_up_item(s, i, width_chunks);
+    for (int64_t i = 0; i < s->gate_up_count; i++) {
+        const MoeItem *item = &s->gate_up_items[i];
+        if (item_owner(item, s->gate_up_work, threads) == tid) gate_up_rows(s, item->a, item->part, item->begin, item->end);
+    }
+#pragma omp barrier
 #pragma omp for schedule(static)
     for (int64_t a = 0; a < s->active; a++) gated_item(s, a);
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < s->active * hidden_chunks; i++) down_item(s, i, hidden_chunks);
+    for (int64_t i = 0; i < s->down_count; i++) {
+        const MoeItem *item = &s->down_items[i];
+        if (item_owner(item, s->down_work, threads) == tid) down_rows(s, item->a, item->begin, item->end);
+    }
+#pragma omp barrier
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < sum_items; i++)
         sum_item(s, i * SUM_COLUMNS, (i + 1) * SUM_COLUMNS < s->hidden ? (i + 1) * SUM_COLUMNS : s->hidden);
@@ -219,11 +256,29 @@ int kvserve_moe_experts(const float *x, int64_t tokens, int64_t hidden, const in
     } else {
         float *rows = buffer, *sx = rows + pairs * hidden, *gate_up = sx + 2 * pairs * (hidden / 32);
         float *h = gate_up + 2 * pairs * width, *sh = h + pairs * width;
-        MoeStep step = {x, table, out, tokens, hidden, width, pairs, active, isa, swiglu, limit, alpha, experts,
-                        start, token, weight, rows, quantized, sx, gate_up, h, quantized + pairs * hidden, sh};
         const int threads = bytes >= PARALLEL_MIN_BYTES && num_threads > 1 ? num_threads : 1;
+        const int64_t most = active * (2 * ((width + CHUNK_ROWS - 1) / CHUNK_ROWS) + (hidden + CHUNK_ROWS - 1) / CHUNK_ROWS);
+        MoeItem *items = malloc(sizeof(MoeItem) * (size_t)most);
+        if (!items) {
+            code = -3;
+        } else {
+            int64_t gate_up_count = 0, down_count = 0, gate_up_work = 0, down_work = 0;
+            for (int64_t a = 0; a < active; a++) {
+                const int64_t n = start[a + 1] - start[a];
+                gate_up_count = add_items(items, gate_up_count, a, n, 0, width, threads, &gate_up_work);
+                gate_up_count = add_items(items, gate_up_count, a, n, 1, width, threads, &gate_up_work);
+            }
+            MoeItem *down_items = items + gate_up_count;
+            for (int64_t a = 0; a < active; a++)
+                down_count = add_items(down_items, down_count, a, start[a + 1] - start[a], 2, hidden, threads,
+                                       &down_work);
+            MoeStep step = {x, table, out, tokens, hidden, width, pairs, active, isa, swiglu, limit, alpha, experts,
+                            start, token, weight, rows, quantized, sx, gate_up, h, quantized + pairs * hidden, sh,
+                            items, down_items, gate_up_count, down_count, gate_up_work, down_work};
 #pragma omp parallel num_threads(threads) if (threads > 1)
-        run_step(&step);
+            run_step(&step);
+            free(items);
+        }
     }
     free(index);
     free(buffer);
