@@ -16,7 +16,8 @@ from torch import nn
 from kvserve.kv_cache.interface import (CircularBufferSpec, FullAttentionSpec, KVCacheConfig, KVCacheSpec,
                                         SlidingWindowSpec, StateSpec)
 from kvserve.native import cpu_kernels
-from kvserve.model import native_decoder, quantized
+from kvserve.model import native_decoder, quantized, stored_parts, workspace
+from kvserve.model.stored_parts import StoredParts
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, AttentionParams, StateMetadata, is_windowed
 from kvserve.model.config import ModelConfig
 from kvserve.model.errors import ModelConfigError
@@ -86,7 +87,7 @@ class SelfAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 metadata: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         num_tokens, num_drafts = hidden.shape[0], metadata.num_draft_tokens
-        q, k, v = self.qkv_proj(hidden, num_drafts).split(self.qkv_proj.shard_sizes, dim=-1)
+        q, k, v = self._qkv(hidden, num_drafts)
         gate = None
         if self.output_gate:
             q_and_gate = q.reshape(num_tokens, self.num_heads, 2 * self.head_dim)
@@ -107,6 +108,16 @@ class SelfAttention(nn.Module):
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(num_tokens, -1), num_drafts)
+
+    def _qkv(self, hidden: torch.Tensor, num_drafts: int) -> tuple[torch.Tensor, ...]:
+        """The Q, K and V projections [T, size] each; a many-token step of float32 rows over parts
+        held as stored gets each part apart, in reused buffers (model/workspace.py), not sliced
+        from one concatenated copy."""
+        weight = self.qkv_proj.quant_weight
+        if (isinstance(weight, StoredParts) and [p.out_features for p in weight.parts] == self.qkv_proj.shard_sizes
+                and hidden.dim() == 2 and hidden.dtype == torch.float32 and hidden.shape[0] >= workspace.MIN_ROWS):
+            return tuple(stored_parts.part_outputs(hidden, weight, self.qkv_proj.bias, num_drafts, ("q", "k", "v")))
+        return self.qkv_proj(hidden, num_drafts).split(self.qkv_proj.shard_sizes, dim=-1)
 
 
 class GatedMLP(nn.Module):
@@ -139,6 +150,13 @@ class GatedMLP(nn.Module):
 
     def _gated(self, x: torch.Tensor, num_draft_rows: int) -> torch.Tensor:
         """act(gate(x)) * up(x): the down projection's input."""
+        weight = self.gate_up_proj.quant_weight
+        if (self.native and self.is_silu and isinstance(weight, StoredParts)
+                and [p.out_features for p in weight.parts] == self.gate_up_proj.shard_sizes
+                and x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] >= workspace.MIN_ROWS):
+            # A many-token step: gate and up apart (no concatenated copy), all three in reused buffers.
+            gate, up = stored_parts.part_outputs(x, weight, self.gate_up_proj.bias, num_draft_rows, ("gate", "up"))
+            return cpu_kernels.silu_mul_parts(gate, up, workspace.scratch("act", *gate.shape, gate.dtype))
         gate_up = self.gate_up_proj(x, num_draft_rows)
         if self.native and gate_up.dim() == 2 and gate_up.is_contiguous() and cpu_kernels.takes(gate_up):
             if self.is_silu:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.model import quantized
+from kvserve.model import quantized, stored_weight, workspace
 from kvserve.model.stored_weight import StoredWeight
 
 
@@ -80,9 +80,19 @@ def stack(parts: list[StoredWeight]) -> StoredWeight | StoredParts:
 def linear(x: torch.Tensor, weight: StoredParts, bias: torch.Tensor | None = None,
            num_draft_rows: int = 0) -> torch.Tensor:
     """x [..., in] @ W^T (+ bias), part by part (see `quantized.linear`)."""
+    return torch.cat(part_outputs(x, weight, bias, num_draft_rows), dim=-1)
+
+
+def part_outputs(x: torch.Tensor, weight: StoredParts, bias: torch.Tensor | None = None, num_draft_rows: int = 0,
+                 roles: tuple[str, ...] | None = None) -> list[torch.Tensor]:
+    """Each part's x @ W_part^T (+ its bias) apart, not concatenated. With `roles` (float32 x
+    [rows, in] of at least `workspace.MIN_ROWS` rows), part i is written into the reused buffer
+    of roles[i] (model/workspace.py): it is dead by the next step that asks for that role."""
     outputs, start = [], 0
-    for part in weight.parts:
+    reuse = roles is not None and x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] >= workspace.MIN_ROWS
+    for i, part in enumerate(weight.parts):
         part_bias = None if bias is None else bias[start:start + part.out_features]
-        outputs.append(quantized.linear(x, part, part_bias, num_draft_rows=num_draft_rows))
+        out = workspace.scratch(roles[i], x.shape[0], part.out_features, torch.float32) if reuse else None
+        outputs.append(stored_weight.linear(x, part, part_bias, num_draft_rows=num_draft_rows, out=out))
         start += part.out_features
-    return torch.cat(outputs, dim=-1)
+    return outputs

@@ -157,13 +157,14 @@ def has_native_gemm(weight: StoredWeight, isa: str | None = None) -> bool:
 
 
 def linear(x: torch.Tensor, weight: StoredWeight, bias: torch.Tensor | None = None, isa: str | None = None,
-           num_draft_rows: int = 0) -> torch.Tensor:
+           num_draft_rows: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ W^T (+ bias) with W as stored; x float32 or bfloat16 on the CPU (rows may
     be strided), the result of x's dtype. `isa` overrides the weight's path (and keeps the
     row kernel at any row count). Steps of `weight.gemm_rows` rows or more, not counting
     `num_draft_rows` speculative drafts, dequantize W and run a dense GEMM unless the type has
     a native GEMM here (`has_native_gemm`); the row kernel and the native GEMM give every row
-    the sums a batch-one step gives it, so verify steps match plain decoding."""
+    the sums a batch-one step gives it, so verify steps match plain decoding. `out`: a contiguous
+    float32 [rows, out_features] to write the result into (float32 x only)."""
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[-1] != weight.in_features:
@@ -173,17 +174,20 @@ def linear(x: torch.Tensor, weight: StoredWeight, bias: torch.Tensor | None = No
         dtype = weight.gemm_dtype
         y = torch.nn.functional.linear(rows.to(dtype), weight.dequantize(dtype=dtype),
                                        None if bias is None else bias.to(dtype))
-        return y.to(x.dtype).view(*lead, weight.out_features)
-    return _row_kernel(rows, weight, bias, isa or weight.isa or _default_isa()).to(x.dtype).view(
+        y = y.to(x.dtype) if out is None else out.copy_(y)
+        return y.view(*lead, weight.out_features)
+    return _row_kernel(rows, weight, bias, isa or weight.isa or _default_isa(), out).to(x.dtype).view(
         *lead, weight.out_features)
 
 
-def _row_kernel(rows: torch.Tensor, weight: StoredWeight, bias: torch.Tensor | None, isa: str) -> torch.Tensor:
+def _row_kernel(rows: torch.Tensor, weight: StoredWeight, bias: torch.Tensor | None, isa: str,
+                y: torch.Tensor | None = None) -> torch.Tensor:
     if rows.dtype != torch.float32 or rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
         rows = rows.float().contiguous()
     if bias is not None:
         bias = bias.float().contiguous()
-    y = torch.empty(rows.shape[0], weight.out_features, dtype=torch.float32)
+    if y is None:
+        y = torch.empty(rows.shape[0], weight.out_features, dtype=torch.float32)
     x_stride = max(rows.stride(0), rows.shape[1])  # a one-row view may carry any row stride
     code = _lib().kvserve_gguf_linear(rows.data_ptr(), x_stride, rows.shape[0], weight.blocks.data_ptr(),
                                       weight.ggml_type, weight.in_features,

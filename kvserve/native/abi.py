@@ -141,6 +141,7 @@ SIGNATURES = {
     "kvserve_store_kv": ([_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _int, _int], None),
     "kvserve_rms_norm": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _f32, _int, _int, _int], None),
     "kvserve_silu_mul": ([_ptr, _ptr, _i64, _i64, _int, _int], None),
+    "kvserve_silu_mul_parts": ([_ptr, _ptr, _ptr, _i64, _i64, _int, _int], None),
     "kvserve_swiglu_clamped": ([_ptr, _ptr, _i64, _i64, _f32, _f32, _int, _int], None),
     "kvserve_rotary": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _int, _int], None),
     "kvserve_small_linear_supported": ([_int], _int),

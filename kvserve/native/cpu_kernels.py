@@ -240,6 +240,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def silu_mul_parts(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up for gate and up [rows, width] (contiguous, one dtype) -> `out` [rows, width]
+    (allocated when None), as `silu_mul` computes it."""
+    if gate.shape != up.shape or gate.dtype != up.dtype or not (gate.is_contiguous() and up.is_contiguous()):
+        raise KernelArgumentError("silu_mul_parts needs gate and up of one shape and dtype, contiguous")
+    rows, width = gate.shape
+    out = gate.new_empty(rows, width) if out is None else out
+    load_library().kvserve_silu_mul_parts(gate.data_ptr(), up.data_ptr(), out.data_ptr(), rows, width,
+                                          _DTYPE_CODES[gate.dtype], _threads())
+    return out
+
+
 def swiglu_clamped(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
     """gpt-oss's (clamp(up) + 1) * (g * sigmoid(alpha g)), g = min(gate, limit), for gate_up
     [rows, 2 * width] (contiguous) -> [rows, width]."""

@@ -79,27 +79,36 @@ void kvserve_rms_norm(const void *x, void *residual, const float *weight, void *
     DISPATCH(dtype, rms_norm(x, residual, weight, out, rows, dim, row_stride, eps, adds_one, dtype_, num_threads));
 }
 
-/* out[r] = round(silu(gate)) * up, where row r of gate_up is [gate (width), up (width)]. */
-INLINE void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, const int dtype, int num_threads) {
+/* out[r] = round(silu(gate[r])) * up[r]: rows of `width` elements, `in_stride` apart in gate and up. */
+INLINE void silu_mul(const void *gate, const void *up, int64_t in_stride, void *out, int64_t rows, int64_t width,
+                     const int dtype, int num_threads) {
     int threads = rows * width >= PARALLEL_MIN_ELEMENTS ? num_threads : 1;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t in_base = r * 2 * width, out_base = r * width;
+        const int64_t in_base = r * in_stride, out_base = r * width;
         float act[CHUNK];
         for (int64_t start = 0; start < width; start += CHUNK) {
             const int64_t n = width - start < CHUNK ? width - start : CHUNK;
             for (int64_t i = 0; i < n; i++) {
-                float g = get(gate_up, in_base + start + i, dtype);
+                float g = get(gate, in_base + start + i, dtype);
                 act[i] = rounded(g / (1.f + expf(-g)), dtype);
             }
-            for (int64_t i = 0; i < n; i++) act[i] *= get(gate_up, in_base + width + start + i, dtype);
+            for (int64_t i = 0; i < n; i++) act[i] *= get(up, in_base + start + i, dtype);
             for (int64_t i = 0; i < n; i++) put(out, out_base + start + i, dtype, act[i]);
         }
     }
 }
 
+/* Row r of gate_up is [gate (width), up (width)]. */
 void kvserve_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int dtype, int num_threads) {
-    DISPATCH(dtype, silu_mul(gate_up, out, rows, width, dtype_, num_threads));
+    const void *up = (const char *)gate_up + width * (dtype == F32 ? 4 : 2);
+    DISPATCH(dtype, silu_mul(gate_up, up, 2 * width, out, rows, width, dtype_, num_threads));
+}
+
+/* gate and up apart, each [rows, width] contiguous (a fused projection's parts held as stored). */
+void kvserve_silu_mul_parts(const void *gate, const void *up, void *out, int64_t rows, int64_t width, int dtype,
+                            int num_threads) {
+    DISPATCH(dtype, silu_mul(gate, up, width, out, rows, width, dtype_, num_threads));
 }
 
 /* gpt-oss's clamped SwiGLU: out[r] = (u + 1) * (g * sigmoid(alpha g)) with g = min(gate, limit)

@@ -247,6 +247,8 @@ int kvserve_prefill_attention(const void *q, int64_t q_token_stride, int64_t q_h
 void kvserve_rms_norm(const void *x, void *residual, const float *weight, void *out, int64_t rows, int64_t dim,
                       int64_t row_stride, float eps, int adds_one, int dtype, int num_threads);
 void kvserve_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int dtype, int num_threads);
+void kvserve_silu_mul_parts(const void *gate, const void *up, void *out, int64_t rows, int64_t width, int dtype,
+                            int num_threads);
 void kvserve_swiglu_clamped(const void *gate_up, void *out, int64_t rows, int64_t width, float limit, float alpha,
                             int dtype, int num_threads);
 void kvserve_rotary(void *x, int64_t token_stride, int64_t head_stride, const void *cos, const void *sin,
