@@ -12,6 +12,7 @@
 #define KVSERVE_GGUF_BLOCKS32_H
 
 #include "gguf_type.h"
+#include "sub_block_sums.h"
 
 typedef float (*GgufBlockScale)(const uint8_t *blk);
 
@@ -122,6 +123,85 @@ GGUF_INLINE void gguf_tiles32_avx512(const GgufTile *t, float sums[GGUF_TILE_ROW
     if (t->blocks % 2) gguf_step32_avx512(t, acc, R, B, bytes, offset, quants512, quant_at, has_min, t->blocks / 2, 1);
     for (int r = 0; r < R; r++)
         for (int b = 0; b < B; b++) sums[r][b] = gguf_sum512(acc[r][b]);
+}
+
+/* The exact-sums template (the float order gemm.h's 32-column GEMMs share, #27): per
+ * (weight row, activation row) eight float32 accumulators A_0..A_7 (the lanes of a ymm), A_j
+ * taking the blocks j, j + 8, j + 16, ... of the tile's run in order: for each block its exact
+ * int32 sum I (vpdpbusd of the unsigned quants against qx, minus offset sum(qx)), then
+ * A_j = fma((float)I, d dx, A_j), d dx rounded once. Blocks past the run's end (its last group
+ * of 8) add fma(0, 0, A_j) = A_j. The output is gguf_sum256's sum of the eight. Eight blocks'
+ * lanes are reduced together (gguf_sub_block_sums), one float update per block. */
+/* Blocks k0..k0 + n of the tile (n = 8 a constant on the full steps) into acc. */
+GGUF_INLINE void gguf_step32_exact_avx512(const GgufTile *t, __m256 acc[GGUF_TILE_ROWS][GGUF_TILE_BATCH], const int R,
+                                          const int B, const int bytes, const int offset,
+                                          __m512i (*quants512)(const uint8_t *, const uint8_t *), const int64_t k0,
+                                          const int n) {
+    const int64_t nb32 = t->in / GGUF_QBLOCK;
+    /* gguf_sub_block_sums of block pairs (0, 1), (2, 3), (4, 5), (6, 7): block j to lane j */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __mmask8 real = (__mmask8)((1u << n) - 1);
+    __m512i x[GGUF_TILE_BATCH][4], minus[GGUF_TILE_BATCH][4];
+    __m256 dx[GGUF_TILE_BATCH];
+    for (int b = 0; b < B; b++) {
+        const int8_t *xb = t->qx + b * t->in + 32 * k0;
+        for (int c = 0; c < 4; c++) {
+            const int left = n - 2 * c; /* blocks of pair c inside the run */
+            const __mmask64 columns = left >= 2 ? ~0ull : left == 1 ? 0xffffffffull : 0;
+            x[b][c] = n == 8 ? _mm512_loadu_si512(xb + 64 * c) : _mm512_maskz_loadu_epi8(columns, xb + 64 * c);
+            minus[b][c] = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                           _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)offset),
+                                                               x[b][c]));
+        }
+        dx[b] = n == 8 ? _mm256_loadu_ps(t->dx + b * nb32 + k0) : _mm256_maskz_loadu_ps(real, t->dx + b * nb32 + k0);
+    }
+    for (int r = 0; r < R; r++) {
+        const uint8_t *row = t->w + r * t->row_bytes + k0 * bytes;
+        gguf_prefetch(row, n * bytes, gguf_prefetch_ahead(t));
+        __m512i q[4];
+        for (int c = 0; c < 4; c++) {
+            const int left = n - 2 * c;
+            const uint8_t *b0 = row + 2 * c * bytes;
+            q[c] = left >= 2 ? quants512(b0, b0 + bytes)
+                   : left == 1 ? _mm512_maskz_mov_epi8(0xffffffffull, quants512(b0, b0))
+                               : _mm512_setzero_si512();
+        }
+        /* the blocks' f16 d (their first field), packed in two 64-bit words */
+        uint64_t words[2] = {0, 0};
+        for (int j = 0; j < n; j++) {
+            uint16_t h;
+            memcpy(&h, row + j * bytes, 2);
+            words[j / 4] |= (uint64_t)h << (16 * (j % 4));
+        }
+        const __m128i heads = _mm_set_epi64x((int64_t)words[1], (int64_t)words[0]);
+        const __m256 d = _mm256_cvtph_ps(heads);
+        for (int b = 0; b < B; b++) {
+            __m512i p[4];
+            for (int c = 0; c < 4; c++)
+                p[c] = 2 * c < n ? _mm512_dpbusd_epi32(minus[b][c], q[c], x[b][c]) : _mm512_setzero_si512();
+            const __m256 integer = _mm256_cvtepi32_ps(gguf_sub_block_sums(p, order));
+            acc[r][b] = _mm256_fmadd_ps(integer, _mm256_mul_ps(d, dx[b]), acc[r][b]);
+        }
+    }
+}
+
+GGUF_INLINE void gguf_tile32_exact_avx512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH], const int R,
+                                          const int B, const int bytes, const int offset,
+                                          __m512i (*quants512)(const uint8_t *, const uint8_t *)) {
+    __m256 acc[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < B; b++) acc[r][b] = _mm256_setzero_ps();
+    const int64_t full = t->blocks / 8 * 8;
+    for (int64_t k0 = 0; k0 < full; k0 += 8) gguf_step32_exact_avx512(t, acc, R, B, bytes, offset, quants512, k0, 8);
+    switch (t->blocks - full) { /* the last blocks, their count a constant */
+#define GGUF_TAIL32(n) \
+    case n: gguf_step32_exact_avx512(t, acc, R, B, bytes, offset, quants512, full, n); break;
+        GGUF_TAIL32(1) GGUF_TAIL32(2) GGUF_TAIL32(3) GGUF_TAIL32(4) GGUF_TAIL32(5) GGUF_TAIL32(6) GGUF_TAIL32(7)
+#undef GGUF_TAIL32
+    default: break;
+    }
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < B; b++) sums[r][b] = gguf_sum256(acc[r][b]);
 }
 
 /* The template for a type that gives quants512. */
