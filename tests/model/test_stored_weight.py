@@ -311,8 +311,15 @@ def test_split_rows_quantize_each_block_alone():
 
 # ---- the many-row GEMM (csrc/linear/gguf_gemm.c) ------------------------------------------
 # Steps of kvserve_gguf_gemm_min_batch() rows or more take it where the type has one on the
-# path (Q4_K and Q6_K on AVX-512 VNNI); elsewhere the same tests run the tiles.
-GEMM_TYPES = ("Q4_K", "Q6_K")
+# path (Q4_K, Q6_K and Q8_0 on AVX-512 VNNI); elsewhere the same tests run the tiles.
+GEMM_TYPES = ("Q4_K", "Q6_K", "Q8_0")
+
+
+def _gemm_width(type_name: str) -> int:
+    """Three super-blocks of a 256-column type; for a 32-column type 25 blocks, not whole
+    super-blocks (the GEMM pads the last one with zero blocks) and an odd count (the batch-one
+    tile's last group of 8 is partial and ends in a single block)."""
+    return 768 if gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0] == 256 else 800
 
 
 def _gemm_batches() -> list[int]:
@@ -328,7 +335,7 @@ def test_the_gemm_runs_where_the_tiles_it_matches_run():
         code = stored_weight.GGML_TYPE_IDS[name]
         assert lib.kvserve_gguf_gemm_supported(code, ISA_CODES["avx512"]) == int("avx512" in PATHS)
         assert lib.kvserve_gguf_gemm_supported(code, ISA_CODES["portable"]) == 0
-    assert lib.kvserve_gguf_gemm_supported(stored_weight.GGML_TYPE_IDS["Q8_0"], ISA_CODES["avx512"]) == 0
+    assert lib.kvserve_gguf_gemm_supported(stored_weight.GGML_TYPE_IDS["Q4_1"], ISA_CODES["avx512"]) == 0
     assert lib.kvserve_gguf_gemm_min_batch() > 1
 
 
@@ -336,14 +343,16 @@ def test_the_gemm_runs_where_the_tiles_it_matches_run():
 @pytest.mark.parametrize("type_name", GEMM_TYPES)
 def test_gemm_matches_the_float64_product_and_the_batch_one_rows(type_name, isa):
     """Every batch size around the threshold, 37 rows (not whole panels of 16 or kernel calls
-    of 8), three super-blocks, a bias: within the header's bound of the float64 product, and
+    of 8), _gemm_width columns, a bias: within the header's bound of the float64 product, and
     each row bit for bit its batch-one value. The header's bound holds for the GEMM (its lane
-    chains add two terms per super-block, then three levels and the bias); the bias's own
-    magnitude adds u |bias| to the rounding of that last addition."""
-    weight = _weight(type_name, 37, 768, seed=11)
+    chains add at most two terms per 32 columns of a super-block, one per padding block of
+    Q8_0, then three levels and the bias); the bias's own magnitude adds u |bias| to the
+    rounding of that last addition."""
+    width = _gemm_width(type_name)
+    weight = _weight(type_name, 37, width, seed=11)
     bias = torch.randn(37, generator=torch.Generator().manual_seed(12))
     for batch in _gemm_batches():
-        x = torch.randn(batch, 768, generator=torch.Generator().manual_seed(batch))
+        x = torch.randn(batch, width, generator=torch.Generator().manual_seed(batch))
         expected, bound = _oracle_and_bound(weight, x)
         y = stored_weight.linear(x, weight, bias, isa=isa)
         assert np.all(np.abs(y.double().numpy() - bias.double().numpy() - expected) <= bound + np.abs(
@@ -379,10 +388,14 @@ def test_gemm_rows_do_not_depend_on_the_range_or_the_threads(type_name, threads)
 
 def _extreme_blocks(type_name: str, rows: int, in_features: int) -> np.ndarray:
     """Blocks whose integer sums are the largest the format allows: Q4_K every quant 15 and
-    every 6-bit scale and minimum 63; Q6_K every value -32 (all bits zero) and every scale -128."""
-    block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][1]
-    blocks = np.zeros((rows, in_features // 256, block_bytes), dtype=np.uint8)
-    if type_name == "Q4_K":
+    every 6-bit scale and minimum 63; Q6_K every value -32 (all bits zero) and every scale -128;
+    Q8_0 every quant -128."""
+    block_cols, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    blocks = np.zeros((rows, in_features // block_cols, block_bytes), dtype=np.uint8)
+    if type_name == "Q8_0":
+        blocks[..., 0:2] = np.array([0.01], np.float16).view(np.uint8)
+        blocks[..., 2:34] = 0x80
+    elif type_name == "Q4_K":
         blocks[..., 0:2] = np.array([0.01], np.float16).view(np.uint8)
         blocks[..., 2:4] = np.array([0.002], np.float16).view(np.uint8)
         blocks[..., 4:16] = 0xFF
@@ -398,10 +411,12 @@ def _extreme_blocks(type_name: str, rows: int, in_features: int) -> np.ndarray:
 def test_gemm_integer_sums_at_the_formats_extremes(type_name, isa):
     """Activations of one sign at full int8 scale against the extreme blocks: the integer sums
     reach their largest magnitude (Q6_K: 2 * 128 * 16 * 32 * 127 per 32 columns, just under
-    2^24) and must stay exact, so the results stay within the float64 bound and equal batch one."""
-    weight = stored_weight.from_gguf_blocks(type_name, _extreme_blocks(type_name, 19, 512), 512)
+    2^24; Q8_0: 32 * 128 * 127, its GEMM's unsigned sum of (x + 128) q 32 * 255 * 128) and must
+    stay exact, so the results stay within the float64 bound and equal batch one."""
+    width = _gemm_width(type_name)
+    weight = stored_weight.from_gguf_blocks(type_name, _extreme_blocks(type_name, 19, width), width)
     signs = torch.tensor([(-1.0) ** b for b in range(20)]).unsqueeze(1)
-    x = signs * torch.ones(20, 512)  # every activation +-127 after rounding
+    x = signs * torch.ones(20, width)  # every activation +-127 after rounding
     expected, bound = _oracle_and_bound(weight, x)
     y = stored_weight.linear(x, weight, isa=isa)
     assert np.all(np.abs(y.double().numpy() - expected) <= bound)
@@ -410,7 +425,7 @@ def test_gemm_integer_sums_at_the_formats_extremes(type_name, isa):
 
 @pytest.mark.parametrize("type_name", GEMM_TYPES)
 def test_gemm_over_several_panels_and_batch_slabs(type_name):
-    """8,192 columns: the GEMM unpacks the rows in panels of about 384 KB (32 rows of Q4_K, 24
+    """8,192 columns: the GEMM unpacks the rows in panels of about 384 KB (32 rows of Q4_K or Q8_0, 24
     of Q6_K, so 40 rows take two) and packs the batch in slabs of 2 MB (256 rows, so 260 take
     two); every row keeps its batch-one bits and the float64 bound."""
     isa = PATHS[-1]
@@ -433,8 +448,9 @@ def test_gemm_buffers_kept_between_steps_of_any_shape(type_name, threads):
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for step, (rows, in_features, batch) in enumerate(((13, 512, 17), (45, 8192, 70), (9, 768, 41),
-                                                           (21, 512, 12), (40, 8192, 33))):
+        for step, (rows, in_features, batch) in enumerate(((13, 512, 17), (45, 8192, 70),
+                                                           (9, _gemm_width(type_name), 41), (21, 512, 12),
+                                                           (40, 8192, 33))):
             weight = _weight(type_name, rows, in_features, seed=30 + step)
             x = torch.randn(batch, in_features, generator=torch.Generator().manual_seed(40 + step))
             expected, bound = _oracle_and_bound(weight, x)
@@ -451,8 +467,8 @@ def test_gemm_from_threads_that_come_and_go(type_name):
     """Each calling thread gets its own GEMM buffers, freed when it ends: steps run from a
     series of short-lived threads (several at once) give the same bits as on this thread."""
     isa = PATHS[-1]
-    weight = _weight(type_name, 21, 768, seed=50)
-    x = torch.randn(40, 768, generator=torch.Generator().manual_seed(51))
+    weight = _weight(type_name, 21, _gemm_width(type_name), seed=50)
+    x = torch.randn(40, _gemm_width(type_name), generator=torch.Generator().manual_seed(51))
     expected = stored_weight.linear(x, weight, isa=isa)
     results = []
 

@@ -36,7 +36,7 @@ static int64_t panel_rows(int64_t panel_bytes, int64_t rows) {
     return needed < per ? needed : per;
 }
 
-static const GgufGemmType *const GEMMS[] = {&gguf_q4_k_gemm_avx512, &gguf_q6_k_gemm_avx512};
+static const GgufGemmType *const GEMMS[] = {&gguf_q4_k_gemm_avx512, &gguf_q6_k_gemm_avx512, &gguf_q8_0_gemm_avx512};
 
 /* The GEMM of `type` matching the tiles of path `isa` where this build and CPU run it, or NULL. */
 const GgufGemmType *gguf_gemm_of(int type, int isa) {
@@ -107,12 +107,14 @@ static void scratch_trim(Scratch *s) {
 /* The layout of `batch` rows of `in` columns packed (gemm.h) in `buffer` (packed_bytes). */
 static GgufGemmX packed_layout(const void *buffer, int64_t batch, int64_t in) {
     const int64_t groups = (batch + GGUF_GEMM_LANES - 1) / GGUF_GEMM_LANES, lanes = groups * GGUF_GEMM_LANES;
-    const float *dx = (const float *)((const uint8_t *)buffer + lanes * in);
-    return (GgufGemmX){buffer, dx, dx + lanes * (in / 32), in / 256, groups};
+    const int64_t blocks = gguf_gemm_blocks(in);
+    const float *dx = (const float *)((const uint8_t *)buffer + lanes * blocks * 256);
+    return (GgufGemmX){buffer, dx, dx + lanes * blocks * 8, blocks, groups};
 }
 static size_t packed_bytes(int64_t batch, int64_t in) {
     const int64_t lanes = (batch + GGUF_GEMM_LANES - 1) / GGUF_GEMM_LANES * GGUF_GEMM_LANES;
-    return (size_t)(lanes * in + sizeof(float) * 2 * lanes * (in / 32));
+    const int64_t blocks = gguf_gemm_blocks(in);
+    return (size_t)(lanes * blocks * 256 + sizeof(float) * 2 * lanes * blocks * 8);
 }
 
 /* Lane group g of `batch` rows of qx [batch, in] and their scales (dx [batch, in / 32], then
@@ -135,6 +137,12 @@ static void pack_group(const int8_t *qx, const float *scales, int64_t batch, int
             const int64_t n = k * 8 + j, at = gguf_gemm_scale_at(px, g, j, k);
             const int8_t *src = qx + first * in + n * 32;
             uint8_t *dst = x + at * 32;
+            if (n >= nb32) { /* a padding block: x = 0, no scale */
+                for (int s = 0; s < 8; s++) _mm512_storeu_si512(dst + 64 * s, _mm512_set1_epi8((char)0x80));
+                _mm512_storeu_ps(dx + at, _mm512_setzero_ps());
+                _mm512_storeu_ps(sx + at, _mm512_setzero_ps());
+                continue;
+            }
             for (int s = 0; s < 8; s++) {
                 const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, rows, src + 4 * s, 1);
                 _mm512_storeu_si512(dst + 64 * s, _mm512_xor_si512(words, flip));
@@ -148,12 +156,13 @@ static void pack_group(const int8_t *qx, const float *scales, int64_t batch, int
         for (int64_t k = 0; k < K; k++) {
             const int64_t n = k * 8 + j, at = ((g * 8 + j) * K + k) * GGUF_GEMM_LANES;
             for (int lane = 0; lane < GGUF_GEMM_LANES; lane++) {
+                const int real = lane < lanes && n < nb32;
                 const int8_t *src = qx + (first + lane) * in + n * 32;
                 for (int s = 0; s < 8; s++)
                     for (int i = 0; i < 4; i++)
-                        x[at * 32 + 64 * s + 4 * lane + i] = lane < lanes ? (uint8_t)(src[4 * s + i] ^ 0x80) : 0x80;
-                dx[at + lane] = lane < lanes ? scales[(first + lane) * nb32 + n] : 0.0f;
-                sx[at + lane] = lane < lanes ? scales[batch * nb32 + (first + lane) * nb32 + n] : 0.0f;
+                        x[at * 32 + 64 * s + 4 * lane + i] = real ? (uint8_t)(src[4 * s + i] ^ 0x80) : 0x80;
+                dx[at + lane] = real ? scales[(first + lane) * nb32 + n] : 0.0f;
+                sx[at + lane] = real ? scales[batch * nb32 + (first + lane) * nb32 + n] : 0.0f;
             }
         }
 #endif
@@ -181,7 +190,7 @@ static void copy_tile(const float *tile, int64_t batch, int64_t g, int64_t rows,
 /* Rows row_begin..row_end of y [batch, y_stride] from packed activations, panel by panel;
  * `panel` holds panel_rows() unpacked rows of the range. While a panel is computed, the next
  * one's stored rows are prefetched a share per kernel call, so memory and the kernel overlap. */
-static void gemm_range(const GgufGemmType *gt, const GgufGemmX *px, int64_t batch, const uint8_t *w,
+static void gemm_range(const GgufGemmType *gt, const GgufGemmX *px, int64_t batch, const uint8_t *w, int64_t in,
                        int64_t row_bytes, const float *bias, float *y, int64_t y_stride, int64_t row_begin,
                        int64_t row_end, uint8_t *panel) {
     const int64_t strip = GGUF_GEMM_ROWS * gt->panel_bytes(px->blocks);
@@ -196,7 +205,7 @@ static void gemm_range(const GgufGemmType *gt, const GgufGemmX *px, int64_t batc
             const int64_t strips = (rows + GGUF_GEMM_ROWS - 1) / GGUF_GEMM_ROWS;
             if (rows % GGUF_GEMM_ROWS) memset(panel + (strips - 1) * strip, 0, (size_t)strip);
             for (int64_t i = 0; i < rows; i++)
-                gt->unpack(w + (first + i) * row_bytes, px->blocks, panel + i / GGUF_GEMM_ROWS * strip,
+                gt->unpack(w + (first + i) * row_bytes, in, panel + i / GGUF_GEMM_ROWS * strip,
                            (int)(i % GGUF_GEMM_ROWS));
             /* the next panel's rows (or the next slab's first panel), a share per call */
             const int64_t next = first + rows < row_end ? first + rows : g1 < px->groups ? row_begin : row_end;
@@ -240,11 +249,11 @@ int gguf_gemm_rows(const GgufGemmType *gt, const int8_t *qx, const float *scales
                    int64_t row_end) {
     ThreadScratch *ts = thread_scratch();
     const void *packed = ts ? scratch(&ts->packed, packed_bytes(batch, in)) : NULL;
-    uint8_t *panel = thread_panel(gt, in / 256, row_end - row_begin);
+    uint8_t *panel = thread_panel(gt, gguf_gemm_blocks(in), row_end - row_begin);
     if (!packed || !panel) return -3;
     const GgufGemmX px = packed_layout(packed, batch, in);
     for (int64_t g = 0; g < px.groups; g++) pack_group(qx, scales, batch, in, g, &px);
-    gemm_range(gt, &px, batch, w, row_bytes, bias, y, y_stride, row_begin, row_end, panel);
+    gemm_range(gt, &px, batch, w, in, row_bytes, bias, y, y_stride, row_begin, row_end, panel);
     scratch_trim(&ts->packed);
     return 0;
 }
@@ -267,7 +276,7 @@ int gguf_gemm_linear(const GgufGemmType *gt, const int8_t *qx, const float *scal
         if (begin < end) {
             uint8_t *panel = thread_panel(gt, px.blocks, end - begin);
             if (panel)
-                gemm_range(gt, &px, batch, w, row_bytes, bias, y, out, begin, end, panel);
+                gemm_range(gt, &px, batch, w, in, row_bytes, bias, y, out, begin, end, panel);
             else
                 failed = 1;
         }

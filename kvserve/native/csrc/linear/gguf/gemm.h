@@ -26,6 +26,12 @@
 #define GGUF_GEMM_ROWS 8       /* weight rows per kernel call (a panel is padded to whole ones with zeros) */
 #define GGUF_GEMM_MIN_BATCH 9 /* steps of this many activation rows or more take the GEMM (at 8 the tiles match it) */
 
+/* Super-blocks of 256 columns that hold a row of `in` columns: 32-column types whose rows are
+ * not whole super-blocks (Qwen2.5-0.5B's 896) are padded with zero blocks, 32-column block b
+ * at position j = b % 8 of super-block k = b / 8, the batch-one tiles' accumulator order
+ * (blocks32.h's gguf_tile32_exact_avx512). */
+static inline int64_t gguf_gemm_blocks(int64_t in) { return (in + 255) / 256; }
+
 /* A step's packed activations (see above) for super-blocks of 256 columns. */
 typedef struct {
     const uint8_t *x;
@@ -52,8 +58,10 @@ typedef struct {
 
 /* Bytes of one unpacked row of `blocks` super-blocks (a strip holds GGUF_GEMM_ROWS of them). */
 typedef int64_t (*GgufPanelBytesFn)(int64_t blocks);
-/* One weight row (`blocks` super-blocks as the file stores them) into row r of a strip. */
-typedef void (*GgufUnpackFn)(const uint8_t *row, int64_t blocks, uint8_t *strip, int r);
+/* One weight row of `in` columns (as the file stores it) into row r of a strip of
+ * gguf_gemm_blocks(in) super-blocks (a 32-column type's blocks past `in`: zero values and
+ * scales). */
+typedef void (*GgufUnpackFn)(const uint8_t *row, int64_t in, uint8_t *strip, int r);
 /* A strip's GGUF_GEMM_ROWS rows against lane group `group`, written to `o`. */
 typedef void (*GgufGemmKernelFn)(const uint8_t *strip, const GgufGemmX *x, int64_t group, const GgufGemmOut *o);
 /* Half `half` of a strip's rows (GGUF_GEMM_ROWS / 2 from row GGUF_GEMM_ROWS / 2 * half) against
@@ -125,7 +133,7 @@ GGUF_INLINE void gguf_gemm_store(const GgufGemmOut *o, const __m512 (*acc)[8]) {
 #endif
 GGUF_FIXED_FLOAT_END
 
-extern const GgufGemmType gguf_q4_k_gemm_avx512, gguf_q6_k_gemm_avx512;
+extern const GgufGemmType gguf_q4_k_gemm_avx512, gguf_q6_k_gemm_avx512, gguf_q8_0_gemm_avx512;
 
 /* For gguf_rows.c (gguf_gemm.c): the GEMM of `type` on path `isa` or NULL; rows
  * row_begin..row_end of y [batch, y_stride] on the calling thread; all `out` rows split over

@@ -26,7 +26,8 @@ static uint8_t *meta_q4_k(uint8_t *strip, int64_t blocks, int64_t k, int j) {
     return strip + blocks * COLS * R + k * META + 4 * j;
 }
 
-static void unpack_q4_k(const uint8_t *row, int64_t blocks, uint8_t *strip, int r) {
+static void unpack_q4_k(const uint8_t *row, int64_t in, uint8_t *strip, int r) {
+    const int64_t blocks = in / COLS;
     const __m512i low4 = _mm512_set1_epi8(15), ones = _mm512_set1_epi8(1);
     /* gguf_sub_block_sums of (sub-blocks 0, 2), (1, 3), (4, 6), (5, 7): j order */
     const __m512i order = _mm512_setr_epi32(0, 8, 4, 12, 1, 9, 5, 13, 0, 0, 0, 0, 0, 0, 0, 0);

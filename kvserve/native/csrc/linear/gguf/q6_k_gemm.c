@@ -28,7 +28,8 @@ static uint8_t *meta_q6_k(uint8_t *strip, int64_t blocks, int64_t k, int at) {
 /* The strip's d [row] of super-block k. */
 static uint8_t *d_q6_k(uint8_t *strip, int64_t blocks, int64_t k) { return meta_q6_k(strip, blocks, k, 0) + 128 * R; }
 
-static void unpack_q6_k(const uint8_t *row, int64_t blocks, uint8_t *strip, int r) {
+static void unpack_q6_k(const uint8_t *row, int64_t in, uint8_t *strip, int r) {
+    const int64_t blocks = in / COLS;
     const __m512i low4 = _mm512_set1_epi8(15), pair = _mm512_set1_epi8(0x30), offset = _mm512_set1_epi8(32);
     for (int64_t k = 0; k < blocks; k++) {
         const uint8_t *blk = row + k * BYTES;
