@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.model import stored_weight
+from kvserve.model import stored_weight, workspace
 from kvserve.model.stored_parts import StoredParts
 from kvserve.model.stored_weight import StoredWeight
 from kvserve.native import cpu_kernels
@@ -55,10 +55,16 @@ class StoredExperts:
         ids = expert_ids.to(torch.int64).contiguous()
         weights = gate_weights.to(torch.float32).contiguous()
         out = torch.empty_like(x)
-        code = stored_weight._lib().kvserve_moe_experts(
+        lib = stored_weight._lib()
+        scratch, scratch_bytes = None, 0  # a few rows: the call's own small buffers
+        if x.shape[0] >= workspace.MIN_ROWS:
+            scratch_bytes = lib.kvserve_moe_experts_workspace(x.shape[0], ids.shape[1], self.hidden, self.width)
+            scratch = workspace.scratch("moe_experts", 1, scratch_bytes, torch.uint8).data_ptr()
+        code = lib.kvserve_moe_experts(
             x.data_ptr(), x.shape[0], self.hidden, ids.data_ptr(), weights.data_ptr(), ids.shape[1],
             self.table.data_ptr(), self.table.shape[0], self.width, int(self.swiglu is not None),
-            *(self.swiglu or (0.0, 0.0)), out.data_ptr(), isa_table.ISA_CODES[self.isa], torch.get_num_threads())
+            *(self.swiglu or (0.0, 0.0)), out.data_ptr(), isa_table.ISA_CODES[self.isa], torch.get_num_threads(),
+            scratch, scratch_bytes)
         if code == -2:
             raise cpu_kernels.KernelArgumentError(f"the {self.isa} path of the GGUF kernels does not run on this CPU")
         if code:

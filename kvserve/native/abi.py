@@ -185,8 +185,9 @@ SIGNATURES = {
     "kvserve_quant_activation_blocks": ([_ptr, _i64, _ptr, _ptr, _ptr], None),
     "kvserve_gguf_gemm_supported": ([_int, _int], _int),
     "kvserve_gguf_gemm_min_batch": ([], _int),
+    "kvserve_moe_experts_workspace": ([_i64, _i64, _i64, _i64], _i64),
     "kvserve_moe_experts": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _int, _f32, _f32, _ptr, _int,
-                             _int], _int),
+                             _int, _ptr, _i64], _int),
     "kvserve_gemv_partials": ([_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64],
                               _int),
 }

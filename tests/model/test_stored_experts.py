@@ -133,7 +133,9 @@ def test_native_call_equals_expert_by_expert(moe_files, type_name, threads, isa)
     least batch (csrc/linear/gguf_gemm.c, Q4_K/Q6_K on AVX-512: those experts' projections go
     in a thread's share of rows each), on one, two and three threads, on the widest kernel path
     here and each narrower one forced (KVSERVE_QUANT_ISA's switch). Where every expert type has
-    the native GEMM, steps of the weights' dense-GEMM row count and more run in the call too."""
+    the native GEMM, steps of the weights' dense-GEMM row count and more run in the call too.
+    Steps of `workspace.MIN_ROWS` rows or more keep their intermediates in a buffer reused from
+    call to call (larger and smaller steps in turn: stale contents would show)."""
     kernels = env_kernels(quant_isa=isa)
     if isa is not None and kernel_isa(kernels) != isa:
         pytest.skip(f"the {isa} path does not run here")
@@ -149,7 +151,7 @@ def test_native_call_equals_expert_by_expert(moe_files, type_name, threads, isa)
             for rows in (1, 3, 17, 96, many):  # 96 rows: 24 a step per expert on average (top 2 of 8)
                 x = torch.randn(rows, block.gate.weight.shape[1], generator=generator)
                 assert table.takes(x) == (rows < many or table.native_gemm)
-                native, one_by_one = _both_paths(block, x)
+                native, one_by_one = _both_paths(block, x)  # the call's reused workspace from 64 rows on
                 assert torch.equal(native, one_by_one), (rows, (native - one_by_one).abs().max())
         for block in _blocks(model):  # Q4_K and Q6_K experts: the native GEMM where the path has it
             has_gemm = all(stored_weight.has_native_gemm(part, block.stored_experts.isa) for part in _expert_parts(block))

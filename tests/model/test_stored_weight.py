@@ -25,6 +25,7 @@ error (2^-53 relative per operation) is far below and not counted.
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import gguf
 import numpy as np
@@ -443,6 +444,28 @@ def test_gemm_buffers_kept_between_steps_of_any_shape(type_name, threads):
                 assert torch.equal(y[b], stored_weight.linear(x[b:b + 1], weight, isa=isa)[0]), (step, b)
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("type_name", GEMM_TYPES)
+def test_gemm_from_threads_that_come_and_go(type_name):
+    """Each calling thread gets its own GEMM buffers, freed when it ends: steps run from a
+    series of short-lived threads (several at once) give the same bits as on this thread."""
+    isa = PATHS[-1]
+    weight = _weight(type_name, 21, 768, seed=50)
+    x = torch.randn(40, 768, generator=torch.Generator().manual_seed(51))
+    expected = stored_weight.linear(x, weight, isa=isa)
+    results = []
+
+    def step():
+        results.append(stored_weight.linear(x, weight, isa=isa))
+
+    for _ in range(3):
+        threads = [threading.Thread(target=step) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert len(results) == 12 and all(torch.equal(y, expected) for y in results)
 
 
 @pytest.mark.parametrize("type_name", GEMM_TYPES)

@@ -31,8 +31,10 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
 
     def plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor, params: AttentionParams) -> AttentionPlan:
         # A cache the kernel cannot read in place (a non-contiguous view in a test) takes the torch path.
-        native = kv_cache.is_contiguous() and params.sinks is None  # the kernel has no sinks
-        return metadata.plan(kv_cache.shape[3], params.sliding_window, native, native and self.prefill_kernel)
+        native = kv_cache.is_contiguous()
+        # gpt-oss's attention sinks: the decode kernel takes them, the prefill kernel not (torch's path then)
+        prefill = native and self.prefill_kernel and params.sinks is None
+        return metadata.plan(kv_cache.shape[3], params.sliding_window, native, prefill)
 
     def store(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> None:
         if (k.stride() == v.stride() and k.stride(-1) == 1 and kv_cache.is_contiguous()
@@ -48,9 +50,10 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
             out = q.new_empty(q.shape)
         if plan.native is not None:
             tokens = plan.native
+            sinks = None if params.sinks is None else params.sinks.detach().float().contiguous()
             cpu_kernels.paged_attention_cpu(q, kv_cache, out, tokens.token_index, tokens.positions,
                                             tokens.block_table, tokens.table_row, tokens.window, params.scale,
-                                            params.softcap, self.isa)
+                                            params.softcap, self.isa, sinks=sinks)
         if plan.prefill is not None:
             chunks = plan.prefill
             cpu_kernels.prefill_attention_cpu(q, kv_cache, out, chunks.start, chunks.length, chunks.first_pos,

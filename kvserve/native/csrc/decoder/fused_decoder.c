@@ -59,7 +59,6 @@ typedef struct {
     float *dn;        /* [2 Dk + 2 Dv]: a Gated DeltaNet head's q, k, scratch and output */
     int64_t *bounds;  /* a split matmul's run bounds, in blocks */
     float *gather;    /* [T, hidden]: the rows of the tokens an expert runs on */
-    float *router;    /* [T, experts]: the router's logits */
     int64_t *route_id, *pair_token, *expert_end; /* [T, top_k], [T * top_k], [experts] */
     float *route_weight, *pair_weight;           /* [T, top_k], [T * top_k] */
     float *qk_inv;    /* [T, 2]: a Q/K norm over the whole projection: each token's 1 / rms of Q and of K */
@@ -102,6 +101,7 @@ typedef struct {
     float *conv_out;                   /* Mamba-2: [T, conv_dim], the step kernel's scratch */
     float *o_runs, *down_runs;         /* a split O / down projection's partial products [runs, T, hidden] */
     float *moe_gate_up, *moe_down;     /* experts' gate/up and down outputs, by (token, expert) pair */
+    float *router;                     /* [T, experts]: a MoE router's logits, each thread its share of the experts */
     int reduce_failed;                 /* set by thread 0 when an all-reduce failed: every thread stops */
     int routing_tie;                   /* set by every thread when a token's top k ends in a tie: all stop */
 } Shared;
@@ -841,8 +841,9 @@ static void expert_activation(const NativeModel *m, const NativeMoe *moe, const 
 }
 
 /* ---- mixture of experts (moe.py's SparseMoeBlock) ------------------------------------------
- * Every thread computes the router's logits and the routing itself (the same values on each:
- * no barrier for them), then the threads share the chosen experts' matmuls one of two ways:
+ * The threads share out the router's float32 rows (1 MB a layer for 128 experts of hidden 2,048:
+ * as much to read as a few experts' blocks; one barrier), every thread routes each token itself
+ * (the same values on each), then the threads share the chosen experts' matmuls one of two ways:
  * - by rows (MOE_SPLIT_ROWS): each chosen expert's rows split over the threads as a dense
  *   MLP's: the gate/up projections of every expert with tokens (and the shared expert's), one
  *   barrier, the activations and down projections;
@@ -861,6 +862,7 @@ static void expert_activation(const NativeModel *m, const NativeMoe *moe, const 
  * tokens tend to pick the same ones), leave whole experts unevenly spread over the threads. */
 #define EXPERT_SPLIT_MIN 4
 #define EXPERT_SPLIT_MAX_ROWS 4
+#define ROUTER_UNIT 8 /* router rows the threads share out in */
 /* An expert's work in expert_owner's units: reading its weights costs about as much as
  * multiplying them by 1.25 rows (a 15B-A2B Q4_K_M expert on one Zen 5 core: ~90 us for one
  * row, ~40 us more per row), so work = EXPERT_READ_COST + EXPERT_ROW_COST * rows. */
@@ -912,12 +914,15 @@ static int route_token(const NativeMoe *moe, const float *logits, int64_t *ids, 
 /* Routes the step's tokens and groups the (token, expert) pairs by expert: expert e's pairs are
  * [expert_end[e - 1], expert_end[e]) of p->pair_token / p->pair_weight, by slot, then token.
  * Returns 1, grouping nothing, where a token's top k ends in a tie (route_token). */
-static int route_step(const NativeMoe *moe, int64_t T, Private *p) {
+static int route_step(const NativeMoe *moe, int64_t T, Private *p, Shared *s, int tid, int nthreads) {
     const int64_t E = moe->num_experts, K = moe->top_k;
-    linear_range(&moe->router, PATH_F32, p->x, T, p, p->router, 0, E);
+    int64_t begin, end; /* the router's float32 rows are a read as long as a few experts' blocks: shared out */
+    split_rows(E, ROUTER_UNIT, tid, nthreads, &begin, &end);
+    linear_range(&moe->router, PATH_F32, p->x, T, p, s->router, begin, end);
+    wait_all(p, PHASE_NORMS);
     int tie = 0;
     for (int64_t t = 0; t < T; t++)
-        tie |= route_token(moe, p->router + t * E, p->route_id + t * K, p->route_weight + t * K);
+        tie |= route_token(moe, s->router + t * E, p->route_id + t * K, p->route_weight + t * K);
     if (tie) return 1;
     for (int64_t e = 0; e < E; e++) p->expert_end[e] = 0;
     for (int64_t i = 0; i < T * K; i++) p->expert_end[p->route_id[i]]++;
@@ -1043,7 +1048,7 @@ static const float *moe_mlp(const NativeModel *m, const NativeMoe *moe, const Na
     const int64_t T = st->num_tokens, H = m->hidden, E = moe->num_experts, pairs = T * moe->top_k;
     const int64_t width = moe->down[0].in, shared_width = moe->shared_down.out ? moe->shared_down.in : 0;
     float *shared_gate_up = s->moe_gate_up + pairs * 2 * width, *shared_down = s->moe_down + pairs * H;
-    if (route_step(moe, T, p)) {
+    if (route_step(moe, T, p, s, tid, nthreads)) {
 #pragma omp atomic write
         s->routing_tie = 1;
         p->routing_tie = 1;
@@ -1064,6 +1069,7 @@ static const float *moe_mlp(const NativeModel *m, const NativeMoe *moe, const Na
         if (T > 1) prepared = NULL;
         expert_rows(m, &moe->gate_up[e], p->gather, rows, p, s->moe_gate_up + first * 2 * width, &prepared, tid,
                     nthreads);
+        phase_mark(&p->timer, PHASE_GATE_UP); /* (linear_prepare marks the rounding before it) */
     }
     if (T > 1) prepared = NULL;
     if (shared_width) expert_rows(m, &moe->shared_gate_up, p->x, T, p, shared_gate_up, &prepared, tid, nthreads);
@@ -1072,8 +1078,10 @@ static const float *moe_mlp(const NativeModel *m, const NativeMoe *moe, const Na
         const int64_t first = expert_begin(p, e), rows = p->expert_end[e] - first;
         if (!rows) continue;
         expert_activation(m, moe, s->moe_gate_up + first * 2 * width, p->act, rows, width);
+        phase_mark(&p->timer, PHASE_NORMS);
         prepared = NULL;
         expert_rows(m, &moe->down[e], p->act, rows, p, s->moe_down + first * H, &prepared, tid, nthreads);
+        phase_mark(&p->timer, PHASE_DOWN);
     }
     if (shared_width) {
         gate_activation(m, shared_gate_up, p->act, T, shared_width);
@@ -1318,9 +1326,10 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
                 malloc(sizeof(float) * (size_t)(T * mb_conv_dim(m) + 1)),
                 malloc(sizeof(float) * (size_t)(max_runs(m->num_heads * m->head_dim) * T * H)),
                 malloc(sizeof(float) * (size_t)(max_runs(I) * T * H)),
-                malloc(sizeof(float) * (size_t)moe.gate_up), malloc(sizeof(float) * (size_t)moe.down), 0, 0};
+                malloc(sizeof(float) * (size_t)moe.gate_up), malloc(sizeof(float) * (size_t)moe.down),
+                malloc(sizeof(float) * (size_t)(T * moe.experts)), 0, 0};
     int failed = !s.qkv || !s.attn || !s.out || !s.gate_up || !s.ba || !s.conv_out || !s.o_runs || !s.down_runs ||
-                 !s.moe_gate_up || !s.moe_down;
+                 !s.moe_gate_up || !s.moe_down || !s.router;
     SpinBarrier barrier = {0, 0, 1};
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && !failed)
     {
@@ -1333,12 +1342,12 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
                      malloc(sizeof(float) * (size_t)(T * 2 * I)), malloc(sizeof(float) * (size_t)(T * 2 * m->head_dim)),
                      malloc(sizeof(float) * (size_t)(2 * m->dn_k_dim + 2 * m->dn_v_dim + 1)),
                      malloc(sizeof(int64_t) * (size_t)(max_runs(W) + 1)), malloc(sizeof(float) * (size_t)(T * H)),
-                     malloc(sizeof(float) * (size_t)(T * moe.experts)), malloc(sizeof(int64_t) * (size_t)moe.pairs),
+                     malloc(sizeof(int64_t) * (size_t)moe.pairs),
                      malloc(sizeof(int64_t) * (size_t)moe.pairs), malloc(sizeof(int64_t) * (size_t)moe.experts),
                      malloc(sizeof(float) * (size_t)moe.pairs), malloc(sizeof(float) * (size_t)moe.pairs),
                      malloc(sizeof(float) * (size_t)(2 * T)), s.out};
         int ok = p.residual && p.x && p.act && p.qx && p.scales && p.panel && p.sum && p.gate_up && p.kv && p.dn &&
-                 p.bounds && p.gather && p.router && p.route_id && p.pair_token && p.expert_end && p.route_weight &&
+                 p.bounds && p.gather && p.route_id && p.pair_token && p.expert_end && p.route_weight &&
                  p.pair_weight && p.qk_inv;
         p.barrier = &barrier;
         phase_start(&p.timer);
@@ -1362,12 +1371,12 @@ int kvserve_decoder_forward_logits(const NativeModel *m, const NativeLayer *laye
             phase_finish(&p.timer, tid);
         }
         free(p.residual), free(p.x), free(p.act), free(p.qx), free(p.scales), free(p.panel), free(p.sum),
-            free(p.gate_up), free(p.kv), free(p.dn), free(p.bounds), free(p.gather), free(p.router), free(p.route_id),
+            free(p.gate_up), free(p.kv), free(p.dn), free(p.bounds), free(p.gather), free(p.route_id),
             free(p.pair_token), free(p.expert_end), free(p.route_weight), free(p.pair_weight),
             free(p.qk_inv);
     }
     free(s.qkv), free(s.attn), free(s.gate_up), free(s.ba), free(s.conv_out), free(s.o_runs), free(s.down_runs),
-        free(s.moe_gate_up), free(s.moe_down);
+        free(s.moe_gate_up), free(s.moe_down), free(s.router);
     if (!m->all_reduce) free(s.out);
     return failed ? 1 : s.reduce_failed ? 3 : s.routing_tie ? 4 : 0;
 }

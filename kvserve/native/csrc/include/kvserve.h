@@ -359,9 +359,11 @@ int kvserve_gguf_gemm_min_batch(void);
 
 /* ---- linear/moe_experts.c: a mixture of experts' routed experts, GGUF blocks as stored ------- */
 
+int64_t kvserve_moe_experts_workspace(int64_t tokens, int64_t top_k, int64_t hidden, int64_t width);
 int kvserve_moe_experts(const float *x, int64_t tokens, int64_t hidden, const int64_t *ids, const float *weights,
                         int64_t top_k, const int64_t *table, int64_t num_experts, int64_t width, int swiglu,
-                        float limit, float alpha, float *out, int isa, int num_threads);
+                        float limit, float alpha, float *out, int isa, int num_threads, void *workspace,
+                        int64_t workspace_bytes);
 
 /* ---- linear/bf16_rows.c ------------------------------------------------------------------------ */
 

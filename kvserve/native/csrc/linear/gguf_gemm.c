@@ -11,6 +11,7 @@
  * keep the tiles.
  */
 #include <omp.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -52,13 +53,38 @@ int kvserve_gguf_gemm_min_batch(void) { return GGUF_GEMM_MIN_BATCH; }
 /* Per-thread buffers kept between calls (a step's packed activations, a panel): fresh pages
  * would cost again at every matmul. Up to KEEP_BYTES each: a larger one (a prefill step of
  * thousands of rows of a wide matrix) is freed after its call, so a thread holds no more
- * than that between steps. */
+ * than that between steps, and all of it is freed when the thread ends. */
 #define KEEP_BYTES (32u << 20)
 typedef struct {
     void *data;
     size_t bytes;
 } Scratch;
-static _Thread_local Scratch packed_scratch, panel_scratch;
+typedef struct {
+    Scratch packed, panel;
+} ThreadScratch;
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_key_once = PTHREAD_ONCE_INIT;
+static int scratch_key_made;
+
+static void free_thread_scratch(void *buffers) {
+    ThreadScratch *ts = buffers;
+    free(ts->packed.data);
+    free(ts->panel.data);
+    free(ts);
+}
+static void make_scratch_key(void) { scratch_key_made = !pthread_key_create(&scratch_key, free_thread_scratch); }
+
+/* The calling thread's buffers (freed at its exit), or NULL when out of memory. */
+static ThreadScratch *thread_scratch(void) {
+    pthread_once(&scratch_key_once, make_scratch_key);
+    if (!scratch_key_made) return NULL;
+    ThreadScratch *ts = pthread_getspecific(scratch_key);
+    if (!ts && (ts = calloc(1, sizeof *ts)) && pthread_setspecific(scratch_key, ts)) {
+        free(ts);
+        ts = NULL;
+    }
+    return ts;
+}
 
 /* At least `bytes` of this thread's buffer `s` (its old contents lost), or NULL. */
 static void *scratch(Scratch *s, size_t bytes) {
@@ -204,26 +230,29 @@ static void gemm_range(const GgufGemmType *gt, const GgufGemmX *px, int64_t batc
 
 /* This thread's panel buffer for `rows` weight rows, or NULL. */
 static uint8_t *thread_panel(const GgufGemmType *gt, int64_t blocks, int64_t rows) {
+    ThreadScratch *ts = thread_scratch();
     const int64_t pb = gt->panel_bytes(blocks);
-    return scratch(&panel_scratch, (size_t)(panel_rows(pb, rows) * pb));
+    return ts ? scratch(&ts->panel, (size_t)(panel_rows(pb, rows) * pb)) : NULL;
 }
 
 int gguf_gemm_rows(const GgufGemmType *gt, const int8_t *qx, const float *scales, int64_t batch, const uint8_t *w,
                    int64_t in, int64_t row_bytes, const float *bias, float *y, int64_t y_stride, int64_t row_begin,
                    int64_t row_end) {
-    const void *packed = scratch(&packed_scratch, packed_bytes(batch, in));
+    ThreadScratch *ts = thread_scratch();
+    const void *packed = ts ? scratch(&ts->packed, packed_bytes(batch, in)) : NULL;
     uint8_t *panel = thread_panel(gt, in / 256, row_end - row_begin);
     if (!packed || !panel) return -3;
     const GgufGemmX px = packed_layout(packed, batch, in);
     for (int64_t g = 0; g < px.groups; g++) pack_group(qx, scales, batch, in, g, &px);
     gemm_range(gt, &px, batch, w, row_bytes, bias, y, y_stride, row_begin, row_end, panel);
-    scratch_trim(&packed_scratch);
+    scratch_trim(&ts->packed);
     return 0;
 }
 
 int gguf_gemm_linear(const GgufGemmType *gt, const int8_t *qx, const float *scales, int64_t batch, const uint8_t *w,
                      int64_t in, int64_t row_bytes, const float *bias, float *y, int64_t out, int parallel) {
-    const void *packed = scratch(&packed_scratch, packed_bytes(batch, in));
+    ThreadScratch *ts = thread_scratch();
+    const void *packed = ts ? scratch(&ts->packed, packed_bytes(batch, in)) : NULL;
     if (!packed) return -3;
     const GgufGemmX px = packed_layout(packed, batch, in);
     int failed = 0;
@@ -243,6 +272,6 @@ int gguf_gemm_linear(const GgufGemmType *gt, const int8_t *qx, const float *scal
                 failed = 1;
         }
     }
-    scratch_trim(&packed_scratch);
+    scratch_trim(&ts->packed);
     return failed ? -3 : 0;
 }

@@ -203,11 +203,26 @@ static int check_experts(const int64_t *table, const int64_t *experts, int64_t a
  * types (gate and up [width, hidden], down [hidden, width]), then its gate, up and down
  * biases (float32 addresses, 0: none). The gated product is SiLU(gate) * up, or with
  * `swiglu` gpt-oss's clamped SwiGLU of `limit` and `alpha`. isa: gguf_rows.c's path.
+ * workspace: kvserve_moe_experts_workspace() bytes the call may use for its intermediates
+ * (NULL or fewer bytes: it allocates them itself).
  * Returns 0; -1 for bad arguments (an id out of range, a type or width the kernels do not
  * take), -2 when `isa` does not run here, -3 when out of memory. */
+/* The float32 intermediates of a step of `pairs` (token, slot) pairs, in floats. */
+static size_t step_floats(int64_t pairs, int64_t hidden, int64_t width) {
+    return (size_t)(pairs * (hidden + 2 * (hidden / 32) + 3 * width + 2 * (width / 32) + 1));
+}
+
+/* Bytes of the workspace kvserve_moe_experts takes for a step of `tokens` tokens: its float32
+ * intermediates, then its int8 ones. */
+int64_t kvserve_moe_experts_workspace(int64_t tokens, int64_t top_k, int64_t hidden, int64_t width) {
+    const int64_t pairs = tokens * top_k;
+    return (int64_t)((sizeof(float) * step_floats(pairs, hidden, width) + 63) / 64 * 64) + pairs * (hidden + width) + 64;
+}
+
 int kvserve_moe_experts(const float *x, int64_t tokens, int64_t hidden, const int64_t *ids, const float *weights,
                         int64_t top_k, const int64_t *table, int64_t num_experts, int64_t width, int swiglu,
-                        float limit, float alpha, float *out, int isa, int num_threads) {
+                        float limit, float alpha, float *out, int isa, int num_threads, void *workspace,
+                        int64_t workspace_bytes) {
     if (tokens < 0 || top_k <= 0 || num_experts <= 0 || hidden <= 0 || width <= 0 || hidden % 32 || width % 32)
         return -1;
     if (isa < 0 || isa >= ISA_COUNT || !kvserve_isa_available(KV_KERNEL_QUANT, isa)) return -2;
@@ -217,13 +232,19 @@ int kvserve_moe_experts(const float *x, int64_t tokens, int64_t hidden, const in
         if (ids[p] < 0 || ids[p] >= num_experts) return -1;
     /* index: count [E], experts [E] (the active ones, ascending), start [E + 1], token [pairs] */
     int64_t *index = calloc((size_t)(3 * num_experts + 1 + pairs), sizeof(int64_t));
-    const size_t floats = (size_t)(pairs * (hidden + 2 * (hidden / 32) + 3 * width + 2 * (width / 32) + 1));
-    float *buffer = malloc(sizeof(float) * floats);
-    int8_t *quantized = malloc((size_t)(pairs * (hidden + width)) + 64);
+    const size_t floats = step_floats(pairs, hidden, width);
+    /* The intermediates: in the caller's workspace where it is large enough (a many-token step's
+     * are hundreds of MB, whose fresh pages would fault and be zeroed on every call), else fresh. */
+    const int owned = !workspace || workspace_bytes < kvserve_moe_experts_workspace(tokens, top_k, hidden, width);
+    float *buffer = owned ? malloc(sizeof(float) * floats) : workspace;
+    int8_t *quantized = owned ? malloc((size_t)(pairs * (hidden + width)) + 64)
+                              : (int8_t *)workspace + (sizeof(float) * floats + 63) / 64 * 64;
     if (!index || !buffer || !quantized) {
         free(index);
-        free(buffer);
-        free(quantized);
+        if (owned) {
+            free(buffer);
+            free(quantized);
+        }
         return -3;
     }
     int64_t *count = index, *experts = count + num_experts, *start = experts + num_experts;
@@ -281,7 +302,9 @@ int kvserve_moe_experts(const float *x, int64_t tokens, int64_t hidden, const in
         }
     }
     free(index);
-    free(buffer);
-    free(quantized);
+    if (owned) {
+        free(buffer);
+        free(quantized);
+    }
     return code;
 }
