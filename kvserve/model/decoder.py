@@ -113,7 +113,7 @@ class SelfAttention(nn.Module):
         """The Q, K and V projections [T, size] each; a many-token step of float32 rows over parts
         held as stored gets each part apart, in reused buffers (model/workspace.py), not sliced
         from one concatenated copy."""
-        weight = self.qkv_proj.quant_weight
+        weight = getattr(self.qkv_proj, "quant_weight", None)  # a wrapper module (tests) may hold none
         if (isinstance(weight, StoredParts) and [p.out_features for p in weight.parts] == self.qkv_proj.shard_sizes
                 and hidden.dim() == 2 and hidden.dtype == torch.float32 and hidden.shape[0] >= workspace.MIN_ROWS):
             return tuple(stored_parts.part_outputs(hidden, weight, self.qkv_proj.bias, num_drafts, ("q", "k", "v")))
@@ -150,7 +150,7 @@ class GatedMLP(nn.Module):
 
     def _gated(self, x: torch.Tensor, num_draft_rows: int) -> torch.Tensor:
         """act(gate(x)) * up(x): the down projection's input."""
-        weight = self.gate_up_proj.quant_weight
+        weight = getattr(self.gate_up_proj, "quant_weight", None)
         if (self.native and self.is_silu and isinstance(weight, StoredParts)
                 and [p.out_features for p in weight.parts] == self.gate_up_proj.shard_sizes
                 and x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] >= workspace.MIN_ROWS):
