@@ -9,7 +9,7 @@ runs every chosen expert's SiLU-gated MLP through the same row kernels as a dens
 three matmuls, SiLU*up, scale, scatter-add) becomes one call per layer. It takes the
 experts the per-op path would run through the row kernel and the native gated product:
 SiLU-gated, or gpt-oss's clamped SwiGLU with its biases; float32 activations; steps of
-any size where every expert type has the native GEMM on the path (Q4_K, Q6_K, Q8_0 on AVX-512
+any size where every expert type has the native GEMM on the path (Q4_K, Q6_K, Q8_0, Q5_0 on AVX-512
 VNNI: csrc/linear/gguf_gemm.c, whose rows keep their batch-one sums, as the per-op path's
 `stored_weight.linear` does at any size), else steps of fewer rows than the weights' dense-GEMM
 threshold (from it the per-op path dequantizes).

@@ -5,7 +5,7 @@ possibly a view of the mmapped file.
 The kernels are csrc/linear/gguf_rows.c: a step of a few rows quantizes its activations
 per 32 columns to int8 (as `quantized.QuantizedWeight` with act_bits 8 and llama.cpp do)
 and takes integer sums against the blocks as they lie; from 9 rows, types with a GEMM on
-the path (csrc/linear/gguf_gemm.c: Q4_K, Q6_K and Q8_0 on AVX-512 VNNI) run it, with every row
+the path (csrc/linear/gguf_gemm.c: Q4_K, Q6_K, Q8_0 and Q5_0 on AVX-512 VNNI) run it, with every row
 bit for bit its batch-one result, at any step size. For the other types, steps of
 `gemm_rows` rows or more dequantize the weight (bfloat16 on CPUs with native bfloat16,
 `quantized.gemm_dtype`) and run a dense GEMM, where the matmul is compute-bound. Types the

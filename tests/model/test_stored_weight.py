@@ -311,8 +311,8 @@ def test_split_rows_quantize_each_block_alone():
 
 # ---- the many-row GEMM (csrc/linear/gguf_gemm.c) ------------------------------------------
 # Steps of kvserve_gguf_gemm_min_batch() rows or more take it where the type has one on the
-# path (Q4_K, Q6_K and Q8_0 on AVX-512 VNNI); elsewhere the same tests run the tiles.
-GEMM_TYPES = ("Q4_K", "Q6_K", "Q8_0")
+# path (Q4_K, Q6_K, Q8_0 and Q5_0 on AVX-512 VNNI); elsewhere the same tests run the tiles.
+GEMM_TYPES = ("Q4_K", "Q6_K", "Q8_0", "Q5_0")
 
 
 def _gemm_width(type_name: str) -> int:
@@ -389,12 +389,12 @@ def test_gemm_rows_do_not_depend_on_the_range_or_the_threads(type_name, threads)
 def _extreme_blocks(type_name: str, rows: int, in_features: int) -> np.ndarray:
     """Blocks whose integer sums are the largest the format allows: Q4_K every quant 15 and
     every 6-bit scale and minimum 63; Q6_K every value -32 (all bits zero) and every scale -128;
-    Q8_0 every quant -128."""
+    Q8_0 every quant -128; Q5_0 every value -16 (all bits zero)."""
     block_cols, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
     blocks = np.zeros((rows, in_features // block_cols, block_bytes), dtype=np.uint8)
-    if type_name == "Q8_0":
+    if type_name in ("Q8_0", "Q5_0"):
         blocks[..., 0:2] = np.array([0.01], np.float16).view(np.uint8)
-        blocks[..., 2:34] = 0x80
+        blocks[..., 2:34] = 0x80 if type_name == "Q8_0" else 0
     elif type_name == "Q4_K":
         blocks[..., 0:2] = np.array([0.01], np.float16).view(np.uint8)
         blocks[..., 2:4] = np.array([0.002], np.float16).view(np.uint8)
@@ -425,7 +425,7 @@ def test_gemm_integer_sums_at_the_formats_extremes(type_name, isa):
 
 @pytest.mark.parametrize("type_name", GEMM_TYPES)
 def test_gemm_over_several_panels_and_batch_slabs(type_name):
-    """8,192 columns: the GEMM unpacks the rows in panels of about 384 KB (32 rows of Q4_K or Q8_0, 24
+    """8,192 columns: the GEMM unpacks the rows in panels of about 384 KB (32 rows of Q4_K, Q8_0 or Q5_0, 24
     of Q6_K, so 40 rows take two) and packs the batch in slabs of 2 MB (256 rows, so 260 take
     two); every row keeps its batch-one bits and the float64 bound."""
     isa = PATHS[-1]
