@@ -3,6 +3,8 @@
 and huge pages are advised as the used part grows, at most twice the used bytes."""
 from __future__ import annotations
 
+import ctypes
+import os
 import sys
 
 import pytest
@@ -90,20 +92,31 @@ def test_highest_block_id_of_a_step():
         total_num_scheduled_tokens=0)) == -1
 
 
+def _resident_kib(tensor) -> int:
+    """KiB of `tensor`'s pages resident in memory (mincore over its byte range): the pool's own
+    pages, whatever else the process allocates meanwhile."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = tensor.data_ptr() // page * page
+    end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    pages = (end - start + page - 1) // page
+    vector = (ctypes.c_ubyte * pages)()
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * page), vector) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(byte & 1 for byte in vector) * page // 1024
+
+
 @needs_linux
 def test_untouched_blocks_take_no_memory():
-    """Writing block 1 of every region of a 64 MiB pool makes about 8 small pages resident, not
-    the pool and not 8 huge pages (RssAnon of this process, compared before and after)."""
-    def anon_kib() -> int:
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) for line in status if line.startswith("RssAnon"))
-    before = anon_kib()
+    """Writing block 1 of every region of a 64 MiB pool makes 8 small pages of the pool resident,
+    not the pool and not 8 huge pages (mincore over each layer's cache)."""
     caches = _pool(num_blocks=4096)  # 64 MiB in all
+    assert sum(_resident_kib(cache) for cache in caches.values()) == 0
     growth = KVHugePageGrowth(caches)
     growth.note_blocks(1)
     for cache in caches.values():
         cache[:, :, 1] = 1.0
-    grown_kib = anon_kib() - before
-    # 8 regions x one 4 KiB page each = 32 KiB; allow 4 MiB for whatever else this process
-    # allocated meanwhile (far under the 16 MiB that 8 huge pages would take).
-    assert grown_kib < 4096, grown_kib
+    resident_kib = sum(_resident_kib(cache) for cache in caches.values())
+    # 8 regions x block 1 (2 KiB at offset 2 KiB: inside the region's first 4 KiB page) = 32 KiB;
+    # a huge page faulted in would show as its 512 small pages (16 MiB for 8).
+    assert resident_kib == 8 * os.sysconf("SC_PAGE_SIZE") // 1024, resident_kib
