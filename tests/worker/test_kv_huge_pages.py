@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -106,17 +108,28 @@ def _resident_kib(tensor) -> int:
     return sum(byte & 1 for byte in vector) * page // 1024
 
 
-@needs_linux
-def test_untouched_blocks_take_no_memory():
-    """Writing block 1 of every region of a 64 MiB pool makes 8 small pages of the pool resident,
-    not the pool and not 8 huge pages (mincore over each layer's cache)."""
+def _untouched_blocks_resident_kib() -> tuple[int, int]:
+    """(pool KiB resident before any write, after writing block 1 of each region)."""
     caches = _pool(num_blocks=4096)  # 64 MiB in all
-    assert sum(_resident_kib(cache) for cache in caches.values()) == 0
+    before = sum(_resident_kib(cache) for cache in caches.values())
     growth = KVHugePageGrowth(caches)
     growth.note_blocks(1)
     for cache in caches.values():
         cache[:, :, 1] = 1.0
-    resident_kib = sum(_resident_kib(cache) for cache in caches.values())
+    return before, sum(_resident_kib(cache) for cache in caches.values())
+
+
+@needs_linux
+def test_untouched_blocks_take_no_memory():
+    """Writing block 1 of every region of a 64 MiB pool makes 8 small pages of the pool resident,
+    not the pool and not 8 huge pages (mincore over each layer's cache). Run in a fresh process:
+    in a long one the pool's calloc may reuse heap pages earlier tests already touched."""
+    code = ("import sys; sys.path.insert(0, 'tests/worker'); import test_kv_huge_pages as t; "
+            "print(*t._untouched_blocks_resident_kib())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    before, after = (int(part) for part in done.stdout.split())
     # 8 regions x block 1 (2 KiB at offset 2 KiB: inside the region's first 4 KiB page) = 32 KiB;
     # a huge page faulted in would show as its 512 small pages (16 MiB for 8).
-    assert resident_kib == 8 * os.sysconf("SC_PAGE_SIZE") // 1024, resident_kib
+    assert before == 0 and after == 8 * os.sysconf("SC_PAGE_SIZE") // 1024, (before, after)
