@@ -143,9 +143,27 @@ def _populate_stored_views(model: DecoderModel, path: str) -> None:
     for a mixture of experts' experts: they fault in when a token first picks them (as in the
     repack cache), so an expert no token picks is never resident."""
     from kvserve.model.gguf_file import open_gguf
-    spans = [(part.blocks.data_ptr(), part.nbytes()) for name, part in _stored_parts(model) if ".experts." not in name]
+    parts = sorted((part.blocks.data_ptr(), part.nbytes(), ".experts." in name) for name, part in _stored_parts(model))
+    spans = [(address, nbytes) for address, nbytes, expert in parts if not expert]
     if spans:
-        open_gguf(path).populate(spans)
+        open_gguf(path).populate(spans, huge_runs=_runs_between_experts(parts))
+
+
+def _runs_between_experts(parts: list[tuple[int, int, bool]]) -> list[tuple[int, int]]:
+    """(address, length) of each run of the weights `parts` ((address, nbytes, is an expert) in
+    ascending address) with no expert inside: a huge folio read within one pages in no expert."""
+    runs: list[tuple[int, int]] = []
+    start = end = None
+    for address, nbytes, expert in parts + [(0, 0, True)]:
+        if expert:
+            if start is not None:
+                runs.append((start, end - start))
+            start = end = None
+        elif start is None:
+            start, end = address, address + nbytes
+        else:
+            end = max(end, address + nbytes)
+    return runs
 
 
 def _stored_parts(model: DecoderModel) -> Iterator[tuple[str, StoredWeight]]:

@@ -274,6 +274,18 @@ def test_stored_experts_logits_within_int8_rounding_of_dequantized(moe_files, mo
     assert bound < 0.1 * min((ref.amax(-1) - ref.amin(-1)).min().item() for ref in reference.values())
 
 
+def test_huge_folio_runs_hold_no_expert():
+    """The loader's runs advised huge folios (loader._runs_between_experts): each run spans the
+    non-expert weights between two experts in address order (overlapping views merged), and no
+    run reaches into an expert, so reading a run's 2 MiB windows pages in no expert."""
+    from kvserve.model.loader import _runs_between_experts
+    parts = [(0, 100, False), (50, 100, False), (300, 10, False), (400, 50, True), (450, 50, True),
+             (600, 30, False), (1000, 20, True), (2000, 5, False)]
+    assert _runs_between_experts(parts) == [(0, 310), (600, 30), (2000, 5)]
+    assert _runs_between_experts([(0, 10, True)]) == []
+    assert _runs_between_experts([]) == []
+
+
 def test_experts_are_paged_in_only_when_picked(tmp_path):
     """Experts as views of the GGUF file are left out of the load's populate: an expert's pages
     come in when a token first picks it, and an expert no token picks stays out. Q8_0 experts of
