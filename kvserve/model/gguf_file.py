@@ -109,18 +109,34 @@ class GGUFFile:
     def populate(self, spans: list[tuple[int, int]], huge_runs: list[tuple[int, int]] = ()) -> None:
         """Map the pages of the (address, length) spans of this file's mapping now (see
         `populate`); spans outside it are ignored. The aligned 2 MiB windows inside the
-        (address, length) `huge_runs` are first advised huge folios (see `advise_huge_folios`)."""
-        base = np.frombuffer(self._buffer, dtype=np.uint8, count=1).ctypes.data
-        for address, length in huge_runs:
-            start = -(-(address - base) // HUGE_FOLIO_BYTES) * HUGE_FOLIO_BYTES
-            end = min(address - base + length, len(self._mmap)) // HUGE_FOLIO_BYTES * HUGE_FOLIO_BYTES
-            if 0 <= start < end:  # read in before the spans, whose read-ahead would fill them with small folios
-                advise_huge_folios(self._mmap, start, end - start)
-                populate(self._mmap, start, end - start)
+        (address, length) `huge_runs` are first advised huge folios and read in."""
+        for start, length in self._huge_windows(huge_runs):  # before the spans, whose read-ahead
+            advise_huge_folios(self._mmap, start, length)  # would fill them with small folios
+            populate(self._mmap, start, length)
+        base = self._base()
         for address, length in spans:
             start = (address - base) // mmap.PAGESIZE * mmap.PAGESIZE
             if 0 <= start < len(self._mmap):
                 populate(self._mmap, start, min(address - base + length, len(self._mmap)) - start)
+
+    def advise_huge(self, runs: list[tuple[int, int]]) -> None:
+        """Advise huge folios (`advise_huge_folios`) for the aligned 2 MiB windows inside the
+        (address, length) `runs`, read in whole when first touched."""
+        for start, length in self._huge_windows(runs):
+            advise_huge_folios(self._mmap, start, length)
+
+    def _base(self) -> int:
+        return np.frombuffer(self._buffer, dtype=np.uint8, count=1).ctypes.data
+
+    def _huge_windows(self, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """(offset, length) in the mapping of the 2 MiB-aligned windows inside each (address, length) run."""
+        base, windows = self._base(), []
+        for address, length in runs:
+            start = -(-(address - base) // HUGE_FOLIO_BYTES) * HUGE_FOLIO_BYTES
+            end = min(address - base + length, len(self._mmap)) // HUGE_FOLIO_BYTES * HUGE_FOLIO_BYTES
+            if 0 <= start < end:
+                windows.append((start, end - start))
+        return windows
 
     def get(self, key: str, default: Any = None) -> Any:
         field = self.fields.get(key)
