@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import sys
 
 import numpy as np
@@ -169,14 +170,18 @@ def zeros_on_huge_pages(nbytes: int, advise: bool = True) -> torch.Tensor:
 
     The paged attention kernel reads KV blocks scattered over a large buffer: on
     4 KiB pages nearly every block costs a TLB miss (about 15% of its time).
-    Elsewhere this is a plain `torch.zeros`. The zeros come from calloc (numpy), so
-    the OS supplies zeroed pages on first touch: pages never used take no memory. A
-    huge page is faulted in whole (2 MiB) on its first byte, so a KV pool is advised
-    only as its used part grows (`kvserve.worker.kv_tensors.KVHugePageGrowth`); numpy
-    advises huge pages for its own large arrays, which `advise=False` takes back."""
+    Elsewhere this is a plain `torch.zeros`. The zeros are an anonymous private
+    mapping of their own, so the OS supplies zeroed pages on first touch: pages never
+    used take no memory. (A calloc may hand back freed heap memory that is already
+    resident and must clear it: after loading a model that freed large buffers, a
+    2 GiB pool became resident at once.) A huge page is faulted in whole (2 MiB) on
+    its first byte, so a KV pool is advised only as its used part grows
+    (`kvserve.worker.kv_tensors.KVHugePageGrowth`); `advise=False` says so to the OS
+    (where THP is "always", the mapping would otherwise take huge pages)."""
     if nbytes < 4 * _HUGE_PAGE or not sys.platform.startswith("linux"):
         return torch.zeros(nbytes, dtype=torch.uint8)
-    raw = torch.from_numpy(np.zeros(nbytes + _HUGE_PAGE, dtype=np.uint8))  # calloc: no pages touched yet
+    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8))  # the array keeps the mapping alive
     start = (-raw.data_ptr()) % _HUGE_PAGE
     buffer = raw[start:start + nbytes]
     _madvise(buffer.data_ptr(), nbytes - nbytes % _HUGE_PAGE, _MADV_HUGEPAGE if advise else _MADV_NOHUGEPAGE)
