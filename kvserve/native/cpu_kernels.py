@@ -228,14 +228,18 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: to
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, adds_one: bool,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
+             residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm of x [..., dim] (or of x + residual, stored into residual in place); `weight`
-    is float32. Callers check `takes` and that the rows are contiguous."""
+    is float32. Callers check `takes` and that the rows are contiguous. `out`: a contiguous
+    tensor of x's shape and dtype (apart from x and residual) to write the result into."""
     dim = x.shape[-1]
     if dim > _MAX_NORM_DIM:
         raise KernelArgumentError(f"RMSNorm over {dim} > {_MAX_NORM_DIM} elements")
     x = x.contiguous()
-    out = torch.empty_like(x)
+    if out is None:
+        out = torch.empty_like(x)
+    elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
+        raise KernelArgumentError("rms_norm's out must be contiguous, of x's shape and dtype")
     rows = x.numel() // dim
     load_library().kvserve_rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None,
                                     weight.data_ptr(), out.data_ptr(), rows, dim, dim, eps, int(adds_one),
