@@ -386,6 +386,24 @@ def test_gemm_rows_do_not_depend_on_the_range_or_the_threads(type_name, threads)
     assert torch.equal(pieces, ones)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_sized_activations_rounded_by_the_threads_keep_the_batch_one_bits(threads):
+    """A step of 300 rows of 1,024 columns (past the 2**18 values from which kvserve_gguf_linear
+    shares the rounding of its rows out over the threads; one thread rounds them all): every
+    row's result equals its batch-one result bit for bit."""
+    isa = PATHS[-1]
+    weight = _weight(GEMM_TYPES[0], 24, 1024, seed=21)
+    x = torch.randn(300, 1024, generator=torch.Generator().manual_seed(22))
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batched = stored_weight.linear(x, weight, isa=isa)
+    finally:
+        torch.set_num_threads(saved)
+    ones = torch.cat([stored_weight.linear(x[b:b + 1], weight, isa=isa) for b in range(300)])
+    assert torch.equal(batched, ones)
+
+
 def _extreme_blocks(type_name: str, rows: int, in_features: int) -> np.ndarray:
     """Blocks whose integer sums are the largest the format allows: Q4_K every quant 15 and
     every 6-bit scale and minimum 63; Q6_K every value -32 (all bits zero) and every scale -128;
