@@ -26,11 +26,17 @@ _F16_FIELDS = {"Q4_0": (18, (0,)), "Q4_1": (20, (0, 2)), "Q8_0": (34, (0,)), "Q4
                "Q6_K": (210, (208,)), "Q5_0": (22, (0,)), "Q5_1": (24, (0, 2)), "Q5_K": (176, (0, 2)),
                "Q3_K": (110, (108,)), "Q2_K": (84, (80, 82)), "IQ4_NL": (18, (0,)), "IQ4_XS": (136, (0,))}
 _SCALE_BITS = np.array([0.01], dtype=np.float16).view(np.uint8)
+# Types whose block scale is an E8M0 exponent byte (first byte): 122, a scale of 2^-6.
+_E8M0_BLOCKS = {"MXFP4": 17}
+_E8M0_SCALE = 122
 
 
 def _random_blocks(type_name: str, rows: int, in_features: int, rng: np.random.Generator) -> torch.Tensor:
-    block_bytes, fields = _F16_FIELDS[type_name]
     raw = rng.integers(0, 256, (rows, stored_weight.row_bytes(type_name, in_features)), dtype=np.uint8)
+    if type_name in _E8M0_BLOCKS:
+        raw.reshape(rows, -1, _E8M0_BLOCKS[type_name])[..., 0] = _E8M0_SCALE
+        return torch.from_numpy(raw)
+    block_bytes, fields = _F16_FIELDS[type_name]
     blocks = raw.reshape(rows, -1, block_bytes)
     for offset in fields:
         blocks[..., offset:offset + 2] = _SCALE_BITS
@@ -62,9 +68,10 @@ def run(types: tuple[str, ...] = ("Q4_K", "Q6_K"), out_features: int = 2048, in_
     """Every type x path x thread count x batch; `isas` None: the widest path here."""
     if cpu_kernels.load_library() is None:
         raise RuntimeError("the CPU kernels could not be built (no C compiler?)")
-    unknown = [name for name in types if name not in _F16_FIELDS]
+    known = {*_F16_FIELDS, *_E8M0_BLOCKS}
+    unknown = [name for name in types if name not in known]
     if unknown:
-        raise ValueError(f"no benchmark weights for {unknown}; known: {sorted(_F16_FIELDS)}")
+        raise ValueError(f"no benchmark weights for {unknown}; known: {sorted(known)}")
     isas = isas or (dispatch.widest("quant"),)
     strange = [isa for isa in isas if isa not in ISA_CODES]
     if strange:

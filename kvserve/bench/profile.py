@@ -156,6 +156,7 @@ def run(*, batch_size: int = 32, context_len: int = 256, steps: int = 16, seed: 
             native_split = _native_split(core, runner.model.native_decoder, steps)
             split_ab = _fewer_barriers_ab(core, runner.model.native_decoder, steps, ab_fewer_barriers)
             moe_ab = _moe_split_ab(core, runner.model.native_decoder, steps, ab_moe_split)
+            file_mapping = weights_file_mapping(config.model_config.path)
     finally:
         core.shutdown()
     result = {
@@ -182,7 +183,29 @@ def run(*, batch_size: int = 32, context_len: int = 256, steps: int = 16, seed: 
         "native_split": native_split,
         "fewer_barriers_ab": split_ab,
         "moe_split_ab": moe_ab,
+        "weights_file_mapping": file_mapping,
     }
+
+
+def weights_file_mapping(path: str, smaps: str = "/proc/self/smaps") -> dict[str, float] | None:
+    """MiB of the file `path` this process maps now (Rss) and, of those, mapped as 2 MiB folios
+    (FilePmdMapped: one TLB entry each, where 4 KiB pages take 512; gguf_file.advise_huge_folios),
+    from `smaps`; None where that is unreadable (not Linux) or the file is not mapped."""
+    real = os.path.realpath(path)
+    totals = {"rss_mib": 0.0, "pmd_mapped_mib": 0.0}
+    keys = {"Rss": "rss_mib", "FilePmdMapped": "pmd_mapped_mib"}
+    try:
+        with open(smaps) as f:
+            inside = False
+            for line in f:
+                fields = line.split()
+                if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+                    inside = len(fields) >= 6 and line.split(maxsplit=5)[5].strip() == real
+                elif inside and fields and fields[0].rstrip(":") in keys:
+                    totals[keys[fields[0].rstrip(":")]] += int(fields[1]) / 1024
+    except OSError:
+        return None
+    return totals if totals["rss_mib"] else None
 
 
 def _fewer_barriers_ab(core, native, steps: int, rounds: int) -> dict[str, Any] | None:
@@ -305,6 +328,10 @@ def format_result(result: dict[str, Any]) -> str:
         rows.append(["total (the call's wall time)", *(sum(t.values()) for t in threads)])
         text += "\n\n" + format_table(["phase", *(f"thread {i} ms/call" for i in range(len(threads)))], rows,
                                        title=f"profile: inside the native decoder call ({split['calls']} calls)")
+    mapping = result.get("weights_file_mapping")
+    if mapping:
+        text += (f"\n\nweights file: {mapping['rss_mib']:.0f} MiB mapped, {mapping['pmd_mapped_mib']:.0f} MiB of it "
+                 f"({100 * mapping['pmd_mapped_mib'] / mapping['rss_mib']:.0f}%) as 2 MiB folios")
     ab = result.get("fewer_barriers_ab")
     if ab:
         text += "\n\n" + _format_ab(ab, "native call with fewer barriers a layer vs more", ("fewer", "more"))

@@ -107,7 +107,7 @@ class SelfAttention(nn.Module):
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.params)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return self.o_proj(out.reshape(num_tokens, -1), num_drafts)
+        return self.o_proj(out.reshape(num_tokens, -1), num_drafts, role="o_proj")
 
     def _qkv(self, hidden: torch.Tensor, num_drafts: int) -> tuple[torch.Tensor, ...]:
         """The Q, K and V projections [T, size] each; a many-token step of float32 rows over parts
@@ -138,9 +138,10 @@ class GatedMLP(nn.Module):
         self.is_silu = config.hidden_act in ("silu", "swish") and self.swiglu_limit is None
         self.native = False  # the fused SiLU-gated product kernel (`DecoderModel.use_kernels`)
 
-    def forward(self, x: torch.Tensor, num_draft_rows: int = 0) -> torch.Tensor:
-        """`num_draft_rows` of x's rows are speculative drafts (see `quantized.linear`)."""
-        return self.down_proj(self._gated(x, num_draft_rows), num_draft_rows)
+    def forward(self, x: torch.Tensor, num_draft_rows: int = 0, role: str | None = None) -> torch.Tensor:
+        """`num_draft_rows` of x's rows are speculative drafts (see `quantized.linear`); `role`:
+        the down projection's reused output buffer of many-token steps (`RowParallelLinear.forward`)."""
+        return self.down_proj(self._gated(x, num_draft_rows), num_draft_rows, role)
 
     def partial_forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the output, not all-reduced and without the down
@@ -218,12 +219,16 @@ class DecoderLayer(nn.Module):
             hidden = hidden + self.post_attention_layernorm(attn_out)
             mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden), metadata.num_draft_tokens)
             return hidden + self.post_feedforward_layernorm(mlp_out), None
-        x, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        # Many-token steps write the norms' outputs and the MLP's into reused buffers (roles of
+        # model/workspace.py): each is consumed before the next request for its role (the mixer
+        # reads x before the second norm overwrites it; the next layer's norm reads `out`).
+        x, residual = self.input_layernorm.add_and_norm(hidden, residual, role="normed")
         mixed = self._mix(x, cos_sin, metadata, kv_cache)
         if self.residual_multiplier != 1.0:
             mixed = mixed * self.residual_multiplier
-        x, residual = self.post_attention_layernorm.add_and_norm(mixed, residual)
-        out = self.mlp(x, metadata.num_draft_tokens)
+        x, residual = self.post_attention_layernorm.add_and_norm(mixed, residual, role="normed")
+        out = (self.mlp(x, metadata.num_draft_tokens, role="mlp_out") if isinstance(self.mlp, GatedMLP)
+               else self.mlp(x, metadata.num_draft_tokens))
         if self.shared_mlp is not None:
             out = out + self.shared_mlp(x, metadata.num_draft_tokens)
         if self.residual_multiplier != 1.0:

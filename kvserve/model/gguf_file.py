@@ -106,14 +106,37 @@ class GGUFFile:
         self.tensors = [self._tensor(name, dims, raw_type, data_start + offset)
                         for name, dims, raw_type, offset in infos]
 
-    def populate(self, spans: list[tuple[int, int]]) -> None:
+    def populate(self, spans: list[tuple[int, int]], huge_runs: list[tuple[int, int]] = ()) -> None:
         """Map the pages of the (address, length) spans of this file's mapping now (see
-        `populate`); spans outside it are ignored."""
-        base = np.frombuffer(self._buffer, dtype=np.uint8, count=1).ctypes.data
+        `populate`); spans outside it are ignored. The aligned 2 MiB windows inside the
+        (address, length) `huge_runs` are first advised huge folios and read in."""
+        for start, length in self._huge_windows(huge_runs):  # before the spans, whose read-ahead
+            advise_huge_folios(self._mmap, start, length)  # would fill them with small folios
+            populate(self._mmap, start, length)
+        base = self._base()
         for address, length in spans:
             start = (address - base) // mmap.PAGESIZE * mmap.PAGESIZE
             if 0 <= start < len(self._mmap):
                 populate(self._mmap, start, min(address - base + length, len(self._mmap)) - start)
+
+    def advise_huge(self, runs: list[tuple[int, int]]) -> None:
+        """Advise huge folios (`advise_huge_folios`) for the aligned 2 MiB windows inside the
+        (address, length) `runs`, read in whole when first touched."""
+        for start, length in self._huge_windows(runs):
+            advise_huge_folios(self._mmap, start, length)
+
+    def _base(self) -> int:
+        return np.frombuffer(self._buffer, dtype=np.uint8, count=1).ctypes.data
+
+    def _huge_windows(self, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """(offset, length) in the mapping of the 2 MiB-aligned windows inside each (address, length) run."""
+        base, windows = self._base(), []
+        for address, length in runs:
+            start = -(-(address - base) // HUGE_FOLIO_BYTES) * HUGE_FOLIO_BYTES
+            end = min(address - base + length, len(self._mmap)) // HUGE_FOLIO_BYTES * HUGE_FOLIO_BYTES
+            if 0 <= start < end:
+                windows.append((start, end - start))
+        return windows
 
     def get(self, key: str, default: Any = None) -> Any:
         field = self.fields.get(key)
@@ -200,6 +223,23 @@ def populate(mapping: mmap.mmap, start: int = 0, length: int | None = None) -> N
     except (OSError, ValueError):
         if hasattr(mmap, "MADV_WILLNEED"):
             mapping.madvise(mmap.MADV_WILLNEED, start, length)
+
+
+HUGE_FOLIO_BYTES = 2 << 20  # a PMD: one TLB entry maps a 2 MiB folio mapped at a 2 MiB-aligned address
+
+
+def advise_huge_folios(mapping: mmap.mmap, start: int, length: int) -> None:
+    """Ask that the pages of [start, start + length) of a file mapping (2 MiB-aligned offsets) that
+    are not cached yet be read in as 2 MiB folios, each exactly its aligned window (no read-ahead
+    past it: MADV_RANDOM), which Linux maps with one TLB entry each. A Q4_K_M MoE decode step reads
+    its weights spread over GBs: on 4 KiB folios each page costs a TLB miss and a page walk, and
+    the same steps ran ~15% slower (one thread, Zen 5) than on 2 MiB ones. Pages already cached
+    keep their folios. Where the OS lacks the advice the mapping stays as it is."""
+    for advice in ("MADV_RANDOM", "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(getattr(mmap, advice), start, length)
+        except (AttributeError, OSError, ValueError):
+            pass
 
 
 def file_identity(path: str) -> tuple[str, int, int]:

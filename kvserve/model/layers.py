@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.native import cpu_kernels
+from kvserve.model import workspace
 from kvserve.model.config import RopeConfig
 
 logger = logging.getLogger(__name__)
@@ -31,19 +32,24 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(size) if adds_one else torch.ones(size), requires_grad=False)
         self._weight32: tuple[tuple, torch.Tensor] | None = None  # (weight's identity, float32 copy)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, role: str | None = None) -> torch.Tensor:
+        """`role`: a many-token step on the native kernel writes the result into that role's
+        reused buffer (model/workspace.py), dead by the next request for the role."""
         if self.native and cpu_kernels.takes(x) and x.dtype == self.weight.dtype:
-            return cpu_kernels.rms_norm(x, self._float_weight(), self.eps, self.adds_one)
+            return cpu_kernels.rms_norm(x, self._float_weight(), self.eps, self.adds_one,
+                                        out=workspace.scratch_for(x, role, x.shape[-1]))
         return self._torch_norm(x)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                     role: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); the sum is written into `residual` in place.
-        With no residual yet: (norm(x), x)."""
+        With no residual yet: (norm(x), x). `role`: as `forward`'s."""
         if residual is None:
-            return self(x), x
+            return self(x, role), x
         if (self.native and cpu_kernels.takes(x, residual) and x.dtype == residual.dtype == self.weight.dtype
                 and residual.is_contiguous() and x.shape == residual.shape):
-            return cpu_kernels.rms_norm(x, self._float_weight(), self.eps, self.adds_one, residual), residual
+            return cpu_kernels.rms_norm(x, self._float_weight(), self.eps, self.adds_one, residual,
+                                        out=workspace.scratch_for(x, role, x.shape[-1])), residual
         residual = residual + x
         return self._torch_norm(residual), residual
 

@@ -94,7 +94,7 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu", tp
     load_weights(model, tensors, preloaded=cached)
     _finish_quantized(model, kernel_config, log=tp_rank == 0, cache_file=None if cached else cache_file)
     if model_config.is_gguf:
-        _populate_stored_views(model, model_config.path)
+        _populate_stored_views(model, model_config.path, kernel_config.expert_huge_folios)
         release_gguf_mappings()
     rotaries = [r for r in (model.rotary_global, model.rotary_local) if r is not None]
     inv_freqs = [r.inv_freq for r in rotaries]
@@ -138,14 +138,37 @@ def _stored_copies(model_config: ModelConfig, select, stored: frozenset[str], ke
     return repack_cache.load_stored(path)
 
 
-def _populate_stored_views(model: DecoderModel, path: str) -> None:
+def _populate_stored_views(model: DecoderModel, path: str, expert_huge_folios: bool = False) -> None:
     """Map the pages of the GGUF file that weights are views of now (see gguf_file.populate), but
     for a mixture of experts' experts: they fault in when a token first picks them (as in the
-    repack cache), so an expert no token picks is never resident."""
+    repack cache), so an expert no token picks is never resident. The 2 MiB windows between
+    experts come in first as huge folios; with `expert_huge_folios`, the experts' windows are
+    advised the same, to be read whole when first picked."""
     from kvserve.model.gguf_file import open_gguf
-    spans = [(part.blocks.data_ptr(), part.nbytes()) for name, part in _stored_parts(model) if ".experts." not in name]
+    parts = sorted((part.blocks.data_ptr(), part.nbytes(), ".experts." in name) for name, part in _stored_parts(model))
+    spans = [(address, nbytes) for address, nbytes, expert in parts if not expert]
     if spans:
-        open_gguf(path).populate(spans)
+        open_gguf(path).populate(spans, huge_runs=_runs(parts, experts=False))
+    if expert_huge_folios:
+        open_gguf(path).advise_huge(_runs(parts, experts=True))
+
+
+def _runs(parts: list[tuple[int, int, bool]], experts: bool) -> list[tuple[int, int]]:
+    """(address, length) of each run of the weights `parts` ((address, nbytes, is an expert) in
+    ascending address) that are experts (`experts`) or not, unbroken by one of the other kind:
+    a huge folio read within a run of non-experts pages in no expert, and the reverse."""
+    runs: list[tuple[int, int]] = []
+    start = end = None
+    for address, nbytes, expert in parts + [(0, 0, not experts)]:
+        if expert != experts:
+            if start is not None:
+                runs.append((start, end - start))
+            start = end = None
+        elif start is None:
+            start, end = address, address + nbytes
+        else:
+            end = max(end, address + nbytes)
+    return runs
 
 
 def _stored_parts(model: DecoderModel) -> Iterator[tuple[str, StoredWeight]]:

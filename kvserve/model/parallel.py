@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.native import cpu_kernels
-from kvserve.model import quantized, stored_parts
+from kvserve.model import quantized, stored_parts, stored_weight, workspace
 from kvserve.model.quantized import QuantizationError, QuantizedWeight
 from kvserve.model.stored_parts import StoredParts
 from kvserve.model.stored_weight import StoredWeight
@@ -175,8 +175,15 @@ class PackableLinearMixin(QuantizedWeightMixin):
         self.panel_isa, self.panel_out = isa, weight.shape[0]
         self.register_parameter("weight", None)
 
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, num_draft_rows: int = 0) -> torch.Tensor:
-        """x @ W^T (+ bias); `num_draft_rows` of x's rows are speculative drafts (see `quantized.linear`)."""
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, num_draft_rows: int = 0,
+                role: str | None = None) -> torch.Tensor:
+        """x @ W^T (+ bias); `num_draft_rows` of x's rows are speculative drafts (see `quantized.linear`).
+        `role`: a many-token step of float32 rows over a weight held as stored writes the product
+        into that role's reused buffer (model/workspace.py), dead by the next request for the role."""
+        out = workspace.scratch_for(x, role, self.quant_weight.out_features) \
+            if isinstance(self.quant_weight, StoredWeight) else None
+        if out is not None:
+            return stored_weight.linear(x, self.quant_weight, bias, num_draft_rows=num_draft_rows, out=out)
         if isinstance(self.quant_weight, StoredParts):
             return stored_parts.linear(x, self.quant_weight, bias, num_draft_rows=num_draft_rows)
         if self.quant_weight is not None:
@@ -305,8 +312,9 @@ class RowParallelLinear(PackableLinearMixin, nn.Module):
             raise QuantizationError(f"quantized weight of width {weight.in_features}, rank holds {self.shard_input}")
         return weight
 
-    def forward(self, x: torch.Tensor, num_draft_rows: int = 0) -> torch.Tensor:
-        out = self.tp.all_reduce(self._matmul(x, num_draft_rows=num_draft_rows))
+    def forward(self, x: torch.Tensor, num_draft_rows: int = 0, role: str | None = None) -> torch.Tensor:
+        """`role`: as `_matmul`'s (a reused output buffer for many-token steps)."""
+        out = self.tp.all_reduce(self._matmul(x, num_draft_rows=num_draft_rows, role=role))
         return out + self.bias if self.bias is not None else out
 
 

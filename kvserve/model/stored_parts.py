@@ -89,10 +89,9 @@ def part_outputs(x: torch.Tensor, weight: StoredParts, bias: torch.Tensor | None
     [rows, in] of at least `workspace.MIN_ROWS` rows), part i is written into the reused buffer
     of roles[i] (model/workspace.py): it is dead by the next step that asks for that role."""
     outputs, start = [], 0
-    reuse = roles is not None and x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] >= workspace.MIN_ROWS
     for i, part in enumerate(weight.parts):
         part_bias = None if bias is None else bias[start:start + part.out_features]
-        out = workspace.scratch(roles[i], x.shape[0], part.out_features, torch.float32) if reuse else None
+        out = workspace.scratch_for(x, None if roles is None else roles[i], part.out_features)
         outputs.append(stored_weight.linear(x, part, part_bias, num_draft_rows=num_draft_rows, out=out))
         start += part.out_features
     return outputs

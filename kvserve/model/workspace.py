@@ -19,6 +19,17 @@ MIN_ROWS = 64
 _local = threading.local()
 
 
+def reusable(x: torch.Tensor) -> bool:
+    """Whether x is float32 rows [rows, cols] of a step large enough for reused buffers."""
+    return x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] >= MIN_ROWS
+
+
+def scratch_for(x: torch.Tensor, role: str | None, cols: int) -> torch.Tensor | None:
+    """`scratch(role, rows of x, cols)` where a role is given and x is `reusable`, else None
+    (the caller allocates as before)."""
+    return scratch(role, x.shape[0], cols, torch.float32) if role is not None and reusable(x) else None
+
+
 def scratch(role: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
     """A contiguous [rows, cols] tensor of `dtype` for intermediate `role`, overwritten by the next
     request for the same role on this thread (contents undefined)."""

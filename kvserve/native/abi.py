@@ -136,7 +136,7 @@ SIGNATURES = {
     "kvserve_paged_attention": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr,
                                  _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _ptr, _int, _int, _int, _int], _int),
     "kvserve_prefill_attention": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr,
-                                   _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _int, _int, _int, _int],
+                                   _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _ptr, _int, _int, _int, _int],
                                   _int),
     "kvserve_store_kv": ([_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _int, _int], None),
     "kvserve_rms_norm": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _f32, _int, _int, _int], None),

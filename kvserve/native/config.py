@@ -24,6 +24,7 @@ SHM_ALL_REDUCE_ENV = "KVSERVE_SHM_ALL_REDUCE"
 GRAMMAR_MASK_ISA_ENV = "KVSERVE_GRAMMAR_MASK_ISA"
 REPACK_CACHE_ENV = "KVSERVE_REPACK_CACHE"
 PREFILL_ATTENTION_ENV = "KVSERVE_PREFILL_ATTENTION"
+EXPERT_HUGE_FOLIOS_ENV = "KVSERVE_EXPERT_HUGE_FOLIOS"
 # The quantized matmul's kernel paths, narrowest first (every kernel's: `isa.ISAS`).
 QUANT_ISAS = ISAS
 # KVSERVE_GRAMMAR_MASK_ISA: one of QUANT_ISAS (the grammar-mask kernel's paths), or this.
@@ -56,6 +57,9 @@ class KernelConfig:
     cache and map them on later loads (model/repack_cache.py); off, every load repacks.
     `prefill_attention`: prompt chunks of more than a few tokens attend through the tiled
     prefill kernel (csrc/attention/prefill_attention.c); off, through torch's SDPA and matmuls.
+    `expert_huge_folios` (off by default): a GGUF's experts, read when a token first picks them,
+    come in as whole 2 MiB folios (one TLB entry each; loader._populate_stored_views), which
+    pages in the parts of neighbouring experts that share a picked one's windows.
     """
 
     cpu_kernels: bool = True
@@ -71,6 +75,7 @@ class KernelConfig:
     grammar_mask_isa: str | None = None
     repack_cache: bool = True
     prefill_attention: bool = True
+    expert_huge_folios: bool = False
 
     def __post_init__(self) -> None:
         if self.quant_isa is not None and self.quant_isa not in QUANT_ISAS:
@@ -111,9 +116,10 @@ class KernelConfig:
                    shm_all_reduce=_switched_on(env, SHM_ALL_REDUCE_ENV),
                    grammar_mask_isa=env.get(GRAMMAR_MASK_ISA_ENV, "").strip().lower() or None,
                    repack_cache=_switched_on(env, REPACK_CACHE_ENV),
-                   prefill_attention=_switched_on(env, PREFILL_ATTENTION_ENV))
+                   prefill_attention=_switched_on(env, PREFILL_ATTENTION_ENV),
+                   expert_huge_folios=_switched_on(env, EXPERT_HUGE_FOLIOS_ENV, default="0"))
 
 
-def _switched_on(env, name: str) -> bool:
-    """An on-by-default switch: off when set to 0, false, no or off."""
-    return env.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+def _switched_on(env, name: str, default: str = "1") -> bool:
+    """A switch, on by default unless `default` is "0": off when set to 0, false, no or off."""
+    return env.get(name, default).strip().lower() not in ("0", "false", "no", "off")

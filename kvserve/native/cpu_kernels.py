@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import sys
 
 import numpy as np
@@ -94,9 +95,7 @@ def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
     if num_tokens == 0:
         return
     lib, num_kv_heads, head_stride, block_size, head_dim = _attention_layout(q, kv_cache, out)
-    if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()
-                              or sinks.shape != (q.shape[1],)):
-        raise KernelArgumentError(f"sinks must be float32 [{q.shape[1]}], contiguous")
+    _check_sinks(sinks, q.shape[1])
     code = lib.kvserve_paged_attention(q.data_ptr(), q.stride(0), q.stride(1),
               kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), head_stride,
               out.data_ptr(), out.stride(0), out.stride(1),
@@ -120,6 +119,12 @@ def _attention_layout(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
     return lib, num_kv_heads, num_blocks * block_size * head_dim, block_size, head_dim
 
 
+def _check_sinks(sinks: torch.Tensor | None, num_heads: int) -> None:
+    if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()
+                              or sinks.shape != (num_heads,)):
+        raise KernelArgumentError(f"sinks must be float32 [{num_heads}], contiguous")
+
+
 def _check_attention_code(code: int, kernel: str, isa: str | None, num_heads: int, num_kv_heads: int,
                           head_dim: int) -> None:
     """Raises for an attention kernel's nonzero return code (1: arguments, 2: memory, 3: path)."""
@@ -135,24 +140,27 @@ def _check_attention_code(code: int, kernel: str, isa: str | None, num_heads: in
 def prefill_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, chunk_start: torch.Tensor,
                           chunk_len: torch.Tensor, chunk_pos: torch.Tensor, chunk_row: torch.Tensor,
                           block_table: torch.Tensor, window: int | None, scale: float, softcap: float | None,
-                          isa: str | None = None) -> None:
+                          isa: str | None = None, sinks: torch.Tensor | None = None) -> None:
     """Writes the causal attention of prompt chunks (csrc/attention/prefill_attention.c) into `out`.
 
     Chunk c is the `chunk_len[c]` tokens at rows chunk_start[c].. of q [T, Hq, D] (and of
     `out`), at positions chunk_pos[c].. of the request whose block ids are row `chunk_row[c]`
     of `block_table`; each token attends to keys max(0, pos - window + 1)..pos, all already in
     `kv_cache` [2, Hkv, blocks, block_size, D]. Index tensors are int64 and contiguous. `isa`:
-    the kernel's path (None: the widest `attention_isa_available`; "avx2" runs the portable code)."""
+    the kernel's path (None: the widest `attention_isa_available`; "avx2" runs the portable code).
+    `sinks`: float32 [Hq], contiguous: a logit per query head joining its softmax (gpt-oss)."""
     num_chunks = chunk_start.numel()
     if num_chunks == 0:
         return
     lib, num_kv_heads, head_stride, block_size, head_dim = _attention_layout(q, kv_cache, out)
+    _check_sinks(sinks, q.shape[1])
     code = lib.kvserve_prefill_attention(
         q.data_ptr(), q.stride(0), q.stride(1), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), head_stride,
         out.data_ptr(), out.stride(0), out.stride(1), chunk_start.data_ptr(), chunk_len.data_ptr(),
         chunk_pos.data_ptr(), chunk_row.data_ptr(), block_table.data_ptr(), block_table.stride(0), num_chunks,
-        q.shape[1], num_kv_heads, head_dim, block_size, window or 0, scale, softcap or 0.0, _DTYPE_CODES[q.dtype],
-        _KV_DTYPE_CODES[kv_cache.dtype], ATTENTION_ISA_CODES[isa or widest_attention_isa()], _threads())
+        q.shape[1], num_kv_heads, head_dim, block_size, window or 0, scale, softcap or 0.0,
+        None if sinks is None else sinks.data_ptr(), _DTYPE_CODES[q.dtype], _KV_DTYPE_CODES[kv_cache.dtype],
+        ATTENTION_ISA_CODES[isa or widest_attention_isa()], _threads())
     _check_attention_code(code, "prefill attention", isa, q.shape[1], num_kv_heads, head_dim)
 
 
@@ -169,14 +177,18 @@ def zeros_on_huge_pages(nbytes: int, advise: bool = True) -> torch.Tensor:
 
     The paged attention kernel reads KV blocks scattered over a large buffer: on
     4 KiB pages nearly every block costs a TLB miss (about 15% of its time).
-    Elsewhere this is a plain `torch.zeros`. The zeros come from calloc (numpy), so
-    the OS supplies zeroed pages on first touch: pages never used take no memory. A
-    huge page is faulted in whole (2 MiB) on its first byte, so a KV pool is advised
-    only as its used part grows (`kvserve.worker.kv_tensors.KVHugePageGrowth`); numpy
-    advises huge pages for its own large arrays, which `advise=False` takes back."""
+    Elsewhere this is a plain `torch.zeros`. The zeros are an anonymous private
+    mapping of their own, so the OS supplies zeroed pages on first touch: pages never
+    used take no memory. (A calloc may hand back freed heap memory that is already
+    resident and must clear it: after loading a model that freed large buffers, a
+    2 GiB pool became resident at once.) A huge page is faulted in whole (2 MiB) on
+    its first byte, so a KV pool is advised only as its used part grows
+    (`kvserve.worker.kv_tensors.KVHugePageGrowth`); `advise=False` says so to the OS
+    (where THP is "always", the mapping would otherwise take huge pages)."""
     if nbytes < 4 * _HUGE_PAGE or not sys.platform.startswith("linux"):
         return torch.zeros(nbytes, dtype=torch.uint8)
-    raw = torch.from_numpy(np.zeros(nbytes + _HUGE_PAGE, dtype=np.uint8))  # calloc: no pages touched yet
+    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8))  # the array keeps the mapping alive
     start = (-raw.data_ptr()) % _HUGE_PAGE
     buffer = raw[start:start + nbytes]
     _madvise(buffer.data_ptr(), nbytes - nbytes % _HUGE_PAGE, _MADV_HUGEPAGE if advise else _MADV_NOHUGEPAGE)
@@ -216,14 +228,18 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: to
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, adds_one: bool,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
+             residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm of x [..., dim] (or of x + residual, stored into residual in place); `weight`
-    is float32. Callers check `takes` and that the rows are contiguous."""
+    is float32. Callers check `takes` and that the rows are contiguous. `out`: a contiguous
+    tensor of x's shape and dtype (apart from x and residual) to write the result into."""
     dim = x.shape[-1]
     if dim > _MAX_NORM_DIM:
         raise KernelArgumentError(f"RMSNorm over {dim} > {_MAX_NORM_DIM} elements")
     x = x.contiguous()
-    out = torch.empty_like(x)
+    if out is None:
+        out = torch.empty_like(x)
+    elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
+        raise KernelArgumentError("rms_norm's out must be contiguous, of x's shape and dtype")
     rows = x.numel() // dim
     load_library().kvserve_rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None,
                                     weight.data_ptr(), out.data_ptr(), rows, dim, dim, eps, int(adds_one),

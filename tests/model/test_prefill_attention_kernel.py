@@ -23,6 +23,13 @@ The bound, derived from the kernel's float32 arithmetic (u = 2**-24, the unit ro
   weights (gamma_n each, relative to sum_j p_j |v_jd|), then one division: (2n + 2) u.
 So |out - ref| <= (2 delta + eps_exp + tiles (eps_exp + 2u) + (2n + 2) u) sum_j p_j |v_jd|,
 plus the rounding of the output where it is stored in 16 bits.
+Attention sinks (a logit per query head in each softmax's denominator only) are folded in after
+the last tile as one more tile holding one key: o e^(m - M) / (l e^(m - M) + e^(sink - M)), M
+the larger of the row's max m and the sink. The differences m - M and sink - M are rounded by at
+most u (|m| + |sink|) <= u (max|s| + delta + |sink|): delta grows by 2 u |sink| (the max|s| part
+is already in it); the rescale e^(m - M) is a tile's (eps_exp + 2u), the sink's weight one more
+exponential and term of the sum (eps_exp, counted as one more key: n + 1), and p_j, now divided
+by the larger sum, keeps its relative error.
 """
 from __future__ import annotations
 
@@ -86,19 +93,22 @@ def _per_token(starts, lengths, first_pos):
     return rows, positions
 
 
-def derived_bound(abs_values, abs_products, abs_scores, positions, window, softcap, head_dim):
+def derived_bound(abs_values, abs_products, abs_scores, positions, window, softcap, head_dim, sinks=None):
     """The module docstring's bound for each output element."""
     keys = positions + 1 if not window else torch.clamp(positions + 1, max=window)
     delta = (head_dim + 1) * U * abs_products + 2 * U * abs_scores + (3 * U * softcap if softcap else 0.0)
     tiles = (keys + KEY_TILE - 1) // KEY_TILE + 1  # a chunk's first key need not start a tile
+    if sinks is not None:  # the sink: one more tile of one key, its differences rounded
+        delta = delta + 2 * U * sinks.double().abs()
+        keys, tiles = keys + 1, tiles + 1
     per_weight = 2 * delta + EPS_EXP + tiles[:, None] * (EPS_EXP + 2 * U) + (2 * keys[:, None] + 2) * U
     return per_weight[..., None] * abs_values
 
 
-def _run(q, cache, table, starts, lengths, first_pos, window, softcap, isa, out=None):
+def _run(q, cache, table, starts, lengths, first_pos, window, softcap, isa, out=None, sinks=None):
     out = torch.full_like(q, float("nan")) if out is None else out
     cpu_kernels.prefill_attention_cpu(q, cache, out, starts, lengths, first_pos, torch.arange(len(lengths)), table,
-                                      window, q.shape[-1] ** -0.5, softcap, isa)
+                                      window, q.shape[-1] ** -0.5, softcap, isa, sinks=sinks)
     return out
 
 
@@ -120,6 +130,32 @@ def test_kernel_matches_float64_reference(kv_dtype, shape, window, softcap):
         assert not out.isnan().any(), isa
         assert (error <= bound).all(), f"{isa}: worst error {float(error.max()):.3g}, " \
                                        f"excess {float((error - bound).max()):.3g}"
+
+
+@pytest.mark.parametrize("shape", [(32, 8, 64), (8, 1, 64), (6, 2, 24)], ids=str)
+@pytest.mark.parametrize("window", [None, 37])
+def test_sinks_join_each_softmax_denominator(shape, window):
+    """gpt-oss's attention sinks on every path this CPU runs: sinks below, among and far above
+    the scores (one at 30: the sink takes nearly all the weight and sets the max; one at -30:
+    none), within the derived bound of the float64 reference with the sinks in its softmax;
+    the same outputs without the sinks fall outside it (the test sees them)."""
+    cache, table, starts, lengths, first_pos, q = _case(shape, torch.bfloat16, CHUNKS, window, seed=sum(shape) + 1)
+    sinks = torch.randn(shape[0], generator=torch.Generator().manual_seed(5)) * 2
+    sinks[0], sinks[-1] = 30.0, -30.0
+    rows, positions = _per_token(starts, lengths, first_pos)
+    expected, abs_values, abs_products, abs_scores = paged_reference(
+        q, cache, table, rows, positions, window, shape[2] ** -0.5, None, sinks=sinks, weights=True)
+    bound = derived_bound(abs_values, abs_products, abs_scores, positions, window, None, shape[2], sinks=sinks)
+    for isa in RUNNABLE_ISAS:
+        out = _run(q, cache, table, starts, lengths, first_pos, window, None, isa, sinks=sinks)
+        error = (out.double() - expected).abs()
+        assert not out.isnan().any(), isa
+        assert (error <= bound).all(), f"{isa}: worst error {float(error.max()):.3g}, " \
+                                       f"excess {float((error - bound).max()):.3g}"
+        without = _run(q, cache, table, starts, lengths, first_pos, window, None, isa)
+        assert not ((without.double() - expected).abs() <= bound).all(), isa
+    with pytest.raises(cpu_kernels.KernelArgumentError):  # one logit per query head
+        _run(q, cache, table, starts, lengths, first_pos, window, None, RUNNABLE_ISAS[-1], sinks=sinks[1:])
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -3,7 +3,7 @@ kernel (csrc/attention/prefill_attention.c) against the same models with that sw
 (KVSERVE_PREFILL_ATTENTION=0: torch's SDPA and padded matmuls), teacher forced on the same
 tokens: whole prompts, chunked prefill across block boundaries (each later chunk attends to
 the cached blocks), a prefix hit on shared blocks, sliding windows and soft-capping (Mistral,
-Gemma 2 and 3). Both paths compute the same float32 math in another order: the logits lie
+Gemma 2 and 3), attention sinks (gpt-oss). Both paths compute the same float32 math in another order: the logits lie
 within tests/helpers/float_order.py's derived bound."""
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def _forced_logits(config, prefill_attention: bool, chunk: int, monkeypatch) -> 
     return logits, calls[0]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma2", "gemma3", "gpt_oss"])
 @pytest.mark.parametrize("chunk", [20, 64])
 def test_prefill_kernel_logits_match_the_torch_path(configs, family, chunk, monkeypatch):
     config = configs(family)

@@ -274,6 +274,41 @@ def test_stored_experts_logits_within_int8_rounding_of_dequantized(moe_files, mo
     assert bound < 0.1 * min((ref.amax(-1) - ref.amin(-1)).min().item() for ref in reference.values())
 
 
+def test_huge_folio_runs_hold_one_kind():
+    """The loader's runs advised huge folios (loader._runs): each run spans the weights of one
+    kind (experts, or not) between two of the other in address order, overlapping views merged,
+    so reading a non-expert run's 2 MiB windows pages in no expert."""
+    from kvserve.model.loader import _runs
+    parts = [(0, 100, False), (50, 100, False), (300, 10, False), (400, 50, True), (450, 50, True),
+             (600, 30, False), (1000, 20, True), (2000, 5, False)]
+    assert _runs(parts, experts=False) == [(0, 310), (600, 30), (2000, 5)]
+    assert _runs(parts, experts=True) == [(400, 100), (1000, 20)]
+    assert _runs([(0, 10, True)], experts=False) == []
+    assert _runs([], experts=True) == []
+
+
+def test_expert_huge_folios_switch_advises_exactly_the_experts(tmp_path, monkeypatch):
+    """KVSERVE_EXPERT_HUGE_FOLIOS (off by default): on, the load advises huge folios for the runs
+    of expert weights, each starting and ending at an expert's bytes, and reads none of them in."""
+    from kvserve.model.gguf_file import GGUFFile
+    from kvserve.native.config import EXPERT_HUGE_FOLIOS_ENV, KernelConfig
+    assert not KernelConfig.from_env({}).expert_huge_folios
+    assert KernelConfig.from_env({EXPERT_HUGE_FOLIOS_ENV: "1"}).expert_huge_folios
+    shape = zoo.ZooShape(512, 512, 1, 4, 2, 128, zoo.SHAPES["tiny-qwen3moe"].vocab_size, architecture="qwen3moe",
+                         num_experts=4, experts_per_token=1, expert_width=512, note="test shape")
+    path = zoo.write_random_gguf(shape, str(tmp_path / "huge-moe.q8_0.gguf"), "q8_0")
+    advised: list[list[tuple[int, int]]] = []
+    monkeypatch.setattr(GGUFFile, "advise_huge", lambda self, runs: advised.append(list(runs)))
+    load_model(ModelConfig.from_path(path), kernel_config=KernelConfig())
+    assert advised == []
+    block = _blocks(load_model(ModelConfig.from_path(path), kernel_config=KernelConfig(expert_huge_folios=True)))[0]
+    spans = sorted((part.blocks.data_ptr(), part.blocks.data_ptr() + part.nbytes()) for part in _expert_parts(block))
+    (runs,) = advised
+    starts, ends = {start for start, _ in spans}, {end for _, end in spans}
+    assert runs and all(a in starts and a + n in ends for a, n in runs)
+    assert any(a <= spans[0][0] and spans[-1][1] <= a + n for a, n in runs)  # one layer: one run of its experts
+
+
 def test_experts_are_paged_in_only_when_picked(tmp_path):
     """Experts as views of the GGUF file are left out of the load's populate: an expert's pages
     come in when a token first picks it, and an expert no token picks stays out. Q8_0 experts of

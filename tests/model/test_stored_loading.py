@@ -82,15 +82,21 @@ def _stored_kernels(path: str, **overrides):
 
 
 def _mapped_ranges(path: str) -> list[tuple[int, int]]:
-    """The address ranges this process maps `path` at (from /proc/self/maps)."""
+    """The address ranges this process maps `path` at (from /proc/self/maps), adjacent ones
+    merged: advice on part of a mapping (huge folios) splits it into several entries."""
     real = os.path.realpath(path)
-    ranges = []
+    ranges: list[tuple[int, int]] = []
+    next_offset = None  # the file offset the last range ends at
     with open("/proc/self/maps") as maps:
         for line in maps:
             fields = line.split(maxsplit=5)
             if len(fields) == 6 and fields[5].strip() == real:
-                start, end = (int(a, 16) for a in fields[0].split("-"))
+                first, end = (int(a, 16) for a in fields[0].split("-"))
+                offset, start = int(fields[2], 16), first
+                if ranges and ranges[-1][1] == first and next_offset == offset:
+                    start = ranges.pop()[0]
                 ranges.append((start, end))
+                next_offset = offset + end - first
     return ranges
 
 

@@ -311,8 +311,8 @@ def test_split_rows_quantize_each_block_alone():
 
 # ---- the many-row GEMM (csrc/linear/gguf_gemm.c) ------------------------------------------
 # Steps of kvserve_gguf_gemm_min_batch() rows or more take it where the type has one on the
-# path (Q4_K, Q6_K, Q8_0 and Q5_0 on AVX-512 VNNI); elsewhere the same tests run the tiles.
-GEMM_TYPES = ("Q4_K", "Q6_K", "Q8_0", "Q5_0")
+# path (Q4_K, Q6_K, Q8_0, Q5_0 and MXFP4 on AVX-512 VNNI); elsewhere the same tests run the tiles.
+GEMM_TYPES = ("Q4_K", "Q6_K", "Q8_0", "Q5_0", "MXFP4")
 
 
 def _gemm_width(type_name: str) -> int:
@@ -389,10 +389,14 @@ def test_gemm_rows_do_not_depend_on_the_range_or_the_threads(type_name, threads)
 def _extreme_blocks(type_name: str, rows: int, in_features: int) -> np.ndarray:
     """Blocks whose integer sums are the largest the format allows: Q4_K every quant 15 and
     every 6-bit scale and minimum 63; Q6_K every value -32 (all bits zero) and every scale -128;
-    Q8_0 every quant -128; Q5_0 every value -16 (all bits zero)."""
+    Q8_0 every quant -128; Q5_0 every value -16 (all bits zero); MXFP4 every value -12 (code 15,
+    stored doubled: -6 times 2^(e - 127)) at e = 120."""
     block_cols, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
     blocks = np.zeros((rows, in_features // block_cols, block_bytes), dtype=np.uint8)
-    if type_name in ("Q8_0", "Q5_0"):
+    if type_name == "MXFP4":
+        blocks[..., 0] = 120
+        blocks[..., 1:17] = 0xFF
+    elif type_name in ("Q8_0", "Q5_0"):
         blocks[..., 0:2] = np.array([0.01], np.float16).view(np.uint8)
         blocks[..., 2:34] = 0x80 if type_name == "Q8_0" else 0
     elif type_name == "Q4_K":
@@ -411,7 +415,8 @@ def _extreme_blocks(type_name: str, rows: int, in_features: int) -> np.ndarray:
 def test_gemm_integer_sums_at_the_formats_extremes(type_name, isa):
     """Activations of one sign at full int8 scale against the extreme blocks: the integer sums
     reach their largest magnitude (Q6_K: 2 * 128 * 16 * 32 * 127 per 32 columns, just under
-    2^24; Q8_0: 32 * 128 * 127, its GEMM's unsigned sum of (x + 128) q 32 * 255 * 128) and must
+    2^24; Q8_0: 32 * 128 * 127, its GEMM's unsigned sum of (x + 128) q 32 * 255 * 128; MXFP4's
+    tile: 32 * 24 * 127 for the values plus 12 against qx) and must
     stay exact, so the results stay within the float64 bound and equal batch one."""
     width = _gemm_width(type_name)
     weight = stored_weight.from_gguf_blocks(type_name, _extreme_blocks(type_name, 19, width), width)
@@ -494,3 +499,35 @@ def test_prefill_sized_steps_keep_the_native_gemm(type_name):
     if not stored_weight.has_native_gemm(weight):
         pytest.skip(f"no native {type_name} GEMM on the widest path here ({PATHS[-1]})")
     assert all(torch.equal(y[b], stored_weight.linear(x[b:b + 1], weight)[0]) for b in range(13))
+
+
+@pytest.mark.parametrize("isa", PATHS)
+def test_mxfp4_exponents_over_the_whole_range(isa):
+    """MXFP4's E8M0 exponents over their range: rows mixing e over 20..170 (weights from 2^-109
+    to 2^43 times the values; every scale product d dx a normal float32 and every sum finite)
+    within the header's bound, and rows whose blocks all have e in 0..3 (d = 2^-128 .. 2^-125:
+    subnormal scales and products). The process may run with flush-to-zero and
+    denormals-are-zero (gcc 12 sets both when it loads a -ffast-math shared library, as this
+    one): a product d dx below 2^-126 (or a subnormal d read as 0) then loses up to 2^-126 |I|
+    per block (|I| <= 32 * 12 * 128, the block's integer sum) and a flushed fused multiply-add
+    up to 2^-126 more, and gguf-py's float32 dequantization (the oracle's w) flushes weights
+    below 2^-126, up to 2^-126 sum |xq| over the row: that absolute term is added to the bound
+    (negligible next to the sums of the wide rows). Batch rows keep their batch-one bits on the
+    tiles and on the GEMM (41 rows)."""
+    width, rows = 800, 19
+    rng = np.random.default_rng(60)
+    blocks = rng.integers(0, 256, (rows, width // 32, 17), dtype=np.uint8)
+    blocks[:8, :, 0] = rng.integers(0, 4, (8, width // 32))
+    blocks[8:, :, 0] = rng.integers(20, 171, (rows - 8, width // 32))
+    weight = stored_weight.from_gguf_blocks("MXFP4", blocks.reshape(rows, -1), width)
+    for batch in (1, 41):
+        x = torch.randn(batch, width, generator=torch.Generator().manual_seed(61 + batch))
+        expected, bound = _oracle_and_bound(weight, x)
+        qx, scales = _quantized_activations(x)
+        xq = qx.double().view(batch, -1, 32) * scales[0].double().unsqueeze(-1)
+        flushed = 2.0 ** -126 * ((width // 32) * (32 * 12 * 128 + 2) + xq.abs().sum((1, 2)).numpy()[:, None])
+        y = stored_weight.linear(x, weight, isa=isa)
+        assert torch.isfinite(y).all() and (y[:, 8:].abs() > 1e-20).all()
+        assert np.all(np.abs(y.double().numpy() - expected) <= bound + flushed), batch
+        for b in {0, batch - 1}:
+            assert torch.equal(y[b], stored_weight.linear(x[b:b + 1], weight, isa=isa)[0]), (batch, b)

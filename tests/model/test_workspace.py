@@ -1,7 +1,8 @@
 """Reused buffers for a many-token step's intermediates (model/workspace.py): a GGUF model held
 as stored, its Q/K/V and gate/up parts multiplied apart into reused buffers (no concatenated
-copy) and SiLU-gated from them, gives the same logits bit for bit as the concatenating path,
-step after step (a stale buffer would show), for the tiny llama and qwen (Q/K/V biases) shapes."""
+copy) and SiLU-gated from them, with the norms', O and down projections' outputs in reused buffers
+too, gives the same logits bit for bit as the concatenating path with fresh tensors, step after
+step (a stale buffer would show), for the tiny llama and qwen (Q/K/V biases) shapes."""
 from __future__ import annotations
 
 import pytest
@@ -40,7 +41,7 @@ def test_parts_in_reused_buffers_give_the_concatenating_paths_logits(tmp_path, m
     requests = []
     monkeypatch.setattr(workspace, "scratch", lambda role, *a: requests.append(role) or scratch(role, *a))
     reused = _logits(model, monkeypatch, 64)
-    assert {"q", "k", "v", "gate", "up", "act"} <= set(requests)
+    assert {"q", "k", "v", "gate", "up", "act", "normed", "o_proj", "mlp_out"} <= set(requests)
     requests.clear()
     concatenated = _logits(model, monkeypatch, 10 ** 9)
     assert not requests

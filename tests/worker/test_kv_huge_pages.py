@@ -1,4 +1,4 @@
-"""The KV pool's memory: calloc'ed blocks stay untouched until used, off transparent huge pages
+"""The KV pool's memory: blocks of an anonymous mapping stay untouched until used, off transparent huge pages
 (a huge page is faulted in whole, 2 MiB of every (layer, K/V, head) region on the first token),
 and huge pages are advised as the used part grows, at most twice the used bytes."""
 from __future__ import annotations
@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvserve.kv_cache.interface import FullAttentionSpec
@@ -108,8 +109,21 @@ def _resident_kib(tensor) -> int:
     return sum(byte & 1 for byte in vector) * page // 1024
 
 
-def _untouched_blocks_resident_kib() -> tuple[int, int]:
+def _dirty_the_heap() -> None:
+    """Leaves 80 MiB of freed, resident memory in the heap, as loading a model can: a large
+    buffer taken from the heap (mmap threshold raised), written and freed, and the heap not
+    trimmed (trim threshold raised: glibc raises both itself as a process frees large
+    buffers). A calloc'ed pool would reuse that memory and clear it, touching every page."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mallopt(-3, 1 << 30) == 1 and libc.mallopt(-1, 1 << 30) == 1  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+    dirty = np.ones(80 << 20, dtype=np.uint8)
+    del dirty
+
+
+def _untouched_blocks_resident_kib(dirty_heap: bool = False) -> tuple[int, int]:
     """(pool KiB resident before any write, after writing block 1 of each region)."""
+    if dirty_heap:
+        _dirty_the_heap()
     caches = _pool(num_blocks=4096)  # 64 MiB in all
     before = sum(_resident_kib(cache) for cache in caches.values())
     growth = KVHugePageGrowth(caches)
@@ -120,12 +134,16 @@ def _untouched_blocks_resident_kib() -> tuple[int, int]:
 
 
 @needs_linux
-def test_untouched_blocks_take_no_memory():
+@pytest.mark.parametrize("dirty_heap", [False, True])
+def test_untouched_blocks_take_no_memory(dirty_heap):
     """Writing block 1 of every region of a 64 MiB pool makes 8 small pages of the pool resident,
-    not the pool and not 8 huge pages (mincore over each layer's cache). Run in a fresh process:
-    in a long one the pool's calloc may reuse heap pages earlier tests already touched."""
+    not the pool and not 8 huge pages (mincore over each layer's cache), also after the heap
+    holds freed resident memory (glibc only: mallopt). In a fresh process, so that the heap's
+    state is the test's own."""
+    if dirty_heap and not hasattr(ctypes.CDLL(None), "mallopt"):
+        pytest.skip("no glibc mallopt to fill the heap with")
     code = ("import sys; sys.path.insert(0, 'tests/worker'); import test_kv_huge_pages as t; "
-            "print(*t._untouched_blocks_resident_kib())")
+            f"print(*t._untouched_blocks_resident_kib({dirty_heap}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr

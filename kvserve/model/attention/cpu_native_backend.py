@@ -32,8 +32,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
     def plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor, params: AttentionParams) -> AttentionPlan:
         # A cache the kernel cannot read in place (a non-contiguous view in a test) takes the torch path.
         native = kv_cache.is_contiguous()
-        # gpt-oss's attention sinks: the decode kernel takes them, the prefill kernel not (torch's path then)
-        prefill = native and self.prefill_kernel and params.sinks is None
+        prefill = native and self.prefill_kernel
         return metadata.plan(kv_cache.shape[3], params.sliding_window, native, prefill)
 
     def store(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> None:
@@ -48,9 +47,9 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         out = None
         if plan.native is not None or plan.prefill is not None:
             out = q.new_empty(q.shape)
+        sinks = None if params.sinks is None else params.sinks.detach().float().contiguous()
         if plan.native is not None:
             tokens = plan.native
-            sinks = None if params.sinks is None else params.sinks.detach().float().contiguous()
             cpu_kernels.paged_attention_cpu(q, kv_cache, out, tokens.token_index, tokens.positions,
                                             tokens.block_table, tokens.table_row, tokens.window, params.scale,
                                             params.softcap, self.isa, sinks=sinks)
@@ -58,5 +57,5 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
             chunks = plan.prefill
             cpu_kernels.prefill_attention_cpu(q, kv_cache, out, chunks.start, chunks.length, chunks.first_pos,
                                               chunks.table_row, chunks.block_table, chunks.window, params.scale,
-                                              params.softcap, self.isa)
+                                              params.softcap, self.isa, sinks=sinks)
         return attend_with_torch(q, k, v, kv_cache, plan, params, out)

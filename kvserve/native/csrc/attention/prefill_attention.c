@@ -21,6 +21,12 @@
  * AVX-512F (register-blocked tiles, a vector exp) where head_dim is whole vectors, else
  * portable C (the same tiles, scalar loops; also taken for the AVX2 path). Soft-capping
  * (tanh) is scalar on both paths.
+ *
+ * Attention sinks (gpt-oss): a logit per query head joins each row's softmax denominator only
+ * (its probability dropped), neither scaled nor capped, as in paged_attention.c. It is folded
+ * in once per row after the last key tile, like one more tile holding a single key with no
+ * value: with m and l the row's running max and sum and M = max(m, sink), the output is
+ * o e^(m - M) / (l e^(m - M) + e^(sink - M)).
  */
 #include <math.h>
 #include <stdint.h>
@@ -51,6 +57,7 @@ typedef struct {
     int64_t block_table_stride;
     int64_t num_heads, num_kv_heads, head_dim, block_size, window;
     float scale, softcap;
+    const float *sinks; /* [num_heads] or NULL: no sinks */
     int q_dtype, kv_dtype, path;
 } Args;
 
@@ -301,6 +308,13 @@ static void key_tile_avx512(const Args *a, Tile *w, int64_t n, int masked, int n
 
 /* ---------------------------------------------------------------- one item */
 
+/* What a row's output (not yet divided) is multiplied by, its sink in the denominator: the
+ * row's max m is finite (every row reads its own key). */
+static float sink_scale(float m, float l, float sink) {
+    const float top = m > sink ? m : sink, alpha = expf(m - top);
+    return alpha / (l * alpha + expf(sink - top));
+}
+
 static void attend_item(const Args *a, const Item *it, Tile *w) {
     const int64_t group = a->num_heads / a->num_kv_heads, dim = a->head_dim;
     const int64_t rows = (it->t1 - it->t0) * group, nv = (rows + LANES - 1) / LANES, rows_p = nv * LANES;
@@ -328,9 +342,9 @@ static void attend_item(const Args *a, const Item *it, Tile *w) {
     const int64_t token0 = a->chunk_start[it->chunk] + it->t0;
     float row[MAX_HEAD_DIM];
     for (int64_t r = 0; r < rows; r++) {
-        const float inv = 1.f / w->l[r];
-        for (int64_t d = 0; d < dim; d++) row[d] = w->ot[d * TILE_ROWS + r] * inv;
         const int64_t head = it->kv_head * group + r % group;
+        const float inv = a->sinks ? sink_scale(w->m[r], w->l[r], a->sinks[head]) : 1.f / w->l[r];
+        for (int64_t d = 0; d < dim; d++) row[d] = w->ot[d * TILE_ROWS + r] * inv;
         const int64_t offset = (token0 + r / group) * a->out_token_stride + head * a->out_head_stride;
         if (a->q_dtype == F32) {
             memcpy((float *)a->out + offset, row, sizeof(float) * (size_t)dim);
@@ -390,14 +404,15 @@ static Item *make_items(const Args *a, int64_t num_chunks, int64_t *count, int64
 }
 
 /* Returns 0 on success, 1 for arguments the kernel cannot take, 2 when out of memory, 3
- * when path `isa` does not run here. */
+ * when path `isa` does not run here. `sinks`: float32 [num_heads], a logit per query head
+ * joining its softmax (NULL: none). */
 int kvserve_prefill_attention(const void *q, int64_t q_token_stride, int64_t q_head_stride, const void *k_cache,
                               const void *v_cache, int64_t cache_head_stride, void *out, int64_t out_token_stride,
                               int64_t out_head_stride, const int64_t *chunk_start, const int64_t *chunk_len,
                               const int64_t *chunk_pos, const int64_t *chunk_row, const int64_t *block_table,
                               int64_t block_table_stride, int64_t num_chunks, int64_t num_heads, int64_t num_kv_heads,
                               int64_t head_dim, int64_t block_size, int64_t window, float scale, float softcap,
-                              int q_dtype, int kv_dtype, int isa, int num_threads) {
+                              const float *sinks, int q_dtype, int kv_dtype, int isa, int num_threads) {
     if (head_dim <= 0 || head_dim > MAX_HEAD_DIM || num_kv_heads <= 0 || num_heads % num_kv_heads != 0
         || num_heads / num_kv_heads > MAX_GROUP || block_size <= 0 || num_chunks < 0)
         return 1;
@@ -407,7 +422,7 @@ int kvserve_prefill_attention(const void *q, int64_t q_token_stride, int64_t q_h
     const int path = isa >= ISA_AVX512 && KV_HAVE_AVX512F && head_dim % LANES == 0 ? ISA_AVX512 : ISA_PORTABLE;
     const Args a = {q, q_token_stride, q_head_stride, k_cache, v_cache, cache_head_stride, out, out_token_stride,
                     out_head_stride, chunk_start, chunk_len, chunk_pos, chunk_row, block_table, block_table_stride,
-                    num_heads, num_kv_heads, head_dim, block_size, window, scale, softcap, q_dtype, kv_dtype, path};
+                    num_heads, num_kv_heads, head_dim, block_size, window, scale, softcap, sinks, q_dtype, kv_dtype, path};
     int64_t num_items = 0, macs = 0;
     Item *items = make_items(&a, num_chunks, &num_items, &macs);
     if (!items) return 2;

@@ -240,7 +240,7 @@ int kvserve_prefill_attention(const void *q, int64_t q_token_stride, int64_t q_h
                               const int64_t *chunk_pos, const int64_t *chunk_row, const int64_t *block_table,
                               int64_t block_table_stride, int64_t num_chunks, int64_t num_heads, int64_t num_kv_heads,
                               int64_t head_dim, int64_t block_size, int64_t window, float scale, float softcap,
-                              int q_dtype, int kv_dtype, int isa, int num_threads);
+                              const float *sinks, int q_dtype, int kv_dtype, int isa, int num_threads);
 
 /* ---- decoder/fused_ops.c ----------------------------------------------------------------- */
 

@@ -37,7 +37,7 @@ static int64_t panel_rows(int64_t panel_bytes, int64_t rows) {
 }
 
 static const GgufGemmType *const GEMMS[] = {&gguf_q4_k_gemm_avx512, &gguf_q6_k_gemm_avx512, &gguf_q8_0_gemm_avx512,
-                                             &gguf_q5_0_gemm_avx512};
+                                             &gguf_q5_0_gemm_avx512, &gguf_mxfp4_gemm_avx512};
 
 /* The GEMM of `type` matching the tiles of path `isa` where this build and CPU run it, or NULL. */
 const GgufGemmType *gguf_gemm_of(int type, int isa) {

@@ -131,12 +131,15 @@ GGUF_INLINE void gguf_tiles32_avx512(const GgufTile *t, float sums[GGUF_TILE_ROW
  * int32 sum I (vpdpbusd of the unsigned quants against qx, minus offset sum(qx)), then
  * A_j = fma((float)I, d dx, A_j), d dx rounded once. Blocks past the run's end (its last group
  * of 8) add fma(0, 0, A_j) = A_j. The output is gguf_sum256's sum of the eight. Eight blocks'
- * lanes are reduced together (gguf_sub_block_sums), one float update per block. */
+ * lanes are reduced together (gguf_sub_block_sums), one float update per block.
+ * The block's float scale d is its first field, an f16, unless the type gives scales8: the
+ * scales of the run's n blocks (row, row + bytes, ...) as 8 float lanes, lanes past n zero
+ * (MXFP4's E8M0 exponents). */
 /* Blocks k0..k0 + n of the tile (n = 8 a constant on the full steps) into acc. */
 GGUF_INLINE void gguf_step32_exact_avx512(const GgufTile *t, __m256 acc[GGUF_TILE_ROWS][GGUF_TILE_BATCH], const int R,
                                           const int B, const int bytes, const int offset,
-                                          __m512i (*quants512)(const uint8_t *, const uint8_t *), const int64_t k0,
-                                          const int n) {
+                                          __m512i (*quants512)(const uint8_t *, const uint8_t *),
+                                          __m256 (*scales8)(const uint8_t *, int), const int64_t k0, const int n) {
     const int64_t nb32 = t->in / GGUF_QBLOCK;
     /* gguf_sub_block_sums of block pairs (0, 1), (2, 3), (4, 5), (6, 7): block j to lane j */
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -166,15 +169,18 @@ GGUF_INLINE void gguf_step32_exact_avx512(const GgufTile *t, __m256 acc[GGUF_TIL
                    : left == 1 ? _mm512_maskz_mov_epi8(0xffffffffull, quants512(b0, b0))
                                : _mm512_setzero_si512();
         }
-        /* the blocks' f16 d (their first field), packed in two 64-bit words */
-        uint64_t words[2] = {0, 0};
-        for (int j = 0; j < n; j++) {
-            uint16_t h;
-            memcpy(&h, row + j * bytes, 2);
-            words[j / 4] |= (uint64_t)h << (16 * (j % 4));
+        __m256 d;
+        if (scales8) {
+            d = scales8(row, n);
+        } else { /* the blocks' f16 d (their first field), packed in two 64-bit words */
+            uint64_t words[2] = {0, 0};
+            for (int j = 0; j < n; j++) {
+                uint16_t h;
+                memcpy(&h, row + j * bytes, 2);
+                words[j / 4] |= (uint64_t)h << (16 * (j % 4));
+            }
+            d = _mm256_cvtph_ps(_mm_set_epi64x((int64_t)words[1], (int64_t)words[0]));
         }
-        const __m128i heads = _mm_set_epi64x((int64_t)words[1], (int64_t)words[0]);
-        const __m256 d = _mm256_cvtph_ps(heads);
         for (int b = 0; b < B; b++) {
             __m512i p[4];
             for (int c = 0; c < 4; c++)
@@ -187,15 +193,16 @@ GGUF_INLINE void gguf_step32_exact_avx512(const GgufTile *t, __m256 acc[GGUF_TIL
 
 GGUF_INLINE void gguf_tile32_exact_avx512(const GgufTile *t, float sums[GGUF_TILE_ROWS][GGUF_TILE_BATCH], const int R,
                                           const int B, const int bytes, const int offset,
-                                          __m512i (*quants512)(const uint8_t *, const uint8_t *)) {
+                                          __m512i (*quants512)(const uint8_t *, const uint8_t *),
+                                          __m256 (*scales8)(const uint8_t *, int)) {
     __m256 acc[GGUF_TILE_ROWS][GGUF_TILE_BATCH];
     for (int r = 0; r < R; r++)
         for (int b = 0; b < B; b++) acc[r][b] = _mm256_setzero_ps();
     const int64_t full = t->blocks / 8 * 8;
-    for (int64_t k0 = 0; k0 < full; k0 += 8) gguf_step32_exact_avx512(t, acc, R, B, bytes, offset, quants512, k0, 8);
+    for (int64_t k0 = 0; k0 < full; k0 += 8) gguf_step32_exact_avx512(t, acc, R, B, bytes, offset, quants512, scales8, k0, 8);
     switch (t->blocks - full) { /* the last blocks, their count a constant */
 #define GGUF_TAIL32(n) \
-    case n: gguf_step32_exact_avx512(t, acc, R, B, bytes, offset, quants512, full, n); break;
+    case n: gguf_step32_exact_avx512(t, acc, R, B, bytes, offset, quants512, scales8, full, n); break;
         GGUF_TAIL32(1) GGUF_TAIL32(2) GGUF_TAIL32(3) GGUF_TAIL32(4) GGUF_TAIL32(5) GGUF_TAIL32(6) GGUF_TAIL32(7)
 #undef GGUF_TAIL32
     default: break;

@@ -133,7 +133,8 @@ GGUF_INLINE void gguf_gemm_store(const GgufGemmOut *o, const __m512 (*acc)[8]) {
 #endif
 GGUF_FIXED_FLOAT_END
 
-extern const GgufGemmType gguf_q4_k_gemm_avx512, gguf_q6_k_gemm_avx512, gguf_q8_0_gemm_avx512, gguf_q5_0_gemm_avx512;
+extern const GgufGemmType gguf_q4_k_gemm_avx512, gguf_q6_k_gemm_avx512, gguf_q8_0_gemm_avx512, gguf_q5_0_gemm_avx512,
+    gguf_mxfp4_gemm_avx512;
 
 /* For gguf_rows.c (gguf_gemm.c): the GEMM of `type` on path `isa` or NULL; rows
  * row_begin..row_end of y [batch, y_stride] on the calling thread; all `out` rows split over

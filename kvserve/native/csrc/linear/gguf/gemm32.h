@@ -1,7 +1,8 @@
-/* The many-row GEMM of the 32-column block types with one f16 scale d first in the block (Q8_0,
- * Q5_0) on AVX-512 VNNI (gemm.h), in the float order of their batch-one tiles (blocks32.h's
- * gguf_tile32_exact_avx512). A type's file gives a loader of a block's 32 values as signed
- * bytes and instantiates GGUF_GEMM32.
+/* The many-row GEMM of the 32-column block types with one scale d per block (Q8_0, Q5_0: an f16
+ * first in the block; MXFP4: an E8M0 exponent) on AVX-512 VNNI (gemm.h), in the float order of
+ * their batch-one tiles (blocks32.h's gguf_tile32_exact_avx512). A type's file gives a loader
+ * of a block's 32 values as signed bytes (and of its float d) and instantiates GGUF_GEMM32 (or
+ * GGUF_GEMM32_SCALED).
  *
  * Strip (GGUF_GEMM_ROWS rows): the values q [j][k][row][32] (int8; 32-column block b at
  * j = b % 8, k = b / 8, blocks past the row's end zero), then per super-block position k:
@@ -28,7 +29,7 @@ static inline uint8_t *gemm32_meta(uint8_t *strip, int64_t blocks, int64_t k, in
 }
 
 GGUF_INLINE void gemm32_unpack(const uint8_t *row, int64_t in, uint8_t *strip, int r, const int bytes,
-                               __m256i (*values)(const uint8_t *)) {
+                               __m256i (*values)(const uint8_t *), float (*scale)(const uint8_t *)) {
     const int64_t blocks = gguf_gemm_blocks(in), nb32 = in / 32;
     for (int64_t b = 0; b < blocks * 8; b++) {
         const int j = (int)(b % 8);
@@ -44,7 +45,7 @@ GGUF_INLINE void gemm32_unpack(const uint8_t *row, int64_t in, uint8_t *strip, i
             const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)), _mm256_setzero_si256());
             const __m128i half = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
             corr = -128 * ((int32_t)(_mm_cvtsi128_si64(half) + _mm_extract_epi64(half, 1)) - 32 * 128);
-            d = gguf_f16(blk);
+            d = scale(blk);
         } else {
             memset(q, 0, 32);
         }
@@ -87,11 +88,13 @@ GGUF_INLINE void gemm32_tile(const uint8_t *strip, const int row0, const int row
 }
 GGUF_FIXED_FLOAT_END
 
+GGUF_INLINE float gemm32_f16_scale(const uint8_t *blk) { return gguf_f16(blk); }
+
 /* `const GgufGemmType NAME` for ggml type TYPE, blocks of BYTES bytes whose values VALUES(blk)
- * loads. */
-#define GGUF_GEMM32(NAME, TYPE, BYTES, VALUES)                                                               \
+ * loads and whose float d SCALE(blk) gives. */
+#define GGUF_GEMM32_SCALED(NAME, TYPE, BYTES, VALUES, SCALE)                                                \
     static void NAME##_unpack(const uint8_t *row, int64_t in, uint8_t *strip, int r) {                       \
-        gemm32_unpack(row, in, strip, r, BYTES, VALUES);                                                     \
+        gemm32_unpack(row, in, strip, r, BYTES, VALUES, SCALE);                                              \
     }                                                                                                        \
     static void NAME##_kernel(const uint8_t *strip, const GgufGemmX *x, int64_t g, const GgufGemmOut *o) {   \
         gemm32_tile(strip, 0, GGUF_GEMM_ROWS, 1, x, g, o);                                                   \
@@ -102,7 +105,10 @@ GGUF_FIXED_FLOAT_END
     }                                                                                                        \
     const GgufGemmType NAME = {TYPE, ISA_AVX512, gemm32_panel_bytes, NAME##_unpack, NAME##_kernel, NAME##_pair};
 #else
-#define GGUF_GEMM32(NAME, TYPE, BYTES, VALUES) const GgufGemmType NAME = {TYPE, ISA_AVX512, NULL, NULL, NULL, NULL};
+#define GGUF_GEMM32_SCALED(NAME, TYPE, BYTES, VALUES, SCALE) \
+    const GgufGemmType NAME = {TYPE, ISA_AVX512, NULL, NULL, NULL, NULL};
 #endif
+/* The types whose d is an f16 first in the block. */
+#define GGUF_GEMM32(NAME, TYPE, BYTES, VALUES) GGUF_GEMM32_SCALED(NAME, TYPE, BYTES, VALUES, gemm32_f16_scale)
 
 #endif

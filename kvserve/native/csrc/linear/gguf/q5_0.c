@@ -38,7 +38,7 @@ GGUF_TILE_VARIANTS(tile_q5_0_avx2, Q5_0_AVX2)
 #endif
 #if KV_HAVE_AVX512_VNNI
 GGUF_INLINE __m512i quants2_q5_0(const uint8_t *b0, const uint8_t *b1) { return five_bit_quants512(b0 + 2, b0 + 6, b1 + 2, b1 + 6); }
-#define Q5_0_AVX512(t, sums, R, B) gguf_tile32_exact_avx512(t, sums, R, B, BLOCK_BYTES, 16, quants2_q5_0)
+#define Q5_0_AVX512(t, sums, R, B) gguf_tile32_exact_avx512(t, sums, R, B, BLOCK_BYTES, 16, quants2_q5_0, NULL)
 GGUF_TILE_VARIANTS(tile_q5_0_vnni, Q5_0_AVX512)
 #endif
 GGUF_FIXED_FLOAT_END

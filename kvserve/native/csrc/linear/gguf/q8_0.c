@@ -37,7 +37,7 @@ GGUF_INLINE __m512i quants2_q8_0(const uint8_t *b0, const uint8_t *b1) {
                                             _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
     return _mm512_xor_si512(both, _mm512_set1_epi8((char)0x80));
 }
-#define Q8_0_AVX512(t, sums, R, B) gguf_tile32_exact_avx512(t, sums, R, B, BYTES, 128, quants2_q8_0)
+#define Q8_0_AVX512(t, sums, R, B) gguf_tile32_exact_avx512(t, sums, R, B, BYTES, 128, quants2_q8_0, NULL)
 GGUF_TILE_VARIANTS(tile_q8_0_avx512, Q8_0_AVX512)
 #endif
 GGUF_FIXED_FLOAT_END
