@@ -1,5 +1,6 @@
 """The native decoder on steps of 9 to 128 tokens (batched decode, mixed prefill and
-decode steps) over quantized weights, against the per-op torch path of the same model, both
+decode steps, prompt chunks the per-op path gives the tiled prefill attention) over quantized
+weights, against the per-op torch path of the same model, both
 fed the same tokens (teacher forcing) and each within the activation-rounding bound of the
 float32 model (the GGUF dequantized), with the rows and the attention shared
 out over threads, for weights held as stored (csrc/linear/gguf_rows.c, int8 activations) and
@@ -16,7 +17,7 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from helpers.kernel_switches import env_kernels
 from helpers.native_steps import record_step_sizes
-from paged_kv_helper import PagedRunner, load_hf, random_prompts, run_greedy, save_tiny_model
+from paged_kv_helper import PagedRunner, load_hf, prompts_of_lengths, random_prompts, run_greedy, save_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None or quantized.kernel_isa() is None,
                                 reason="no native kernels")
@@ -116,6 +117,30 @@ def test_batched_and_mixed_steps_match_the_torch_path(gguf_path, step_sizes, isa
     ours = _run(path, prompts, 24, chunk=4, native=True, isa=isa, threads=2, follow=ref[0], **switches)
     assert max(step_sizes) > 16 and sum(size > 8 for size in step_sizes) >= 20
     _assert_same(ours, ref, path, prompts, quant_isa=isa, **switches)
+
+
+def test_long_prompt_chunks_match_the_torch_paths_tiled_prefill(gguf_path, step_sizes, monkeypatch):
+    """Prompt chunks of 40 tokens, three requests a step (up to 120 tokens): the per-op path
+    attends each chunk with the tiled prefill kernel (csrc/attention/prefill_attention.c, an
+    online softmax over key tiles), the native call token by token (paged_attention.c, the
+    exact two-pass softmax). The same attention in another float32 order, so no equality:
+    teacher forced, each path within the activation-rounding bound of the float32 model
+    (`_assert_same`; float32 order is far below the int8 steps that bound draws)."""
+    path = gguf_path("llama", QType.Q4_1)
+    tiled_chunks: list[int] = []
+    tiled = cpu_kernels.prefill_attention_cpu
+
+    def recording(q, kv_cache, out, chunk_start, chunk_len, *args, **kwargs):
+        tiled_chunks.extend(chunk_len.tolist())
+        return tiled(q, kv_cache, out, chunk_start, chunk_len, *args, **kwargs)
+    monkeypatch.setattr(cpu_kernels, "prefill_attention_cpu", recording)
+    prompts = prompts_of_lengths([90, 57, 41], seed=4)
+    ref = _run(path, prompts, 8, chunk=40, native=False)
+    assert tiled_chunks.count(40) >= 4  # every full chunk took the tiled kernel on the per-op path
+    tiled_chunks.clear()
+    ours = _run(path, prompts, 8, chunk=40, native=True, threads=2, follow=ref[0])
+    assert max(step_sizes) == 120 and not tiled_chunks  # the native call ran the prompt chunks itself
+    _assert_same(ours, ref, path, prompts)
 
 
 @pytest.mark.parametrize("family,qtype", [("llama", QType.Q8_0), ("qwen2", QType.Q4_0)])
