@@ -115,7 +115,7 @@ class SelfAttention(nn.Module):
         from one concatenated copy."""
         weight = getattr(self.qkv_proj, "quant_weight", None)  # a wrapper module (tests) may hold none
         if (isinstance(weight, StoredParts) and [p.out_features for p in weight.parts] == self.qkv_proj.shard_sizes
-                and hidden.dim() == 2 and hidden.dtype == torch.float32 and hidden.shape[0] >= workspace.MIN_ROWS):
+                and workspace.reusable(hidden)):
             return tuple(stored_parts.part_outputs(hidden, weight, self.qkv_proj.bias, num_drafts, ("q", "k", "v")))
         return self.qkv_proj(hidden, num_drafts).split(self.qkv_proj.shard_sizes, dim=-1)
 
@@ -154,10 +154,11 @@ class GatedMLP(nn.Module):
         weight = getattr(self.gate_up_proj, "quant_weight", None)
         if (self.native and self.is_silu and isinstance(weight, StoredParts)
                 and [p.out_features for p in weight.parts] == self.gate_up_proj.shard_sizes
-                and x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] >= workspace.MIN_ROWS):
-            # A many-token step: gate and up apart (no concatenated copy), all three in reused buffers.
+                and workspace.reusable(x)):
+            # A many-token step: gate and up apart (no concatenated copy) in reused buffers, the
+            # product written over gate (no third buffer of the step's widest size).
             gate, up = stored_parts.part_outputs(x, weight, self.gate_up_proj.bias, num_draft_rows, ("gate", "up"))
-            return cpu_kernels.silu_mul_parts(gate, up, workspace.scratch("act", *gate.shape, gate.dtype))
+            return cpu_kernels.silu_mul_parts(gate, up, gate)
         gate_up = self.gate_up_proj(x, num_draft_rows)
         if self.native and gate_up.dim() == 2 and gate_up.is_contiguous() and cpu_kernels.takes(gate_up):
             if self.is_silu:

@@ -258,7 +258,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def silu_mul_parts(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up for gate and up [rows, width] (contiguous, one dtype) -> `out` [rows, width]
-    (allocated when None), as `silu_mul` computes it."""
+    (allocated when None; it may be `gate` itself: the kernel reads each element before it
+    writes it), as `silu_mul` computes it."""
     if gate.shape != up.shape or gate.dtype != up.dtype or not (gate.is_contiguous() and up.is_contiguous()):
         raise KernelArgumentError("silu_mul_parts needs gate and up of one shape and dtype, contiguous")
     rows, width = gate.shape

@@ -369,14 +369,8 @@ def test_gemm_rows_do_not_depend_on_the_range_or_the_threads(type_name, threads)
     isa = PATHS[-1]
     weight = _weight(type_name, 45, 512, seed=13)
     x = torch.randn(33, 512, generator=torch.Generator().manual_seed(14))
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        batched = stored_weight.linear(x, weight, isa=isa)
-    finally:
-        torch.set_num_threads(saved)
-    ones = torch.cat([stored_weight.linear(x[b:b + 1], weight, isa=isa) for b in range(33)])
-    assert torch.equal(batched, ones)
+    ones = _batch_one_rows(x, weight, isa)
+    assert torch.equal(_linear_on_threads(x, weight, isa, threads), ones)
     qx, scales = _quantized_activations(x)
     pieces = torch.full((33, 45), float("nan"))
     for begin, end in ((0, 5), (5, 22), (22, 45)):
@@ -384,6 +378,32 @@ def test_gemm_rows_do_not_depend_on_the_range_or_the_threads(type_name, threads)
                                                weight.ggml_type, 512, None, pieces.data_ptr(), 45, ISA_CODES[isa],
                                                begin, end)
     assert torch.equal(pieces, ones)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_sized_activations_rounded_by_the_threads_keep_the_batch_one_bits(threads):
+    """A step of 300 rows of 1,024 columns (past the 2**18 values from which kvserve_gguf_linear
+    shares the rounding of its rows out over the threads; one thread rounds them all): every
+    row's result equals its batch-one result bit for bit."""
+    isa = PATHS[-1]
+    weight = _weight(GEMM_TYPES[0], 24, 1024, seed=21)
+    x = torch.randn(300, 1024, generator=torch.Generator().manual_seed(22))
+    assert torch.equal(_linear_on_threads(x, weight, isa, threads), _batch_one_rows(x, weight, isa))
+
+
+def _linear_on_threads(x: torch.Tensor, weight, isa: str, threads: int) -> torch.Tensor:
+    """`stored_weight.linear` of all of x's rows in one step on `threads` threads."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return stored_weight.linear(x, weight, isa=isa)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _batch_one_rows(x: torch.Tensor, weight, isa: str) -> torch.Tensor:
+    """Each of x's rows multiplied alone (a batch-one step), stacked."""
+    return torch.cat([stored_weight.linear(x[b:b + 1], weight, isa=isa) for b in range(x.shape[0])])
 
 
 def _extreme_blocks(type_name: str, rows: int, in_features: int) -> np.ndarray:

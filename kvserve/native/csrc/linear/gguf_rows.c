@@ -24,6 +24,7 @@
 #define PARALLEL_MIN_BYTES (256 * 1024)
 #define PANEL_BYTES (128 * 1024) /* weight rows a many-row step keeps in cache while the batch streams */
 #define DEQUANT_PARALLEL_MIN (1 << 18) /* values: below this one thread dequantizes */
+#define QUANT_PARALLEL_MIN (1 << 18)   /* activations: below this many one thread rounds them */
 
 /* The block types computed as stored: one line each. */
 static const GgufType *const TYPES[] = {
@@ -234,7 +235,13 @@ int kvserve_gguf_linear(const float *x, int64_t x_stride, int64_t batch, const u
         free(scales);
         return -3;
     }
-    kvserve_quant_activations(x, x_stride, batch, in, 8, qx, scales);
+    /* kvserve_quant_activations' layout (dx of every row, then sx), its rows shared out: each
+     * row is rounded by itself, so the split changes no bit (a prefill step's rows would
+     * otherwise be rounded by one thread while the others wait). */
+#pragma omp parallel for schedule(static) if (batch * in >= QUANT_PARALLEL_MIN)
+    for (int64_t b = 0; b < batch; b++)
+        kvserve_quant_activation_blocks(x + b * x_stride, in, qx + b * in, scales + b * nb32,
+                                        scales + (batch + b) * nb32);
     const GgufTileFn tile = tile_for(t, isa);
     const int64_t tiles = (out + GGUF_TILE_ROWS - 1) / GGUF_TILE_ROWS;
     const int parallel = out * row_bytes >= PARALLEL_MIN_BYTES;

@@ -16,9 +16,9 @@
  * for bit.
  *
  * The pairs (token, slot) are sorted by expert (a counting sort, stable in slot-major
- * order), then the threads split each phase's work: gathering and rounding the rows, the
- * gate/up rows of every active expert, SiLU*up and its rounding, the down rows, the weighting
- * and the sum (by output columns). The matmul phases go in work items of an expert's weight
+ * order), then the threads split each phase's work: rounding the rows of each expert's
+ * tokens, the gate/up rows of every active expert, SiLU*up and its rounding, the down rows and
+ * their weighting (while in cache), and the sum (by output columns). The matmul phases go in work items of an expert's weight
  * rows: CHUNK_ROWS rows for an expert of a few rows, and for one of many rows (the dense
  * GEMM's, which packs its activations once per call) a thread's share of the matrix, so that
  * its rows are packed once per thread and not once per 64 weight rows. Each thread takes a run
@@ -58,7 +58,7 @@ typedef struct {
     const int64_t *start;   /* [active + 1] each active expert's first sorted pair */
     const int64_t *token;   /* [pairs] the token of each sorted pair */
     const float *weight;    /* [pairs] its gate weight */
-    float *rows;            /* [pairs, hidden] gathered activations, then the down outputs */
+    float *rows;            /* [pairs, hidden] the down outputs, weighted */
     int8_t *qx;             /* [pairs, hidden] */
     float *sx;              /* 2 * pairs * hidden / 32 */
     float *gate_up;         /* [pairs, 2 width] */
@@ -77,13 +77,15 @@ static const float *bias_of(const MoeStep *s, int64_t e, int column) {
     return (const float *)(intptr_t)s->table[e * TABLE_COLUMNS + column];
 }
 
-/* Gather and round the rows of active expert a (its activations, laid out for a batch of its rows). */
+/* Round the rows of active expert a's tokens, laid out for a batch of its rows (as
+ * kvserve_quant_activations lays out a batch: row i's dx at i * blocks, its sx at (n + i) * blocks),
+ * each straight from its token's row of x. */
 static void round_inputs(const MoeStep *s, int64_t a) {
-    const int64_t first = s->start[a], n = s->start[a + 1] - first;
-    for (int64_t r = first; r < first + n; r++)
-        memcpy(s->rows + r * s->hidden, s->x + s->token[r] * s->hidden, sizeof(float) * (size_t)s->hidden);
-    kvserve_quant_activations(s->rows + first * s->hidden, s->hidden, n, s->hidden, 8, s->qx + first * s->hidden,
-                              s->sx + 2 * first * (s->hidden / 32));
+    const int64_t first = s->start[a], n = s->start[a + 1] - first, blocks = s->hidden / 32;
+    float *scales = s->sx + 2 * first * blocks;
+    for (int64_t i = 0; i < n; i++)
+        kvserve_quant_activation_blocks(s->x + s->token[first + i] * s->hidden, s->hidden,
+                                        s->qx + (first + i) * s->hidden, scales + i * blocks, scales + (n + i) * blocks);
 }
 
 /* Rows [begin, end) of active expert a's gate (0) or up (1) projection. */
@@ -106,12 +108,17 @@ static void gated_item(const MoeStep *s, int64_t a) {
                               s->sh + 2 * first * (s->width / 32));
 }
 
-/* Rows [begin, end) of active expert a's down projection. */
+/* Rows [begin, end) of active expert a's down projection (output columns [begin, end) of its
+ * pairs), each pair's scaled by its gate weight while still in cache: the product rounded and
+ * stored, as the per-op path's y * w before it is added. */
 static void down_rows(const MoeStep *s, int64_t a, int64_t begin, int64_t end) {
     const int64_t e = s->experts[a], first = s->start[a], n = s->start[a + 1] - first;
+    float *y = s->rows + first * s->hidden;
     kvserve_gguf_rows(s->qh + first * s->width, s->sh + 2 * first * (s->width / 32), n, blocks_of(s, e, DOWN_W),
-                      (int)s->table[e * TABLE_COLUMNS + DOWN_T], s->width, bias_of(s, e, DOWN_B), s->rows + first * s->hidden, s->hidden,
+                      (int)s->table[e * TABLE_COLUMNS + DOWN_T], s->width, bias_of(s, e, DOWN_B), y, s->hidden,
                       s->isa, begin, end);
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t c = begin; c < end; c++) y[i * s->hidden + c] *= s->weight[first + i];
 }
 
 /* The rows of one item of a projection of `rows` weight rows for active expert a of n tokens:
@@ -142,11 +149,8 @@ static int item_owner(const MoeItem *item, int64_t total, int threads) {
     return owner < threads ? owner : threads - 1;
 }
 
-/* Columns c0..c1 of out: zero, then each pair's weighted row added, experts ascending. The
- * products are rounded in their own pass (as the per-op path's y * w before index_add_). */
+/* Columns c0..c1 of out: zero, then each pair's weighted row (down_rows) added, experts ascending. */
 static void sum_item(const MoeStep *s, int64_t c0, int64_t c1) {
-    for (int64_t r = 0; r < s->pairs; r++)
-        for (int64_t c = c0; c < c1; c++) s->rows[r * s->hidden + c] *= s->weight[r];
     for (int64_t t = 0; t < s->tokens; t++) memset(s->out + t * s->hidden + c0, 0, sizeof(float) * (size_t)(c1 - c0));
     for (int64_t r = 0; r < s->pairs; r++) {
         float *dst = s->out + s->token[r] * s->hidden;
