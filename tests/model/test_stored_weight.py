@@ -448,6 +448,25 @@ def test_gemm_integer_sums_at_the_formats_extremes(type_name, isa):
     assert torch.equal(y[7], stored_weight.linear(x[7:8], weight, isa=isa)[0])
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_gemm_chunks_of_a_wide_row_keep_the_batch_one_rows(type_name):
+    """Steps of one or two lane groups (16, 32 rows) of Q4_K and Q6_K go a strip and 8
+    super-blocks at a time, the accumulators carried from chunk to chunk: 2,560 columns take a
+    chunk of 8 and one of 2, 13 rows a full strip and a partial one; every row keeps its
+    batch-one bits (the same float order), with a bias, in the float64 bound."""
+    isa = PATHS[-1]
+    weight = _weight(type_name, 13, 2560, seed=18)
+    bias = torch.randn(13, generator=torch.Generator().manual_seed(19))
+    for batch in (16, 32):
+        x = torch.randn(batch, 2560, generator=torch.Generator().manual_seed(batch + 20))
+        expected, bound = _oracle_and_bound(weight, x)
+        y = stored_weight.linear(x, weight, bias, isa=isa)
+        assert np.all(np.abs(y.double().numpy() - bias.double().numpy() - expected) <= bound + np.abs(
+            bias.double().numpy()) * U), batch
+        ones = torch.cat([stored_weight.linear(x[b:b + 1], weight, bias, isa=isa) for b in range(batch)])
+        assert torch.equal(y, ones), batch
+
+
 @pytest.mark.parametrize("type_name", GEMM_TYPES)
 def test_gemm_over_several_panels_and_batch_slabs(type_name):
     """8,192 columns: the GEMM unpacks the rows in panels of about 384 KB (32 rows of Q4_K, Q8_0 or Q5_0, 24

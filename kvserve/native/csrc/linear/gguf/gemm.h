@@ -46,7 +46,12 @@ typedef struct {
  * y_stride apart, the stores of a call hit one cache set when the stride is a power of two.)
  * The call also prefetches `prefetch_lines` cache lines from `prefetch` (the next panel's
  * stored rows), `prefetch_step` of them per step (gguf_gemm_prefetch), so memory and the
- * kernel overlap. */
+ * kernel overlap.
+ * A call may cover a chunk of the super-blocks, k0..k0 + blocks (the strip then holds only
+ * those, unpacked with `in` = 256 blocks columns): the call's rows' eight accumulators per
+ * lane carry over in `state` ([rows][8] zmm, NULL: the whole row in one call) from the call of
+ * the chunk before, and the last chunk writes the tile. Each accumulator still takes the
+ * super-blocks in column order, so the float order is the one-call order. */
 typedef struct {
     float *tile;
     int64_t row;
@@ -54,6 +59,8 @@ typedef struct {
     const float *bias;
     const uint8_t *prefetch;
     int64_t prefetch_lines, prefetch_step;
+    int64_t k0, blocks;
+    float *state;
 } GgufGemmOut;
 
 /* Bytes of one unpacked row of `blocks` super-blocks (a strip holds GGUF_GEMM_ROWS of them). */
@@ -77,6 +84,7 @@ typedef struct {
     GgufUnpackFn unpack;
     GgufGemmKernelFn kernel;
     GgufGemmPairFn pair;
+    int chunks; /* the kernels take GgufGemmOut's chunks of super-blocks */
 } GgufGemmType;
 
 GGUF_FIXED_FLOAT_BEGIN
@@ -129,6 +137,19 @@ GGUF_INLINE void gguf_gemm_store(const GgufGemmOut *o, const __m512 (*acc)[8]) {
     for (int r = 0; r < o->rows; r++)
         _mm512_storeu_ps(o->tile + (o->row + r) * GGUF_GEMM_LANES,
                          _mm512_add_ps(gguf_sum8_lanes(acc[r]), _mm512_set1_ps(o->bias ? o->bias[r] : 0.0f)));
+}
+
+/* A call's accumulators: o->state where it carries chunks, else `local`. */
+GGUF_INLINE __m512 (*gguf_gemm_acc(const GgufGemmOut *o, __m512 (*local)[8]))[8] {
+    return o->state ? (__m512(*)[8])o->state : local;
+}
+/* Accumulator j of row r of a call at its chunk's start: 0 at the row's first super-block. */
+GGUF_INLINE __m512 gguf_gemm_acc_start(const GgufGemmOut *o, __m512 (*acc)[8], int r, int j) {
+    return o->k0 ? acc[r][j] : _mm512_setzero_ps();
+}
+/* The call's outputs where its chunk ends the row (else its accumulators wait in o->state). */
+GGUF_INLINE void gguf_gemm_finish(const GgufGemmOut *o, int64_t row_blocks, const __m512 (*acc)[8]) {
+    if (o->k0 + o->blocks == row_blocks) gguf_gemm_store(o, acc);
 }
 #endif
 GGUF_FIXED_FLOAT_END

@@ -78,15 +78,16 @@ GGUF_FIXED_FLOAT_BEGIN
 /* `rows` strip rows from row0 against `groups` lane groups from g (constants where inlined). */
 GGUF_INLINE void tile_q6_k(const uint8_t *strip, const int row0, const int rows, const int groups, const GgufGemmX *x,
                            int64_t g, const GgufGemmOut *o) {
-    const int64_t K = x->blocks;
-    __m512 acc[2][R][8];
+    const int64_t K = o->blocks, k0 = o->k0; /* the strip's super-blocks, the first one's in the row */
+    __m512 local[2][R][8];
+    __m512(*acc[2])[8] = {gguf_gemm_acc(o, local[0]), groups > 1 ? gguf_gemm_acc(o + 1, local[1]) : local[1]};
     for (int j = 0; j < 8; j++) {
         __m512 a[2][R];
         for (int c = 0; c < groups; c++)
-            for (int r = 0; r < rows; r++) a[c][r] = _mm512_setzero_ps();
+            for (int r = 0; r < rows; r++) a[c][r] = gguf_gemm_acc_start(o + c, acc[c], r, j);
         for (int64_t k = 0; k < K; k++) {
             gguf_gemm_prefetch(o, j * K + k);
-            const uint8_t *const xs[2] = {gguf_gemm_x(x, g, j, k), groups > 1 ? gguf_gemm_x(x, g + 1, j, k) : NULL};
+            const uint8_t *const xs[2] = {gguf_gemm_x(x, g, j, k0 + k), groups > 1 ? gguf_gemm_x(x, g + 1, j, k0 + k) : NULL};
             const uint8_t *qs = gguf_gemm_strip_q(strip, K, j, k) + 32 * row0;
             __m512i total[2][R];
             for (int c = 0; c < groups; c++)
@@ -106,7 +107,7 @@ GGUF_INLINE void tile_q6_k(const uint8_t *strip, const int row0, const int rows,
             }
             const float *d = (const float *)d_q6_k((uint8_t *)strip, K, k) + row0;
             for (int c = 0; c < groups; c++) {
-                const __m512 dx = _mm512_loadu_ps(x->dx + gguf_gemm_scale_at(x, g + c, j, k));
+                const __m512 dx = _mm512_loadu_ps(x->dx + gguf_gemm_scale_at(x, g + c, j, k0 + k));
                 for (int r = 0; r < rows; r++)
                     a[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[c][r]), _mm512_mul_ps(_mm512_set1_ps(d[r]), dx),
                                               a[c][r]);
@@ -115,7 +116,7 @@ GGUF_INLINE void tile_q6_k(const uint8_t *strip, const int row0, const int rows,
         for (int c = 0; c < groups; c++)
             for (int r = 0; r < rows; r++) acc[c][r][j] = a[c][r];
     }
-    for (int c = 0; c < groups; c++) gguf_gemm_store(o + c, (const __m512(*)[8])acc[c]);
+    for (int c = 0; c < groups; c++) gguf_gemm_finish(o + c, x->blocks, (const __m512(*)[8])acc[c]);
 }
 
 static void kernel_q6_k(const uint8_t *strip, const GgufGemmX *x, int64_t g, const GgufGemmOut *o) {
@@ -126,7 +127,7 @@ static void pair_q6_k(const uint8_t *strip, int half, const GgufGemmX *x, int64_
 }
 GGUF_FIXED_FLOAT_END
 
-const GgufGemmType gguf_q6_k_gemm_avx512 = {14, ISA_AVX512, panel_bytes_q6_k, unpack_q6_k, kernel_q6_k, pair_q6_k};
+const GgufGemmType gguf_q6_k_gemm_avx512 = {14, ISA_AVX512, panel_bytes_q6_k, unpack_q6_k, kernel_q6_k, pair_q6_k, 1};
 #else
 const GgufGemmType gguf_q6_k_gemm_avx512 = {14, ISA_AVX512, NULL, NULL, NULL, NULL};
 #endif
