@@ -28,12 +28,27 @@ static uint8_t *meta_q6_k(uint8_t *strip, int64_t blocks, int64_t k, int at) {
 /* The strip's d [row] of super-block k. */
 static uint8_t *d_q6_k(uint8_t *strip, int64_t blocks, int64_t k) { return meta_q6_k(strip, blocks, k, 0) + 128 * R; }
 
+/* The 16 half corrs -128 sum(q - 32) = 128 (512 - sum(q)) of a super-block from sad[c], the
+ * vpsadbw sums of its 64-column run c's values q (two 8-byte sums per 16 columns): dword
+ * 4i + c first gathers run c's 16-column half i, then one permute puts half 4c + i in dword
+ * 4c + i. Integer: exact in any order. */
+static __m512i half_corrs(const __m512i sad[4]) {
+    const __m512i p01 = _mm512_or_si512(sad[0], _mm512_slli_epi64(sad[1], 32));
+    const __m512i p23 = _mm512_or_si512(sad[2], _mm512_slli_epi64(sad[3], 32));
+    const __m512i s01 = _mm512_add_epi32(p01, _mm512_shuffle_epi32(p01, _MM_PERM_BADC));
+    const __m512i s23 = _mm512_add_epi32(p23, _mm512_shuffle_epi32(p23, _MM_PERM_BADC));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512i sums = _mm512_permutexvar_epi32(order, _mm512_unpacklo_epi64(s01, s23));
+    return _mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(512), sums), 7);
+}
+
 static void unpack_q6_k(const uint8_t *row, int64_t in, uint8_t *strip, int r) {
     const int64_t blocks = in / COLS;
     const __m512i low4 = _mm512_set1_epi8(15), pair = _mm512_set1_epi8(0x30), offset = _mm512_set1_epi8(32);
     for (int64_t k = 0; k < blocks; k++) {
         const uint8_t *blk = row + k * BYTES;
         uint8_t *corr = meta_q6_k(strip, blocks, k, 0) + 64 * r;
+        __m512i sad[4];
         for (int h = 0; h < 2; h++) {
             const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
             const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
@@ -49,14 +64,10 @@ static void unpack_q6_k(const uint8_t *row, int64_t in, uint8_t *strip, int r) {
                                     _mm512_castsi512_si256(values));
                 _mm256_storeu_si256((__m256i *)(gguf_gemm_strip_q(strip, blocks, 2 * c + 1, k) + 32 * r),
                                     _mm512_extracti64x4_epi64(values, 1));
-                /* per 16 columns (a 128-bit lane): sum(q) - 512 = sum(q - 32), times -128 */
-                const __m512i sad = _mm512_sad_epu8(six[n], _mm512_setzero_si512());
-                const __m512i sums = _mm512_add_epi64(sad, _mm512_shuffle_epi32(sad, _MM_PERM_BADC));
-                const __m128i four = _mm256_castsi256_si128(_mm512_cvtepi64_epi32(_mm512_maskz_compress_epi64(0x55, sums)));
-                _mm_storeu_si128((__m128i *)(corr + 16 * c),
-                                 _mm_mullo_epi32(_mm_sub_epi32(four, _mm_set1_epi32(512)), _mm_set1_epi32(-128)));
+                sad[c] = _mm512_sad_epu8(six[n], _mm512_setzero_si512());
             }
         }
+        _mm512_storeu_si512(corr, half_corrs(sad));
         _mm512_storeu_si512(corr + 64 * R, _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192))));
         const float d = gguf_f16(blk + 208);
         memcpy(d_q6_k(strip, blocks, k) + 4 * r, &d, 4);
