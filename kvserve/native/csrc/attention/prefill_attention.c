@@ -195,6 +195,15 @@ static void values_portable(Tile *w, int64_t n, int64_t dim, int64_t rows_p) {
 #define KEY_BLOCK 4 /* keys whose scores the register block computes together */
 #define DIM_BLOCK 4 /* output dimensions the value block updates together */
 
+/* Keeps x in a register: without it the compiler reloads a vector used by KEY_BLOCK (DIM_BLOCK)
+ * multiply-adds as each one's memory operand, 20 loads per 16 multiply-adds, which the load
+ * ports (not the FMA units) then limit. The multiply-adds and their order are unchanged. */
+#if defined(__GNUC__)
+#define IN_REGISTER(x) __asm__("" : "+v"(x))
+#else
+#define IN_REGISTER(x) ((void)0)
+#endif
+
 /* st[j][rows] = sum_d qt[d][rows] k[j][d]: KEY_BLOCK keys x nv row vectors in registers. */
 static inline __attribute__((always_inline)) void scores_avx512(Tile *w, int64_t n, int64_t dim, const int nv) {
     int64_t j = 0;
@@ -205,7 +214,10 @@ static inline __attribute__((always_inline)) void scores_avx512(Tile *w, int64_t
         const float *k = w->k + j * dim;
         for (int64_t d = 0; d < dim; d++) {
             __m512 q[4];
-            for (int c = 0; c < nv; c++) q[c] = _mm512_load_ps(w->qt + d * TILE_ROWS + c * LANES);
+            for (int c = 0; c < nv; c++) {
+                q[c] = _mm512_load_ps(w->qt + d * TILE_ROWS + c * LANES);
+                IN_REGISTER(q[c]);
+            }
             for (int b = 0; b < KEY_BLOCK; b++) {
                 const __m512 kv = _mm512_set1_ps(k[b * dim + d]);
                 for (int c = 0; c < nv; c++) acc[b][c] = _mm512_fmadd_ps(q[c], kv, acc[b][c]);
@@ -274,7 +286,10 @@ static inline __attribute__((always_inline)) void values_avx512(Tile *w, int64_t
             for (int c = 0; c < nv; c++) acc[b][c] = _mm512_load_ps(w->ot + (d + b) * TILE_ROWS + c * LANES);
         for (int64_t j = 0; j < n; j++) {
             __m512 p[4];
-            for (int c = 0; c < nv; c++) p[c] = _mm512_load_ps(w->st + j * TILE_ROWS + c * LANES);
+            for (int c = 0; c < nv; c++) {
+                p[c] = _mm512_load_ps(w->st + j * TILE_ROWS + c * LANES);
+                IN_REGISTER(p[c]);
+            }
             const float *v = w->v + j * dim + d;
             for (int b = 0; b < DIM_BLOCK; b++) {
                 const __m512 vv = _mm512_set1_ps(v[b]);
