@@ -268,7 +268,7 @@ static void gemm_chunked(const GgufGemmType *gt, const GgufGemmX *px, int64_t ba
                          int64_t row_end, uint8_t *chunk) {
     enum { R = GGUF_GEMM_ROWS, L = GGUF_GEMM_LANES };
     const int64_t K = px->blocks, block_bytes = row_bytes / K, groups = px->groups;
-    const int64_t chunks = (K + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS, pairs = gt->pair ? groups / 2 : 0;
+    const int64_t chunks = (K + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS, pairs = gt->chunk_pair ? groups / 2 : 0;
     const int64_t calls = chunks * (2 * pairs + groups - 2 * pairs); /* per strip */
     float tile[CHUNK_GROUPS][R * L] __attribute__((aligned(64)));
     float state[CHUNK_GROUPS][R][8][L] __attribute__((aligned(64)));
@@ -294,9 +294,9 @@ static void gemm_chunked(const GgufGemmType *gt, const GgufGemmX *px, int64_t ba
                                              (to - from + 8 * n - 1) / (8 * n), k0, n, &state[g + c][r][0][0]};
                     if (o[0].rows <= 0) continue; /* the padding half of the last strip */
                     if (pair == 2)
-                        gt->pair(chunk, half, px, g, o);
+                        gt->chunk_pair(chunk, half, px, g, o);
                     else
-                        gt->kernel(chunk, px, g, o);
+                        gt->chunk_kernel(chunk, px, g, o);
                 }
                 g += pair;
             }
@@ -310,7 +310,7 @@ static void gemm_chunked(const GgufGemmType *gt, const GgufGemmX *px, int64_t ba
 static void gemm_rows_of(const GgufGemmType *gt, const GgufGemmX *px, int64_t batch, const uint8_t *w, int64_t in,
                          int64_t row_bytes, const float *bias, float *y, int64_t y_stride, int64_t row_begin,
                          int64_t row_end, uint8_t *panel) {
-    if (gt->chunks && px->groups <= CHUNK_GROUPS && px->blocks > CHUNK_BLOCKS)
+    if (gt->chunk_kernel && px->groups <= CHUNK_GROUPS && px->blocks > CHUNK_BLOCKS)
         gemm_chunked(gt, px, batch, w, row_bytes, bias, y, y_stride, row_begin, row_end, panel);
     else
         gemm_range(gt, px, batch, w, in, row_bytes, bias, y, y_stride, row_begin, row_end, panel);

@@ -84,7 +84,9 @@ typedef struct {
     GgufUnpackFn unpack;
     GgufGemmKernelFn kernel;
     GgufGemmPairFn pair;
-    int chunks; /* the kernels take GgufGemmOut's chunks of super-blocks */
+    /* kernel and pair over GgufGemmOut's chunks of super-blocks (NULL: the type has none) */
+    GgufGemmKernelFn chunk_kernel;
+    GgufGemmPairFn chunk_pair;
 } GgufGemmType;
 
 GGUF_FIXED_FLOAT_BEGIN

@@ -62,16 +62,19 @@ static void unpack_q4_k(const uint8_t *row, int64_t in, uint8_t *strip, int r) {
 }
 
 GGUF_FIXED_FLOAT_BEGIN
-/* `rows` strip rows from row0 against `groups` lane groups from g (constants where inlined). */
+/* `rows` strip rows from row0 against `groups` lane groups from g, the whole row or (`chunked`) o's
+ * chunk of it (constants where inlined: the whole-row kernels compile without the chunks). */
 GGUF_INLINE void tile_q4_k(const uint8_t *strip, const int row0, const int rows, const int groups, const GgufGemmX *x,
-                           int64_t g, const GgufGemmOut *o) {
-    const int64_t K = o->blocks, k0 = o->k0; /* the strip's super-blocks, the first one's in the row */
+                           int64_t g, const GgufGemmOut *o, const int chunked) {
+    /* the strip's super-blocks, the first one's in the row */
+    const int64_t K = chunked ? o->blocks : x->blocks, k0 = chunked ? o->k0 : 0;
     __m512 local[2][R][8];
-    __m512(*acc[2])[8] = {gguf_gemm_acc(o, local[0]), groups > 1 ? gguf_gemm_acc(o + 1, local[1]) : local[1]};
+    __m512(*acc[2])[8] = {chunked ? gguf_gemm_acc(o, local[0]) : local[0],
+                           chunked && groups > 1 ? gguf_gemm_acc(o + 1, local[1]) : local[1]};
     for (int j = 0; j < 8; j++) {
         __m512 a[2][R];
         for (int c = 0; c < groups; c++)
-            for (int r = 0; r < rows; r++) a[c][r] = gguf_gemm_acc_start(o + c, acc[c], r, j);
+            for (int r = 0; r < rows; r++) a[c][r] = chunked ? gguf_gemm_acc_start(o + c, acc[c], r, j) : _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k++) {
             gguf_gemm_prefetch(o, j * K + k);
             const uint8_t *meta = meta_q4_k((uint8_t *)strip, K, k, j) + 32 * row0;
@@ -95,18 +98,29 @@ GGUF_INLINE void tile_q4_k(const uint8_t *strip, const int row0, const int rows,
         for (int c = 0; c < groups; c++)
             for (int r = 0; r < rows; r++) acc[c][r][j] = a[c][r];
     }
-    for (int c = 0; c < groups; c++) gguf_gemm_finish(o + c, x->blocks, (const __m512(*)[8])acc[c]);
+    for (int c = 0; c < groups; c++)
+        if (chunked)
+            gguf_gemm_finish(o + c, x->blocks, (const __m512(*)[8])acc[c]);
+        else
+            gguf_gemm_store(o + c, (const __m512(*)[8])acc[c]);
 }
 
 static void kernel_q4_k(const uint8_t *strip, const GgufGemmX *x, int64_t g, const GgufGemmOut *o) {
-    tile_q4_k(strip, 0, R, 1, x, g, o);
+    tile_q4_k(strip, 0, R, 1, x, g, o, 0);
 }
 static void pair_q4_k(const uint8_t *strip, int half, const GgufGemmX *x, int64_t g, const GgufGemmOut o[2]) {
-    tile_q4_k(strip, R / 2 * half, R / 2, 2, x, g, o);
+    tile_q4_k(strip, R / 2 * half, R / 2, 2, x, g, o, 0);
+}
+static void chunk_kernel_q4_k(const uint8_t *strip, const GgufGemmX *x, int64_t g, const GgufGemmOut *o) {
+    tile_q4_k(strip, 0, R, 1, x, g, o, 1);
+}
+static void chunk_pair_q4_k(const uint8_t *strip, int half, const GgufGemmX *x, int64_t g, const GgufGemmOut o[2]) {
+    tile_q4_k(strip, R / 2 * half, R / 2, 2, x, g, o, 1);
 }
 GGUF_FIXED_FLOAT_END
 
-const GgufGemmType gguf_q4_k_gemm_avx512 = {12, ISA_AVX512, panel_bytes_q4_k, unpack_q4_k, kernel_q4_k, pair_q4_k, 1};
+const GgufGemmType gguf_q4_k_gemm_avx512 = {12, ISA_AVX512, panel_bytes_q4_k, unpack_q4_k, kernel_q4_k, pair_q4_k,
+                                           chunk_kernel_q4_k, chunk_pair_q4_k};
 #else
-const GgufGemmType gguf_q4_k_gemm_avx512 = {12, ISA_AVX512, NULL, NULL, NULL, NULL};
+const GgufGemmType gguf_q4_k_gemm_avx512 = {12, ISA_AVX512, NULL, NULL, NULL, NULL, NULL, NULL};
 #endif
