@@ -94,15 +94,17 @@ class PtySession:
         os.write(self.fd, text.encode())
 
     def wait(self, timeout: float = 30) -> int:
+        # A clock deadline: a process still streaming its answer makes select return at once,
+        # so counting 0.1 s per pass ran out after ~300 reads (~1 s on a busy machine).
+        deadline = time.monotonic() + timeout
         try:
-            while self.proc.poll() is None and timeout > 0:
+            while self.proc.poll() is None and time.monotonic() < deadline:
                 ready, _, _ = select.select([self.fd], [], [], 0.1)
                 if ready:
                     try:
                         self.buffer += os.read(self.fd, 4096).decode("utf-8", errors="replace")
                     except OSError:
                         pass
-                timeout -= 0.1
             return self.proc.wait(timeout=1)
         finally:
             self.close()

@@ -83,8 +83,9 @@ class _RoundedInput(torch.nn.Module):
         self.linear = linear
         self.shard_sizes = getattr(linear, "shard_sizes", None)
 
-    def forward(self, x, num_draft_rows: int = 0):
-        # No drafts in these runs: every row is rounded and multiplied alone anyway.
+    def forward(self, x, num_draft_rows: int = 0, role: str | None = None):
+        # No drafts in these runs: every row is rounded and multiplied alone anyway; `role` (the
+        # step's reused output buffer) is left out: the oracle allocates its outputs.
         rows = x.to(torch.bfloat16).float().reshape(-1, x.shape[-1])
         return torch.cat([self.linear(row) for row in rows.split(1)]).view(*x.shape[:-1], -1)
 
