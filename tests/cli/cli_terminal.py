@@ -7,6 +7,7 @@ import pty
 import re
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import termios
@@ -51,9 +52,12 @@ def stream_kvserve(*args: str, timeout: float = 300) -> tuple[list[tuple[float, 
 
 def _own_terminal() -> None:
     """In the child: a new session whose controlling terminal is the pty, so
-    Ctrl-C typed there sends SIGINT as in a real terminal."""
+    Ctrl-C typed there sends SIGINT as in a real terminal, and SIGINT handled as a
+    terminal's command gets it (a test run started in the background by a
+    non-interactive shell inherits SIGINT ignored, and Python keeps it ignored)."""
     os.setsid()
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 class PtySession:
