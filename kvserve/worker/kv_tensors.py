@@ -6,8 +6,8 @@ Layout per attention layer: `[2, num_kv_heads, num_blocks, block_size, head_size
 gets a tuple of tensors `[num_slots, *shape]`, one per state shape (slot id =
 block id of the state groups' pool: `num_state_blocks` slots when the layout gives
 them a pool of their own, else `num_blocks`), carved one after another from its buffer.
-On the CPU the buffers are calloc'ed (untouched blocks take no memory) and move to
-transparent huge pages as their used part grows (`KVHugePageGrowth`).
+On the CPU each buffer is an anonymous mapping of its own (untouched blocks take no memory) and moves to
+transparent huge pages as its used part grows (`KVHugePageGrowth`).
 """
 from __future__ import annotations
 
