@@ -269,7 +269,7 @@ static void gemm_chunked(const GgufGemmType *gt, const GgufGemmX *px, int64_t ba
     enum { R = GGUF_GEMM_ROWS, L = GGUF_GEMM_LANES };
     const int64_t K = px->blocks, block_bytes = row_bytes / K, groups = px->groups;
     const int64_t chunks = (K + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS, pairs = gt->chunk_pair ? groups / 2 : 0;
-    const int64_t calls = chunks * (2 * pairs + groups - 2 * pairs); /* per strip */
+    const int64_t calls = chunks * groups; /* per strip: a pair's two halves are two calls over its two groups */
     float tile[CHUNK_GROUPS][R * L] __attribute__((aligned(64)));
     float state[CHUNK_GROUPS][R][8][L] __attribute__((aligned(64)));
     for (int64_t first = row_begin; first < row_end; first += R) {
